@@ -1,0 +1,47 @@
+# Catacloud: `make dev` runs the whole system on embedded services, `make test` runs the tests.
+# Both bootstrap everything they need into .venv (Python 3.11+ is the only prerequisite).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: dev test lint format bench services-up services-down clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## Run web + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
+dev: $(STAMP)
+	$(PY) -m catacloud.cli dev
+
+## Run the test suite against real PostgreSQL and Redis (embedded unless DATABASE_URL/REDIS_URL are set).
+test: $(STAMP)
+	$(PY) -m catacloud.cli services run -- $(PY) -m pytest $(PYTEST_ARGS)
+
+## ruff lint and format check.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part.
+bench: $(STAMP)
+	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks $(if $(ONLY),--only $(ONLY))
+
+services-up: $(STAMP)
+	$(PY) -m catacloud.cli services up
+
+services-down: $(STAMP)
+	$(PY) -m catacloud.cli services down
+
+## Stop the embedded services and delete their data.
+clean:
+	-$(PY) -c "from catacloud.embedded import wipe; wipe()"

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.http import HttpRequest
+
+from apps.core.errors import DomainError
+from apps.core.models import Heartbeat, Installation
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """For append-only records: visible, never edited from the console."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+def run_service_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset, verb: str, fn) -> None:
+    """Call ``fn(obj)`` for each selected row; report successes and refusals to the operator."""
+    done, refused = 0, []
+    for obj in queryset:
+        try:
+            fn(obj)
+            done += 1
+        except DomainError as exc:
+            refused.append(f"{obj}: {exc.detail}")
+    if done:
+        modeladmin.message_user(request, f"{verb}: {done}", messages.SUCCESS)
+    for line in refused[:20]:
+        modeladmin.message_user(request, line, messages.WARNING)
+
+
+@admin.register(Installation)
+class InstallationAdmin(ReadOnlyAdmin):
+    list_display = ("installation_id", "created_at")
+
+
+@admin.register(Heartbeat)
+class HeartbeatAdmin(ReadOnlyAdmin):
+    list_display = ("name", "seen_at")

@@ -1,0 +1,373 @@
+"""The operator's declarative catalog: ``manage.py apply FILE.yaml``.
+
+Provider accounts, privileges, machine types, organizations with members and grants (and
+resource types), kept in git and applied idempotently and atomically: a bad file changes
+nothing and names the line that is wrong; applying the same file twice changes nothing the
+second time. Credentials are never inline: each value is ``{env: NAME}`` or ``{file: PATH}``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from django.db import transaction
+
+from apps.core.errors import DomainError
+
+
+class CatalogError(Exception):
+    def __init__(self, message: str, line: int | None = None, source: str = "") -> None:
+        where = f"{source}:{line}: " if line else (f"{source}: " if source else "")
+        super().__init__(f"{where}{message}")
+        self.line = line
+
+
+class _Map(dict):
+    """A mapping that remembers the line it starts on and each key's line (1-based)."""
+
+    line: int = 0
+    key_lines: dict[str, int]
+
+
+class _LineLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> _Map:  # type: ignore[override]
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise CatalogError(f"duplicate key {key!r}", key_node.start_mark.line + 1)
+            seen[key] = key_node.start_mark.line + 1
+        data = _Map(super().construct_mapping(node, deep=True))
+        data.line = node.start_mark.line + 1
+        data.key_lines = seen
+        return data
+
+
+_LineLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    lambda loader, node: loader.construct_mapping(node),
+)
+
+
+@dataclass
+class Report:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    def add(self, what: str, changed: bool, created: bool = False) -> None:
+        (self.created if created else self.updated if changed else self.unchanged).append(what)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.updated)
+
+    def summary(self) -> str:
+        return f"{len(self.created)} created, {len(self.updated)} updated, {len(self.unchanged)} unchanged"
+
+
+SECTIONS = ("provider_accounts", "privileges", "machine_types", "resource_types", "organizations")
+
+
+class _Applier:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.report = Report()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def error(self, message: str, node: Any, key: str | None = None) -> CatalogError:
+        line = None
+        if isinstance(node, _Map):
+            line = node.key_lines.get(key, node.line) if key else node.line
+        return CatalogError(message, line, self.source)
+
+    def mapping(self, node: Any, what: str, parent: Any = None, key: str | None = None) -> _Map:
+        if not isinstance(node, _Map):
+            raise self.error(f"{what} must be a mapping", parent, key)
+        return node
+
+    def items(self, doc: _Map, key: str) -> list[_Map]:
+        value = doc.get(key) or []
+        if not isinstance(value, list):
+            raise self.error(f"{key} must be a list", doc, key)
+        return [self.mapping(v, f"each entry of {key}", doc, key) for v in value]
+
+    def fields(self, node: _Map, what: str, required: set[str], optional: set[str]) -> None:
+        missing = required - set(node)
+        if missing:
+            raise self.error(f"{what} is missing {', '.join(sorted(missing))}", node)
+        unknown = set(node) - required - optional
+        if unknown:
+            key = sorted(unknown)[0]
+            raise self.error(f"{what}: unknown field {key!r}", node, key)
+
+    def guard(self, node: _Map, fn: Callable[[], Any]) -> Any:
+        """Run a service, turning its domain errors into errors at this entry's line."""
+        try:
+            return fn()
+        except DomainError as exc:
+            fields = getattr(exc, "fields", {}) or {}
+            key = next((k for k in fields if k in node), None)
+            raise self.error(exc.detail, node, key) from None
+
+    def secret_ref(self, node: Any, parent: _Map, key: str) -> str:
+        if not isinstance(node, _Map) or set(node) not in ({"env"}, {"file"}):
+            raise self.error(
+                f"credential {key!r} must be a reference, {{env: NAME}} or {{file: PATH}}; "
+                "secrets are never written inline",
+                parent,
+                key,
+            )
+        if "env" in node:
+            value = os.environ.get(str(node["env"]))
+            if value is None:
+                raise self.error(
+                    f"credential {key!r}: environment variable {node['env']} is not set", parent, key
+                )
+            return value
+        path = Path(str(node["file"])).expanduser()
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise self.error(f"credential {key!r}: cannot read {path}: {exc.strerror}", parent, key) from None
+
+    # ---- sections ---------------------------------------------------------------------------
+
+    def apply(self, doc: _Map) -> Report:
+        unknown = set(doc) - set(SECTIONS)
+        if unknown:
+            key = sorted(unknown)[0]
+            raise self.error(f"unknown section {key!r}; known: {', '.join(SECTIONS)}", doc, key)
+        for entry in self.items(doc, "provider_accounts"):
+            self.provider_account(entry)
+        for entry in self.items(doc, "privileges"):
+            self.privilege(entry)
+        for entry in self.items(doc, "machine_types"):
+            self.machine_type(entry)
+        for entry in self.items(doc, "resource_types"):
+            self.resource_type(entry)
+        for entry in self.items(doc, "organizations"):
+            self.organization(entry)
+        return self.report
+
+    def provider_account(self, node: _Map) -> None:
+        from apps.machines.models import ProviderAccount
+        from apps.machines.services import provider_account_upsert
+
+        self.fields(node, "provider account", {"name", "kind"}, {"config", "credentials"})
+        config = node.get("config") or {}
+        if not isinstance(config, dict):
+            raise self.error("config must be a mapping", node, "config")
+        creds_node = node.get("credentials")
+        credentials = None
+        if creds_node is not None:
+            creds_node = self.mapping(creds_node, "credentials", node, "credentials")
+            credentials = {k: self.secret_ref(v, creds_node, k) for k, v in creds_node.items()}
+        existed = ProviderAccount.objects.filter(name=node["name"]).exists()
+        _, changed = self.guard(
+            node,
+            lambda: provider_account_upsert(
+                name=str(node["name"]), kind=str(node["kind"]), config=dict(config), credentials=credentials
+            ),
+        )
+        self.report.add(f"provider account {node['name']}", changed, created=not existed)
+
+    def privilege(self, node: _Map) -> None:
+        from apps.orgs.models import Privilege
+
+        self.fields(node, "privilege", {"name"}, {"description"})
+        privilege, created = Privilege.objects.get_or_create(
+            name=str(node["name"]), defaults={"description": str(node.get("description", ""))}
+        )
+        changed = created
+        if not created and privilege.description != str(node.get("description", "")):
+            privilege.description = str(node.get("description", ""))
+            privilege.save(update_fields=["description"])
+            changed = True
+        self.report.add(f"privilege {privilege.name}", changed, created=created)
+
+    def _privilege(self, node: _Map, key: str = "required_privilege") -> Any:
+        from apps.orgs.models import Privilege
+
+        name = node.get(key)
+        if name is None:
+            return None
+        privilege = Privilege.objects.filter(name=str(name)).first()
+        if privilege is None:
+            raise self.error(f"unknown privilege {name!r} (declare it under privileges)", node, key)
+        return privilege
+
+    def machine_type(self, node: _Map) -> None:
+        from apps.machines.models import MachineType, ProviderAccount
+        from apps.machines.services import machine_type_upsert
+
+        optional = {
+            "description",
+            "location",
+            "image",
+            "gpus",
+            "spot",
+            "price_per_hour",
+            "billing_increment_seconds",
+            "min_billed_seconds",
+            "required_privilege",
+        }
+        self.fields(
+            node, "machine type", {"name", "provider_account", "server_type", "cpus", "memory_mb"}, optional
+        )
+        account = ProviderAccount.objects.filter(name=str(node["provider_account"])).first()
+        if account is None:
+            raise self.error(
+                f"unknown provider account {node['provider_account']!r}", node, "provider_account"
+            )
+        privilege = self._privilege(node)
+        values = {
+            k: v for k, v in node.items() if k not in {"name", "provider_account", "required_privilege"}
+        }
+        existed = MachineType.objects.filter(name=str(node["name"])).exists()
+        _, changed = self.guard(
+            node,
+            lambda: machine_type_upsert(
+                name=str(node["name"]), provider_account=account, required_privilege=privilege, **values
+            ),
+        )
+        self.report.add(f"machine type {node['name']}", changed, created=not existed)
+
+    def resource_type(self, node: _Map) -> None:
+        from apps.resources.choices import WellKind
+        from apps.resources.models import ResourceType
+
+        self.fields(
+            node,
+            "resource type",
+            {"id", "well"},
+            {"description", "config", "max_instances", "required_privilege"},
+        )
+        if node["well"] not in WellKind.values:
+            raise self.error(
+                f"unknown well {node['well']!r}; known: {', '.join(WellKind.values)}", node, "well"
+            )
+        max_instances = node.get("max_instances", 10)
+        if not isinstance(max_instances, int) or max_instances < 0:
+            raise self.error("max_instances must be a whole number of at least 0", node, "max_instances")
+        wanted = {
+            "well": node["well"],
+            "description": str(node.get("description", "")),
+            "config": dict(node.get("config") or {}),
+            "max_instances": max_instances,
+            "required_privilege": self._privilege(node),
+        }
+        rt = ResourceType.objects.filter(id=str(node["id"])).first()
+        if rt is None:
+            ResourceType.objects.create(id=str(node["id"]), **wanted)
+            self.report.add(f"resource type {node['id']}", True, created=True)
+            return
+        changed = {k: v for k, v in wanted.items() if getattr(rt, k) != v}
+        for k, v in changed.items():
+            setattr(rt, k, v)
+        if changed:
+            rt.save()
+        self.report.add(f"resource type {node['id']}", bool(changed))
+
+    def organization(self, node: _Map) -> None:
+        from apps.machines.models import MachineType
+        from apps.machines.services import grant_upsert
+        from apps.orgs.models import Organization, Privilege
+        from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
+
+        self.fields(node, "organization", {"slug"}, {"name", "privileges", "members", "grants"})
+        slug = str(node["slug"])
+        org, created = Organization.objects.get_or_create(
+            slug=slug, defaults={"name": str(node.get("name", slug))}
+        )
+        changed = created
+        if not created and "name" in node and org.name != str(node["name"]):
+            org.name = str(node["name"])
+            org.save(update_fields=["name"])
+            changed = True
+        privileges = node.get("privileges") or []
+        if not isinstance(privileges, list):
+            raise self.error("privileges must be a list of names", node, "privileges")
+        for name in privileges:
+            if not Privilege.objects.filter(name=str(name)).exists():
+                raise self.error(
+                    f"unknown privilege {name!r} (declare it under privileges)", node, "privileges"
+                )
+            if not org.privileges.filter(name=str(name)).exists():
+                privilege_grant(org=org, name=str(name), actor="catalog")
+                changed = True
+        for member in self.items(node, "members"):
+            self.fields(member, "member", {"username", "role"}, set())
+            user = user_get_or_create(username=str(member["username"]))
+            before = org.memberships.filter(user=user).values_list("role", flat=True).first()
+            self.guard(
+                member,
+                lambda m=member, u=user: membership_set(
+                    org=org, user=u, role=str(m["role"]), actor="catalog"
+                ),
+            )
+            changed = changed or before != member["role"]
+        for grant in self.items(node, "grants"):
+            self.fields(
+                grant,
+                "grant",
+                {"machine_type"},
+                {
+                    "max_concurrent_jobs",
+                    "max_instances",
+                    "max_pool_size",
+                    "cpu_quota",
+                    "memory_quota_mb",
+                    "gpu_quota",
+                    "policy",
+                    "max_wait_seconds",
+                },
+            )
+            mt = MachineType.objects.filter(name=str(grant["machine_type"])).first()
+            if mt is None:
+                raise self.error(f"unknown machine type {grant['machine_type']!r}", grant, "machine_type")
+            quota = {k: v for k, v in grant.items() if k != "machine_type"}
+            _, grant_changed = self.guard(
+                grant, lambda m=mt, q=quota: grant_upsert(org=org, machine_type=m, **q)
+            )
+            changed = changed or grant_changed
+        self.report.add(f"organization {slug}", changed, created=created)
+
+
+def load(text: str, source: str = "<catalog>") -> _Map:
+    try:
+        doc = yaml.load(text, Loader=_LineLoader)
+    except CatalogError as exc:
+        raise CatalogError(str(exc).split(": ", 1)[-1], exc.line, source) from None
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else None
+        context = ""
+        if exc.context and exc.context_mark is not None:
+            context = f" ({exc.context} started at line {exc.context_mark.line + 1})"
+        raise CatalogError(f"not valid YAML: {exc.problem}{context}", line, source) from None
+    if doc is None:
+        return _Map()
+    if not isinstance(doc, _Map):
+        raise CatalogError("the catalog must be a mapping of sections", 1, source)
+    return doc
+
+
+def apply_catalog(text: str, source: str = "<catalog>", *, dry_run: bool = False) -> Report:
+    """Apply a catalog document atomically. Raises :class:`CatalogError` and changes nothing."""
+    doc = load(text, source)
+    with transaction.atomic():
+        report = _Applier(source).apply(doc)
+        if dry_run:
+            transaction.set_rollback(True)
+    return report
+
+
+def apply_file(path: str | Path, *, dry_run: bool = False) -> Report:
+    path = Path(path)
+    return apply_catalog(path.read_text(), str(path), dry_run=dry_run)

@@ -1,0 +1,50 @@
+"""Encryption at rest for provider credentials and resource secrets, and token hashing.
+
+Fernet (AES-128-CBC + HMAC) from ``cryptography``; MultiFernet over
+``CATACLOUD_ENCRYPTION_KEY`` so keys can be rotated (first key encrypts, all decrypt).
+API and agent tokens are random 256-bit strings stored only as SHA-256 digests: they are
+not guessable, so a slow password hash would add latency and no safety.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import secrets
+from typing import Any
+
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from django.conf import settings
+
+
+@functools.cache
+def _fernet() -> MultiFernet:
+    return MultiFernet([Fernet(k.strip().encode()) for k in settings.CATACLOUD_ENCRYPTION_KEYS if k.strip()])
+
+
+def encrypt_json(value: Any) -> str:
+    return _fernet().encrypt(json.dumps(value).encode()).decode()
+
+
+def decrypt_json(token: str) -> Any:
+    if not token:
+        return {}
+    try:
+        return json.loads(_fernet().decrypt(token.encode()))
+    except InvalidToken as exc:  # wrong key: say so without printing anything secret
+        raise RuntimeError("cannot decrypt a stored secret: is CATACLOUD_ENCRYPTION_KEY right?") from exc
+
+
+def new_token(prefix: str) -> str:
+    """A fresh bearer secret like ``cc_…`` (the prefix tells what kind of token it is)."""
+    return f"{prefix}_{secrets.token_urlsafe(32)}"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def same_hash(token: str, digest: str) -> bool:
+    return hmac.compare_digest(hash_token(token), digest)

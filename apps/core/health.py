@@ -1,0 +1,74 @@
+"""Liveness of what Catacloud depends on: database, broker, workers, beat."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import connection
+from django.utils import timezone
+
+from apps.core.models import Heartbeat
+
+BEAT_STALE_AFTER = timedelta(seconds=35)
+
+
+def _timed(fn: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        extra = fn() or {}
+        ok = extra.pop("ok", True)
+    except Exception as exc:  # a health check reports failures, it does not raise them
+        ok, extra = False, {"error": type(exc).__name__}
+    return {"ok": ok, "ms": round((time.perf_counter() - start) * 1000, 1), **extra}
+
+
+def _database() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+
+
+def _broker() -> None:
+    import redis
+
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+def _workers() -> dict[str, Any]:
+    names = cache.get("health:workers")
+    if names is None:
+        from config.celery import app
+
+        replies = app.control.ping(timeout=0.5) or []
+        names = sorted(name for reply in replies for name in reply)
+        cache.set("health:workers", names, 5)
+    return {"ok": bool(names), "count": len(names)}
+
+
+def _beat() -> dict[str, Any]:
+    mark = Heartbeat.objects.filter(name="beat").first()
+    if mark is None:
+        return {"ok": False, "last_seen": None}
+    age = timezone.now() - mark.seen_at
+    return {"ok": age < BEAT_STALE_AFTER, "last_seen": mark.seen_at.isoformat()}
+
+
+def health() -> tuple[int, dict[str, Any]]:
+    """200 when the database and broker answer (workers and beat are reported; their
+    absence makes the answer ``degraded``, not unhealthy: the API still serves); else 503."""
+    checks = {"database": _timed(_database), "broker": _timed(_broker)}
+    if checks["broker"]["ok"]:
+        checks["workers"] = _timed(_workers)
+    else:
+        checks["workers"] = {"ok": False, "error": "broker down"}
+    checks["beat"] = _timed(_beat) if checks["database"]["ok"] else {"ok": False, "error": "database down"}
+    essential = checks["database"]["ok"] and checks["broker"]["ok"]
+    overall = "ok" if all(c["ok"] for c in checks.values()) else ("degraded" if essential else "unhealthy")
+    return (200 if essential else 503), {"status": overall, "checks": checks}

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from apps.core.catalog import CatalogError, apply_file
+
+
+class Command(BaseCommand):
+    help = "Apply a declarative catalog (provider accounts, machine types, orgs, grants) idempotently."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("file", nargs="+", help="YAML catalog file(s), applied in order, each atomically")
+        parser.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
+
+    def handle(self, *args: object, **options: object) -> None:
+        for path in options["file"]:  # type: ignore[union-attr]
+            try:
+                report = apply_file(path, dry_run=bool(options["dry_run"]))
+            except CatalogError as exc:
+                raise CommandError(str(exc)) from None
+            except OSError as exc:
+                raise CommandError(f"{path}: {exc.strerror}") from None
+            verb = "would apply" if options["dry_run"] else "applied"
+            self.stdout.write(f"{path}: {verb}: {report.summary()}")
+            for item in report.created:
+                self.stdout.write(f"  + {item}")
+            for item in report.updated:
+                self.stdout.write(f"  ~ {item}")

@@ -1,0 +1,90 @@
+"""Compare-and-set state changes, the one way any status in Catacloud changes.
+
+``UPDATE … SET status = to WHERE id = pk AND status IN (allowed sources)``: a row count
+other than 1 means another actor won the race (or the move is not allowed); we re-read and
+raise :class:`InvalidTransition`, never overwrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.db import models, transaction
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition
+
+Graph = Mapping[str, frozenset[str]]
+
+
+def sources_for(graph: Graph, target: str) -> frozenset[str]:
+    """Every state from which ``target`` may be reached in one step."""
+    return frozenset(src for src, targets in graph.items() if target in targets)
+
+
+def transition(
+    model: type[models.Model],
+    pk: Any,
+    *,
+    graph: Graph,
+    to: str,
+    from_: Iterable[str] | None = None,
+    field: str = "status",
+    **changes: Any,
+) -> None:
+    """Move row ``pk`` of ``model`` to state ``to`` if its current state allows it.
+
+    ``from_`` narrows the allowed sources further (e.g. only ``ready → claimed``).
+    Extra keyword arguments are written in the same UPDATE.
+    """
+    allowed = sources_for(graph, to)
+    if from_ is not None:
+        allowed = allowed & frozenset(from_)
+    updated = model.objects.filter(pk=pk, **{f"{field}__in": allowed}).update(**{field: to}, **changes)
+    if updated != 1:
+        current = model.objects.filter(pk=pk).values_list(field, flat=True).first()
+        raise InvalidTransition(model._meta.verbose_name.capitalize(), pk, current, to)
+
+
+def change_state(
+    model: type[models.Model],
+    pk: Any,
+    *,
+    graph: Graph,
+    to: str,
+    event_prefix: str,
+    from_: Iterable[str] | None = None,
+    stamps: Mapping[str, str] | None = None,
+    actor: str = "",
+    reason: str = "",
+    event: str | None = None,
+    now: datetime | None = None,
+    event_data: Mapping[str, Any] | None = None,
+    **changes: Any,
+) -> Any:
+    """Compare-and-set row ``pk`` to ``to`` and append an event, in one transaction.
+
+    ``stamps`` maps a state to the timestamp field entering it sets. The model provides
+    ``event_refs()`` naming the org/pool/instance/job the event is about. Returns the row
+    as it is after the change.
+    """
+    from apps.events.services import event_record
+
+    now = now or timezone.now()
+    stamp = (stamps or {}).get(to)
+    if stamp and stamp not in changes:
+        changes[stamp] = now
+    with transaction.atomic():
+        transition(model, pk, graph=graph, to=to, from_=from_, **changes)
+        row = model.objects.get(pk=pk)
+        event_record(
+            kind=event or f"{event_prefix}.{to}",
+            actor=actor,
+            reason=reason,
+            status=to,
+            **row.event_refs(),
+            **(event_data or {}),
+        )
+    return row

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from apps.jobs.choices import JobStatus, Reuse
+
+
+class JobConfiguration(models.Model):
+    """A named recipe: machine type, command, env, timeout, resources, priority."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="job_configs")
+    name = models.SlugField(max_length=64)
+    machine_type = models.ForeignKey(
+        "machines.MachineType", on_delete=models.PROTECT, related_name="job_configs"
+    )
+    command = models.TextField()
+    env = models.JSONField(default=dict, blank=True)
+    timeout_seconds = models.PositiveIntegerField(default=3600, validators=[MinValueValidator(1)])
+    priority = models.IntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=3, validators=[MinValueValidator(1)])
+    reuse = models.CharField(max_length=16, choices=Reuse.choices, default=Reuse.REUSE)
+    resource_types = models.ManyToManyField("resources.ResourceType", blank=True, related_name="job_configs")
+    artifact_retention_days = models.PositiveIntegerField(default=7)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "job configuration"
+        ordering = ["org__slug", "name"]
+        constraints = [models.UniqueConstraint(fields=["org", "name"], name="job_config_name_unique_in_org")]
+
+    def __str__(self) -> str:
+        return f"{self.org}/{self.name}"
+
+
+class Job(models.Model):
+    """One run of a configuration. Fields copied from the configuration at submit time."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="jobs")
+    config = models.ForeignKey(JobConfiguration, on_delete=models.PROTECT, related_name="jobs")
+    machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="jobs")
+    command = models.TextField()
+    env = models.JSONField(default=dict, blank=True)
+    priority = models.IntegerField(default=0)
+    timeout_seconds = models.PositiveIntegerField(default=3600)
+    max_attempts = models.PositiveIntegerField(default=3)
+    status = models.CharField(max_length=24, choices=JobStatus.choices, default=JobStatus.QUEUED)
+    pending_reason = models.CharField(max_length=300, blank=True)
+    instance = models.ForeignKey(
+        "machines.MachineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    attempt = models.PositiveIntegerField(default=1)
+    exit_code = models.IntegerField(null=True, blank=True)
+    failure_reason = models.TextField(blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    submitted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    queued_at = models.DateTimeField(auto_now_add=True)
+    admitted_at = models.DateTimeField(null=True, blank=True)
+    assigned_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            # Scheduler: WHERE status = 'queued' ORDER BY priority DESC, queued_at FOR UPDATE SKIP LOCKED
+            models.Index(
+                models.F("priority").desc(),
+                "queued_at",
+                name="job_queue_order",
+                condition=Q(status=JobStatus.QUEUED),
+            ),
+            models.Index(fields=["org", "machine_type", "status"], name="job_org_type_status"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.id} ({self.status})"
+
+    def event_refs(self) -> dict:
+        return {"org": self.org_id, "job": self.pk, "instance": self.instance_id}

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import json
+
+from django import forms
+from django.contrib import admin
+from django.http import HttpRequest
+
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.machines.services import provider_account_upsert
+
+
+class ProviderAccountForm(forms.ModelForm):
+    new_credentials = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text='JSON, e.g. {"token": "..."}; write-only: leave empty to keep the stored credentials. '
+        "Prefer `manage.py apply` with env/file references.",
+    )
+
+    class Meta:
+        model = ProviderAccount
+        fields = ("name", "kind", "config")
+
+    def clean_new_credentials(self) -> dict | None:
+        raw = self.cleaned_data.get("new_credentials")
+        if not raw:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            raise forms.ValidationError("must be a JSON object") from None
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise forms.ValidationError("must be a JSON object of strings")
+        return value
+
+
+@admin.register(ProviderAccount)
+class ProviderAccountAdmin(admin.ModelAdmin):
+    form = ProviderAccountForm
+    list_display = ("name", "kind", "has_credentials", "created_at", "updated_at")
+    list_filter = ("kind",)
+    search_fields = ("name",)
+
+    @admin.display(boolean=True, description="credentials set")
+    def has_credentials(self, obj: ProviderAccount) -> bool:
+        return bool(obj.credentials_encrypted)
+
+    def save_model(
+        self, request: HttpRequest, obj: ProviderAccount, form: forms.ModelForm, change: bool
+    ) -> None:
+        account, _ = provider_account_upsert(
+            name=obj.name,
+            kind=obj.kind,
+            config=obj.config,
+            credentials=form.cleaned_data.get("new_credentials"),
+        )
+        obj.__dict__.update({k: v for k, v in account.__dict__.items() if not k.startswith("_")})
+
+
+@admin.register(MachineType)
+class MachineTypeAdmin(admin.ModelAdmin):
+    list_display = (
+        "name",
+        "provider_account",
+        "server_type",
+        "location",
+        "cpus",
+        "memory_mb",
+        "gpus",
+        "spot",
+        "price_per_hour",
+        "billing_increment_seconds",
+        "version",
+    )
+    list_filter = ("provider_account", "spot", "required_privilege")
+    search_fields = ("name", "server_type", "image", "description")
+    readonly_fields = ("version", "created_at", "updated_at")
+
+    def save_model(self, request: HttpRequest, obj: MachineType, form: forms.ModelForm, change: bool) -> None:
+        # Bump the version when a build field changes, like the catalog does (pool drift).
+        if change and set(form.changed_data) & {f.removesuffix("_id") for f in MachineType.BUILD_FIELDS}:
+            obj.version += 1
+        super().save_model(request, obj, form, change)
+
+
+@admin.register(OrgMachineType)
+class OrgMachineTypeAdmin(admin.ModelAdmin):
+    list_display = (
+        "org",
+        "machine_type",
+        "max_concurrent_jobs",
+        "max_instances",
+        "max_pool_size",
+        "cpu_quota",
+        "gpu_quota",
+        "policy",
+    )
+    list_filter = ("policy", "org", "machine_type")
+    search_fields = ("org__slug", "machine_type__name")
+
+
+@admin.register(MachineInstance)
+class MachineInstanceAdmin(admin.ModelAdmin):
+    list_display = (
+        "id",
+        "status",
+        "org",
+        "machine_type",
+        "pool",
+        "provider_account",
+        "provider_id",
+        "outdated",
+        "created_at",
+        "ready_at",
+        "claimed_at",
+        "last_heartbeat_at",
+        "cost",
+    )
+    list_filter = ("status", "provider_account__kind", "provider_account", "machine_type", "pool", "outdated")
+    search_fields = ("id", "provider_id", "claimed_by", "claimed_for", "org__slug")
+    readonly_fields = [f.name for f in MachineInstance._meta.fields]
+    date_hierarchy = "created_at"
+    list_select_related = ("org", "machine_type", "pool", "provider_account")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # machines are created by pools and jobs, never by hand

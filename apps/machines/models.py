@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from apps.core.crypto import decrypt_json, encrypt_json
+from apps.machines.choices import InstanceStatus, Policy, ProviderKind
+
+
+class ProviderAccount(models.Model):
+    """Credentials for one cloud project or account. Credentials are encrypted at rest."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.SlugField(max_length=64, unique=True)
+    kind = models.CharField(max_length=16, choices=ProviderKind.choices)
+    # Non-secret driver settings: location/region, endpoint, network, boot delay…
+    config = models.JSONField(default=dict, blank=True)
+    credentials_encrypted = models.TextField(blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind})"
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        return decrypt_json(self.credentials_encrypted)
+
+    @credentials.setter
+    def credentials(self, value: dict[str, str]) -> None:
+        self.credentials_encrypted = encrypt_json(value) if value else ""
+
+
+class MachineType(models.Model):
+    """What to create: the provider, size, image, and what it costs."""
+
+    # Fields whose change makes existing machines outdated (pool drift).
+    BUILD_FIELDS = (
+        "provider_account_id",
+        "server_type",
+        "location",
+        "image",
+        "cpus",
+        "memory_mb",
+        "gpus",
+        "spot",
+    )
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=300, blank=True)
+    provider_account = models.ForeignKey(
+        ProviderAccount, on_delete=models.PROTECT, related_name="machine_types"
+    )
+    server_type = models.CharField(max_length=64, help_text="Hetzner server type or EC2 instance type")
+    location = models.CharField(max_length=64, blank=True, help_text="Hetzner location or AWS region/AZ")
+    image = models.CharField(max_length=200, blank=True)
+    cpus = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    memory_mb = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    gpus = models.PositiveIntegerField(default=0)
+    spot = models.BooleanField(default=False)
+    price_per_hour = models.DecimalField(max_digits=12, decimal_places=6, default=Decimal("0"))
+    billing_increment_seconds = models.PositiveIntegerField(
+        default=3600,
+        validators=[MinValueValidator(1)],
+        help_text="Hetzner: 3600 (every started hour); EC2: 1",
+    )
+    min_billed_seconds = models.PositiveIntegerField(default=0, help_text="EC2: 60")
+    required_privilege = models.ForeignKey(
+        "orgs.Privilege", null=True, blank=True, on_delete=models.PROTECT, related_name="machine_types"
+    )
+    version = models.PositiveIntegerField(default=1, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(price_per_hour__gte=0), name="machine_type_price_non_negative"
+            ),
+            models.CheckConstraint(
+                condition=Q(billing_increment_seconds__gte=1), name="machine_type_increment_pos"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class OrgMachineType(models.Model):
+    """A grant of one machine type to one org, with the org's quotas on it."""
+
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="machine_type_grants")
+    machine_type = models.ForeignKey(MachineType, on_delete=models.CASCADE, related_name="grants")
+    max_concurrent_jobs = models.PositiveIntegerField(default=10)
+    max_instances = models.PositiveIntegerField(default=10)
+    max_pool_size = models.PositiveIntegerField(default=10)
+    # Null: no limit beyond max_instances.
+    cpu_quota = models.PositiveIntegerField(null=True, blank=True)
+    memory_quota_mb = models.PositiveIntegerField(null=True, blank=True)
+    gpu_quota = models.PositiveIntegerField(null=True, blank=True)
+    policy = models.CharField(max_length=8, choices=Policy.choices, default=Policy.SPEED)
+    max_wait_seconds = models.PositiveIntegerField(
+        default=300, help_text="cost policy: wait this long for a paid machine before buying a new one"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "machine type grant"
+        constraints = [
+            models.UniqueConstraint(fields=["org", "machine_type"], name="org_machine_type_unique")
+        ]
+        ordering = ["org__slug", "machine_type__name"]
+
+    def __str__(self) -> str:
+        return f"{self.machine_type} for {self.org}"
+
+
+class MachineInstance(models.Model):
+    """One machine's whole life; the aggregate the life-cycle saga drives."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.PROTECT, related_name="instances")
+    machine_type = models.ForeignKey(MachineType, on_delete=models.PROTECT, related_name="instances")
+    machine_type_version = models.PositiveIntegerField(default=1)
+    provider_account = models.ForeignKey(ProviderAccount, on_delete=models.PROTECT, related_name="instances")
+    pool = models.ForeignKey(
+        "pools.InstancePool", null=True, blank=True, on_delete=models.SET_NULL, related_name="members"
+    )
+    status = models.CharField(max_length=16, choices=InstanceStatus.choices, default=InstanceStatus.PENDING)
+    provider_id = models.CharField(max_length=128, blank=True)
+    provider_state = models.CharField(max_length=32, blank=True)
+    public_ip = models.CharField(max_length=64, blank=True)
+    outdated = models.BooleanField(default=False, help_text="built from an older machine type version")
+    bootstrap_token_hash = models.CharField(max_length=64, blank=True, editable=False)
+    agent_token_hash = models.CharField(max_length=64, blank=True, editable=False)
+    claim_id = models.UUIDField(null=True, blank=True)
+    claimed_by = models.CharField(max_length=200, blank=True)
+    claimed_for = models.CharField(max_length=200, blank=True)
+    last_config = models.ForeignKey(
+        "jobs.JobConfiguration", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    failure_reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    provisioning_started_at = models.DateTimeField(null=True, blank=True)
+    warming_started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    warmed_at = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    terminating_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    billed_seconds = models.PositiveIntegerField(null=True, blank=True)
+    cost = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            # Claim: WHERE pool_id = %s AND status = 'ready' ORDER BY ready_at LIMIT 1 FOR UPDATE SKIP LOCKED
+            models.Index(
+                fields=["pool", "ready_at"],
+                name="instance_ready_by_pool",
+                condition=Q(status=InstanceStatus.READY),
+            ),
+            # Reaper and reconciler: live rows by provider account / status.
+            models.Index(fields=["provider_account", "status"], name="instance_account_status"),
+            models.Index(fields=["org", "machine_type", "status"], name="instance_org_type_status"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.machine_type} {self.id} ({self.status})"
+
+    @property
+    def name(self) -> str:
+        return f"cc-{self.id}"
+
+    def event_refs(self) -> dict:
+        return {"org": self.org_id, "pool": self.pool_id, "instance": self.pk}

@@ -1,0 +1,255 @@
+"""Provider accounts, machine types, grants, and the machine instance state machine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.core.errors import MissingPrivilege, NotFound, ValidationFailed
+from apps.core.transitions import change_state
+from apps.events.services import event_record
+from apps.machines.choices import (
+    INSTANCE_TERMINAL,
+    INSTANCE_TRANSITIONS,
+    InstanceStatus,
+    Policy,
+    ProviderKind,
+)
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.orgs.models import Organization, Privilege
+from catacloud.policy.billing import Billing
+
+
+def _invalid(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
+
+
+# ---- catalog --------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def provider_account_upsert(
+    *, name: str, kind: str, config: dict[str, Any] | None = None, credentials: dict[str, str] | None = None
+) -> tuple[ProviderAccount, bool]:
+    """Create or update a provider account. Returns (account, changed)."""
+    if kind not in ProviderKind.values:
+        raise _invalid("kind", f"unknown provider kind {kind!r}; known: {', '.join(ProviderKind.values)}")
+    config = dict(config or {})
+    account = ProviderAccount.objects.select_for_update().filter(name=name).first()
+    if account is None:
+        account = ProviderAccount(name=name, kind=kind, config=config)
+        account.credentials = credentials or {}
+        account.save()
+        event_record(kind="provider_account.created", actor="catalog", account=name, provider=kind)
+        return account, True
+    if account.kind != kind:
+        raise _invalid("kind", f"provider account {name} is {account.kind}; its kind cannot change")
+    changed = account.config != config or (credentials is not None and account.credentials != credentials)
+    if changed:
+        account.config = config
+        if credentials is not None:
+            account.credentials = credentials
+        account.save()
+        event_record(kind="provider_account.updated", actor="catalog", account=name)
+    return account, changed
+
+
+def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
+    out = dict(fields)
+    for name in ("cpus", "memory_mb"):
+        if name in out and (not isinstance(out[name], int) or out[name] < 1):
+            raise _invalid(name, "must be a whole number of at least 1")
+    for name in ("gpus", "min_billed_seconds"):
+        if name in out and (not isinstance(out[name], int) or out[name] < 0):
+            raise _invalid(name, "must be a whole number of at least 0")
+    if "billing_increment_seconds" in out and (
+        not isinstance(out["billing_increment_seconds"], int) or out["billing_increment_seconds"] < 1
+    ):
+        raise _invalid("billing_increment_seconds", "must be a whole number of at least 1")
+    if "price_per_hour" in out:
+        try:
+            price = Decimal(str(out["price_per_hour"]))
+        except InvalidOperation:
+            raise _invalid("price_per_hour", "must be a number") from None
+        if price < 0 or not price.is_finite():
+            raise _invalid("price_per_hour", "must not be negative")
+        out["price_per_hour"] = price
+    return out
+
+
+@transaction.atomic
+def machine_type_upsert(
+    *,
+    name: str,
+    provider_account: ProviderAccount,
+    required_privilege: Privilege | None = None,
+    **fields: Any,
+) -> tuple[MachineType, bool]:
+    """Create or update a machine type; a change to how machines are built bumps ``version``."""
+    fields = _validate_machine_type(fields)
+    unknown = set(fields) - {f.name for f in MachineType._meta.get_fields()}
+    if unknown:
+        raise _invalid(sorted(unknown)[0], "unknown machine type field")
+    mt = MachineType.objects.select_for_update().filter(name=name).first()
+    if mt is None:
+        mt = MachineType.objects.create(
+            name=name, provider_account=provider_account, required_privilege=required_privilege, **fields
+        )
+        event_record(kind="machine_type.created", actor="catalog", machine_type=name)
+        return mt, True
+    wanted = {
+        "provider_account_id": provider_account.pk,
+        "required_privilege_id": getattr(required_privilege, "pk", None),
+    }
+    wanted.update(fields)
+    changed = {k: v for k, v in wanted.items() if getattr(mt, k) != v}
+    if not changed:
+        return mt, False
+    for k, v in changed.items():
+        setattr(mt, k, v)
+    if set(changed) & set(MachineType.BUILD_FIELDS):
+        mt.version += 1
+    mt.save()
+    event_record(
+        kind="machine_type.updated",
+        actor="catalog",
+        machine_type=name,
+        version=mt.version,
+        fields=sorted(changed),
+    )
+    return mt, True
+
+
+def grant_check_privilege(*, org: Organization, machine_type: MachineType) -> None:
+    if not org.has_privilege(machine_type.required_privilege):
+        raise MissingPrivilege(
+            f"machine type {machine_type.name} requires privilege {machine_type.required_privilege}, "
+            f"which {org.slug} lacks"
+        )
+
+
+@transaction.atomic
+def grant_upsert(
+    *, org: Organization, machine_type: MachineType, **quota: Any
+) -> tuple[OrgMachineType, bool]:
+    """Grant ``machine_type`` to ``org`` with the given quotas (create or update)."""
+    allowed = {
+        "max_concurrent_jobs",
+        "max_instances",
+        "max_pool_size",
+        "cpu_quota",
+        "memory_quota_mb",
+        "gpu_quota",
+        "policy",
+        "max_wait_seconds",
+    }
+    unknown = set(quota) - allowed
+    if unknown:
+        raise _invalid(sorted(unknown)[0], "unknown quota field")
+    for key, value in quota.items():
+        if key == "policy":
+            if value not in Policy.values:
+                raise _invalid("policy", f"must be one of {', '.join(Policy.values)}")
+        elif value is not None and (not isinstance(value, int) or value < 0):
+            raise _invalid(key, "must be a whole number of at least 0")
+    grant_check_privilege(org=org, machine_type=machine_type)
+    grant = OrgMachineType.objects.select_for_update().filter(org=org, machine_type=machine_type).first()
+    if grant is None:
+        grant = OrgMachineType.objects.create(org=org, machine_type=machine_type, **quota)
+        event_record(
+            kind="org.grant_created", org=org, actor="catalog", machine_type=machine_type.name, **quota
+        )
+        return grant, True
+    changed = {k: v for k, v in quota.items() if getattr(grant, k) != v}
+    if changed:
+        for k, v in changed.items():
+            setattr(grant, k, v)
+        grant.save()
+        event_record(
+            kind="org.grant_updated", org=org, actor="catalog", machine_type=machine_type.name, **changed
+        )
+    return grant, bool(changed)
+
+
+def grant_for(*, org: Organization, machine_type: MachineType | Any) -> OrgMachineType:
+    """The org's grant on a machine type, or NotFound (the type is not the org's to use)."""
+    grant = (
+        OrgMachineType.objects.filter(org=org, machine_type=machine_type)
+        .select_related("machine_type")
+        .first()
+    )
+    if grant is None:
+        raise NotFound("machine type not found", code="machine_type_not_granted")
+    return grant
+
+
+# ---- instance state machine -----------------------------------------------------------------
+
+# The timestamp each state stamps when it is entered.
+_STAMPS = {
+    InstanceStatus.PROVISIONING: "provisioning_started_at",
+    InstanceStatus.WARMING: "warming_started_at",
+    InstanceStatus.READY: "ready_at",
+    InstanceStatus.CLAIMED: "claimed_at",
+    InstanceStatus.TERMINATING: "terminating_at",
+    InstanceStatus.TERMINATED: "ended_at",
+    InstanceStatus.FAILED: "ended_at",
+    InstanceStatus.LOST: "ended_at",
+}
+
+
+def instance_transition(
+    *,
+    instance_id: Any,
+    to: str,
+    from_: Iterable[str] | None = None,
+    actor: str = "",
+    reason: str = "",
+    event: str | None = None,
+    now: datetime | None = None,
+    **changes: Any,
+) -> MachineInstance:
+    """Compare-and-set an instance to ``to`` and record an event, in one transaction.
+
+    Raises :class:`~apps.core.errors.InvalidTransition` (and changes nothing) when the
+    instance is not in a state from which ``to`` is allowed. An instance that ends records
+    its billed seconds and cost.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        instance = change_state(
+            MachineInstance,
+            instance_id,
+            graph=INSTANCE_TRANSITIONS,
+            to=to,
+            event_prefix="instance",
+            from_=from_,
+            stamps=_STAMPS,
+            actor=actor,
+            reason=reason,
+            event=event,
+            now=now,
+            **changes,
+        )
+        if to in INSTANCE_TERMINAL:
+            _record_billing(instance, now)
+    return instance
+
+
+def _record_billing(instance: MachineInstance, now: datetime) -> None:
+    """Every instance records its billed seconds and cost when it ends."""
+    started = instance.provisioning_started_at
+    if started is None:  # never reached the provider: nothing billed
+        billed, cost = 0, Decimal(0)
+    else:
+        mt = MachineType.objects.get(pk=instance.machine_type_id)
+        billing = Billing(mt.billing_increment_seconds, mt.min_billed_seconds, mt.price_per_hour)
+        runtime = (now - started).total_seconds()
+        billed, cost = billing.billed_seconds(runtime), billing.cost(runtime)
+    MachineInstance.objects.filter(pk=instance.pk).update(billed_seconds=billed, cost=cost)
+    instance.billed_seconds, instance.cost = billed, cost

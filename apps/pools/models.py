@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import F, Q
+
+from apps.pools.choices import PoolStatus
+
+
+class InstancePool(models.Model):
+    """Keeps ``target_size`` warm instances of one machine type for one org."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="pools")
+    name = models.SlugField(max_length=64)
+    description = models.CharField(max_length=300, blank=True)
+    machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="pools")
+    status = models.CharField(max_length=16, choices=PoolStatus.choices, default=PoolStatus.WARMING)
+    target_size = models.PositiveIntegerField(default=1)
+    min_size = models.PositiveIntegerField(default=0)
+    max_size = models.PositiveIntegerField(default=1)
+    warmup_grace_seconds = models.PositiveIntegerField(default=600)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    drained_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["org__slug", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["org", "name"], name="pool_name_unique_in_org"),
+            models.CheckConstraint(
+                condition=Q(min_size__lte=F("target_size")) & Q(target_size__lte=F("max_size")),
+                name="pool_sizes_ordered",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.org}/{self.name}"
+
+    def event_refs(self) -> dict:
+        return {"org": self.org_id, "pool": self.pk}
+
+
+class PoolSchedule(models.Model):
+    """Raise or lower a pool's ``target_size`` on a cron schedule (before a known burst)."""
+
+    pool = models.ForeignKey(InstancePool, on_delete=models.CASCADE, related_name="schedules")
+    name = models.CharField(max_length=100, blank=True)
+    cron = models.CharField(max_length=100, help_text="e.g. '0 8 * * 1-5'")
+    timezone = models.CharField(max_length=64, default="UTC")
+    target_size = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pool", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.pool}: {self.cron} ({self.timezone}) -> {self.target_size}"

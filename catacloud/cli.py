@@ -1,0 +1,173 @@
+"""The ``catacloud`` command: embedded services, the dev runner, and (on machines) the agent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_CATALOG = Path(__file__).resolve().parent / "data" / "demo.yaml"
+
+
+def _manage(*args: str, env: dict[str, str], capture: bool = False) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        env=env,
+        check=True,
+        text=True,
+        stdout=subprocess.PIPE if capture else None,
+    )
+    return result.stdout or ""
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    from catacloud import embedded
+
+    if args.action == "down":
+        embedded.services_down()
+        return 0
+    services = embedded.services_up()
+    if args.action == "up":
+        for key, value in services.env.items():
+            print(f"export {key}={value}")
+        return 0
+    # run: start what is missing, run the command with the env, stop what we started.
+    command = list(args.command)
+    while command and command[0] == "--keep":  # argparse.REMAINDER keeps options after "run"
+        args.keep = True
+        command.pop(0)
+    if command[:1] == ["--"]:
+        command.pop(0)
+    if not command:
+        print("catacloud services run -- COMMAND...", file=sys.stderr)
+        return 2
+    env = {**os.environ, **services.env}
+    try:
+        return subprocess.call(command, env=env)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if not args.keep:
+            services.stop()
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    """`make dev`: services, migrations, demo data, then web + worker + beat + Flower."""
+    from honcho.manager import Manager
+
+    from catacloud import embedded
+
+    port = int(os.environ.get("PORT", "8000"))
+    flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
+    services = embedded.services_up()
+    env = {
+        **os.environ,
+        **services.env,
+        "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
+        "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    try:
+        print("catacloud: migrating the database…", flush=True)
+        _manage("migrate", "--noinput", env=env, capture=True)
+        _manage("collectstatic", "--noinput", env=env, capture=True)
+        _manage("apply", str(DEMO_CATALOG), env=env)
+        creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
+        flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
+        env["FLOWER_BASIC_AUTH"] = flower_auth
+        home = Path(services.env["CATACLOUD_HOME"])
+        celery = [sys.executable, "-m", "celery", "-A", "config"]
+        manager = Manager()
+        manager.add_process(
+            "web",
+            " ".join(
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "config.wsgi",
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--workers",
+                    "2",
+                    "--threads",
+                    "4",
+                    "--access-logfile",
+                    "-",
+                ]
+            ),
+            env=env,
+            cwd=str(ROOT),
+        )
+        manager.add_process(
+            "worker",
+            " ".join([*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"]),
+            env=env,
+            cwd=str(ROOT),
+        )
+        manager.add_process(
+            "beat",
+            " ".join(
+                [*celery, "beat", "--loglevel", "INFO", "--schedule", str(home / "celerybeat-schedule")]
+            ),
+            env=env,
+            cwd=str(ROOT),
+        )
+        manager.add_process(
+            "flower",
+            " ".join([*celery, "flower", "--address=127.0.0.1", f"--port={flower_port}"]),
+            env=env,
+            cwd=str(ROOT),
+        )
+        base = f"http://127.0.0.1:{port}"
+        print(
+            "\n".join(
+                [
+                    "",
+                    "Catacloud is starting (Ctrl-C stops everything):",
+                    f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
+                    f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
+                    f"  health   {base}/healthz",
+                    f"  Flower   http://127.0.0.1:{flower_port}/  "
+                    f"(basic auth {flower_auth.split(':')[0]} / same password)",
+                    f"  token    {creds['token']}",
+                    f"  try:     curl -H 'Authorization: Bearer {creds['token']}' "
+                    f"{base}/api/v1/machine-types/",
+                    f"  shell:   set -a; . {home / '.env'}; set +a  (manage.py then uses these services)",
+                    "",
+                ]
+            ),
+            flush=True,
+        )
+        manager.loop()
+        return manager.returncode or 0
+    finally:
+        services.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="catacloud", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    services = sub.add_parser("services", help="embedded PostgreSQL and Redis under $CATACLOUD_HOME")
+    services.add_argument("action", choices=["up", "down", "run"])
+    services.add_argument("--keep", action="store_true", help="with run: leave the services running")
+    services.add_argument("command", nargs=argparse.REMAINDER)
+    services.set_defaults(func=cmd_services)
+
+    dev = sub.add_parser("dev", help="run the whole system on the embedded services (make dev)")
+    dev.set_defaults(func=cmd_dev)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

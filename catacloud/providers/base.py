@@ -1,0 +1,180 @@
+"""The provider interface: what every cloud driver implements.
+
+Kept deliberately small (like Karpenter's CloudProvider or libcloud's NodeDriver):
+``create``, ``get``, ``list`` by owner labels and an idempotent ``delete``. Drivers know
+nothing of Django: services hand them a :class:`MachineSpec` and record what comes back.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, ClassVar
+
+# Label keys every machine carries. Hetzner labels and EC2 tags use the same keys.
+LABEL_INSTANCE = "catacloud/instance"
+LABEL_POOL = "catacloud/pool"
+LABEL_ORG = "catacloud/org"
+LABEL_INSTALLATION = "catacloud/installation"
+
+
+class MachineState(enum.StrEnum):
+    """Provider-neutral machine states; each driver maps its own states onto these."""
+
+    PROVISIONING = "provisioning"  # being created / booting
+    RUNNING = "running"
+    STOPPING = "stopping"  # on its way out
+    GONE = "gone"  # deleted or terminated at the provider
+    ERROR = "error"
+    UNKNOWN = "unknown"
+
+
+# ---- typed errors ---------------------------------------------------------------------------
+
+
+class ProviderError(Exception):
+    """Base of every error a driver raises. ``retryable`` tells tasks whether to back off."""
+
+    retryable: ClassVar[bool] = False
+    code: ClassVar[str] = "provider_error"
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None) -> None:
+        super().__init__(message or self.code)
+        self.retry_after = retry_after
+
+
+class NotFound(ProviderError):
+    code = "not_found"
+
+
+class InsufficientCapacity(ProviderError):
+    """The provider has no capacity for this type/location now. Try later or elsewhere."""
+
+    retryable = True
+    code = "insufficient_capacity"
+
+
+class QuotaExceeded(ProviderError):
+    """The account's limit at the provider is reached. Not retried automatically."""
+
+    code = "quota_exceeded"
+
+
+class RateLimited(ProviderError):
+    retryable = True
+    code = "rate_limited"
+
+
+class Transient(ProviderError):
+    """Network trouble, 5xx, timeouts: retry with backoff."""
+
+    retryable = True
+    code = "transient"
+
+
+class Permanent(ProviderError):
+    """Bad request, invalid image/type, authentication failure: retrying will not help."""
+
+    code = "permanent"
+
+
+# ---- values ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineSpec:
+    """Everything a driver needs to create one machine.
+
+    ``instance_id`` is the UUID of the MachineInstance row, committed before any cloud
+    call; drivers derive their idempotency key from it (Hetzner: server name
+    ``cc-<uuid>``; EC2: ``ClientToken``).
+    """
+
+    instance_id: str
+    labels: Mapping[str, str]
+    server_type: str
+    image: str
+    location: str = ""
+    cpus: int = 1
+    memory_mb: int = 1024
+    gpus: int = 0
+    spot: bool = False
+    user_data: str = ""
+    # Local driver only: the command line that plays the machine (the agent).
+    command: tuple[str, ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return machine_name(self.instance_id)
+
+
+def machine_name(instance_id: str) -> str:
+    return f"cc-{instance_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderMachine:
+    """What a provider tells us about one machine."""
+
+    provider_id: str
+    name: str
+    state: MachineState
+    labels: Mapping[str, str]
+    created_at: datetime | None = None
+    public_ip: str = ""
+    private_ip: str = ""
+    raw_state: str = ""
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.labels.get(LABEL_INSTANCE)
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in (MachineState.GONE, MachineState.STOPPING)
+
+
+# ---- the interface --------------------------------------------------------------------------
+
+
+class Provider(abc.ABC):
+    """One configured account at one provider."""
+
+    kind: ClassVar[str]
+    # provider raw state -> MachineState; one table per driver.
+    STATE_MAP: ClassVar[Mapping[str, MachineState]] = {}
+
+    def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
+        self.config = dict(config)
+        self.credentials = dict(credentials)
+
+    @classmethod
+    def map_state(cls, raw: str) -> MachineState:
+        return cls.STATE_MAP.get(raw, MachineState.UNKNOWN)
+
+    @abc.abstractmethod
+    def create(self, spec: MachineSpec) -> ProviderMachine:
+        """Create the machine, or adopt the one that already carries this spec's identity."""
+
+    @abc.abstractmethod
+    def get(self, provider_id: str) -> ProviderMachine:
+        """Raise :class:`NotFound` when the machine does not exist (any more)."""
+
+    @abc.abstractmethod
+    def list(self, owner_labels: Mapping[str, str]) -> list[ProviderMachine]:
+        """Every live-or-dying machine carrying all ``owner_labels``."""
+
+    @abc.abstractmethod
+    def delete(self, provider_id: str) -> None:
+        """Destroy the machine. Idempotent: a machine that is already gone is success."""
+
+    def find_by_instance(self, instance_id: str, owner_labels: Mapping[str, str]) -> ProviderMachine | None:
+        """Find the machine labelled with ``instance_id`` (used to adopt after a crash)."""
+        labels = {**owner_labels, LABEL_INSTANCE: instance_id}
+        found = [m for m in self.list(labels) if m.alive]
+        return found[0] if found else None

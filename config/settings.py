@@ -1,0 +1,249 @@
+"""Settings, all from the environment (twelve-factor).
+
+Every variable is documented in README.md ("Configuration"). Secrets can be given as
+``NAME`` or as ``NAME_FILE`` pointing at a file (docker/k8s secrets): django-environ's
+FileAwareEnv reads both. Values that would be dangerous are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.FileAwareEnv()
+
+CATACLOUD_HOME = Path(os.environ.get("CATACLOUD_HOME", BASE_DIR / ".catacloud")).expanduser().resolve()
+# `make dev` writes the embedded services' URLs here so that plain `manage.py` finds them.
+# Real environment variables always win over this file.
+if (CATACLOUD_HOME / ".env").is_file():
+    env.read_env(str(CATACLOUD_HOME / ".env"), overwrite=False)
+
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+
+
+def _home_secret(name: str, make: Callable[[], str]) -> str:
+    """A development secret generated once and kept under CATACLOUD_HOME (never in git)."""
+    path = CATACLOUD_HOME / name
+    if not path.exists():
+        CATACLOUD_HOME.mkdir(parents=True, exist_ok=True)
+        path.write_text(make())
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def _required_secret(name: str, make: Callable[[], str]) -> str:
+    value = env.str(name, default="")
+    if value:
+        return value
+    if DEBUG or env.bool("CATACLOUD_EMBEDDED", default=False):
+        return _home_secret(name.lower(), make)
+    raise ImproperlyConfigured(f"{name} (or {name}_FILE) must be set when DJANGO_DEBUG is off")
+
+
+SECRET_KEY = _required_secret("DJANGO_SECRET_KEY", lambda: secrets.token_urlsafe(50))
+
+
+def _fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+# Comma-separated Fernet keys; the first encrypts, all decrypt (rotation).
+CATACLOUD_ENCRYPTION_KEYS = _required_secret("CATACLOUD_ENCRYPTION_KEY", _fernet_key).split(",")
+
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "apps.core",
+    "apps.orgs",
+    "apps.machines",
+    "apps.pools",
+    "apps.jobs",
+    "apps.resources",
+    "apps.events",
+]
+
+MIDDLEWARE = [
+    "apps.core.metrics.RequestMetricsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if not os.environ.get("DATABASE_URL"):
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set. `make dev` starts an embedded PostgreSQL and sets it; "
+        "otherwise point it at PostgreSQL, e.g. postgresql://user:pass@host:5432/catacloud"
+    )
+DATABASES = {"default": env.db_url("DATABASE_URL", engine="django.db.backends.postgresql")}
+if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+    raise ImproperlyConfigured("Catacloud runs on PostgreSQL only (claims use FOR UPDATE SKIP LOCKED)")
+if env.str("DATABASE_PASSWORD", default=""):  # or DATABASE_PASSWORD_FILE, to keep it out of the URL
+    DATABASES["default"]["PASSWORD"] = env.str("DATABASE_PASSWORD")
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DATABASES["default"].setdefault("TEST", {})["NAME"] = env.str("DATABASE_TEST_NAME", default="test_catacloud")
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = env.path("DJANGO_STATIC_ROOT", default=str(CATACLOUD_HOME / "static"))
+Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+
+# ---- Redis and Celery ---------------------------------------------------------------------------
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+# Under pytest, use another Redis database so tests never touch a running `make dev`.
+TESTING = "pytest" in sys.modules
+if TESTING:
+    _redis = urlsplit(REDIS_URL)
+    REDIS_URL = urlunsplit(_redis._replace(path=f"/{env.int('CATACLOUD_TEST_REDIS_DB', default=15)}"))
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_TASK_TIME_LIMIT = env.int("CELERY_TASK_TIME_LIMIT", default=600)
+CELERY_TASK_SOFT_TIME_LIMIT = env.int("CELERY_TASK_SOFT_TIME_LIMIT", default=540)
+# With acks_late a task whose worker died is redelivered after the visibility timeout.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=900)}
+CELERY_WORKER_SEND_TASK_EVENTS = True  # Flower
+CELERY_TASK_SEND_SENT_EVENT = True
+
+CATACLOUD_REAPER_INTERVAL = env.float("CATACLOUD_REAPER_INTERVAL", default=60.0)
+if CATACLOUD_REAPER_INTERVAL < 1:
+    raise ImproperlyConfigured("CATACLOUD_REAPER_INTERVAL must be at least 1 second")
+CATACLOUD_SCHEDULER_INTERVAL = env.float("CATACLOUD_SCHEDULER_INTERVAL", default=15.0)
+
+# The beat schedule lives here, in one settings module, not in django-celery-beat's tables:
+# it is part of the code (reviewed, versioned, the same on every deployment), its periods
+# come from the environment, and there is no second source of truth to drift. Operators
+# see it in README and in Flower; they tune it with the variables above.
+CELERY_BEAT_SCHEDULE = {
+    "reaper": {
+        "task": "apps.pools.tasks.reaper_task",
+        "schedule": CATACLOUD_REAPER_INTERVAL,
+        # A tick that waited in the queue past the next one is useless: drop it.
+        "options": {"expires": CATACLOUD_REAPER_INTERVAL * 0.9},
+    },
+    "heartbeat": {
+        "task": "apps.core.tasks.beat_heartbeat_task",
+        "schedule": 10.0,
+        "options": {"expires": 9.0},
+    },
+}
+
+# ---- Catacloud --------------------------------------------------------------------------------
+
+# Label value that marks this installation's machines at every provider. Two installations
+# sharing one cloud project must differ here, or their reconcilers will fight.
+CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
+# Public URL agents use to reach the API (put into cloud-init user data).
+CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
+
+# ---- REST framework ---------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.orgs.auth.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "apps.core.api.exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
+    # Fairness only; quotas are enforced in PostgreSQL.
+    "DEFAULT_THROTTLE_RATES": {"user": env.str("CATACLOUD_API_RATE", default="6000/min")},
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "catacloud",
+    }
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Catacloud API",
+    "DESCRIPTION": "Warm pools, jobs and resources on ephemeral cloud machines.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+LOGIN_URL = "admin:login"

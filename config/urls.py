@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from apps.core.views import healthz, metrics_view
+
+admin.site.site_header = "Catacloud operator console"
+admin.site.site_title = "Catacloud"
+admin.site.index_title = "Fleet, pools, jobs and resources"
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("healthz", healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
+    path("api/v1/", include("config.api_urls")),
+    path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
+]

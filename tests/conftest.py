@@ -1,0 +1,76 @@
+"""Shared fixtures. Every test that needs data gets a world with an org and an outsider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
+from apps.orgs.models import Organization
+from apps.orgs.services import api_token_create, membership_set
+
+
+@dataclass
+class World:
+    """Org ``acme`` with an admin, a member and a viewer; org ``rival`` with its own admin,
+    the outsider every isolation check uses; one local provider account and machine type."""
+
+    org: Organization
+    other_org: Organization
+    account: ProviderAccount
+    machine_type: MachineType
+    grant: OrgMachineType
+    users: dict = field(default_factory=dict)
+    tokens: dict = field(default_factory=dict)
+
+    def client(self, who: str) -> APIClient:
+        client = APIClient()
+        if who != "anonymous":
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {self.tokens[who]}")
+        return client
+
+
+def make_world(tmp_path_factory: pytest.TempPathFactory | None = None) -> World:
+    users = {
+        name: get_user_model().objects.create_user(name) for name in ("admin", "member", "viewer", "outsider")
+    }
+    org = Organization.objects.create(slug="acme", name="Acme")
+    other = Organization.objects.create(slug="rival", name="Rival")
+    for name in ("admin", "member", "viewer"):
+        membership_set(org=org, user=users[name], role=name)
+    membership_set(org=other, user=users["outsider"], role="admin")
+    state_dir = (
+        str(tmp_path_factory.mktemp("machines")) if tmp_path_factory else "/tmp/catacloud-test-machines"
+    )
+    account = ProviderAccount.objects.create(name="local", kind="local", config={"state_dir": state_dir})
+    mt = MachineType.objects.create(
+        name="small",
+        provider_account=account,
+        server_type="local",
+        cpus=2,
+        memory_mb=4096,
+        price_per_hour=Decimal("0.01"),
+        billing_increment_seconds=3600,
+    )
+    grant = OrgMachineType.objects.create(org=org, machine_type=mt, max_pool_size=10, max_instances=20)
+    OrgMachineType.objects.create(org=other, machine_type=mt, max_pool_size=10, max_instances=20)
+    world = World(org=org, other_org=other, account=account, machine_type=mt, grant=grant, users=users)
+    for name in ("admin", "member", "viewer"):
+        world.tokens[name] = api_token_create(org=org, user=users[name])[1]
+    world.tokens["outsider"] = api_token_create(org=other, user=users["outsider"])[1]
+    return world
+
+
+@pytest.fixture
+def world(db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
+    return make_world(tmp_path_factory)
+
+
+@pytest.fixture
+def tworld(transactional_db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
+    """The same world for tests that commit (threads, workers)."""
+    return make_world(tmp_path_factory)

@@ -1,0 +1,145 @@
+"""`manage.py apply`: the operator's catalog, idempotent and atomic."""
+
+from __future__ import annotations
+
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from apps.core.catalog import CatalogError, apply_catalog
+from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
+from apps.orgs.models import Membership, Organization
+from catacloud.cli import DEMO_CATALOG
+
+pytestmark = pytest.mark.django_db
+
+
+def test_demo_catalog_seeds_the_documented_demo_and_reapplying_is_a_noop() -> None:
+    out = StringIO()
+    call_command("apply", str(DEMO_CATALOG), stdout=out)
+    assert "3 created" in out.getvalue()
+    grant = OrgMachineType.objects.get(org__slug="demo", machine_type__name="local-small")
+    assert (grant.max_pool_size, grant.max_instances, grant.max_concurrent_jobs) == (10, 20, 10)
+    mt = grant.machine_type
+    assert (mt.cpus, mt.memory_mb, mt.billing_increment_seconds) == (2, 4096, 3600)
+    assert mt.provider_account.kind == "local"
+    assert Membership.objects.get(org__slug="demo", user__username="admin").role == "admin"
+
+    again = StringIO()
+    call_command("apply", str(DEMO_CATALOG), stdout=again)
+    assert "0 created, 0 updated, 3 unchanged" in again.getvalue()
+    assert MachineType.objects.get(name="local-small").version == 1
+
+
+GOOD = """\
+provider_accounts:
+  - name: hz
+    kind: hetzner
+    config: {location: fsn1}
+    credentials:
+      token: {env: TEST_HCLOUD_TOKEN}
+machine_types:
+  - name: cx22
+    provider_account: hz
+    server_type: cx22
+    image: ubuntu-24.04
+    cpus: 2
+    memory_mb: 4096
+    price_per_hour: 0.006
+organizations:
+  - slug: lab
+    members:
+      - {username: alice, role: admin}
+    grants:
+      - {machine_type: cx22, max_instances: 3}
+"""
+
+
+def test_credentials_come_from_env_and_are_encrypted_at_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_HCLOUD_TOKEN", "s3cr3t-hetzner-token")
+    apply_catalog(GOOD)
+    account = ProviderAccount.objects.get(name="hz")
+    assert account.credentials == {"token": "s3cr3t-hetzner-token"}
+    assert "s3cr3t" not in account.credentials_encrypted
+    raw = ProviderAccount.objects.filter(pk=account.pk).values_list("credentials_encrypted", flat=True).get()
+    assert "s3cr3t" not in raw
+
+
+def test_credentials_from_a_file(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("from-a-file\n")
+    apply_catalog(GOOD.replace("{env: TEST_HCLOUD_TOKEN}", f"{{file: {secret}}}"))
+    assert ProviderAccount.objects.get(name="hz").credentials == {"token": "from-a-file"}
+
+
+def test_inline_credentials_are_refused_with_their_line() -> None:
+    with pytest.raises(CatalogError) as exc:
+        apply_catalog(GOOD.replace("{env: TEST_HCLOUD_TOKEN}", "plain-text-token"))
+    assert exc.value.line == 6
+    assert "never written inline" in str(exc.value)
+    assert not ProviderAccount.objects.exists()
+
+
+def test_a_bad_entry_changes_nothing_and_names_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_HCLOUD_TOKEN", "t")
+    bad = GOOD.replace("    price_per_hour: 0.006", "    price_per_hour: -1")
+    with pytest.raises(CatalogError) as exc:
+        apply_catalog(bad)
+    assert exc.value.line == 14
+    assert "price_per_hour" in str(exc.value)
+    # The provider account before it was valid, and still nothing was written.
+    assert not ProviderAccount.objects.exists()
+    assert not Organization.objects.filter(slug="lab").exists()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "words"),
+    [
+        ("    kind: hetzner", "    kind: vmware", 3, "unknown provider kind"),
+        ("    cpus: 2", "    cpus: 2\n    colour: blue", 13, "unknown field 'colour'"),
+        (
+            "      - {machine_type: cx22, max_instances: 3}",
+            "      - {machine_type: cx99}",
+            20,
+            "unknown machine type",
+        ),
+        (
+            "      - {username: alice, role: admin}",
+            "      - {username: alice, role: boss}",
+            18,
+            "unknown role",
+        ),
+        ("organizations:", "organisations:", 15, "unknown section"),
+        ("    cpus: 2", "    cpus: [2", 13, "started at line 12"),
+    ],
+)
+def test_errors_point_at_the_line(
+    monkeypatch: pytest.MonkeyPatch, old: str, new: str, line: int, words: str
+) -> None:
+    monkeypatch.setenv("TEST_HCLOUD_TOKEN", "t")
+    assert old in GOOD
+    with pytest.raises(CatalogError) as exc:
+        apply_catalog(GOOD.replace(old, new))
+    assert words in str(exc.value)
+    assert exc.value.line == line, str(exc.value)
+    assert not MachineType.objects.exists()
+
+
+def test_changing_how_machines_are_built_bumps_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_HCLOUD_TOKEN", "t")
+    apply_catalog(GOOD)
+    apply_catalog(GOOD.replace("price_per_hour: 0.006", "price_per_hour: 0.007"))
+    assert MachineType.objects.get(name="cx22").version == 1  # price is not a build field
+    report = apply_catalog(GOOD.replace("image: ubuntu-24.04", "image: debian-12"))
+    assert report.updated == ["machine type cx22"]
+    assert MachineType.objects.get(name="cx22").version == 2
+
+
+def test_command_reports_errors_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("machine_types:\n  - name: x\n")
+    with pytest.raises(CommandError, match=r"bad.yaml:2: machine type is missing"):
+        call_command("apply", str(path))

@@ -1,0 +1,179 @@
+"""Every state machine: each allowed move works and is recorded; each forbidden one raises
+InvalidTransition and changes nothing (no status change, no event)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+
+from apps.core.errors import InvalidTransition
+from apps.events.models import Event
+from apps.jobs.choices import JOB_TRANSITIONS, JobStatus
+from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.services import job_transition
+from apps.machines.choices import INSTANCE_TRANSITIONS, InstanceStatus
+from apps.machines.models import MachineInstance
+from apps.machines.services import instance_transition
+from apps.pools.choices import POOL_TRANSITIONS, PoolStatus
+from apps.pools.models import InstancePool
+from apps.pools.services import pool_transition
+from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
+from apps.resources.models import ResourceInstance, ResourceType
+from apps.resources.services import resource_transition
+from tests.conftest import World
+
+
+def make_instance(world: World, status: str) -> MachineInstance:
+    return MachineInstance.objects.create(
+        org=world.org, machine_type=world.machine_type, provider_account=world.account, status=status
+    )
+
+
+def make_pool(world: World, status: str) -> InstancePool:
+    return InstancePool.objects.create(
+        org=world.org,
+        name=f"p-{status}",
+        machine_type=world.machine_type,
+        status=status,
+        target_size=1,
+        max_size=1,
+    )
+
+
+def make_job(world: World, status: str) -> Job:
+    config, _ = JobConfiguration.objects.get_or_create(
+        org=world.org, name="build", defaults={"machine_type": world.machine_type, "command": "true"}
+    )
+    return Job.objects.create(
+        org=world.org, config=config, machine_type=world.machine_type, command="true", status=status
+    )
+
+
+def make_resource(world: World, status: str) -> ResourceInstance:
+    rt, _ = ResourceType.objects.get_or_create(id="token", defaults={"well": "api_token"})
+    return ResourceInstance.objects.create(resource_type=rt, org=world.org, status=status)
+
+
+MACHINES: dict[str, tuple[dict, Callable[[World, str], Any], Callable[..., Any], str]] = {
+    "instance": (
+        INSTANCE_TRANSITIONS,
+        make_instance,
+        lambda pk, to: instance_transition(instance_id=pk, to=to),
+        "instance",
+    ),
+    "pool": (POOL_TRANSITIONS, make_pool, lambda pk, to: pool_transition(pool_id=pk, to=to), "pool"),
+    "job": (JOB_TRANSITIONS, make_job, lambda pk, to: job_transition(job_id=pk, to=to), "job"),
+    "resource": (
+        RESOURCE_TRANSITIONS,
+        make_resource,
+        lambda pk, to: resource_transition(resource_id=pk, to=to),
+        "resource",
+    ),
+}
+
+CASES = [
+    pytest.param(name, src, dst, dst in graph[src], id=f"{name}:{src}->{dst}")
+    for name, (graph, *_rest) in MACHINES.items()
+    for src in graph
+    for dst in graph
+    if src != dst
+]
+
+
+@pytest.mark.parametrize(("machine", "src", "dst", "allowed"), CASES)
+def test_transition(world: World, machine: str, src: str, dst: str, allowed: bool) -> None:
+    graph, make, move, prefix = MACHINES[machine]
+    row = make(world, src)
+    events_before = Event.objects.count()
+    if allowed:
+        moved = move(row.pk, dst)
+        assert moved.status == dst
+        row.refresh_from_db()
+        assert row.status == dst
+        event = Event.objects.latest("id")
+        assert event.kind == f"{prefix}.{dst}"
+        assert event.org_id == world.org.pk
+    else:
+        with pytest.raises(InvalidTransition) as exc:
+            move(row.pk, dst)
+        assert exc.value.current == src and exc.value.target == dst
+        assert exc.value.code == "invalid_state"
+        row.refresh_from_db()
+        assert row.status == src
+        assert Event.objects.count() == events_before
+
+
+def test_every_state_is_in_each_graph() -> None:
+    """A state missing from a graph could never be left; the tables must be complete."""
+    for choices, graph in (
+        (InstanceStatus, INSTANCE_TRANSITIONS),
+        (PoolStatus, POOL_TRANSITIONS),
+        (JobStatus, JOB_TRANSITIONS),
+        (ResourceStatus, RESOURCE_TRANSITIONS),
+    ):
+        assert set(graph) == set(choices.values)
+        for targets in graph.values():
+            assert targets <= set(choices.values)
+
+
+def test_terminal_instance_records_billing(world: World) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    instance = make_instance(world, InstanceStatus.TERMINATING)
+    MachineInstance.objects.filter(pk=instance.pk).update(
+        provisioning_started_at=timezone.now() - timedelta(minutes=61)
+    )
+    ended = instance_transition(instance_id=instance.pk, to=InstanceStatus.TERMINATED)
+    # Hourly billing: 61 minutes are two started hours at 0.01/h.
+    assert ended.billed_seconds == 7200
+    assert str(ended.cost) == "0.020000"
+
+
+def test_event_is_part_of_the_change(world: World) -> None:
+    """Events are written in the same transaction: a rollback loses both, never one."""
+    instance = make_instance(world, InstanceStatus.READY)
+    before = Event.objects.count()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        instance_transition(instance_id=instance.pk, to=InstanceStatus.CLAIMED)
+        raise RuntimeError("crash after the change")
+    instance.refresh_from_db()
+    assert instance.status == InstanceStatus.READY
+    assert Event.objects.count() == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_transitions_have_one_winner(tworld: World) -> None:
+    """Eight threads on eight connections claim the same ready instance: exactly one wins."""
+    instance = make_instance(tworld, InstanceStatus.READY)
+    barrier = threading.Barrier(8)
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def claim() -> None:
+        try:
+            barrier.wait()
+            instance_transition(
+                instance_id=instance.pk, to=InstanceStatus.CLAIMED, from_=[InstanceStatus.READY]
+            )
+            outcome = "won"
+        except InvalidTransition as exc:
+            outcome = f"lost:{exc.current}"
+        finally:
+            connection.close()
+        with lock:
+            results.append(outcome)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count("won") == 1
+    assert sorted(results)[:7] == ["lost:claimed"] * 7
+    assert Event.objects.filter(kind="instance.claimed", instance_id=instance.pk).count() == 1

@@ -1,0 +1,151 @@
+"""Real Celery worker and beat processes for end-to-end tests.
+
+They run as separate processes against the test database (pytest-django's
+``test_catacloud``) and a Redis database reserved for tests, exactly as in production.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_database_url() -> str:
+    s = connection.settings_dict
+    auth = quote(s["USER"] or "")
+    if s.get("PASSWORD"):
+        auth += ":" + quote(s["PASSWORD"])
+    host = s.get("HOST") or "127.0.0.1"
+    port = s.get("PORT") or 5432
+    return f"postgresql://{auth}@{host}:{port}/{s['NAME']}"
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(
+        DATABASE_URL=test_database_url(),
+        REDIS_URL=settings.REDIS_URL,
+        DJANGO_SETTINGS_MODULE="config.settings",
+        PYTHONUNBUFFERED="1",
+        CATACLOUD_EMBEDDED="1",
+        DATABASE_CONN_MAX_AGE="0",
+        **extra,
+    )
+    return env
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self._fh = log.open("wb")
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, 9)
+                self.popen.wait()
+        self._fh.close()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def purge_broker() -> None:
+    import redis
+
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()
+
+
+@contextmanager
+def celery_worker(tmp: Path, concurrency: int = 4, **env: str) -> Iterator[Proc]:
+    from config.celery import app
+
+    name = f"test-{uuid.uuid4().hex[:8]}@localhost"
+    proc = Proc(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "-n",
+            name,
+            "--concurrency",
+            str(concurrency),
+            "--without-gossip",
+            "--without-mingle",
+            "-E",
+        ],
+        process_env(**env),
+        tmp / f"worker-{name}.log",
+    )
+    try:
+
+        def ready() -> bool:
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"celery worker died:\n{proc.output()[-3000:]}")
+            return bool(app.control.ping(destination=[name], timeout=0.3))
+
+        wait_for(ready, 60, "the celery worker to answer a ping")
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def celery_beat(tmp: Path, **env: str) -> Iterator[Proc]:
+    proc = Proc(
+        "beat",
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "beat",
+            "--loglevel",
+            "INFO",
+            "--schedule",
+            str(tmp / "beat-schedule"),
+        ],
+        process_env(**env),
+        tmp / "beat.log",
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,45 @@
+"""docker-compose.yml is for users (no Docker engine runs here): parse it and check it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_runs_the_whole_system() -> None:
+    services = _compose()["services"]
+    assert services["postgres"]["image"] == "postgres:16"
+    assert services["redis"]["image"] == "redis:7"
+    commands = {name: " ".join(svc.get("command", [])) for name, svc in services.items()}
+    assert "gunicorn config.wsgi" in commands["web"]
+    assert commands["worker"].startswith("celery -A config worker")
+    assert commands["beat"].startswith("celery -A config beat")
+    assert commands["flower"].startswith("celery -A config flower")
+    assert "manage.py migrate" in commands["migrate"]
+
+
+def test_every_app_service_shares_one_configuration() -> None:
+    services = _compose()["services"]
+    envs = [services[name]["environment"] for name in ("web", "worker", "beat", "flower", "migrate")]
+    for env in envs:
+        assert env["DATABASE_URL"].startswith("postgresql://")
+        assert env["REDIS_URL"].startswith("redis://")
+        # Secrets arrive as files, never inline.
+        assert "DJANGO_SECRET_KEY" not in env and env["DJANGO_SECRET_KEY_FILE"].startswith("/run/secrets/")
+        assert env["CATACLOUD_ENCRYPTION_KEY_FILE"].startswith("/run/secrets/")
+    assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
+    for name in ("web", "worker", "beat"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
+def test_the_image_installs_the_package() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "pip install ." in dockerfile
+    assert "USER catacloud" in dockerfile
