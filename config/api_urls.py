@@ -1,9 +1,17 @@
-"""The v1 API: every app's router, mounted under /api/v1/."""
+"""The v1 API: every app's viewsets, mounted under /api/v1/."""
 
 from __future__ import annotations
 
 from rest_framework.routers import DefaultRouter
 
+from apps.events.api.views import EventViewSet
+from apps.jobs.api.views import JobConfigurationViewSet
+from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
+
 router = DefaultRouter(trailing_slash=True)
+router.register("machine-types", MachineTypeViewSet, basename="machine-type")
+router.register("instances", InstanceViewSet, basename="instance")
+router.register("job-configs", JobConfigurationViewSet, basename="job-config")
+router.register("events", EventViewSet, basename="event")
 
 urlpatterns = router.urls

@@ -28,6 +28,7 @@ if (CATACLOUD_HOME / ".env").is_file():
     env.read_env(str(CATACLOUD_HOME / ".env"), overwrite=False)
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
+TESTING = "pytest" in sys.modules
 
 
 def _home_secret(name: str, make: Callable[[], str]) -> str:
@@ -123,7 +124,8 @@ if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("Catacloud runs on PostgreSQL only (claims use FOR UPDATE SKIP LOCKED)")
 if env.str("DATABASE_PASSWORD", default=""):  # or DATABASE_PASSWORD_FILE, to keep it out of the URL
     DATABASES["default"]["PASSWORD"] = env.str("DATABASE_PASSWORD")
-DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+# Under pytest, threads (live server, concurrency tests) must not keep connections open.
+DATABASES["default"]["CONN_MAX_AGE"] = 0 if TESTING else env.int("DATABASE_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DATABASES["default"].setdefault("TEST", {})["NAME"] = env.str("DATABASE_TEST_NAME", default="test_catacloud")
 
@@ -147,7 +149,6 @@ Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 # Under pytest, use another Redis database so tests never touch a running `make dev`.
-TESTING = "pytest" in sys.modules
 if TESTING:
     _redis = urlsplit(REDIS_URL)
     REDIS_URL = urlunsplit(_redis._replace(path=f"/{env.int('CATACLOUD_TEST_REDIS_DB', default=15)}"))
@@ -196,6 +197,8 @@ CELERY_BEAT_SCHEDULE = {
 # Label value that marks this installation's machines at every provider. Two installations
 # sharing one cloud project must differ here, or their reconcilers will fight.
 CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
+# Optional bearer token Prometheus must send to scrape /metrics.
+CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
 # Public URL agents use to reach the API (put into cloud-init user data).
 CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
 
@@ -213,7 +216,7 @@ REST_FRAMEWORK = {
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "apps.core.schema.AutoSchema",
     "EXCEPTION_HANDLER": "apps.core.api.exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
     # Fairness only; quotas are enforced in PostgreSQL.

@@ -18,3 +18,6 @@ urlpatterns = [
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
 ]
+
+handler404 = "apps.core.views.not_found"
+handler500 = "apps.core.views.server_error"

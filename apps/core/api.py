@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.db import DataError
 from django.db.models import ProtectedError, QuerySet
 from django.http import Http404
 from rest_framework import exceptions, permissions, status, viewsets
@@ -34,6 +35,15 @@ def _flatten(detail: Any) -> Any:
     if isinstance(detail, list):
         return [_flatten(v) for v in detail]
     return str(detail)
+
+
+def _messages(value: Any, prefix: str = "") -> list[str]:
+    """Any nesting of DRF error details as a flat list of sentences (``key: message``)."""
+    if isinstance(value, dict):
+        return [m for k, v in value.items() for m in _messages(v, f"{prefix}{k}: ")]
+    if isinstance(value, list):
+        return [m for v in value for m in _messages(v, prefix)]
+    return [f"{prefix}{value}"]
 
 
 _DRF_CODES = {
@@ -64,14 +74,16 @@ def exception_handler(exc: Exception, context: dict) -> Response:
         exc = exceptions.PermissionDenied()
     elif isinstance(exc, ProtectedError):
         return error_response(409, "in_use", "this object is still used by others and cannot be deleted")
+    elif isinstance(exc, DataError):
+        # A value PostgreSQL cannot store or compare (out of range date, offset, number).
+        return error_response(400, "invalid", "a value is out of the range the database accepts")
     if isinstance(exc, exceptions.ValidationError):
-        fields = _flatten(exc.detail)
-        if not isinstance(fields, dict):
-            fields = {"non_field_errors": fields if isinstance(fields, list) else [fields]}
-        first = next(iter(fields.items()), ("", [""]))
-        message = first[1][0] if isinstance(first[1], list) and first[1] else str(first[1])
-        detail = f"{first[0]}: {message}" if first[0] not in ("", "non_field_errors") else message
-        return error_response(400, "invalid", detail or "invalid input", fields=fields)
+        raw = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+        fields = {str(k): _messages(v) for k, v in raw.items()}
+        name, messages = next(iter(fields.items()), ("", ["invalid input"]))
+        message = messages[0] if messages else "invalid input"
+        detail = message if name == "non_field_errors" else f"{name}: {message}"
+        return error_response(400, "invalid", detail, fields=fields)
     if isinstance(exc, exceptions.APIException):
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), None)
         if code is None:

@@ -9,6 +9,7 @@ reports the same truth. Counters and histograms are per process; set
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 
@@ -56,6 +57,14 @@ def render() -> tuple[bytes, str]:
     return body + generate_latest(db), CONTENT_TYPE_LATEST
 
 
+_GROUP = re.compile(r"\(\?P<(\w+)>[^)]*\)")
+
+
+def _route_label(route: str) -> str:
+    """``api/v1/pools/(?P<pk>[^/.]+)/$`` → ``api/v1/pools/{pk}/``: one label per endpoint."""
+    return _GROUP.sub(r"{\1}", route).replace("^", "").replace("$", "")
+
+
 class RequestMetricsMiddleware:
     """Counts requests by method, resolved route pattern (not raw path) and status."""
 
@@ -66,7 +75,7 @@ class RequestMetricsMiddleware:
         start = time.perf_counter()
         response = self.get_response(request)
         match = getattr(request, "resolver_match", None)
-        route = match.route if match is not None else "unmatched"
+        route = _route_label(match.route) if match is not None else "unmatched"
         HTTP_REQUESTS.labels(request.method, route, str(response.status_code)).inc()
         HTTP_LATENCY.labels(request.method, route).observe(time.perf_counter() - start)
         return response

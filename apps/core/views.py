@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import hmac
+
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
@@ -14,5 +17,33 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text format. With CATACLOUD_METRICS_TOKEN set, scrapers must send it as Bearer."""
+    expected = settings.CATACLOUD_METRICS_TOKEN
+    if expected:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return JsonResponse(
+                {"code": "not_authenticated", "detail": "metrics need the metrics token"}, status=401
+            )
     body, content_type = metrics.render()
     return HttpResponse(body, content_type=content_type)
+
+
+def _wants_json(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/") or request.path in ("/healthz", "/metrics")
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if _wants_json(request):
+        return JsonResponse({"code": "not_found", "detail": "no such endpoint"}, status=404)
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    if _wants_json(request):
+        return JsonResponse({"code": "server_error", "detail": "internal error"}, status=500)
+    from django.views.defaults import server_error as default
+
+    return default(request)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
+from django.db import transaction
+
+from apps.core.errors import Conflict, MissingPrivilege, ValidationFailed
 from apps.core.transitions import change_state
+from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
-from apps.jobs.models import Job
+from apps.jobs.models import Job, JobConfiguration
+from apps.machines.models import MachineType
+from apps.machines.services import grant_check_privilege, grant_for
+from apps.orgs.models import Organization
+from apps.resources.models import ResourceType
 
 _STAMPS = {
     JobStatus.QUEUED: "queued_at",
@@ -40,3 +49,91 @@ def job_transition(
         reason=reason,
         **changes,
     )
+
+
+# ---- job configurations ---------------------------------------------------------------------
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV_PREFIX = "CATACLOUD_"
+
+
+def _check_env(env: Any) -> dict[str, str]:
+    if not isinstance(env, dict):
+        raise ValidationFailed("env must be an object of NAME: value", fields={"env": ["must be an object"]})
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME.match(key):
+            raise ValidationFailed(
+                f"env: {key!r} is not a valid variable name", fields={"env": ["invalid name"]}
+            )
+        if key.startswith(RESERVED_ENV_PREFIX):
+            raise ValidationFailed(
+                f"env: {key} is reserved (CATACLOUD_* is set by Catacloud)", fields={"env": ["reserved name"]}
+            )
+        if not isinstance(value, str):
+            raise ValidationFailed(
+                f"env: the value of {key} must be a string", fields={"env": ["values are strings"]}
+            )
+    return dict(env)
+
+
+def _check_usable(
+    *, org: Organization, machine_type: MachineType, resource_types: Iterable[ResourceType]
+) -> None:
+    grant_for(org=org, machine_type=machine_type)
+    grant_check_privilege(org=org, machine_type=machine_type)
+    for rt in resource_types:
+        if not org.has_privilege(rt.required_privilege):
+            raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+
+
+@transaction.atomic
+def job_config_save(
+    *,
+    org: Organization,
+    config: JobConfiguration | None = None,
+    actor: str = "",
+    resource_types: Iterable[ResourceType] | None = None,
+    **fields: Any,
+) -> JobConfiguration:
+    """Create (``config`` None) or update a job configuration, checking what users expect:
+    a machine type the org may use, privileges, a valid env, a unique name."""
+    creating = config is None
+    config = config or JobConfiguration(org=org)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    config.env = _check_env(config.env)
+    types = (
+        list(resource_types)
+        if resource_types is not None
+        else ([] if creating else list(config.resource_types.all()))
+    )
+    _check_usable(org=org, machine_type=config.machine_type, resource_types=types)
+    clash = JobConfiguration.objects.filter(org=org, name=config.name).exclude(pk=config.pk)
+    if clash.exists():
+        raise ValidationFailed(
+            f"a job configuration named {config.name!r} already exists",
+            fields={"name": ["already exists"]},
+            code="duplicate_name",
+        )
+    config.save()
+    if resource_types is not None:
+        config.resource_types.set(types)
+    event_record(
+        kind="job_config.created" if creating else "job_config.updated",
+        org=org,
+        actor=actor,
+        config=str(config.pk),
+        name=config.name,
+    )
+    return config
+
+
+@transaction.atomic
+def job_config_delete(*, config: JobConfiguration, actor: str = "") -> None:
+    """Delete a configuration that no job refers to (409 ``in_use`` otherwise)."""
+    if config.jobs.exists():
+        raise Conflict(f"job configuration {config.name} has jobs; it cannot be deleted", code="in_use")
+    event_record(
+        kind="job_config.deleted", org=config.org_id, actor=actor, config=str(config.pk), name=config.name
+    )
+    config.delete()

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import django_filters
+from rest_framework import mixins
+
+from apps.core.api import OrgScopedViewSet
+from apps.events.api.serializers import EventSerializer
+from apps.events.models import Event
+
+
+class EventFilter(django_filters.FilterSet):
+    kind_prefix = django_filters.CharFilter(
+        field_name="kind", lookup_expr="startswith", help_text="e.g. pool"
+    )
+    since = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+
+    class Meta:
+        model = Event
+        fields = ("kind", "kind_prefix", "pool_id", "instance_id", "job_id", "since")
+
+
+class EventViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """What happened, newest first. ``?kind_prefix=pool&limit=50``."""
+
+    queryset = Event.objects.all()
+    serializer_class = EventSerializer
+    filterset_class = EventFilter
+    ordering_fields = ("id", "created_at")
+    ordering = ("-id",)

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+
+
+class QuotaSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = OrgMachineType
+        fields = (
+            "max_concurrent_jobs",
+            "max_instances",
+            "max_pool_size",
+            "cpu_quota",
+            "memory_quota_mb",
+            "gpu_quota",
+            "policy",
+            "max_wait_seconds",
+        )
+
+
+class MachineTypeSerializer(serializers.ModelSerializer):
+    provider = serializers.CharField(source="provider_account.kind", read_only=True)
+    required_privilege = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    quota = serializers.SerializerMethodField()
+    usable = serializers.SerializerMethodField(help_text="false when the org lacks the required privilege")
+
+    class Meta:
+        model = MachineType
+        fields = (
+            "id",
+            "name",
+            "description",
+            "provider",
+            "server_type",
+            "location",
+            "image",
+            "cpus",
+            "memory_mb",
+            "gpus",
+            "spot",
+            "price_per_hour",
+            "billing_increment_seconds",
+            "min_billed_seconds",
+            "required_privilege",
+            "version",
+            "quota",
+            "usable",
+        )
+        read_only_fields = fields
+
+    @extend_schema_field(QuotaSerializer)
+    def get_quota(self, obj: MachineType) -> dict:
+        grants = getattr(obj, "org_grants", [])
+        return QuotaSerializer(grants[0]).data if grants else {}
+
+    def get_usable(self, obj: MachineType) -> bool:
+        privilege = obj.required_privilege
+        return privilege is None or privilege.pk in self.context.get("org_privileges", set())
+
+
+class InstanceSerializer(serializers.ModelSerializer):
+    machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    machine_type_id = serializers.UUIDField(read_only=True)
+    provider = serializers.CharField(source="provider_account.kind", read_only=True)
+    pool = serializers.UUIDField(source="pool_id", read_only=True, allow_null=True)
+
+    class Meta:
+        model = MachineInstance
+        fields = (
+            "id",
+            "status",
+            "machine_type",
+            "machine_type_id",
+            "machine_type_version",
+            "outdated",
+            "pool",
+            "provider",
+            "provider_id",
+            "provider_state",
+            "public_ip",
+            "claim_id",
+            "claimed_by",
+            "claimed_for",
+            "failure_reason",
+            "created_at",
+            "provisioning_started_at",
+            "warming_started_at",
+            "ready_at",
+            "warmed_at",
+            "claimed_at",
+            "last_heartbeat_at",
+            "terminating_at",
+            "ended_at",
+            "billed_seconds",
+            "cost",
+        )
+        read_only_fields = fields

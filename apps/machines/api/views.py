@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import django_filters
+from django.db.models import QuerySet
+from rest_framework import mixins
+
+from apps.core.api import OrgScopedViewSet
+from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
+from apps.machines.choices import InstanceStatus
+from apps.machines.models import MachineInstance, MachineType
+from apps.machines.selectors import machine_types_for_org
+
+
+class MachineTypeFilter(django_filters.FilterSet):
+    provider = django_filters.CharFilter(field_name="provider_account__kind")
+
+    class Meta:
+        model = MachineType
+        fields = {"name": ["exact"], "spot": ["exact"], "gpus": ["gte"], "cpus": ["gte"]}
+
+
+class MachineTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """Machine types the organization may use, with its quota on each."""
+
+    queryset = MachineType.objects.all()
+    serializer_class = MachineTypeSerializer
+    filterset_class = MachineTypeFilter
+    ordering_fields = ("name", "cpus", "memory_mb", "price_per_hour")
+    ordering = ("name",)
+
+    def get_queryset(self) -> QuerySet[MachineType]:
+        if getattr(self, "swagger_fake_view", False):
+            return MachineType.objects.none()
+        return machine_types_for_org(org=self.ctx.org)
+
+    def get_serializer_context(self) -> dict:
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False):
+            context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
+        return context
+
+
+class InstanceFilter(django_filters.FilterSet):
+    status = django_filters.MultipleChoiceFilter(choices=InstanceStatus.choices)
+    provider = django_filters.CharFilter(field_name="provider_account__kind")
+    machine_type = django_filters.CharFilter(field_name="machine_type__name")
+    pool = django_filters.UUIDFilter(field_name="pool_id")
+
+    class Meta:
+        model = MachineInstance
+        fields = ("status", "provider", "machine_type", "pool", "outdated")
+
+
+class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """The org's machine instances: status, pool, provider ids, timestamps, cost."""
+
+    queryset = MachineInstance.objects.select_related("machine_type", "provider_account")
+    serializer_class = InstanceSerializer
+    filterset_class = InstanceFilter
+    ordering_fields = ("created_at", "ready_at", "claimed_at", "status")
+    ordering = ("-created_at",)

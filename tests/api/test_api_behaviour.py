@@ -1,0 +1,182 @@
+"""What a user of the API notices: tokens, one error format, pagination, filters, privileges."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from apps.core.crypto import hash_token
+from apps.events.services import event_record
+from apps.jobs.models import JobConfiguration
+from apps.orgs.models import ApiToken, Privilege
+from apps.orgs.services import api_token_create
+from apps.resources.models import ResourceType
+from tests.conftest import World
+
+pytestmark = pytest.mark.django_db
+
+
+def test_token_is_shown_once_and_stored_hashed(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    call_command("create_api_token", "--org", "acme", "--user", "member")
+    secret = capsys.readouterr().out.strip()
+    assert secret.startswith("cc_") and len(secret) > 40
+    token = ApiToken.objects.get(token_hash=hash_token(secret))
+    assert secret not in {token.prefix, token.token_hash}
+    assert world.client("member").get("/api/v1/events/").status_code == 200
+    response = world.client("anonymous")
+    response.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert response.get("/api/v1/job-configs/").status_code == 200
+    token.refresh_from_db()
+    assert token.last_used_at is not None
+
+
+def test_revoked_and_expired_tokens_stop_working(world: World) -> None:
+    client = world.client("member")
+    assert client.get("/api/v1/events/").status_code == 200
+    call_command("revoke_api_token", "--user", "member")
+    response = client.get("/api/v1/events/")
+    assert response.status_code == 401 and response.json()["code"] == "authentication_failed"
+
+    _, secret = api_token_create(
+        org=world.org, user=world.users["viewer"], expires_at=timezone.now() - timedelta(1)
+    )
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    response = client.get("/api/v1/events/")
+    assert response.status_code == 401 and response.json()["detail"] == "token expired"
+
+
+def test_a_token_can_be_narrower_than_its_user(world: World) -> None:
+    _, secret = api_token_create(org=world.org, user=world.users["admin"], role="viewer")
+    client = world.client("anonymous")
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    body = {"name": "x", "machine_type": str(world.machine_type.pk), "command": "true"}
+    assert client.post("/api/v1/job-configs/", body, format="json").status_code == 403
+    assert client.get("/api/v1/job-configs/").status_code == 200
+
+
+def test_a_member_removed_from_the_org_loses_access(world: World) -> None:
+    world.org.memberships.filter(user=world.users["member"]).delete()
+    response = world.client("member").get("/api/v1/events/")
+    assert response.status_code == 403
+
+
+def test_lists_are_paginated_filtered_and_ordered(world: World) -> None:
+    for i in range(7):
+        event_record(kind="pool.created" if i % 2 else "job.queued", org=world.org, actor="t", n=i)
+    client = world.client("viewer")
+    page = client.get("/api/v1/events/?limit=3").json()
+    assert set(page) == {"count", "next", "previous", "results"}
+    assert len(page["results"]) == 3 and page["next"]
+    assert [e["data"].get("n") for e in page["results"]] == [6, 5, 4]  # newest first
+    pools = client.get("/api/v1/events/?kind_prefix=pool").json()
+    assert pools["count"] == 3 and all(e["kind"].startswith("pool") for e in pools["results"])
+    oldest = client.get("/api/v1/events/?ordering=id&kind_prefix=job").json()["results"]
+    assert [e["data"]["n"] for e in oldest] == [0, 2, 4, 6]
+
+
+def test_validation_errors_name_their_fields(world: World) -> None:
+    client = world.client("admin")
+    response = client.post(
+        "/api/v1/job-configs/",
+        {
+            "name": "bad name!",
+            "machine_type": str(world.machine_type.pk),
+            "command": "x",
+            "timeout_seconds": 0,
+        },
+        format="json",
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["code"] == "invalid"
+    assert set(body["fields"]) == {"name", "timeout_seconds"}
+    assert not JobConfiguration.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [({"1BAD": "x"}, "not a valid variable name"), ({"CATACLOUD_ATTEMPT": "9"}, "reserved")],
+)
+def test_env_is_checked(world: World, env: dict, words: str) -> None:
+    body = {"name": "e", "machine_type": str(world.machine_type.pk), "command": "x", "env": env}
+    response = world.client("admin").post("/api/v1/job-configs/", body, format="json")
+    assert response.status_code == 400
+    assert words in response.json()["detail"]
+    assert not JobConfiguration.objects.exists()
+
+
+def test_privileged_resource_types_answer_403_missing_privilege(world: World) -> None:
+    lab = Privilege.objects.create(name="lab")
+    ResourceType.objects.create(id="lab-db", well="postgres_database", required_privilege=lab)
+    body = {"name": "e", "machine_type": str(world.machine_type.pk), "command": "x", "resources": ["lab-db"]}
+    response = world.client("admin").post("/api/v1/job-configs/", body, format="json")
+    assert response.status_code == 403
+    assert response.json()["code"] == "missing_privilege"
+    assert not JobConfiguration.objects.exists()
+    world.org.privileges.add(lab)
+    response = world.client("admin").post("/api/v1/job-configs/", body, format="json")
+    assert response.status_code == 201
+    assert response.json()["resources"] == ["lab-db"]
+
+
+def test_machine_types_carry_the_orgs_quota(world: World) -> None:
+    rows = world.client("viewer").get("/api/v1/machine-types/").json()["results"]
+    assert [r["name"] for r in rows] == ["small"]
+    assert rows[0]["quota"]["max_pool_size"] == 10 and rows[0]["quota"]["max_instances"] == 20
+    assert rows[0]["usable"] is True
+
+
+def test_a_config_in_use_cannot_be_deleted(world: World) -> None:
+    from apps.jobs.models import Job
+
+    config = JobConfiguration.objects.create(
+        org=world.org, name="b", machine_type=world.machine_type, command="x"
+    )
+    Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x")
+    response = world.client("admin").delete(f"/api/v1/job-configs/{config.pk}/")
+    assert response.status_code == 409 and response.json()["code"] == "in_use"
+    assert JobConfiguration.objects.filter(pk=config.pk).exists()
+
+
+def test_unknown_api_paths_and_crashes_answer_json(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.machines.api import views
+
+    client = world.client("viewer")
+    client.raise_request_exception = False
+    response = client.get("/api/v1/no-such-thing/")
+    assert response.status_code == 404 and response.json()["code"] == "not_found"
+
+    def boom(**kwargs: object) -> None:
+        raise RuntimeError("secret internals: password=hunter2")
+
+    monkeypatch.setattr(views, "machine_types_for_org", boom)
+    response = client.get("/api/v1/machine-types/")
+    assert response.status_code == 500
+    assert response.json() == {"code": "server_error", "detail": "internal error"}
+    assert b"hunter2" not in response.content
+
+
+def test_schema_and_docs_are_served(world: World) -> None:
+    client = world.client("anonymous")
+    schema = client.get("/api/v1/schema/?format=json")
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert "/api/v1/job-configs/" in paths and "/api/v1/events/" in paths
+    assert "bearerAuth" in schema.json()["components"]["securitySchemes"]
+    assert client.get("/api/docs/").status_code == 200
+
+
+def test_metrics_count_requests(world: World) -> None:
+    world.client("viewer").get("/api/v1/events/")
+    body = world.client("anonymous").get("/metrics").content.decode()
+    assert 'catacloud_http_requests_total{method="GET",route="api/v1/events/",status="200"}' in body
+
+
+def test_values_the_database_cannot_take_are_a_400(world: World) -> None:
+    """Found by schemathesis: a time zone offset PostgreSQL refuses (+19:08) was a 500."""
+    response = world.client("viewer").get("/api/v1/events/?since=2030-06-04T15%3A47%3A58%2B19%3A08")
+    assert response.status_code == 400
+    assert response.json()["code"] == "invalid"
