@@ -197,6 +197,17 @@ CELERY_BEAT_SCHEDULE = {
 # Label value that marks this installation's machines at every provider. Two installations
 # sharing one cloud project must differ here, or their reconcilers will fight.
 CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
+# What cloud machines pip-install to get the agent (a version pin, a wheel URL, a git URL…).
+CATACLOUD_AGENT_PACKAGE = env.str("CATACLOUD_AGENT_PACKAGE", default="catacloud")
+# Agent heartbeats: how often agents beat, and how long a silence makes an instance lost.
+CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default=5.0)
+CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
+# Long-poll: how long an idle agent's GET work waits before answering 204.
+CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
+# A labelled machine with no live row is deleted only after this grace (creation in flight).
+CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
+# Replace pool members built from an older machine type version (drift).
+CATACLOUD_REPLACE_OUTDATED = env.bool("CATACLOUD_REPLACE_OUTDATED", default=True)
 # Optional bearer token Prometheus must send to scrape /metrics.
 CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
 # Public URL agents use to reach the API (put into cloud-init user data).
@@ -238,6 +249,12 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",
+    "ENUM_NAME_OVERRIDES": {
+        "InstanceStatusEnum": "apps.machines.choices.InstanceStatus",
+        "PoolStatusEnum": "apps.pools.choices.PoolStatus",
+        "JobStatusEnum": "apps.jobs.choices.JobStatus",
+        "ResourceStatusEnum": "apps.resources.choices.ResourceStatus",
+    },
 }
 
 LOGGING = {

@@ -5,6 +5,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from apps.core.views import healthz, metrics_view
+from apps.machines.agent_api import agent_urls
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
@@ -15,6 +16,7 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("config.api_urls")),
+    path("api/agent/v1/", include(agent_urls())),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
 ]

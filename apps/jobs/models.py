@@ -88,3 +88,21 @@ class Job(models.Model):
 
     def event_refs(self) -> dict:
         return {"org": self.org_id, "job": self.pk, "instance": self.instance_id}
+
+
+class JobLogChunk(models.Model):
+    """A piece of a job's output as the agent streamed it (``seq`` makes retries harmless)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_chunks")
+    attempt = models.PositiveIntegerField()
+    seq = models.PositiveIntegerField()
+    stream = models.CharField(max_length=8, choices=[("stdout", "stdout"), ("stderr", "stderr")])
+    data = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["job", "attempt", "seq"]
+        constraints = [models.UniqueConstraint(fields=["job", "attempt", "seq"], name="job_log_chunk_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}#{self.attempt}:{self.seq}"

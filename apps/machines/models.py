@@ -174,6 +174,10 @@ class MachineInstance(models.Model):
             # Reaper and reconciler: live rows by provider account / status.
             models.Index(fields=["provider_account", "status"], name="instance_account_status"),
             models.Index(fields=["org", "machine_type", "status"], name="instance_org_type_status"),
+            # Agent API authentication: WHERE agent_token_hash = %s
+            models.Index(
+                fields=["agent_token_hash"], name="instance_agent_token", condition=~Q(agent_token_hash="")
+            ),
         ]
 
     def __str__(self) -> str:

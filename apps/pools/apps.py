@@ -7,3 +7,6 @@ class PoolsConfig(AppConfig):
     name = "apps.pools"
     label = "pools"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from apps.pools import metrics  # noqa: F401 - registers the pool gauges

@@ -24,6 +24,10 @@ class InstancePool(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     drained_at = models.DateTimeField(null=True, blank=True)
+    # Why the last refill could not reach target_size ("" when it could); events only on change.
+    limit_reason = models.CharField(max_length=200, blank=True, editable=False)
+    # When a schedule last set target_size (manual changes stand until the next firing).
+    schedule_applied_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["org__slug", "name"]

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.conf import settings
+from django.db import connection, transaction
 
-from apps.core.errors import ValidationFailed
+from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.transitions import change_state
 from apps.events.services import event_record
-from apps.machines.models import MachineType
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, grant_for
 from apps.orgs.models import Organization
-from apps.pools.choices import POOL_TRANSITIONS, PoolStatus
+from apps.pools.choices import POOL_ACTIVE, POOL_TRANSITIONS, PoolStatus
 from apps.pools.models import InstancePool
 
 
@@ -110,3 +115,258 @@ def pool_transition(
         reason=reason,
         **changes,
     )
+
+
+# ---- claim (the hot path) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    claim_id: uuid.UUID
+    instance: MachineInstance
+
+
+_COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
+_ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
+# One round trip: find the oldest ready member (skipping rows other claimers hold), claim it,
+# and append the event, in a single statement over the partial index instance_ready_by_pool.
+# Never `pk__in=qs.select_for_update(skip_locked=True)[:1]`: PostgreSQL may re-evaluate an IN
+# subquery and update more rows than the LIMIT.
+CLAIM_SQL = f"""
+WITH pool AS (
+    SELECT id FROM pools_instancepool WHERE id = %(pool)s AND status = ANY(%(active)s)
+), c AS (
+    SELECT m.id FROM machines_machineinstance m JOIN pool ON m.pool_id = pool.id
+    WHERE m.status = 'ready'
+    ORDER BY m.ready_at
+    LIMIT 1
+    FOR UPDATE OF m SKIP LOCKED
+), u AS (
+    UPDATE machines_machineinstance m
+    SET status = 'claimed', claimed_at = now(), claim_id = %(claim)s,
+        claimed_by = %(by)s, claimed_for = %(for)s
+    FROM c WHERE m.id = c.id AND m.status = 'ready'
+    RETURNING m.*
+), e AS (
+    INSERT INTO events_event (org_id, kind, created_at, actor, reason, pool_id, instance_id, job_id, data)
+    SELECT u.org_id, 'pool.member_claimed', now(), %(actor)s, '', u.pool_id, u.id, %(job)s,
+           jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,
+                              'acquired_for', %(for)s::text)
+    FROM u
+)
+SELECT {", ".join(f"u.{c}" for c in _COLUMNS)} FROM u
+"""
+
+
+def pool_claim(
+    *, pool_id: Any, acquired_by: str = "", acquired_for: str = "", actor: str = "", job_id: Any = None
+) -> Claim:
+    """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
+    instance to two callers; answers :class:`PoolEmpty` at once when none is ready."""
+    claim_id = uuid.uuid4()
+    params = {
+        "pool": str(pool_id),
+        "active": sorted(POOL_ACTIVE),
+        "claim": claim_id,
+        "by": acquired_by[:200],
+        "for": acquired_for[:200],
+        "actor": actor[:200],
+        "job": str(job_id) if job_id else None,
+    }
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(CLAIM_SQL, params)
+        row = cursor.fetchone()
+        if row is None:
+            status = InstancePool.objects.filter(pk=pool_id).values_list("status", flat=True).first()
+            if status is None:
+                raise NotFound("pool not found")
+            if status not in POOL_ACTIVE:
+                raise InvalidTransition("Pool", pool_id, status, "claimed from")
+            raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
+        instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row)
+        pool_id_str = str(pool_id)
+        transaction.on_commit(lambda: _enqueue_refill(pool_id_str))
+    return Claim(claim_id=claim_id, instance=instance)
+
+
+def _enqueue_refill(pool_id: str) -> None:
+    from apps.pools.tasks import pool_refill_task
+
+    pool_refill_task.delay(pool_id)
+
+
+# ---- sizes, drain, delete -------------------------------------------------------------------
+
+
+@transaction.atomic
+def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> InstancePool:
+    """Change sizes (and description); the reaper and the refill converge to them."""
+    pool = InstancePool.objects.select_for_update().get(pk=pool.pk)
+    if pool.status not in POOL_ACTIVE:
+        raise InvalidTransition("Pool", pool.pk, pool.status, "resized")
+    wanted = {k: sizes.get(k, getattr(pool, k)) for k in ("target_size", "min_size", "max_size")}
+    grant = grant_for(org=pool.org, machine_type=pool.machine_type)
+    pool_validate_sizes(**wanted, max_pool_size=grant.max_pool_size)
+    changed = {k: v for k, v in sizes.items() if getattr(pool, k) != v}
+    for key, value in changed.items():
+        setattr(pool, key, value)
+    if changed:
+        pool.save()
+        event_record(kind="pool.updated", org=pool.org_id, pool=pool, actor=actor, **changed)
+        pool_id = str(pool.pk)
+        transaction.on_commit(lambda: _enqueue_refill(pool_id))
+    return pool
+
+
+def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") -> int:
+    """Stop keeping machines: no new members, acquires refused. With ``terminate_members``
+    every live member is terminated; without, unclaimed members are released as idle
+    machines that the reaper destroys at the end of their paid period. Returns the number
+    of members terminated."""
+    from apps.machines.lifecycle import instance_terminate
+
+    with transaction.atomic():
+        pool_transition(
+            pool_id=pool.pk,
+            to=PoolStatus.DRAINING,
+            actor=actor,
+            reason="terminate members" if terminate_members else "release members",
+        )
+        members = list(
+            MachineInstance.objects.filter(pool=pool, status__in=INSTANCE_LIVE)
+            .exclude(status=InstanceStatus.TERMINATING)
+            .values_list("pk", "status")
+        )
+        terminated = 0
+        for instance_id, status in members:
+            if terminate_members:
+                try:
+                    instance_terminate(instance_id=instance_id, actor=actor, reason="pool drained")
+                    terminated += 1
+                except InvalidTransition:
+                    pass
+            elif status != InstanceStatus.CLAIMED:
+                MachineInstance.objects.filter(pk=instance_id).update(pool=None)
+                event_record(
+                    kind="pool.member_released",
+                    org=pool.org_id,
+                    pool=pool,
+                    instance=instance_id,
+                    actor=actor,
+                    reason="pool drained without terminating members",
+                )
+        pool_transition(
+            pool_id=pool.pk, to=PoolStatus.DRAINED, actor=actor, event_data={"terminated_count": terminated}
+        )
+    return terminated
+
+
+@transaction.atomic
+def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
+    locked = InstancePool.objects.select_for_update().get(pk=pool.pk)
+    if locked.status != PoolStatus.DRAINED:
+        raise InvalidTransition("Pool", pool.pk, locked.status, "deleted (drain it first)")
+    event_record(kind="pool.deleted", org=pool.org_id, pool=pool, actor=actor, name=pool.name)
+    locked.delete()
+
+
+# ---- refill: converge members to target_size ------------------------------------------------
+
+
+def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
+    """Provision what the pool lacks (up to target_size, never past max_size or the org's
+    max_instances), replace outdated members, trim a surplus, and update the pool's status.
+    Serialised per pool by a row lock; returns the number of members requested."""
+    from apps.machines.lifecycle import instance_request, instance_terminate
+
+    with transaction.atomic():
+        pool = (
+            InstancePool.objects.select_for_update(of=("self",))
+            .select_related("machine_type")
+            .filter(pk=pool_id)
+            .first()
+        )
+        if pool is None or pool.status not in POOL_ACTIVE:
+            return 0
+        mt = pool.machine_type
+        if settings.CATACLOUD_REPLACE_OUTDATED:
+            MachineInstance.objects.filter(
+                pool=pool, status__in=INSTANCE_LIVE, machine_type_version__lt=mt.version, outdated=False
+            ).update(outdated=True)
+        members = list(
+            MachineInstance.objects.filter(pool=pool, status__in=INSTANCE_LIVE)
+            .exclude(status=InstanceStatus.TERMINATING)
+            .values("pk", "status", "outdated", "ready_at", "provisioning_started_at")
+        )
+        unclaimed = [m for m in members if m["status"] != InstanceStatus.CLAIMED]
+        fresh = [m for m in unclaimed if not m["outdated"]]
+        fresh_ready = [m for m in fresh if m["status"] == InstanceStatus.READY]
+        outdated = [m for m in unclaimed if m["outdated"]]
+        grant = OrgMachineType.objects.filter(org_id=pool.org_id, machine_type=mt).first()
+        org_live = (
+            MachineInstance.objects.filter(org_id=pool.org_id, machine_type=mt, status__in=INSTANCE_LIVE)
+            .exclude(status=InstanceStatus.TERMINATING)
+            .count()
+        )
+        wanted = max(0, pool.target_size - len(fresh))
+        room_pool = max(0, pool.max_size - len(members))
+        room_quota = max(0, (grant.max_instances if grant else 0) - org_live)
+        count = min(wanted, room_pool, room_quota)
+        limit = ""
+        if count < wanted:
+            limit = (
+                f"pool_at_max_size: {len(members)}/{pool.max_size} members"
+                if room_pool <= room_quota
+                else f"quota_exceeded: max_instances {org_live}/{grant.max_instances if grant else 0}"
+            )
+        for _ in range(count):
+            instance_request(org=pool.org_id, machine_type=mt, pool=pool, actor=actor, reason="refill")
+        to_terminate: list[Any] = []
+        if outdated:
+            if len(fresh_ready) >= pool.target_size:
+                to_terminate += [m["pk"] for m in outdated]  # replacements are ready: retire the old
+            elif count == 0 and wanted > 0:
+                to_terminate.append(outdated[0]["pk"])  # no room to surge: make room, one at a time
+        surplus = len(fresh) - pool.target_size
+        if surplus > 0:
+            ready_first = sorted(
+                fresh, key=lambda m: (m["status"] != InstanceStatus.READY, m["ready_at"] is None)
+            )
+            to_terminate += [m["pk"] for m in ready_first[:surplus] if m["status"] == InstanceStatus.READY]
+        for instance_id in to_terminate:
+            with contextlib.suppress(InvalidTransition):
+                instance_terminate(
+                    instance_id=instance_id,
+                    actor=actor,
+                    reason="outdated machine type version"
+                    if instance_id in {m["pk"] for m in outdated}
+                    else "above target_size",
+                )
+        if limit != pool.limit_reason:
+            InstancePool.objects.filter(pk=pool.pk).update(limit_reason=limit)
+        # An event when the limit changes, not on every refill while it holds.
+        if limit and limit.split(":")[0] != pool.limit_reason.split(":")[0]:
+            event_record(
+                kind=f"pool.{limit.split(':')[0]}",
+                org=pool.org_id,
+                pool=pool,
+                actor=actor,
+                reason=limit,
+                wanted=wanted,
+                requested=count,
+            )
+        _sync_status(pool, ready=len(fresh_ready))
+    return count
+
+
+def _sync_status(pool: InstancePool, *, ready: int) -> None:
+    """warming → ready when target_size members are ready; ready ⇄ replenishing."""
+    if ready >= pool.target_size and pool.status != PoolStatus.READY:
+        pool_transition(pool_id=pool.pk, to=PoolStatus.READY, actor="refill", event_data={"ready": ready})
+    elif ready < pool.target_size and pool.status == PoolStatus.READY:
+        pool_transition(
+            pool_id=pool.pk,
+            to=PoolStatus.REPLENISHING,
+            actor="refill",
+            event_data={"ready": ready, "target_size": pool.target_size},
+        )

@@ -2,11 +2,16 @@ from __future__ import annotations
 
 import django_filters
 from django.db.models import QuerySet
-from rest_framework import mixins
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from apps.core.api import OrgScopedViewSet
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
 from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance, MachineType
 from apps.machines.selectors import machine_types_for_org
 
@@ -51,6 +56,11 @@ class InstanceFilter(django_filters.FilterSet):
         fields = ("status", "provider", "machine_type", "pool", "outdated")
 
 
+class TerminateOut(serializers.Serializer):
+    id = serializers.UUIDField()
+    status = serializers.CharField()
+
+
 class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """The org's machine instances: status, pool, provider ids, timestamps, cost."""
 
@@ -59,3 +69,12 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
     filterset_class = InstanceFilter
     ordering_fields = ("created_at", "ready_at", "claimed_at", "status")
     ordering = ("-created_at",)
+
+    @extend_schema(request=None, responses={202: TerminateOut})
+    @action(detail=True, methods=["post"])
+    def terminate(self, request: Request, pk: str | None = None) -> Response:
+        """Destroy the machine at the provider; its pool sees the deficit and replaces it."""
+        instance = instance_terminate(
+            instance_id=self.get_object().pk, actor=self.actor(), reason="terminated through the API"
+        )
+        return Response({"id": instance.pk, "status": instance.status}, status=status.HTTP_202_ACCEPTED)

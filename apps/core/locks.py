@@ -1,0 +1,29 @@
+"""PostgreSQL advisory lock keys, in one place so no two jobs ever share one by accident."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from django.db import connection
+
+REAPER = 0x0CA7_0001
+SCHEDULER_TICK = 0x0CA7_0002
+
+
+@contextlib.contextmanager
+def try_advisory_lock(key: int) -> Iterator[bool]:
+    """Session-level ``pg_try_advisory_lock``: yields whether we got it; released on exit.
+
+    Session-level (not transaction-level) so that it may be held across work that commits
+    several small transactions and calls providers; a dead worker's connection drops it.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
+        got = bool(cursor.fetchone()[0])
+    try:
+        yield got
+    finally:
+        if got:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [key])

@@ -1,0 +1,217 @@
+"""The Agent API: the only surface agents on machines talk to (``/api/agent/v1/``).
+
+A separate principal: ``Authorization: Agent <token>`` with a per-instance agent token
+obtained by exchanging the single-use bootstrap token. Agent tokens reach only these
+endpoints and only their own instance's data; user (Bearer) tokens cannot reach them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+from rest_framework import exceptions, serializers, status
+from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.core.api import error_response
+from apps.core.crypto import hash_token, new_token
+from apps.core.errors import InvalidTransition
+from apps.events.services import event_record
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.lifecycle import _after_instance_left, bootstrap_token_instance
+from apps.machines.models import MachineInstance
+from apps.machines.services import instance_transition
+
+log = logging.getLogger(__name__)
+S = InstanceStatus
+AGENT_TOKEN_PREFIX = "ca"
+
+
+class AgentAuthentication(BaseAuthentication):
+    keyword = "Agent"
+
+    def authenticate(self, request: Request) -> tuple[Any, MachineInstance] | None:
+        parts = get_authorization_header(request).decode("latin-1").split()
+        if not parts or parts[0] != self.keyword:
+            return None
+        if len(parts) != 2 or not parts[1].startswith(f"{AGENT_TOKEN_PREFIX}_"):
+            raise exceptions.AuthenticationFailed("invalid agent token")
+        instance = (
+            MachineInstance.objects.filter(agent_token_hash=hash_token(parts[1]), status__in=INSTANCE_LIVE)
+            .select_related("machine_type")
+            .first()
+        )
+        if instance is None:
+            raise exceptions.AuthenticationFailed("unknown agent token, or the machine has ended")
+        return AgentPrincipal(instance), instance
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword
+
+
+class AgentPrincipal:
+    """``request.user`` for agents: authenticated, but no user of any organization."""
+
+    is_authenticated = True
+    is_active = True
+    is_staff = False
+    is_superuser = False
+
+    def __init__(self, instance: MachineInstance) -> None:
+        self.instance = instance
+        self.pk = None
+
+    def get_username(self) -> str:
+        return f"agent:{self.instance.pk}"
+
+
+class IsAgent(BasePermission):
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        return isinstance(request.auth, MachineInstance)
+
+
+class AgentView(APIView):
+    schema = None  # not part of the public API document
+    authentication_classes = [AgentAuthentication]
+    permission_classes = [IsAgent]
+    throttle_classes: list = []
+
+    @property
+    def instance(self) -> MachineInstance:
+        return self.request.auth
+
+
+# ---- enroll and heartbeat ---------------------------------------------------------------------
+
+
+class EnrollIn(serializers.Serializer):
+    bootstrap_token = serializers.CharField(max_length=200)
+    hostname = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
+
+
+class EnrollView(APIView):
+    """Exchange the single-use bootstrap token for this instance's agent token."""
+
+    schema = None
+    authentication_classes: list = []
+    permission_classes: list = []
+    throttle_classes: list = []
+
+    def post(self, request: Request) -> Response:
+        data = EnrollIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        instance_id = bootstrap_token_instance(data.validated_data["bootstrap_token"])
+        if instance_id is None:
+            return error_response(401, "invalid_bootstrap_token", "this bootstrap token is not valid")
+        secret = new_token(AGENT_TOKEN_PREFIX)
+        with transaction.atomic():
+            enrolled = MachineInstance.objects.filter(
+                pk=instance_id, agent_token_hash="", status__in=[S.PROVISIONING, S.WARMING]
+            ).update(agent_token_hash=hash_token(secret), last_heartbeat_at=timezone.now())
+            if not enrolled:
+                row = (
+                    MachineInstance.objects.filter(pk=instance_id)
+                    .values("agent_token_hash", "status")
+                    .first()
+                )
+                if row is None or row["status"] not in INSTANCE_LIVE:
+                    return error_response(
+                        401, "invalid_bootstrap_token", "this machine is unknown or has ended"
+                    )
+                return error_response(409, "already_enrolled", "this bootstrap token was already used")
+            instance = MachineInstance.objects.get(pk=instance_id)
+            event_record(
+                kind="agent.enrolled",
+                org=instance.org_id,
+                pool=instance.pool_id,
+                instance=instance,
+                actor=f"agent:{instance.pk}",
+                hostname=data.validated_data.get("hostname", ""),
+                agent_version=data.validated_data.get("agent_version", ""),
+            )
+        return Response(
+            {
+                "instance_id": str(instance_id),
+                "agent_token": secret,
+                "heartbeat_interval": settings.CATACLOUD_HEARTBEAT_INTERVAL,
+                "poll_timeout": settings.CATACLOUD_AGENT_POLL_TIMEOUT,
+            }
+        )
+
+
+class HeartbeatIn(serializers.Serializer):
+    running_job = serializers.UUIDField(required=False, allow_null=True)
+
+
+def instance_heartbeat(*, instance: MachineInstance) -> bool:
+    """Record a heartbeat; the first one after enrolment makes a warming instance ready."""
+    now = timezone.now()
+    MachineInstance.objects.filter(pk=instance.pk).update(last_heartbeat_at=now)
+    if instance.status != S.WARMING:
+        return False
+    try:
+        with transaction.atomic():
+            ready = instance_transition(
+                instance_id=instance.pk,
+                to=S.READY,
+                from_=[S.WARMING],
+                actor=f"agent:{instance.pk}",
+                reason="agent handshake",
+                event="pool.member_warmed" if instance.pool_id else "instance.ready",
+                warmed_at=now,
+                now=now,
+            )
+            _after_instance_left(ready)  # pool: re-evaluate status and deficit
+            _instance_ready_hook(ready)
+    except InvalidTransition:
+        return False
+    return True
+
+
+def _instance_ready_hook(instance: MachineInstance) -> None:
+    """A machine became ready: the scheduler may place a waiting job on it."""
+    try:
+        from apps.jobs.tasks import schedule_task
+    except ImportError:
+        return
+    transaction.on_commit(lambda: schedule_task.delay())
+
+
+class HeartbeatView(AgentView):
+    def post(self, request: Request) -> Response:
+        data = HeartbeatIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        instance_heartbeat(instance=self.instance)
+        cancel: list[str] = []
+        try:
+            from apps.jobs.agent import jobs_to_cancel
+        except ImportError:
+            pass
+        else:
+            cancel = jobs_to_cancel(instance=self.instance)
+        return Response({"cancel": cancel, "terminate": self.instance.status == S.TERMINATING})
+
+
+def agent_urls() -> list:
+    from django.urls import path
+
+    urls = [
+        path("enroll", EnrollView.as_view(), name="agent-enroll"),
+        path("heartbeat", HeartbeatView.as_view(), name="agent-heartbeat"),
+    ]
+    try:
+        from apps.jobs.agent import job_agent_urls
+    except ImportError:
+        return urls
+    return urls + job_agent_urls()
+
+
+__all__ = ["AgentView", "agent_urls", "status"]

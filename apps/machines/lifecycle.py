@@ -1,0 +1,322 @@
+"""The machine life-cycle saga: request, provision, terminate, lose; never leak a machine.
+
+Crash safety: the instance row (and its UUID, the idempotency key) is committed before any
+cloud call; no transaction is open across a provider call; the result is recorded in a new
+transaction with a compare-and-set, and a machine created for a row that meanwhile ended is
+deleted at once. Tasks call these functions; every one of them is safe to run twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition
+from apps.core.selectors import installation_id
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.services import instance_transition
+from catacloud.providers import (
+    LABEL_INSTALLATION,
+    LABEL_INSTANCE,
+    LABEL_ORG,
+    LABEL_POOL,
+    MachineSpec,
+    NotFound,
+    Provider,
+    build_provider,
+)
+from catacloud.providers.userdata import render_user_data
+
+log = logging.getLogger(__name__)
+S = InstanceStatus
+
+# ---- providers ------------------------------------------------------------------------------
+
+_providers: dict[tuple[str, str], Provider] = {}
+
+
+def provider_for(account: ProviderAccount) -> Provider:
+    """The driver for ``account`` (cached per process until the account changes)."""
+    key = (str(account.pk), account.updated_at.isoformat() if account.updated_at else "")
+    provider = _providers.get(key)
+    if provider is None:
+        config = dict(account.config)
+        if account.kind == "local":
+            config.setdefault("state_dir", str(Path(settings.CATACLOUD_HOME) / "machines" / account.name))
+        provider = build_provider(account.kind, config=config, credentials=account.credentials)
+        _providers[key] = provider
+    return provider
+
+
+def owner_labels() -> dict[str, str]:
+    """Labels that select every machine of this installation at any provider."""
+    return {LABEL_INSTALLATION: installation_id()}
+
+
+# ---- bootstrap tokens -----------------------------------------------------------------------
+
+
+def _bootstrap_mac(instance_id: str) -> str:
+    key = hashlib.sha256(f"catacloud-bootstrap:{settings.SECRET_KEY}".encode()).digest()
+    return hmac.new(key, str(instance_id).encode(), hashlib.sha256).hexdigest()
+
+
+def bootstrap_token_for(instance_id: Any) -> str:
+    """The single-use token a machine's agent enrolls with.
+
+    Derived (HMAC) from the instance id, so a provision task retried after a crash puts the
+    same token into the same machine's user data; single use is enforced by the instance
+    row (an enrolled instance refuses it).
+    """
+    return f"cb.{instance_id}.{_bootstrap_mac(str(instance_id))}"
+
+
+def bootstrap_token_instance(token: str) -> str | None:
+    """The instance id a bootstrap token belongs to, or None if it is not genuine."""
+    try:
+        prefix, instance_id, mac = token.split(".")
+    except ValueError:
+        return None
+    if prefix != "cb" or not hmac.compare_digest(mac, _bootstrap_mac(instance_id)):
+        return None
+    return instance_id
+
+
+# ---- request ---------------------------------------------------------------------------------
+
+
+def instance_request(
+    *, org: Any, machine_type: MachineType, pool: Any = None, actor: str = "", reason: str = ""
+) -> MachineInstance:
+    """Commit a ``pending`` instance and enqueue its provisioning after commit."""
+    from apps.events.services import event_record
+    from apps.machines.tasks import provision_instance_task
+
+    with transaction.atomic():
+        instance = MachineInstance.objects.create(
+            org_id=getattr(org, "pk", org),
+            machine_type=machine_type,
+            machine_type_version=machine_type.version,
+            provider_account_id=machine_type.provider_account_id,
+            pool_id=getattr(pool, "pk", pool),
+        )
+        event_record(
+            kind="pool.member_requested" if instance.pool_id else "instance.requested",
+            org=instance.org_id,
+            pool=instance.pool_id,
+            instance=instance,
+            actor=actor,
+            reason=reason,
+        )
+        transaction.on_commit(lambda: provision_instance_task.delay(str(instance.pk)))
+    return instance
+
+
+def machine_spec(instance: MachineInstance) -> MachineSpec:
+    mt = instance.machine_type
+    token = bootstrap_token_for(instance.pk)
+    url = settings.CATACLOUD_PUBLIC_URL
+    labels = {
+        **owner_labels(),
+        LABEL_INSTANCE: str(instance.pk),
+        LABEL_ORG: str(instance.org_id),
+        LABEL_POOL: str(instance.pool_id) if instance.pool_id else "none",
+    }
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    user_data = ""
+    if instance.provider_account.kind == "local":
+        command = (sys.executable, "-m", "catacloud.agent", "agent", "--url", url)
+        env = {"CATACLOUD_BOOTSTRAP_TOKEN": token}
+    else:
+        user_data = render_user_data(
+            agent_url=url, bootstrap_token=token, package=settings.CATACLOUD_AGENT_PACKAGE
+        )
+    return MachineSpec(
+        instance_id=str(instance.pk),
+        labels=labels,
+        server_type=mt.server_type,
+        image=mt.image,
+        location=mt.location,
+        cpus=mt.cpus,
+        memory_mb=mt.memory_mb,
+        gpus=mt.gpus,
+        spot=mt.spot,
+        user_data=user_data,
+        command=command,
+        env=env,
+    )
+
+
+def _event_kind(instance: MachineInstance, verb: str) -> str:
+    return f"pool.member_{verb}" if instance.pool_id else f"instance.{verb}"
+
+
+def instance_provision(*, instance_id: Any) -> None:
+    """Body of the provision task: create the machine at the provider, record it → warming.
+
+    Provider errors propagate (typed) so the task can retry the retryable ones.
+    """
+    instance = (
+        MachineInstance.objects.select_related("machine_type", "provider_account")
+        .filter(pk=instance_id)
+        .first()
+    )
+    if instance is None or instance.status not in (S.PENDING, S.PROVISIONING):
+        return  # gone, or already past provisioning: nothing to do (task ran twice)
+    if instance.status == S.PENDING:
+        try:
+            instance_transition(
+                instance_id=instance.pk,
+                to=S.PROVISIONING,
+                from_=[S.PENDING],
+                actor="provisioner",
+                event=_event_kind(instance, "provisioning"),
+            )
+        except InvalidTransition:
+            return
+    provider = provider_for(instance.provider_account)
+    machine = provider.create(machine_spec(instance))  # no transaction open here
+    with transaction.atomic():
+        recorded = MachineInstance.objects.filter(pk=instance.pk, status=S.PROVISIONING).update(
+            provider_id=machine.provider_id,
+            provider_state=machine.raw_state[:32],
+            public_ip=machine.public_ip,
+        )
+        if recorded:
+            instance_transition(
+                instance_id=instance.pk,
+                to=S.WARMING,
+                from_=[S.PROVISIONING],
+                actor="provisioner",
+                event=_event_kind(instance, "provisioned"),
+                provider_id=machine.provider_id,
+            )
+    if not recorded:
+        # The row ended (terminated, failed, lost) while we were creating: do not leak.
+        log.info("instance %s ended during provisioning; deleting its machine", instance.pk)
+        MachineInstance.objects.filter(pk=instance.pk, provider_id="").update(provider_id=machine.provider_id)
+        provider.delete(machine.provider_id)
+
+
+def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") -> None:
+    """Give up on an instance (provider refused it); its pool sees the deficit."""
+    try:
+        instance = instance_transition(
+            instance_id=instance_id, to=S.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
+        )
+    except InvalidTransition:
+        return
+    _after_instance_left(instance)
+
+
+# ---- terminate -------------------------------------------------------------------------------
+
+
+def instance_terminate(*, instance_id: Any, actor: str = "", reason: str = "") -> MachineInstance:
+    """Move a live instance to ``terminating`` and enqueue its destruction after commit.
+
+    Raises InvalidTransition when it is not live. Its pool (if any) refills after commit.
+    """
+    from apps.machines.tasks import terminate_instance_task
+
+    with transaction.atomic():
+        row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
+        event = "pool.member_terminated" if row and row["pool_id"] else None
+        instance = instance_transition(
+            instance_id=instance_id, to=S.TERMINATING, actor=actor, reason=reason, event=event
+        )
+        transaction.on_commit(lambda: terminate_instance_task.delay(str(instance_id)))
+    _after_instance_left(instance)
+    return instance
+
+
+def instance_destroy(*, instance_id: Any) -> None:
+    """Body of the terminate task: delete the machine at the provider, then → terminated."""
+    instance = MachineInstance.objects.select_related("provider_account").filter(pk=instance_id).first()
+    if instance is None or instance.status != S.TERMINATING:
+        return
+    provider = provider_for(instance.provider_account)
+    provider_id = instance.provider_id
+    if not provider_id:  # created but not recorded yet (or never created): find it by label
+        found = provider.find_by_instance(str(instance.pk), owner_labels())
+        provider_id = found.provider_id if found else ""
+    if provider_id:
+        with contextlib.suppress(NotFound):
+            provider.delete(provider_id)
+    with contextlib.suppress(InvalidTransition):
+        instance_transition(
+            instance_id=instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
+        )
+
+
+def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineInstance | None:
+    """The machine vanished or its agent went silent: → lost, requeue its job, destroy what is
+    left of the machine (a silent machine may still be billing), and refill its pool."""
+    from apps.machines.tasks import destroy_machine_task
+
+    with transaction.atomic():
+        row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
+        try:
+            instance = instance_transition(
+                instance_id=instance_id,
+                to=S.LOST,
+                from_=INSTANCE_LIVE,
+                actor=actor,
+                reason=reason,
+                event="pool.member_lost" if row and row["pool_id"] else None,
+                failure_reason=reason[:2000],
+            )
+        except InvalidTransition:
+            return None
+        _requeue_jobs_of(instance, reason)
+        transaction.on_commit(
+            lambda: destroy_machine_task.delay(
+                str(instance.provider_account_id), instance.provider_id, str(instance.pk)
+            )
+        )
+    _after_instance_left(instance)
+    return instance
+
+
+def destroy_machine(*, account_id: Any, provider_id: str, instance_id: str) -> None:
+    """Delete a machine whose row already ended (lost): idempotent, by id or by label."""
+    account = ProviderAccount.objects.get(pk=account_id)
+    provider = provider_for(account)
+    if not provider_id:
+        found = provider.find_by_instance(instance_id, owner_labels())
+        provider_id = found.provider_id if found else ""
+    if provider_id:
+        with contextlib.suppress(NotFound):
+            provider.delete(provider_id)
+
+
+def _requeue_jobs_of(instance: MachineInstance, reason: str) -> None:
+    try:
+        from apps.jobs.scheduling import jobs_requeue_for_lost_instance
+    except ImportError:  # jobs not installed yet
+        return
+    jobs_requeue_for_lost_instance(instance=instance, reason=reason)
+
+
+def _after_instance_left(instance: MachineInstance) -> None:
+    """A member left its pool (claimed, ended): refill the pool right after commit."""
+    if instance.pool_id:
+        from apps.pools.tasks import pool_refill_task
+
+        pool_id = str(instance.pool_id)
+        transaction.on_commit(lambda: pool_refill_task.delay(pool_id))
+
+
+def now() -> Any:
+    return timezone.now()

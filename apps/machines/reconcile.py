@@ -1,0 +1,201 @@
+"""The reconciler: compare one provider account's machines with the database, both ways.
+
+- a machine carrying this installation's label with no live row, older than the grace
+  period → deleted (``reconcile.orphan_deleted``);
+- a row stuck in ``provisioning`` with no provider id (the worker died between the cloud's
+  create and our record) → adopted by its instance label (→ warming), or failed when no
+  machine exists (``reconcile.adopted`` / ``reconcile.not_created``);
+- a live row whose machine is gone → ``lost`` (its job is requeued, its pool refilled);
+- a ``terminating`` row whose task was lost → its destruction is enqueued again.
+Bounded batches; a rate-limited provider stops this pass (the next tick continues).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition
+from apps.events.services import event_record
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.lifecycle import _event_kind, instance_mark_lost, owner_labels, provider_for
+from apps.machines.models import MachineInstance, ProviderAccount
+from apps.machines.services import instance_transition
+from catacloud.providers import NotFound, ProviderError, RateLimited
+
+log = logging.getLogger(__name__)
+S = InstanceStatus
+BATCH = 200
+
+
+@dataclass
+class ReconcileReport:
+    account: str
+    orphans_deleted: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    not_created: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    retried_terminations: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def actions(self) -> int:
+        return sum(
+            map(
+                len,
+                (self.orphans_deleted, self.adopted, self.not_created, self.lost, self.retried_terminations),
+            )
+        )
+
+
+def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None = None) -> ReconcileReport:
+    grace = timedelta(seconds=settings.CATACLOUD_RECONCILE_GRACE if grace_seconds is None else grace_seconds)
+    report = ReconcileReport(account=account.name)
+    provider = provider_for(account)
+    now = timezone.now()
+    try:
+        machines = provider.list(owner_labels())  # no transaction open
+    except RateLimited as exc:
+        report.error = f"rate limited: {exc}"
+        return report
+    except ProviderError as exc:
+        report.error = f"{exc.code}: {exc}"
+        log.warning("reconcile %s: cannot list machines: %s", account.name, exc.code)
+        return report
+    by_instance: dict[str, Any] = {}
+    for machine in machines:
+        if machine.instance_id:
+            by_instance[machine.instance_id] = machine
+
+    live_rows = {
+        str(row["id"]): row
+        for row in MachineInstance.objects.filter(provider_account=account, status__in=INSTANCE_LIVE).values(
+            "id", "status", "provider_id", "created_at", "provisioning_started_at", "pool_id", "org_id"
+        )
+    }
+
+    # 1. Cloud → database: machines nobody owns.
+    for instance_id, machine in list(by_instance.items())[: BATCH * 5]:
+        if instance_id in live_rows or len(report.orphans_deleted) >= BATCH:
+            continue
+        created = machine.created_at
+        if created is not None and now - created < grace:
+            continue  # possibly a creation still being recorded
+        if created is None:
+            row = MachineInstance.objects.filter(pk=instance_id).values("created_at").first()
+            if row is not None and now - row["created_at"] < grace:
+                continue
+        try:
+            provider.delete(machine.provider_id)
+        except NotFound:
+            pass
+        except RateLimited:
+            report.error = "rate limited while deleting"
+            break
+        except ProviderError as exc:
+            log.warning("reconcile %s: delete %s failed: %s", account.name, machine.provider_id, exc.code)
+            continue
+        report.orphans_deleted.append(machine.provider_id)
+        event_record(
+            kind="reconcile.orphan_deleted",
+            actor="reconciler",
+            reason="labelled machine with no live row",
+            instance=_uuid_or_none(instance_id),
+            provider_id=machine.provider_id,
+            account=account.name,
+        )
+
+    # 2. Database → cloud.
+    for instance_id, row in list(live_rows.items())[: BATCH * 5]:
+        machine = by_instance.get(instance_id)
+        status = row["status"]
+        if status == S.PROVISIONING and not row["provider_id"]:
+            started = row["provisioning_started_at"] or row["created_at"]
+            if now - started < grace:
+                continue
+            if machine is not None:
+                _adopt(instance_id, machine, report)
+            else:
+                _not_created(instance_id, report)
+        elif status in (S.WARMING, S.READY, S.CLAIMED) and machine is None:
+            lost = instance_mark_lost(
+                instance_id=instance_id, actor="reconciler", reason="the machine is gone at the provider"
+            )
+            if lost is not None:
+                report.lost.append(instance_id)
+        elif status == S.TERMINATING and row["provider_id"] and machine is None:
+            # Deleted already but the task died before recording it.
+            with contextlib.suppress(InvalidTransition):
+                instance_transition(
+                    instance_id=instance_id,
+                    to=S.TERMINATED,
+                    from_=[S.TERMINATING],
+                    actor="reconciler",
+                    reason="machine already gone",
+                )
+        elif status == S.TERMINATING and machine is not None:
+            from apps.machines.tasks import terminate_instance_task
+
+            terminate_instance_task.delay(instance_id)
+            report.retried_terminations.append(instance_id)
+    return report
+
+
+def _uuid_or_none(value: str) -> str | None:
+    import uuid
+
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return None
+
+
+def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
+    with transaction.atomic():
+        updated = MachineInstance.objects.filter(
+            pk=instance_id, status=S.PROVISIONING, provider_id=""
+        ).update(provider_id=machine.provider_id, provider_state=machine.raw_state[:32])
+        if not updated:
+            return
+        instance = MachineInstance.objects.get(pk=instance_id)
+        instance_transition(
+            instance_id=instance_id,
+            to=S.WARMING,
+            from_=[S.PROVISIONING],
+            actor="reconciler",
+            reason="adopted by label after an interrupted provisioning",
+            event=_event_kind(instance, "provisioned"),
+        )
+        event_record(
+            kind="reconcile.adopted",
+            org=instance.org_id,
+            pool=instance.pool_id,
+            instance=instance,
+            actor="reconciler",
+            provider_id=machine.provider_id,
+        )
+    report.adopted.append(instance_id)
+
+
+def _not_created(instance_id: str, report: ReconcileReport) -> None:
+    from apps.machines.lifecycle import instance_fail
+
+    instance_fail(instance_id=instance_id, reason="provisioning never created a machine", actor="reconciler")
+    event_record(kind="reconcile.not_created", instance=instance_id, actor="reconciler")
+    report.not_created.append(instance_id)
+
+
+def reconcile_all(*, grace_seconds: float | None = None) -> list[ReconcileReport]:
+    """Reconcile every provider account that has or had machines."""
+    accounts = ProviderAccount.objects.filter(
+        Q(instances__isnull=False) | Q(machine_types__isnull=False)
+    ).distinct()
+    return [reconcile_account(account=a, grace_seconds=grace_seconds) for a in accounts]

@@ -1,0 +1,52 @@
+"""Thin tasks: take primary keys, exit quietly when there is nothing to do, call one service,
+retry only typed transient provider errors with backoff."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from celery import Task, shared_task
+
+from apps.machines import lifecycle
+from catacloud.providers import ProviderError
+
+log = logging.getLogger(__name__)
+
+MAX_RETRIES = 8
+
+
+def backoff(retries: int, retry_after: float | None = None) -> float:
+    """Exponential backoff with jitter, capped at 5 minutes; honours the provider's hint."""
+    if retry_after:
+        return min(300.0, retry_after)
+    return min(300.0, 2.0**retries) * (0.5 + random.random())
+
+
+@shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
+def provision_instance_task(self: Task, instance_id: str) -> None:
+    try:
+        lifecycle.instance_provision(instance_id=instance_id)
+    except ProviderError as exc:
+        if exc.retryable and self.request.retries < self.max_retries:
+            log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
+            raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+        lifecycle.instance_fail(instance_id=instance_id, reason=f"{exc.code}: {exc}")
+
+
+@shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
+def terminate_instance_task(self: Task, instance_id: str) -> None:
+    try:
+        lifecycle.instance_destroy(instance_id=instance_id)
+    except ProviderError as exc:
+        # Deleting must eventually succeed: retry everything; the reaper retries after that.
+        log.warning("terminating %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
+        raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+
+
+@shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
+def destroy_machine_task(self: Task, account_id: str, provider_id: str, instance_id: str) -> None:
+    try:
+        lifecycle.destroy_machine(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
+    except ProviderError as exc:
+        raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None

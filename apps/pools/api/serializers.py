@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from apps.jobs.api.serializers import OrgMachineTypeField
+from apps.machines.api.serializers import InstanceSerializer
+from apps.machines.models import MachineInstance
+from apps.pools.models import InstancePool, PoolSchedule
+
+
+class MemberSerializer(serializers.ModelSerializer):
+    instance_id = serializers.UUIDField(source="id", read_only=True)
+
+    class Meta:
+        model = MachineInstance
+        fields = (
+            "instance_id",
+            "status",
+            "provider_id",
+            "outdated",
+            "machine_type_version",
+            "created_at",
+            "warming_started_at",
+            "warmed_at",
+            "ready_at",
+            "claimed_at",
+            "claimed_by",
+            "claimed_for",
+        )
+        read_only_fields = fields
+
+
+class ScheduleSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = PoolSchedule
+        fields = ("name", "cron", "timezone", "target_size")
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    machine_type = OrgMachineTypeField()
+    target_size = serializers.IntegerField(min_value=0, max_value=10_000)
+    min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
+    max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
+    warmup_grace_seconds = serializers.IntegerField(min_value=10, max_value=86_400, required=False)
+    member_count = serializers.SerializerMethodField()
+    ready_count = serializers.SerializerMethodField()
+    members = serializers.SerializerMethodField()
+    schedules = ScheduleSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = InstancePool
+        fields = (
+            "id",
+            "name",
+            "description",
+            "machine_type",
+            "status",
+            "target_size",
+            "min_size",
+            "max_size",
+            "warmup_grace_seconds",
+            "member_count",
+            "ready_count",
+            "limit_reason",
+            "created_at",
+            "updated_at",
+            "drained_at",
+            "schedules",
+            "members",
+        )
+        read_only_fields = ("id", "status", "limit_reason", "created_at", "updated_at", "drained_at")
+
+    def _members(self, obj: InstancePool) -> list[MachineInstance]:
+        cache = self.context.setdefault("_members", {})
+        if obj.pk not in cache:
+            cache[obj.pk] = list(
+                obj.members.exclude(status__in=["terminated", "failed", "lost"]).order_by("created_at")
+            )
+        return cache[obj.pk]
+
+    def get_member_count(self, obj: InstancePool) -> int:
+        return sum(1 for m in self._members(obj) if m.status not in ("claimed", "terminating"))
+
+    def get_ready_count(self, obj: InstancePool) -> int:
+        return sum(1 for m in self._members(obj) if m.status == "ready")
+
+    @extend_schema_field(MemberSerializer(many=True))
+    def get_members(self, obj: InstancePool) -> list[dict]:
+        return MemberSerializer(self._members(obj), many=True).data
+
+
+class PoolUpdateSerializer(serializers.Serializer):
+    description = serializers.CharField(max_length=300, required=False, allow_blank=True)
+    target_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
+    min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
+    max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
+    warmup_grace_seconds = serializers.IntegerField(min_value=10, max_value=86_400, required=False)
+
+
+class AcquireIn(serializers.Serializer):
+    acquired_by = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    acquired_for = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+
+class AcquireOut(serializers.Serializer):
+    claim_id = serializers.UUIDField()
+    instance = InstanceSerializer()
+
+
+class DrainIn(serializers.Serializer):
+    terminate_members = serializers.BooleanField(default=False)
+
+
+class DrainOut(serializers.Serializer):
+    drained = serializers.BooleanField()
+    terminated_count = serializers.IntegerField()

@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import time
+
+import django_filters
+from django.db import transaction
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
+
+from apps.core.api import OrgScopedViewSet
+from apps.machines.models import MachineInstance
+from apps.pools.api.serializers import (
+    AcquireIn,
+    AcquireOut,
+    DrainIn,
+    DrainOut,
+    PoolSerializer,
+    PoolUpdateSerializer,
+)
+from apps.pools.choices import PoolStatus
+from apps.pools.metrics import CLAIM_LATENCY
+from apps.pools.models import InstancePool
+from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain, pool_update
+
+
+class PoolFilter(django_filters.FilterSet):
+    status = django_filters.MultipleChoiceFilter(choices=PoolStatus.choices)
+    machine_type = django_filters.CharFilter(field_name="machine_type__name")
+
+    class Meta:
+        model = InstancePool
+        fields = ("name", "status", "machine_type")
+
+
+class PoolViewSet(
+    OrgScopedViewSet,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+):
+    """Warm pools: keep target_size machines ready; acquire one in milliseconds."""
+
+    queryset = InstancePool.objects.select_related("machine_type").prefetch_related("schedules")
+    serializer_class = PoolSerializer
+    filterset_class = PoolFilter
+    ordering_fields = ("name", "created_at", "target_size")
+    ordering = ("name",)
+    required_roles = {"acquire": "member"}
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    def get_serializer_context(self) -> dict:
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
+            context["org"] = self.ctx.org
+        return context
+
+    def perform_create(self, serializer: BaseSerializer) -> None:
+        data = serializer.validated_data
+        serializer.instance = pool_create(org=self.ctx.org, actor=self.actor(), **data)
+
+    @extend_schema(request=PoolUpdateSerializer, responses=PoolSerializer)
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        pool = self.get_object()
+        data = PoolUpdateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        pool = pool_update(pool=pool, actor=self.actor(), **data.validated_data)
+        return Response(PoolSerializer(pool, context=self.get_serializer_context()).data)
+
+    def perform_destroy(self, instance: InstancePool) -> None:
+        pool_delete(pool=instance, actor=self.actor())
+
+    @extend_schema(request=AcquireIn, responses={201: AcquireOut})
+    @action(detail=True, methods=["post"])
+    def acquire(self, request: Request, pk: str | None = None) -> Response:
+        """Claim one ready member at once; 409 pool_empty when none is ready (never waits)."""
+        pool = self.get_object()
+        data = AcquireIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        started = time.perf_counter()
+        claim = pool_claim(pool_id=pool.pk, actor=self.actor(), **data.validated_data)
+        CLAIM_LATENCY.labels("api").observe(time.perf_counter() - started)
+        instance = MachineInstance.objects.select_related("machine_type", "provider_account").get(
+            pk=claim.instance.pk
+        )
+        body = AcquireOut({"claim_id": claim.claim_id, "instance": instance}).data
+        return Response(body, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=DrainIn, responses={200: DrainOut})
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        pool = self.get_object()
+        data = DrainIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        with transaction.atomic():
+            count = pool_drain(
+                pool=pool, terminate_members=data.validated_data["terminate_members"], actor=self.actor()
+            )
+        return Response({"drained": True, "terminated_count": count})

@@ -1,0 +1,80 @@
+"""Cloud drivers behind one small interface, registered by dotted path and loaded on first use.
+
+``build_provider("hetzner", config=..., credentials=...)`` imports ``hcloud`` only when a Hetzner
+account is actually used, so processes never pay for SDKs they do not need.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from catacloud.providers.base import (
+    LABEL_INSTALLATION,
+    LABEL_INSTANCE,
+    LABEL_ORG,
+    LABEL_POOL,
+    InsufficientCapacity,
+    MachineSpec,
+    MachineState,
+    NotFound,
+    Permanent,
+    Provider,
+    ProviderError,
+    ProviderMachine,
+    QuotaExceeded,
+    RateLimited,
+    Transient,
+    machine_name,
+)
+
+__all__ = [
+    "DRIVERS",
+    "LABEL_INSTALLATION",
+    "LABEL_INSTANCE",
+    "LABEL_ORG",
+    "LABEL_POOL",
+    "InsufficientCapacity",
+    "MachineSpec",
+    "MachineState",
+    "NotFound",
+    "Permanent",
+    "Provider",
+    "ProviderError",
+    "ProviderMachine",
+    "QuotaExceeded",
+    "RateLimited",
+    "Transient",
+    "build_provider",
+    "get_driver_class",
+    "machine_name",
+]
+
+# kind -> dotted path of the driver class (healthchecks' TRANSPORTS pattern).
+DRIVERS: dict[str, str] = {
+    "local": "catacloud.providers.local.LocalProvider",
+    "hetzner": "catacloud.providers.hetzner.HetznerProvider",
+    "aws": "catacloud.providers.aws.AwsProvider",
+    "fake": "catacloud.providers.fake.FakeProvider",
+}
+
+
+@functools.cache
+def get_driver_class(kind: str) -> type[Provider]:
+    """Import and return the driver class for ``kind``; ``ValueError`` for unknown kinds."""
+    try:
+        dotted = DRIVERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown provider kind {kind!r}; known: {', '.join(sorted(DRIVERS))}") from None
+    module_name, _, class_name = dotted.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, Provider)):
+        raise TypeError(f"{dotted} is not a Provider subclass")
+    return cls
+
+
+def build_provider(kind: str, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> Provider:
+    """Instantiate the driver for one configured provider account."""
+    return get_driver_class(kind)(config=config, credentials=credentials)

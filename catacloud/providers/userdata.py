@@ -1,0 +1,89 @@
+"""cloud-init user data that installs the agent on a fresh cloud machine and starts it.
+
+The only secret in it is the single-use bootstrap token, written to a root-only file (0600);
+the agent exchanges it for its real credentials when it enrolls.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+VENV = "/opt/catacloud"
+TOKEN_FILE = "/etc/catacloud/bootstrap-token"
+UNIT_NAME = "catacloud-agent.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+
+# No whitespace, quotes, backslashes or control characters anywhere: nothing can break out of
+# the YAML scalar, the systemd ExecStart line or pip's argument.
+_URL_CHARS = re.compile(r"^[A-Za-z0-9\-._~:/?#\[\]@!$&()*+,;=%]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,512}$")
+_PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],=<>!~+:/@#%]{0,511}$")
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that writes multi-line strings as readable ``|`` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "catacloud") -> str:
+    """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs."""
+    parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("agent_url must be an http(s) URL without spaces, quotes or control characters")
+    if not _TOKEN.match(bootstrap_token):
+        raise ValueError("bootstrap_token must be 16-512 URL-safe characters")
+    if not _PACKAGE.match(package):
+        raise ValueError("package must be a pip requirement or URL without spaces, starting alphanumeric")
+
+    # systemd expands "%" specifiers and "$" variables in ExecStart: double them.
+    url_for_systemd = agent_url.replace("%", "%%").replace("$", "$$")
+    unit = "\n".join(
+        [
+            "[Unit]",
+            "Description=Catacloud agent",
+            "Wants=network-online.target",
+            "After=network-online.target",
+            "",
+            "[Service]",
+            f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
+            f" --bootstrap-token-file {TOKEN_FILE}",
+            "Restart=always",
+            "RestartSec=5",
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
+    document: dict[str, Any] = {
+        "package_update": True,
+        "packages": ["python3-venv"],
+        "write_files": [
+            {
+                "path": TOKEN_FILE,
+                "owner": "root:root",
+                "permissions": "0600",
+                "content": bootstrap_token,
+            },
+            {"path": UNIT_PATH, "owner": "root:root", "permissions": "0644", "content": unit},
+        ],
+        # List form: each command runs without a shell, so arguments are never re-parsed.
+        "runcmd": [
+            ["python3", "-m", "venv", VENV],
+            [f"{VENV}/bin/pip", "install", "--upgrade", package],
+            ["systemctl", "daemon-reload"],
+            ["systemctl", "enable", "--now", UNIT_NAME],
+        ],
+    }
+    return "#cloud-config\n" + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False)

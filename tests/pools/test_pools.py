@@ -1,0 +1,343 @@
+"""Pools: claim, refill, drift, schedules, drain, the reaper and its queries."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition, PoolEmpty
+from apps.events.models import Event
+from apps.machines import lifecycle
+from apps.machines.choices import InstanceStatus
+from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.pools.models import InstancePool, PoolSchedule
+from apps.pools.reaper import apply_schedules, query_count, reaper_tick
+from apps.pools.services import pool_claim, pool_create, pool_drain, pool_refill, pool_update
+from catacloud.providers.fake import FakeProvider
+from tests.conftest import World
+
+S = InstanceStatus
+
+
+@pytest.fixture
+def fake_type(world: World) -> MachineType:
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "pools"})
+    mt = MachineType.objects.create(
+        name="f1", provider_account=account, server_type="f", cpus=2, memory_mb=2048
+    )
+    world.org.machine_type_grants.create(machine_type=mt, max_pool_size=200, max_instances=200)
+    return mt
+
+
+def ready_members(pool: InstancePool, n: int, **fields: Any) -> list[MachineInstance]:
+    now = timezone.now()
+    return MachineInstance.objects.bulk_create(
+        MachineInstance(
+            org_id=pool.org_id,
+            machine_type=pool.machine_type,
+            provider_account=pool.machine_type.provider_account,
+            machine_type_version=pool.machine_type.version,
+            pool=pool,
+            status=S.READY,
+            ready_at=now + timedelta(microseconds=i),
+            provisioning_started_at=now,
+            last_heartbeat_at=now,
+            **fields,
+        )
+        for i in range(n)
+    )
+
+
+def provision_all() -> None:
+    for pk in MachineInstance.objects.filter(status=S.PENDING).values_list("pk", flat=True):
+        lifecycle.instance_provision(instance_id=pk)
+
+
+@pytest.mark.django_db
+def test_refill_requests_the_deficit_and_status_follows_readiness(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=3, max_size=5)
+    assert pool_refill(pool_id=pool.pk) == 3
+    assert pool_refill(pool_id=pool.pk) == 0  # already requested: nothing more
+    provision_all()
+    assert MachineInstance.objects.filter(pool=pool, status=S.WARMING).count() == 3
+    assert len(FakeProvider.machines_of("pools")) == 3
+    from apps.machines.agent_api import instance_heartbeat
+
+    for inst in MachineInstance.objects.filter(pool=pool):
+        instance_heartbeat(instance=inst)
+    pool_refill(pool_id=pool.pk)
+    pool.refresh_from_db()
+    assert pool.status == "ready"
+    kinds = list(Event.objects.filter(pool_id=pool.pk).order_by("id").values_list("kind", flat=True))
+    assert kinds[0] == "pool.created"
+    assert Counter(kinds)["pool.member_provisioned"] == 3 and Counter(kinds)["pool.member_warmed"] == 3
+    assert kinds[-1] == "pool.ready"
+
+
+@pytest.mark.django_db
+def test_claim_hands_out_the_oldest_ready_member_and_answers_empty_at_once(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=4)
+    first, second = ready_members(pool, 2)
+    claim = pool_claim(pool_id=pool.pk, acquired_by="ci-runner-7", acquired_for="build 42")
+    assert claim.instance.pk == first.pk and claim.instance.status == S.CLAIMED
+    first.refresh_from_db()
+    assert (first.status, first.claimed_by, first.claimed_for, first.claim_id) == (
+        S.CLAIMED,
+        "ci-runner-7",
+        "build 42",
+        claim.claim_id,
+    )
+    event = Event.objects.get(kind="pool.member_claimed")
+    assert event.instance_id == first.pk and event.data["acquired_for"] == "build 42"
+    assert pool_claim(pool_id=pool.pk).instance.pk == second.pk
+    with pytest.raises(PoolEmpty):
+        pool_claim(pool_id=pool.pk)
+
+
+@pytest.mark.django_db
+def test_a_draining_pool_refuses_claims_and_drain_terminates_members(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=3, max_size=3)
+    ready_members(pool, 3)
+    pool_claim(pool_id=pool.pk)
+    terminated = pool_drain(pool=pool, terminate_members=True, actor="test")
+    assert terminated == 3
+    pool.refresh_from_db()
+    assert pool.status == "drained"
+    assert MachineInstance.objects.filter(pool=pool, status=S.TERMINATING).count() == 3
+    with pytest.raises(InvalidTransition):
+        pool_claim(pool_id=pool.pk)
+
+
+@pytest.mark.django_db
+def test_drain_without_terminating_releases_members_as_idle_machines(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=2)
+    ready_members(pool, 2)
+    assert pool_drain(pool=pool, terminate_members=False) == 0
+    assert MachineInstance.objects.filter(pool__isnull=True, status=S.READY).count() == 2
+
+
+@pytest.mark.django_db
+def test_refill_stops_at_max_size_and_at_the_orgs_max_instances(world: World, fake_type: MachineType) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=3, max_size=4)
+    ready_members(pool, 3)
+    for _ in range(3):
+        pool_claim(pool_id=pool.pk)
+    assert pool_refill(pool_id=pool.pk) == 1  # 3 claimed + 1 new = max_size 4
+    pool.refresh_from_db()
+    assert pool.limit_reason.startswith("pool_at_max_size")
+    assert Event.objects.filter(kind="pool.pool_at_max_size", pool_id=pool.pk).count() == 1
+    pool_refill(pool_id=pool.pk)  # the same limit again: no second event
+    assert Event.objects.filter(kind="pool.pool_at_max_size", pool_id=pool.pk).count() == 1
+
+    grant = world.org.machine_type_grants.get(machine_type=fake_type)
+    grant.max_instances = 4
+    grant.save()
+    other = pool_create(org=world.org, name="other", machine_type=fake_type, target_size=2, max_size=2)
+    assert pool_refill(pool_id=other.pk) == 0
+    other.refresh_from_db()
+    assert other.limit_reason == "quota_exceeded: max_instances 4/4"
+
+
+@pytest.mark.django_db
+def test_drift_replaces_outdated_members_once_replacements_are_ready(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=4)
+    old = ready_members(pool, 2)
+    fake_type.version += 1  # the operator changed the image
+    fake_type.save()
+    assert pool_refill(pool_id=pool.pk) == 2  # surge: new members first, old ones still serve
+    assert set(
+        MachineInstance.objects.filter(pk__in=[o.pk for o in old]).values_list("status", flat=True)
+    ) == {S.READY}
+    assert MachineInstance.objects.filter(pool=pool, outdated=True).count() == 2
+    MachineInstance.objects.filter(pool=pool, status=S.PENDING).update(
+        status=S.READY, ready_at=timezone.now()
+    )
+    pool_refill(pool_id=pool.pk)
+    assert set(
+        MachineInstance.objects.filter(pk__in=[o.pk for o in old]).values_list("status", flat=True)
+    ) == {S.TERMINATING}
+    fresh = MachineInstance.objects.filter(pool=pool, status=S.READY)
+    assert {m.machine_type_version for m in fresh} == {fake_type.version}
+
+
+@pytest.mark.django_db
+def test_lowering_target_terminates_the_surplus(world: World, fake_type: MachineType) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=4, max_size=4)
+    ready_members(pool, 4)
+    pool_update(pool=pool, target_size=1)
+    pool_refill(pool_id=pool.pk)
+    assert MachineInstance.objects.filter(pool=pool, status=S.READY).count() == 1
+    assert MachineInstance.objects.filter(pool=pool, status=S.TERMINATING).count() == 3
+
+
+@pytest.mark.django_db
+def test_schedules_raise_the_target_before_a_burst_and_lower_it_after(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=1, max_size=8)
+    PoolSchedule.objects.create(
+        pool=pool, name="morning", cron="0 8 * * *", timezone="Europe/Berlin", target_size=6
+    )
+    PoolSchedule.objects.create(
+        pool=pool, name="evening", cron="0 18 * * *", timezone="Europe/Berlin", target_size=2
+    )
+    morning = datetime(2026, 11, 23, 7, 30, tzinfo=UTC)  # 08:30 in Berlin
+    assert apply_schedules(now=morning) == 1
+    pool.refresh_from_db()
+    assert pool.target_size == 6
+    pool_update(pool=pool, target_size=5)  # a manual change stands until the next firing
+    assert apply_schedules(now=morning + timedelta(hours=1)) == 0
+    pool.refresh_from_db()
+    assert pool.target_size == 5
+    assert apply_schedules(now=datetime(2026, 11, 23, 17, 5, tzinfo=UTC)) == 1  # 18:05 Berlin
+    pool.refresh_from_db()
+    assert pool.target_size == 2
+
+
+@pytest.mark.django_db
+def test_reaper_terminates_stuck_members_and_marks_silent_agents_lost(
+    world: World, fake_type: MachineType
+) -> None:
+    pool = pool_create(
+        org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=4, warmup_grace_seconds=60
+    )
+    stuck, silent = ready_members(pool, 2)
+    long_ago = timezone.now() - timedelta(minutes=10)
+    MachineInstance.objects.filter(pk=stuck.pk).update(status=S.WARMING, provisioning_started_at=long_ago)
+    MachineInstance.objects.filter(pk=silent.pk).update(last_heartbeat_at=long_ago)
+    report = reaper_tick(reconcile=False)
+    assert (report.stuck, report.lost) == (1, 1)
+    stuck.refresh_from_db()
+    silent.refresh_from_db()
+    assert (stuck.status, silent.status) == (S.TERMINATING, S.LOST)
+    assert Event.objects.filter(kind="pool.member_stuck", instance_id=stuck.pk).exists()
+    assert Event.objects.filter(kind="pool.member_lost", instance_id=silent.pk).exists()
+    assert MachineInstance.objects.filter(pool=pool, status=S.PENDING).count() == 2  # replacements
+
+
+@pytest.mark.django_db
+def test_reaper_queries_do_not_grow_with_the_number_of_pools(world: World, fake_type: MachineType) -> None:
+    def make(n: int, prefix: str) -> None:
+        for i in range(n):
+            pool = pool_create(
+                org=world.org, name=f"{prefix}{i}", machine_type=fake_type, target_size=2, max_size=2
+            )
+            ready_members(pool, 2)
+            InstancePool.objects.filter(pk=pool.pk).update(status="ready")
+
+    make(5, "a")
+    _, few = query_count(lambda: reaper_tick(reconcile=False))
+    make(25, "b")
+    _, many = query_count(lambda: reaper_tick(reconcile=False))
+    assert few == many
+
+
+@pytest.mark.django_db
+def test_only_one_reaper_runs_at_a_time(world: World) -> None:
+    from apps.core.locks import REAPER
+
+    with psycopg.connect(_dsn(), autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s)", [REAPER])
+        assert reaper_tick(reconcile=False).ran is False
+        other.execute("SELECT pg_advisory_unlock(%s)", [REAPER])
+    assert reaper_tick(reconcile=False).ran is True
+
+
+def _dsn() -> str:
+    from tests.support.processes import test_database_url
+
+    return test_database_url()
+
+
+# ---- concurrency: real threads, one connection each -------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_64_threads_race_for_100_members_and_nobody_gets_one_twice(tworld: World) -> None:
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "race"})
+    mt = MachineType.objects.create(
+        name="f1", provider_account=account, server_type="f", cpus=2, memory_mb=2048
+    )
+    tworld.org.machine_type_grants.create(machine_type=mt, max_pool_size=200, max_instances=200)
+    pool = pool_create(org=tworld.org, name="race", machine_type=mt, target_size=100, max_size=100)
+    ready_members(pool, 100)
+    attempts_per_thread, threads_n = 16, 64  # 1,024 attempts
+    wins: list[Any] = []
+    empties: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(threads_n)
+
+    def claimer() -> None:
+        try:
+            with connection.cursor() as cursor:
+                # A claim that waited on a row lock would fail here instead of hiding it.
+                cursor.execute("SET lock_timeout = '2s'")
+            barrier.wait()
+            for _ in range(attempts_per_thread):
+                try:
+                    claim = pool_claim(pool_id=pool.pk, acquired_by="race")
+                    with lock:
+                        wins.append(claim.instance.pk)
+                except PoolEmpty:
+                    with lock:
+                        empties.append(1)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claimer) for _ in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(wins) == 100
+    assert len(set(wins)) == 100  # no instance claimed twice
+    assert len(empties) == threads_n * attempts_per_thread - 100
+    assert MachineInstance.objects.filter(pool=pool, status=S.CLAIMED).count() == 100
+    assert Event.objects.filter(kind="pool.member_claimed", pool_id=pool.pk).count() == 100
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld: World) -> None:
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "lock"})
+    mt = MachineType.objects.create(
+        name="f1", provider_account=account, server_type="f", cpus=2, memory_mb=2048
+    )
+    tworld.org.machine_type_grants.create(machine_type=mt, max_pool_size=10, max_instances=10)
+    pool = pool_create(org=tworld.org, name="p", machine_type=mt, target_size=1, max_size=1)
+    (member,) = ready_members(pool, 1)
+    with psycopg.connect(_dsn()) as other:
+        other.execute("SELECT id FROM machines_machineinstance WHERE id = %s FOR UPDATE", [member.pk])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '1s'")
+        started = time.monotonic()
+        with pytest.raises(PoolEmpty):  # not LockNotAvailable: the locked row was skipped
+            pool_claim(pool_id=pool.pk)
+        waited = time.monotonic() - started
+        other.rollback()
+    assert waited < 1.0  # structural: a wait would have hit lock_timeout and raised instead
+    assert pool_claim(pool_id=pool.pk).instance.pk == member.pk

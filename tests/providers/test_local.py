@@ -1,0 +1,255 @@
+"""The local driver: machines are detached processes recorded in a state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from catacloud.providers import LABEL_INSTALLATION, LABEL_POOL, MachineSpec, MachineState, NotFound, Permanent
+from catacloud.providers.local import LocalProvider
+
+ROOT = Path(__file__).resolve().parents[2]
+SLEEPER = (sys.executable, "-c", "import time; time.sleep(300)")
+
+
+def make_spec(command: tuple[str, ...] = SLEEPER, **labels: str) -> MachineSpec:
+    return MachineSpec(
+        instance_id=str(uuid.uuid4()),
+        labels={LABEL_INSTALLATION: "test", **labels},
+        server_type="local",
+        image="local",
+        command=command,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def is_dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture()
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "machines"
+    yield path
+    # Never leak processes: delete whatever the test left behind.
+    cleaner = LocalProvider(config={"state_dir": str(path), "stop_timeout_seconds": 0.5}, credentials={})
+    for record in path.glob("*.json"):
+        cleaner.delete(record.stem)
+
+
+@pytest.fixture()
+def provider(state_dir: Path) -> LocalProvider:
+    return LocalProvider(config={"state_dir": str(state_dir)}, credentials={})
+
+
+def record_of(state_dir: Path, instance_id: str) -> dict:
+    return json.loads((state_dir / f"{instance_id}.json").read_text())
+
+
+def test_create_starts_a_detached_process_with_the_spec_env(provider: LocalProvider, state_dir: Path) -> None:
+    script = (
+        "import os, sys, time; print('agent for', os.environ['CC_TEST_VAR'], flush=True); time.sleep(300)"
+    )
+    spec = MachineSpec(
+        instance_id=str(uuid.uuid4()),
+        labels={LABEL_INSTALLATION: "test"},
+        server_type="local",
+        image="local",
+        command=(sys.executable, "-c", script),
+        env={"CC_TEST_VAR": "hello-42"},
+    )
+    machine = provider.create(spec)
+
+    assert machine.provider_id == spec.instance_id
+    assert machine.name == f"cc-{spec.instance_id}"
+    assert machine.state is MachineState.RUNNING
+    pid = record_of(state_dir, spec.instance_id)["pid"]
+    assert psutil.Process(pid).is_running()
+    assert os.getsid(pid) == pid != os.getsid(0)  # own session: survives a worker restart
+    log = state_dir / f"{spec.instance_id}.log"
+    assert wait_for(lambda: "agent for hello-42" in log.read_text())
+
+
+def test_create_twice_starts_one_process(provider: LocalProvider, state_dir: Path) -> None:
+    spec = make_spec()
+    first = provider.create(spec)
+    pid = record_of(state_dir, spec.instance_id)["pid"]
+    again = LocalProvider(config={"state_dir": str(state_dir)}, credentials={}).create(spec)
+    assert again.provider_id == first.provider_id
+    assert record_of(state_dir, spec.instance_id)["pid"] == pid
+    assert len(list(state_dir.glob("*.json"))) == 1
+
+
+def test_machines_survive_the_worker_and_a_new_provider_lists_them(state_dir: Path) -> None:
+    instance_id = str(uuid.uuid4())
+    worker = f"""
+import sys
+from catacloud.providers import MachineSpec
+from catacloud.providers.local import LocalProvider
+provider = LocalProvider(config={{"state_dir": {str(state_dir)!r}}}, credentials={{}})
+provider.create(MachineSpec(instance_id={instance_id!r}, labels={{"catacloud/installation": "test"}},
+    server_type="local", image="local", command=(sys.executable, "-c", "import time; time.sleep(300)")))
+"""
+    subprocess.run([sys.executable, "-c", worker], cwd=ROOT, check=True, timeout=30)  # the worker exits
+
+    restarted = LocalProvider(config={"state_dir": str(state_dir)}, credentials={})
+    found = restarted.list({LABEL_INSTALLATION: "test"})
+    assert [m.provider_id for m in found] == [instance_id]
+    assert found[0].state is MachineState.RUNNING
+    pid = record_of(state_dir, instance_id)["pid"]
+    restarted.delete(instance_id)
+    assert wait_for(lambda: is_dead(pid))
+    assert restarted.list({LABEL_INSTALLATION: "test"}) == []
+
+
+def test_list_filters_by_owner_labels(provider: LocalProvider) -> None:
+    mine = provider.create(make_spec(**{LABEL_POOL: "p1"}))
+    provider.create(make_spec(**{LABEL_POOL: "p2"}))
+    assert [m.provider_id for m in provider.list({LABEL_POOL: "p1"})] == [mine.provider_id]
+    assert len(provider.list({LABEL_INSTALLATION: "test"})) == 2
+    assert provider.list({LABEL_INSTALLATION: "other"}) == []
+
+
+def test_delete_kills_the_whole_process_group(provider: LocalProvider, state_dir: Path) -> None:
+    spec = make_spec(command=("sh", "-c", "sleep 300 & echo $! > child.pid; wait"))
+    provider.create(spec)
+    child_file = state_dir / "child.pid"
+    assert wait_for(lambda: child_file.exists() and child_file.read_text().strip() != "")
+    child = int(child_file.read_text())
+    leader = record_of(state_dir, spec.instance_id)["pid"]
+    assert psutil.Process(child).is_running()
+
+    provider.delete(spec.instance_id)
+
+    assert wait_for(lambda: is_dead(leader) and is_dead(child))
+    assert not (state_dir / f"{spec.instance_id}.json").exists()
+    with pytest.raises(NotFound):
+        provider.get(spec.instance_id)
+
+
+def test_a_machine_ignoring_sigterm_is_killed_after_the_grace_period(state_dir: Path) -> None:
+    provider = LocalProvider(
+        config={"state_dir": str(state_dir), "stop_timeout_seconds": 0.3}, credentials={}
+    )
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(300)"
+    )
+    spec = make_spec(command=(sys.executable, "-c", stubborn))
+    provider.create(spec)
+    log = state_dir / f"{spec.instance_id}.log"
+    assert wait_for(lambda: "ready" in log.read_text())
+    pid = record_of(state_dir, spec.instance_id)["pid"]
+
+    started = time.monotonic()
+    provider.delete(spec.instance_id)
+
+    assert is_dead(pid)
+    assert 0.25 <= time.monotonic() - started < 3
+
+
+def test_delete_of_unknown_or_deleted_machine_is_success(provider: LocalProvider) -> None:
+    spec = make_spec()
+    provider.create(spec)
+    provider.delete(spec.instance_id)
+    provider.delete(spec.instance_id)
+    provider.delete(str(uuid.uuid4()))
+    provider.delete("../../etc/passwd")
+    with pytest.raises(NotFound):
+        provider.get("../../etc/passwd")
+
+
+def test_a_dead_process_shows_as_gone(provider: LocalProvider, state_dir: Path) -> None:
+    spec = make_spec(command=(sys.executable, "-c", "pass"))
+    provider.create(spec)
+    assert wait_for(lambda: provider.get(spec.instance_id).state is MachineState.GONE)
+    gone = provider.get(spec.instance_id)
+    assert gone.raw_state == "exited"
+    assert not gone.alive
+    assert provider.list({LABEL_INSTALLATION: "test"}) == []  # list shows live-or-dying machines only
+    assert provider.find_by_instance(spec.instance_id, {}) is None
+    provider.delete(spec.instance_id)
+    with pytest.raises(NotFound):
+        provider.get(spec.instance_id)
+
+
+def test_create_replaces_a_machine_whose_process_died(provider: LocalProvider, state_dir: Path) -> None:
+    spec = make_spec()
+    provider.create(spec)
+    old_pid = record_of(state_dir, spec.instance_id)["pid"]
+    os.killpg(old_pid, signal.SIGKILL)
+    assert wait_for(lambda: provider.get(spec.instance_id).state is MachineState.GONE)
+    assert provider.create(spec).state is MachineState.RUNNING
+    assert record_of(state_dir, spec.instance_id)["pid"] != old_pid
+
+
+def test_boot_delay_is_respected(state_dir: Path) -> None:
+    provider = LocalProvider(config={"state_dir": str(state_dir), "boot_delay_seconds": 0.6}, credentials={})
+    marker = state_dir / "booted"
+    script = (
+        f"import pathlib, time; pathlib.Path({str(marker)!r}).write_text(repr(time.time())); time.sleep(300)"
+    )
+    spec = make_spec(command=(sys.executable, "-c", script))
+    before = time.time()
+    machine = provider.create(spec)
+
+    assert machine.state is MachineState.PROVISIONING
+    assert machine.raw_state == "booting"
+    assert not marker.exists()
+    assert wait_for(lambda: marker.exists() and marker.read_text() != "", timeout=5)
+    assert float(marker.read_text()) - before >= 0.6
+    assert wait_for(lambda: provider.get(spec.instance_id).state is MachineState.RUNNING, timeout=2)
+    # exec kept the pid, so the record still points at the agent
+    assert psutil.Process(record_of(state_dir, spec.instance_id)["pid"]).cmdline()[-1] == script
+
+
+def test_a_reused_pid_is_neither_trusted_nor_signalled(provider: LocalProvider, state_dir: Path) -> None:
+    decoy = subprocess.Popen(SLEEPER, start_new_session=True)
+    time.sleep(0.2)  # a reused pid belongs to a process started at another time
+    spec = make_spec()
+    provider.create(spec)
+    path = state_dir / f"{spec.instance_id}.json"
+    record = json.loads(path.read_text())
+    real_pid = record["pid"]
+    try:
+        record["pid"] = decoy.pid  # as if the agent died and its pid went to another process
+        path.write_text(json.dumps(record))
+
+        assert provider.get(spec.instance_id).state is MachineState.GONE
+        provider.delete(spec.instance_id)
+        assert decoy.poll() is None  # the unrelated process was not killed
+    finally:
+        os.killpg(real_pid, signal.SIGKILL)
+        decoy.kill()
+        decoy.wait()
+
+
+def test_bad_configuration_and_specs_are_permanent(state_dir: Path, provider: LocalProvider) -> None:
+    with pytest.raises(Permanent, match="state_dir"):
+        LocalProvider(config={}, credentials={})
+    with pytest.raises(Permanent, match="command"):
+        provider.create(make_spec(command=()))
+    with pytest.raises(Permanent, match="cannot start"):
+        provider.create(make_spec(command=("/nonexistent/catacloud-agent",)))
+    assert list(state_dir.glob("*.json")) == []

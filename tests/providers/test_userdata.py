@@ -1,0 +1,80 @@
+"""cloud-init user data for cloud machines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from catacloud.providers.userdata import render_user_data
+
+TOKEN = "bt_3q2-Xy9_ZkP0aLm7Qw4RtY"
+
+
+def render(**kwargs: Any) -> dict[str, Any]:
+    text = render_user_data(
+        **{"agent_url": "https://cc.example.com/agent", "bootstrap_token": TOKEN, **kwargs}
+    )
+    assert text.startswith("#cloud-config\n")
+    return yaml.safe_load(text)
+
+
+def file_at(doc: dict[str, Any], path: str) -> dict[str, Any]:
+    return next(f for f in doc["write_files"] if f["path"] == path)
+
+
+def test_token_file_is_root_only_and_holds_just_the_token() -> None:
+    doc = render()
+    token_file = file_at(doc, "/etc/catacloud/bootstrap-token")
+    assert token_file["permissions"] == "0600"
+    assert token_file["owner"] == "root:root"
+    assert token_file["content"] == TOKEN
+
+
+def test_agent_is_installed_in_a_venv_and_started_by_systemd() -> None:
+    doc = render(package="catacloud==1.2.3")
+    assert doc["runcmd"][0] == ["python3", "-m", "venv", "/opt/catacloud"]
+    assert doc["runcmd"][1] == ["/opt/catacloud/bin/pip", "install", "--upgrade", "catacloud==1.2.3"]
+    assert ["systemctl", "enable", "--now", "catacloud-agent.service"] in doc["runcmd"]
+    unit = file_at(doc, "/etc/systemd/system/catacloud-agent.service")["content"]
+    assert (
+        "ExecStart=/opt/catacloud/bin/catacloud agent --url https://cc.example.com/agent "
+        "--bootstrap-token-file /etc/catacloud/bootstrap-token"
+    ) in unit
+    assert "Restart=always" in unit
+
+
+def test_token_appears_only_in_the_token_file() -> None:
+    text = render_user_data(agent_url="https://cc.example.com/agent", bootstrap_token=TOKEN)
+    assert text.count(TOKEN) == 1
+    unit = file_at(yaml.safe_load(text), "/etc/systemd/system/catacloud-agent.service")["content"]
+    assert TOKEN not in unit
+
+
+def test_percent_and_dollar_in_url_are_escaped_for_systemd() -> None:
+    unit = file_at(
+        render(agent_url="https://cc.example.com/a%20b?x=$y"), "/etc/systemd/system/catacloud-agent.service"
+    )["content"]
+    assert "--url https://cc.example.com/a%%20b?x=$$y " in unit
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"agent_url": "https://cc.example.com/\nruncmd: [reboot]"},
+        {"agent_url": "https://cc.example.com/ --evil"},
+        {"agent_url": "ftp://cc.example.com/"},
+        {"agent_url": "https:///no-host"},
+        {"agent_url": 'https://cc.example.com/"'},
+        {"bootstrap_token": TOKEN + "\nssh_authorized_keys: [x]"},
+        {"bootstrap_token": "short"},
+        {"bootstrap_token": "with space and more than sixteen"},
+        {"package": "--index-url=https://evil.example/simple"},
+        {"package": "catacloud\n- [rm, -rf, /]"},
+        {"package": "catacloud ; rm -rf /"},
+    ],
+)
+def test_unsafe_inputs_are_rejected(kwargs: dict[str, str]) -> None:
+    with pytest.raises(ValueError):
+        render(**kwargs)
