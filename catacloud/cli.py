@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="run the whole system on the embedded services (make dev)")
     dev.set_defaults(func=cmd_dev)
+
+    from catacloud.agent.main import add_agent_commands
+
+    add_agent_commands(sub)  # `catacloud agent` (on machines) and `catacloud job-meta` (inside jobs)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rest_framework.routers import DefaultRouter
 
 from apps.events.api.views import EventViewSet
-from apps.jobs.api.views import JobConfigurationViewSet
+from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet
 
@@ -13,6 +13,7 @@ router = DefaultRouter(trailing_slash=True)
 router.register("machine-types", MachineTypeViewSet, basename="machine-type")
 router.register("instances", InstanceViewSet, basename="instance")
 router.register("job-configs", JobConfigurationViewSet, basename="job-config")
+router.register("jobs", JobViewSet, basename="job")
 router.register("events", EventViewSet, basename="event")
 router.register("pools", PoolViewSet, basename="pool")
 

@@ -185,6 +185,11 @@ CELERY_BEAT_SCHEDULE = {
         # A tick that waited in the queue past the next one is useless: drop it.
         "options": {"expires": CATACLOUD_REAPER_INTERVAL * 0.9},
     },
+    "scheduler": {
+        "task": "apps.jobs.tasks.schedule_task",
+        "schedule": CATACLOUD_SCHEDULER_INTERVAL,
+        "options": {"expires": CATACLOUD_SCHEDULER_INTERVAL * 0.9},
+    },
     "heartbeat": {
         "task": "apps.core.tasks.beat_heartbeat_task",
         "schedule": 10.0,
@@ -206,6 +211,11 @@ CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
+# Billing-aware retention: an idle machine is destroyed this many seconds before its paid
+# period ends (must exceed the reaper interval, which is when the check runs).
+CATACLOUD_RETENTION_MARGIN = env.float(
+    "CATACLOUD_RETENTION_MARGIN", default=max(120.0, 2 * CATACLOUD_REAPER_INTERVAL)
+)
 # Replace pool members built from an older machine type version (drift).
 CATACLOUD_REPLACE_OUTDATED = env.bool("CATACLOUD_REPLACE_OUTDATED", default=True)
 # Optional bearer token Prometheus must send to scrape /metrics.

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from django.contrib.auth import get_user_model
-from rest_framework.test import APIClient
 
-from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
-from apps.orgs.models import Organization
-from apps.orgs.services import api_token_create, membership_set
+# Django-free test folders (tests/agent, tests/providers) can run with `-p no:django`:
+# nothing Django is imported until a fixture needs it.
+if TYPE_CHECKING:
+    from rest_framework.test import APIClient
 
 
 @dataclass
@@ -19,15 +19,17 @@ class World:
     """Org ``acme`` with an admin, a member and a viewer; org ``rival`` with its own admin,
     the outsider every isolation check uses; one local provider account and machine type."""
 
-    org: Organization
-    other_org: Organization
-    account: ProviderAccount
-    machine_type: MachineType
-    grant: OrgMachineType
+    org: Any
+    other_org: Any
+    account: Any
+    machine_type: Any
+    grant: Any
     users: dict = field(default_factory=dict)
     tokens: dict = field(default_factory=dict)
 
     def client(self, who: str) -> APIClient:
+        from rest_framework.test import APIClient
+
         client = APIClient()
         if who != "anonymous":
             client.credentials(HTTP_AUTHORIZATION=f"Bearer {self.tokens[who]}")
@@ -35,6 +37,12 @@ class World:
 
 
 def make_world(tmp_path_factory: pytest.TempPathFactory | None = None) -> World:
+    from django.contrib.auth import get_user_model
+
+    from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
+    from apps.orgs.models import Organization
+    from apps.orgs.services import api_token_create, membership_set
+
     users = {
         name: get_user_model().objects.create_user(name) for name in ("admin", "member", "viewer", "outsider")
     }

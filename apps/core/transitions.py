@@ -32,17 +32,21 @@ def transition(
     to: str,
     from_: Iterable[str] | None = None,
     field: str = "status",
+    where: Mapping[str, Any] | None = None,
     **changes: Any,
 ) -> None:
     """Move row ``pk`` of ``model`` to state ``to`` if its current state allows it.
 
     ``from_`` narrows the allowed sources further (e.g. only ``ready → claimed``).
-    Extra keyword arguments are written in the same UPDATE.
+    ``where`` adds conditions (e.g. the job is still this machine's). Extra keyword
+    arguments are written in the same UPDATE.
     """
     allowed = sources_for(graph, to)
     if from_ is not None:
         allowed = allowed & frozenset(from_)
-    updated = model.objects.filter(pk=pk, **{f"{field}__in": allowed}).update(**{field: to}, **changes)
+    updated = model.objects.filter(pk=pk, **{f"{field}__in": allowed}, **(where or {})).update(
+        **{field: to}, **changes
+    )
     if updated != 1:
         current = model.objects.filter(pk=pk).values_list(field, flat=True).first()
         raise InvalidTransition(model._meta.verbose_name.capitalize(), pk, current, to)
@@ -62,6 +66,7 @@ def change_state(
     event: str | None = None,
     now: datetime | None = None,
     event_data: Mapping[str, Any] | None = None,
+    where: Mapping[str, Any] | None = None,
     **changes: Any,
 ) -> Any:
     """Compare-and-set row ``pk`` to ``to`` and append an event, in one transaction.
@@ -77,14 +82,13 @@ def change_state(
     if stamp and stamp not in changes:
         changes[stamp] = now
     with transaction.atomic():
-        transition(model, pk, graph=graph, to=to, from_=from_, **changes)
+        transition(model, pk, graph=graph, to=to, from_=from_, where=where, **changes)
         row = model.objects.get(pk=pk)
         event_record(
             kind=event or f"{event_prefix}.{to}",
             actor=actor,
             reason=reason,
-            status=to,
             **row.event_refs(),
-            **(event_data or {}),
+            **{"status": to, **(event_data or {})},
         )
     return row

@@ -27,6 +27,16 @@ _STAMPS = {
 }
 
 
+# Event names users see (job.queued, job.admitted, job.assigned, job.started, job.finished…).
+JOB_EVENTS = {
+    JobStatus.ACQUIRING_RESOURCES: "job.admitted",
+    JobStatus.WAITING_FOR_MACHINE: "job.waiting_for_machine",
+    JobStatus.ASSIGNED: "job.assigned",
+    JobStatus.RUNNING: "job.started",
+    **{s: "job.finished" for s in JOB_TERMINAL},
+}
+
+
 def job_transition(
     *,
     job_id: Any,
@@ -34,9 +44,12 @@ def job_transition(
     from_: Iterable[str] | None = None,
     actor: str = "",
     reason: str = "",
+    event: str | None = None,
+    event_data: dict[str, Any] | None = None,
+    where: dict[str, Any] | None = None,
     **changes: Any,
 ) -> Job:
-    """Compare-and-set a job's status (``job.<status>`` event)."""
+    """Compare-and-set a job's status and record its event (``where`` adds conditions)."""
     return change_state(
         Job,
         job_id,
@@ -47,6 +60,9 @@ def job_transition(
         stamps=_STAMPS,
         actor=actor,
         reason=reason,
+        event=event or JOB_EVENTS.get(to),
+        event_data=event_data,
+        where=where,
         **changes,
     )
 

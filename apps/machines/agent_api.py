@@ -178,10 +178,8 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
 
 def _instance_ready_hook(instance: MachineInstance) -> None:
     """A machine became ready: the scheduler may place a waiting job on it."""
-    try:
-        from apps.jobs.tasks import schedule_task
-    except ImportError:
-        return
+    from apps.jobs.tasks import schedule_task
+
     transaction.on_commit(lambda: schedule_task.delay())
 
 
@@ -190,13 +188,9 @@ class HeartbeatView(AgentView):
         data = HeartbeatIn(data=request.data)
         data.is_valid(raise_exception=True)
         instance_heartbeat(instance=self.instance)
-        cancel: list[str] = []
-        try:
-            from apps.jobs.agent import jobs_to_cancel
-        except ImportError:
-            pass
-        else:
-            cancel = jobs_to_cancel(instance=self.instance)
+        from apps.jobs.agent import jobs_to_cancel
+
+        cancel = jobs_to_cancel(instance=self.instance)
         return Response({"cancel": cancel, "terminate": self.instance.status == S.TERMINATING})
 
 
@@ -207,10 +201,8 @@ def agent_urls() -> list:
         path("enroll", EnrollView.as_view(), name="agent-enroll"),
         path("heartbeat", HeartbeatView.as_view(), name="agent-heartbeat"),
     ]
-    try:
-        from apps.jobs.agent import job_agent_urls
-    except ImportError:
-        return urls
+    from apps.jobs.agent import job_agent_urls
+
     return urls + job_agent_urls()
 
 

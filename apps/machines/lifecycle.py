@@ -302,10 +302,8 @@ def destroy_machine(*, account_id: Any, provider_id: str, instance_id: str) -> N
 
 
 def _requeue_jobs_of(instance: MachineInstance, reason: str) -> None:
-    try:
-        from apps.jobs.scheduling import jobs_requeue_for_lost_instance
-    except ImportError:  # jobs not installed yet
-        return
+    from apps.jobs.scheduling import jobs_requeue_for_lost_instance
+
     jobs_requeue_for_lost_instance(instance=instance, reason=reason)
 
 

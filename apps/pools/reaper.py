@@ -166,10 +166,8 @@ def _mark_silent_lost(now: datetime) -> int:
 
 
 def _jobs_safety_net(now: datetime) -> dict[str, Any]:
-    try:
-        from apps.jobs.scheduling import scheduler_safety_net
-    except ImportError:
-        return {}
+    from apps.jobs.scheduling import scheduler_safety_net
+
     return scheduler_safety_net(now=now)
 
 

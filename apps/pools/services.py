@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 
 from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.transitions import change_state
 from apps.events.services import event_record
+from apps.machines import claims
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, grant_for
@@ -126,64 +127,28 @@ class Claim:
     instance: MachineInstance
 
 
-_COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
-_ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
-# One round trip: find the oldest ready member (skipping rows other claimers hold), claim it,
-# and append the event, in a single statement over the partial index instance_ready_by_pool.
-# Never `pk__in=qs.select_for_update(skip_locked=True)[:1]`: PostgreSQL may re-evaluate an IN
-# subquery and update more rows than the LIMIT.
-CLAIM_SQL = f"""
-WITH pool AS (
-    SELECT id FROM pools_instancepool WHERE id = %(pool)s AND status = ANY(%(active)s)
-), c AS (
-    SELECT m.id FROM machines_machineinstance m JOIN pool ON m.pool_id = pool.id
-    WHERE m.status = 'ready'
-    ORDER BY m.ready_at
-    LIMIT 1
-    FOR UPDATE OF m SKIP LOCKED
-), u AS (
-    UPDATE machines_machineinstance m
-    SET status = 'claimed', claimed_at = now(), claim_id = %(claim)s,
-        claimed_by = %(by)s, claimed_for = %(for)s
-    FROM c WHERE m.id = c.id AND m.status = 'ready'
-    RETURNING m.*
-), e AS (
-    INSERT INTO events_event (org_id, kind, created_at, actor, reason, pool_id, instance_id, job_id, data)
-    SELECT u.org_id, 'pool.member_claimed', now(), %(actor)s, '', u.pool_id, u.id, %(job)s,
-           jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,
-                              'acquired_for', %(for)s::text)
-    FROM u
-)
-SELECT {", ".join(f"u.{c}" for c in _COLUMNS)} FROM u
-"""
-
-
 def pool_claim(
     *, pool_id: Any, acquired_by: str = "", acquired_for: str = "", actor: str = "", job_id: Any = None
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
     instance to two callers; answers :class:`PoolEmpty` at once when none is ready."""
-    claim_id = uuid.uuid4()
-    params = {
-        "pool": str(pool_id),
-        "active": sorted(POOL_ACTIVE),
-        "claim": claim_id,
-        "by": acquired_by[:200],
-        "for": acquired_for[:200],
-        "actor": actor[:200],
-        "job": str(job_id) if job_id else None,
-    }
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(CLAIM_SQL, params)
-        row = cursor.fetchone()
-        if row is None:
+    with transaction.atomic():
+        claim_id, instance = claims.claim(
+            claims.POOL_SQL,
+            actor=actor,
+            by=acquired_by,
+            for_=acquired_for,
+            job_id=job_id,
+            pool=str(pool_id),
+            active=sorted(POOL_ACTIVE),
+        )
+        if instance is None:
             status = InstancePool.objects.filter(pk=pool_id).values_list("status", flat=True).first()
             if status is None:
                 raise NotFound("pool not found")
             if status not in POOL_ACTIVE:
                 raise InvalidTransition("Pool", pool_id, status, "claimed from")
             raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
-        instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row)
         pool_id_str = str(pool_id)
         transaction.on_commit(lambda: _enqueue_refill(pool_id_str))
     return Claim(claim_id=claim_id, instance=instance)

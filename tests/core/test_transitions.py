@@ -95,7 +95,10 @@ def test_transition(world: World, machine: str, src: str, dst: str, allowed: boo
         row.refresh_from_db()
         assert row.status == dst
         event = Event.objects.latest("id")
-        assert event.kind == f"{prefix}.{dst}"
+        from apps.jobs.services import JOB_EVENTS
+
+        expected = JOB_EVENTS.get(dst, f"job.{dst}") if machine == "job" else f"{prefix}.{dst}"
+        assert event.kind == expected
         assert event.org_id == world.org.pk
     else:
         with pytest.raises(InvalidTransition) as exc:

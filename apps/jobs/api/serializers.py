@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from apps.jobs.models import JobConfiguration
+from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineType
 from apps.resources.models import ResourceType
 
@@ -59,3 +59,61 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
         if "\x00" in value:
             raise serializers.ValidationError("must not contain NUL characters")
         return value
+
+
+class JobSerializer(serializers.ModelSerializer):
+    config = serializers.PrimaryKeyRelatedField(read_only=True)
+    config_name = serializers.CharField(source="config.name", read_only=True)
+    machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    instance = serializers.UUIDField(source="instance_id", read_only=True, allow_null=True)
+
+    class Meta:
+        model = Job
+        fields = (
+            "id",
+            "config",
+            "config_name",
+            "machine_type",
+            "status",
+            "pending_reason",
+            "instance",
+            "attempt",
+            "max_attempts",
+            "priority",
+            "exit_code",
+            "failure_reason",
+            "cancel_requested",
+            "env",
+            "created_at",
+            "queued_at",
+            "admitted_at",
+            "assigned_at",
+            "started_at",
+            "finished_at",
+        )
+        read_only_fields = fields
+
+
+class JobSubmitSerializer(serializers.Serializer):
+    config = serializers.UUIDField(help_text="id of a job configuration of your organization")
+    env = serializers.DictField(
+        child=serializers.CharField(allow_blank=True, max_length=32768),
+        required=False,
+        help_text="added to (and overriding) the configuration's env",
+    )
+
+
+class LogChunkSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    seq = serializers.IntegerField()
+    stream = serializers.CharField()
+    data = serializers.CharField()
+
+
+class JobLogsSerializer(serializers.Serializer):
+    job = serializers.UUIDField()
+    status = serializers.CharField()
+    attempt = serializers.IntegerField()
+    text = serializers.CharField(help_text="stdout and stderr of this attempt, in order")
+    chunks = LogChunkSerializer(many=True)
+    next_after = serializers.IntegerField(help_text="pass as ?after= to get only newer output")

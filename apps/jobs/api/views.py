@@ -1,12 +1,25 @@
 from __future__ import annotations
 
 import django_filters
-from rest_framework import mixins
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.request import Request
+from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.core.api import OrgScopedViewSet
-from apps.jobs.api.serializers import JobConfigurationSerializer
-from apps.jobs.models import JobConfiguration
+from apps.core.errors import ValidationFailed
+from apps.jobs.api.serializers import (
+    JobConfigurationSerializer,
+    JobLogsSerializer,
+    JobSerializer,
+    JobSubmitSerializer,
+)
+from apps.jobs.choices import JobStatus
+from apps.jobs.models import Job, JobConfiguration, JobLogChunk
+from apps.jobs.scheduling import job_cancel, job_submit
 from apps.jobs.services import job_config_delete, job_config_save
 
 
@@ -60,3 +73,91 @@ class JobConfigurationViewSet(
 
     def perform_destroy(self, instance: JobConfiguration) -> None:
         job_config_delete(config=instance, actor=self.actor())
+
+
+class JobFilter(django_filters.FilterSet):
+    status = django_filters.MultipleChoiceFilter(choices=JobStatus.choices)
+    config = django_filters.UUIDFilter(field_name="config_id")
+    config_name = django_filters.CharFilter(field_name="config__name")
+    machine_type = django_filters.CharFilter(field_name="machine_type__name")
+
+    class Meta:
+        model = Job
+        fields = ("status", "config", "config_name", "machine_type", "instance")
+
+
+class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """Runs of job configurations. Members submit and cancel; viewers read."""
+
+    queryset = Job.objects.select_related("config", "machine_type")
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+    ordering_fields = ("created_at", "priority", "status", "finished_at")
+    ordering = ("-created_at",)
+    required_roles = {"create": "member", "cancel": "member"}
+    job_scoped_access = True
+
+    def get_queryset(self):
+        qs = super().get_queryset()
+        if not getattr(self, "swagger_fake_view", False) and self.ctx.job_scope is not None:
+            qs = qs.filter(pk=self.ctx.job_scope)  # a job-scoped token reads only its own job
+        return qs
+
+    def check_permissions(self, request: Request) -> None:
+        super().check_permissions(request)
+        if self.ctx.job_scope is not None and self.action not in ("retrieve", "logs"):
+            raise PermissionDenied("this token may only read its own job")
+
+    @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
+    def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        body = JobSubmitSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        config = JobConfiguration.objects.filter(org=self.ctx.org, pk=body.validated_data["config"]).first()
+        if config is None:
+            raise ValidationFailed("config: no such job configuration", fields={"config": ["does not exist"]})
+        job = job_submit(
+            org=self.ctx.org,
+            config=config,
+            env=body.validated_data.get("env"),
+            user=request.user,
+            actor=self.actor(),
+        )
+        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str | None = None) -> Response:
+        job = job_cancel(job=self.get_object(), actor=self.actor())
+        return Response(JobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("after", int, description="only chunks with seq greater than this"),
+            OpenApiParameter("attempt", int, description="which attempt (default: the current one)"),
+        ],
+        responses={200: JobLogsSerializer},
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request: Request, pk: str | None = None) -> Response:
+        """The job's output so far (poll with ?after=next_after to follow it)."""
+        job = self.get_object()
+        try:
+            after = int(request.query_params.get("after", -1))
+            attempt = int(request.query_params.get("attempt", job.attempt))
+        except ValueError:
+            raise ValidationFailed("after and attempt must be whole numbers") from None
+        chunks = list(
+            JobLogChunk.objects.filter(job=job, attempt=attempt, seq__gt=after)
+            .order_by("seq")
+            .values("attempt", "seq", "stream", "data")[:5000]
+        )
+        return Response(
+            {
+                "job": job.pk,
+                "status": job.status,
+                "attempt": attempt,
+                "text": "".join(c["data"] for c in chunks),
+                "chunks": chunks,
+                "next_after": chunks[-1]["seq"] if chunks else after,
+            }
+        )

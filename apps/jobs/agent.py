@@ -1,0 +1,200 @@
+"""The job endpoints of the Agent API: work (long poll), started, logs, finished, meta,
+interruption. Every call is checked against the calling machine: a job that is not (or no
+longer) assigned to it answers 409 and its reports change nothing."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.urls import path
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.core.api import error_response
+from apps.jobs.choices import JobStatus
+from apps.jobs.models import Job, JobLogChunk
+from apps.jobs.scheduling import job_finished, job_interrupted, job_started
+from apps.machines.agent_api import AgentView
+from apps.machines.models import MachineInstance
+
+J = JobStatus
+WAKE_KEY = "catacloud:wake:{}"
+
+
+@functools.cache
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.CELERY_BROKER_URL, socket_timeout=settings.CATACLOUD_AGENT_POLL_TIMEOUT + 5
+    )
+
+
+def wake(instance_id: Any) -> None:
+    """Wake the agent of ``instance_id`` if it is long-polling (best effort: it re-polls anyway)."""
+    key = WAKE_KEY.format(instance_id)
+    try:
+        pipe = _redis().pipeline()
+        pipe.rpush(key, "1")
+        pipe.expire(key, 60)
+        pipe.execute()
+    except redis.RedisError:
+        pass
+
+
+def jobs_to_cancel(*, instance: MachineInstance) -> list[str]:
+    return [
+        str(pk)
+        for pk in Job.objects.filter(
+            instance=instance, cancel_requested=True, status__in=[J.ASSIGNED, J.RUNNING]
+        ).values_list("pk", flat=True)
+    ]
+
+
+def _resource_names(job: Job) -> list[str]:
+    return list(job.resources.values_list("resource_type_id", flat=True))
+
+
+def _payload(job: Job) -> dict[str, Any]:
+    return {
+        "id": str(job.pk),
+        "command": job.command,
+        "env": job.env,
+        "timeout_seconds": job.timeout_seconds,
+        "attempt": job.attempt,
+        "resources": _resource_names(job),
+    }
+
+
+class WorkView(AgentView):
+    """Long poll: answers as soon as a job is assigned to this machine, else 204 after ``wait``."""
+
+    def get(self, request: Request) -> Response:
+        try:
+            wait = float(request.query_params.get("wait", settings.CATACLOUD_AGENT_POLL_TIMEOUT))
+        except ValueError:
+            wait = settings.CATACLOUD_AGENT_POLL_TIMEOUT
+        deadline = time.monotonic() + max(0.0, min(wait, settings.CATACLOUD_AGENT_POLL_TIMEOUT))
+        key = WAKE_KEY.format(self.instance.pk)
+        while True:
+            job = (
+                Job.objects.filter(instance=self.instance, status=J.ASSIGNED).order_by("assigned_at").first()
+            )
+            if job is not None:
+                return Response({"job": _payload(job)})
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Response(status=204)
+            try:
+                _redis().blpop([key], timeout=min(remaining, 5.0))
+            except redis.RedisError:
+                time.sleep(min(remaining, 0.5))
+
+
+class StartedView(AgentView):
+    def post(self, request: Request, job_id: str) -> Response:
+        job_started(instance=self.instance, job_id=job_id)
+        return Response({"ok": True})
+
+
+class ChunkIn(serializers.Serializer):
+    seq = serializers.IntegerField(min_value=0)
+    stream = serializers.ChoiceField(choices=["stdout", "stderr"])
+    data = serializers.CharField(allow_blank=True, trim_whitespace=False, max_length=1_000_000)
+
+
+class LogsIn(serializers.Serializer):
+    chunks = ChunkIn(many=True)
+
+
+class LogsView(AgentView):
+    def post(self, request: Request, job_id: str) -> Response:
+        body = LogsIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        job = Job.objects.filter(
+            pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
+        ).first()
+        if job is None:
+            return error_response(
+                409, "not_assigned", "this job is not (or no longer) running on this machine"
+            )
+        JobLogChunk.objects.bulk_create(
+            [
+                JobLogChunk(
+                    job=job,
+                    attempt=job.attempt,
+                    seq=c["seq"],
+                    stream=c["stream"],
+                    data=c["data"].replace("\x00", "\ufffd"),
+                )
+                for c in body.validated_data["chunks"]
+            ],
+            ignore_conflicts=True,  # a retried POST repeats seqs we already have
+        )
+        return Response({"cancel": job.cancel_requested})
+
+
+class FinishedIn(serializers.Serializer):
+    exit_code = serializers.IntegerField(allow_null=True, required=False)
+    outcome = serializers.ChoiceField(choices=["succeeded", "failed", "timed_out", "cancelled"])
+    reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
+
+
+class FinishedView(AgentView):
+    def post(self, request: Request, job_id: str) -> Response:
+        body = FinishedIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        job = job_finished(
+            instance=self.instance,
+            job_id=job_id,
+            outcome=body.validated_data["outcome"],
+            exit_code=body.validated_data.get("exit_code"),
+            reason=body.validated_data["reason"],
+        )
+        return Response({"ok": True, "status": job.status})
+
+
+class MetaView(AgentView):
+    """Metadata of a resource the running job holds (``catacloud job-meta NAME``)."""
+
+    def get(self, request: Request, job_id: str, name: str) -> Response:
+        job = Job.objects.filter(
+            pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
+        ).first()
+        if job is None:
+            return error_response(
+                409, "not_assigned", "this job is not (or no longer) running on this machine"
+            )
+        resource = job.resources.filter(resource_type_id=name, status="held").first()
+        if resource is None:
+            return error_response(404, "not_found", f"this job holds no resource {name!r}")
+        return Response({"name": name, "metadata": resource.metadata})
+
+
+class InterruptionIn(serializers.Serializer):
+    kind = serializers.CharField(max_length=32)
+    detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=4000)
+
+
+class InterruptionView(AgentView):
+    def post(self, request: Request) -> Response:
+        body = InterruptionIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        job_interrupted(
+            instance=self.instance, detail=f"{body.validated_data['kind']}: {body.validated_data['detail']}"
+        )
+        return Response({"ok": True})
+
+
+def job_agent_urls() -> list:
+    return [
+        path("work", WorkView.as_view(), name="agent-work"),
+        path("jobs/<uuid:job_id>/started", StartedView.as_view(), name="agent-job-started"),
+        path("jobs/<uuid:job_id>/logs", LogsView.as_view(), name="agent-job-logs"),
+        path("jobs/<uuid:job_id>/finished", FinishedView.as_view(), name="agent-job-finished"),
+        path("jobs/<uuid:job_id>/meta/<slug:name>", MetaView.as_view(), name="agent-job-meta"),
+        path("interruption", InterruptionView.as_view(), name="agent-interruption"),
+    ]

@@ -1,0 +1,83 @@
+"""Claiming a ready machine in one statement, shared by pool acquires and job placement.
+
+``WITH c AS (SELECT … ORDER BY … LIMIT 1 FOR UPDATE SKIP LOCKED) UPDATE … FROM c RETURNING``
+plus the event insert, as a single round trip. Never
+``filter(pk__in=qs.select_for_update(skip_locked=True)[:1]).update(...)``: PostgreSQL may
+re-evaluate an IN subquery and update more rows than the LIMIT.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import connection
+
+from apps.machines.models import MachineInstance
+
+_COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
+_ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
+
+
+def _sql(candidates: str, event_kind: str) -> str:
+    return f"""
+WITH c AS (
+    {candidates}
+    LIMIT 1
+    FOR UPDATE OF m SKIP LOCKED
+), u AS (
+    UPDATE machines_machineinstance m
+    SET status = 'claimed', claimed_at = now(), claim_id = %(claim)s,
+        claimed_by = %(by)s, claimed_for = %(for)s
+    FROM c WHERE m.id = c.id AND m.status = 'ready'
+    RETURNING m.*
+), e AS (
+    INSERT INTO events_event (org_id, kind, created_at, actor, reason, pool_id, instance_id, job_id, data)
+    SELECT u.org_id, '{event_kind}', now(), %(actor)s, '', u.pool_id, u.id, %(job)s,
+           jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,
+                              'acquired_for', %(for)s::text)
+    FROM u
+)
+SELECT {", ".join(f"u.{c}" for c in _COLUMNS)} FROM u
+"""
+
+
+# Pool acquire: the oldest ready member of an active pool (partial index instance_ready_by_pool).
+POOL_SQL = _sql(
+    """SELECT m.id FROM machines_machineinstance m
+    JOIN pools_instancepool p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
+    WHERE m.status = 'ready'
+    ORDER BY m.ready_at""",
+    "pool.member_claimed",
+)
+
+# Job placement on an idle machine kept for reuse: prefer the one that last ran the same
+# configuration (warm caches), then the one that became idle first.
+IDLE_SQL = _sql(
+    """SELECT m.id FROM machines_machineinstance m
+    WHERE m.pool_id IS NULL AND m.status = 'ready' AND m.org_id = %(org)s AND m.machine_type_id = %(mt)s
+      AND m.machine_type_version = %(version)s
+    ORDER BY (m.last_config_id IS NOT DISTINCT FROM %(config)s) DESC, m.ready_at""",
+    "instance.claimed",
+)
+
+
+def claim(
+    sql: str, *, actor: str = "", by: str = "", for_: str = "", job_id: Any = None, **params: Any
+) -> tuple[uuid.UUID, MachineInstance | None]:
+    """Run a claim statement; returns (claim id, the claimed instance or None)."""
+    claim_id = uuid.uuid4()
+    values = {
+        "claim": claim_id,
+        "by": by[:200],
+        "for": for_[:200],
+        "actor": actor[:200],
+        "job": str(job_id) if job_id else None,
+        **params,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        row = cursor.fetchone()
+    if row is None:
+        return claim_id, None
+    return claim_id, MachineInstance.from_db(connection.alias, _ATTNAMES, row)

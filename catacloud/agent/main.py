@@ -1,0 +1,496 @@
+"""The ``catacloud agent`` and ``catacloud job-meta`` commands.
+
+Threads: the main thread enrolls, then waits for a reason to stop (signal, ``terminate``, a 401);
+a heartbeat thread; a work thread that long-polls and runs one job at a time; the job-meta
+server; and, with ``--imds-url``, the spot watcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from catacloud import __version__
+from catacloud.agent.client import (
+    AgentAPIError,
+    AgentClient,
+    Interrupted,
+    Job,
+    RedactingFormatter,
+    Unauthorized,
+    forget_secret,
+    redact,
+    register_secret,
+)
+from catacloud.agent.imds import SpotWatcher
+from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
+from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
+
+log = logging.getLogger("catacloud.agent")
+
+BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
+REASON_CANCELLED = "cancelled by the control plane"
+REASON_TERMINATING = "machine terminating"
+REASON_AGENT_STOPPED = "agent stopped"
+FINISHED_RETRY_SECONDS = 300.0
+STOPPING_RETRY_SECONDS = 10.0
+
+
+@dataclass
+class CurrentJob:
+    """The job this machine runs now."""
+
+    job: Job
+    cancel: Cancellation
+
+
+class Agent:
+    """One enrolled machine: heartbeats, runs jobs, serves job-meta, watches for interruption."""
+
+    def __init__(
+        self,
+        client: AgentClient,
+        *,
+        bootstrap_token: str,
+        work_dir: str | None = None,
+        heartbeat_interval: float | None = None,
+        imds_url: str | None = None,
+        hostname: str | None = None,
+    ) -> None:
+        self.client = client
+        self.bootstrap_token = bootstrap_token
+        self.work_root = work_dir
+        self.heartbeat_override = heartbeat_interval
+        self.imds_url = imds_url
+        self.hostname = hostname or socket.gethostname()
+        self.stopping = threading.Event()
+        self.exit_code = 0
+        self.heartbeat_interval = 5.0
+        self.poll_timeout = 30.0
+        self.meta: MetaServer | None = None
+        self._lock = threading.Lock()
+        self._current: CurrentJob | None = None
+        self._busy = False  # between claiming a job ("started") and reporting it ("finished")
+        self._idle = threading.Condition(self._lock)
+        self._stop_job_reason = REASON_AGENT_STOPPED
+        self._report_on_stop = True
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._heartbeat_failures = 0
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def request_stop(self, job_reason: str, exit_code: int, *, report: bool = True) -> None:
+        """Stop the agent: end the running job (reported with ``job_reason``) and exit."""
+        with self._lock:
+            if self.stopping.is_set():
+                return
+            self.exit_code = exit_code
+            self._stop_job_reason = job_reason
+            self._report_on_stop = report
+            self.stopping.set()
+            current = self._current
+        if current is not None:
+            current.cancel.cancel(job_reason)
+
+    def fatal(self, message: str) -> None:
+        """An unrecoverable error (e.g. a revoked agent token): log it clearly and stop."""
+        log.error("%s; the agent stops", redact(message))
+        self.request_stop(REASON_AGENT_STOPPED, 1, report=False)
+
+    # -- main -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Enroll, start the threads, wait until told to stop; the process exit code."""
+        try:
+            enrollment = self.client.enroll(
+                bootstrap_token=self.bootstrap_token,
+                hostname=self.hostname,
+                agent_version=__version__,
+                interrupt=self.stopping,
+            )
+        except Interrupted:
+            return self.exit_code
+        except AgentAPIError as exc:
+            log.error("could not enroll with %s: %s", self.client.base_url, exc)
+            return 1
+        self.bootstrap_token = ""
+        self.heartbeat_interval = self.heartbeat_override or enrollment.heartbeat_interval
+        self.poll_timeout = enrollment.poll_timeout
+        log.info(
+            "enrolled as instance %s (heartbeat every %g s, long poll %g s)",
+            enrollment.instance_id,
+            self.heartbeat_interval,
+            self.poll_timeout,
+        )
+        self.meta = MetaServer(self._fetch_meta)
+        self.meta.start()
+        if self.work_root is None:
+            self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
+        else:
+            os.makedirs(self.work_root, mode=0o700, exist_ok=True)
+        try:
+            self._heartbeat_once(retry_for=60.0)  # the handshake: enroll + heartbeat = ready
+            threads = [
+                threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+                threading.Thread(target=self._work_loop, name="work", daemon=True),
+            ]
+            for thread in threads:
+                thread.start()
+            if self.imds_url:
+                SpotWatcher(self.imds_url, self._report_interruption, stop=self.stopping).start()
+            while not self.stopping.wait(0.5):
+                pass
+            self._wait_idle(timeout=30.0)
+        finally:
+            self.meta.close()
+        log.info("agent stopped (exit code %d)", self.exit_code)
+        return self.exit_code
+
+    def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("giving up waiting for the job report")
+                    return
+                self._idle.wait(remaining)
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        next_at = time.monotonic() + self.heartbeat_interval
+        while not self.stopping.wait(max(0.0, next_at - time.monotonic())):
+            next_at = max(next_at + self.heartbeat_interval, time.monotonic())
+            self._heartbeat_once()
+
+    def _heartbeat_once(self, retry_for: float = 0.0) -> None:
+        with self._lock:
+            current = self._current
+        try:
+            cancel_ids, terminate = self.client.heartbeat(
+                current.job.id if current else None, retry_for=retry_for, interrupt=self.stopping
+            )
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            return
+        except AgentAPIError as exc:
+            self._heartbeat_failures += 1
+            if self._heartbeat_failures in (1, 3) or self._heartbeat_failures % 20 == 0:
+                log.warning("heartbeat failed (%d in a row): %s", self._heartbeat_failures, exc)
+            return
+        if self._heartbeat_failures:
+            log.info("heartbeats are getting through again")
+            self._heartbeat_failures = 0
+        for job_id in cancel_ids:
+            self._cancel_job(job_id, REASON_CANCELLED)
+        if terminate:
+            log.info("the control plane is terminating this machine")
+            self.request_stop(REASON_TERMINATING, 0)
+
+    def _cancel_job(self, job_id: str, reason: str) -> None:
+        with self._lock:
+            self._cancelled[job_id] = None
+            while len(self._cancelled) > 256:
+                self._cancelled.popitem(last=False)
+            current = self._current
+        if current is not None and current.job.id == job_id and current.cancel.cancel(reason):
+            log.info("job %s: cancellation requested", job_id)
+
+    def _fetch_meta(self, job_id: str, name: str) -> tuple[int, dict[str, Any]]:
+        try:
+            return self.client.job_meta(job_id, name)
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            raise
+
+    # -- spot interruption ------------------------------------------------------------------
+
+    def _report_interruption(self, detail: str) -> None:
+        try:
+            self.client.interruption("spot", detail)
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            return
+        log.info("reported the spot interruption to the control plane")
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def _work_loop(self) -> None:
+        failures = 0
+        try:
+            while not self.stopping.is_set():
+                try:
+                    job = self.client.poll_work(self.poll_timeout, interrupt=self.stopping)
+                except Interrupted:
+                    return
+                except AgentAPIError as exc:  # an answer we do not understand: slow down
+                    if isinstance(exc, Unauthorized):
+                        raise
+                    log.warning("polling for work failed: %s", exc)
+                    self.stopping.wait(self.client.backoff(failures))
+                    failures += 1
+                    continue
+                failures = 0
+                if job is None:
+                    continue
+                with self._lock:
+                    if self.stopping.is_set():
+                        log.info("job %s: not starting it, the agent is stopping", job.id)
+                        return
+                    self._busy = True
+                try:
+                    self._run_job(job)
+                except Unauthorized:
+                    raise
+                except Exception as exc:
+                    log.exception("job %s: internal agent error", job.id)
+                    self._report_crash(job, exc)
+                finally:
+                    with self._idle:
+                        self._current = None
+                        self._busy = False
+                        self._idle.notify_all()
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+        except Exception:
+            log.exception("the work loop crashed")
+            self.fatal("internal error in the work loop")
+
+    def _report_crash(self, job: Job, exc: Exception) -> None:
+        """Best effort after an agent bug: stop what the job left and report it failed."""
+        with self._lock:
+            current = self._current
+        if current is None or current.job.id != job.id:
+            return  # it never started
+        try:
+            self.client.job_finished(
+                job.id,
+                exit_code=None,
+                outcome="failed",
+                reason=f"agent error: {type(exc).__name__}",
+                retry_for=STOPPING_RETRY_SECONDS,
+            )
+        except AgentAPIError as report_exc:
+            log.error("job %s: could not report its outcome: %s", job.id, report_exc)
+
+    def _job_dir(self, job: Job) -> str:
+        assert self.work_root is not None
+        safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job.id)[:128]
+        path = os.path.join(self.work_root, f"{safe_id}-{job.attempt}")
+        if os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=True)
+        os.mkdir(path, 0o700)
+        return path
+
+    def _job_env(self, job: Job, work_dir: str, token: str) -> dict[str, str]:
+        assert self.meta is not None
+        env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
+        env.update(job.env)
+        env.update(
+            {
+                "CATACLOUD_JOB_ID": job.id,
+                "CATACLOUD_ATTEMPT": str(job.attempt),
+                "CATACLOUD_WORK_DIR": work_dir,
+                SOCKET_ENV: self.meta.path,
+                TOKEN_ENV: token,
+            }
+        )
+        return env
+
+    def _send_logs(self, job_id: str, chunks: list[dict[str, Any]]) -> bool:
+        try:
+            return self.client.send_logs(job_id, chunks)
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            raise
+
+    def _run_job(self, job: Job) -> None:
+        assert self.meta is not None
+        log.info("job %s (attempt %d) assigned", job.id, job.attempt)
+        try:
+            if not self.client.job_started(job.id, interrupt=self.stopping):
+                log.info("job %s is no longer this machine's (409); not running it", job.id)
+                return
+        except Interrupted:
+            return
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("job %s: could not confirm its start (%s); not running it", job.id, exc)
+            return
+        cancel = Cancellation()
+        token = secrets.token_urlsafe(32)
+        register_secret(token)
+        with self._lock:
+            self._current = CurrentJob(job, cancel)
+            if job.id in self._cancelled:
+                cancel.cancel(REASON_CANCELLED)
+            if self.stopping.is_set():
+                cancel.cancel(self._stop_job_reason)
+        streamer = LogStreamer(
+            lambda chunks: self._send_logs(job.id, chunks),
+            on_cancel=lambda: self._cancel_job(job.id, REASON_CANCELLED),
+        )
+        streamer.start()
+        try:
+            work_dir = self._job_dir(job)
+        except OSError as exc:
+            result = JobResult(None, "failed", f"could not create the working directory: {exc}")
+        else:
+            self.meta.grant(job.id, token)
+            log.info("job %s: running in %s", job.id, work_dir)
+            try:
+                result = run_job_process(
+                    job.command,
+                    env=self._job_env(job, work_dir, token),
+                    cwd=work_dir,
+                    timeout_seconds=job.timeout_seconds,
+                    cancel=cancel,
+                    streamer=streamer,
+                )
+            finally:
+                self.meta.revoke()
+                forget_secret(token)
+        if self.stopping.is_set() and not self._report_on_stop:
+            streamer.close(timeout=0.0)
+            log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
+            return
+        retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else 60.0
+        if not streamer.close(timeout=retry_for):
+            log.warning("job %s: some output could not be delivered", job.id)
+        log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
+        try:
+            self.client.job_finished(
+                job.id,
+                exit_code=result.exit_code,
+                outcome=result.outcome,
+                reason=result.reason,
+                retry_for=STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS,
+            )
+        except Unauthorized:
+            raise
+        except AgentAPIError as exc:
+            log.error("job %s: could not report its outcome: %s", job.id, exc)
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
+def _read_bootstrap_token(args: argparse.Namespace) -> str | None:
+    if args.bootstrap_token:
+        return str(args.bootstrap_token).strip()
+    if args.bootstrap_token_file:
+        with open(args.bootstrap_token_file, encoding="utf-8") as handle:
+            return handle.read().strip()
+    return os.environ.get(BOOTSTRAP_ENV, "").strip() or None
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s catacloud-agent: %(message)s"))
+    for name in ("catacloud.agent", "urllib3"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+    logging.getLogger("catacloud.agent").setLevel(level)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    """``catacloud agent``: run this machine's agent until terminated."""
+    _setup_logging(args.log_level)
+    try:
+        token = _read_bootstrap_token(args)
+    except OSError as exc:
+        log.error("cannot read the bootstrap token file: %s", exc)
+        return 2
+    os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
+    if not token:
+        log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
+        return 2
+    register_secret(token)
+    agent = Agent(
+        AgentClient(args.url, user_agent=f"catacloud-agent/{__version__}"),
+        bootstrap_token=token,
+        work_dir=args.work_dir,
+        heartbeat_interval=args.heartbeat_interval,
+        imds_url=args.imds_url,
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        agent.request_stop(REASON_AGENT_STOPPED, 130 if signum == signal.SIGINT else 0)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    return agent.run()
+
+
+def cmd_job_meta(args: argparse.Namespace) -> int:
+    """``catacloud job-meta NAME``: metadata of a resource of the running job."""
+    return job_meta_command(args.name)
+
+
+def add_agent_commands(subparsers: Any) -> None:
+    """Register ``agent`` and ``job-meta`` on an argparse ``add_subparsers()`` object."""
+    agent = subparsers.add_parser(
+        "agent",
+        help="run the machine agent (enroll, heartbeat, run jobs)",
+        description="Run the Catacloud agent on this machine until the control plane terminates it.",
+    )
+    agent.add_argument("--url", required=True, help="control plane base URL, e.g. https://catacloud.example")
+    source = agent.add_mutually_exclusive_group()
+    source.add_argument(
+        "--bootstrap-token",
+        help="single-use enrollment token (visible in the process list: "
+        f"prefer --bootstrap-token-file or ${BOOTSTRAP_ENV})",
+    )
+    source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
+    agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
+    agent.add_argument(
+        "--heartbeat-interval",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="override the heartbeat interval the control plane sets",
+    )
+    agent.add_argument(
+        "--imds-url", metavar="URL", help="watch for spot interruptions (on AWS: http://169.254.169.254)"
+    )
+    agent.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    agent.set_defaults(func=cmd_agent)
+
+    meta = subparsers.add_parser(
+        "job-meta",
+        help="inside a job: print the metadata of one of its resources as JSON",
+        description="Print the JSON metadata of the running job's resource NAME (exit 1 on error).",
+    )
+    meta.add_argument("name", metavar="NAME", help="the resource's name in the job configuration")
+    meta.set_defaults(func=cmd_job_meta)

@@ -1,0 +1,203 @@
+"""``catacloud job-meta``: resource metadata for the running job, served by the agent.
+
+The agent listens on a Unix socket (file mode 0600, in a 0700 directory) and answers
+``GET /v1/meta/NAME`` for the job that is running now, if the request carries that job's
+``CATACLOUD_JOB_TOKEN`` (``Authorization: Bearer <token>``). It fetches the metadata from the
+Agent API with its own token, which the job never sees. Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.client
+import json
+import logging
+import os
+import socket
+import socketserver
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+from urllib.parse import quote, unquote
+
+from catacloud.agent.client import AgentAPIError, redact
+
+log = logging.getLogger("catacloud.agent")
+
+SOCKET_ENV = "CATACLOUD_AGENT_SOCKET"
+TOKEN_ENV = "CATACLOUD_JOB_TOKEN"
+PATH_PREFIX = "/v1/meta/"
+
+
+@dataclass(frozen=True)
+class JobGrant:
+    """The running job and the nonce its requests must carry."""
+
+    job_id: str
+    token: str
+
+
+# fetch(job_id, name) -> (HTTP status, JSON body) from the Agent API.
+Fetch = Callable[[str, str], tuple[int, dict[str, Any]]]
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, path: str, meta: MetaServer) -> None:
+        self.meta = meta
+        super().__init__(path, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "catacloud-agent"
+    sys_version = ""
+    protocol_version = "HTTP/1.0"
+
+    def address_string(self) -> str:
+        return "job"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("job-meta: " + format, *args)
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        status, body = self.server.meta.handle(self.path, self.headers.get("Authorization", ""))
+        self._reply(status, body)
+
+
+class MetaServer:
+    """The agent's side: a tiny HTTP server on a private Unix socket."""
+
+    def __init__(self, fetch: Fetch, *, directory: str | None = None) -> None:
+        self._fetch = fetch
+        self._grant: JobGrant | None = None
+        self._lock = threading.Lock()
+        self.directory = directory or tempfile.mkdtemp(prefix="catacloud-agent-")
+        os.chmod(self.directory, 0o700)
+        self.path = os.path.join(self.directory, "agent.sock")
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self._server = _Server(self.path, self)
+        # The directory is 0700, so nobody else can reach the socket between bind and chmod.
+        os.chmod(self.path, 0o600)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="job-meta", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and remove the socket and its directory."""
+        self._server.shutdown()
+        self._server.server_close()
+        for remove in (lambda: os.unlink(self.path), lambda: os.rmdir(self.directory)):
+            with contextlib.suppress(OSError):
+                remove()
+
+    def grant(self, job_id: str, token: str) -> None:
+        """From now on, requests with ``token`` read ``job_id``'s metadata."""
+        with self._lock:
+            self._grant = JobGrant(job_id, token)
+
+    def revoke(self) -> None:
+        """The job ended: its token is no longer accepted."""
+        with self._lock:
+            self._grant = None
+
+    def handle(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
+        """Answer one request: (HTTP status, JSON body)."""
+        if not path.startswith(PATH_PREFIX) or len(path) == len(PATH_PREFIX):
+            return 404, {"code": "not_found", "detail": "use GET /v1/meta/NAME"}
+        name = unquote(path[len(PATH_PREFIX) :].split("?", 1)[0])
+        scheme, _, given = authorization.partition(" ")
+        with self._lock:
+            grant = self._grant
+        if (
+            grant is None
+            or scheme.lower() != "bearer"
+            or not hmac.compare_digest(given.strip().encode(), grant.token.encode())
+        ):
+            return 401, {
+                "code": "invalid_job_token",
+                "detail": "CATACLOUD_JOB_TOKEN is missing, wrong, or its job is no longer running",
+            }
+        try:
+            status, body = self._fetch(grant.job_id, name)
+        except AgentAPIError as exc:
+            log.warning("job-meta %r: the Agent API failed: %s", name, exc)
+            return 502, {"code": "upstream_error", "detail": "the control plane could not be reached"}
+        if status == 200:
+            return 200, body
+        if status == 404:
+            return 404, {"code": "not_found", "detail": f"this job has no resource named {name!r}"}
+        return 502, {"code": "upstream_error", "detail": f"the control plane answered HTTP {status}"}
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+def fetch_meta(
+    name: str, *, socket_path: str, token: str, timeout: float = 30.0
+) -> tuple[int, dict[str, Any]]:
+    """The job's side: ask the agent for ``name``'s metadata; (HTTP status, JSON body)."""
+    connection = _UnixHTTPConnection(socket_path, timeout)
+    try:
+        connection.request(
+            "GET", PATH_PREFIX + quote(name, safe=""), headers={"Authorization": f"Bearer {token}"}
+        )
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        body = {}
+    return response.status, body if isinstance(body, dict) else {}
+
+
+def job_meta_command(name: str, *, environ: Mapping[str, str] | None = None) -> int:
+    """``catacloud job-meta NAME``: print the metadata as JSON (exit 0) or an error (exit 1)."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    socket_path = env.get(SOCKET_ENV, "")
+    token = env.get(TOKEN_ENV, "")
+    if not socket_path:
+        print(f"job-meta: {SOCKET_ENV} is not set; run this inside a Catacloud job", file=sys.stderr)
+        return 1
+    if not token:
+        print(f"job-meta: {TOKEN_ENV} is not set; run this inside a Catacloud job", file=sys.stderr)
+        return 1
+    try:
+        status, body = fetch_meta(name, socket_path=socket_path, token=token)
+    except OSError as exc:
+        print(f"job-meta: cannot reach the agent at {socket_path}: {exc}", file=sys.stderr)
+        return 1
+    if status == 200 and isinstance(body.get("metadata"), dict):
+        print(json.dumps(body["metadata"], indent=2, sort_keys=True))
+        return 0
+    detail = body.get("detail") or body.get("code") or f"HTTP {status}"
+    print(f"job-meta: {name}: {redact(str(detail))}", file=sys.stderr)
+    return 1

@@ -1,0 +1,473 @@
+"""Running one job: its own session and process tree, streamed output, timeout, cancellation.
+
+The command runs as ``/bin/sh -c COMMAND`` in a new session, so the whole tree shares one process
+group. Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
+flusher thread ships chunks while the job runs. Stopping a job (timeout, cancel, agent exit)
+kills the whole tree: SIGTERM to the group and to every descendant seen (also those that left the
+group), a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import IO, Any
+
+import psutil
+
+from catacloud.agent.client import redact
+
+log = logging.getLogger("catacloud.agent")
+
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+TIMED_OUT = "timed_out"
+CANCELLED = "cancelled"
+
+KILL_GRACE_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What ``finished`` reports."""
+
+    exit_code: int | None
+    outcome: str
+    reason: str
+
+
+class Cancellation:
+    """A one-way cancel flag carrying the first reason given."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason = ""
+
+    def cancel(self, reason: str) -> bool:
+        """Request cancellation; ``True`` if this call was the first."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self.reason = reason
+            self._event.set()
+            return True
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+# -- output streaming ---------------------------------------------------------------------------
+
+
+class LogStreamer:
+    """Collects a job's stdout and stderr in arrival order and ships them while it runs.
+
+    ``send(chunks)`` posts chunks and answers whether the job was cancelled; it raises on failure.
+    Each chunk gets its sequence number once, so a retried post repeats the same numbers and the
+    server drops what it already has. Output is flushed at least every ``flush_interval`` seconds,
+    and at once when ``flush_bytes`` are waiting. When ``max_buffered`` bytes are waiting (server
+    unreachable) the readers block, and so does the job when its pipe fills.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[list[dict[str, Any]]], bool],
+        *,
+        on_cancel: Callable[[], None] | None = None,
+        flush_interval: float = 0.5,
+        flush_bytes: int = 16 * 1024,
+        max_chunk_chars: int = 32 * 1024,
+        max_post_chars: int = 256 * 1024,
+        max_buffered: int = 16 * 1024 * 1024,
+        retry_base: float = 0.5,
+        retry_cap: float = 10.0,
+    ) -> None:
+        self._send = send
+        self._on_cancel = on_cancel
+        self.flush_interval = flush_interval
+        self.flush_bytes = flush_bytes
+        self.max_chunk_chars = max_chunk_chars
+        self.max_post_chars = max_post_chars
+        self.max_buffered = max_buffered
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        self._cond = threading.Condition()
+        self._decoders = {
+            stream: codecs.getincrementaldecoder("utf-8")(errors="replace") for stream in ("stdout", "stderr")
+        }
+        self._pending: list[tuple[str, str]] = []
+        self._pending_chars = 0
+        self._first_pending_at = 0.0
+        self._unacked: list[dict[str, Any]] = []
+        self._next_seq = 0
+        self._closing = False
+        self._close_deadline = 0.0
+        self._discard = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self.sent_chunks = 0
+        self._thread = threading.Thread(target=self._run, name="log-flusher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # readers' side
+
+    def feed(self, stream: str, data: bytes) -> None:
+        """Add raw bytes read from ``stream`` (``stdout`` or ``stderr``)."""
+        with self._cond:
+            text = self._decoders[stream].decode(data)
+            self._append(stream, text)
+
+    def end_stream(self, stream: str) -> None:
+        """The stream hit EOF: flush its decoder (an incomplete UTF-8 tail becomes U+FFFD)."""
+        with self._cond:
+            self._append(stream, self._decoders[stream].decode(b"", final=True))
+
+    def _append(self, stream: str, text: str) -> None:
+        if not text:
+            return
+        while self._pending_chars >= self.max_buffered and not self._discard:
+            self._cond.wait(0.5)
+        if self._discard:
+            return
+        first = not self._pending
+        if first:
+            self._first_pending_at = time.monotonic()
+        self._pending.append((stream, text))
+        self._pending_chars += len(text)
+        if first or self._pending_chars >= self.flush_bytes:
+            self._cond.notify_all()  # the flusher starts its 0.5 s clock, or flushes now
+
+    # flusher's side
+
+    def _take(self) -> None:
+        """Move pending output into numbered, coalesced chunks (caller holds the lock)."""
+        for stream, text in self._pending:
+            last = self._unacked[-1] if self._unacked else None
+            if (
+                last is not None
+                and not last.get("_sent")
+                and last["stream"] == stream
+                and len(last["data"]) + len(text) <= self.max_chunk_chars
+            ):
+                last["data"] += text
+                continue
+            for start in range(0, len(text), self.max_chunk_chars):
+                self._unacked.append(
+                    {
+                        "seq": self._next_seq,
+                        "stream": stream,
+                        "data": text[start : start + self.max_chunk_chars],
+                    }
+                )
+                self._next_seq += 1
+        self._pending.clear()
+        self._pending_chars = 0
+        self._cond.notify_all()
+
+    def _due(self, now: float) -> bool:
+        if now < self._retry_at:
+            return False
+        if self._unacked:
+            return True
+        return bool(self._pending) and (
+            self._closing
+            or self._pending_chars >= self.flush_bytes
+            or now >= self._first_pending_at + self.flush_interval
+        )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    if self._closing and now > self._close_deadline:
+                        self._discard = True
+                        self._cond.notify_all()
+                    if self._discard:
+                        return
+                    if self._closing and not self._pending and not self._unacked:
+                        return
+                    if self._due(now):
+                        break
+                    if now < self._retry_at:
+                        wait: float | None = self._retry_at - now
+                    elif self._pending:
+                        wait = self._first_pending_at + self.flush_interval - now
+                    else:
+                        wait = None
+                    if self._closing:
+                        wait = min(wait if wait is not None else 0.5, self._close_deadline - now + 0.01)
+                    self._cond.wait(max(0.01, wait) if wait is not None else None)
+                # Number new output only while the backlog is small: when the server is away,
+                # output stays pending and eventually pushes back on the job.
+                if self._pending and sum(len(c["data"]) for c in self._unacked) < self.max_post_chars:
+                    self._take()
+                batch: list[dict[str, Any]] = []
+                size = 0
+                for chunk in self._unacked:
+                    if batch and size + len(chunk["data"]) > self.max_post_chars:
+                        break
+                    chunk["_sent"] = True
+                    batch.append(chunk)
+                    size += len(chunk["data"])
+            if batch:
+                self._post(batch)
+
+    def _post(self, batch: list[dict[str, Any]]) -> None:
+        wire = [{"seq": c["seq"], "stream": c["stream"], "data": c["data"]} for c in batch]
+        try:
+            cancel = self._send(wire)
+        except Exception as exc:
+            with self._cond:
+                delay = min(self.retry_cap, self.retry_base * 2 ** min(self._failures, 10))
+                self._failures += 1
+                self._retry_at = time.monotonic() + delay
+                give_up = self._closing and self._retry_at > self._close_deadline
+            log.warning("could not ship job output (%s); retrying in %.1f s", redact(str(exc)), delay)
+            if give_up:
+                with self._cond:
+                    self._discard = True
+                    self._cond.notify_all()
+            return
+        with self._cond:
+            self._failures = 0
+            self._retry_at = 0.0
+            acked = {c["seq"] for c in batch}
+            self._unacked = [c for c in self._unacked if c["seq"] not in acked]
+            self.sent_chunks += len(batch)
+        if cancel and self._on_cancel is not None:
+            self._on_cancel()
+
+    def close(self, timeout: float) -> bool:
+        """Ship what is left (retrying up to ``timeout`` s); ``True`` if everything was acknowledged."""
+        with self._cond:
+            self._closing = True
+            self._close_deadline = time.monotonic() + timeout
+            self._retry_at = 0.0
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout + 1.0)
+        with self._cond:
+            delivered = not self._pending and not self._unacked
+            self._discard = True
+            self._cond.notify_all()
+        return delivered
+
+
+# -- process tree -------------------------------------------------------------------------------
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class ProcessTree:
+    """Every process a job started: its process group plus descendants seen along the way."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.pgid = pid  # start_new_session=True: the shell leads its own session and group
+        self._known: dict[tuple[int, float], psutil.Process] = {}
+        try:
+            self._root: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            self._root = None
+
+    def snapshot(self) -> None:
+        """Remember the current descendants, so ones that later leave the group are still found."""
+        if self._root is None:
+            return
+        try:
+            children = self._root.children(recursive=True)
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                self._known[(child.pid, child.create_time())] = child
+            except psutil.Error:
+                continue
+        self._known = {key: p for key, p in self._known.items() if _alive(p)}
+
+    def members(self) -> list[psutil.Process]:
+        """Live processes of the tree: known descendants and whatever is still in the group."""
+        self.snapshot()
+        found = {key: p for key, p in self._known.items() if _alive(p)}
+        for process in psutil.process_iter():
+            if process.pid == self.pid:
+                continue
+            try:
+                if os.getpgid(process.pid) == self.pgid:
+                    found.setdefault((process.pid, process.create_time()), process)
+            except (OSError, psutil.Error):
+                continue
+        return [p for p in found.values() if p.pid != self.pid and p.pid != os.getpid()]
+
+    def _signal(self, processes: Iterable[psutil.Process], signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signum)
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signum)  # psutil refuses a reused pid
+
+    def kill(self, proc: subprocess.Popen[bytes] | None, grace: float = KILL_GRACE_SECONDS) -> None:
+        """SIGTERM the tree, wait up to ``grace`` s, then SIGKILL what is left.
+
+        ``proc`` is the job's shell when it is still running (it is our child: reaped by ``proc``).
+        """
+        processes = self.members()
+        if proc is not None and proc.poll() is not None:
+            proc = None
+        if not processes and proc is None:
+            return
+        self._signal(processes, signal.SIGTERM)
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if (proc is None or proc.poll() is not None) and not any(_alive(p) for p in processes):
+                return
+            time.sleep(0.05)
+        leftovers = [p for p in self.members() if _alive(p)]
+        log.info("job processes outlived SIGTERM by %.0f s; sending SIGKILL", grace)
+        self._signal(leftovers, signal.SIGKILL)
+        if proc is not None:
+            proc.kill()
+            try:
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                log.warning("job process %s survived SIGKILL", proc.pid)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(_alive(p) for p in leftovers):
+            time.sleep(0.05)
+
+
+def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer) -> None:
+    fd = pipe.fileno()
+    try:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            streamer.feed(stream, data)
+    finally:
+        streamer.end_stream(stream)
+        pipe.close()
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    tree: ProcessTree,
+    timeout_seconds: float,
+    cancel: Cancellation,
+    kill_grace: float,
+    poll_interval: float,
+) -> tuple[str, str] | None:
+    """Wait for the job to end; on timeout or cancellation kill its tree and say why."""
+    started = time.monotonic()
+    deadline = started + timeout_seconds if timeout_seconds and timeout_seconds > 0 else None
+    next_snapshot = started
+    while True:
+        try:
+            proc.wait(timeout=poll_interval)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now >= next_snapshot:
+            tree.snapshot()
+            next_snapshot = now + 0.5
+        stopped: tuple[str, str] | None = None
+        if cancel.is_set():
+            stopped = (CANCELLED, cancel.reason or "cancelled")
+        elif deadline is not None and now >= deadline:
+            stopped = (TIMED_OUT, f"timed out after {timeout_seconds:g} s")
+        if stopped is not None:
+            log.info("stopping job process tree (%s)", stopped[1])
+            tree.kill(proc, kill_grace)
+            proc.wait()
+            return stopped
+
+
+def run_job_process(
+    command: str,
+    *,
+    env: dict[str, str],
+    cwd: str,
+    timeout_seconds: float,
+    cancel: Cancellation,
+    streamer: LogStreamer,
+    kill_grace: float = KILL_GRACE_SECONDS,
+    poll_interval: float = 0.1,
+) -> JobResult:
+    """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures."""
+    if cancel.is_set():
+        return JobResult(None, CANCELLED, cancel.reason)
+    try:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            bufsize=0,
+            close_fds=True,
+        )
+    except OSError as exc:
+        return JobResult(None, FAILED, f"could not start the command: {exc}")
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = [
+        threading.Thread(
+            target=_pump, args=(proc.stdout, "stdout", streamer), name="job-stdout", daemon=True
+        ),
+        threading.Thread(
+            target=_pump, args=(proc.stderr, "stderr", streamer), name="job-stderr", daemon=True
+        ),
+    ]
+    for reader in readers:
+        reader.start()
+    tree = ProcessTree(proc.pid)
+    try:
+        stopped = _supervise(proc, tree, timeout_seconds, cancel, kill_grace, poll_interval)
+    except BaseException:
+        tree.kill(proc, grace=0.5)  # never leave a job running behind an agent error
+        raise
+    returncode = proc.returncode
+    # Whatever the job left running in the background goes with it (and releases our pipes).
+    tree.kill(None, grace=min(1.0, kill_grace))
+    for reader in readers:
+        reader.join(timeout=5.0)
+        if reader.is_alive():
+            log.warning("job output %s is still open after the job ended; not waiting for it", reader.name)
+    if stopped is not None:
+        return JobResult(None, *stopped)
+    if returncode == 0:
+        return JobResult(0, SUCCEEDED, "exit code 0")
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return JobResult(128 - returncode, FAILED, f"killed by signal {name}")
+    return JobResult(returncode, FAILED, f"exit code {returncode}")

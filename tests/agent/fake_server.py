@@ -1,0 +1,318 @@
+"""A fake Agent API (and a fake EC2 metadata service) for the agent's tests.
+
+Both run a stdlib ``ThreadingHTTPServer`` on 127.0.0.1 on a free port in a thread, record every
+request, and let a test steer them: assign a job, cancel it (via heartbeat or the logs answer),
+terminate the machine, refuse a start with 409, revoke the agent token, fail calls with 503.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+PREFIX = "/api/agent/v1/"
+
+
+@dataclass
+class Recorded:
+    """One request as the server saw it."""
+
+    method: str
+    path: str  # relative to the API prefix, e.g. "jobs/j1/logs"
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: Any
+    at: float = field(default_factory=time.monotonic)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+class _FakeBase:
+    """Server plumbing shared by the fakes: start/stop, recording, waiting for conditions."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.requests: list[Recorded] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                fake._dispatch(self)
+
+            do_GET = do_POST = do_PUT = _handle
+
+        self._server = _Server(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> _FakeBase:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+        """Wait until ``predicate()`` is truthy (checked after every request); return its value."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+                self.cond.wait(min(remaining, 0.1))
+
+    def calls(self, method: str, path: str) -> list[Recorded]:
+        with self.cond:
+            return [r for r in self.requests if r.method == method and r.path == path]
+
+    @staticmethod
+    def _reply(
+        handler: BaseHTTPRequestHandler, status: int, body: Any = None, text: str | None = None
+    ) -> None:
+        if text is not None:
+            data, kind = text.encode(), "text/plain"
+        elif body is not None:
+            data, kind = json.dumps(body).encode(), "application/json"
+        else:
+            data, kind = b"", "application/json"
+        handler.send_response(status)
+        handler.send_header("Content-Type", kind)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        if data:
+            handler.wfile.write(data)
+
+    def _read(self, handler: BaseHTTPRequestHandler) -> tuple[str, dict[str, list[str]], Any]:
+        parts = urlsplit(handler.path)
+        length = int(handler.headers.get("Content-Length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        return parts.path, parse_qs(parts.query), body
+
+    def _dispatch(self, handler: BaseHTTPRequestHandler) -> None:
+        raise NotImplementedError
+
+
+class FakeAgentAPI(_FakeBase):
+    """The Agent API contract, in memory."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat_interval: float = 0.2,
+        poll_timeout: float = 0.5,
+        bootstrap_tokens: tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__()
+        bootstrap_tokens = bootstrap_tokens or ("bootstrap-" + secrets.token_hex(12),)
+        self.heartbeat_interval = heartbeat_interval
+        self.poll_timeout = poll_timeout
+        self.bootstrap_tokens = set(bootstrap_tokens)
+        self.used_bootstrap_tokens: set[str] = set()
+        self.agent_token = "agent-" + secrets.token_hex(16)
+        self.instance_id = "inst-" + secrets.token_hex(4)
+        self.revoked = False
+        self.queue: deque[dict[str, Any]] = deque()
+        self.cancel_ids: set[str] = set()
+        self.cancel_via_logs: set[str] = set()
+        self.terminate = False
+        self.started_status: dict[str, int] = {}
+        self.logs: dict[str, dict[int, tuple[dict[str, Any], float]]] = {}
+        self.finished: dict[str, tuple[dict[str, Any], float]] = {}
+        self.meta: dict[tuple[str, str], dict[str, Any]] = {}
+        self.interruptions: list[dict[str, Any]] = []
+        self.fail_next: dict[str, int] = {}  # path -> how many 503s to answer first
+
+    # -- steering ---------------------------------------------------------------------------
+
+    @property
+    def bootstrap_token(self) -> str:
+        return next(iter(self.bootstrap_tokens))
+
+    def assign(
+        self,
+        command: str,
+        *,
+        job_id: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_seconds: int = 60,
+        attempt: int = 1,
+    ) -> str:
+        """Hand a job to the next ``GET work``; returns its id."""
+        job = {
+            "id": job_id or "job-" + secrets.token_hex(4),
+            "command": command,
+            "env": env or {},
+            "timeout_seconds": timeout_seconds,
+            "attempt": attempt,
+        }
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify_all()
+        return str(job["id"])
+
+    def cancel(self, job_id: str, *, via_logs: bool = False) -> None:
+        with self.cond:
+            (self.cancel_via_logs if via_logs else self.cancel_ids).add(job_id)
+
+    def output(self, job_id: str, stream: str | None = None) -> str:
+        """The job's output so far, in sequence order."""
+        with self.cond:
+            chunks = sorted(self.logs.get(job_id, {}).values(), key=lambda item: item[0]["seq"])
+        return "".join(c["data"] for c, _ in chunks if stream is None or c["stream"] == stream)
+
+    def wait_finished(self, job_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        return self.wait_for(
+            lambda: self.finished.get(job_id, (None,))[0], timeout, f"job {job_id} to finish"
+        )
+
+    def wait_output(self, job_id: str, text: str, timeout: float = 10.0) -> str:
+        return self.wait_for(
+            lambda: self.output(job_id) if text in self.output(job_id) else "", timeout, f"{text!r} in output"
+        )
+
+    # -- the API ----------------------------------------------------------------------------
+
+    def _dispatch(self, handler: BaseHTTPRequestHandler) -> None:
+        path, query, body = self._read(handler)
+        rel = path[len(PREFIX) :] if path.startswith(PREFIX) else path
+        record = Recorded(handler.command, unquote(rel), query, dict(handler.headers.items()), body)
+        with self.cond:
+            self.requests.append(record)
+            self.cond.notify_all()
+            failures = self.fail_next.get(record.path, 0)
+            if failures:
+                self.fail_next[record.path] = failures - 1
+        if failures:
+            return self._reply(handler, 503, {"code": "unavailable"})
+        if not path.startswith(PREFIX):
+            return self._reply(handler, 404, {"code": "not_found"})
+        if rel == "enroll" and handler.command == "POST":
+            return self._enroll(handler, body or {})
+        if self.revoked or handler.headers.get("Authorization") != f"Agent {self.agent_token}":
+            return self._reply(handler, 401, {"code": "invalid_agent_token"})
+        parts = rel.split("/")
+        status, answer = 404, {"code": "not_found"}
+        if rel == "heartbeat" and handler.command == "POST":
+            with self.cond:
+                status, answer = 200, {"cancel": sorted(self.cancel_ids), "terminate": self.terminate}
+        elif rel == "work" and handler.command == "GET":
+            return self._work(handler, float(query.get("wait", ["0"])[0]))
+        elif rel == "interruption" and handler.command == "POST":
+            with self.cond:
+                self.interruptions.append(body)
+                self.cond.notify_all()
+            status, answer = 200, {}
+        elif len(parts) >= 3 and parts[0] == "jobs":
+            job_id = unquote(parts[1])
+            status, answer = self._job(handler.command, job_id, parts[2:], body)
+        return self._reply(handler, status, answer)
+
+    def _enroll(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        token = body.get("bootstrap_token")
+        with self.cond:
+            if token in self.used_bootstrap_tokens:
+                return self._reply(handler, 409, {"code": "already_enrolled"})
+            if token not in self.bootstrap_tokens:
+                return self._reply(handler, 401, {"code": "invalid_bootstrap_token"})
+            self.used_bootstrap_tokens.add(token)
+        return self._reply(
+            handler,
+            200,
+            {
+                "instance_id": self.instance_id,
+                "agent_token": self.agent_token,
+                "heartbeat_interval": self.heartbeat_interval,
+                "poll_timeout": self.poll_timeout,
+            },
+        )
+
+    def _work(self, handler: BaseHTTPRequestHandler, wait: float) -> None:
+        deadline = time.monotonic() + min(wait, self.poll_timeout)
+        with self.cond:
+            while not self.queue and time.monotonic() < deadline:
+                self.cond.wait(deadline - time.monotonic())
+            job = self.queue.popleft() if self.queue else None
+        if job is None:
+            return self._reply(handler, 204)
+        return self._reply(handler, 200, {"job": job})
+
+    def _job(self, method: str, job_id: str, rest: list[str], body: Any) -> tuple[int, dict[str, Any]]:
+        action = rest[0]
+        with self.cond:
+            if action == "started" and method == "POST":
+                status = self.started_status.get(job_id, 200)
+                return status, {} if status == 200 else {"code": "not_assigned"}
+            if action == "logs" and method == "POST":
+                now = time.monotonic()
+                stored = self.logs.setdefault(job_id, {})
+                for chunk in body["chunks"]:
+                    stored.setdefault(int(chunk["seq"]), (chunk, now))
+                return 200, {"cancel": job_id in self.cancel_via_logs}
+            if action == "finished" and method == "POST":
+                self.finished[job_id] = (body, time.monotonic())
+                return 200, {}
+            if action == "meta" and method == "GET" and len(rest) == 2:
+                name = unquote(rest[1])
+                if (job_id, name) in self.meta:
+                    return 200, {"name": name, "metadata": self.meta[(job_id, name)]}
+        return 404, {"code": "not_found"}
+
+
+class FakeIMDS(_FakeBase):
+    """The EC2 instance metadata service, IMDSv2 only (a GET without a session token gets 401)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: set[str] = set()
+        self.notice: str | None = None
+
+    def _dispatch(self, handler: BaseHTTPRequestHandler) -> None:
+        path, query, body = self._read(handler)
+        with self.cond:
+            self.requests.append(Recorded(handler.command, path, query, dict(handler.headers.items()), body))
+            self.cond.notify_all()
+        if handler.command == "PUT" and path == "/latest/api/token":
+            if not handler.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                return self._reply(handler, 400, text="missing ttl")
+            token = secrets.token_hex(8)
+            with self.cond:
+                self.tokens.add(token)
+            return self._reply(handler, 200, text=token)
+        if handler.command == "GET" and path == "/latest/meta-data/spot/instance-action":
+            if handler.headers.get("X-aws-ec2-metadata-token") not in self.tokens:
+                return self._reply(handler, 401, text="unauthorized")
+            if self.notice is None:
+                return self._reply(handler, 404, text="not found")
+            return self._reply(handler, 200, text=self.notice)
+        return self._reply(handler, 404, text="not found")

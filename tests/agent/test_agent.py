@@ -1,0 +1,490 @@
+"""The agent, run as a real process against a fake Agent API (and a fake EC2 metadata service)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from catacloud import __version__
+from catacloud.agent.client import AgentAPIError, RedactingFormatter, redact, register_secret
+from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, job_meta_command
+from catacloud.agent.runner import LogStreamer
+from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (zombies waiting for a reaper count as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]
+
+
+def values(output: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in output.splitlines() if line.startswith(key + "=")]
+
+
+class AgentProcess:
+    """``python -m catacloud.agent agent ...`` with its log in a file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 10.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the agent did not exit within {timeout} s:\n{self.log()}") from None
+
+
+@pytest.fixture
+def api() -> Iterator[FakeAgentAPI]:
+    fake = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5)
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def work_dir(tmp_path: Path) -> Path:
+    return tmp_path / "work"
+
+
+@pytest.fixture
+def start_agent(api: FakeAgentAPI, tmp_path: Path, work_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def start(*extra: str, token: str | None = None, token_via_env: bool = False) -> AgentProcess:
+        token = api.bootstrap_token if token is None else token
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        command = [PY, "-m", "catacloud.agent", "agent", "--url", api.url, "--work-dir", str(work_dir)]
+        if token_via_env:
+            env["CATACLOUD_BOOTSTRAP_TOKEN"] = token
+        else:
+            env.pop("CATACLOUD_BOOTSTRAP_TOKEN", None)
+            token_file = tmp_path / f"bootstrap-token-{len(started)}"
+            token_file.write_text(token + "\n")
+            token_file.chmod(0o600)
+            command += ["--bootstrap-token-file", str(token_file)]
+        log_path = tmp_path / f"agent-{len(started)}.log"
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(
+                [*command, *extra], cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
+            )
+        agent = AgentProcess(proc, log_path)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        if agent.proc.poll() is None:
+            agent.proc.send_signal(signal.SIGTERM)
+            try:
+                agent.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                agent.proc.kill()
+                agent.proc.wait()
+
+
+def assert_no_secrets(api: FakeAgentAPI, agent: AgentProcess) -> None:
+    log = agent.log()
+    assert api.agent_token not in log
+    assert api.bootstrap_token not in log
+
+
+# -- enrollment and heartbeats ------------------------------------------------------------------
+
+
+def test_enroll_is_followed_at_once_by_a_heartbeat_then_periodic_ones(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    api.wait_for(lambda: len(api.calls("POST", "heartbeat")) >= 4, what="four heartbeats")
+
+    first, second = api.requests[0], api.requests[1]
+    assert (first.method, first.path) == ("POST", "enroll")
+    assert first.body == {
+        "bootstrap_token": api.bootstrap_token,
+        "hostname": socket.gethostname(),
+        "agent_version": __version__,
+    }
+    assert "Authorization" not in first.headers
+    assert (second.method, second.path) == ("POST", "heartbeat")
+    assert second.body == {"running_job": None}
+    assert second.headers["Authorization"] == f"Agent {api.agent_token}"
+    beats = [r.at for r in api.calls("POST", "heartbeat")]
+    assert max(b - a for a, b in zip(beats[1:], beats[2:], strict=False)) < 1.0  # every ~0.2 s
+    assert api.calls("GET", "work"), "idle agents long-poll for work"
+
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait() == 0
+    assert f"enrolled as instance {api.instance_id}" in agent.log()
+    assert_no_secrets(api, agent)
+
+
+def test_a_used_bootstrap_token_makes_the_agent_exit_with_a_clear_error(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    first = start_agent()
+    api.wait_for(lambda: api.calls("POST", "heartbeat"), what="the first agent's heartbeat")
+
+    second = start_agent()
+
+    assert second.wait() != 0
+    assert "already used" in second.log()
+    assert "single-use" in second.log()
+    assert first.proc.poll() is None, "the first machine is unaffected"
+    assert_no_secrets(api, second)
+
+
+def test_an_unknown_bootstrap_token_makes_the_agent_exit_with_a_clear_error(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(token="not-a-real-token-123")
+
+    assert agent.wait() != 0
+    assert "bootstrap token is invalid" in agent.log()
+    assert "not-a-real-token-123" not in agent.log()
+
+
+def test_a_revoked_agent_token_stops_the_agent(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    api.wait_for(lambda: api.calls("POST", "heartbeat"), what="a heartbeat")
+
+    api.revoked = True
+
+    assert agent.wait() == 1
+    assert "rejected this agent's credentials" in agent.log()
+    assert_no_secrets(api, agent)
+
+
+# -- running jobs -------------------------------------------------------------------------------
+
+
+def test_output_reaches_the_server_while_the_job_still_runs(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    start_agent()
+    job = api.assign("echo first; echo oops >&2; sleep 3; echo second")
+
+    api.wait_output(job, "first\n", timeout=5)
+    assert job not in api.finished, "the first line arrived before the job finished"
+    api.wait_for(
+        lambda: any(r.body == {"running_job": job} for r in api.calls("POST", "heartbeat")),
+        what="a heartbeat naming the running job",
+    )
+
+    finished = api.wait_finished(job)
+    assert finished == {"exit_code": 0, "outcome": "succeeded", "reason": "exit code 0"}
+    assert api.output(job, "stdout") == "first\nsecond\n"
+    assert api.output(job, "stderr") == "oops\n"
+    assert sorted(api.logs[job]) == list(range(len(api.logs[job]))), "seq counts up from 0"
+    first_chunk_at = min(at for chunk, at in api.logs[job].values() if "first" in chunk["data"])
+    assert api.finished[job][1] - first_chunk_at > 2.0
+    log_posts = [r.at for r in api.calls("POST", f"jobs/{job}/logs")]
+    assert max(log_posts) <= api.finished[job][1], "all output is sent before finished"
+    assert [r.path for r in api.requests if r.path.startswith(f"jobs/{job}")][0] == f"jobs/{job}/started"
+
+
+def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    start_agent(token_via_env=True)
+    failing = api.assign(
+        'echo "id=$CATACLOUD_JOB_ID"; echo "attempt=$CATACLOUD_ATTEMPT"; echo "wd=$CATACLOUD_WORK_DIR";'
+        ' echo "pwd=$(pwd)"; echo "greeting=$GREETING"; echo "boot=${CATACLOUD_BOOTSTRAP_TOKEN:-none}";'
+        " exit 3",
+        env={"GREETING": "hello"},
+        attempt=2,
+    )
+    leaving_a_child = api.assign("sleep 1000 & echo bg=$!")
+
+    assert api.wait_finished(failing) == {"exit_code": 3, "outcome": "failed", "reason": "exit code 3"}
+    assert api.wait_finished(leaving_a_child, timeout=8)["outcome"] == "succeeded"
+    assert wait_gone([int(values(api.output(leaving_a_child), "bg")[0])]) == [], "no leftovers between jobs"
+    output = api.output(failing)
+    assert values(output, "id") == [failing]
+    assert values(output, "attempt") == ["2"]
+    assert values(output, "greeting") == ["hello"]
+    assert values(output, "boot") == ["none"], "jobs never see the bootstrap token"
+    assert values(output, "wd") == values(output, "pwd")
+    assert Path(values(output, "wd")[0]).parent == work_dir
+    assert Path(values(output, "wd")[0]).name.endswith("-2")
+
+
+def test_a_job_the_server_took_back_is_not_run(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    start_agent()
+    api.started_status["taken"] = 409
+    api.assign("touch ran; echo ran", job_id="taken")
+    after = api.assign("echo next")
+
+    assert api.wait_finished(after)["outcome"] == "succeeded"
+    assert "taken" not in api.finished
+    assert "taken" not in api.logs
+    assert not list(work_dir.glob("taken*")), "no working directory, nothing ran"
+
+
+def test_timeout_kills_the_whole_process_tree(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    start_agent()
+    job = api.assign(
+        "sleep 1000 & echo bg=$!;"
+        ' "$PY" -c "import os, time; os.setsid(); print(\'esc=%d\' % os.getpid(), flush=True);'
+        ' time.sleep(1000)" &'
+        " echo fg=$$; exec sleep 1000",
+        env={"PY": PY},
+        timeout_seconds=2,
+    )
+
+    output = api.wait_output(job, "esc=", timeout=5)
+    pids = [int(values(output, key)[0]) for key in ("bg", "fg", "esc")]
+    assert all(alive(pid) for pid in pids)
+    assert os.getpgid(pids[2]) != os.getpgid(pids[0]), "one process left the job's process group"
+    finished = api.wait_finished(job, timeout=10)
+
+    assert finished["outcome"] == "timed_out"
+    assert finished["exit_code"] is None
+    assert wait_gone(pids) == []
+    started_at = api.calls("POST", f"jobs/{job}/started")[0].at
+    assert api.finished[job][1] - started_at < 2 + 4
+
+
+def test_cancel_from_heartbeat_or_logs_answer_stops_the_job_within_seconds(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    start_agent()
+    by_heartbeat = api.assign("echo pid=$$; exec sleep 1000")
+    pid = int(values(api.wait_output(by_heartbeat, "pid="), "pid")[0])
+
+    cancelled_at = time.monotonic()
+    api.cancel(by_heartbeat)
+    finished = api.wait_finished(by_heartbeat, timeout=10)
+
+    assert finished["outcome"] == "cancelled"
+    assert api.finished[by_heartbeat][1] - cancelled_at < 4.0
+    assert wait_gone([pid]) == []
+
+    by_logs = api.assign("while true; do echo tick; sleep 0.2; done")
+    api.wait_output(by_logs, "tick")
+    api.cancel(by_logs, via_logs=True)
+    assert api.wait_finished(by_logs, timeout=10)["outcome"] == "cancelled"
+
+
+def test_transient_server_errors_are_retried_without_duplicating_output(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    start_agent()
+    api.wait_for(lambda: api.calls("GET", "work"), what="a poll")
+    api.fail_next.update({"work": 1, "jobs/flaky/logs": 1, "jobs/flaky/finished": 1})
+    api.assign("echo hello", job_id="flaky")
+
+    assert api.wait_finished("flaky")["outcome"] == "succeeded"
+    assert api.output("flaky") == "hello\n"
+    posts = api.calls("POST", "jobs/flaky/logs")
+    assert len(posts) >= 2
+    assert posts[0].body == posts[1].body, "the retry repeats the same chunk and seq"
+    assert len(api.calls("POST", "jobs/flaky/finished")) == 2
+
+
+# -- job-meta -----------------------------------------------------------------------------------
+
+
+def test_job_meta_prints_the_resource_metadata_only_for_the_running_job(
+    api: FakeAgentAPI,
+    start_agent: Callable[..., AgentProcess],
+    work_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    start_agent()
+    api.meta[("with-db", "db")] = {"host": "db.internal", "port": 5432}
+    job = api.assign(
+        'echo "socket=$CATACLOUD_AGENT_SOCKET"; echo "token=$CATACLOUD_JOB_TOKEN"; env;'
+        ' "$PY" -m catacloud.agent job-meta db > db.json; echo "ok=$?";'
+        ' "$PY" -m catacloud.agent job-meta cache; echo "missing=$?";'
+        ' CATACLOUD_JOB_TOKEN=wrong "$PY" -m catacloud.agent job-meta db; echo "wrong=$?";'
+        ' env -u CATACLOUD_JOB_TOKEN "$PY" -m catacloud.agent job-meta db; echo "absent=$?";'
+        " echo checked; exec sleep 1000",
+        job_id="with-db",
+        env={"PY": PY},
+    )
+
+    output = api.wait_output(job, "checked", timeout=15)
+    assert values(output, "ok") == ["0"]
+    assert json.loads((work_dir / "with-db-1" / "db.json").read_text()) == {
+        "host": "db.internal",
+        "port": 5432,
+    }
+    assert values(output, "missing") == ["1"]
+    assert values(output, "wrong") == ["1"]
+    assert values(output, "absent") == ["1"]
+    errors = api.output(job, "stderr")
+    assert "no resource named 'cache'" in errors
+    assert "CATACLOUD_JOB_TOKEN is missing, wrong" in errors
+    assert "CATACLOUD_JOB_TOKEN is not set" in errors
+    assert api.agent_token not in output, "the job never sees the agent token"
+    meta_calls = api.calls("GET", "jobs/with-db/meta/db")
+    assert meta_calls and meta_calls[0].headers["Authorization"] == f"Agent {api.agent_token}"
+
+    socket_path = Path(values(output, "socket")[0])
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    environ = {SOCKET_ENV: str(socket_path), TOKEN_ENV: values(output, "token")[0]}
+    assert job_meta_command("db", environ=environ) == 0
+    assert json.loads(capsys.readouterr().out) == {"host": "db.internal", "port": 5432}
+
+    api.cancel(job)
+    api.wait_finished(job)
+    assert job_meta_command("db", environ=environ) == 1, "a finished job's token is no longer valid"
+    assert "no longer running" in capsys.readouterr().err
+
+
+# -- interruption and stopping ------------------------------------------------------------------
+
+
+def test_spot_interruption_notice_is_reported_once(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    imds = FakeIMDS()
+    imds.start()
+    try:
+        agent = start_agent("--imds-url", imds.url)
+        imds.wait_for(
+            lambda: imds.calls("GET", "/latest/meta-data/spot/instance-action"), what="an IMDS look"
+        )
+        time.sleep(0.3)
+        assert api.interruptions == [], "404 means no notice"
+
+        notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+        imds.notice = notice
+        api.wait_for(lambda: api.interruptions, timeout=8, what="the interruption report")
+        time.sleep(0.5)
+
+        assert api.interruptions == [{"kind": "spot", "detail": notice}]
+        token_puts = imds.calls("PUT", "/latest/api/token")
+        assert token_puts and token_puts[0].headers["X-aws-ec2-metadata-token-ttl-seconds"]
+        assert all(
+            "X-aws-ec2-metadata-token" in r.headers
+            for r in imds.calls("GET", "/latest/meta-data/spot/instance-action")
+        ), "IMDSv2 only"
+        assert agent.proc.poll() is None, "the agent keeps running until told to terminate"
+    finally:
+        imds.stop()
+
+
+def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    job = api.assign("echo pid=$$; exec sleep 1000")
+    pid = int(values(api.wait_output(job, "pid="), "pid")[0])
+
+    agent.proc.send_signal(signal.SIGTERM)
+
+    assert agent.wait(10) == 0
+    assert api.finished[job][0] == {"exit_code": None, "outcome": "cancelled", "reason": "agent stopped"}
+    assert wait_gone([pid]) == []
+    assert_no_secrets(api, agent)
+
+
+def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    job = api.assign("echo pid=$$; exec sleep 1000")
+    pid = int(values(api.wait_output(job, "pid="), "pid")[0])
+
+    api.terminate = True
+
+    assert agent.wait(10) == 0
+    assert api.finished[job][0] == {
+        "exit_code": None,
+        "outcome": "cancelled",
+        "reason": "machine terminating",
+    }
+    assert wait_gone([pid]) == []
+
+
+# -- in-process units ---------------------------------------------------------------------------
+
+
+def test_secrets_are_redacted_from_log_lines_and_errors() -> None:
+    register_secret("tok-0123456789abcdef")
+    formatter = RedactingFormatter("%(message)s")
+    try:
+        raise RuntimeError("boom with tok-0123456789abcdef inside")
+    except RuntimeError:
+        record = logging.LogRecord(
+            "x", logging.ERROR, __file__, 1, "token %s", ("tok-0123456789abcdef",), None
+        )
+        record.exc_info = sys.exc_info()
+    text = formatter.format(record)
+
+    assert "tok-0123456789abcdef" not in text
+    assert "[redacted]" in text
+    assert "tok-0123456789abcdef" not in str(AgentAPIError("failed for tok-0123456789abcdef"))
+    assert redact("nothing secret") == "nothing secret"
+
+
+def test_log_streamer_keeps_order_decodes_split_utf8_and_retries_with_the_same_seq() -> None:
+    posts: list[list[dict[str, Any]]] = []
+    failures = [1]
+
+    def send(chunks: list[dict[str, Any]]) -> bool:
+        posts.append([dict(c) for c in chunks])
+        if failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("server away")
+        return False
+
+    streamer = LogStreamer(send, flush_interval=0.05, retry_base=0.05)
+    streamer.start()
+    euro = "€".encode()
+    streamer.feed("stdout", b"a" + euro[:1])
+    streamer.feed("stdout", euro[1:] + b"\n")
+    streamer.feed("stderr", b"bad \xff byte\n")
+    streamer.feed("stdout", b"z\n")
+    for stream in ("stdout", "stderr"):
+        streamer.end_stream(stream)
+
+    assert streamer.close(timeout=5.0)
+    assert posts[0] == posts[1], "the retry resends the same chunks"
+    delivered = [c for post in posts[1:] for c in post]
+    assert [c["seq"] for c in delivered] == list(range(len(delivered)))
+    assert [(c["stream"], c["data"]) for c in delivered] == [
+        ("stdout", "a€\n"),
+        ("stderr", "bad \ufffd byte\n"),
+        ("stdout", "z\n"),
+    ]

@@ -1,0 +1,359 @@
+"""Admission within quotas, placement in order, billing-aware retention, failure handling.
+Services are called directly; the fake provider stands in for the cloud."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from apps.core.errors import Conflict
+from apps.events.models import Event
+from apps.jobs.choices import JobStatus
+from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.scheduling import (
+    admit,
+    job_cancel,
+    job_finished,
+    job_started,
+    job_submit,
+    jobs_requeue_for_lost_instance,
+    place,
+    retire_idle_machines,
+    schedule,
+    scheduler_safety_net,
+)
+from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import instance_mark_lost
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.pools.services import pool_create
+from catacloud.providers.fake import FakeProvider
+from tests.conftest import World
+
+J = JobStatus
+S = InstanceStatus
+
+
+def setup_type(world: World, *, cpus: int = 32, **grant: Any) -> tuple[MachineType, OrgMachineType]:
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "jobs"})
+    mt = MachineType.objects.create(
+        name="big",
+        provider_account=account,
+        server_type="f",
+        cpus=cpus,
+        memory_mb=65536,
+        price_per_hour=Decimal("0.50"),
+        billing_increment_seconds=3600,
+    )
+    defaults = {"max_concurrent_jobs": 100, "max_instances": 100, "max_pool_size": 10}
+    g = OrgMachineType.objects.create(org=world.org, machine_type=mt, **{**defaults, **grant})
+    return mt, g
+
+
+def config(world: World, mt: MachineType, name: str = "train", **fields: Any) -> JobConfiguration:
+    return JobConfiguration.objects.create(org=world.org, name=name, machine_type=mt, command="run", **fields)
+
+
+def idle_machine(world: World, mt: MachineType, **fields: Any) -> MachineInstance:
+    now = timezone.now()
+    return MachineInstance.objects.create(
+        org=world.org,
+        machine_type=mt,
+        provider_account=mt.provider_account,
+        machine_type_version=mt.version,
+        status=S.READY,
+        ready_at=now,
+        provisioning_started_at=now,
+        last_heartbeat_at=now,
+        provider_id="f-1",
+        **fields,
+    )
+
+
+def refresh(*objs: Any) -> None:
+    for obj in objs:
+        obj.refresh_from_db()
+
+
+@pytest.mark.django_db
+def test_kueue_example_cpu_quota_admits_two_of_three(world: World) -> None:
+    mt, _ = setup_type(world, cpus=32, cpu_quota=64)
+    cfg = config(world, mt)
+    jobs = [job_submit(org=world.org, config=cfg) for _ in range(3)]
+    assert admit() == 2
+    refresh(*jobs)
+    assert [j.status for j in jobs] == [J.WAITING_FOR_MACHINE, J.WAITING_FOR_MACHINE, J.QUEUED]
+    assert jobs[2].pending_reason == "cpu quota 64/64 in use"
+    Job.objects.filter(pk=jobs[0].pk).update(status=J.SUCCEEDED)  # one finishes
+    assert admit() == 1
+    refresh(jobs[2])
+    assert jobs[2].status == J.WAITING_FOR_MACHINE
+
+
+@pytest.mark.django_db
+def test_priority_then_fifo_and_a_blocked_type_does_not_block_others(world: World) -> None:
+    mt, _ = setup_type(world, max_concurrent_jobs=1)
+    small = MachineType.objects.create(
+        name="small2", provider_account=mt.provider_account, server_type="s", cpus=1, memory_mb=1024
+    )
+    OrgMachineType.objects.create(org=world.org, machine_type=small)
+    low, high = config(world, mt, "low", priority=0), config(world, mt, "high", priority=10)
+    first_low = job_submit(org=world.org, config=low)
+    first_high = job_submit(org=world.org, config=high)
+    second_high = job_submit(org=world.org, config=high)
+    other = job_submit(org=world.org, config=config(world, small, "other"))
+    assert admit() == 2
+    refresh(first_low, first_high, second_high, other)
+    assert first_high.status == J.WAITING_FOR_MACHINE  # priority first
+    assert (first_low.status, second_high.status) == (J.QUEUED, J.QUEUED)
+    assert second_high.pending_reason == "max_concurrent_jobs 1/1"
+    assert other.status == J.WAITING_FOR_MACHINE  # BestEffortFIFO: the blocked type blocks nobody else
+
+
+@pytest.mark.django_db(transaction=True)
+def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
+    mt, _ = setup_type(tworld, cpus=4, cpu_quota=28, max_concurrent_jobs=50)  # room for 7
+    cfg = config(tworld, mt)
+    for _ in range(40):
+        job_submit(org=tworld.org, config=cfg)
+    barrier = threading.Barrier(4)
+    totals: list[int] = []
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            n = 0
+            for _ in range(5):
+                n += admit(limit=7)
+            totals.append(n)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(totals) == 7
+    assert Job.objects.filter(status=J.WAITING_FOR_MACHINE).count() == 7
+    assert Job.objects.filter(status=J.QUEUED, pending_reason="cpu quota 28/28 in use").count() == 33
+
+
+@pytest.mark.django_db
+def test_placement_prefers_a_warm_pool(world: World) -> None:
+    mt, _ = setup_type(world)
+    pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1, max_size=2)
+    member = idle_machine(world, mt, pool=pool)
+    spare = idle_machine(world, mt)  # an idle machine exists too, but the pool comes first
+    job = job_submit(org=world.org, config=config(world, mt))
+    report = schedule()
+    assert (report.admitted, report.assigned) == (1, 1)
+    refresh(job, member, spare)
+    assert (job.status, job.instance_id) == (J.ASSIGNED, member.pk)
+    assert member.status == S.CLAIMED and member.claimed_for == f"job:{job.pk}"
+    assert spare.status == S.READY
+
+
+@pytest.mark.django_db
+def test_placement_reuses_the_idle_machine_that_ran_the_same_config(world: World) -> None:
+    mt, _ = setup_type(world)
+    cfg, other = config(world, mt, "a"), config(world, mt, "b")
+    older = idle_machine(world, mt, last_config=other)
+    warm_cache = idle_machine(world, mt, last_config=cfg)
+    MachineInstance.objects.filter(pk=older.pk).update(ready_at=timezone.now() - timedelta(minutes=5))
+    job = job_submit(org=world.org, config=cfg)
+    schedule()
+    refresh(job)
+    assert job.instance_id == warm_cache.pk
+
+
+@pytest.mark.django_db
+def test_placement_provisions_within_max_instances_then_waits(world: World) -> None:
+    mt, _ = setup_type(world, max_instances=2)
+    cfg = config(world, mt)
+    jobs = [job_submit(org=world.org, config=cfg) for _ in range(3)]
+    report = schedule()
+    assert (report.admitted, report.provisioned, report.waiting) == (3, 2, 3)
+    assert MachineInstance.objects.filter(pool__isnull=True, status=S.PENDING).count() == 2
+    refresh(*jobs)
+    assert {j.pending_reason for j in jobs} == {"2 provisioning"}
+    assert schedule().provisioned == 0  # two are coming: no more machines for the same jobs
+    MachineInstance.objects.update(status=S.CLAIMED)  # both busy, quota full
+    schedule()
+    refresh(jobs[2])
+    assert jobs[2].pending_reason == "max_instances 2/2"
+
+
+@pytest.mark.django_db
+def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: World) -> None:
+    mt, grant = setup_type(world, policy="cost", max_wait_seconds=300)
+    cfg = config(world, mt)
+    # History: this configuration usually runs for 2 minutes.
+    t0 = timezone.now() - timedelta(hours=1)
+    for _ in range(3):
+        Job.objects.create(
+            org=world.org,
+            config=cfg,
+            machine_type=mt,
+            command="x",
+            status=J.SUCCEEDED,
+            started_at=t0,
+            finished_at=t0 + timedelta(minutes=2),
+        )
+    busy = idle_machine(world, mt)
+    running = Job.objects.create(
+        org=world.org,
+        config=cfg,
+        machine_type=mt,
+        command="x",
+        status=J.RUNNING,
+        instance=busy,
+        started_at=timezone.now(),
+        admitted_at=timezone.now(),
+    )
+    MachineInstance.objects.filter(pk=busy.pk).update(status=S.CLAIMED)
+    job = job_submit(org=world.org, config=cfg)
+    report = schedule()
+    assert report.provisioned == 0  # the busy machine is expected free in ~2 minutes
+    refresh(job)
+    assert "paid machines" in job.pending_reason
+    Job.objects.filter(pk=job.pk).update(admitted_at=timezone.now() - timedelta(seconds=301))
+    assert schedule().provisioned == 1  # waited max_wait_seconds: buy one
+    # The speed policy would have bought at once.
+    grant.policy = "speed"
+    grant.save()
+    assert running.status == J.RUNNING
+
+
+@pytest.mark.django_db
+def test_finished_reuse_job_keeps_the_machine_and_ephemeral_destroys_it(world: World) -> None:
+    mt, _ = setup_type(world)
+    for reuse, expected in (("reuse", S.READY), ("ephemeral", S.TERMINATING)):
+        machine = idle_machine(world, mt)
+        job = job_submit(org=world.org, config=config(world, mt, reuse, reuse=reuse))
+        schedule()
+        refresh(job)
+        assert job.instance_id == machine.pk
+        job_started(instance=machine, job_id=job.pk)
+        job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
+        refresh(job, machine)
+        assert job.status == J.SUCCEEDED and job.exit_code == 0
+        assert machine.status == expected
+        if expected == S.READY:
+            assert machine.pool_id is None and machine.last_config_id == job.config_id
+            MachineInstance.objects.filter(pk=machine.pk).update(status=S.TERMINATED)
+
+
+@pytest.mark.django_db
+def test_billing_aware_retention(world: World) -> None:
+    mt, _ = setup_type(world)  # hourly billing
+    machine = idle_machine(world, mt)
+    started = machine.provisioning_started_at
+    assert retire_idle_machines(now=started + timedelta(minutes=30)) == 0  # within its paid hour: kept
+    job = job_submit(org=world.org, config=config(world, mt))
+    schedule()
+    refresh(job)
+    assert job.instance_id == machine.pk  # reused within the paid hour
+    job_started(instance=machine, job_id=job.pk)
+    job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
+    assert retire_idle_machines(now=started + timedelta(minutes=50)) == 0
+    assert (
+        retire_idle_machines(now=started + timedelta(minutes=58, seconds=30)) == 1
+    )  # before hour two starts
+    refresh(machine)
+    assert machine.status == S.TERMINATING
+    assert "end of its paid period" in Event.objects.filter(instance_id=machine.pk).latest("id").reason
+
+
+@pytest.mark.django_db
+def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) -> None:
+    mt, _ = setup_type(world)
+    job = job_submit(org=world.org, config=config(world, mt, max_attempts=2))
+    for attempt, expected in ((1, J.QUEUED), (2, J.FAILED)):
+        machine = idle_machine(world, mt)
+        schedule()
+        refresh(job)
+        assert job.attempt == attempt and job.instance_id == machine.pk
+        job_started(instance=machine, job_id=job.pk)
+        instance_mark_lost(instance_id=machine.pk, actor="test", reason="agent silent")
+        refresh(job)
+        assert job.status == expected
+    assert job.attempt == 2
+    assert "attempt 2 of 2" in job.failure_reason
+    assert Event.objects.filter(kind="job.requeued", job_id=job.pk).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World) -> None:
+    mt, _ = setup_type(world)
+    job = job_submit(org=world.org, config=config(world, mt))
+    first = idle_machine(world, mt)
+    schedule()
+    job_started(instance=first, job_id=job.pk)
+    jobs_requeue_for_lost_instance(instance=first, reason="agent silent")
+    second = idle_machine(world, mt)
+    schedule()
+    refresh(job)
+    assert job.instance_id == second.pk
+    with pytest.raises(Conflict):
+        job_started(instance=first, job_id=job.pk)
+    with pytest.raises(Conflict):
+        job_finished(instance=first, job_id=job.pk, outcome="succeeded", exit_code=0)
+    job_started(instance=second, job_id=job.pk)
+    refresh(job)
+    assert job.status == J.RUNNING and job.instance_id == second.pk
+
+
+@pytest.mark.django_db
+def test_cancel_in_each_state(world: World) -> None:
+    mt, _ = setup_type(world, max_instances=0)
+    cfg = config(world, mt)
+    queued = job_submit(org=world.org, config=cfg)
+    assert job_cancel(job=queued).status == J.CANCELLED
+    waiting = job_submit(org=world.org, config=cfg)
+    schedule()
+    refresh(waiting)
+    assert waiting.status == J.WAITING_FOR_MACHINE
+    assert job_cancel(job=waiting).status == J.CANCELLED
+    OrgMachineType.objects.filter(machine_type=mt).update(max_instances=5)
+    machine = idle_machine(world, mt)
+    running = job_submit(org=world.org, config=cfg)
+    schedule()
+    job_started(instance=machine, job_id=running.pk)
+    cancelled = job_cancel(job=running)
+    assert (cancelled.status, cancelled.cancel_requested) == (J.RUNNING, True)
+    from apps.jobs.agent import jobs_to_cancel
+
+    assert jobs_to_cancel(instance=machine) == [str(running.pk)]
+    # The agent killed it and reports; whatever it says, a requested cancel wins.
+    job_finished(instance=machine, job_id=running.pk, outcome="failed", exit_code=-15)
+    refresh(running)
+    assert running.status == J.CANCELLED
+
+
+@pytest.mark.django_db
+def test_the_safety_net_times_out_jobs_whose_agent_never_reported(world: World) -> None:
+    mt, _ = setup_type(world)
+    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=config(world, mt, timeout_seconds=60))
+    schedule()
+    job_started(instance=machine, job_id=job.pk)
+    scheduler_safety_net(now=timezone.now() + timedelta(minutes=10))
+    refresh(job, machine)
+    assert job.status == J.TIMED_OUT
+    assert machine.status == S.TERMINATING
+
+
+@pytest.mark.django_db
+def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
+    mt, _ = setup_type(world, max_instances=1)
+    job_submit(org=world.org, config=config(world, mt))
+    admit()
+    assert place() == (0, 1, 1)
+    assert place() == (0, 0, 1)
