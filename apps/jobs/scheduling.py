@@ -40,7 +40,9 @@ from apps.orgs.models import Organization
 from apps.pools.choices import POOL_ACTIVE
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim
+from catacloud.policy import placement
 from catacloud.policy.billing import Billing
+from catacloud.policy.retention import should_retire
 
 log = logging.getLogger(__name__)
 J = JobStatus
@@ -332,35 +334,35 @@ def _provision_or_wait(org_id: Any, mt: MachineType, pools: list[Any], jobs: lis
         coming=Count("id", filter=Q(pool__isnull=True, status__in=[S.PENDING, S.PROVISIONING, S.WARMING])),
         busy=Count("id", filter=Q(pool__isnull=True, status=S.CLAIMED)),
     )
-    need = max(0, len(jobs) - counts["coming"])
-    if need and grant.policy == Policy.COST:
-        need = _cost_policy_need(grant, mt, jobs, busy=counts["busy"], now=now, need=need)
-    room = max(0, grant.max_instances - counts["total"])
-    n = min(need, room)
+    max_wait = timedelta(seconds=grant.max_wait_seconds)
+    supply = placement.Supply(
+        total=counts["total"],
+        coming=counts["coming"],
+        busy=counts["busy"],
+        free_soon=_free_soon(grant, mt, now) if grant.policy == Policy.COST else 0,
+        max_instances=grant.max_instances,
+    )
+    overdue = sum(1 for job in jobs if job.admitted_at and now - job.admitted_at >= max_wait)
+    n = placement.machines_to_buy(waiting=len(jobs), overdue=overdue, supply=supply, policy=grant.policy)
     for _ in range(n):
         instance_request(org=org_id, machine_type=mt, actor="scheduler", reason="a job is waiting")
-    coming = counts["coming"] + n
-    if coming:
-        reason = f"{'pool empty, ' if pools else ''}{coming} provisioning"
-    elif need > n:
-        reason = f"max_instances {counts['total']}/{grant.max_instances}"
-    elif grant.policy == Policy.COST and counts["busy"]:
-        reason = f"waiting up to {grant.max_wait_seconds}s for one of {counts['busy']} paid machines"
-    else:
-        reason = "waiting for a machine"
-    _set_reason(jobs, reason)
+    _set_reason(
+        jobs,
+        placement.pending_reason(
+            waiting=len(jobs),
+            bought=n,
+            supply=supply,
+            policy=grant.policy,
+            has_pool=bool(pools),
+            max_wait_seconds=grant.max_wait_seconds,
+        ),
+    )
     return n
 
 
-def _cost_policy_need(
-    grant: OrgMachineType, mt: MachineType, jobs: list[Job], *, busy: int, now: datetime, need: int
-) -> int:
-    """``cost``: buy a machine only for jobs that cannot expect a paid one in time.
-
-    A busy reusable machine is expected free when its job's median run time (recent runs of
-    that configuration) has elapsed; jobs that already waited ``max_wait_seconds`` get a new
-    machine regardless.
-    """
+def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
+    """Busy reusable machines expected free within max_wait_seconds: a machine is expected
+    free when its job's typical run time (median of recent runs of its configuration) ends."""
     horizon = now + timedelta(seconds=grant.max_wait_seconds)
     soon = 0
     for running in Job.objects.filter(
@@ -375,13 +377,7 @@ def _cost_policy_need(
         expected = (running.started_at or running.assigned_at or now) + _typical_runtime(running.config_id)
         if expected <= horizon:
             soon += 1
-    overdue = sum(
-        1
-        for job in jobs
-        if job.admitted_at and now - job.admitted_at >= timedelta(seconds=grant.max_wait_seconds)
-    )
-    patient = len(jobs) - overdue
-    return min(need, overdue + max(0, patient - soon))
+    return soon
 
 
 def _typical_runtime(config_id: Any) -> timedelta:
@@ -600,12 +596,13 @@ def retire_idle_machines(*, now: datetime) -> int:
         mt = instance.machine_type
         started = instance.provisioning_started_at or instance.created_at
         runtime = (now - started).total_seconds()
-        left = Billing(
-            mt.billing_increment_seconds, mt.min_billed_seconds, mt.price_per_hour
-        ).seconds_left_in_paid_period(runtime)
+        billing = Billing(mt.billing_increment_seconds, mt.min_billed_seconds, mt.price_per_hour)
         outdated = instance.machine_type_version < mt.version
-        if left > margin and not outdated:
+        if not outdated and not should_retire(
+            billing=billing, runtime_seconds=runtime, margin_seconds=margin
+        ):
             continue
+        left = billing.seconds_left_in_paid_period(runtime)
         try:
             instance_terminate(
                 instance_id=instance.pk,
