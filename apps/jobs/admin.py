@@ -2,8 +2,12 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.http import HttpRequest
+from django.utils.html import format_html_join
 
+from apps.core.admin import run_service_action
+from apps.events.models import Event
 from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.scheduling import job_cancel
 
 
 @admin.register(JobConfiguration)
@@ -32,9 +36,30 @@ class JobAdmin(admin.ModelAdmin):
     )
     list_filter = ("status", "org", "machine_type", "config")
     search_fields = ("id", "config__name", "org__slug", "pending_reason")
-    readonly_fields = [f.name for f in Job._meta.fields]
+    readonly_fields = [*(f.name for f in Job._meta.fields), "event_log"]
     date_hierarchy = "created_at"
     list_select_related = ("org", "config", "instance")
 
+    actions = ["cancel"]
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs are submitted through the API
+
+    @admin.display(description="events")
+    def event_log(self, obj: Job) -> str:
+        rows = Event.objects.filter(job_id=obj.pk).order_by("id")[:200]
+        return (
+            format_html_join(
+                "\n",
+                "<div>{} &nbsp; <b>{}</b> &nbsp; {} {}</div>",
+                ((e.created_at.strftime("%Y-%m-%d %H:%M:%S"), e.kind, e.actor, e.reason) for e in rows),
+            )
+            or "-"
+        )
+
+    @admin.action(description="Cancel selected jobs")
+    def cancel(self, request: HttpRequest, queryset) -> None:
+        actor = f"admin:{request.user.get_username()}"
+        run_service_action(
+            self, request, queryset, "cancelled or cancel requested", lambda j: job_cancel(job=j, actor=actor)
+        )

@@ -6,6 +6,8 @@ from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
+from apps.core.admin import run_service_action
+from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import provider_account_upsert
 
@@ -123,5 +125,18 @@ class MachineInstanceAdmin(admin.ModelAdmin):
     date_hierarchy = "created_at"
     list_select_related = ("org", "machine_type", "pool", "provider_account")
 
+    actions = ["terminate"]
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # machines are created by pools and jobs, never by hand
+
+    @admin.action(description="Terminate selected instances (destroy the machines)")
+    def terminate(self, request: HttpRequest, queryset) -> None:
+        actor = f"admin:{request.user.get_username()}"
+        run_service_action(
+            self,
+            request,
+            queryset,
+            "terminating",
+            lambda i: instance_terminate(instance_id=i.pk, actor=actor, reason="terminated from the console"),
+        )

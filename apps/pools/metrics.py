@@ -12,8 +12,7 @@ from apps.core.metrics import register_db_collector
 
 CLAIM_LATENCY = Histogram(
     "catacloud_pool_claim_seconds",
-    "Time to claim a warm pool member (service call), by caller",
-    ["caller"],
+    "Time to claim a warm pool member (the claim service: API acquires and job placement)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
 )
 

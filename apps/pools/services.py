@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, grant_for
 from apps.orgs.models import Organization
 from apps.pools.choices import POOL_ACTIVE, POOL_TRANSITIONS, PoolStatus
+from apps.pools.metrics import CLAIM_LATENCY
 from apps.pools.models import InstancePool
 
 
@@ -132,6 +134,7 @@ def pool_claim(
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
     instance to two callers; answers :class:`PoolEmpty` at once when none is ready."""
+    started = time.perf_counter()
     with transaction.atomic():
         claim_id, instance = claims.claim(
             claims.POOL_SQL,
@@ -151,6 +154,7 @@ def pool_claim(
             raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
         pool_id_str = str(pool_id)
         transaction.on_commit(lambda: _enqueue_refill(pool_id_str))
+    CLAIM_LATENCY.observe(time.perf_counter() - started)
     return Claim(claim_id=claim_id, instance=instance)
 
 

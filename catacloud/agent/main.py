@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -28,6 +30,7 @@ from catacloud import __version__
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
+    Enrollment,
     Interrupted,
     Job,
     RedactingFormatter,
@@ -70,9 +73,11 @@ class Agent:
         heartbeat_interval: float | None = None,
         imds_url: str | None = None,
         hostname: str | None = None,
+        state_file: str | None = None,
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
+        self.state_file = state_file
         self.work_root = work_dir
         self.heartbeat_override = heartbeat_interval
         self.imds_url = imds_url
@@ -113,20 +118,57 @@ class Agent:
 
     # -- main -------------------------------------------------------------------------------
 
-    def run(self) -> int:
-        """Enroll, start the threads, wait until told to stop; the process exit code."""
+    def _saved_enrollment(self) -> Enrollment | None:
+        """The enrollment a previous run of this agent saved (restart after a crash or reboot:
+        the bootstrap token is single-use, so a restarted agent must not enroll again)."""
+        if not self.state_file or not os.path.exists(self.state_file):
+            return None
         try:
-            enrollment = self.client.enroll(
-                bootstrap_token=self.bootstrap_token,
-                hostname=self.hostname,
-                agent_version=__version__,
-                interrupt=self.stopping,
+            with open(self.state_file) as fh:
+                data = json.load(fh)
+            enrollment = Enrollment(
+                instance_id=str(data["instance_id"]),
+                agent_token=str(data["agent_token"]),
+                heartbeat_interval=float(data["heartbeat_interval"]),
+                poll_timeout=float(data["poll_timeout"]),
             )
-        except Interrupted:
-            return self.exit_code
-        except AgentAPIError as exc:
-            log.error("could not enroll with %s: %s", self.client.base_url, exc)
-            return 1
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable state file %s", self.state_file)
+            return None
+        register_secret(enrollment.agent_token)
+        self.client.set_token(enrollment.agent_token)
+        return enrollment
+
+    def _save_enrollment(self, enrollment: Enrollment) -> None:
+        if not self.state_file:
+            return
+        folder = os.path.dirname(os.path.abspath(self.state_file))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd = os.open(self.state_file + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dataclasses.asdict(enrollment), fh)
+        os.replace(self.state_file + ".tmp", self.state_file)
+
+    def run(self) -> int:
+        """Enroll (or reuse a saved enrollment), start the threads, wait until told to stop;
+        the process exit code."""
+        enrollment = self._saved_enrollment()
+        if enrollment is not None:
+            log.info("reusing the saved enrollment of instance %s", enrollment.instance_id)
+        else:
+            try:
+                enrollment = self.client.enroll(
+                    bootstrap_token=self.bootstrap_token,
+                    hostname=self.hostname,
+                    agent_version=__version__,
+                    interrupt=self.stopping,
+                )
+            except Interrupted:
+                return self.exit_code
+            except AgentAPIError as exc:
+                log.error("could not enroll with %s: %s", self.client.base_url, exc)
+                return 1
+            self._save_enrollment(enrollment)
         self.bootstrap_token = ""
         self.heartbeat_interval = self.heartbeat_override or enrollment.heartbeat_interval
         self.poll_timeout = enrollment.poll_timeout
@@ -427,16 +469,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
         log.error("cannot read the bootstrap token file: %s", exc)
         return 2
     os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
-    if not token:
+    saved = bool(args.state_file and os.path.exists(args.state_file))
+    if not token and not saved:
         log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
         return 2
-    register_secret(token)
+    if token:
+        register_secret(token)
     agent = Agent(
         AgentClient(args.url, user_agent=f"catacloud-agent/{__version__}"),
         bootstrap_token=token,
         work_dir=args.work_dir,
         heartbeat_interval=args.heartbeat_interval,
         imds_url=args.imds_url,
+        state_file=args.state_file,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -470,6 +515,12 @@ def add_agent_commands(subparsers: Any) -> None:
     )
     source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
     agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
+    agent.add_argument(
+        "--state-file",
+        metavar="PATH",
+        help="keep this machine's enrollment here (mode 0600) so a restarted agent resumes "
+        "instead of enrolling again with the single-use bootstrap token",
+    )
     agent.add_argument(
         "--heartbeat-interval",
         type=_positive_float,

@@ -14,6 +14,9 @@ import yaml
 
 VENV = "/opt/catacloud"
 TOKEN_FILE = "/etc/catacloud/bootstrap-token"
+# The agent's enrollment (root-only): a restarted agent resumes instead of enrolling again.
+STATE_FILE = "/var/lib/catacloud/agent.json"
+WORK_DIR = "/var/lib/catacloud/work"
 UNIT_NAME = "catacloud-agent.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
 
@@ -57,7 +60,7 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
             "",
             "[Service]",
             f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
-            f" --bootstrap-token-file {TOKEN_FILE}",
+            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}",
             "Restart=always",
             "RestartSec=5",
             "",

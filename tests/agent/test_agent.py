@@ -488,3 +488,23 @@ def test_log_streamer_keeps_order_decodes_split_utf8_and_retries_with_the_same_s
         ("stderr", "bad \ufffd byte\n"),
         ("stdout", "z\n"),
     ]
+
+
+def test_a_restarted_agent_resumes_its_saved_enrollment(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    """systemd restarts a crashed agent; the bootstrap token is single-use, so the agent keeps
+    its enrollment in a 0600 state file and resumes with it instead of enrolling again."""
+    state = tmp_path / "state" / "agent.json"
+    first = start_agent("--state-file", str(state))
+    api.wait_for(lambda: api.calls("POST", "heartbeat"), what="the first heartbeat")
+    assert oct(state.stat().st_mode & 0o777) == "0o600"
+    first.proc.kill()  # a crash: no goodbye
+    first.wait()
+    beats = len(api.calls("POST", "heartbeat"))
+    second = start_agent("--state-file", str(state))
+    api.wait_for(lambda: len(api.calls("POST", "heartbeat")) > beats, what="heartbeats after the restart")
+    assert len(api.calls("POST", "enroll")) == 1  # resumed, not enrolled twice
+    assert second.proc.poll() is None
+    assert f"reusing the saved enrollment of instance {api.instance_id}" in second.log()
+    assert_no_secrets(api, second)

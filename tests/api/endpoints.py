@@ -11,9 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.utils import timezone
+
 from apps.events.services import event_record
-from apps.jobs.models import JobConfiguration
+from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.pools.models import InstancePool
 from tests.conftest import World
 
 
@@ -48,11 +51,37 @@ def make_objects(world: World) -> dict[str, str]:
         org=world.org, name="build", machine_type=world.machine_type, command="make"
     )
     event = event_record(kind="test.made", org=world.org, actor="test")
+    pool = InstancePool.objects.create(
+        org=world.org, name="warm", machine_type=world.machine_type, target_size=1, max_size=2, status="ready"
+    )
+    MachineInstance.objects.create(
+        org=world.org,
+        machine_type=world.machine_type,
+        provider_account=world.account,
+        status="ready",
+        pool=pool,
+        ready_at=timezone.now(),
+    )
+    drained = InstancePool.objects.create(
+        org=world.org,
+        name="old",
+        machine_type=world.machine_type,
+        target_size=0,
+        max_size=0,
+        status="drained",
+    )
+    nightly = JobConfiguration.objects.create(
+        org=world.org, name="nightly", machine_type=world.machine_type, command="make"
+    )
+    job = Job.objects.create(org=world.org, config=nightly, machine_type=world.machine_type, command="make")
     return {
         "instance": str(instance.pk),
         "config": str(config.pk),
         "event": str(event.pk),
         "machine_type": str(private.pk),
+        "pool": str(pool.pk),
+        "drained_pool": str(drained.pk),
+        "job": str(job.pk),
     }
 
 
@@ -88,4 +117,44 @@ ENDPOINTS: list[Endpoint] = [
     Endpoint("delete job config", "delete", "/api/v1/job-configs/{config}/", "admin", ok=(204,)),
     Endpoint("events", "get", "/api/v1/events/", "viewer"),
     Endpoint("event", "get", "/api/v1/events/{event}/", "viewer"),
+    Endpoint("terminate instance", "post", "/api/v1/instances/{instance}/terminate/", "admin", ok=(202,)),
+    Endpoint("pools", "get", "/api/v1/pools/", "viewer"),
+    Endpoint("pool", "get", "/api/v1/pools/{pool}/", "viewer"),
+    Endpoint(
+        "create pool",
+        "post",
+        "/api/v1/pools/",
+        "admin",
+        ok=(201,),
+        body=lambda ids: {
+            "name": "new",
+            "machine_type": ids["machine_type"],
+            "target_size": 1,
+            "max_size": 2,
+        },
+    ),
+    Endpoint("resize pool", "patch", "/api/v1/pools/{pool}/", "admin", body=lambda ids: {"target_size": 2}),
+    Endpoint(
+        "acquire",
+        "post",
+        "/api/v1/pools/{pool}/acquire/",
+        "member",
+        ok=(201,),
+        body=lambda ids: {"acquired_by": "ci", "acquired_for": "build 1"},
+    ),
+    Endpoint(
+        "drain pool",
+        "post",
+        "/api/v1/pools/{pool}/drain/",
+        "admin",
+        body=lambda ids: {"terminate_members": True},
+    ),
+    Endpoint("delete pool", "delete", "/api/v1/pools/{drained_pool}/", "admin", ok=(204,)),
+    Endpoint("jobs", "get", "/api/v1/jobs/", "viewer"),
+    Endpoint("job", "get", "/api/v1/jobs/{job}/", "viewer"),
+    Endpoint(
+        "submit job", "post", "/api/v1/jobs/", "member", ok=(201,), body=lambda ids: {"config": ids["config"]}
+    ),
+    Endpoint("cancel job", "post", "/api/v1/jobs/{job}/cancel/", "member", ok=(202,)),
+    Endpoint("job logs", "get", "/api/v1/jobs/{job}/logs/", "viewer"),
 ]

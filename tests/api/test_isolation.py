@@ -22,12 +22,15 @@ def call(world: World, who: str, ep: Endpoint, ids: dict[str, str]):
 
 def snapshot() -> tuple:
     """Everything a write could change, except the events log's own growth from reads."""
-    from apps.jobs.models import JobConfiguration
+    from apps.jobs.models import Job, JobConfiguration
     from apps.machines.models import MachineInstance
+    from apps.pools.models import InstancePool
 
     return (
         sorted(JobConfiguration.objects.values_list("id", "name", "priority", "command")),
         sorted(MachineInstance.objects.values_list("id", "status")),
+        sorted(InstancePool.objects.values_list("id", "status", "target_size")),
+        sorted(Job.objects.values_list("id", "status", "cancel_requested")),
         Event.objects.exclude(kind__startswith="test.").count(),
     )
 

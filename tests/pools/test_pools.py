@@ -341,3 +341,20 @@ def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld
         other.rollback()
     assert waited < 1.0  # structural: a wait would have hit lock_timeout and raised instead
     assert pool_claim(pool_id=pool.pk).instance.pk == member.pk
+
+
+@pytest.mark.django_db
+def test_a_member_deleted_behind_the_pools_back_is_replaced(world: World, fake_type: MachineType) -> None:
+    from apps.machines.reconcile import reconcile_account
+
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=3)
+    pool_refill(pool_id=pool.pk)
+    provision_all()
+    gone = MachineInstance.objects.filter(pool=pool).first()
+    FakeProvider.vanish(gone.provider_id, account="pools")  # someone deletes it in the cloud console
+    report = reconcile_account(account=fake_type.provider_account, grace_seconds=0)
+    assert report.lost == [str(gone.pk)]
+    gone.refresh_from_db()
+    assert gone.status == S.LOST
+    assert pool_refill(pool_id=pool.pk) == 1  # the pool heals itself
+    assert Event.objects.filter(kind="pool.member_lost", instance_id=gone.pk).exists()

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import django_filters
 from django.db import transaction
 from drf_spectacular.utils import extend_schema
@@ -22,7 +20,6 @@ from apps.pools.api.serializers import (
     PoolUpdateSerializer,
 )
 from apps.pools.choices import PoolStatus
-from apps.pools.metrics import CLAIM_LATENCY
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain, pool_update
 
@@ -82,9 +79,7 @@ class PoolViewSet(
         pool = self.get_object()
         data = AcquireIn(data=request.data)
         data.is_valid(raise_exception=True)
-        started = time.perf_counter()
         claim = pool_claim(pool_id=pool.pk, actor=self.actor(), **data.validated_data)
-        CLAIM_LATENCY.labels("api").observe(time.perf_counter() - started)
         instance = MachineInstance.objects.select_related("machine_type", "provider_account").get(
             pk=claim.instance.pk
         )

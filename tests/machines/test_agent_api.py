@@ -1,0 +1,170 @@
+"""The Agent API is a separate principal: the handshake, and who may call what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from apps.jobs.models import Job, JobConfiguration
+from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import bootstrap_token_for
+from apps.machines.models import MachineInstance
+from apps.pools.services import pool_create
+from tests.conftest import World
+
+pytestmark = pytest.mark.django_db
+S = InstanceStatus
+
+
+def warming(world: World, **fields: Any) -> MachineInstance:
+    return MachineInstance.objects.create(
+        org=world.org,
+        machine_type=world.machine_type,
+        provider_account=world.account,
+        status=S.WARMING,
+        provisioning_started_at=timezone.now(),
+        provider_id="p-1",
+        **fields,
+    )
+
+
+def enroll(instance: MachineInstance) -> tuple[APIClient, str]:
+    client = APIClient()
+    response = client.post(
+        "/api/agent/v1/enroll",
+        {"bootstrap_token": bootstrap_token_for(instance.pk), "hostname": "box"},
+        format="json",
+    )
+    assert response.status_code == 200, response.content
+    token = response.json()["agent_token"]
+    client.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
+    return client, token
+
+
+def test_enroll_then_heartbeat_makes_the_member_ready(world: World) -> None:
+    pool = pool_create(org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=1)
+    instance = warming(world, pool=pool)
+    client, token = enroll(instance)
+    instance.refresh_from_db()
+    assert (
+        instance.status == S.WARMING and instance.agent_token_hash and token not in instance.agent_token_hash
+    )
+    beat = client.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json")
+    assert beat.status_code == 200 and beat.json() == {"cancel": [], "terminate": False}
+    instance.refresh_from_db()
+    assert instance.status == S.READY and instance.warmed_at is not None
+
+
+def test_a_bootstrap_token_works_once_and_a_forged_one_never(world: World) -> None:
+    instance = warming(world)
+    enroll(instance)
+    again = APIClient().post(
+        "/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)}, format="json"
+    )
+    assert again.status_code == 409 and again.json()["code"] == "already_enrolled"
+    forged = bootstrap_token_for(instance.pk)[:-4] + "0000"
+    response = APIClient().post("/api/agent/v1/enroll", {"bootstrap_token": forged}, format="json")
+    assert response.status_code == 401 and response.json()["code"] == "invalid_bootstrap_token"
+
+
+def test_user_tokens_cannot_reach_agent_endpoints_and_agent_tokens_cannot_reach_the_api(world: World) -> None:
+    instance = warming(world)
+    agent, token = enroll(instance)
+    user = world.client("admin")
+    assert user.post("/api/agent/v1/heartbeat", {}, format="json").status_code == 401
+    assert user.get("/api/agent/v1/work?wait=0").status_code == 401
+    intruder = APIClient()
+    intruder.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert intruder.get("/api/v1/instances/").status_code == 401
+    intruder.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
+    assert intruder.get("/api/v1/instances/").status_code == 401
+
+
+def test_an_agent_reaches_only_its_own_jobs(world: World) -> None:
+    mine, other = warming(world), warming(world)
+    agent, _ = enroll(mine)
+    config = JobConfiguration.objects.create(
+        org=world.org, name="c", machine_type=world.machine_type, command="x"
+    )
+    theirs = Job.objects.create(
+        org=world.org,
+        config=config,
+        machine_type=world.machine_type,
+        command="x",
+        status="assigned",
+        instance=other,
+    )
+    assert agent.get("/api/agent/v1/work?wait=0").status_code == 204  # not handed another machine's job
+    assert agent.post(f"/api/agent/v1/jobs/{theirs.pk}/started").status_code == 409
+    logs = agent.post(
+        f"/api/agent/v1/jobs/{theirs.pk}/logs",
+        {"chunks": [{"seq": 0, "stream": "stdout", "data": "forged"}]},
+        format="json",
+    )
+    assert logs.status_code == 409
+    finished = agent.post(
+        f"/api/agent/v1/jobs/{theirs.pk}/finished", {"outcome": "succeeded", "exit_code": 0}, format="json"
+    )
+    assert finished.status_code == 409
+    assert agent.get(f"/api/agent/v1/jobs/{theirs.pk}/meta/db").status_code == 409
+    theirs.refresh_from_db()
+    assert theirs.status == "assigned" and not theirs.log_chunks.exists()
+
+
+def test_an_ended_machines_agent_is_refused(world: World) -> None:
+    instance = warming(world)
+    agent, _ = enroll(instance)
+    MachineInstance.objects.filter(pk=instance.pk).update(status=S.LOST)
+    response = agent.post("/api/agent/v1/heartbeat", {}, format="json")
+    assert response.status_code == 401
+
+
+def test_a_spot_interruption_requeues_the_job_and_retires_the_machine(world: World) -> None:
+    instance = warming(world)
+    agent, _ = enroll(instance)
+    MachineInstance.objects.filter(pk=instance.pk).update(status=S.CLAIMED)
+    config = JobConfiguration.objects.create(
+        org=world.org, name="c", machine_type=world.machine_type, command="x"
+    )
+    job = Job.objects.create(
+        org=world.org,
+        config=config,
+        machine_type=world.machine_type,
+        command="x",
+        status="running",
+        instance=instance,
+    )
+    response = agent.post(
+        "/api/agent/v1/interruption", {"kind": "spot", "detail": "terminate at 12:00"}, format="json"
+    )
+    assert response.status_code == 200
+    job.refresh_from_db()
+    instance.refresh_from_db()
+    assert (job.status, job.attempt, job.instance_id) == ("queued", 2, None)
+    assert instance.status == S.TERMINATING
+    beat = agent.post("/api/agent/v1/heartbeat", {}, format="json")
+    assert beat.json()["terminate"] is True
+
+
+def test_metrics_show_pool_members_and_the_job_queue(world: World) -> None:
+    from apps.pools.services import pool_claim
+
+    pool = pool_create(
+        org=world.org, name="gauge", machine_type=world.machine_type, target_size=1, max_size=2
+    )
+    warming(world, pool=pool)
+    ready = warming(world, pool=pool)
+    MachineInstance.objects.filter(pk=ready.pk).update(status=S.READY, ready_at=timezone.now())
+    pool_claim(pool_id=pool.pk)
+    config = JobConfiguration.objects.create(
+        org=world.org, name="c", machine_type=world.machine_type, command="x"
+    )
+    Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x")
+    body = APIClient().get("/metrics").content.decode()
+    assert 'catacloud_pool_members{org="acme",pool="gauge",status="warming"} 1.0' in body
+    assert 'catacloud_jobs{machine_type="small",org="acme",status="queued"} 1.0' in body
+    assert "catacloud_pool_claim_seconds_bucket" in body
+    assert "catacloud_job_wait_seconds_bucket" in body
