@@ -10,4 +10,4 @@ COPY manage.py ./
 RUN pip install . && useradd --system --uid 1000 catacloud
 USER catacloud
 EXPOSE 8000
-CMD ["gunicorn", "config.wsgi", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "4"]
+CMD ["gunicorn", "config.wsgi", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "32"]

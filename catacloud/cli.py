@@ -95,7 +95,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
                     "--workers",
                     "2",
                     "--threads",
-                    "4",
+                    "32",  # agents hold a thread while they long-poll for work
                     "--access-logfile",
                     "-",
                 ]
