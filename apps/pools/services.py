@@ -92,6 +92,8 @@ def pool_create(
         target_size=target_size,
         machine_type=machine_type.name,
     )
+    pool_id = str(pool.pk)
+    transaction.on_commit(lambda: _enqueue_refill(pool_id))  # warm it now, not at the next reaper tick
     return pool
 
 

@@ -358,3 +358,23 @@ def test_a_member_deleted_behind_the_pools_back_is_replaced(world: World, fake_t
     assert gone.status == S.LOST
     assert pool_refill(pool_id=pool.pk) == 1  # the pool heals itself
     assert Event.objects.filter(kind="pool.member_lost", instance_id=gone.pk).exists()
+
+
+@pytest.mark.django_db
+def test_creating_a_pool_starts_warming_it_at_once(
+    world: World,
+    fake_type: MachineType,
+    django_capture_on_commit_callbacks: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not at the next reaper tick: the refill is enqueued right after the commit."""
+    from apps.pools import tasks
+
+    enqueued: list[str] = []
+    monkeypatch.setattr(tasks.pool_refill_task, "delay", lambda pool_id: enqueued.append(pool_id))
+    with django_capture_on_commit_callbacks(execute=True):
+        pool = pool_create(org=world.org, name="now", machine_type=fake_type, target_size=2, max_size=2)
+    assert enqueued == [str(pool.pk)]
+    with django_capture_on_commit_callbacks(execute=True):
+        pool_claim(pool_id=ready_members(pool, 1)[0].pool_id)
+    assert enqueued == [str(pool.pk)] * 2  # and after every claim
