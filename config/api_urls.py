@@ -8,6 +8,7 @@ from apps.events.api.views import EventViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet
+from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 
 router = DefaultRouter(trailing_slash=True)
 router.register("machine-types", MachineTypeViewSet, basename="machine-type")
@@ -16,5 +17,7 @@ router.register("job-configs", JobConfigurationViewSet, basename="job-config")
 router.register("jobs", JobViewSet, basename="job")
 router.register("events", EventViewSet, basename="event")
 router.register("pools", PoolViewSet, basename="pool")
+router.register("resource-types", ResourceTypeViewSet, basename="resource-type")
+router.register("resources", ResourceViewSet, basename="resource")
 
 urlpatterns = router.urls

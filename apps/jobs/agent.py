@@ -171,7 +171,8 @@ class MetaView(AgentView):
         resource = job.resources.filter(resource_type_id=name, status="held").first()
         if resource is None:
             return error_response(404, "not_found", f"this job holds no resource {name!r}")
-        return Response({"name": name, "metadata": resource.metadata})
+        # The job is entitled to its resource's secret (a token, a DSN); only here, never in the API.
+        return Response({"name": name, "metadata": {**resource.metadata, **resource.secret}})
 
 
 class InterruptionIn(serializers.Serializer):

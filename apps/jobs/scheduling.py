@@ -546,14 +546,18 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
 
 
 def scheduler_safety_net(*, now: datetime) -> dict[str, int]:
+    from apps.resources.acquisition import resources_safety_net
+
     timed_out = _time_out_jobs(now)
     retired = retire_idle_machines(now=now)
+    resources = resources_safety_net(now=now)
     report = schedule()
     return {
         "timed_out": timed_out,
         "retired_idle": retired,
         "admitted": report.admitted,
         "assigned": report.assigned,
+        **resources,
     }
 
 
@@ -634,17 +638,12 @@ def _schedule_after_commit() -> None:
 
 
 def _acquire_resources_after_commit(job_ids: list[Any]) -> None:
-    try:
-        from apps.resources.acquisition import acquire_after_commit
-    except ImportError:  # resources not installed: nothing to acquire
-        Job.objects.filter(pk__in=job_ids, status=J.ACQUIRING_RESOURCES).update(status=J.WAITING_FOR_MACHINE)
-        return
+    from apps.resources.acquisition import acquire_after_commit
+
     acquire_after_commit(job_ids)
 
 
 def _release_resources(job: Job, *, reason: str) -> None:
-    try:
-        from apps.resources.acquisition import release_for_job
-    except ImportError:
-        return
+    from apps.resources.acquisition import release_for_job
+
     release_for_job(job_id=job.pk, reason=reason)

@@ -17,6 +17,7 @@ from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.pools.models import InstancePool
+from apps.resources.models import ResourceInstance, ResourceType
 from tests.conftest import World
 
 
@@ -74,7 +75,10 @@ def make_objects(world: World) -> dict[str, str]:
         org=world.org, name="nightly", machine_type=world.machine_type, command="make"
     )
     job = Job.objects.create(org=world.org, config=nightly, machine_type=world.machine_type, command="make")
+    rtype = ResourceType.objects.create(id="scratch", well="api_token")
+    resource = ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
     return {
+        "resource": str(resource.pk),
         "instance": str(instance.pk),
         "config": str(config.pk),
         "event": str(event.pk),
@@ -157,4 +161,6 @@ ENDPOINTS: list[Endpoint] = [
     ),
     Endpoint("cancel job", "post", "/api/v1/jobs/{job}/cancel/", "member", ok=(202,)),
     Endpoint("job logs", "get", "/api/v1/jobs/{job}/logs/", "viewer"),
+    Endpoint("resources", "get", "/api/v1/resources/", "viewer"),
+    Endpoint("resource", "get", "/api/v1/resources/{resource}/", "viewer"),
 ]

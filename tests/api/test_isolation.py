@@ -25,12 +25,14 @@ def snapshot() -> tuple:
     from apps.jobs.models import Job, JobConfiguration
     from apps.machines.models import MachineInstance
     from apps.pools.models import InstancePool
+    from apps.resources.models import ResourceInstance
 
     return (
         sorted(JobConfiguration.objects.values_list("id", "name", "priority", "command")),
         sorted(MachineInstance.objects.values_list("id", "status")),
         sorted(InstancePool.objects.values_list("id", "status", "target_size")),
         sorted(Job.objects.values_list("id", "status", "cancel_requested")),
+        sorted(ResourceInstance.objects.values_list("id", "status")),
         Event.objects.exclude(kind__startswith="test.").count(),
     )
 

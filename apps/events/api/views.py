@@ -27,3 +27,10 @@ class EventViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModel
     filterset_class = EventFilter
     ordering_fields = ("id", "created_at")
     ordering = ("-id",)
+    job_scoped_access = True  # a job's own token (api_token well) reads that job's events
+
+    def get_queryset(self):
+        qs = super().get_queryset()
+        if not getattr(self, "swagger_fake_view", False) and self.ctx.job_scope is not None:
+            qs = qs.filter(job_id=self.ctx.job_scope)
+        return qs

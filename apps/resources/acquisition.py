@@ -1,0 +1,255 @@
+"""Acquiring and releasing a job's resources, without deadlock.
+
+After admission a job acquires the resource types its configuration lists one at a time in
+lexicographic order of resource type id, and asks for a machine only when it holds all of
+them. So a job holding resource R/1 and waiting for machine type T/1 can never wait on a job
+holding T/1 and waiting for R/1, and ordered acquisition rules out cycles among resources.
+``max_instances`` on a resource type is back pressure: jobs wait (``pending_reason`` names the
+type) while it is at its limit. Everything a job holds is released when it ends in any way;
+the reaper destroys resources whose job is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_TERMINAL, JobStatus
+from apps.jobs.models import Job
+from apps.jobs.services import job_transition
+from apps.resources.choices import ResourceStatus
+from apps.resources.models import ResourceInstance, ResourceType
+from apps.resources.services import resource_transition
+from apps.resources.wells import WellError, build_well
+
+log = logging.getLogger(__name__)
+R = ResourceStatus
+J = JobStatus
+# Live resources that occupy a slot of their type's max_instances.
+OCCUPYING = [R.REQUESTED, R.CREATING, R.READY, R.HELD, R.RELEASING]
+
+
+def acquire_after_commit(job_ids: list[Any]) -> None:
+    from apps.resources.tasks import acquire_resources_task
+
+    ids = [str(j) for j in job_ids]
+    transaction.on_commit(lambda: [acquire_resources_task.delay(j) for j in ids])
+
+
+def job_acquire_resources(*, job_id: Any) -> str:
+    """Advance one job's acquisition as far as it can go. Returns what happened:
+    ``done`` (all held, waiting for a machine), ``waiting`` (a type is at its limit),
+    ``gone`` (the job is no longer acquiring)."""
+    job = Job.objects.select_related("config", "org").filter(pk=job_id).first()
+    if job is None or job.status != J.ACQUIRING_RESOURCES:
+        return "gone"
+    needed = sorted(job.config.resource_types.values_list("id", flat=True))  # lexicographic: no deadlock
+    for type_id in needed:
+        resource = _reserve(job, type_id)
+        if resource is None:
+            return "waiting"
+        if resource.status == R.REQUESTED:
+            _create(resource, job)
+            resource.refresh_from_db()
+        if resource.status == R.READY:
+            resource_transition(resource_id=resource.pk, to=R.HELD, from_=[R.READY], actor="acquirer")
+        elif resource.status != R.HELD:
+            return "waiting"  # failed or being created elsewhere: the next pass retries
+    with transaction.atomic():
+        try:
+            job_transition(
+                job_id=job.pk,
+                to=J.WAITING_FOR_MACHINE,
+                from_=[J.ACQUIRING_RESOURCES],
+                actor="acquirer",
+                pending_reason="waiting for a machine",
+                event_data={"resources": needed},
+            )
+        except InvalidTransition:
+            return "gone"  # cancelled meanwhile: release_for_job has run or will run
+        from apps.jobs.scheduling import _schedule_after_commit
+
+        _schedule_after_commit()
+    return "done"
+
+
+def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
+    """The job's live resource of this type, or a new ``requested`` one if the type has room."""
+    with transaction.atomic():
+        rtype = ResourceType.objects.select_for_update().get(pk=type_id)  # serialises slot counting
+        mine = ResourceInstance.objects.filter(
+            job=job, resource_type=rtype, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
+        ).first()
+        if mine is not None:
+            return mine
+        used = ResourceInstance.objects.filter(resource_type=rtype, status__in=OCCUPYING).count()
+        if used >= rtype.max_instances:
+            reason = f"waiting for resource {rtype.pk} ({used}/{rtype.max_instances} in use)"
+            Job.objects.filter(pk=job.pk).exclude(pending_reason=reason).update(pending_reason=reason)
+            return None
+        resource = ResourceInstance.objects.create(resource_type=rtype, org_id=job.org_id, job=job)
+        Job.objects.filter(pk=job.pk).update(pending_reason=f"acquiring resource {rtype.pk}")
+        event_record(
+            kind="resource.requested",
+            org=job.org_id,
+            job=job,
+            actor="acquirer",
+            resource=str(resource.pk),
+            resource_type=rtype.pk,
+        )
+        return resource
+
+
+def _create(resource: ResourceInstance, job: Job) -> None:
+    """Create it with its well, outside any transaction; record the result in a new one."""
+    try:
+        resource_transition(resource_id=resource.pk, to=R.CREATING, from_=[R.REQUESTED], actor="acquirer")
+    except InvalidTransition:
+        return
+    rtype = resource.resource_type
+    try:
+        created = build_well(rtype.well, rtype.config).create(resource_id=str(resource.pk), job=job)
+    except WellError as exc:
+        ResourceInstance.objects.filter(pk=resource.pk).update(attempts=resource.attempts + 1)
+        if exc.retryable:
+            # Back to requested; the acquire task retries it with backoff.
+            ResourceInstance.objects.filter(pk=resource.pk, status=R.CREATING).update(status=R.REQUESTED)
+            raise
+        resource_transition(
+            resource_id=resource.pk,
+            to=R.FAILED,
+            actor="acquirer",
+            reason=str(exc)[:500],
+            failure_reason=str(exc)[:2000],
+        )
+        _fail_job(job, f"resource {rtype.pk} could not be created: {exc}")
+        return
+    with transaction.atomic():
+        row = ResourceInstance.objects.select_for_update().get(pk=resource.pk)
+        row.external_id, row.metadata = created.external_id[:200], created.metadata
+        row.secret = created.secret
+        row.save(update_fields=["external_id", "metadata", "secret_encrypted"])
+        # If it was released while being created, the release task destroys it.
+        with contextlib.suppress(InvalidTransition):
+            resource_transition(resource_id=resource.pk, to=R.READY, from_=[R.CREATING], actor="acquirer")
+
+
+def _fail_job(job: Job, reason: str) -> None:
+    from apps.jobs.scheduling import _schedule_after_commit
+
+    with transaction.atomic():
+        try:
+            job_transition(job_id=job.pk, to=J.FAILED, actor="acquirer", reason=reason, failure_reason=reason)
+        except InvalidTransition:
+            return
+        release_for_job(job_id=job.pk, reason="job failed")
+        _schedule_after_commit()
+
+
+def release_for_job(*, job_id: Any, reason: str) -> int:
+    """Release everything the job holds (it ended, or goes back to the queue)."""
+    from apps.resources.tasks import destroy_resource_task
+
+    ids = list(
+        ResourceInstance.objects.filter(
+            job_id=job_id, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
+        ).values_list("pk", flat=True)
+    )
+    released = []
+    for resource_id in ids:
+        try:
+            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="releaser", reason=reason)
+        except InvalidTransition:
+            continue
+        released.append(str(resource_id))
+    if released:
+        transaction.on_commit(lambda: [destroy_resource_task.delay(r) for r in released])
+    return len(released)
+
+
+def resource_destroy(*, resource_id: Any) -> None:
+    """Body of the destroy task: the well destroys it (idempotently), then → destroyed, and
+    jobs waiting for a slot of this type are woken."""
+    resource = ResourceInstance.objects.select_related("resource_type").filter(pk=resource_id).first()
+    if resource is None or resource.status != R.RELEASING:
+        return
+    rtype = resource.resource_type
+    build_well(rtype.well, rtype.config).destroy(  # idempotent: also when creation never finished
+        resource_id=str(resource.pk),
+        external_id=resource.external_id,
+        job_id=str(resource.job_id) if resource.job_id else None,
+    )
+    with transaction.atomic():
+        try:
+            resource_transition(
+                resource_id=resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
+            )
+        except InvalidTransition:
+            return
+        ResourceInstance.objects.filter(pk=resource.pk).update(secret_encrypted="")
+        wake_waiting(type_id=rtype.pk)
+
+
+def wake_waiting(*, type_id: str) -> None:
+    """Jobs waiting for a slot of ``type_id`` try again (oldest admitted first)."""
+    from apps.resources.tasks import acquire_resources_task
+
+    waiting = list(
+        Job.objects.filter(status=J.ACQUIRING_RESOURCES, config__resource_types=type_id)
+        .order_by("-priority", "admitted_at")
+        .values_list("pk", flat=True)[:50]
+    )
+    if waiting:
+        transaction.on_commit(lambda: [acquire_resources_task.delay(str(j)) for j in waiting])
+
+
+def resources_safety_net(*, now: Any = None) -> dict[str, int]:
+    """The reaper's pass: release resources whose job is gone or ended, retry failed
+    destructions, and nudge jobs stuck acquiring."""
+    from apps.resources.tasks import acquire_resources_task, destroy_resource_task
+
+    now = now or timezone.now()
+    orphans = ResourceInstance.objects.filter(
+        Q(job__isnull=True) | Q(job__status__in=JOB_TERMINAL), status__in=[R.REQUESTED, R.READY, R.HELD]
+    ).values_list("pk", flat=True)[:500]
+    released = 0
+    for resource_id in orphans:
+        try:
+            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="reaper", reason="job is gone")
+        except InvalidTransition:
+            continue
+        released += 1
+    retry = list(
+        ResourceInstance.objects.filter(status=R.FAILED)
+        .exclude(external_id="")
+        .values_list("pk", flat=True)[:100]
+    )
+    for resource_id in retry:
+        try:
+            resource_transition(
+                resource_id=resource_id,
+                to=R.RELEASING,
+                from_=[R.FAILED],
+                actor="reaper",
+                reason="retrying destruction",
+            )
+        except InvalidTransition:
+            continue
+    releasing = [
+        str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
+    ]
+    for resource_id in releasing:
+        destroy_resource_task.delay(resource_id)
+    acquiring = [
+        str(j) for j in Job.objects.filter(status=J.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
+    ]
+    for job_id in acquiring:
+        acquire_resources_task.delay(job_id)
+    return {"released_orphans": released, "destroying": len(releasing), "acquiring": len(acquiring)}

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import logging
+
+from celery import Task, shared_task
+
+from apps.machines.tasks import backoff
+from apps.resources.acquisition import job_acquire_resources, resource_destroy
+from apps.resources.wells import WellError
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(bind=True, max_retries=10, acks_late=True)
+def acquire_resources_task(self: Task, job_id: str) -> None:
+    try:
+        job_acquire_resources(job_id=job_id)
+    except WellError as exc:
+        if exc.retryable:
+            raise self.retry(countdown=backoff(self.request.retries)) from None
+        raise
+
+
+@shared_task(bind=True, max_retries=None, acks_late=True)
+def destroy_resource_task(self: Task, resource_id: str) -> None:
+    """Destroying must eventually succeed: retried with backoff (capped at 5 minutes) until it
+    does; permanent refusals leave the resource ``failed`` for the reaper to retry."""
+    try:
+        resource_destroy(resource_id=resource_id)
+    except WellError as exc:
+        if exc.retryable:
+            log.warning("destroying resource %s: %s (retry %d)", resource_id, exc, self.request.retries + 1)
+            raise self.retry(countdown=backoff(self.request.retries)) from None
+        from apps.resources.services import resource_transition
+
+        resource_transition(
+            resource_id=resource_id,
+            to="failed",
+            actor="releaser",
+            reason=str(exc)[:500],
+            failure_reason=str(exc)[:2000],
+        )

@@ -1,0 +1,239 @@
+"""Managed resources: ordered acquisition, back pressure, release, and each well against a
+real counterpart (Catacloud's own API, a real PostgreSQL server, a local HTTP server)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+import pytest
+from rest_framework.test import APIClient
+
+from apps.events.models import Event
+from apps.jobs.choices import JobStatus
+from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.scheduling import admit, job_cancel, job_submit
+from apps.orgs.models import Privilege
+from apps.resources.acquisition import job_acquire_resources, release_for_job, resource_destroy
+from apps.resources.models import ResourceInstance, ResourceType
+from apps.resources.wells import WellTransient
+from tests.conftest import World
+
+pytestmark = pytest.mark.django_db
+J = JobStatus
+
+
+def config_with(world: World, *type_ids: str, name: str = "needs") -> JobConfiguration:
+    config = JobConfiguration.objects.create(
+        org=world.org, name=name, machine_type=world.machine_type, command="x"
+    )
+    config.resource_types.set(type_ids)
+    return config
+
+
+def admitted_job(world: World, config: JobConfiguration) -> Job:
+    job = job_submit(org=world.org, config=config, user=world.users["member"])
+    admit()
+    job.refresh_from_db()
+    assert job.status == J.ACQUIRING_RESOURCES
+    return job
+
+
+def release(job: Job) -> None:
+    release_for_job(job_id=job.pk, reason="test")
+    for resource in ResourceInstance.objects.filter(job=job, status="releasing"):
+        resource_destroy(resource_id=resource.pk)
+
+
+def test_resources_are_acquired_in_lexicographic_order_before_a_machine(world: World) -> None:
+    for type_id in ("zeta-token", "alpha-token"):
+        ResourceType.objects.create(id=type_id, well="api_token")
+    job = admitted_job(world, config_with(world, "zeta-token", "alpha-token"))
+    assert job_acquire_resources(job_id=job.pk) == "done"
+    job.refresh_from_db()
+    assert job.status == J.WAITING_FOR_MACHINE
+    order = list(
+        Event.objects.filter(kind="resource.requested", job_id=job.pk)
+        .order_by("id")
+        .values_list("data__resource_type", flat=True)
+    )
+    assert order == ["alpha-token", "zeta-token"]
+    assert set(ResourceInstance.objects.filter(job=job).values_list("status", flat=True)) == {"held"}
+
+
+def test_back_pressure_the_third_job_waits_naming_the_resource_type(world: World) -> None:
+    ResourceType.objects.create(id="lab-db", well="api_token", max_instances=2)
+    config = config_with(world, "lab-db")
+    jobs = [admitted_job(world, config) for _ in range(3)]
+    results = [job_acquire_resources(job_id=j.pk) for j in jobs]
+    assert results == ["done", "done", "waiting"]
+    jobs[2].refresh_from_db()
+    assert jobs[2].status == J.ACQUIRING_RESOURCES
+    assert jobs[2].pending_reason == "waiting for resource lab-db (2/2 in use)"
+    release(jobs[0])  # the first job ends: its slot frees
+    assert job_acquire_resources(job_id=jobs[2].pk) == "done"
+
+
+def test_cancelling_a_job_releases_what_it_holds(world: World) -> None:
+    ResourceType.objects.create(id="tok", well="api_token")
+    job = admitted_job(world, config_with(world, "tok"))
+    job_acquire_resources(job_id=job.pk)
+    job_cancel(job=Job.objects.get(pk=job.pk))
+    assert set(ResourceInstance.objects.filter(job=job).values_list("status", flat=True)) == {"releasing"}
+
+
+def test_a_privileged_resource_type_is_refused_at_submit(world: World) -> None:
+    lab = Privilege.objects.create(name="lab")
+    ResourceType.objects.create(id="rack", well="api_token", required_privilege=lab)
+    config = config_with(world, "rack")
+    world.org.privileges.add(lab)  # the org had it when the configuration was made…
+    world.org.privileges.remove(lab)  # …and lost it since
+    response = world.client("member").post("/api/v1/jobs/", {"config": str(config.pk)}, format="json")
+    assert response.status_code == 403 and response.json()["code"] == "missing_privilege"
+    assert not Job.objects.exists()
+
+
+# ---- the api_token well against Catacloud's own API ---------------------------------------------
+
+
+def test_the_token_well_reads_its_own_job_only_and_dies_with_it(world: World) -> None:
+    ResourceType.objects.create(id="self-token", well="api_token")
+    job = admitted_job(world, config_with(world, "self-token"))
+    other = job_submit(org=world.org, config=config_with(world, name="other"))
+    job_acquire_resources(job_id=job.pk)
+    resource = ResourceInstance.objects.get(job=job)
+    token = resource.secret["token"]
+    assert token not in json.dumps(resource.metadata) and token not in resource.secret_encrypted
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    assert client.get(f"/api/v1/jobs/{job.pk}/").json()["id"] == str(job.pk)
+    events = client.get("/api/v1/events/").json()["results"]
+    assert events and {e["job_id"] for e in events} == {str(job.pk)}
+    assert client.get(f"/api/v1/jobs/{other.pk}/").status_code == 404
+    assert client.get("/api/v1/jobs/").status_code == 403
+    assert client.get("/api/v1/pools/").status_code == 403
+    assert client.post(f"/api/v1/jobs/{job.pk}/cancel/").status_code == 403
+    # The API never shows the secret part.
+    listed = world.client("viewer").get("/api/v1/resources/").json()["results"][0]
+    assert listed["status"] == "held" and token not in json.dumps(listed)
+    release(job)  # the job ends
+    assert client.get(f"/api/v1/jobs/{job.pk}/").status_code == 401
+
+
+# ---- the postgres_database well against a real PostgreSQL server -------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_database_well_connects_during_the_job_and_is_gone_after(tworld: World) -> None:
+    ResourceType.objects.create(
+        id="scratch-db", well="postgres_database", config={"use_catacloud_database": True}
+    )
+    job = admitted_job(tworld, config_with(tworld, "scratch-db"))
+    assert job_acquire_resources(job_id=job.pk) == "done"
+    resource = ResourceInstance.objects.get(job=job)
+    dsn = resource.secret["dsn"]
+    with psycopg.connect(dsn) as conn:  # the job's DSN works, as its own user
+        conn.execute("CREATE TABLE t (x int)")
+        conn.execute("INSERT INTO t VALUES (42)")
+        assert conn.execute("SELECT current_user").fetchone()[0] == resource.metadata["user"]
+    release(job)
+    from tests.support.processes import test_database_url
+
+    with psycopg.connect(test_database_url()) as admin:
+        assert not admin.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", [resource.metadata["dbname"]]
+        ).fetchone()
+        assert not admin.execute(
+            "SELECT 1 FROM pg_roles WHERE rolname = %s", [resource.metadata["user"]]
+        ).fetchone()
+    resource.refresh_from_db()
+    assert resource.status == "destroyed" and resource.secret_encrypted == ""
+
+
+# ---- the webhook well against a local HTTP server ---------------------------------------------
+
+
+class Rack(BaseHTTPRequestHandler):
+    """A pretend external system: creates accounts; its destroy fails the first times."""
+
+    calls: list[tuple[str, dict]] = []
+    destroy_failures = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Rack.calls.append((self.path, body))
+        if self.path == "/create":
+            answer, code = (
+                {
+                    "id": f"acct-{body['resource_id'][:8]}",
+                    "metadata": {"account": "a1"},
+                    "secret": {"password": "pw"},
+                },
+                200,
+            )
+        elif Rack.destroy_failures > 0:
+            Rack.destroy_failures -= 1
+            answer, code = {"error": "busy"}, 503
+        else:
+            answer, code = {}, 200
+        data = json.dumps(answer).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def rack() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Rack)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    Rack.calls, Rack.destroy_failures = [], 2
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_the_webhook_well_creates_and_retries_a_failing_destroy_until_it_succeeds(
+    world: World, rack: str
+) -> None:
+    ResourceType.objects.create(
+        id="rack", well="webhook", config={"create_url": f"{rack}/create", "destroy_url": f"{rack}/destroy"}
+    )
+    job = admitted_job(world, config_with(world, "rack"))
+    assert job_acquire_resources(job_id=job.pk) == "done"
+    resource = ResourceInstance.objects.get(job=job)
+    assert resource.metadata == {"account": "a1"} and resource.secret == {"password": "pw"}
+    release_for_job(job_id=job.pk, reason="job ended")
+    attempts = 0
+    while True:  # what destroy_resource_task does: retry transient failures with backoff
+        attempts += 1
+        try:
+            resource_destroy(resource_id=resource.pk)
+            break
+        except WellTransient:
+            assert attempts < 10
+    resource.refresh_from_db()
+    assert resource.status == "destroyed"
+    assert attempts == 3
+    destroys = [c for c in Rack.calls if c[0] == "/destroy"]
+    assert len(destroys) == 3 and destroys[-1][1]["id"] == resource.external_id
+
+
+def test_the_reaper_destroys_resources_whose_job_is_gone(world: World) -> None:
+    from apps.resources.acquisition import resources_safety_net
+
+    ResourceType.objects.create(id="tok2", well="api_token")
+    job = admitted_job(world, config_with(world, "tok2"))
+    job_acquire_resources(job_id=job.pk)
+    Job.objects.filter(pk=job.pk).update(status=J.FAILED)  # ended without releasing (a crash)
+    report = resources_safety_net()
+    assert report["released_orphans"] == 1
+    assert ResourceInstance.objects.get(job=job).status == "releasing"
