@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.urls import re_path
 from rest_framework.routers import DefaultRouter
 
 from apps.events.api.views import EventViewSet
@@ -20,4 +21,12 @@ router.register("pools", PoolViewSet, basename="pool")
 router.register("resource-types", ResourceTypeViewSet, basename="resource-type")
 router.register("resources", ResourceViewSet, basename="resource")
 
-urlpatterns = router.urls
+urlpatterns = [
+    # GET /jobs/{id}/artifacts/{name}: names may contain "/" and carry no trailing slash.
+    re_path(
+        r"^jobs/(?P<pk>[^/.]+)/artifacts/(?P<name>.+[^/])$",
+        JobViewSet.as_view({"get": "artifact"}),
+        name="job-artifact",
+    ),
+    *router.urls,
+]

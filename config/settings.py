@@ -218,6 +218,21 @@ CATACLOUD_RETENTION_MARGIN = env.float(
 )
 # Replace pool members built from an older machine type version (drift).
 CATACLOUD_REPLACE_OUTDATED = env.bool("CATACLOUD_REPLACE_OUTDATED", default=True)
+# Where job outputs and checkpoints are kept: "local" (a directory; the embedded default) or "s3".
+CATACLOUD_STORAGE = env.str("CATACLOUD_STORAGE", default="local")
+if CATACLOUD_STORAGE not in ("local", "s3"):
+    raise ImproperlyConfigured("CATACLOUD_STORAGE must be local or s3")
+CATACLOUD_STORAGE_DIR = env.str("CATACLOUD_STORAGE_DIR", default=str(CATACLOUD_HOME / "artifacts"))
+CATACLOUD_S3_BUCKET = env.str("CATACLOUD_S3_BUCKET", default="")
+CATACLOUD_S3_PREFIX = env.str("CATACLOUD_S3_PREFIX", default="catacloud")
+CATACLOUD_S3_ENDPOINT_URL = env.str("CATACLOUD_S3_ENDPOINT_URL", default="")
+CATACLOUD_S3_REGION = env.str("CATACLOUD_S3_REGION", default="")
+CATACLOUD_S3_ACCESS_KEY_ID = env.str("CATACLOUD_S3_ACCESS_KEY_ID", default="")
+CATACLOUD_S3_SECRET_ACCESS_KEY = env.str("CATACLOUD_S3_SECRET_ACCESS_KEY", default="")
+CATACLOUD_S3_MULTIPART_MB = env.int("CATACLOUD_S3_MULTIPART_MB", default=16)
+CATACLOUD_S3_PRESIGN = env.bool("CATACLOUD_S3_PRESIGN", default=True)
+if CATACLOUD_STORAGE == "s3" and not CATACLOUD_S3_BUCKET:
+    raise ImproperlyConfigured("CATACLOUD_S3_BUCKET must be set when CATACLOUD_STORAGE=s3")
 # Optional bearer token Prometheus must send to scrape /metrics.
 CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
 # Public URL agents use to reach the API (put into cloud-init user data).

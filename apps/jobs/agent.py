@@ -16,6 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import error_response
+from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.scheduling import job_finished, job_interrupted, job_started
@@ -66,6 +67,7 @@ def _payload(job: Job) -> dict[str, Any]:
         "timeout_seconds": job.timeout_seconds,
         "attempt": job.attempt,
         "resources": _resource_names(job),
+        "checkpoint": checkpoint_info(job),
     }
 
 
@@ -139,6 +141,7 @@ class LogsView(AgentView):
 
 class FinishedIn(serializers.Serializer):
     exit_code = serializers.IntegerField(allow_null=True, required=False)
+    uploads_pending = serializers.IntegerField(min_value=0, required=False, allow_null=True)
     outcome = serializers.ChoiceField(choices=["succeeded", "failed", "timed_out", "cancelled"])
     reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
 
@@ -153,6 +156,7 @@ class FinishedView(AgentView):
             outcome=body.validated_data["outcome"],
             exit_code=body.validated_data.get("exit_code"),
             reason=body.validated_data["reason"],
+            uploads_pending=body.validated_data.get("uploads_pending"),
         )
         return Response({"ok": True, "status": job.status})
 
@@ -198,4 +202,5 @@ def job_agent_urls() -> list:
         path("jobs/<uuid:job_id>/finished", FinishedView.as_view(), name="agent-job-finished"),
         path("jobs/<uuid:job_id>/meta/<slug:name>", MetaView.as_view(), name="agent-job-meta"),
         path("interruption", InterruptionView.as_view(), name="agent-interruption"),
+        *artifact_agent_urls(),
     ]

@@ -27,6 +27,11 @@ class JobConfiguration(models.Model):
     reuse = models.CharField(max_length=16, choices=Reuse.choices, default=Reuse.REUSE)
     resource_types = models.ManyToManyField("resources.ResourceType", blank=True, related_name="job_configs")
     artifact_retention_days = models.PositiveIntegerField(default=7)
+    checkpoint_interval_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="the agent uploads the checkpoint directory this often while the job runs",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -106,3 +111,40 @@ class JobLogChunk(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}#{self.attempt}:{self.seq}"
+
+
+class Artifact(models.Model):
+    """A file a job kept: an output (uploaded when the job ends) or its latest checkpoint."""
+
+    KIND_OUTPUT = "output"
+    KIND_CHECKPOINT = "checkpoint"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="artifacts")
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=16, choices=[(KIND_OUTPUT, "output"), (KIND_CHECKPOINT, "checkpoint")])
+    name = models.CharField(max_length=1000)
+    size = models.BigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64, blank=True)
+    key = models.CharField(max_length=1200, editable=False)
+    status = models.CharField(
+        max_length=16,
+        default="stored",
+        choices=[("stored", "stored"), ("failed", "failed"), ("expired", "expired")],
+    )
+    error = models.TextField(blank=True)
+    attempt = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "kind", "name"]
+        constraints = [models.UniqueConstraint(fields=["job", "kind", "name"], name="artifact_unique_name")]
+        indexes = [
+            # Retention: WHERE status = 'stored' AND expires_at < now()
+            models.Index(fields=["expires_at"], name="artifact_expiry", condition=Q(status="stored")),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.kind}/{self.name}"

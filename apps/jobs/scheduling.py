@@ -422,9 +422,19 @@ OUTCOMES = {"succeeded": J.SUCCEEDED, "failed": J.FAILED, "timed_out": J.TIMED_O
 
 
 def job_finished(
-    *, instance: MachineInstance, job_id: Any, outcome: str, exit_code: int | None, reason: str = ""
+    *,
+    instance: MachineInstance,
+    job_id: Any,
+    outcome: str,
+    exit_code: int | None,
+    reason: str = "",
+    uploads_pending: int | None = None,
 ) -> Job:
-    """The agent reports the end of a job; the machine is kept for reuse or destroyed."""
+    """The agent reports the end of a job; the machine is kept for reuse or destroyed.
+
+    With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
+    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow.
+    """
     with transaction.atomic():
         job = (
             Job.objects.select_for_update()
@@ -448,7 +458,8 @@ def job_finished(
             event_data={"exit_code": exit_code, "attempt": job.attempt},
         )
         _release_resources(job, reason=f"job {status}")
-        instance_release(instance_id=instance.pk, job=job)
+        if uploads_pending is None:
+            instance_release(instance_id=instance.pk, job=job)
         _schedule_after_commit()
     return job
 
@@ -551,12 +562,16 @@ def scheduler_safety_net(*, now: datetime) -> dict[str, int]:
     timed_out = _time_out_jobs(now)
     retired = retire_idle_machines(now=now)
     resources = resources_safety_net(now=now)
+    from apps.jobs.artifacts import artifacts_expire
+
+    expired = artifacts_expire(now=now)
     report = schedule()
     return {
         "timed_out": timed_out,
         "retired_idle": retired,
         "admitted": report.admitted,
         "assigned": report.assigned,
+        "artifacts_expired": expired,
         **resources,
     }
 

@@ -161,6 +161,7 @@ ENDPOINTS: list[Endpoint] = [
     ),
     Endpoint("cancel job", "post", "/api/v1/jobs/{job}/cancel/", "member", ok=(202,)),
     Endpoint("job logs", "get", "/api/v1/jobs/{job}/logs/", "viewer"),
+    Endpoint("job artifacts", "get", "/api/v1/jobs/{job}/artifacts/", "viewer"),
     Endpoint("resources", "get", "/api/v1/resources/", "viewer"),
     Endpoint("resource", "get", "/api/v1/resources/{resource}/", "viewer"),
 ]

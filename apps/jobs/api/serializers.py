@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.models import Artifact, Job, JobConfiguration
 from apps.machines.models import MachineType
 from apps.resources.models import ResourceType
 
@@ -117,3 +117,10 @@ class JobLogsSerializer(serializers.Serializer):
     text = serializers.CharField(help_text="stdout and stderr of this attempt, in order")
     chunks = LogChunkSerializer(many=True)
     next_after = serializers.IntegerField(help_text="pass as ?after= to get only newer output")
+
+
+class ArtifactSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Artifact
+        fields = ("name", "kind", "size", "sha256", "status", "error", "attempt", "created_at", "expires_at")
+        read_only_fields = fields

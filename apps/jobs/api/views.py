@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from typing import Any
+
 import django_filters
+from django.http import HttpResponseRedirect, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -12,13 +15,15 @@ from rest_framework.serializers import BaseSerializer
 from apps.core.api import OrgScopedViewSet
 from apps.core.errors import ValidationFailed
 from apps.jobs.api.serializers import (
+    ArtifactSerializer,
     JobConfigurationSerializer,
     JobLogsSerializer,
     JobSerializer,
     JobSubmitSerializer,
 )
+from apps.jobs.artifacts import get_store
 from apps.jobs.choices import JobStatus
-from apps.jobs.models import Job, JobConfiguration, JobLogChunk
+from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.scheduling import job_cancel, job_submit
 from apps.jobs.services import job_config_delete, job_config_save
 
@@ -105,7 +110,12 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
 
     def check_permissions(self, request: Request) -> None:
         super().check_permissions(request)
-        if self.ctx.job_scope is not None and self.action not in ("retrieve", "logs"):
+        if self.ctx.job_scope is not None and self.action not in (
+            "retrieve",
+            "logs",
+            "artifacts",
+            "artifact",
+        ):
             raise PermissionDenied("this token may only read its own job")
 
     @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
@@ -161,3 +171,35 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
                 "next_after": chunks[-1]["seq"] if chunks else after,
             }
         )
+
+    @extend_schema(responses={200: ArtifactSerializer(many=True)})
+    @action(detail=True, methods=["get"], url_path="artifacts")
+    def artifacts(self, request: Request, pk: str | None = None) -> Response:
+        """Files the job kept: name, size, sha256 (outputs, and its latest checkpoint)."""
+        job = self.get_object()
+        rows = Artifact.objects.filter(job=job).exclude(status="expired").order_by("kind", "name")
+        return Response(ArtifactSerializer(rows, many=True).data)
+
+    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    def artifact(self, request: Request, pk: str | None = None, name: str = "") -> Any:
+        """One output: streamed, or a redirect to a short-lived presigned URL (S3)."""
+        job = self.get_object()
+        artifact = Artifact.objects.filter(
+            job=job, kind=Artifact.KIND_OUTPUT, name=name, status="stored"
+        ).first()
+        if artifact is None:
+            raise NotFound("no such artifact")
+        store = get_store()
+        filename = name.rsplit("/", 1)[-1].replace('"', "")
+        url = store.url(artifact.key, expires_seconds=300, filename=filename)
+        if url:
+            return HttpResponseRedirect(url)
+        try:
+            chunks = store.open(artifact.key)
+        except FileNotFoundError:
+            raise NotFound("the artifact is gone from the store") from None
+        response = StreamingHttpResponse(chunks, content_type="application/octet-stream")
+        response["Content-Length"] = str(artifact.size)
+        response["Content-Disposition"] = f'attachment; filename="{filename}"'
+        response["X-Checksum-Sha256"] = artifact.sha256
+        return response

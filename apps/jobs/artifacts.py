@@ -1,0 +1,303 @@
+"""Job outputs and checkpoints: files that outlive the machine.
+
+The agent uploads through the Agent API (so machines hold no storage credentials); the
+server checks each upload's size and SHA-256 while spooling it, then writes it to the store
+under ``<org>/<job>/…``. Outputs are uploaded after the job's exit report (which they never
+block); the machine is released only when the agent says its uploads are done. The latest
+checkpoint is restored into a requeued attempt before its command starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import tempfile
+from datetime import timedelta
+from typing import Any, BinaryIO
+from urllib.parse import unquote
+
+from django.conf import settings
+from django.db import transaction
+from django.http import StreamingHttpResponse
+from django.urls import path, re_path
+from django.utils import timezone
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.core.api import error_response
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_TERMINAL, JobStatus
+from apps.jobs.models import Artifact, Job
+from apps.machines.agent_api import AgentView
+from apps.machines.choices import InstanceStatus
+from apps.machines.models import MachineInstance
+from catacloud.storage import LocalStore, S3Store, Store
+
+log = logging.getLogger(__name__)
+J = JobStatus
+MAX_NAME = 1000
+
+
+@functools.cache
+def get_store() -> Store:
+    if settings.CATACLOUD_STORAGE == "s3":
+        return S3Store(
+            bucket=settings.CATACLOUD_S3_BUCKET,
+            prefix=settings.CATACLOUD_S3_PREFIX,
+            endpoint_url=settings.CATACLOUD_S3_ENDPOINT_URL or None,
+            region=settings.CATACLOUD_S3_REGION or None,
+            access_key_id=settings.CATACLOUD_S3_ACCESS_KEY_ID or None,
+            secret_access_key=settings.CATACLOUD_S3_SECRET_ACCESS_KEY or None,
+            multipart_mb=settings.CATACLOUD_S3_MULTIPART_MB,
+            presign=settings.CATACLOUD_S3_PRESIGN,
+        )
+    return LocalStore(settings.CATACLOUD_STORAGE_DIR)
+
+
+def artifact_key(job: Job, kind: str, name: str) -> str:
+    if kind == Artifact.KIND_CHECKPOINT:
+        return f"{job.org_id}/{job.pk}/checkpoint.tar.gz"
+    return f"{job.org_id}/{job.pk}/outputs/{name}"
+
+
+def clean_name(raw: str) -> str | None:
+    """A safe relative path (``reports/junit.xml``), or None."""
+    parts = [unquote(p) for p in raw.split("/")]
+    if not parts or any(p in ("", ".", "..") or "\x00" in p or "\\" in p for p in parts):
+        return None
+    name = "/".join(parts)
+    return name if len(name) <= MAX_NAME else None
+
+
+class BadUpload(Exception):
+    pass
+
+
+def spool_verified(stream: BinaryIO, *, size: int, sha256: str) -> tempfile.SpooledTemporaryFile:
+    """Copy the request body to a spooled temp file, checking its size and SHA-256."""
+    digest = hashlib.sha256()
+    spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - returned open
+    received = 0
+    while block := stream.read(1024 * 1024):
+        received += len(block)
+        if received > size:
+            break
+        digest.update(block)
+        spool.write(block)
+    if received != size or digest.hexdigest() != sha256.lower():
+        spool.close()
+        raise BadUpload(f"received {received} bytes with another checksum than announced")
+    spool.seek(0)
+    return spool
+
+
+def store_artifact(*, job: Job, kind: str, name: str, body: BinaryIO, size: int, sha256: str) -> Artifact:
+    """Verify and store one upload (no transaction open during the store write), then record it."""
+    spool = spool_verified(body, size=size, sha256=sha256)
+    key = artifact_key(job, kind, name)
+    try:
+        get_store().put(key, spool, size=size)
+    finally:
+        spool.close()
+    days = job.config.artifact_retention_days
+    expires = timezone.now() + timedelta(days=days) if days else None
+    with transaction.atomic():
+        artifact, _ = Artifact.objects.update_or_create(
+            job=job,
+            kind=kind,
+            name=name,
+            defaults={
+                "org_id": job.org_id,
+                "size": size,
+                "sha256": sha256.lower(),
+                "key": key,
+                "status": "stored",
+                "error": "",
+                "attempt": job.attempt,
+                "expires_at": expires,
+            },
+        )
+        event_record(
+            kind="checkpoint.saved" if kind == Artifact.KIND_CHECKPOINT else "artifact.stored",
+            org=job.org_id,
+            job=job,
+            actor="agent",
+            name=name,
+            size=size,
+            attempt=job.attempt,
+        )
+    return artifact
+
+
+def artifacts_expire(*, now: Any = None, limit: int = 500) -> int:
+    """Retention: delete expired outputs and checkpoints from the store and record it."""
+    now = now or timezone.now()
+    count = 0
+    for artifact in Artifact.objects.filter(status="stored", expires_at__lt=now)[:limit]:
+        try:
+            get_store().delete(artifact.key)
+        except Exception as exc:
+            log.warning("could not delete expired artifact %s: %s", artifact.pk, type(exc).__name__)
+            continue
+        with transaction.atomic():
+            Artifact.objects.filter(pk=artifact.pk).update(status="expired")
+            event_record(
+                kind="artifact.expired",
+                org=artifact.org_id,
+                job=artifact.job_id,
+                actor="reaper",
+                name=artifact.name,
+                kind_=artifact.kind,
+            )
+        count += 1
+    return count
+
+
+def checkpoint_info(job: Job) -> dict[str, Any]:
+    return {
+        "available": Artifact.objects.filter(
+            job=job, kind=Artifact.KIND_CHECKPOINT, status="stored"
+        ).exists(),
+        "interval_seconds": job.config.checkpoint_interval_seconds,
+    }
+
+
+# ---- Agent API ---------------------------------------------------------------------------------
+
+
+def _job_for_upload(instance: MachineInstance, job_id: Any, *, live_only: bool) -> Job | None:
+    """The job may still be uploading if it runs on this machine, or (outputs) if it ended
+    and the machine is still held for it (the server waits for uploads-done)."""
+    job = Job.objects.select_related("config").filter(pk=job_id, instance=instance).first()
+    if job is None:
+        return None
+    if job.status in (J.ASSIGNED, J.RUNNING):
+        return job
+    if live_only or job.status not in JOB_TERMINAL:
+        return None
+    held = MachineInstance.objects.filter(
+        pk=instance.pk, status=InstanceStatus.CLAIMED, claimed_for=f"job:{job.pk}"
+    ).exists()
+    return job if held else None
+
+
+def _upload(view: AgentView, request: Request, job: Job, kind: str, name: str) -> Response:
+    try:
+        size = int(request.headers.get("Content-Length", ""))
+    except ValueError:
+        return error_response(411, "length_required", "Content-Length is required")
+    sha256 = request.headers.get("X-Checksum-Sha256", "")
+    if len(sha256) != 64:
+        return error_response(400, "invalid", "X-Checksum-Sha256 (hex SHA-256 of the body) is required")
+    try:
+        artifact = store_artifact(
+            job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256
+        )
+    except BadUpload as exc:
+        return error_response(400, "checksum_mismatch", str(exc))
+    return Response({"name": artifact.name, "size": artifact.size, "sha256": artifact.sha256}, status=201)
+
+
+class ArtifactUploadView(AgentView):
+    parser_classes: list = []  # the body is the file: read it raw, never parse it
+
+    def put(self, request: Request, job_id: str, name: str) -> Response:
+        clean = clean_name(name)
+        if clean is None:
+            return error_response(400, "invalid", "not a safe relative file name")
+        job = _job_for_upload(self.instance, job_id, live_only=False)
+        if job is None:
+            return error_response(
+                409, "not_assigned", "this job's outputs are no longer accepted from this machine"
+            )
+        return _upload(self, request, job, Artifact.KIND_OUTPUT, clean)
+
+
+class CheckpointView(AgentView):
+    parser_classes: list = []
+
+    def put(self, request: Request, job_id: str) -> Response:
+        job = _job_for_upload(self.instance, job_id, live_only=True)
+        if job is None:
+            return error_response(
+                409, "not_assigned", "this job is not (or no longer) running on this machine"
+            )
+        return _upload(self, request, job, Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
+
+    def get(self, request: Request, job_id: str) -> Any:
+        job = _job_for_upload(self.instance, job_id, live_only=True)
+        if job is None:
+            return error_response(
+                409, "not_assigned", "this job is not (or no longer) running on this machine"
+            )
+        artifact = Artifact.objects.filter(job=job, kind=Artifact.KIND_CHECKPOINT, status="stored").first()
+        if artifact is None:
+            return error_response(404, "not_found", "this job has no checkpoint")
+        try:
+            chunks = get_store().open(artifact.key)
+        except FileNotFoundError:
+            return error_response(404, "not_found", "the checkpoint is gone from the store")
+        event_record(
+            kind="checkpoint.restored",
+            org=job.org_id,
+            job=job,
+            actor=f"agent:{self.instance.pk}",
+            attempt=job.attempt,
+            from_attempt=artifact.attempt,
+        )
+        response = StreamingHttpResponse(chunks, content_type="application/gzip")
+        response["Content-Length"] = str(artifact.size)
+        response["X-Checksum-Sha256"] = artifact.sha256
+        return response
+
+
+class UploadsDoneView(AgentView):
+    def post(self, request: Request, job_id: str) -> Response:
+        from apps.jobs.scheduling import instance_release
+
+        job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
+        if job is None:
+            return error_response(409, "not_assigned", "this job did not run on this machine")
+        failed = request.data.get("failed") or [] if isinstance(request.data, dict) else []
+        with transaction.atomic():
+            for item in failed[:1000]:
+                name = clean_name(str(item.get("name", ""))) if isinstance(item, dict) else None
+                if name is None:
+                    continue
+                error = str(item.get("error", ""))[:2000]
+                Artifact.objects.update_or_create(
+                    job=job,
+                    kind=Artifact.KIND_OUTPUT,
+                    name=name,
+                    defaults={
+                        "org_id": job.org_id,
+                        "status": "failed",
+                        "error": error,
+                        "key": "",
+                        "attempt": job.attempt,
+                    },
+                )
+                event_record(
+                    kind="artifact.upload_failed",
+                    org=job.org_id,
+                    job=job,
+                    actor="agent",
+                    name=name,
+                    reason=error,
+                )
+            if job.status in JOB_TERMINAL:
+                instance_release(instance_id=self.instance.pk, job=job)
+        return Response({"ok": True})
+
+
+def artifact_agent_urls() -> list:
+    return [
+        re_path(
+            r"^jobs/(?P<job_id>[0-9a-f-]{36})/artifacts/(?P<name>.+)$",
+            ArtifactUploadView.as_view(),
+            name="agent-job-artifact",
+        ),
+        path("jobs/<uuid:job_id>/checkpoint", CheckpointView.as_view(), name="agent-job-checkpoint"),
+        path("jobs/<uuid:job_id>/uploads-done", UploadsDoneView.as_view(), name="agent-job-uploads-done"),
+    ]

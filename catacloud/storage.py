@@ -1,0 +1,158 @@
+"""Object storage for job outputs and checkpoints: a local directory (the embedded default)
+or S3-compatible storage through boto3. Framework-free; keys are chosen by the caller
+(``<org>/<job>/…`` so nothing crosses tenants)."""
+
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+class StoreError(Exception):
+    pass
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+        """Store ``size`` bytes read from ``fileobj`` under ``key`` (replacing it)."""
+
+    @abc.abstractmethod
+    def open(self, key: str) -> Iterator[bytes]:
+        """The object's bytes, in chunks. ``FileNotFoundError`` when absent."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Idempotent."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int | None:
+        """The stored size, or None when absent."""
+
+    def url(self, key: str, *, expires_seconds: int, filename: str) -> str | None:
+        """A short-lived download URL, when the store supports it."""
+        return None
+
+
+CHUNK = 1024 * 1024
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root not in path.parents:
+            raise StoreError("key escapes the store")
+        return path
+
+    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        with tmp.open("wb") as out:
+            shutil.copyfileobj(fileobj, out, CHUNK)
+        if tmp.stat().st_size != size:
+            tmp.unlink()
+            raise StoreError("size mismatch while storing")
+        os.replace(tmp, path)
+
+    def open(self, key: str) -> Iterator[bytes]:
+        path = self._path(key)
+        if not path.is_file():
+            raise FileNotFoundError(key)
+
+        def chunks() -> Iterator[bytes]:
+            with path.open("rb") as fh:
+                while block := fh.read(CHUNK):
+                    yield block
+
+        return chunks()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
+
+
+class S3Store(Store):
+    """S3 or any S3-compatible service. Large objects go up as multipart uploads (boto3's
+    transfer manager: parts retried individually)."""
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        multipart_mb: int = 16,
+        presign: bool = True,
+        client: Any = None,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        self.bucket, self.prefix, self.presign = bucket, prefix.strip("/"), presign
+        self.client = client or boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            region_name=region or None,
+            aws_access_key_id=access_key_id or None,
+            aws_secret_access_key=secret_access_key or None,
+        )
+        part = max(5, multipart_mb) * 1024 * 1024  # S3's minimum part size is 5 MiB
+        self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+        self.client.upload_fileobj(fileobj, self.bucket, self._key(key), Config=self.transfer)
+        if self.size(key) != size:
+            raise StoreError("size mismatch while storing")
+
+    def open(self, key: str) -> Iterator[bytes]:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileNotFoundError(key) from None
+            raise
+        return body.iter_chunks(CHUNK)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def size(self, key: str) -> int | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+        except ClientError:
+            return None
+
+    def url(self, key: str, *, expires_seconds: int, filename: str) -> str | None:
+        if not self.presign:
+            return None
+        return self.client.generate_presigned_url(
+            "get_object",
+            Params={
+                "Bucket": self.bucket,
+                "Key": self._key(key),
+                "ResponseContentDisposition": f'attachment; filename="{filename}"',
+            },
+            ExpiresIn=expires_seconds,
+        )

@@ -1,0 +1,199 @@
+"""Outputs and checkpoints: the stores (local and S3 through moto with the real boto3), the
+Agent API uploads with their checks, the user API, tenancy and retention."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from apps.jobs.artifacts import artifacts_expire, get_store
+from apps.jobs.models import Artifact, Job, JobConfiguration
+from apps.machines.lifecycle import bootstrap_token_for
+from apps.machines.models import MachineInstance
+from catacloud.storage import LocalStore, S3Store, Store
+from tests.conftest import World
+
+# ---- the store contract, run against both stores ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto_s3() -> Iterator[Any]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+    client.create_bucket(Bucket="outputs")
+    yield client
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return S3Store(bucket="outputs", prefix="test", multipart_mb=5, client=request.getfixturevalue("moto_s3"))
+
+
+def test_store_round_trip_byte_for_byte(store: Store) -> None:
+    data = os.urandom(12 * 1024 * 1024 + 17)  # above the 5 MiB part size: a multipart upload on S3
+    store.put("org/job/outputs/big.bin", io.BytesIO(data), size=len(data))
+    assert store.size("org/job/outputs/big.bin") == len(data)
+    assert b"".join(store.open("org/job/outputs/big.bin")) == data
+    store.delete("org/job/outputs/big.bin")
+    store.delete("org/job/outputs/big.bin")  # idempotent
+    assert store.size("org/job/outputs/big.bin") is None
+    with pytest.raises(FileNotFoundError):
+        list(store.open("org/job/outputs/big.bin"))
+
+
+def test_s3_multipart_really_used_and_presigned_urls(moto_s3: Any) -> None:
+    store = S3Store(bucket="outputs", prefix="p", multipart_mb=5, client=moto_s3)
+    data = os.urandom(11 * 1024 * 1024)
+    store.put("a/b", io.BytesIO(data), size=len(data))
+    head = moto_s3.head_object(Bucket="outputs", Key="p/a/b")
+    assert head["ETag"].strip('"').endswith("-3")  # three parts
+    url = store.url("a/b", expires_seconds=60, filename="b")
+    import requests
+
+    assert requests.get(url, timeout=10).content == data
+
+
+def test_local_store_keys_cannot_escape(tmp_path: Path) -> None:
+    from catacloud.storage import StoreError
+
+    with pytest.raises(StoreError):
+        LocalStore(tmp_path).put("../escape", io.BytesIO(b"x"), size=1)
+
+
+# ---- uploads through the Agent API, reads through the user API -------------------------------------
+
+
+def running_job(world: World, tmp_path: Path, retention_days: int = 7) -> tuple[Job, APIClient, MachineInstance]:
+    instance = MachineInstance.objects.create(
+        org=world.org, machine_type=world.machine_type, provider_account=world.account, status="warming",
+        provider_id="p",
+    )
+    agent = APIClient()
+    token = agent.post("/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)},
+                       format="json").json()["agent_token"]
+    agent.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
+    config = JobConfiguration.objects.create(org=world.org, name=f"c{retention_days}",
+                                             machine_type=world.machine_type, command="x",
+                                             artifact_retention_days=retention_days)
+    MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
+    job = Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x",
+                             status="running", instance=instance)
+    MachineInstance.objects.filter(pk=instance.pk).update(claimed_for=f"job:{job.pk}")
+    return job, agent, instance
+
+
+def put(agent: APIClient, url: str, data: bytes, sha: str | None = None) -> Any:
+    return agent.generic("PUT", url, data, content_type="application/octet-stream",
+                         HTTP_X_CHECKSUM_SHA256=sha or hashlib.sha256(data).hexdigest())
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> Iterator[None]:
+    get_store.cache_clear()
+    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
+        yield
+    get_store.cache_clear()
+
+
+@pytest.mark.django_db
+def test_outputs_upload_checked_listed_and_downloaded(world: World, tmp_path: Path, local_storage: None) -> None:
+    job, agent, instance = running_job(world, tmp_path)
+    data = os.urandom(300_000)
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    bad = put(agent, f"{base}/artifacts/report.bin", data, sha="0" * 64)
+    assert bad.status_code == 400 and bad.json()["code"] == "checksum_mismatch"
+    assert not Artifact.objects.exists()  # nothing half-written
+    ok = put(agent, f"{base}/artifacts/reports%2Fjunit.xml", data)  # a nested name, quoted
+    assert ok.status_code == 201 and ok.json()["sha256"] == hashlib.sha256(data).hexdigest()
+    evil = put(agent, f"{base}/artifacts/..%2F..%2Fetc%2Fpasswd", b"x")
+    assert evil.status_code == 400
+
+    viewer = world.client("viewer")
+    listed = viewer.get(f"/api/v1/jobs/{job.pk}/artifacts/").json()
+    assert [(a["name"], a["size"], a["sha256"]) for a in listed] == [
+        ("reports/junit.xml", len(data), hashlib.sha256(data).hexdigest())]
+    response = viewer.get(f"/api/v1/jobs/{job.pk}/artifacts/reports/junit.xml")
+    assert response.status_code == 200
+    assert b"".join(response.streaming_content) == data
+    # Another org's user: 404 for the list and the file alike.
+    outsider = world.client("outsider")
+    assert outsider.get(f"/api/v1/jobs/{job.pk}/artifacts/").status_code == 404
+    assert outsider.get(f"/api/v1/jobs/{job.pk}/artifacts/reports/junit.xml").status_code == 404
+
+
+@pytest.mark.django_db
+def test_outputs_after_the_exit_report_then_the_machine_is_released(world: World, tmp_path: Path,
+                                                                    local_storage: None) -> None:
+    job, agent, instance = running_job(world, tmp_path)
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    finished = agent.post(f"{base}/finished", {"outcome": "failed", "exit_code": 2, "uploads_pending": 1},
+                          format="json")
+    assert finished.status_code == 200
+    job.refresh_from_db()
+    assert job.status == "failed"  # final at once: uploads never block the exit report
+    instance.refresh_from_db()
+    assert instance.status == "claimed"  # held until the uploads are done
+    assert put(agent, f"{base}/artifacts/core.txt", b"after the end").status_code == 201
+    done = agent.post(f"{base}/uploads-done", {"failed": [{"name": "huge.bin", "error": "too large"}]},
+                      format="json")
+    assert done.status_code == 200
+    instance.refresh_from_db()
+    assert instance.status == "ready"  # released for reuse
+    states = dict(Artifact.objects.filter(job=job).values_list("name", "status"))
+    assert states == {"core.txt": "stored", "huge.bin": "failed"}
+    assert put(agent, f"{base}/artifacts/late.txt", b"x").status_code == 409  # no more after that
+
+
+@pytest.mark.django_db
+def test_a_checkpoint_is_saved_and_served_to_the_next_attempt(world: World, tmp_path: Path,
+                                                              local_storage: None) -> None:
+    job, agent, instance = running_job(world, tmp_path)
+    blob = os.urandom(5000)
+    assert put(agent, f"/api/agent/v1/jobs/{job.pk}/checkpoint", blob).status_code == 201
+    work = agent.get("/api/agent/v1/work?wait=0")
+    assert work.status_code == 204  # running, not assigned: nothing new
+    got = agent.get(f"/api/agent/v1/jobs/{job.pk}/checkpoint")
+    assert got.status_code == 200 and b"".join(got.streaming_content) == blob
+    assert got["X-Checksum-Sha256"] == hashlib.sha256(blob).hexdigest()
+    Job.objects.filter(pk=job.pk).update(status="assigned")
+    payload = agent.get("/api/agent/v1/work?wait=0").json()["job"]
+    assert payload["checkpoint"] == {"available": True, "interval_seconds": None}
+
+
+@pytest.mark.django_db
+def test_retention_deletes_expired_outputs(world: World, tmp_path: Path, local_storage: None) -> None:
+    job, agent, instance = running_job(world, tmp_path, retention_days=1)
+    assert put(agent, f"/api/agent/v1/jobs/{job.pk}/artifacts/old.txt", b"old").status_code == 201
+    artifact = Artifact.objects.get()
+    assert artifact.expires_at > timezone.now() + timedelta(hours=23)
+    assert artifacts_expire(now=timezone.now() + timedelta(hours=12)) == 0
+    assert artifacts_expire(now=timezone.now() + timedelta(days=2)) == 1
+    artifact.refresh_from_db()
+    assert artifact.status == "expired"
+    assert get_store().size(artifact.key) is None
+    assert world.client("viewer").get(f"/api/v1/jobs/{job.pk}/artifacts/old.txt").status_code == 404
+    from apps.events.models import Event
+
+    assert Event.objects.filter(kind="artifact.expired", job_id=job.pk).exists()
