@@ -37,8 +37,13 @@ def moto_s3() -> Iterator[Any]:
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
     client.create_bucket(Bucket="outputs")
     yield client
     server.stop()
@@ -85,28 +90,49 @@ def test_local_store_keys_cannot_escape(tmp_path: Path) -> None:
 # ---- uploads through the Agent API, reads through the user API -------------------------------------
 
 
-def running_job(world: World, tmp_path: Path, retention_days: int = 7) -> tuple[Job, APIClient, MachineInstance]:
+def running_job(
+    world: World, tmp_path: Path, retention_days: int = 7
+) -> tuple[Job, APIClient, MachineInstance]:
     instance = MachineInstance.objects.create(
-        org=world.org, machine_type=world.machine_type, provider_account=world.account, status="warming",
+        org=world.org,
+        machine_type=world.machine_type,
+        provider_account=world.account,
+        status="warming",
         provider_id="p",
     )
     agent = APIClient()
-    token = agent.post("/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)},
-                       format="json").json()["agent_token"]
+    token = agent.post(
+        "/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)}, format="json"
+    ).json()["agent_token"]
     agent.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
-    config = JobConfiguration.objects.create(org=world.org, name=f"c{retention_days}",
-                                             machine_type=world.machine_type, command="x",
-                                             artifact_retention_days=retention_days)
+    config = JobConfiguration.objects.create(
+        org=world.org,
+        name=f"c{retention_days}",
+        machine_type=world.machine_type,
+        command="x",
+        artifact_retention_days=retention_days,
+    )
     MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
-    job = Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x",
-                             status="running", instance=instance)
+    job = Job.objects.create(
+        org=world.org,
+        config=config,
+        machine_type=world.machine_type,
+        command="x",
+        status="running",
+        instance=instance,
+    )
     MachineInstance.objects.filter(pk=instance.pk).update(claimed_for=f"job:{job.pk}")
     return job, agent, instance
 
 
 def put(agent: APIClient, url: str, data: bytes, sha: str | None = None) -> Any:
-    return agent.generic("PUT", url, data, content_type="application/octet-stream",
-                         HTTP_X_CHECKSUM_SHA256=sha or hashlib.sha256(data).hexdigest())
+    return agent.generic(
+        "PUT",
+        url,
+        data,
+        content_type="application/octet-stream",
+        HTTP_X_CHECKSUM_SHA256=sha or hashlib.sha256(data).hexdigest(),
+    )
 
 
 @pytest.fixture
@@ -118,7 +144,9 @@ def local_storage(tmp_path: Path) -> Iterator[None]:
 
 
 @pytest.mark.django_db
-def test_outputs_upload_checked_listed_and_downloaded(world: World, tmp_path: Path, local_storage: None) -> None:
+def test_outputs_upload_checked_listed_and_downloaded(
+    world: World, tmp_path: Path, local_storage: None
+) -> None:
     job, agent, instance = running_job(world, tmp_path)
     data = os.urandom(300_000)
     base = f"/api/agent/v1/jobs/{job.pk}"
@@ -133,7 +161,8 @@ def test_outputs_upload_checked_listed_and_downloaded(world: World, tmp_path: Pa
     viewer = world.client("viewer")
     listed = viewer.get(f"/api/v1/jobs/{job.pk}/artifacts/").json()
     assert [(a["name"], a["size"], a["sha256"]) for a in listed] == [
-        ("reports/junit.xml", len(data), hashlib.sha256(data).hexdigest())]
+        ("reports/junit.xml", len(data), hashlib.sha256(data).hexdigest())
+    ]
     response = viewer.get(f"/api/v1/jobs/{job.pk}/artifacts/reports/junit.xml")
     assert response.status_code == 200
     assert b"".join(response.streaming_content) == data
@@ -144,20 +173,23 @@ def test_outputs_upload_checked_listed_and_downloaded(world: World, tmp_path: Pa
 
 
 @pytest.mark.django_db
-def test_outputs_after_the_exit_report_then_the_machine_is_released(world: World, tmp_path: Path,
-                                                                    local_storage: None) -> None:
+def test_outputs_after_the_exit_report_then_the_machine_is_released(
+    world: World, tmp_path: Path, local_storage: None
+) -> None:
     job, agent, instance = running_job(world, tmp_path)
     base = f"/api/agent/v1/jobs/{job.pk}"
-    finished = agent.post(f"{base}/finished", {"outcome": "failed", "exit_code": 2, "uploads_pending": 1},
-                          format="json")
+    finished = agent.post(
+        f"{base}/finished", {"outcome": "failed", "exit_code": 2, "uploads_pending": 1}, format="json"
+    )
     assert finished.status_code == 200
     job.refresh_from_db()
     assert job.status == "failed"  # final at once: uploads never block the exit report
     instance.refresh_from_db()
     assert instance.status == "claimed"  # held until the uploads are done
     assert put(agent, f"{base}/artifacts/core.txt", b"after the end").status_code == 201
-    done = agent.post(f"{base}/uploads-done", {"failed": [{"name": "huge.bin", "error": "too large"}]},
-                      format="json")
+    done = agent.post(
+        f"{base}/uploads-done", {"failed": [{"name": "huge.bin", "error": "too large"}]}, format="json"
+    )
     assert done.status_code == 200
     instance.refresh_from_db()
     assert instance.status == "ready"  # released for reuse
@@ -167,8 +199,9 @@ def test_outputs_after_the_exit_report_then_the_machine_is_released(world: World
 
 
 @pytest.mark.django_db
-def test_a_checkpoint_is_saved_and_served_to_the_next_attempt(world: World, tmp_path: Path,
-                                                              local_storage: None) -> None:
+def test_a_checkpoint_is_saved_and_served_to_the_next_attempt(
+    world: World, tmp_path: Path, local_storage: None
+) -> None:
     job, agent, instance = running_job(world, tmp_path)
     blob = os.urandom(5000)
     assert put(agent, f"/api/agent/v1/jobs/{job.pk}/checkpoint", blob).status_code == 201
