@@ -32,6 +32,9 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
     priority = serializers.IntegerField(min_value=-1000, max_value=1000, required=False)
     max_attempts = serializers.IntegerField(min_value=1, max_value=20, required=False)
     artifact_retention_days = serializers.IntegerField(min_value=0, max_value=3650, required=False)
+    checkpoint_interval_seconds = serializers.IntegerField(
+        min_value=10, max_value=86_400, required=False, allow_null=True
+    )
 
     class Meta:
         model = JobConfiguration
@@ -47,6 +50,7 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
             "max_attempts",
             "reuse",
             "artifact_retention_days",
+            "checkpoint_interval_seconds",
             "created_at",
             "updated_at",
         )
