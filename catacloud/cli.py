@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     from catacloud.agent.main import add_agent_commands
 
     add_agent_commands(sub)  # `catacloud agent` (on machines) and `catacloud job-meta` (inside jobs)
+    from catacloud.simulate import add_simulate_command
+
+    add_simulate_command(sub)
     return parser
 
 

@@ -4,7 +4,6 @@ longer) assigned to it answers 409 and its reports change nothing."""
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import error_response
+from apps.core.broker import redis_client
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
@@ -27,11 +27,7 @@ J = JobStatus
 WAKE_KEY = "catacloud:wake:{}"
 
 
-@functools.cache
-def _redis() -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.CELERY_BROKER_URL, socket_timeout=settings.CATACLOUD_AGENT_POLL_TIMEOUT + 5
-    )
+_redis = redis_client
 
 
 def wake(instance_id: Any) -> None:

@@ -310,10 +310,10 @@ def _requeue_jobs_of(instance: MachineInstance, reason: str) -> None:
 def _after_instance_left(instance: MachineInstance) -> None:
     """A member left its pool (claimed, ended): refill the pool right after commit."""
     if instance.pool_id:
-        from apps.pools.tasks import pool_refill_task
+        from apps.pools.tasks import request_refill
 
         pool_id = str(instance.pool_id)
-        transaction.on_commit(lambda: pool_refill_task.delay(pool_id))
+        transaction.on_commit(lambda: request_refill(pool_id))
 
 
 def now() -> Any:

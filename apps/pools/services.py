@@ -161,9 +161,9 @@ def pool_claim(
 
 
 def _enqueue_refill(pool_id: str) -> None:
-    from apps.pools.tasks import pool_refill_task
+    from apps.pools.tasks import request_refill
 
-    pool_refill_task.delay(pool_id)
+    request_refill(pool_id)
 
 
 # ---- sizes, drain, delete -------------------------------------------------------------------

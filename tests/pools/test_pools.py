@@ -368,13 +368,20 @@ def test_creating_a_pool_starts_warming_it_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Not at the next reaper tick: the refill is enqueued right after the commit."""
+    from apps.core.broker import redis_client
     from apps.pools import tasks
 
     enqueued: list[str] = []
     monkeypatch.setattr(tasks.pool_refill_task, "delay", lambda pool_id: enqueued.append(pool_id))
     with django_capture_on_commit_callbacks(execute=True):
-        pool = pool_create(org=world.org, name="now", machine_type=fake_type, target_size=2, max_size=2)
+        pool = pool_create(org=world.org, name="now", machine_type=fake_type, target_size=2, max_size=3)
     assert enqueued == [str(pool.pk)]
+    members = ready_members(pool, 3)
+    for _ in range(2):  # a burst of claims while that refill waits: no second task
+        with django_capture_on_commit_callbacks(execute=True):
+            pool_claim(pool_id=pool.pk)
+    assert enqueued == [str(pool.pk)]
+    redis_client().delete(tasks.REFILL_PENDING.format(pool.pk))  # what the task does when it starts
     with django_capture_on_commit_callbacks(execute=True):
-        pool_claim(pool_id=ready_members(pool, 1)[0].pool_id)
-    assert enqueued == [str(pool.pk)] * 2  # and after every claim
+        pool_claim(pool_id=members[0].pool_id)
+    assert enqueued == [str(pool.pk)] * 2  # a claim after the refill started enqueues a new one

@@ -1,0 +1,1 @@
+"""Catacloud benchmarks: `make bench` (python -m benchmarks), see BENCHMARKS.md."""

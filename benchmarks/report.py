@@ -1,0 +1,251 @@
+"""BENCHMARKS.md and the PNG plots in docs/bench/, from every part's saved results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import PartResult
+
+ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost")
+
+
+def environment() -> dict[str, str]:
+    import django
+    import redis
+    from django.conf import settings
+    from django.db import connection
+
+    cpu = "unknown"
+    mem = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    except OSError:
+        pass
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        pg = cursor.fetchone()[0]
+    try:
+        rv = redis.Redis.from_url(settings.REDIS_URL).info("server")["redis_version"]
+    except Exception:
+        rv = "unknown"
+    return {
+        "cores": str(os.cpu_count()),
+        "memory": mem,
+        "cpu": cpu,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "django": django.get_version(),
+        "postgresql": pg,
+        "redis": rv,
+    }
+
+
+def save(result: PartResult, out: Path) -> None:
+    d = out / "docs" / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{result.part}.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+
+
+def load_all(out: Path) -> list[PartResult]:
+    d = out / "docs" / "bench"
+    found = []
+    for part in ORDER:
+        p = d / f"{part}.json"
+        if p.exists():
+            found.append(PartResult.from_json(json.loads(p.read_text())))
+    return found
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 10 else f"{v:,.1f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def table(result: PartResult) -> str:
+    lines = ["| figure | value | target | baseline | ratio | status |", "|---|---|---|---|---|---|"]
+    for f in result.figures:
+        status = "" if f.met is None else ("met" if f.met else "**not met**")
+        ratio = "" if f.ratio is None else f"{f.ratio:g}x"
+        value = f"{_fmt(f.value)} {f.unit}".strip()
+        note = f" ({f.note})" if f.note else ""
+        lines.append(f"| {f.name}{note} | {value} | {f.target} | {f.baseline} | {ratio} | {status} |")
+    return "\n".join(lines)
+
+
+def console_table(results: list[PartResult]) -> str:
+    rows = []
+    for r in results:
+        for f in r.figures:
+            status = "" if f.met is None else ("met" if f.met else "NOT MET")
+            ratio = "" if f.ratio is None else f"{f.ratio:g}x"
+            rows.append((r.part, f.name[:58], f"{_fmt(f.value)} {f.unit}".strip(), f.target, ratio, status))
+    widths = [
+        max(len(str(row[i])) for row in rows + [("part", "figure", "value", "target", "ratio", "status")])
+        for i in range(6)
+    ]
+    out = []
+    for row in [("part", "figure", "value", "target", "ratio", "status"), *rows]:
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    return "\n".join(out)
+
+
+def plots(results: list[PartResult], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    def tidy(ax: Any) -> None:
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+
+    d = out / "docs" / "bench"
+    made = []
+    by = {r.part: r for r in results}
+    if "claim" in by:
+        data = by["claim"].data
+        cs = data["concurrencies"]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for v, style in (("service", "o-"), ("naive", "s--"), ("floor", "^:"), ("no_enqueue", "d-.")):
+            a.plot(cs, [data["table"][str(c)][v]["throughput"] for c in cs], style, label=v)
+        a.set_xscale("log", base=2)
+        a.set_xticks(cs, [str(c) for c in cs])
+        a.set_xlabel("concurrent claimers (one connection each)")
+        a.set_ylabel("claims / s (median of runs)")
+        a.set_title("Claim throughput")
+        a.legend()
+        a.grid(alpha=0.3)
+        key = "16" if "16" in data["samples_ms"] else str(max(cs))
+        for v in ("service", "naive", "floor", "no_enqueue"):
+            xs = sorted(data["samples_ms"][key][v])
+            if xs:
+                b.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=v)
+        b.set_xscale("log")
+        tidy(b)
+        b.axvline(10, color="grey", ls=":", label="10 ms target")
+        b.set_xlabel("latency (ms, log)")
+        b.set_ylabel("fraction of claims")
+        b.set_title(f"Claim latency CDF at {key} claimers")
+        b.legend()
+        b.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(d / "claim.png", dpi=110)
+        plt.close(fig)
+        made.append("claim.png")
+    latency = [(p, k) for p, k in (("rest", "samples_ms"),) if p in by and by[p].data.get(k)]
+    if latency or "submit" in by or "replenish" in by:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        a, b = axes
+        if "rest" in by and by["rest"].data.get("samples_ms"):
+            xs = sorted(by["rest"].data["samples_ms"])
+            a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label="POST /acquire/")
+            a.axvline(15, color="green", ls=":", label="p50 target 15 ms")
+            a.axvline(50, color="red", ls=":", label="p99 target 50 ms")
+            a.set_xscale("log")
+            tidy(a)
+            a.set_xlabel("latency (ms, log)")
+            a.set_ylabel("fraction of requests")
+            a.set_title("REST acquire latency CDF (8 clients)")
+            a.legend()
+            a.grid(alpha=0.3)
+        series = []
+        if "submit" in by:
+            series += [
+                ("submit warm", by["submit"].data["warm_s"]),
+                ("submit cold", by["submit"].data["cold_s"]),
+            ]
+        if "replenish" in by:
+            series.append(("claim -> replacement provisioning", by["replenish"].data["delays_s"]))
+        for label, vals in series:
+            xs = sorted(x * 1000 for x in vals)
+            if xs:
+                b.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], "o-", ms=3, label=label)
+        b.set_xscale("log")
+        tidy(b)
+        b.set_xlabel("ms (log)")
+        b.set_ylabel("fraction")
+        b.set_title("Submit to running; replenishment")
+        b.legend()
+        b.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(d / "latency.png", dpi=110)
+        plt.close(fig)
+        made.append("latency.png")
+    if "cost" in by:
+        data = by["cost"].data
+        fig, a = plt.subplots(figsize=(8, 4.8))
+        for r in data["policies"]:
+            a.scatter(r["wait_p95"], r["cost"], s=40)
+            a.annotate(r["policy"], (r["wait_p95"], r["cost"]), textcoords="offset points", xytext=(5, 4))
+        sw = data["sweep"]
+        a.plot([r["wait_p95"] for r in sw], [r["cost"] for r in sw], "k--", alpha=0.5, lw=1)
+        for r in sw:
+            a.annotate(
+                f"max_wait {r['max_wait']}s",
+                (r["wait_p95"], r["cost"]),
+                textcoords="offset points",
+                xytext=(4, -12),
+                fontsize=7,
+                color="grey",
+            )
+        a.axhline(data["lower_bound"], color="green", ls=":", label=f"lower bound ${data['lower_bound']:.2f}")
+        a.set_xlabel("p95 wait (s)")
+        a.set_ylabel("billed cost ($, one week)")
+        a.set_title(f"Cost vs p95 wait per policy ({data['jobs']} jobs, hourly billing)")
+        a.legend()
+        a.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(d / "cost.png", dpi=110)
+        plt.close(fig)
+        made.append("cost.png")
+    return made
+
+
+def write(results: list[PartResult], out: Path, env: dict[str, str], explanations: dict[str, str]) -> Path:
+    made = plots(results, out)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m benchmarks`); `make bench ONLY=claim` reruns one part and",
+        "rewrites this page from every part's saved results in `docs/bench/*.json`. Figures are medians",
+        "of several runs; every ratio compares numbers measured in the same run.",
+        "",
+        "## Machine",
+        "",
+        f"- {env['cores']} cores ({env['cpu']}), {env['memory']} memory, {env['os']}",
+        f"- Python {env['python']}, Django {env['django']}, PostgreSQL {env['postgresql']} (embedded), "
+        f"Redis {env['redis']} (embedded)",
+        "",
+    ]
+    for r in results:
+        lines += [
+            f"## {r.title} (`{r.part}`)",
+            "",
+            f"Run {r.date}, {r.seconds:.0f} s{' (quick sizes)' if r.quick else ''}.",
+            "",
+        ]
+        lines.append(table(r))
+        lines.append("")
+        for n in r.notes:
+            lines += [n, ""]
+        if r.part in explanations:
+            lines += [explanations[r.part], ""]
+        for png, part in (("claim.png", "claim"), ("latency.png", "replenish"), ("cost.png", "cost")):
+            if part == r.part and png in made:
+                lines += [f"![{png}](docs/bench/{png})", ""]
+    path = out / "BENCHMARKS.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path

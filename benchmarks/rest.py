@@ -1,0 +1,133 @@
+"""Part 2: REST acquire (POST /api/v1/pools/{id}/acquire/) under gunicorn, 8 HTTP clients.
+
+gunicorn runs as `make dev` runs it (2 workers x 4 threads, gthread) against the bench
+database; 8 client threads, each with one keep-alive connection, acquire from a pool
+holding enough ready members. The per-user API throttle is raised for the run (it is
+fairness, not a quota) so it does not answer 429 to a benchmark.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from benchmarks.harness import (
+    Figure,
+    PartResult,
+    Progress,
+    add_ready_members,
+    analyze,
+    gunicorn,
+    median,
+    percentile,
+    say,
+    temp_dir,
+    tenant,
+)
+
+
+def _client(url: str, path: str, token: str, n: int, out: list[Any], start: threading.Barrier) -> None:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    body = json.dumps({"acquired_by": "bench", "acquired_for": "rest"})
+    lat, ids, bad = [], [], 0
+    start.wait()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        conn.request("POST", path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        lat.append(time.perf_counter() - t0)
+        if response.status == 201:
+            ids.append(json.loads(data)["instance"]["id"])
+        else:
+            bad += 1
+    conn.close()
+    out.append((lat, ids, bad))
+
+
+def run(*, clients: int = 8, requests: int = 480, runs: int = 3, progress: Progress = say) -> PartResult:
+    from apps.orgs.services import api_token_create
+    from apps.pools.services import pool_create
+
+    result = PartResult(part="rest", title="REST acquire under gunicorn")
+    t = tenant("rest")
+    token = api_token_create(org=t.org, user=t.user)[1]
+    per_run = []
+    with (
+        temp_dir("rest") as tmp,
+        gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as url,
+    ):
+        for r in range(runs + 1):
+            warmup = r == 0
+            n = clients * 5 if warmup else requests
+            pool = pool_create(
+                org=t.org, name=f"rest-{r}", machine_type=t.machine_type, target_size=0, max_size=n
+            )
+            add_ready_members(pool, n)
+            analyze("machines_machineinstance")
+            progress(f"rest: {clients} clients, {'warm-up' if warmup else f'run {r}/{runs}'} ({n} acquires)")
+            out: list[Any] = []
+            barrier = threading.Barrier(clients + 1)
+            threads = [
+                threading.Thread(
+                    target=_client,
+                    args=(url, f"/api/v1/pools/{pool.pk}/acquire/", token, n // clients, out, barrier),
+                )
+                for _ in range(clients)
+            ]
+            for th in threads:
+                th.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for th in threads:
+                th.join()
+            elapsed = time.perf_counter() - t0
+            lat = [x for o in out for x in o[0]]
+            ids = [x for o in out for x in o[1]]
+            if warmup:
+                continue
+            per_run.append(
+                {
+                    "p50_ms": percentile(lat, 50) * 1000,
+                    "p99_ms": percentile(lat, 99) * 1000,
+                    "rps": len(lat) / elapsed,
+                    "ok": len(ids),
+                    "errors": sum(o[2] for o in out),
+                    "twice": len(ids) - len(set(ids)),
+                    "latencies_ms": [x * 1000 for x in lat],
+                }
+            )
+    p50 = median([x["p50_ms"] for x in per_run])
+    p99 = median([x["p99_ms"] for x in per_run])
+    rps = median([x["rps"] for x in per_run])
+    errors = sum(x["errors"] for x in per_run)
+    twice = sum(x["twice"] for x in per_run)
+    result.data = {
+        "clients": clients,
+        "runs": per_run and [{k: v for k, v in x.items() if k != "latencies_ms"} for x in per_run],
+        "samples_ms": per_run[-1]["latencies_ms"] if per_run else [],
+        "ok": sum(x["ok"] for x in per_run),
+        "errors": errors,
+        "double_claims": twice,
+    }
+    result.figures += [
+        Figure(f"p50 acquire latency, {clients} clients", round(p50, 2), "ms", "<= 15 ms", met=p50 <= 15),
+        Figure(f"p99 acquire latency, {clients} clients", round(p99, 2), "ms", "<= 50 ms", met=p99 <= 50),
+        Figure(
+            "acquires per second",
+            round(rps),
+            "req/s",
+            "",
+            note="gunicorn 2 workers x 4 threads; clients on the same 2 cores",
+        ),
+        Figure(
+            "non-201 answers / instances acquired twice", errors + twice, "", "0", met=errors + twice == 0
+        ),
+    ]
+    return result

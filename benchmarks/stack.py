@@ -1,0 +1,66 @@
+"""A live system for the parts that need one: gunicorn (the API agents talk to), a Celery
+worker and beat, and the local provider starting real agent processes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import (
+    celery_beat,
+    celery_worker,
+    gunicorn,
+    purge_redis,
+    stop_local_machines,
+    temp_dir,
+    wait_for,
+)
+
+ENV = {
+    "CATACLOUD_HEARTBEAT_INTERVAL": "1",
+    "CATACLOUD_AGENT_POLL_TIMEOUT": "10",
+    "CATACLOUD_AGENT_LOST_AFTER": "30",
+}
+
+
+@dataclass
+class Stack:
+    url: str
+    tmp: Path
+    state_dir: Path
+
+
+@contextlib.contextmanager
+def live_stack(name: str) -> Iterator[Stack]:
+    purge_redis()
+    with temp_dir(name) as tmp:
+        state_dir = tmp / "machines"
+        state_dir.mkdir()
+        try:
+            with gunicorn(tmp, workers=2, threads=16, **ENV) as url:
+                env = {**ENV, "CATACLOUD_PUBLIC_URL": url}
+                with celery_worker(tmp, concurrency=2, **env), celery_beat(tmp, **env):
+                    try:
+                        yield Stack(url=url, tmp=tmp, state_dir=state_dir)
+                    finally:
+                        stop_local_machines(state_dir)
+        finally:
+            stop_local_machines(state_dir)
+
+
+def pool_quiet(pool_id: Any, target: int) -> bool:
+    """The pool holds ``target`` ready members and nothing is on its way or going."""
+    from apps.machines.models import MachineInstance
+
+    members = list(MachineInstance.objects.filter(pool_id=pool_id).values_list("status", flat=True))
+    busy = sum(1 for s in members if s in ("pending", "provisioning", "warming", "terminating"))
+    return members.count("ready") >= target and busy == 0
+
+
+def wait_quiet(pool_id: Any, target: int, timeout: float = 90) -> None:
+    wait_for(
+        lambda: pool_quiet(pool_id, target), timeout, f"pool {pool_id} to hold {target} ready members", 0.05
+    )

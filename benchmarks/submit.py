@@ -1,0 +1,135 @@
+"""Part 3: submit -> running, on a warm pool member and on a cold (new) machine.
+
+Real gunicorn, Celery worker and beat; the local driver starts real agent processes. A job
+is submitted with the job_submit service (as POST /jobs/ does); the time is its
+``started_at`` (the agent reported the command running) minus its ``queued_at``. Warm: the
+org has a ready pool of the job's machine type. Cold: another machine type with no pool, so
+the scheduler provisions a machine (local boot: a new agent process) for each job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from benchmarks.harness import Figure, PartResult, Progress, median, percentile, say, tenant, wait_for
+from benchmarks.stack import live_stack, wait_quiet
+
+
+def _one(t: Any, cfg: Any) -> float:
+    from apps.jobs.models import Job
+    from apps.jobs.scheduling import job_submit
+
+    job = job_submit(org=t.org, config=cfg, actor="bench")
+    started = wait_for(
+        lambda: (
+            Job.objects.filter(pk=job.pk, started_at__isnull=False)
+            .values_list("started_at", "queued_at")
+            .first()
+        ),
+        90,
+        "the job to start",
+        0.005,
+    )
+    wait_for(
+        lambda: Job.objects.filter(pk=job.pk, finished_at__isnull=False).exists(),
+        60,
+        "the job to finish",
+        0.02,
+    )
+    return (started[0] - started[1]).total_seconds()
+
+
+def _no_live_machines(t: Any) -> bool:
+    from apps.machines.models import MachineInstance
+
+    return not MachineInstance.objects.filter(
+        machine_type=t.machine_type,
+        status__in=["pending", "provisioning", "warming", "ready", "claimed", "terminating"],
+    ).exists()
+
+
+def _retire_idle(t: Any) -> None:
+    from apps.core.errors import InvalidTransition
+    from apps.machines.lifecycle import instance_terminate
+    from apps.machines.models import MachineInstance
+
+    for pk in MachineInstance.objects.filter(machine_type=t.machine_type, status="ready").values_list(
+        "pk", flat=True
+    ):
+        with contextlib.suppress(InvalidTransition):
+            instance_terminate(instance_id=pk, actor="bench", reason="cold sample")
+
+
+def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress = say) -> PartResult:
+    from apps.jobs.models import JobConfiguration
+    from apps.pools.services import pool_create, pool_refill
+
+    result = PartResult(part="submit", title="Submit to running (warm pool vs cold provisioning)")
+    warm_s: list[float] = []
+    cold_s: list[float] = []
+    progress("submit: starting gunicorn, worker, beat")
+    with live_stack("submit") as stack:
+        tw = tenant("warm", kind="local", state_dir=stack.state_dir, max_pool_size=20, max_instances=40)
+        tc = tenant("cold", kind="local", state_dir=stack.state_dir, max_instances=40)
+        cfg_w = JobConfiguration.objects.create(
+            org=tw.org, name="w", machine_type=tw.machine_type, command="true", reuse="ephemeral"
+        )
+        cfg_c = JobConfiguration.objects.create(
+            org=tc.org, name="c", machine_type=tc.machine_type, command="true", reuse="ephemeral"
+        )
+        pool = pool_create(
+            org=tw.org, name="warm", machine_type=tw.machine_type, target_size=pool_size, max_size=20
+        )
+        pool_refill(pool_id=pool.pk)
+        progress(f"submit: warming a pool of {pool_size} local machines")
+        wait_quiet(pool.pk, pool_size)
+        for i in range(warm):
+            wait_quiet(pool.pk, pool_size)
+            progress(f"submit: warm job {i + 1}/{warm}")
+            warm_s.append(_one(tw, cfg_w))
+        for i in range(cold):
+            _retire_idle(tc)  # an idle machine left by a previous sample would make it warm
+            wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine")
+            progress(f"submit: cold job {i + 1}/{cold}")
+            cold_s.append(_one(tc, cfg_c))
+    w50, w95 = percentile(warm_s, 50), percentile(warm_s, 95)
+    c50, c95 = percentile(cold_s, 50), percentile(cold_s, 95)
+    result.data = {"warm_s": warm_s, "cold_s": cold_s, "pool_size": pool_size}
+    result.figures += [
+        Figure(
+            "warm: submit -> running p50",
+            round(w50 * 1000),
+            "ms",
+            "<= 300 ms",
+            f"cold {c50 * 1000:.0f} ms",
+            round(c50 / w50, 1) if w50 else None,
+            w50 <= 0.3,
+            "ratio: cold / warm",
+        ),
+        Figure(
+            "warm: submit -> running p95",
+            round(w95 * 1000),
+            "ms",
+            "<= 1000 ms",
+            f"cold {c95 * 1000:.0f} ms",
+            round(c95 / w95, 1) if w95 else None,
+            w95 <= 1.0,
+        ),
+        Figure(
+            "cold (empty pool): submit -> running p50",
+            round(c50 * 1000),
+            "ms",
+            "",
+            note="local driver: boot = starting an agent process; a cloud boot adds 30-60 s",
+        ),
+        Figure(
+            "samples",
+            len(warm_s) + len(cold_s),
+            "jobs",
+            "",
+            f"{len(warm_s)} warm, {len(cold_s)} cold",
+            note=f"median warm {median(warm_s) * 1000:.0f} ms",
+        ),
+    ]
+    return result

@@ -1,0 +1,409 @@
+"""Replay a job trace on a simulated clock through the real placement and retention policy.
+
+Framework-free (no Django): the decisions come from :mod:`catacloud.policy` exactly as the
+scheduler (``apps/jobs/scheduling.py``) and the reaper make them:
+
+- placement order: a warm pool member, then an idle reusable machine (the one that last ran
+  the same configuration first, then the one idle longest), then new machines as
+  :func:`catacloud.policy.placement.machines_to_buy` decides for the policy, else wait;
+- retention: every reaper interval, an idle reusable machine is destroyed when
+  :func:`catacloud.policy.retention.should_retire` says its paid period is about to end;
+- billing: :class:`catacloud.policy.billing.Billing` from boot start to destroy.
+
+Policies: ``ephemeral`` (a new machine per job, destroyed after it), ``speed`` and ``cost``
+(reuse machines; the grant policies), ``pool:N`` (N warm members kept in front of ephemeral
+machines; a claim refills at once, like the real pool) and ``pool:N:speed`` / ``pool:N:cost``
+(a warm pool in front of reusable machines).
+
+A trace is CSV with a header: ``submit_time_seconds,duration_seconds,config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import itertools
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from catacloud.policy import placement
+from catacloud.policy.billing import Billing
+from catacloud.policy.retention import should_retire
+
+DEFAULT_PRICE = "0.0095"
+UNKNOWN_RUNTIME = 3600.0  # the scheduler's assumption for a configuration never seen to finish
+
+# Event kinds, in the order they are handled at the same instant: machines finish booting and
+# jobs end before arrivals are placed, so a freed machine is seen by the job arriving with it.
+_READY, _FINISH, _ARRIVE, _REAPER, _SCHEDULER = range(5)
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    submit: float
+    duration: float
+    config: str
+
+
+@dataclass
+class Machine:
+    id: int
+    started: float  # boot start: billing starts here
+    ready_at: float
+    pool: bool
+    state: str = "booting"  # booting | idle | busy | gone
+    idle_since: float = 0.0
+    last_config: str | None = None
+    job_started: float = 0.0
+    job_config: str = ""
+    destroyed: float | None = None
+
+
+@dataclass
+class Result:
+    policy: str
+    jobs: int
+    cost: Decimal
+    machine_hours: float
+    machines_created: int
+    wait_p50: float
+    wait_p95: float
+    wait_max: float
+    waits: list[float] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "jobs": self.jobs,
+            "cost": float(self.cost),
+            "machine_hours": round(self.machine_hours, 3),
+            "machines_created": self.machines_created,
+            "wait_p50": round(self.wait_p50, 1),
+            "wait_p95": round(self.wait_p95, 1),
+            "wait_max": round(self.wait_max, 1),
+        }
+
+
+@dataclass(frozen=True)
+class Params:
+    price_per_hour: Decimal = Decimal(DEFAULT_PRICE)
+    billing_increment: int = 3600
+    min_billed: int = 0
+    boot_seconds: float = 45.0
+    max_wait: float = 90.0  # the grant default (about two boot times)
+    max_instances: int = 50
+    reaper_interval: float = 60.0
+    scheduler_interval: float = 15.0
+
+    @property
+    def billing(self) -> Billing:
+        return Billing(self.billing_increment, self.min_billed, self.price_per_hour)
+
+    @property
+    def margin(self) -> float:
+        return 2 * self.reaper_interval
+
+
+def parse_policy(policy: str) -> tuple[str, int, bool]:
+    """``(grant policy used to buy, warm pool size, reuse machines after a job)``."""
+    parts = policy.split(":")
+    if parts[0] == "ephemeral" and len(parts) == 1:
+        return placement.SPEED, 0, False
+    if parts[0] in (placement.SPEED, placement.COST) and len(parts) == 1:
+        return parts[0], 0, True
+    if parts[0] == "pool" and len(parts) in (2, 3) and parts[1].isdigit():
+        behind = parts[2] if len(parts) == 3 else "ephemeral"
+        if behind == "ephemeral":
+            return placement.SPEED, int(parts[1]), False
+        if behind in (placement.SPEED, placement.COST):
+            return behind, int(parts[1]), True
+    raise ValueError(f"unknown policy {policy!r}: ephemeral | speed | cost | pool:N[:speed|cost]")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def load_trace(path: str | Path) -> list[TraceJob]:
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        jobs = [
+            TraceJob(float(r["submit_time_seconds"]), float(r["duration_seconds"]), r["config"].strip())
+            for r in reader
+        ]
+    return sorted(jobs, key=lambda j: j.submit)
+
+
+def write_trace(path: str | Path, jobs: list[TraceJob]) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["submit_time_seconds", "duration_seconds", "config"])
+        for job in jobs:
+            writer.writerow([f"{job.submit:.1f}", f"{job.duration:.1f}", job.config])
+
+
+def lower_bound(jobs: list[TraceJob], params: Params) -> Decimal:
+    """Offline lower bound: every job second paid at the hourly price, nothing else."""
+    seconds = sum(Decimal(str(j.duration)) for j in jobs)
+    return (seconds * params.price_per_hour / Decimal(3600)).quantize(Decimal("0.000001"))
+
+
+class Simulation:
+    def __init__(self, jobs: list[TraceJob], policy: str, params: Params, until: float | None = None) -> None:
+        self.jobs = sorted(jobs, key=lambda j: j.submit)
+        self.policy = policy
+        self.buy_policy, self.pool_size, self.reuse = parse_policy(policy)
+        self.p = params
+        self.until = until
+        self.now = 0.0
+        self.machines: dict[int, Machine] = {}
+        self.ids = itertools.count(1)
+        self.seq = itertools.count()
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.waiting: deque[tuple[int, TraceJob]] = deque()  # (index, job), FIFO
+        self.waits: list[float] = []
+        self.runtimes: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=20))
+        self.created = 0
+        self.pending_jobs = len(self.jobs)
+        self.scheduler_armed = False
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def push(self, when: float, kind: int, data: Any = None) -> None:
+        heapq.heappush(self.events, (when, kind, next(self.seq), data))
+
+    def run(self) -> Result:
+        for index, job in enumerate(self.jobs):
+            self.push(job.submit, _ARRIVE, (index, job))
+        for _ in range(self.pool_size):
+            self.boot(pool=True)
+        self.push(self.p.reaper_interval, _REAPER)
+        end_of_jobs = None
+        while self.events:
+            when, kind, _, data = heapq.heappop(self.events)
+            if self.until is not None and when > self.until:
+                break
+            self.now = when
+            if kind == _READY:
+                machine = self.machines[data]
+                if machine.state == "booting":
+                    machine.state, machine.idle_since = "idle", when
+            elif kind == _FINISH:
+                self.finish(data)
+            elif kind == _ARRIVE:
+                self.waiting.append(data)
+            elif kind == _REAPER:
+                self.reap()
+                if self.pending_jobs or self.waiting or self.live(pool=False):
+                    self.push(when + self.p.reaper_interval, _REAPER)
+            elif kind == _SCHEDULER:
+                self.scheduler_armed = False
+            self.place()
+            if not self.pending_jobs and not self.waiting and end_of_jobs is None:
+                end_of_jobs = when
+                # Nothing more to do: the pool is given up now; reusable machines run out
+                # their paid period under retention (the reaper keeps ticking).
+                if self.until is None:
+                    for m in self.live(pool=True):
+                        self.destroy(m)
+        horizon = self.until if self.until is not None else self.now
+        for m in list(self.machines.values()):
+            if m.state != "gone":
+                self.destroy(m, at=horizon)
+        return self.result()
+
+    # ---- machines -----------------------------------------------------------------------------
+
+    def live(self, *, pool: bool | None = None) -> list[Machine]:
+        return [m for m in self.machines.values() if m.state != "gone" and (pool is None or m.pool == pool)]
+
+    def boot(self, *, pool: bool) -> Machine:
+        m = Machine(id=next(self.ids), started=self.now, ready_at=self.now + self.p.boot_seconds, pool=pool)
+        self.machines[m.id] = m
+        self.created += 1
+        self.push(m.ready_at, _READY, m.id)
+        return m
+
+    def destroy(self, m: Machine, at: float | None = None) -> None:
+        m.state, m.destroyed = "gone", self.now if at is None else at
+
+    def start(self, index: int, job: TraceJob, m: Machine) -> None:
+        if m.pool:  # claimed: it leaves the pool, which refills at once
+            m.pool = False
+            self.boot(pool=True)
+        m.state, m.job_started, m.job_config = "busy", self.now, job.config
+        self.waits.append(self.now - job.submit)
+        self.pending_jobs -= 1
+        self.push(self.now + job.duration, _FINISH, (m.id, job.duration))
+
+    def finish(self, data: tuple[int, float]) -> None:
+        machine_id, duration = data
+        m = self.machines[machine_id]
+        self.runtimes[m.job_config].append(duration)
+        if self.reuse:
+            m.state, m.idle_since, m.last_config = "idle", self.now, m.job_config
+        else:
+            self.destroy(m)
+
+    def reap(self) -> None:
+        billing = self.p.billing
+        for m in self.live(pool=False):
+            if m.state == "idle" and should_retire(
+                billing=billing, runtime_seconds=self.now - m.started, margin_seconds=self.p.margin
+            ):
+                self.destroy(m)
+
+    # ---- placement (the scheduler's order) ----------------------------------------------------
+
+    def typical_runtime(self, config: str) -> float:
+        recent = sorted(self.runtimes.get(config, ()))
+        return recent[len(recent) // 2] if recent else UNKNOWN_RUNTIME
+
+    def place(self) -> None:
+        if not self.waiting:
+            return
+        idle_pool = sorted((m for m in self.live(pool=True) if m.state == "idle"), key=lambda m: m.ready_at)
+        idle = [m for m in self.live(pool=False) if m.state == "idle"]
+        remaining: deque[tuple[int, TraceJob]] = deque()
+        while self.waiting:
+            index, job = self.waiting.popleft()
+            if idle_pool:
+                self.start(index, job, idle_pool.pop(0))
+                continue
+            if idle:
+                best = min(idle, key=lambda m: (m.last_config != job.config, m.idle_since))
+                idle.remove(best)
+                self.start(index, job, best)
+                continue
+            remaining.append((index, job))
+        self.waiting = remaining
+        if not remaining:
+            return
+        live = self.live()
+        own = [m for m in live if not m.pool]
+        horizon = self.now + self.p.max_wait
+        busy = [m for m in own if m.state == "busy"] if self.reuse else []
+        supply = placement.Supply(
+            total=len(live),
+            coming=sum(1 for m in own if m.state == "booting"),
+            busy=len(busy),
+            free_soon=sum(1 for m in busy if m.job_started + self.typical_runtime(m.job_config) <= horizon)
+            if self.buy_policy == placement.COST
+            else 0,
+            max_instances=self.p.max_instances,
+        )
+        overdue = sum(1 for _, job in remaining if self.now - job.submit >= self.p.max_wait)
+        n = placement.machines_to_buy(
+            waiting=len(remaining), overdue=overdue, supply=supply, policy=self.buy_policy
+        )
+        for _ in range(n):
+            self.boot(pool=False)
+        if not self.scheduler_armed:  # the scheduler's periodic safety net while jobs wait
+            self.scheduler_armed = True
+            self.push(self.now + self.p.scheduler_interval, _SCHEDULER)
+
+    # ---- result -------------------------------------------------------------------------------
+
+    def result(self) -> Result:
+        billing = self.p.billing
+        cost = Decimal(0)
+        seconds = 0
+        for m in self.machines.values():
+            runtime = (m.destroyed if m.destroyed is not None else self.now) - m.started
+            cost += billing.cost(runtime)
+            seconds += billing.billed_seconds(runtime)
+        return Result(
+            policy=self.policy,
+            jobs=len(self.waits),
+            cost=cost.quantize(Decimal("0.0001")),
+            machine_hours=seconds / 3600,
+            machines_created=self.created,
+            wait_p50=percentile(self.waits, 50),
+            wait_p95=percentile(self.waits, 95),
+            wait_max=max(self.waits, default=0.0),
+            waits=self.waits,
+        )
+
+
+def simulate(
+    jobs: list[TraceJob], policy: str, params: Params | None = None, *, until: float | None = None
+) -> Result:
+    """Replay ``jobs`` under ``policy``. ``until`` stops the clock there (and bills to it)."""
+    return Simulation(jobs, policy, params or Params(), until=until).run()
+
+
+def format_table(results: list[Result], bound: Decimal) -> str:
+    head = f"{'policy':<16}{'cost':>10}{'vs bound':>10}{'p50 wait':>10}{'p95 wait':>10}{'max wait':>10}"
+    head += f"{'machines':>10}{'mach-h':>10}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = f"{float(r.cost / bound):.2f}x" if bound else "-"
+        lines.append(
+            f"{r.policy:<16}{float(r.cost):>10.2f}{ratio:>10}{r.wait_p50:>9.0f}s{r.wait_p95:>9.0f}s"
+            f"{r.wait_max:>9.0f}s{r.machines_created:>10}{r.machine_hours:>10.1f}"
+        )
+    lines.append(f"{'lower bound':<16}{float(bound):>10.2f}{'1.00x':>10}  (total job seconds x price)")
+    return "\n".join(lines)
+
+
+def params_from_args(args: argparse.Namespace) -> Params:
+    return Params(
+        price_per_hour=Decimal(str(args.price)),
+        billing_increment=args.billing_increment,
+        min_billed=args.min_billed,
+        boot_seconds=args.boot_seconds,
+        max_wait=args.max_wait,
+        max_instances=args.max_instances,
+        reaper_interval=args.reaper_interval,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    jobs = load_trace(args.trace)
+    params = params_from_args(args)
+    policies = args.policy or ["ephemeral", "speed", "cost", "pool:2", "pool:5", "pool:10"]
+    for policy in policies:
+        parse_policy(policy)
+    results = [simulate(jobs, policy, params) for policy in policies]
+    span = (max(j.submit + j.duration for j in jobs) - jobs[0].submit) / 3600 if jobs else 0
+    print(
+        f"{len(jobs)} jobs over {span:.1f} h from {args.trace}; billing every {params.billing_increment}s "
+        f"(min {params.min_billed}s) at {params.price_per_hour}/h; boot {params.boot_seconds:.0f}s; "
+        f"max_wait {params.max_wait:.0f}s; max_instances {params.max_instances}"
+    )
+    print(format_table(results, lower_bound(jobs, params)))
+    return 0
+
+
+def add_simulate_command(subparsers: Any) -> None:
+    sim = subparsers.add_parser(
+        "simulate", help="replay a job trace through the real placement and retention policy"
+    )
+    sim.add_argument("--trace", required=True, help="CSV: submit_time_seconds,duration_seconds,config")
+    sim.add_argument(
+        "--policy",
+        action="append",
+        help="ephemeral | speed | cost | pool:N[:speed|cost] (repeat; default: a set of them)",
+    )
+    sim.add_argument("--price", type=float, default=float(DEFAULT_PRICE), help="price per machine-hour")
+    sim.add_argument(
+        "--billing-increment", type=int, default=3600, help="seconds (3600 hourly, 1 per second)"
+    )
+    sim.add_argument("--min-billed", type=int, default=0, help="minimum billed seconds")
+    sim.add_argument("--boot-seconds", type=float, default=45.0)
+    sim.add_argument(
+        "--max-wait", type=float, default=90.0, help="cost policy: seconds to wait for a paid machine"
+    )
+    sim.add_argument("--max-instances", type=int, default=50)
+    sim.add_argument("--reaper-interval", type=float, default=60.0)
+    sim.set_defaults(func=cmd_simulate)

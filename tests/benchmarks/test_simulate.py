@@ -1,0 +1,100 @@
+"""The cost simulator replays the real policy code: pure, fast, no Django."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from catacloud.simulate import Params, TraceJob, load_trace, lower_bound, parse_policy, simulate, write_trace
+from catacloud.trace import generate
+
+HOURLY = Params(price_per_hour=Decimal("1"), billing_increment=3600, boot_seconds=45)
+TWO = [TraceJob(0, 300, "unit"), TraceJob(600, 300, "unit")]  # two jobs 10 minutes apart
+
+
+@pytest.mark.parametrize("policy", ["speed", "cost"])
+def test_reusing_policies_run_two_nearby_jobs_on_one_machine_billed_one_hour(policy: str) -> None:
+    result = simulate(TWO, policy, HOURLY)
+    assert result.machines_created == 1
+    assert result.machine_hours == 1 and result.cost == Decimal(1)
+    assert sorted(result.waits) == [0, 45]  # the first job waits for the boot, the second not at all
+
+
+def test_ephemeral_destroys_after_every_job_and_bills_two_hours() -> None:
+    result = simulate(TWO, "ephemeral", HOURLY)
+    assert result.machines_created == 2
+    assert result.machine_hours == 2 and result.cost == Decimal(2)
+    assert result.wait_max == 45
+
+
+def test_lower_bound_is_total_job_seconds_times_price() -> None:
+    params = Params(price_per_hour=Decimal("0.0095"))
+    assert lower_bound(TWO, params) == (Decimal(600) * Decimal("0.0095") / 3600).quantize(Decimal("0.000001"))
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_pool_with_no_jobs_bills_its_size_in_machine_hours_per_hour(size: int) -> None:
+    result = simulate([], f"pool:{size}", HOURLY, until=3 * 3600)
+    assert result.machine_hours == 3 * size
+    assert result.jobs == 0
+
+
+def test_retention_destroys_an_idle_machine_before_its_second_hour() -> None:
+    result = simulate([TraceJob(0, 60, "unit")], "speed", HOURLY)
+    assert result.machines_created == 1
+    assert result.machine_hours == 1  # retired by the reaper inside the first paid hour
+
+
+def test_a_machine_kept_busy_past_the_hour_bills_the_started_second_hour() -> None:
+    result = simulate([TraceJob(0, 3000, "a"), TraceJob(3100, 600, "a")], "speed", HOURLY)
+    assert result.machines_created == 1 and result.machine_hours == 2
+
+
+def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills() -> None:
+    result = simulate([TraceJob(100, 60, "unit")], "pool:1", HOURLY)
+    assert result.wait_max == 0
+    assert result.machines_created == 2  # the member, and its replacement
+
+
+def test_cost_waits_for_a_paid_machine_instead_of_buying() -> None:
+    # Teach the simulator the runtime of "a" (120 s), then two overlapping jobs: cost waits for
+    # the busy machine (free within max_wait), speed buys a second one.
+    jobs = [TraceJob(0, 120, "a"), TraceJob(1000, 120, "a"), TraceJob(1010, 120, "a")]
+    assert simulate(jobs, "cost", HOURLY).machines_created == 1
+    assert simulate(jobs, "speed", HOURLY).machines_created == 2
+
+
+def test_policies_parse_and_bad_ones_are_refused() -> None:
+    assert parse_policy("ephemeral") == ("speed", 0, False)
+    assert parse_policy("pool:5:cost") == ("cost", 5, True)
+    with pytest.raises(ValueError):
+        parse_policy("cheap")
+
+
+def test_trace_round_trips_and_the_generator_is_bursty_and_sized(tmp_path: Path) -> None:
+    jobs = generate(days=2, seed=1)
+    path = tmp_path / "t.csv"
+    write_trace(path, jobs)
+    loaded = load_trace(path)
+    assert len(loaded) == len(jobs) > 100
+    assert all(120 <= j.duration <= 1200 for j in loaded)
+    day = [j for j in loaded if 9 * 3600 <= j.submit < 18 * 3600]
+    assert len(day) > len(loaded) / 2  # working hours dominate
+
+
+def test_the_shipped_trace_has_a_few_thousand_jobs() -> None:
+    path = Path(__file__).resolve().parents[2] / "catacloud" / "data" / "traces" / "ci-week.csv"
+    assert path.stat().st_size < 1_000_000
+    assert 2000 <= len(load_trace(path)) <= 5000
+
+
+def test_the_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from catacloud.cli import main
+
+    path = tmp_path / "t.csv"
+    write_trace(path, TWO)
+    assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--policy", "cost"]) == 0
+    out = capsys.readouterr().out
+    assert "ephemeral" in out and "cost" in out and "lower bound" in out

@@ -1,0 +1,115 @@
+"""Every benchmark part at tiny size, so the harness cannot rot. No timing assertions: only
+shapes, counts and invariants (no double claims, quotas respected)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.__main__ import run_part
+from benchmarks.harness import PartResult
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def sane(result: PartResult, part: str) -> None:
+    assert result.part == part and result.figures
+    for f in result.figures:
+        assert isinstance(f.value, int | float) and not math.isnan(f.value), f
+
+
+def test_claim(tmp_path: Path) -> None:
+    result = run_part("claim", concurrencies=(1, 4), runs=1, duration=0.1, members=300, progress=quiet)
+    sane(result, "claim")
+    assert result.data["double_claims"] == 0
+    for c in ("1", "4"):
+        for v in ("service", "naive", "floor", "no_enqueue"):
+            assert result.data["table"][c][v]["claims"] > 0
+    report.save(result, tmp_path)
+    assert report.plots(report.load_all(tmp_path), tmp_path) == ["claim.png"]
+
+
+def test_rest() -> None:
+    result = run_part("rest", clients=2, requests=20, runs=1, progress=quiet)
+    sane(result, "rest")
+    assert result.data["errors"] == 0 and result.data["double_claims"] == 0
+    assert result.data["ok"] == 20
+
+
+def test_submit() -> None:
+    result = run_part("submit", warm=1, cold=1, pool_size=1, progress=quiet)
+    sane(result, "submit")
+    assert len(result.data["warm_s"]) == 1 and len(result.data["cold_s"]) == 1
+    assert all(x > 0 for x in result.data["warm_s"] + result.data["cold_s"])
+
+
+def test_replenish() -> None:
+    result = run_part("replenish", samples=1, pool_size=1, progress=quiet)
+    sane(result, "replenish")
+    assert len(result.data["delays_s"]) == 1 and result.data["delays_s"][0] >= 0
+
+
+def test_reaper() -> None:
+    result = run_part("reaper", sizes=(3, 12), members=2, runs=1, progress=quiet)
+    sane(result, "reaper")
+    assert result.data["at_large"]["pools_seen"] == 12
+    assert result.data["at_small"]["refilled"] == result.data["at_large"]["refilled"] == 0
+
+
+def test_admission() -> None:
+    result = run_part("admission", orgs=4, jobs_per_org=40, runs=2, progress=quiet)
+    sane(result, "admission")
+    assert result.data["violations"] == 0
+    assert result.data["admitted"][0] == result.data["admitted"][1] == result.data["expected"] > 0
+
+
+def test_cost_and_report(tmp_path: Path) -> None:
+    from catacloud.trace import generate
+
+    result = run_part("cost", jobs=generate(days=1, seed=3), sweep=(45, 300), progress=quiet)
+    sane(result, "cost")
+    policies = {r["policy"]: r for r in result.data["policies"]}
+    assert {"ephemeral", "speed", "cost", "pool:2"} <= set(policies)
+    assert all(r["cost"] >= result.data["lower_bound"] for r in policies.values())
+    report.save(result, tmp_path)
+    path = report.write(report.load_all(tmp_path), tmp_path, report.environment(), {})
+    text = path.read_text()
+    assert "## Machine" in text and "cost.png" in text
+    assert (tmp_path / "docs" / "bench" / "cost.png").exists()
+
+
+def test_export_job_trace_writes_finished_jobs_relative_to_the_first(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from apps.jobs.models import Job, JobConfiguration
+    from benchmarks.harness import tenant
+    from catacloud.simulate import load_trace
+
+    t = tenant("export")
+    cfg = JobConfiguration.objects.create(org=t.org, name="unit", machine_type=t.machine_type, command="true")
+    now = timezone.now()
+    for i, (status, run) in enumerate([("succeeded", 300), ("failed", 60), ("queued", None)]):
+        job = Job.objects.create(
+            org=t.org, config=cfg, machine_type=t.machine_type, command="true", status=status
+        )
+        queued = now + timedelta(seconds=100 * i)
+        started = queued + timedelta(seconds=5) if run else None
+        Job.objects.filter(pk=job.pk).update(
+            queued_at=queued,
+            started_at=started,
+            finished_at=started + timedelta(seconds=run) if run else None,
+        )
+    path = tmp_path / "trace.csv"
+    call_command("export_job_trace", "--org", t.org.slug, "--output", str(path))
+    jobs = load_trace(path)
+    assert [(j.submit, j.duration, j.config) for j in jobs] == [(0.0, 300.0, "unit"), (100.0, 60.0, "unit")]
