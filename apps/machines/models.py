@@ -109,7 +109,8 @@ class OrgMachineType(models.Model):
     gpu_quota = models.PositiveIntegerField(null=True, blank=True)
     policy = models.CharField(max_length=8, choices=Policy.choices, default=Policy.SPEED)
     max_wait_seconds = models.PositiveIntegerField(
-        default=90, help_text="cost policy: wait this long for a paid machine before buying a new one (~2 boots)"
+        default=90,
+        help_text="cost policy: wait this long for a paid machine before buying a new one (~2 boots)",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

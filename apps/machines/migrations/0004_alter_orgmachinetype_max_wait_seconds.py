@@ -4,15 +4,17 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('machines', '0003_machineinstance_instance_agent_token'),
+        ("machines", "0003_machineinstance_instance_agent_token"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='orgmachinetype',
-            name='max_wait_seconds',
-            field=models.PositiveIntegerField(default=90, help_text='cost policy: wait this long for a paid machine before buying a new one (~2 boots)'),
+            model_name="orgmachinetype",
+            name="max_wait_seconds",
+            field=models.PositiveIntegerField(
+                default=90,
+                help_text="cost policy: wait this long for a paid machine before buying a new one (~2 boots)",
+            ),
         ),
     ]
