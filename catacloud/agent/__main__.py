@@ -1,4 +1,4 @@
-"""``python -m catacloud.agent agent|job-meta ...`` without the rest of the ``catacloud`` CLI."""
+"""``python -m catacloud.agent agent|job-meta|checkpoint ...`` without the rest of the ``catacloud`` CLI."""
 
 from __future__ import annotations
 

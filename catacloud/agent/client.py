@@ -1,5 +1,8 @@
 """HTTP client for the Agent API: retries with capped exponential backoff, and secret redaction.
 
+Files (outputs, checkpoints) go up with :meth:`AgentClient.put_file`: streamed from disk with
+their SHA-256 in ``X-Checksum-Sha256``, retried a bounded number of times.
+
 Every call except ``enroll`` sends ``Authorization: Agent <agent_token>``. Connection errors,
 429 and 5xx answers are retried; any other answer is returned to the caller, except 401 which
 raises :class:`Unauthorized` (the agent's credentials are no longer valid: it must stop).
@@ -7,12 +10,16 @@ raises :class:`Unauthorized` (the agent's credentials are no longer valid: it mu
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote
 
 import requests
@@ -22,6 +29,7 @@ from catacloud.agent import AGENT_API_PREFIX
 log = logging.getLogger("catacloud.agent")
 
 REDACTED = "[redacted]"
+CHUNK = 1024 * 1024
 _secrets: set[str] = set()
 _secrets_lock = threading.Lock()
 
@@ -76,6 +84,10 @@ class Interrupted(AgentAPIError):
     """The agent is stopping; a retry loop gave up early."""
 
 
+class Gone(AgentAPIError):
+    """409 on a job call: the job is no longer this machine's (it was requeued or ended)."""
+
+
 class EnrollError(AgentAPIError):
     """Enrollment was refused (invalid or already used bootstrap token)."""
 
@@ -99,16 +111,66 @@ class Job:
     env: dict[str, str]
     timeout_seconds: int
     attempt: int
+    checkpoint_available: bool = False
+    checkpoint_interval: int | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Job:
+        checkpoint = data.get("checkpoint") or {}  # missing: an older control plane
+        interval = checkpoint.get("interval_seconds")
         return cls(
             id=str(data["id"]),
             command=str(data["command"]),
             env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
             timeout_seconds=int(data.get("timeout_seconds") or 0),
             attempt=int(data.get("attempt") or 0),
+            checkpoint_available=bool(checkpoint.get("available")),
+            checkpoint_interval=int(interval) if interval else None,
         )
+
+
+def sha256_of(fh: IO[bytes], size: int) -> str:
+    """Hex SHA-256 of the next ``size`` bytes of ``fh`` (its position moves)."""
+    digest = hashlib.sha256()
+    remaining = size
+    while remaining > 0:
+        block = fh.read(min(CHUNK, remaining))
+        if not block:
+            break
+        digest.update(block)
+        remaining -= len(block)
+    return digest.hexdigest()
+
+
+class LimitedReader:
+    """Exactly ``size`` bytes of an open file, as a request body ``requests`` streams.
+
+    ``len()`` gives ``requests`` the Content-Length; reading stops at ``size`` even if the file
+    grew since it was measured.
+    """
+
+    def __init__(self, fh: IO[bytes], size: int) -> None:
+        self._fh = fh
+        self._remaining = size
+
+    def __len__(self) -> int:
+        return self._remaining
+
+    def read(self, n: int = -1) -> bytes:
+        if self._remaining <= 0:
+            return b""
+        if n is None or n < 0 or n > self._remaining:
+            n = self._remaining
+        data = self._fh.read(min(n, CHUNK))
+        self._remaining -= len(data)
+        return data
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            block = self.read(CHUNK)
+            if not block:
+                return
+            yield block
 
 
 def _code(response: requests.Response) -> str:
@@ -338,16 +400,166 @@ class AgentClient:
         return bool(self._json(response, "logs").get("cancel"))
 
     def job_finished(
-        self, job_id: str, *, exit_code: int | None, outcome: str, reason: str, retry_for: float = 300.0
+        self,
+        job_id: str,
+        *,
+        exit_code: int | None,
+        outcome: str,
+        reason: str,
+        uploads_pending: int = 0,
+        retry_for: float = 300.0,
     ) -> None:
-        """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out."""
+        """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
+
+        ``uploads_pending`` output files follow; the machine stays the job's until
+        :meth:`uploads_done`.
+        """
         response = self.request(
             "POST",
             f"jobs/{quote(job_id, safe='')}/finished",
-            body={"exit_code": exit_code, "outcome": outcome, "reason": reason},
+            body={
+                "exit_code": exit_code,
+                "outcome": outcome,
+                "reason": reason,
+                "uploads_pending": uploads_pending,
+            },
             retry_for=retry_for,
         )
         self._expect_ok(response, "finished")
+
+    def uploads_done(self, job_id: str, failed: list[dict[str, str]], *, retry_for: float = 300.0) -> None:
+        """The output uploads are over (``failed`` lists the files that did not make it)."""
+        response = self.request(
+            "POST",
+            f"jobs/{quote(job_id, safe='')}/uploads-done",
+            body={"failed": failed},
+            retry_for=retry_for,
+        )
+        if response.status_code == 409:
+            raise Gone("uploads-done: HTTP 409 " + _code(response), status=409, code=_code(response))
+        self._expect_ok(response, "uploads-done")
+
+    def put_file(
+        self,
+        path: str,
+        file_path: str,
+        *,
+        content_type: str,
+        attempts: int = 5,
+        deadline: float | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> dict[str, Any]:
+        """Upload a file with ``PUT``, streamed, with its ``X-Checksum-Sha256``; the JSON answer.
+
+        Connection errors, 429, 5xx and ``400 checksum_mismatch`` are retried (at most
+        ``attempts`` tries, none starting after ``deadline`` on the monotonic clock); 409 raises
+        :class:`Gone`, 401 :class:`Unauthorized`, any other refusal :class:`AgentAPIError`.
+        """
+        if not self._token:
+            raise Unauthorized("the agent is not enrolled")
+        url = self.base_url + path
+        problem = "not attempted"
+        tries = 0
+        for attempt in range(attempts):
+            if attempt:
+                delay = self.backoff(attempt - 1)
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    break
+                log.warning("PUT %s: %s; retrying in %.1f s", path, redact(problem), delay)
+                if interrupt is not None:
+                    if interrupt.wait(delay):
+                        raise Interrupted(f"PUT {path}: given up ({problem})")
+                else:
+                    time.sleep(delay)
+            tries += 1
+            try:
+                with open(file_path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    checksum = sha256_of(fh, size)
+                    fh.seek(0)
+                    headers = {
+                        "Authorization": f"Agent {self._token}",
+                        "Content-Type": content_type,
+                        "Content-Length": str(size),
+                        "X-Checksum-Sha256": checksum,
+                    }
+                    # (an empty body as bytes: requests would send a 0-length stream chunked)
+                    body: LimitedReader | bytes = LimitedReader(fh, size) if size else b""
+                    response = self._session().put(
+                        url, data=body, headers=headers, timeout=self.request_timeout
+                    )
+            except requests.RequestException as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                continue
+            code = _code(response)
+            if response.status_code == 401:
+                raise Unauthorized(f"PUT {path}: 401 {code or 'unauthorized'}", status=401)
+            if response.status_code == 409:
+                raise Gone(f"PUT {path}: HTTP 409 {code}".rstrip(), status=409, code=code)
+            if response.status_code == 400 and code == "checksum_mismatch":
+                problem = "the control plane saw a different checksum"
+                continue
+            if response.status_code >= 500 or response.status_code == 429:
+                problem = f"HTTP {response.status_code}"
+                continue
+            self._expect_ok(response, f"PUT {path}")
+            try:
+                data = response.json()
+            except ValueError:
+                data = {}
+            return data if isinstance(data, dict) else {}
+        raise Unavailable(f"PUT {path} failed after {tries} attempts: {problem}")
+
+    def put_artifact(
+        self, job_id: str, url_name: str, file_path: str, *, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """Upload one output file; ``url_name`` is already quoted segment by segment."""
+        return self.put_file(
+            f"jobs/{quote(job_id, safe='')}/artifacts/{url_name}",
+            file_path,
+            content_type="application/octet-stream",
+            deadline=deadline,
+        )
+
+    def put_checkpoint(
+        self, job_id: str, archive: str, *, interrupt: threading.Event | None = None
+    ) -> dict[str, Any]:
+        """Upload the job's checkpoint (a tar.gz), replacing the previous one."""
+        return self.put_file(
+            f"jobs/{quote(job_id, safe='')}/checkpoint",
+            archive,
+            content_type="application/gzip",
+            interrupt=interrupt,
+        )
+
+    def get_checkpoint(self, job_id: str, dest: str) -> bool:
+        """Download the job's last checkpoint into the file ``dest``; ``False`` when there is none.
+
+        One try: raises :class:`AgentAPIError` on failure (the caller decides on retries).
+        """
+        if not self._token:
+            raise Unauthorized("the agent is not enrolled")
+        path = f"jobs/{quote(job_id, safe='')}/checkpoint"
+        try:
+            with self._session().get(
+                self.base_url + path,
+                headers={"Authorization": f"Agent {self._token}"},
+                timeout=self.request_timeout,
+                stream=True,
+            ) as response:
+                if response.status_code == 401:
+                    raise Unauthorized(f"GET {path}: 401 {_code(response) or 'unauthorized'}", status=401)
+                if response.status_code == 404:
+                    return False
+                self._expect_ok(response, f"GET {path}")
+                with open(dest, "wb") as fh:
+                    for block in response.iter_content(CHUNK):
+                        fh.write(block)
+        except requests.RequestException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            raise Unavailable(f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        return True
 
     def job_meta(self, job_id: str, name: str) -> tuple[int, dict[str, Any]]:
         """Metadata of a resource the job acquired: (HTTP status, JSON body)."""

@@ -1,14 +1,17 @@
-"""The ``catacloud agent`` and ``catacloud job-meta`` commands.
+"""The ``catacloud agent``, ``catacloud job-meta`` and ``catacloud checkpoint`` commands.
 
 Threads: the main thread enrolls, then waits for a reason to stop (signal, ``terminate``, a 401);
-a heartbeat thread; a work thread that long-polls and runs one job at a time; the job-meta
-server; and, with ``--imds-url``, the spot watcher.
+a heartbeat thread; a work thread that long-polls and runs one job at a time (restore its
+checkpoint, run it, report it, upload its outputs); the job socket server (job-meta and
+checkpoint requests); with ``interval_seconds``, a checkpointer thread per job; and, with
+``--imds-url``, the spot watcher (which saves the checkpoint before reporting the notice).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -19,6 +22,7 @@ import shutil
 import signal
 import socket
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -31,6 +35,7 @@ from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
     Enrollment,
+    Gone,
     Interrupted,
     Job,
     RedactingFormatter,
@@ -38,6 +43,20 @@ from catacloud.agent.client import (
     forget_secret,
     redact,
     register_secret,
+)
+from catacloud.agent.files import (
+    CHECKPOINT_ENV,
+    MAX_ARTIFACT_BYTES,
+    OUTPUT_ENV,
+    Checkpointer,
+    CheckpointError,
+    OutputFile,
+    checkpoint_command,
+    clear_dir,
+    display_name,
+    extract_archive,
+    list_outputs,
+    url_quote_name,
 )
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
@@ -51,6 +70,7 @@ REASON_TERMINATING = "machine terminating"
 REASON_AGENT_STOPPED = "agent stopped"
 FINISHED_RETRY_SECONDS = 300.0
 STOPPING_RETRY_SECONDS = 10.0
+RESTORE_ATTEMPTS = 3
 
 
 @dataclass
@@ -59,6 +79,7 @@ class CurrentJob:
 
     job: Job
     cancel: Cancellation
+    checkpointer: Checkpointer | None = None  # while its command runs
 
 
 class Agent:
@@ -178,7 +199,7 @@ class Agent:
             self.heartbeat_interval,
             self.poll_timeout,
         )
-        self.meta = MetaServer(self._fetch_meta)
+        self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now)
         self.meta.start()
         if self.work_root is None:
             self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
@@ -263,6 +284,18 @@ class Agent:
     # -- spot interruption ------------------------------------------------------------------
 
     def _report_interruption(self, detail: str) -> None:
+        """Save the running job's checkpoint (if it changed), then report the interruption: the
+        control plane requeues the job on that report and would refuse a later checkpoint."""
+        with self._lock:
+            checkpointer = self._current.checkpointer if self._current else None
+        if checkpointer is not None:
+            try:
+                checkpointer.save("spot interruption", only_if_changed=True)
+            except Unauthorized as exc:
+                self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+                return
+            except Exception as exc:  # whatever happens, the interruption must still be reported
+                log.warning("job %s: no checkpoint before the interruption: %s", checkpointer.job_id, exc)
         try:
             self.client.interruption("spot", detail)
         except Unauthorized as exc:
@@ -327,6 +360,7 @@ class Agent:
                 reason=f"agent error: {type(exc).__name__}",
                 retry_for=STOPPING_RETRY_SECONDS,
             )
+            self.client.uploads_done(job.id, [], retry_for=STOPPING_RETRY_SECONDS)
         except AgentAPIError as report_exc:
             log.error("job %s: could not report its outcome: %s", job.id, report_exc)
 
@@ -348,6 +382,8 @@ class Agent:
                 "CATACLOUD_JOB_ID": job.id,
                 "CATACLOUD_ATTEMPT": str(job.attempt),
                 "CATACLOUD_WORK_DIR": work_dir,
+                OUTPUT_ENV: os.path.join(work_dir, "output"),
+                CHECKPOINT_ENV: os.path.join(work_dir, "checkpoint"),
                 SOCKET_ENV: self.meta.path,
                 TOKEN_ENV: token,
             }
@@ -389,12 +425,33 @@ class Agent:
             on_cancel=lambda: self._cancel_job(job.id, REASON_CANCELLED),
         )
         streamer.start()
+        output_dir: str | None = None
         try:
             work_dir = self._job_dir(job)
+            output_dir = os.path.join(work_dir, "output")
+            checkpoint_dir = os.path.join(work_dir, "checkpoint")
+            for folder in (output_dir, checkpoint_dir):
+                os.mkdir(folder, 0o700)
         except OSError as exc:
+            output_dir = None
             result = JobResult(None, "failed", f"could not create the working directory: {exc}")
         else:
+            assert self.work_root is not None
+            checkpointer = Checkpointer(
+                job.id,
+                checkpoint_dir,
+                lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
+                tmp_dir=self.work_root,
+                interval=job.checkpoint_interval,
+            )
+            if job.checkpoint_available and not cancel.is_set():
+                self._restore_checkpoint(job, checkpoint_dir, cancel)
+                checkpointer.mark_saved()
             self.meta.grant(job.id, token)
+            with self._lock:
+                if self._current is not None:
+                    self._current.checkpointer = checkpointer
+            checkpointer.start()
             log.info("job %s: running in %s", job.id, work_dir)
             try:
                 result = run_job_process(
@@ -408,6 +465,10 @@ class Agent:
             finally:
                 self.meta.revoke()
                 forget_secret(token)
+                with self._lock:
+                    if self._current is not None:
+                        self._current.checkpointer = None
+                checkpointer.close()
         if self.stopping.is_set() and not self._report_on_stop:
             streamer.close(timeout=0.0)
             log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
@@ -416,18 +477,142 @@ class Agent:
         if not streamer.close(timeout=retry_for):
             log.warning("job %s: some output could not be delivered", job.id)
         log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
+        outputs = list_outputs(output_dir) if output_dir else []
         try:
             self.client.job_finished(
                 job.id,
                 exit_code=result.exit_code,
                 outcome=result.outcome,
                 reason=result.reason,
+                uploads_pending=len(outputs),
                 retry_for=STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS,
             )
         except Unauthorized:
             raise
         except AgentAPIError as exc:
             log.error("job %s: could not report its outcome: %s", job.id, exc)
+        with self._lock:
+            self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
+        self._upload_outputs(job, outputs)
+
+    # -- checkpoints and outputs ------------------------------------------------------------
+
+    def _restore_checkpoint(self, job: Job, directory: str, cancel: Cancellation) -> None:
+        """Fetch the job's last checkpoint into ``directory`` before its command starts.
+
+        Failures are retried a few times, then the job starts anyway (it sees what it finds)."""
+        assert self.work_root is not None
+        try:
+            fd, archive = tempfile.mkstemp(prefix=".catacloud-restore-", suffix=".tar.gz", dir=self.work_root)
+            os.close(fd)
+        except OSError as exc:
+            log.error("job %s: cannot restore its checkpoint (%s); starting it without", job.id, exc)
+            return
+        try:
+            for attempt in range(RESTORE_ATTEMPTS):
+                if attempt:
+                    clear_dir(directory)
+                    if cancel.wait(self.client.backoff(attempt - 1)):
+                        return
+                try:
+                    if not self.client.get_checkpoint(job.id, archive):
+                        log.info("job %s: no checkpoint to restore", job.id)
+                        return
+                    skipped = extract_archive(archive, directory)
+                except Unauthorized:
+                    raise
+                except (AgentAPIError, OSError, tarfile.TarError, EOFError) as exc:
+                    log.warning(
+                        "job %s: restoring the checkpoint failed (attempt %d of %d): %s",
+                        job.id,
+                        attempt + 1,
+                        RESTORE_ATTEMPTS,
+                        " ".join(redact(str(exc)).split()),  # tarfile's errors span lines
+                    )
+                    continue
+                log.info(
+                    "job %s: checkpoint restored (%d bytes%s)",
+                    job.id,
+                    os.path.getsize(archive),
+                    f", {len(skipped)} unsafe entries skipped" if skipped else "",
+                )
+                return
+            log.error("job %s: could not restore its checkpoint; starting it without", job.id)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(archive)
+
+    def _checkpoint_now(self, job_id: str) -> tuple[int, dict[str, Any]]:
+        """``catacloud checkpoint`` from the job: save, and answer once stored."""
+        with self._lock:
+            current = self._current
+        checkpointer = current.checkpointer if current and current.job.id == job_id else None
+        if checkpointer is None:
+            return 409, {"code": "job_not_running", "detail": "the job is no longer running"}
+        try:
+            answer = checkpointer.save("requested by the job", only_if_changed=False)
+        except CheckpointError as exc:
+            return exc.status, {"code": exc.code, "detail": f"checkpoint not saved: {exc}"}
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            return 502, {"code": "checkpoint_failed", "detail": "the agent lost its credentials"}
+        except Exception as exc:
+            log.exception("job %s: checkpoint failed", job_id)
+            return 500, {"code": "checkpoint_failed", "detail": f"agent error: {type(exc).__name__}"}
+        answer = answer or {}
+        return 200, {"size": answer.get("size"), "sha256": answer.get("sha256")}
+
+    def _upload_outputs(self, job: Job, outputs: list[OutputFile]) -> None:
+        """Upload the job's output files one by one, then always post ``uploads-done``."""
+        failed: list[dict[str, str]] = []
+        stopping_deadline: float | None = None
+        try:
+            for index, output in enumerate(outputs):
+                if self.stopping.is_set() and stopping_deadline is None:
+                    stopping_deadline = time.monotonic() + STOPPING_RETRY_SECONDS
+                name = display_name(output.name)
+                if stopping_deadline is not None and time.monotonic() > stopping_deadline:
+                    failed.extend(
+                        {"name": display_name(o.name), "error": "the agent stopped"} for o in outputs[index:]
+                    )
+                    break
+                try:
+                    size = os.lstat(output.path).st_size
+                    if size > MAX_ARTIFACT_BYTES:
+                        raise ValueError(f"larger than 5 GiB ({size} bytes); not uploaded")
+                    answer = self.client.put_artifact(
+                        job.id, url_quote_name(output.name), output.path, deadline=stopping_deadline
+                    )
+                except Unauthorized:
+                    raise
+                except Gone as exc:
+                    log.warning("job %s: the control plane takes no more outputs (%s)", job.id, exc)
+                    failed.extend(
+                        {"name": display_name(o.name), "error": "refused by the control plane (409)"}
+                        for o in outputs[index:]
+                    )
+                    break
+                except (AgentAPIError, OSError, ValueError) as exc:
+                    log.warning("job %s: output %r not uploaded: %s", job.id, name, redact(str(exc)))
+                    failed.append({"name": name, "error": redact(str(exc))})
+                    continue
+                log.info("job %s: output %r uploaded (%s bytes)", job.id, name, answer.get("size"))
+        finally:
+            try:
+                self.client.uploads_done(
+                    job.id,
+                    failed,
+                    retry_for=STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS,
+                )
+            except Unauthorized:
+                raise
+            except AgentAPIError as exc:
+                log.error("job %s: could not report the end of its uploads: %s", job.id, exc)
+            else:
+                if outputs:
+                    log.info(
+                        "job %s: %d of %d outputs uploaded", job.id, len(outputs) - len(failed), len(outputs)
+                    )
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -499,8 +684,13 @@ def cmd_job_meta(args: argparse.Namespace) -> int:
     return job_meta_command(args.name)
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """``catacloud checkpoint``: save the running job's checkpoint directory now."""
+    return checkpoint_command(timeout=args.timeout)
+
+
 def add_agent_commands(subparsers: Any) -> None:
-    """Register ``agent`` and ``job-meta`` on an argparse ``add_subparsers()`` object."""
+    """Register ``agent``, ``job-meta`` and ``checkpoint`` on an ``add_subparsers()`` object."""
     agent = subparsers.add_parser(
         "agent",
         help="run the machine agent (enroll, heartbeat, run jobs)",
@@ -545,3 +735,18 @@ def add_agent_commands(subparsers: Any) -> None:
     )
     meta.add_argument("name", metavar="NAME", help="the resource's name in the job configuration")
     meta.set_defaults(func=cmd_job_meta)
+
+    checkpoint = subparsers.add_parser(
+        "checkpoint",
+        help="inside a job: save $CATACLOUD_CHECKPOINT_DIR to the control plane now",
+        description="Upload the running job's checkpoint directory; returns once it is stored "
+        "(exit 0), or prints why not (exit 1).",
+    )
+    checkpoint.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="give up waiting for the agent after this long (default 3600)",
+    )
+    checkpoint.set_defaults(func=cmd_checkpoint)

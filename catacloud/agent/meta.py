@@ -1,9 +1,12 @@
-"""``catacloud job-meta``: resource metadata for the running job, served by the agent.
+"""``catacloud job-meta`` and ``catacloud checkpoint``: the job talking to its agent.
 
-The agent listens on a Unix socket (file mode 0600, in a 0700 directory) and answers
-``GET /v1/meta/NAME`` for the job that is running now, if the request carries that job's
-``CATACLOUD_JOB_TOKEN`` (``Authorization: Bearer <token>``). It fetches the metadata from the
-Agent API with its own token, which the job never sees. Nothing is written to disk.
+The agent listens on a Unix socket (file mode 0600, in a 0700 directory) and answers, for the job
+that is running now, if the request carries that job's ``CATACLOUD_JOB_TOKEN``
+(``Authorization: Bearer <token>``):
+
+- ``GET /v1/meta/NAME``: a resource's metadata, fetched from the Agent API with the agent's own
+  token, which the job never sees. Nothing is written to disk.
+- ``POST /v1/checkpoint``: save the checkpoint directory now; answered once it is stored.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ log = logging.getLogger("catacloud.agent")
 SOCKET_ENV = "CATACLOUD_AGENT_SOCKET"
 TOKEN_ENV = "CATACLOUD_JOB_TOKEN"
 PATH_PREFIX = "/v1/meta/"
+CHECKPOINT_PATH = "/v1/checkpoint"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class JobGrant:
 
 # fetch(job_id, name) -> (HTTP status, JSON body) from the Agent API.
 Fetch = Callable[[str, str], tuple[int, dict[str, Any]]]
+# checkpoint(job_id) -> (HTTP status, JSON body) once the checkpoint is stored (or not).
+Checkpoint = Callable[[str], tuple[int, dict[str, Any]]]
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -79,12 +85,28 @@ class _Handler(BaseHTTPRequestHandler):
         status, body = self.server.meta.handle(self.path, self.headers.get("Authorization", ""))
         self._reply(status, body)
 
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= 65536:
+            self.rfile.read(length)  # no body is expected; read what came
+        status, body = self.server.meta.handle_post(self.path, self.headers.get("Authorization", ""))
+        self._reply(status, body)
+
+
+_INVALID_TOKEN = {
+    "code": "invalid_job_token",
+    "detail": "CATACLOUD_JOB_TOKEN is missing, wrong, or its job is no longer running",
+}
+
 
 class MetaServer:
     """The agent's side: a tiny HTTP server on a private Unix socket."""
 
-    def __init__(self, fetch: Fetch, *, directory: str | None = None) -> None:
+    def __init__(
+        self, fetch: Fetch, *, checkpoint: Checkpoint | None = None, directory: str | None = None
+    ) -> None:
         self._fetch = fetch
+        self._checkpoint = checkpoint
         self._grant: JobGrant | None = None
         self._lock = threading.Lock()
         self.directory = directory or tempfile.mkdtemp(prefix="catacloud-agent-")
@@ -118,11 +140,8 @@ class MetaServer:
         with self._lock:
             self._grant = None
 
-    def handle(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
-        """Answer one request: (HTTP status, JSON body)."""
-        if not path.startswith(PATH_PREFIX) or len(path) == len(PATH_PREFIX):
-            return 404, {"code": "not_found", "detail": "use GET /v1/meta/NAME"}
-        name = unquote(path[len(PATH_PREFIX) :].split("?", 1)[0])
+    def _authorize(self, authorization: str) -> JobGrant | None:
+        """The running job's grant if ``authorization`` carries its token."""
         scheme, _, given = authorization.partition(" ")
         with self._lock:
             grant = self._grant
@@ -131,10 +150,26 @@ class MetaServer:
             or scheme.lower() != "bearer"
             or not hmac.compare_digest(given.strip().encode(), grant.token.encode())
         ):
-            return 401, {
-                "code": "invalid_job_token",
-                "detail": "CATACLOUD_JOB_TOKEN is missing, wrong, or its job is no longer running",
-            }
+            return None
+        return grant
+
+    def handle_post(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
+        """Answer one ``POST`` (only ``/v1/checkpoint``): (HTTP status, JSON body)."""
+        if path.split("?", 1)[0] != CHECKPOINT_PATH or self._checkpoint is None:
+            return 404, {"code": "not_found", "detail": f"use POST {CHECKPOINT_PATH}"}
+        grant = self._authorize(authorization)
+        if grant is None:
+            return 401, _INVALID_TOKEN
+        return self._checkpoint(grant.job_id)
+
+    def handle(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
+        """Answer one ``GET``: (HTTP status, JSON body)."""
+        if not path.startswith(PATH_PREFIX) or len(path) == len(PATH_PREFIX):
+            return 404, {"code": "not_found", "detail": "use GET /v1/meta/NAME"}
+        name = unquote(path[len(PATH_PREFIX) :].split("?", 1)[0])
+        grant = self._authorize(authorization)
+        if grant is None:
+            return 401, _INVALID_TOKEN
         try:
             status, body = self._fetch(grant.job_id, name)
         except AgentAPIError as exc:
@@ -159,15 +194,13 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def fetch_meta(
-    name: str, *, socket_path: str, token: str, timeout: float = 30.0
+def call_agent(
+    method: str, path: str, *, socket_path: str, token: str, timeout: float = 30.0
 ) -> tuple[int, dict[str, Any]]:
-    """The job's side: ask the agent for ``name``'s metadata; (HTTP status, JSON body)."""
+    """The job's side: one request to the agent over its socket; (HTTP status, JSON body)."""
     connection = _UnixHTTPConnection(socket_path, timeout)
     try:
-        connection.request(
-            "GET", PATH_PREFIX + quote(name, safe=""), headers={"Authorization": f"Bearer {token}"}
-        )
+        connection.request(method, path, headers={"Authorization": f"Bearer {token}"})
         response = connection.getresponse()
         raw = response.read()
     finally:
@@ -177,6 +210,15 @@ def fetch_meta(
     except ValueError:
         body = {}
     return response.status, body if isinstance(body, dict) else {}
+
+
+def fetch_meta(
+    name: str, *, socket_path: str, token: str, timeout: float = 30.0
+) -> tuple[int, dict[str, Any]]:
+    """Ask the agent for ``name``'s metadata; (HTTP status, JSON body)."""
+    return call_agent(
+        "GET", PATH_PREFIX + quote(name, safe=""), socket_path=socket_path, token=token, timeout=timeout
+    )
 
 
 def job_meta_command(name: str, *, environ: Mapping[str, str] | None = None) -> int:

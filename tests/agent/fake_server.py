@@ -2,11 +2,13 @@
 
 Both run a stdlib ``ThreadingHTTPServer`` on 127.0.0.1 on a free port in a thread, record every
 request, and let a test steer them: assign a job, cancel it (via heartbeat or the logs answer),
-terminate the machine, refuse a start with 409, revoke the agent token, fail calls with 503.
+terminate the machine, refuse a start with 409, revoke the agent token, fail calls with 503,
+script the answers to a path, serve a checkpoint, keep uploaded outputs and checkpoints.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import threading
@@ -29,8 +31,9 @@ class Recorded:
     path: str  # relative to the API prefix, e.g. "jobs/j1/logs"
     query: dict[str, list[str]]
     headers: dict[str, str]
-    body: Any
+    body: Any  # JSON, or bytes for files (any other Content-Type)
     at: float = field(default_factory=time.monotonic)
+    raw_path: str = ""  # as sent, still percent-quoted
 
 
 class _Server(ThreadingHTTPServer):
@@ -94,9 +97,15 @@ class _FakeBase:
 
     @staticmethod
     def _reply(
-        handler: BaseHTTPRequestHandler, status: int, body: Any = None, text: str | None = None
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        body: Any = None,
+        text: str | None = None,
+        raw: bytes | None = None,
     ) -> None:
-        if text is not None:
+        if raw is not None:
+            data, kind = raw, "application/gzip"
+        elif text is not None:
             data, kind = text.encode(), "text/plain"
         elif body is not None:
             data, kind = json.dumps(body).encode(), "application/json"
@@ -113,6 +122,8 @@ class _FakeBase:
         parts = urlsplit(handler.path)
         length = int(handler.headers.get("Content-Length") or 0)
         raw = handler.rfile.read(length) if length else b""
+        if raw and handler.headers.get("Content-Type", "application/json") != "application/json":
+            return parts.path, parse_qs(parts.query), raw  # files: kept as bytes
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -152,6 +163,13 @@ class FakeAgentAPI(_FakeBase):
         self.meta: dict[tuple[str, str], dict[str, Any]] = {}
         self.interruptions: list[dict[str, Any]] = []
         self.fail_next: dict[str, int] = {}  # path -> how many 503s to answer first
+        # path -> the next answers, in order: (status, JSON body), or None for the normal answer
+        self.answers: dict[str, list[tuple[int, dict[str, Any]] | None]] = {}
+        self.uploads_done: dict[str, tuple[dict[str, Any], float]] = {}
+        self.artifacts: dict[str, dict[str, bytes]] = {}  # job id -> name -> content (once each)
+        self.artifact_puts: dict[str, list[str]] = {}  # job id -> names, one per accepted PUT
+        self.checkpoints: dict[str, list[tuple[bytes, float]]] = {}  # job id -> stored, in order
+        self.served_checkpoints: dict[str, bytes] = {}  # job id -> what GET checkpoint answers
 
     # -- steering ---------------------------------------------------------------------------
 
@@ -167,15 +185,19 @@ class FakeAgentAPI(_FakeBase):
         env: dict[str, str] | None = None,
         timeout_seconds: int = 60,
         attempt: int = 1,
+        checkpoint: dict[str, Any] | None = None,
     ) -> str:
-        """Hand a job to the next ``GET work``; returns its id."""
-        job = {
+        """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
+        ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
+        job: dict[str, Any] = {
             "id": job_id or "job-" + secrets.token_hex(4),
             "command": command,
             "env": env or {},
             "timeout_seconds": timeout_seconds,
             "attempt": attempt,
         }
+        if checkpoint is not None:
+            job["checkpoint"] = checkpoint
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()
@@ -196,6 +218,11 @@ class FakeAgentAPI(_FakeBase):
             lambda: self.finished.get(job_id, (None,))[0], timeout, f"job {job_id} to finish"
         )
 
+    def wait_uploads_done(self, job_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        return self.wait_for(
+            lambda: self.uploads_done.get(job_id, (None,))[0], timeout, f"job {job_id}'s uploads-done"
+        )
+
     def wait_output(self, job_id: str, text: str, timeout: float = 10.0) -> str:
         return self.wait_for(
             lambda: self.output(job_id) if text in self.output(job_id) else "", timeout, f"{text!r} in output"
@@ -206,15 +233,21 @@ class FakeAgentAPI(_FakeBase):
     def _dispatch(self, handler: BaseHTTPRequestHandler) -> None:
         path, query, body = self._read(handler)
         rel = path[len(PREFIX) :] if path.startswith(PREFIX) else path
-        record = Recorded(handler.command, unquote(rel), query, dict(handler.headers.items()), body)
+        record = Recorded(
+            handler.command, unquote(rel), query, dict(handler.headers.items()), body, raw_path=path
+        )
         with self.cond:
             self.requests.append(record)
             self.cond.notify_all()
             failures = self.fail_next.get(record.path, 0)
             if failures:
                 self.fail_next[record.path] = failures - 1
+            scripted = self.answers.get(record.path)
+            answer = scripted.pop(0) if scripted else None
         if failures:
             return self._reply(handler, 503, {"code": "unavailable"})
+        if answer is not None:
+            return self._reply(handler, *answer)
         if not path.startswith(PREFIX):
             return self._reply(handler, 404, {"code": "not_found"})
         if rel == "enroll" and handler.command == "POST":
@@ -235,8 +268,39 @@ class FakeAgentAPI(_FakeBase):
             status, answer = 200, {}
         elif len(parts) >= 3 and parts[0] == "jobs":
             job_id = unquote(parts[1])
-            status, answer = self._job(handler.command, job_id, parts[2:], body)
+            if parts[2:] == ["checkpoint"] and handler.command == "GET":
+                with self.cond:
+                    served = self.served_checkpoints.get(job_id)
+                if served is None:
+                    return self._reply(handler, 404, {"code": "no_checkpoint"})
+                return self._reply(handler, 200, raw=served)
+            if handler.command == "PUT":
+                status, answer = self._put(job_id, parts[2:], dict(handler.headers.items()), body)
+            else:
+                status, answer = self._job(handler.command, job_id, parts[2:], body)
         return self._reply(handler, status, answer)
+
+    def _put(
+        self, job_id: str, rest: list[str], headers: dict[str, str], body: Any
+    ) -> tuple[int, dict[str, Any]]:
+        """``PUT artifacts/NAME`` and ``PUT checkpoint``: verify the checksum, keep the bytes."""
+        data = body if isinstance(body, bytes) else b""
+        digest = hashlib.sha256(data).hexdigest()
+        if headers.get("X-Checksum-Sha256") != digest:
+            return 400, {"code": "checksum_mismatch"}
+        now = time.monotonic()
+        with self.cond:
+            if rest == ["checkpoint"]:
+                self.checkpoints.setdefault(job_id, []).append((data, now))
+                self.cond.notify_all()
+                return 201, {"size": len(data), "sha256": digest}
+            if rest[0] == "artifacts" and len(rest) >= 2:
+                name = "/".join(unquote(segment) for segment in rest[1:])
+                self.artifacts.setdefault(job_id, {})[name] = data
+                self.artifact_puts.setdefault(job_id, []).append(name)
+                self.cond.notify_all()
+                return 201, {"name": name, "size": len(data), "sha256": digest}
+        return 404, {"code": "not_found"}
 
     def _enroll(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
         token = body.get("bootstrap_token")
@@ -281,6 +345,9 @@ class FakeAgentAPI(_FakeBase):
                 return 200, {"cancel": job_id in self.cancel_via_logs}
             if action == "finished" and method == "POST":
                 self.finished[job_id] = (body, time.monotonic())
+                return 200, {}
+            if action == "uploads-done" and method == "POST":
+                self.uploads_done[job_id] = (body, time.monotonic())
                 return 200, {}
             if action == "meta" and method == "GET" and len(rest) == 2:
                 name = unquote(rest[1])

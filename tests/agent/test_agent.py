@@ -8,14 +8,12 @@ import os
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from catacloud import __version__
@@ -23,101 +21,7 @@ from catacloud.agent.client import AgentAPIError, RedactingFormatter, redact, re
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, job_meta_command
 from catacloud.agent.runner import LogStreamer
 from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
-
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
-
-
-def alive(pid: int) -> bool:
-    """A process that still runs (zombies waiting for a reaper count as gone)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
-        time.sleep(0.05)
-    return [pid for pid in pids if alive(pid)]
-
-
-def values(output: str, key: str) -> list[str]:
-    return [line.split("=", 1)[1] for line in output.splitlines() if line.startswith(key + "=")]
-
-
-class AgentProcess:
-    """``python -m catacloud.agent agent ...`` with its log in a file."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.proc = proc
-        self.log_path = log_path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout: float = 10.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the agent did not exit within {timeout} s:\n{self.log()}") from None
-
-
-@pytest.fixture
-def api() -> Iterator[FakeAgentAPI]:
-    fake = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5)
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def work_dir(tmp_path: Path) -> Path:
-    return tmp_path / "work"
-
-
-@pytest.fixture
-def start_agent(api: FakeAgentAPI, tmp_path: Path, work_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
-    started: list[AgentProcess] = []
-
-    def start(*extra: str, token: str | None = None, token_via_env: bool = False) -> AgentProcess:
-        token = api.bootstrap_token if token is None else token
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        command = [PY, "-m", "catacloud.agent", "agent", "--url", api.url, "--work-dir", str(work_dir)]
-        if token_via_env:
-            env["CATACLOUD_BOOTSTRAP_TOKEN"] = token
-        else:
-            env.pop("CATACLOUD_BOOTSTRAP_TOKEN", None)
-            token_file = tmp_path / f"bootstrap-token-{len(started)}"
-            token_file.write_text(token + "\n")
-            token_file.chmod(0o600)
-            command += ["--bootstrap-token-file", str(token_file)]
-        log_path = tmp_path / f"agent-{len(started)}.log"
-        with open(log_path, "wb") as log_file:
-            proc = subprocess.Popen(
-                [*command, *extra], cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
-            )
-        agent = AgentProcess(proc, log_path)
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        if agent.proc.poll() is None:
-            agent.proc.send_signal(signal.SIGTERM)
-            try:
-                agent.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                agent.proc.kill()
-                agent.proc.wait()
-
-
-def assert_no_secrets(api: FakeAgentAPI, agent: AgentProcess) -> None:
-    log = agent.log()
-    assert api.agent_token not in log
-    assert api.bootstrap_token not in log
-
+from tests.agent.harness import PY, AgentProcess, alive, assert_no_secrets, values, wait_gone
 
 # -- enrollment and heartbeats ------------------------------------------------------------------
 
@@ -204,7 +108,7 @@ def test_output_reaches_the_server_while_the_job_still_runs(
     )
 
     finished = api.wait_finished(job)
-    assert finished == {"exit_code": 0, "outcome": "succeeded", "reason": "exit code 0"}
+    assert finished == {"exit_code": 0, "outcome": "succeeded", "reason": "exit code 0", "uploads_pending": 0}
     assert api.output(job, "stdout") == "first\nsecond\n"
     assert api.output(job, "stderr") == "oops\n"
     assert sorted(api.logs[job]) == list(range(len(api.logs[job]))), "seq counts up from 0"
@@ -228,7 +132,12 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
     )
     leaving_a_child = api.assign("sleep 1000 & echo bg=$!")
 
-    assert api.wait_finished(failing) == {"exit_code": 3, "outcome": "failed", "reason": "exit code 3"}
+    assert api.wait_finished(failing) == {
+        "exit_code": 3,
+        "outcome": "failed",
+        "reason": "exit code 3",
+        "uploads_pending": 0,
+    }
     assert api.wait_finished(leaving_a_child, timeout=8)["outcome"] == "succeeded"
     assert wait_gone([int(values(api.output(leaving_a_child), "bg")[0])]) == [], "no leftovers between jobs"
     output = api.output(failing)
@@ -414,7 +323,12 @@ def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
     agent.proc.send_signal(signal.SIGTERM)
 
     assert agent.wait(10) == 0
-    assert api.finished[job][0] == {"exit_code": None, "outcome": "cancelled", "reason": "agent stopped"}
+    assert api.finished[job][0] == {
+        "exit_code": None,
+        "outcome": "cancelled",
+        "reason": "agent stopped",
+        "uploads_pending": 0,
+    }
     assert wait_gone([pid]) == []
     assert_no_secrets(api, agent)
 
@@ -433,6 +347,7 @@ def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
         "exit_code": None,
         "outcome": "cancelled",
         "reason": "machine terminating",
+        "uploads_pending": 0,
     }
     assert wait_gone([pid]) == []
 

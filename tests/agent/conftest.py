@@ -1,0 +1,7 @@
+"""Fixtures of the agent tests: a fake Agent API and the agent as a real process."""
+
+from __future__ import annotations
+
+from tests.agent.harness import api, start_agent, work_dir
+
+__all__ = ["api", "start_agent", "work_dir"]

@@ -1,0 +1,68 @@
+"""Outputs and checkpoints end to end: real worker, real agents (local driver), live API."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import pytest
+
+from apps.jobs.models import Job
+from tests.e2e.conftest import Stack
+from tests.e2e.test_jobs_and_agent import _agent_process, job, job_config, logs, submit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+PY = sys.executable
+
+
+def test_outputs_are_listed_and_downloaded_byte_for_byte(stack: Stack) -> None:
+    cfg = job_config(
+        stack,
+        "build",
+        "mkdir -p $CATACLOUD_OUTPUT_DIR/reports; "
+        "echo '<testsuite tests=\"3\"/>' > $CATACLOUD_OUTPUT_DIR/reports/junit.xml;"
+        f" {PY} -c \"import os; open(os.environ['CATACLOUD_OUTPUT_DIR'] + '/blob.bin', 'wb')"
+        '.write(bytes(range(256)) * 8192)"; exit 1',
+    )
+    job_id = submit(stack, cfg)
+    stack.wait(lambda: job(stack, job_id)["status"] == "failed", 60, "the job to fail")
+    viewer = stack.api("viewer")
+    listed = stack.wait(
+        lambda: (a := viewer.get(f"/api/v1/jobs/{job_id}/artifacts/").json()) and len(a) == 2 and a,
+        30,
+        "both outputs to be uploaded (a failed job keeps its outputs too)",
+    )
+    blob = bytes(range(256)) * 8192
+    by_name = {a["name"]: a for a in listed}
+    assert by_name["blob.bin"]["size"] == len(blob)
+    assert by_name["blob.bin"]["sha256"] == hashlib.sha256(blob).hexdigest()
+    response = viewer.get(f"/api/v1/jobs/{job_id}/artifacts/blob.bin")
+    assert b"".join(response.streaming_content) == blob
+    response = viewer.get(f"/api/v1/jobs/{job_id}/artifacts/reports/junit.xml")
+    assert b"".join(response.streaming_content) == b'<testsuite tests="3"/>\n'
+    assert stack.api("outsider").get(f"/api/v1/jobs/{job_id}/artifacts/blob.bin").status_code == 404
+
+
+def test_a_requeued_job_resumes_from_its_last_checkpoint(stack: Stack) -> None:
+    command = (
+        "S=$CATACLOUD_CHECKPOINT_DIR/step; step=$(cat $S 2>/dev/null || echo 0); "
+        'echo "attempt $CATACLOUD_ATTEMPT starts at $step"; '
+        "while [ $step -lt 6 ]; do step=$((step + 1)); echo $step > $S; "
+        f'{PY} -m catacloud.agent checkpoint || exit 9; echo "step $step"; '
+        'if [ "$CATACLOUD_ATTEMPT" = 1 ] && [ $step = 3 ]; then sleep 300; fi; done; '
+        'echo "done at $step" > $CATACLOUD_OUTPUT_DIR/result.txt'
+    )
+    job_id = submit(stack, job_config(stack, "resumable", command))
+    stack.wait(lambda: "step 3" in logs(stack, job_id), 60, "three steps of attempt 1")
+    first = job(stack, job_id)["instance"]
+    agent = _agent_process(first)
+    for child in agent.children(recursive=True):
+        child.kill()
+    agent.kill()  # the machine dies
+    stack.wait(lambda: job(stack, job_id)["status"] == "succeeded", 120, "the second attempt to finish")
+    second = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
+    assert "attempt 2 starts at 3" in second  # resumed, did not start over
+    assert "step 1\n" not in second and "step 4" in second
+    result = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/artifacts/result.txt")
+    assert b"".join(result.streaming_content) == b"done at 6\n"
+    assert Job.objects.get(pk=job_id).attempt == 2
