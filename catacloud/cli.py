@@ -146,7 +146,24 @@ def cmd_dev(args: argparse.Namespace) -> int:
         manager.loop()
         return manager.returncode or 0
     finally:
+        _stop_local_machines(Path(services.env["CATACLOUD_HOME"]))
         services.stop()
+
+
+def _stop_local_machines(home: Path) -> None:
+    """Ctrl-C stops everything: also the local machines (agent processes) of this home. Their
+    rows become lost at the next start and the pools replace them."""
+    from catacloud.providers.local import LocalProvider
+
+    root = home / "machines"
+    if not root.is_dir():
+        return
+    for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        provider = LocalProvider(
+            config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
+        )
+        for machine in provider.list({}):
+            provider.delete(machine.provider_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
