@@ -46,6 +46,7 @@ SELECT {", ".join(f"u.{c}" for c in _COLUMNS)} FROM u
 POOL_SQL = _sql(
     """SELECT m.id FROM machines_machineinstance m
     JOIN pools_instancepool p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
+        AND (%(org)s::uuid IS NULL OR p.org_id = %(org)s::uuid)
     WHERE m.status = 'ready'
     ORDER BY m.ready_at""",
     "pool.member_claimed",

@@ -132,30 +132,43 @@ class Claim:
 
 
 def pool_claim(
-    *, pool_id: Any, acquired_by: str = "", acquired_for: str = "", actor: str = "", job_id: Any = None
+    *,
+    pool_id: Any,
+    acquired_by: str = "",
+    acquired_for: str = "",
+    actor: str = "",
+    job_id: Any = None,
+    org_id: Any = None,
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
-    instance to two callers; answers :class:`PoolEmpty` at once when none is ready."""
+    instance to two callers; answers :class:`PoolEmpty` at once when none is ready.
+
+    The claim is one statement, so outside a transaction it runs (and commits) in a single
+    round trip. ``org_id`` scopes the pool to an organization (another org's pool: NotFound).
+    """
     started = time.perf_counter()
-    with transaction.atomic():
-        claim_id, instance = claims.claim(
-            claims.POOL_SQL,
-            actor=actor,
-            by=acquired_by,
-            for_=acquired_for,
-            job_id=job_id,
-            pool=str(pool_id),
-            active=sorted(POOL_ACTIVE),
-        )
-        if instance is None:
-            status = InstancePool.objects.filter(pk=pool_id).values_list("status", flat=True).first()
-            if status is None:
-                raise NotFound("pool not found")
-            if status not in POOL_ACTIVE:
-                raise InvalidTransition("Pool", pool_id, status, "claimed from")
-            raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
-        pool_id_str = str(pool_id)
-        transaction.on_commit(lambda: _enqueue_refill(pool_id_str))
+    claim_id, instance = claims.claim(
+        claims.POOL_SQL,
+        actor=actor,
+        by=acquired_by,
+        for_=acquired_for,
+        job_id=job_id,
+        pool=str(pool_id),
+        active=sorted(POOL_ACTIVE),
+        org=str(org_id) if org_id else None,
+    )
+    if instance is None:
+        pools = InstancePool.objects.filter(pk=pool_id)
+        if org_id:
+            pools = pools.filter(org_id=org_id)
+        status = pools.values_list("status", flat=True).first()
+        if status is None:
+            raise NotFound("pool not found")
+        if status not in POOL_ACTIVE:
+            raise InvalidTransition("Pool", pool_id, status, "claimed from")
+        raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
+    pool_id_str = str(pool_id)
+    transaction.on_commit(lambda: _enqueue_refill(pool_id_str))  # at once when not in a transaction
     CLAIM_LATENCY.observe(time.perf_counter() - started)
     return Claim(claim_id=claim_id, instance=instance)
 

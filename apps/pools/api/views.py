@@ -1,16 +1,20 @@
 from __future__ import annotations
 
+import uuid
+from typing import Any
+
 import django_filters
 from django.db import transaction
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
+from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.core.api import OrgScopedViewSet
-from apps.machines.models import MachineInstance
+from apps.machines.models import MachineType
 from apps.pools.api.serializers import (
     AcquireIn,
     AcquireOut,
@@ -22,6 +26,11 @@ from apps.pools.api.serializers import (
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain, pool_update
+
+
+def _type_and_account(machine_type_id: Any) -> tuple[MachineType, Any]:
+    mt = MachineType.objects.select_related("provider_account").get(pk=machine_type_id)
+    return mt, mt.provider_account
 
 
 class PoolFilter(django_filters.FilterSet):
@@ -75,14 +84,19 @@ class PoolViewSet(
     @extend_schema(request=AcquireIn, responses={201: AcquireOut})
     @action(detail=True, methods=["post"])
     def acquire(self, request: Request, pk: str | None = None) -> Response:
-        """Claim one ready member at once; 409 pool_empty when none is ready (never waits)."""
-        pool = self.get_object()
+        """Claim one ready member at once; 409 pool_empty when none is ready (never waits).
+
+        The hot path: no pool lookup first; the claim statement itself is scoped to the
+        caller's organization (another org's pool answers 404 like a missing one)."""
+        try:
+            pool_id = uuid.UUID(str(pk))
+        except ValueError:
+            raise NotFound("pool not found") from None
         data = AcquireIn(data=request.data)
         data.is_valid(raise_exception=True)
-        claim = pool_claim(pool_id=pool.pk, actor=self.actor(), **data.validated_data)
-        instance = MachineInstance.objects.select_related("machine_type", "provider_account").get(
-            pk=claim.instance.pk
-        )
+        claim = pool_claim(pool_id=pool_id, org_id=self.ctx.org.pk, actor=self.actor(), **data.validated_data)
+        instance = claim.instance
+        instance.machine_type, instance.provider_account = _type_and_account(instance.machine_type_id)
         body = AcquireOut({"claim_id": claim.claim_id, "instance": instance}).data
         return Response(body, status=status.HTTP_201_CREATED)
 
