@@ -7,23 +7,24 @@ CLAIM = """\
 **What was fixed, and the gap that remains.** Zero double claims in every run and variant
 (checked: unique ids, claimed rows and `pool.member_claimed` events all equal the claims
 answered). The first run of this benchmark found that every claim published its own
-`pool_refill_task` (plus a `task-sent` event): ~2-4 ms of client CPU per claim and stalls
-under concurrency, 211 claims/s at 16 claimers with a p99 of 122 ms. Since then a claim only
-enqueues a refill when none is pending for that pool (a Redis `SET NX` the task clears before
-it reads the pool; the reaper is the safety net), sent-events are off, and the claim runs in
-autocommit as the single statement it is (one round trip). That roughly tripled throughput.
-The throughput targets are still missed on this machine, for a reason the benchmark shows
-itself: the naive `FOR UPDATE` baseline has about the same throughput, so the row-lock queue is
-not the bottleneck here; where `SKIP LOCKED` shows is the tail (at 16 claimers the naive p99 is
-several times the service's: its claimers queue behind each other's row locks). Sixteen Python claimer processes, PostgreSQL and Redis share 2 cores; each
-claim's Python side (Django cursor, the Redis refill mark, building the row) costs about as
-much CPU as the statement, and the claim statement also writes the event row (five indexes),
-which the one-row floor does not. With the cores saturated, lock waits are short and both
-variants are CPU-bound; the 5x gap that `SKIP LOCKED` buys appears when the database, not the
-clients, is the constraint (more cores, claimers on other hosts). The `no_enqueue` diagnostic
-shows what the Redis mark still costs. With stale statistics (members bulk-inserted, no
-ANALYZE yet) the planner sorts the whole pool per claim (12 ms at 4,500 members instead of
-0.4 ms); the bench runs ANALYZE after filling a pool, as autovacuum does in production."""
+`pool_refill_task` (plus a `task-sent` event): ~2-4 ms of client CPU per claim and stalls under
+concurrency, 211 claims/s at 16 claimers with a p99 of 122 ms. Since then a claim only enqueues
+a refill when none is pending for that pool (a Redis `SET NX` the task clears before it reads
+the pool; the reaper is the safety net), sent-events are off, and the claim runs in autocommit
+as the single statement it is (one round trip). That roughly tripled throughput. The throughput
+targets are still missed on this machine, for a reason the benchmark shows itself: the naive
+`FOR UPDATE` baseline has about the same throughput, so the row-lock queue is not the
+bottleneck here; where `SKIP LOCKED` shows is the tail (at 16 claimers the naive p99 is several
+times the service's: its claimers queue behind each other's row locks). Sixteen Python claimer
+processes, PostgreSQL and Redis share 2 cores; each claim's Python side (Django cursor, the
+Redis refill mark, building the row) costs about as much CPU as the statement, and the claim
+statement also writes the event row (five indexes), which the one-row floor does not. With the
+cores saturated, lock waits are short and both variants are CPU-bound; the 5x gap that `SKIP
+LOCKED` buys appears when the database, not the clients, is the constraint (more cores,
+claimers on other hosts). The `no_enqueue` diagnostic shows what the Redis mark still costs.
+With stale statistics (members bulk-inserted, no ANALYZE yet) the planner sorts the whole pool
+per claim (12 ms at 4,500 members instead of 0.4 ms); the bench runs ANALYZE after filling a
+pool, as autovacuum does in production."""
 
 REST = """\
 **Gap: Django + DRF per request on 2 shared cores.** An acquire is now 4 queries (token,
