@@ -192,6 +192,18 @@ class OrgScopedViewSet(viewsets.GenericViewSet):
             return qs.none()
         return qs.filter(**{self.org_field: self.ctx.org})
 
+    # Set on views whose serializers tell whether the org holds a type's required privilege.
+    needs_privileges: ClassVar[bool] = False
+
+    def get_serializer_context(self) -> dict:
+        """Serializers see the caller's org (to look up related objects only within it)."""
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
+            context["org"] = self.ctx.org
+            if self.needs_privileges:
+                context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
+        return context
+
     def actor(self) -> str:
         token = self.ctx.token
         who = self.request.user.get_username()

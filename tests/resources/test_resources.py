@@ -237,3 +237,17 @@ def test_the_reaper_destroys_resources_whose_job_is_gone(world: World) -> None:
     report = resources_safety_net()
     assert report["released_orphans"] == 1
     assert ResourceInstance.objects.get(job=job).status == "releasing"
+
+
+def test_resource_types_show_use_and_whether_the_org_may_use_them(world: World) -> None:
+    lab = Privilege.objects.create(name="lab")
+    ResourceType.objects.create(id="open", well="api_token", max_instances=3)
+    ResourceType.objects.create(id="locked", well="api_token", required_privilege=lab)
+    job = admitted_job(world, config_with(world, "open"))
+    job_acquire_resources(job_id=job.pk)
+    rows = {r["id"]: r for r in world.client("viewer").get("/api/v1/resource-types/").json()["results"]}
+    assert (rows["open"]["in_use"], rows["open"]["max_instances"], rows["open"]["usable"]) == (1, 3, True)
+    assert (rows["locked"]["usable"], rows["locked"]["required_privilege"]) == (False, "lab")
+    world.org.privileges.add(lab)
+    rows = {r["id"]: r for r in world.client("viewer").get("/api/v1/resource-types/").json()["results"]}
+    assert rows["locked"]["usable"] is True

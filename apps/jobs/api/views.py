@@ -52,12 +52,6 @@ class JobConfigurationViewSet(
     ordering_fields = ("name", "priority", "created_at")
     ordering = ("name",)
 
-    def get_serializer_context(self) -> dict:
-        context = super().get_serializer_context()
-        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
-            context["org"] = self.ctx.org
-        return context
-
     def perform_create(self, serializer: BaseSerializer) -> None:
         data = dict(serializer.validated_data)
         resource_types = data.pop("resource_types", [])

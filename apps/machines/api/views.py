@@ -38,11 +38,7 @@ class MachineTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.Retriev
             return MachineType.objects.none()
         return machine_types_for_org(org=self.ctx.org)
 
-    def get_serializer_context(self) -> dict:
-        context = super().get_serializer_context()
-        if not getattr(self, "swagger_fake_view", False):
-            context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
-        return context
+    needs_privileges = True
 
 
 class InstanceFilter(django_filters.FilterSet):

@@ -60,12 +60,6 @@ class PoolViewSet(
     required_roles = {"acquire": "member"}
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
-    def get_serializer_context(self) -> dict:
-        context = super().get_serializer_context()
-        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
-            context["org"] = self.ctx.org
-        return context
-
     def perform_create(self, serializer: BaseSerializer) -> None:
         data = serializer.validated_data
         serializer.instance = pool_create(org=self.ctx.org, actor=self.actor(), **data)

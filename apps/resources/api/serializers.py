@@ -19,7 +19,7 @@ class ResourceTypeSerializer(serializers.ModelSerializer):
 
     def get_usable(self, obj: ResourceType) -> bool:
         return obj.required_privilege_id is None or obj.required_privilege_id in self.context.get(
-            "privileges", ()
+            "org_privileges", ()
         )
 
 

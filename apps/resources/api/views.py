@@ -24,11 +24,7 @@ class ResourceTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.Retrie
             in_use=Count("instances", filter=Q(instances__status__in=RESOURCE_LIVE))
         )
 
-    def get_serializer_context(self) -> dict:
-        context = super().get_serializer_context()
-        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
-            context["privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
-        return context
+    needs_privileges = True
 
 
 class ResourceFilter(django_filters.FilterSet):
