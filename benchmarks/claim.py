@@ -82,23 +82,28 @@ _NAIVE_SQL = ""
 # ---- the claimer processes ----------------------------------------------------------------------
 
 
-def _child(pipe: Any, url: str) -> None:
-    """A forked claimer: one Django connection and one raw psycopg connection, reused."""
+def _child(pipe: Any, url: str, redis_url: str) -> None:
+    """A claimer process: one Django connection and one raw psycopg connection, reused.
+
+    Started with "spawn", not "fork": forking a process that runs threads (a live server,
+    a browser driver, a Redis client) can leave the child stuck on a lock held at fork time.
+    """
     global _NAIVE_SQL
+    import os
+
+    os.environ.update(DATABASE_URL=url, REDIS_URL=redis_url)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    import django
+
+    django.setup()
     import psycopg
     from django.db import connection
 
     from apps.core.errors import PoolEmpty
     from apps.pools.services import pool_claim
 
-    try:  # never share the parent's broker connections
-        from config.celery import app
-
-        app._pool = None
-        app.amqp._producer_pool = None
-    except Exception:
-        pass
     _NAIVE_SQL = _naive_sql()
+    pipe.send("ready")  # set up: the parent starts the clock only when every claimer is
     raw = psycopg.connect(url)
     connection.ensure_connection()
     while True:
@@ -137,22 +142,26 @@ def _child(pipe: Any, url: str) -> None:
 
 
 class Claimers:
-    """A fixed set of forked claimer processes, started once for the whole part."""
+    """A fixed set of claimer processes, started once for the whole part."""
 
     def __init__(self, n: int) -> None:
+        from django.conf import settings
         from django.db import connections
 
-        connections.close_all()  # never fork an open connection
+        connections.close_all()
         url = database_url()
-        ctx = multiprocessing.get_context("fork")
+        ctx = multiprocessing.get_context("spawn")
         self.pipes = []
         self.procs = []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_child, args=(child, url), daemon=True)
+            proc = ctx.Process(target=_child, args=(child, url, settings.CELERY_BROKER_URL), daemon=True)
             proc.start()
             self.pipes.append(parent)
             self.procs.append(proc)
+        for pipe in self.pipes:
+            if pipe.recv() != "ready":
+                raise RuntimeError("a claimer process failed to start")
 
     def run(self, variant: str, pool_id: str, n: int, duration: float) -> dict[str, Any]:
         start_at = time.monotonic() + 0.2

@@ -59,9 +59,9 @@ def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills() -> None:
 
 
 def test_cost_waits_for_a_paid_machine_instead_of_buying() -> None:
-    # Teach the simulator the runtime of "a" (120 s), then two overlapping jobs: cost waits for
-    # the busy machine (free within max_wait), speed buys a second one.
-    jobs = [TraceJob(0, 120, "a"), TraceJob(1000, 120, "a"), TraceJob(1010, 120, "a")]
+    # Teach the simulator the runtime of "a" (60 s), then two overlapping jobs: cost waits for
+    # the busy machine (free within max_wait, 90 s by default), speed buys a second one.
+    jobs = [TraceJob(0, 60, "a"), TraceJob(1000, 60, "a"), TraceJob(1010, 60, "a")]
     assert simulate(jobs, "cost", HOURLY).machines_created == 1
     assert simulate(jobs, "speed", HOURLY).machines_created == 2
 
