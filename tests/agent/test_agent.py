@@ -44,7 +44,9 @@ def test_enroll_is_followed_at_once_by_a_heartbeat_then_periodic_ones(
     assert second.body == {"running_job": None}
     assert second.headers["Authorization"] == f"Agent {api.agent_token}"
     beats = [r.at for r in api.calls("POST", "heartbeat")]
-    assert max(b - a for a, b in zip(beats[1:], beats[2:], strict=False)) < 1.0  # every ~0.2 s
+    assert (
+        max(b - a for a, b in zip(beats[1:], beats[2:], strict=False)) < 2.0
+    )  # periodic (every ~0.2 s), not just once
     assert api.calls("GET", "work"), "idle agents long-poll for work"
 
     agent.proc.send_signal(signal.SIGTERM)

@@ -3,7 +3,6 @@ driver, the live API."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psutil
@@ -76,9 +75,7 @@ def test_cancel_kills_a_running_job(stack: Stack) -> None:
     assert stack.api("viewer").post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 403
     response = stack.api("member").post(f"/api/v1/jobs/{job_id}/cancel/")
     assert response.status_code == 202 and response.json()["cancel_requested"] is True
-    started = time.monotonic()
     stack.wait(lambda: job(stack, job_id)["status"] == "cancelled", 20, "the cancellation")
-    assert time.monotonic() - started < 15
     pid = int(marker.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -334,12 +333,9 @@ def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld
         other.execute("SELECT id FROM machines_machineinstance WHERE id = %s FOR UPDATE", [member.pk])
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '1s'")
-        started = time.monotonic()
         with pytest.raises(PoolEmpty):  # not LockNotAvailable: the locked row was skipped
             pool_claim(pool_id=pool.pk)
-        waited = time.monotonic() - started
         other.rollback()
-    assert waited < 1.0  # structural: a wait would have hit lock_timeout and raised instead
     assert pool_claim(pool_id=pool.pk).instance.pk == member.pk
 
 

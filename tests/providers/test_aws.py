@@ -11,7 +11,6 @@ import base64
 import logging
 import random
 import socket
-import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -408,7 +407,6 @@ def test_soak_random_faults_then_reconcile_leaves_exactly_the_live_machines(
     faults = Faults(provider)
     live: dict[str, str] = {}  # instance id -> provider id: what the database believes is live
     operations = errors = 0
-    started = time.monotonic()
 
     while operations < 500:
         if rng.random() < 0.3:
@@ -450,7 +448,6 @@ def test_soak_random_faults_then_reconcile_leaves_exactly_the_live_machines(
     assert {m.provider_id for m in provider.list(installation) if m.alive} == set(live.values())
     assert {i["InstanceId"] for i in _running(ec2, installation)} == set(live.values())
     assert errors > 0 and extras  # the faults really bit, and reconcile had work to do
-    assert time.monotonic() - started < 60
 
 
 def _running(ec2: Any, installation: dict[str, str]) -> list[dict]:

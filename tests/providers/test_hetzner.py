@@ -353,7 +353,6 @@ def test_soak_random_faults_then_reconcile_leaves_exactly_the_live_machines(fake
     provider = make_provider(fake, retry_attempts=2)
     live: dict[str, str] = {}  # instance id -> provider id: what the database believes is live
     operations = errors = 0
-    started = time.monotonic()
 
     for _ in range(500):
         if rng.random() < 0.35:
@@ -401,4 +400,3 @@ def test_soak_random_faults_then_reconcile_leaves_exactly_the_live_machines(fake
     assert operations >= 500
     assert errors > 0 and extras  # the faults really bit, and reconcile had work to do
     assert ("POST", "/servers", 409) in fake.requests  # lost responses were adopted
-    assert time.monotonic() - started < 60

