@@ -45,6 +45,11 @@ def browser_page(monkeypatch: pytest.MonkeyPatch):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         yield page
+        # ORM calls made while Playwright's loop is set get their own connection (asgiref
+        # keys connections by context); close them here, or the test database stays in use.
+        from django.db import connections
+
+        connections.close_all()
         browser.close()
 
 
