@@ -63,6 +63,15 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(stack: Stack) -> None:
     second = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
     assert "attempt 2 starts at 3" in second  # resumed, did not start over
     assert "step 1\n" not in second and "step 4" in second
-    result = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/artifacts/result.txt")
+    # Outputs follow the exit report (which they never block): wait for the upload.
+    viewer = stack.api("viewer")
+    stack.wait(
+        lambda: any(
+            a["name"] == "result.txt" for a in viewer.get(f"/api/v1/jobs/{job_id}/artifacts/").json()
+        ),
+        30,
+        "the output to be uploaded",
+    )
+    result = viewer.get(f"/api/v1/jobs/{job_id}/artifacts/result.txt")
     assert b"".join(result.streaming_content) == b"done at 6\n"
     assert Job.objects.get(pk=job_id).attempt == 2
