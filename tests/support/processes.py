@@ -14,22 +14,16 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import quote
 
 from django.conf import settings
-from django.db import connection
+
+from benchmarks.harness import database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_database_url() -> str:
-    s = connection.settings_dict
-    auth = quote(s["USER"] or "")
-    if s.get("PASSWORD"):
-        auth += ":" + quote(s["PASSWORD"])
-    host = s.get("HOST") or "127.0.0.1"
-    port = s.get("PORT") or 5432
-    return f"postgresql://{auth}@{host}:{port}/{s['NAME']}"
+# The URL of the database Django is connected to (under pytest: the test database).
+test_database_url = database_url
 
 
 def process_env(**extra: str) -> dict[str, str]:
