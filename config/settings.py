@@ -165,7 +165,12 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_TASK_TIME_LIMIT = env.int("CELERY_TASK_TIME_LIMIT", default=600)
 CELERY_TASK_SOFT_TIME_LIMIT = env.int("CELERY_TASK_SOFT_TIME_LIMIT", default=540)
 # With acks_late a task whose worker died is redelivered after the visibility timeout.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=900)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=900),
+    # A publish while Redis is down fails fast instead of hanging the request.
+    "socket_connect_timeout": 2,
+}
+CELERY_BROKER_CONNECTION_TIMEOUT = 2
 CELERY_WORKER_SEND_TASK_EVENTS = True  # Flower
 # No extra "task-sent" message per task: it doubled the broker traffic of every claim.
 CELERY_TASK_SEND_SENT_EVENT = False
@@ -217,6 +222,24 @@ CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0
 CATACLOUD_RETENTION_MARGIN = env.float(
     "CATACLOUD_RETENTION_MARGIN", default=max(120.0, 2 * CATACLOUD_REAPER_INTERVAL)
 )
+# Deadlines (seconds) of the states the reaper converges; README's "Convergence" table.
+# A row moved by a task (pending and provisioning instances, terminating ones, requested and
+# releasing resources, jobs acquiring resources) has that task sent again after this long.
+CATACLOUD_REDRIVE_AFTER = env.float("CATACLOUD_REDRIVE_AFTER", default=60.0)
+# A machine outside a pool that has not become ready this long after its request is
+# terminated (pool members use their pool's warmup_grace_seconds).
+CATACLOUD_BOOT_TIMEOUT = env.float("CATACLOUD_BOOT_TIMEOUT", default=600.0)
+# A job assigned to a machine whose agent has not started it within this is requeued
+# (not_started) and the machine terminated.
+CATACLOUD_ASSIGN_TIMEOUT = env.float("CATACLOUD_ASSIGN_TIMEOUT", default=300.0)
+# A machine held for a finished job's uploads is released this long after the job ended even
+# if the agent never says uploads-done.
+CATACLOUD_UPLOAD_TIMEOUT = env.float("CATACLOUD_UPLOAD_TIMEOUT", default=900.0)
+# A resource still `creating` after this (its worker died mid-create) is created again
+# (wells create idempotently by resource id). Longer than a task may run.
+CATACLOUD_RESOURCE_CREATE_TIMEOUT = env.float(
+    "CATACLOUD_RESOURCE_CREATE_TIMEOUT", default=float(CELERY_TASK_TIME_LIMIT + 60)
+)
 # Replace pool members built from an older machine type version (drift).
 CATACLOUD_REPLACE_OUTDATED = env.bool("CATACLOUD_REPLACE_OUTDATED", default=True)
 # Where job outputs and checkpoints are kept: "local" (a directory; the embedded default) or "s3".
@@ -255,7 +278,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_SCHEMA_CLASS": "apps.core.schema.AutoSchema",
     "EXCEPTION_HANDLER": "apps.core.api.exception_handler",
-    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
+    # Fails open when its cache (Redis) is down: fairness is not worth an outage.
+    "DEFAULT_THROTTLE_CLASSES": ["apps.core.throttling.UserRateThrottle"],
     # Fairness only; quotas are enforced in PostgreSQL.
     "DEFAULT_THROTTLE_RATES": {"user": env.str("CATACLOUD_API_RATE", default="6000/min")},
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
@@ -266,6 +290,8 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "catacloud",
+        # The cache only throttles and memoises health: it must never hang a request.
+        "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
     }
 }
 

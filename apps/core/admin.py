@@ -20,6 +20,25 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+class NoLiveDeleteAdmin(admin.ModelAdmin):
+    """Rows that something still drives (a live job, a live machine) cannot be deleted from
+    the console: deleting one orphans what it holds (a paid machine, a quota slot). Use the
+    model's actions (cancel, terminate), which go through the services; ended rows may be
+    deleted one at a time. The bulk delete action is removed."""
+
+    live_statuses: frozenset[str] = frozenset()
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        if obj is not None and obj.status in self.live_statuses:
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def get_actions(self, request: HttpRequest) -> dict:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+
 def run_service_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset, verb: str, fn) -> None:
     """Call ``fn(obj)`` for each selected row; report successes and refusals to the operator."""
     done, refused = 0, []

@@ -1,13 +1,34 @@
-"""The shared Redis client for messages that are not Celery tasks (wake-ups, de-duplication).
+"""The broker boundary: the shared Redis client for messages that are not Celery tasks
+(wake-ups, de-duplication) and best-effort task enqueueing.
+
 Redis carries messages here, never state that matters: losing any of it only delays work
-until the next poll or reaper tick."""
+until the next poll or reaper tick. So an enqueue after a committed change never fails the
+change: when the broker is down the message is dropped with a warning and the reaper, which
+compares rows with their deadlines, moves the row instead (README: "Convergence").
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
+from typing import Any
 
 import redis
 from django.conf import settings
+from django.db import transaction
+from kombu.exceptions import KombuError, OperationalError
+
+log = logging.getLogger(__name__)
+
+# What a publish raises when Redis is down or refuses (kombu wraps redis' errors, mostly).
+BROKER_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,
+    KombuError,
+    redis.RedisError,
+    ConnectionError,
+    OSError,
+)
 
 
 @functools.cache
@@ -18,3 +39,42 @@ def redis_client() -> redis.Redis:
         socket_connect_timeout=2,
         health_check_interval=30,
     )
+
+
+# A broker that just failed is not asked again for a few seconds in this process: a request
+# made while Redis is down then costs no connect timeout (the reaper catches up afterwards).
+BROKER_BACKOFF_SECONDS = 5.0
+_down_until = 0.0
+
+
+def broker_down() -> bool:
+    """True while this process saw the broker fail within the last few seconds."""
+    return time.monotonic() < _down_until
+
+
+def mark_broker_down(exc: BaseException) -> None:
+    global _down_until
+    if not broker_down():
+        log.warning("broker unavailable (the reaper re-drives what was not sent): %s", exc)
+    _down_until = time.monotonic() + BROKER_BACKOFF_SECONDS
+
+
+def enqueue(task: Any, *args: Any) -> bool:
+    """Send ``task(*args)`` to the workers, best effort. Returns False when the broker is
+    unreachable (or failed moments ago); the reaper's deadline rules re-drive the row later."""
+    if broker_down():
+        return False
+    try:
+        task.apply_async(args=args, retry=False)
+    except BROKER_ERRORS as exc:
+        mark_broker_down(exc)
+        return False
+    except Exception:  # after a commit nothing may fail the request: the reaper re-drives
+        log.exception("could not enqueue %s%r (the reaper will re-drive it)", task.name, args)
+        return False
+    return True
+
+
+def enqueue_on_commit(task: Any, *args: Any) -> None:
+    """:func:`enqueue` right after the current transaction commits (at once outside one)."""
+    transaction.on_commit(lambda: enqueue(task, *args))

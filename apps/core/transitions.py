@@ -24,6 +24,10 @@ def sources_for(graph: Graph, target: str) -> frozenset[str]:
     return frozenset(src for src, targets in graph.items() if target in targets)
 
 
+def _has_field(model: type[models.Model], name: str) -> bool:
+    return any(f.name == name for f in model._meta.concrete_fields)
+
+
 def transition(
     model: type[models.Model],
     pk: Any,
@@ -42,6 +46,8 @@ def transition(
     arguments are written in the same UPDATE.
     """
     allowed = sources_for(graph, to)
+    if field == "status" and _has_field(model, "status_changed_at"):
+        changes.setdefault("status_changed_at", timezone.now())
     if from_ is not None:
         allowed = allowed & frozenset(from_)
     updated = model.objects.filter(pk=pk, **{f"{field}__in": allowed}, **(where or {})).update(

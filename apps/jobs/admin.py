@@ -4,8 +4,9 @@ from django.contrib import admin
 from django.http import HttpRequest
 from django.utils.html import format_html_join
 
-from apps.core.admin import run_service_action
+from apps.core.admin import NoLiveDeleteAdmin, run_service_action
 from apps.events.models import Event
+from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduling import job_cancel
 
@@ -19,7 +20,8 @@ class JobConfigurationAdmin(admin.ModelAdmin):
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(NoLiveDeleteAdmin):
+    live_statuses = JOB_LIVE
     list_display = (
         "id",
         "status",

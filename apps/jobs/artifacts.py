@@ -29,6 +29,7 @@ from apps.core.api import error_response
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.models import Artifact, Job
+from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
@@ -177,7 +178,7 @@ def _job_for_upload(instance: MachineInstance, job_id: Any, *, live_only: bool) 
     if live_only or job.status not in JOB_TERMINAL:
         return None
     held = MachineInstance.objects.filter(
-        pk=instance.pk, status=InstanceStatus.CLAIMED, claimed_for=f"job:{job.pk}"
+        pk=instance.pk, status=InstanceStatus.CLAIMED, claimed_for=job_claim_label(job.pk)
     ).exists()
     return job if held else None
 

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from apps.jobs.choices import JobStatus, Reuse
 
@@ -65,6 +66,13 @@ class Job(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
+    # Why it was last put back in the queue: machine_lost, machine_terminated, pool_drained,
+    # not_started, spot_interruption. Requeues the operator caused (terminate, drain) are
+    # counted in free_requeues and do not use up max_attempts.
+    requeue_reason = models.CharField(max_length=32, blank=True)
+    free_requeues = models.PositiveIntegerField(default=0)
+    # When the current status was entered: the reaper's deadlines count from here.
+    status_changed_at = models.DateTimeField(default=timezone.now)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -86,6 +94,8 @@ class Job(models.Model):
                 condition=Q(status=JobStatus.QUEUED),
             ),
             models.Index(fields=["org", "machine_type", "status"], name="job_org_type_status"),
+            # Reaper deadlines: WHERE status IN (…) AND status_changed_at < now() - deadline
+            models.Index(fields=["status", "status_changed_at"], name="job_status_since"),
         ]
 
     def __str__(self) -> str:

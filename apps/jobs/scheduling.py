@@ -25,14 +25,15 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from apps.core.broker import enqueue_on_commit
 from apps.core.errors import Conflict, InvalidTransition, MissingPrivilege, NotFound, PoolEmpty
 from apps.events.models import Event
 from apps.events.services import event_record
-from apps.jobs.choices import JOB_ADMITTED, JOB_LIVE, JobStatus, Reuse
+from apps.jobs.choices import JOB_ADMITTED, JOB_LIVE, JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.services import job_transition
+from apps.jobs.services import job_claim_label, job_transition
 from apps.machines import claims
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, Policy
+from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_TERMINAL, InstanceStatus, Policy
 from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, instance_transition
@@ -101,7 +102,12 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.status not in JOB_LIVE:
             raise InvalidTransition("Job", job.pk, locked.status, "cancelled")
-        if locked.status in (J.ASSIGNED, J.RUNNING):
+        machine_gone = locked.instance_id is None or (
+            MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
+        )
+        if locked.status in (J.ASSIGNED, J.RUNNING) and not machine_gone:
+            # The agent kills the command and reports; if the machine goes away first, the
+            # requeue that follows sees cancel_requested and ends the job cancelled.
             Job.objects.filter(pk=job.pk).update(cancel_requested=True)
             event_record(
                 kind="job.cancel_requested",
@@ -217,10 +223,16 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
             plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
             needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
             updated = Job.objects.filter(pk__in=plain, status=J.QUEUED).update(
-                status=J.WAITING_FOR_MACHINE, admitted_at=now, pending_reason="waiting for a machine"
+                status=J.WAITING_FOR_MACHINE,
+                admitted_at=now,
+                status_changed_at=now,
+                pending_reason="waiting for a machine",
             )
             updated += Job.objects.filter(pk__in=needing, status=J.QUEUED).update(
-                status=J.ACQUIRING_RESOURCES, admitted_at=now, pending_reason="acquiring resources"
+                status=J.ACQUIRING_RESOURCES,
+                admitted_at=now,
+                status_changed_at=now,
+                pending_reason="acquiring resources",
             )
             assert updated == len(jobs), "admission lost a compare-and-set on rows it had locked"
             Event.objects.bulk_create(
@@ -259,6 +271,13 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
         for job in jobs:
             by_key[(job.org_id, job.machine_type_id)].append(job)
         for (org_id, mt_id), group in by_key.items():
+            # Lock order: the grant first (it serialises counting and buying machines of this
+            # org and machine type with pool refills), then instances (the claims below).
+            grant = (
+                OrgMachineType.objects.select_for_update()
+                .filter(org_id=org_id, machine_type_id=mt_id)
+                .first()
+            )
             mt = MachineType.objects.get(pk=mt_id)
             pools = list(
                 InstancePool.objects.filter(
@@ -274,13 +293,13 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
                 _assign(job, instance, now)
                 assigned += 1
             if remaining:
-                requested += _provision_or_wait(org_id, mt, pools, remaining, now)
+                requested += _provision_or_wait(grant, org_id, mt, pools, remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
 
 
 def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance | None:
-    who = f"job:{job.pk}"
+    who = job_claim_label(job.pk)
     for pool_id in pools:
         try:
             return pool_claim(
@@ -321,15 +340,22 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
     transaction.on_commit(lambda: wake_agent(instance_id))
 
 
-def _provision_or_wait(org_id: Any, mt: MachineType, pools: list[Any], jobs: list[Job], now: datetime) -> int:
-    grant = OrgMachineType.objects.filter(org_id=org_id, machine_type=mt).first()
+def _provision_or_wait(
+    grant: OrgMachineType | None,
+    org_id: Any,
+    mt: MachineType,
+    pools: list[Any],
+    jobs: list[Job],
+    now: datetime,
+) -> int:
+    """Buy machines for waiting jobs within max_instances. The caller holds the grant's row
+    lock, so the count below cannot race another placement or a pool refill."""
     if grant is None:
         _set_reason(jobs, "machine type no longer granted")
         return 0
-    live = MachineInstance.objects.filter(org_id=org_id, machine_type=mt, status__in=INSTANCE_LIVE).exclude(
-        status=S.TERMINATING
-    )
+    live = MachineInstance.objects.filter(org_id=org_id, machine_type=mt, status__in=INSTANCE_COUNTED)
     counts = live.aggregate(
+        # Every machine that costs money counts, terminating ones too (they still bill).
         total=Count("id"),
         coming=Count("id", filter=Q(pool__isnull=True, status__in=[S.PENDING, S.PROVISIONING, S.WARMING])),
         busy=Count("id", filter=Q(pool__isnull=True, status=S.CLAIMED)),
@@ -434,6 +460,9 @@ def job_finished(
 
     With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
     until the agent's ``uploads-done``: the job's status is final at once, its outputs follow.
+    A repeated report changes nothing and answers the status already recorded. A job that
+    did not succeed on a machine being taken away (terminated, drained) was stopped, not
+    failed: it goes back to the queue with the machine's cause.
     """
     with transaction.atomic():
         job = (
@@ -442,11 +471,24 @@ def job_finished(
             .filter(pk=job_id, instance=instance)
             .first()
         )
+        if job is not None and job.status in JOB_TERMINAL:
+            return job  # a retried report: already recorded
         if job is None or job.status not in (J.ASSIGNED, J.RUNNING):
             raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
         status = J.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
         if status == J.SUCCEEDED and exit_code not in (0, None):
             status = J.FAILED
+        machine = MachineInstance.objects.filter(pk=instance.pk).values("status", "end_cause").first()
+        stopped = status not in (J.SUCCEEDED, J.CANCELLED) or (
+            status == J.CANCELLED and not job.cancel_requested
+        )
+        if stopped and machine and machine["status"] != S.CLAIMED:
+            return job_requeue(
+                job=job,
+                cause=machine["end_cause"] or "machine_terminated",
+                detail=reason,
+                actor=f"agent:{instance.pk}",
+            )
         job = job_transition(
             job_id=job.pk,
             to=status,
@@ -464,48 +506,76 @@ def job_finished(
     return job
 
 
-def instance_release(*, instance_id: Any, job: Job) -> None:
-    """After a job: keep the machine for the next job (reuse, current version) or destroy it."""
-    instance = MachineInstance.objects.select_related("machine_type").get(pk=instance_id)
-    if instance.status != S.CLAIMED:
-        return
-    reuse = job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
-    if reuse:
-        instance_transition(
-            instance_id=instance_id,
-            to=S.READY,
-            from_=[S.CLAIMED],
-            actor="scheduler",
-            reason="kept for reuse while its paid period lasts",
-            event="instance.released",
-            pool=None,
-            claim_id=None,
-            claimed_by="",
-            claimed_for="",
-            last_config=job.config_id,
+def instance_release(*, instance_id: Any, job: Job) -> bool:
+    """After a job: keep the machine for the next job (reuse, current version) or destroy it.
+
+    Acts only on the claim that belongs to ``job`` (a late or repeated report about an older
+    job never releases a machine another job holds now); returns whether it acted."""
+    with transaction.atomic():
+        instance = (
+            MachineInstance.objects.select_for_update(of=("self",))
+            .select_related("machine_type")
+            .filter(pk=instance_id)
+            .first()
         )
-    else:
-        instance_terminate(
-            instance_id=instance_id,
-            actor="scheduler",
-            reason="ephemeral job finished"
-            if job.config.reuse == Reuse.EPHEMERAL
-            else "outdated machine type version",
+        if (
+            instance is None
+            or instance.status != S.CLAIMED
+            or instance.claimed_for != job_claim_label(job.pk)
+        ):
+            return False
+        reuse = (
+            job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
         )
+        if reuse:
+            instance_transition(
+                instance_id=instance_id,
+                to=S.READY,
+                from_=[S.CLAIMED],
+                actor="scheduler",
+                reason="kept for reuse while its paid period lasts",
+                event="instance.released",
+                pool=None,
+                claim_id=None,
+                claimed_by="",
+                claimed_for="",
+                lease_expires_at=None,
+                last_config=job.config_id,
+            )
+        else:
+            instance_terminate(
+                instance_id=instance_id,
+                actor="scheduler",
+                reason="ephemeral job finished"
+                if job.config.reuse == Reuse.EPHEMERAL
+                else "outdated machine type version",
+                cause="job_finished",
+            )
+    return True
 
 
-def job_requeue(*, job: Job, reason: str, actor: str) -> Job:
-    """Machine lost, agent silent or spot reclaim: back to ``queued`` with ``attempt + 1``, up
-    to ``max_attempts``; then ``failed`` with the reason. A cancel requested meanwhile wins."""
+# Requeues the operator caused: they do not use up the job's max_attempts.
+FREE_REQUEUE_CAUSES = frozenset({"machine_terminated", "pool_drained"})
+
+
+def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
+    """Back to ``queued`` with ``attempt + 1`` and ``requeue_reason = cause`` (machine_lost,
+    machine_terminated, pool_drained, not_started, spot_interruption). Requeues the operator
+    caused (terminate, drain) are free; the others count against ``max_attempts``, and when
+    none is left the job fails with the reason. A cancel requested meanwhile wins."""
+    reason = f"{cause}: {detail}" if detail else cause
+    free = cause in FREE_REQUEUE_CAUSES
+    used = job.attempt - job.free_requeues
     if job.cancel_requested:
         job = job_transition(job_id=job.pk, to=J.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
-    elif job.attempt >= job.max_attempts:
+    elif not free and used >= job.max_attempts:
         job = job_transition(
             job_id=job.pk,
             to=J.FAILED,
             actor=actor,
-            reason=f"{reason}; no attempts left ({job.attempt}/{job.max_attempts})",
-            failure_reason=f"{reason} (attempt {job.attempt} of {job.max_attempts})",
+            reason=f"{reason}; no attempts left ({used}/{job.max_attempts})",
+            failure_reason=f"{reason} (attempt {used} of {job.max_attempts})",
+            requeue_reason=cause[:32],
         )
     else:
         job = job_transition(
@@ -515,22 +585,31 @@ def job_requeue(*, job: Job, reason: str, actor: str) -> Job:
             reason=reason,
             event="job.requeued",
             attempt=job.attempt + 1,
+            free_requeues=job.free_requeues + (1 if free else 0),
+            requeue_reason=cause[:32],
             instance=None,
-            pending_reason=f"requeued: {reason}",
+            pending_reason=f"requeued ({reason})"[:300],
             admitted_at=None,
             assigned_at=None,
             started_at=None,
             queued_at=job.queued_at,
-            event_data={"attempt": job.attempt + 1},
+            event_data={"attempt": job.attempt + 1, "cause": cause, "counts": not free},
         )
     _release_resources(job, reason="job requeued")
     _schedule_after_commit()
     return job
 
 
-def jobs_requeue_for_lost_instance(*, instance: MachineInstance, reason: str) -> None:
-    for job in Job.objects.select_for_update().filter(instance=instance, status__in=[J.ASSIGNED, J.RUNNING]):
-        job_requeue(job=job, reason=reason, actor="reaper")
+def jobs_requeue_for_instance(*, instance: MachineInstance, cause: str, detail: str = "") -> int:
+    """Requeue the jobs still assigned to or running on ``instance`` (its machine is gone)."""
+    count = 0
+    with transaction.atomic():
+        for job in Job.objects.select_for_update().filter(
+            instance_id=instance.pk, status__in=[J.ASSIGNED, J.RUNNING]
+        ):
+            job_requeue(job=job, cause=cause, detail=detail, actor="reaper")
+            count += 1
+    return count
 
 
 def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
@@ -539,7 +618,7 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
         for job in Job.objects.select_for_update().filter(
             instance=instance, status__in=[J.ASSIGNED, J.RUNNING]
         ):
-            job_requeue(job=job, reason="spot interruption", actor=f"agent:{instance.pk}")
+            job_requeue(job=job, cause="spot_interruption", detail=detail[:200], actor=f"agent:{instance.pk}")
         event_record(
             kind="instance.interrupted",
             org=instance.org_id,
@@ -549,7 +628,10 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
         )
         with contextlib.suppress(InvalidTransition):
             instance_terminate(
-                instance_id=instance.pk, actor=f"agent:{instance.pk}", reason="spot interruption"
+                instance_id=instance.pk,
+                actor=f"agent:{instance.pk}",
+                reason="spot interruption",
+                cause="spot_interruption",
             )
 
 
@@ -557,8 +639,10 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
 
 
 def scheduler_safety_net(*, now: datetime) -> dict[str, int]:
+    from apps.jobs.convergence import jobs_converge
     from apps.resources.acquisition import resources_safety_net
 
+    converged = jobs_converge(now=now)
     timed_out = _time_out_jobs(now)
     retired = retire_idle_machines(now=now)
     resources = resources_safety_net(now=now)
@@ -572,6 +656,7 @@ def scheduler_safety_net(*, now: datetime) -> dict[str, int]:
         "admitted": report.admitted,
         "assigned": report.assigned,
         "artifacts_expired": expired,
+        **converged,
         **resources,
     }
 
@@ -649,7 +734,7 @@ def wake_agent(instance_id: Any) -> None:
 def _schedule_after_commit() -> None:
     from apps.jobs.tasks import schedule_task
 
-    transaction.on_commit(lambda: schedule_task.delay())
+    enqueue_on_commit(schedule_task)
 
 
 def _acquire_resources_after_commit(job_ids: list[Any]) -> None:

@@ -37,6 +37,11 @@ JOB_EVENTS = {
 }
 
 
+def job_claim_label(job_id: Any) -> str:
+    """``claimed_for`` of a machine claimed for a job (who holds it, for ownership checks)."""
+    return f"job:{job_id}"
+
+
 def job_transition(
     *,
     job_id: Any,

@@ -6,7 +6,8 @@ from django import forms
 from django.contrib import admin
 from django.http import HttpRequest
 
-from apps.core.admin import run_service_action
+from apps.core.admin import NoLiveDeleteAdmin, run_service_action
+from apps.machines.choices import INSTANCE_LIVE
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import provider_account_upsert
@@ -103,7 +104,8 @@ class OrgMachineTypeAdmin(admin.ModelAdmin):
 
 
 @admin.register(MachineInstance)
-class MachineInstanceAdmin(admin.ModelAdmin):
+class MachineInstanceAdmin(NoLiveDeleteAdmin):
+    live_statuses = INSTANCE_LIVE
     list_display = (
         "id",
         "status",

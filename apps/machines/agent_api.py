@@ -21,6 +21,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.core.api import error_response
+from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
@@ -180,7 +181,7 @@ def _instance_ready_hook(instance: MachineInstance) -> None:
     """A machine became ready: the scheduler may place a waiting job on it."""
     from apps.jobs.tasks import schedule_task
 
-    transaction.on_commit(lambda: schedule_task.delay())
+    enqueue_on_commit(schedule_task)
 
 
 class HeartbeatView(AgentView):

@@ -9,9 +9,11 @@ re-evaluate an IN subquery and update more rows than the LIMIT.
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from django.db import connection
+from django.utils import timezone
 
 from apps.machines.models import MachineInstance
 
@@ -27,8 +29,8 @@ WITH c AS (
     FOR UPDATE OF m SKIP LOCKED
 ), u AS (
     UPDATE machines_machineinstance m
-    SET status = 'claimed', claimed_at = now(), claim_id = %(claim)s,
-        claimed_by = %(by)s, claimed_for = %(for)s
+    SET status = 'claimed', claimed_at = now(), status_changed_at = now(), claim_id = %(claim)s,
+        claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s
     FROM c WHERE m.id = c.id AND m.status = 'ready'
     RETURNING m.*
 ), e AS (
@@ -64,11 +66,20 @@ IDLE_SQL = _sql(
 
 
 def claim(
-    sql: str, *, actor: str = "", by: str = "", for_: str = "", job_id: Any = None, **params: Any
+    sql: str,
+    *,
+    actor: str = "",
+    by: str = "",
+    for_: str = "",
+    job_id: Any = None,
+    lease_seconds: float | None = None,
+    **params: Any,
 ) -> tuple[uuid.UUID, MachineInstance | None]:
-    """Run a claim statement; returns (claim id, the claimed instance or None)."""
+    """Run a claim statement; returns (claim id, the claimed instance or None). With
+    ``lease_seconds`` the claim expires then and the reaper releases the machine."""
     claim_id = uuid.uuid4()
     values = {
+        "lease": timezone.now() + timedelta(seconds=lease_seconds) if lease_seconds else None,
         "claim": claim_id,
         "by": by[:200],
         "for": for_[:200],

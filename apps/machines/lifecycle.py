@@ -20,7 +20,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.core.errors import InvalidTransition
+from apps.core.broker import enqueue_on_commit
+from apps.core.errors import Conflict, InvalidTransition
+from apps.core.errors import NotFound as DomainNotFound
 from apps.core.selectors import installation_id
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
@@ -118,7 +120,7 @@ def instance_request(
             actor=actor,
             reason=reason,
         )
-        transaction.on_commit(lambda: provision_instance_task.delay(str(instance.pk)))
+        enqueue_on_commit(provision_instance_task, str(instance.pk))
     return instance
 
 
@@ -203,6 +205,9 @@ def instance_provision(*, instance_id: Any) -> None:
                 provider_id=machine.provider_id,
             )
     if not recorded:
+        current = MachineInstance.objects.filter(pk=instance.pk).values("status", "provider_id").first()
+        if current and current["status"] in INSTANCE_LIVE and current["provider_id"] == machine.provider_id:
+            return  # a second run of this task (re-driven) found the machine the first one recorded
         # The row ended (terminated, failed, lost) while we were creating: do not leak.
         log.info("instance %s ended during provisioning; deleting its machine", instance.pk)
         MachineInstance.objects.filter(pk=instance.pk, provider_id="").update(provider_id=machine.provider_id)
@@ -223,10 +228,14 @@ def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") 
 # ---- terminate -------------------------------------------------------------------------------
 
 
-def instance_terminate(*, instance_id: Any, actor: str = "", reason: str = "") -> MachineInstance:
+def instance_terminate(
+    *, instance_id: Any, actor: str = "", reason: str = "", cause: str = "machine_terminated"
+) -> MachineInstance:
     """Move a live instance to ``terminating`` and enqueue its destruction after commit.
 
-    Raises InvalidTransition when it is not live. Its pool (if any) refills after commit.
+    Raises InvalidTransition when it is not live. Its pool (if any) refills after commit. A
+    job still on the machine is requeued with ``cause`` once the machine is gone (or when its
+    agent reports it killed), never while it may still run there.
     """
     from apps.machines.tasks import terminate_instance_task
 
@@ -234,11 +243,38 @@ def instance_terminate(*, instance_id: Any, actor: str = "", reason: str = "") -
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         event = "pool.member_terminated" if row and row["pool_id"] else None
         instance = instance_transition(
-            instance_id=instance_id, to=S.TERMINATING, actor=actor, reason=reason, event=event
+            instance_id=instance_id,
+            to=S.TERMINATING,
+            actor=actor,
+            reason=reason,
+            event=event,
+            end_cause=cause[:32],
+            lease_expires_at=None,
         )
-        transaction.on_commit(lambda: terminate_instance_task.delay(str(instance_id)))
+        enqueue_on_commit(terminate_instance_task, str(instance_id))
     _after_instance_left(instance)
     return instance
+
+
+def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str = "") -> MachineInstance:
+    """End a claim made through a pool acquire: the machine is terminated (a used machine
+    never returns to ``ready``) and its pool refills. Idempotent: releasing a claim already
+    released answers the machine as it is. A machine held by a job is the job's to end."""
+    with transaction.atomic():
+        instance = MachineInstance.objects.select_for_update().filter(pk=instance_id).first()
+        if instance is None:
+            raise DomainNotFound("instance not found")
+        if claim_id is not None and instance.claim_id is not None and str(instance.claim_id) != str(claim_id):
+            raise Conflict("this machine is held by another claim", code="claim_mismatch")
+        if instance.status != S.CLAIMED:
+            if instance.end_cause == "claim_released":
+                return instance  # a repeated release
+            raise InvalidTransition("Instance", instance.pk, instance.status, "released")
+        if instance.claimed_for.startswith("job:"):
+            raise Conflict("this machine runs a job; cancel the job to release it", code="held_by_job")
+        return instance_terminate(
+            instance_id=instance.pk, actor=actor, reason="claim released", cause="claim_released"
+        )
 
 
 def instance_destroy(*, instance_id: Any) -> None:
@@ -254,10 +290,24 @@ def instance_destroy(*, instance_id: Any) -> None:
     if provider_id:
         with contextlib.suppress(NotFound):
             provider.delete(provider_id)
-    with contextlib.suppress(InvalidTransition):
-        instance_transition(
-            instance_id=instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
-        )
+    with transaction.atomic():
+        try:
+            ended = instance_transition(
+                instance_id=instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
+            )
+        except InvalidTransition:
+            return
+        instance_gone(ended)
+
+
+def instance_gone(instance: MachineInstance) -> None:
+    """The machine no longer exists: a job still on it goes back to the queue (with the
+    instance's ``end_cause``), its pool refills and the scheduler may buy a replacement."""
+    _requeue_jobs_of(instance, instance.end_cause or "machine_terminated", instance.failure_reason)
+    _after_instance_left(instance)
+    from apps.jobs.tasks import schedule_task
+
+    enqueue_on_commit(schedule_task)
 
 
 def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineInstance | None:
@@ -276,14 +326,13 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
                 reason=reason,
                 event="pool.member_lost" if row and row["pool_id"] else None,
                 failure_reason=reason[:2000],
+                end_cause="machine_lost",
             )
         except InvalidTransition:
             return None
-        _requeue_jobs_of(instance, reason)
-        transaction.on_commit(
-            lambda: destroy_machine_task.delay(
-                str(instance.provider_account_id), instance.provider_id, str(instance.pk)
-            )
+        _requeue_jobs_of(instance, "machine_lost", reason)
+        enqueue_on_commit(
+            destroy_machine_task, str(instance.provider_account_id), instance.provider_id, str(instance.pk)
         )
     _after_instance_left(instance)
     return instance
@@ -301,10 +350,10 @@ def destroy_machine(*, account_id: Any, provider_id: str, instance_id: str) -> N
             provider.delete(provider_id)
 
 
-def _requeue_jobs_of(instance: MachineInstance, reason: str) -> None:
-    from apps.jobs.scheduling import jobs_requeue_for_lost_instance
+def _requeue_jobs_of(instance: MachineInstance, cause: str, detail: str = "") -> None:
+    from apps.jobs.scheduling import jobs_requeue_for_instance
 
-    jobs_requeue_for_lost_instance(instance=instance, reason=reason)
+    jobs_requeue_for_instance(instance=instance, cause=cause, detail=detail)
 
 
 def _after_instance_left(instance: MachineInstance) -> None:

@@ -6,6 +6,7 @@ from decimal import Decimal
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from apps.core.crypto import decrypt_json, encrypt_json
 from apps.machines.choices import InstanceStatus, Policy, ProviderKind
@@ -151,6 +152,9 @@ class MachineInstance(models.Model):
         "jobs.JobConfiguration", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     failure_reason = models.TextField(blank=True)
+    # Why it ends (machine_terminated, pool_drained, machine_lost, claim_released, …): a job
+    # still on it is requeued with this reason once the machine is gone.
+    end_cause = models.CharField(max_length=32, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     provisioning_started_at = models.DateTimeField(null=True, blank=True)
     warming_started_at = models.DateTimeField(null=True, blank=True)
@@ -160,6 +164,10 @@ class MachineInstance(models.Model):
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     terminating_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    # When the current status was entered: the reaper's deadlines count from here.
+    status_changed_at = models.DateTimeField(default=timezone.now)
+    # An acquire with lease_seconds: the reaper releases the claim after this.
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
     billed_seconds = models.PositiveIntegerField(null=True, blank=True)
     cost = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
 
@@ -175,6 +183,8 @@ class MachineInstance(models.Model):
             # Reaper and reconciler: live rows by provider account / status.
             models.Index(fields=["provider_account", "status"], name="instance_account_status"),
             models.Index(fields=["org", "machine_type", "status"], name="instance_org_type_status"),
+            # Reaper deadlines: WHERE status IN (…) AND status_changed_at < now() - deadline
+            models.Index(fields=["status", "status_changed_at"], name="instance_status_since"),
             # Agent API authentication: WHERE agent_token_hash = %s
             models.Index(
                 fields=["agent_token_hash"], name="instance_agent_token", condition=~Q(agent_token_hash="")

@@ -23,10 +23,17 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.machines.lifecycle import _event_kind, instance_mark_lost, owner_labels, provider_for
+from apps.machines.lifecycle import (
+    _event_kind,
+    instance_gone,
+    instance_mark_lost,
+    owner_labels,
+    provider_for,
+)
 from apps.machines.models import MachineInstance, ProviderAccount
 from apps.machines.services import instance_transition
 from catacloud.providers import NotFound, ProviderError, RateLimited
@@ -133,18 +140,19 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                 report.lost.append(instance_id)
         elif status == S.TERMINATING and row["provider_id"] and machine is None:
             # Deleted already but the task died before recording it.
-            with contextlib.suppress(InvalidTransition):
-                instance_transition(
+            with contextlib.suppress(InvalidTransition), transaction.atomic():
+                ended = instance_transition(
                     instance_id=instance_id,
                     to=S.TERMINATED,
                     from_=[S.TERMINATING],
                     actor="reconciler",
                     reason="machine already gone",
                 )
+                instance_gone(ended)
         elif status == S.TERMINATING and machine is not None:
             from apps.machines.tasks import terminate_instance_task
 
-            terminate_instance_task.delay(instance_id)
+            enqueue(terminate_instance_task, instance_id)
             report.retried_terminations.append(instance_id)
     return report
 

@@ -3,7 +3,9 @@
 Runs as a single instance (advisory lock), reads every pool's member counts in one grouped
 query, and works in bounded batches:
 - schedules: apply the target_size of the most recently fired schedule;
-- stuck members: warming longer than warmup_grace_seconds → terminated (pool.member_stuck);
+- machines past their state's deadline (apps.machines.convergence): lost provision and
+  terminate tasks sent again, machines not ready in time terminated (pool members after
+  warmup_grace_seconds: pool.member_stuck), expired claim leases released;
 - silent agents: no heartbeat for CATACLOUD_AGENT_LOST_AFTER → lost (jobs requeued);
 - pools whose counts differ from their targets (or with outdated members) → refilled;
 - the providers' reconciler for every provider account in use;
@@ -25,11 +27,10 @@ from django.db import connection
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from apps.core.errors import InvalidTransition
 from apps.core.locks import REAPER, try_advisory_lock
-from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.machines.lifecycle import instance_mark_lost, instance_terminate
+from apps.machines.convergence import instances_converge
+from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance
 from apps.machines.reconcile import reconcile_all
 from apps.pools.choices import POOL_ACTIVE
@@ -67,7 +68,9 @@ def _tick(now: datetime, reconcile: bool) -> TickReport:
     started = time.perf_counter()
     report = TickReport()
     report.schedules_applied = apply_schedules(now=now)
-    report.stuck = _terminate_stuck(now)
+    machines = instances_converge(now=now)
+    report.stuck = machines.pop("stuck")
+    report.extra.update(machines)
     report.lost = _mark_silent_lost(now)
 
     # All pools' member counts in one grouped query.
@@ -111,41 +114,6 @@ def _tick(now: datetime, reconcile: bool) -> TickReport:
         report.reconcile_actions = sum(r.actions for r in reconcile_all())
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _terminate_stuck(now: datetime) -> int:
-    """Members warming (or provisioning) longer than their pool's warmup grace."""
-    stuck = (
-        MachineInstance.objects.filter(pool__isnull=False, status__in=[S.PROVISIONING, S.WARMING])
-        .annotate(grace=F("pool__warmup_grace_seconds"))
-        .values("pk", "provisioning_started_at", "created_at", "grace")[: BATCH * 4]
-    )
-    count = 0
-    for row in stuck:
-        since = row["provisioning_started_at"] or row["created_at"]
-        if now - since <= timedelta(seconds=row["grace"]):
-            continue
-        try:
-            instance_terminate(
-                instance_id=row["pk"],
-                actor="reaper",
-                reason=f"warming for more than {row['grace']}s",
-            )
-        except InvalidTransition:
-            continue
-        inst = MachineInstance.objects.filter(pk=row["pk"]).values("org_id", "pool_id").first()
-        event_record(
-            kind="pool.member_stuck",
-            org=inst["org_id"],
-            pool=inst["pool_id"],
-            instance=row["pk"],
-            actor="reaper",
-            reason=f"warming for more than {row['grace']}s",
-        )
-        count += 1
-        if count >= BATCH:
-            break
-    return count
 
 
 def _mark_silent_lost(now: datetime) -> int:

@@ -16,7 +16,7 @@ from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationF
 from apps.core.transitions import change_state
 from apps.events.services import event_record
 from apps.machines import claims
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, grant_for
 from apps.orgs.models import Organization
@@ -139,6 +139,7 @@ def pool_claim(
     actor: str = "",
     job_id: Any = None,
     org_id: Any = None,
+    lease_seconds: float | None = None,
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
     instance to two callers; answers :class:`PoolEmpty` at once when none is ready.
@@ -153,6 +154,7 @@ def pool_claim(
         by=acquired_by,
         for_=acquired_for,
         job_id=job_id,
+        lease_seconds=lease_seconds,
         pool=str(pool_id),
         active=sorted(POOL_ACTIVE),
         org=str(org_id) if org_id else None,
@@ -225,7 +227,9 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
         for instance_id, status in members:
             if terminate_members:
                 try:
-                    instance_terminate(instance_id=instance_id, actor=actor, reason="pool drained")
+                    instance_terminate(
+                        instance_id=instance_id, actor=actor, reason="pool drained", cause="pool_drained"
+                    )
                     terminated += 1
                 except InvalidTransition:
                     pass
@@ -263,7 +267,17 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
     Serialised per pool by a row lock; returns the number of members requested."""
     from apps.machines.lifecycle import instance_request, instance_terminate
 
+    keys = InstancePool.objects.filter(pk=pool_id).values("org_id", "machine_type_id").first()
+    if keys is None:
+        return 0
     with transaction.atomic():
+        # Lock order: the grant (serialises every path that buys machines of this org and
+        # machine type: other pools' refills, job placement), then the pool.
+        grant = (
+            OrgMachineType.objects.select_for_update()
+            .filter(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"])
+            .first()
+        )
         pool = (
             InstancePool.objects.select_for_update(of=("self",))
             .select_related("machine_type")
@@ -286,12 +300,10 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
         fresh = [m for m in unclaimed if not m["outdated"]]
         fresh_ready = [m for m in fresh if m["status"] == InstanceStatus.READY]
         outdated = [m for m in unclaimed if m["outdated"]]
-        grant = OrgMachineType.objects.filter(org_id=pool.org_id, machine_type=mt).first()
-        org_live = (
-            MachineInstance.objects.filter(org_id=pool.org_id, machine_type=mt, status__in=INSTANCE_LIVE)
-            .exclude(status=InstanceStatus.TERMINATING)
-            .count()
-        )
+        # Every machine that costs money counts against max_instances, terminating ones too.
+        org_live = MachineInstance.objects.filter(
+            org_id=pool.org_id, machine_type=mt, status__in=INSTANCE_COUNTED
+        ).count()
         wanted = max(0, pool.target_size - len(fresh))
         room_pool = max(0, pool.max_size - len(members))
         room_quota = max(0, (grant.max_instances if grant else 0) - org_live)

@@ -6,7 +6,7 @@ import logging
 import redis
 from celery import shared_task
 
-from apps.core.broker import redis_client
+from apps.core.broker import broker_down, enqueue, mark_broker_down, redis_client
 from apps.pools import reaper
 from apps.pools.services import pool_refill
 
@@ -23,12 +23,16 @@ def request_refill(pool_id: str) -> None:
     mark *before* it reads the pool, so a claim committed after that enqueues a new refill;
     if the mark is ever lost or stale, the reaper's tick still converges the pool.
     """
+    if broker_down():
+        return  # the reaper's tick refills the pool
     try:
         fresh = redis_client().set(REFILL_PENDING.format(pool_id), "1", nx=True, ex=60)
-    except redis.RedisError:
-        fresh = True
-    if fresh:
-        pool_refill_task.delay(pool_id)
+    except redis.RedisError as exc:
+        mark_broker_down(exc)
+        return
+    if fresh and not enqueue(pool_refill_task, pool_id):
+        with contextlib.suppress(redis.RedisError):
+            redis_client().delete(REFILL_PENDING.format(pool_id))
 
 
 @shared_task(ignore_result=True, acks_late=True)

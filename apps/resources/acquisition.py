@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.broker import enqueue, enqueue_on_commit
 from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
@@ -40,7 +43,8 @@ def acquire_after_commit(job_ids: list[Any]) -> None:
     from apps.resources.tasks import acquire_resources_task
 
     ids = [str(j) for j in job_ids]
-    transaction.on_commit(lambda: [acquire_resources_task.delay(j) for j in ids])
+    for job_id in ids:
+        enqueue_on_commit(acquire_resources_task, job_id)
 
 
 def job_acquire_resources(*, job_id: Any) -> str:
@@ -120,7 +124,14 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         ResourceInstance.objects.filter(pk=resource.pk).update(attempts=resource.attempts + 1)
         if exc.retryable:
             # Back to requested; the acquire task retries it with backoff.
-            ResourceInstance.objects.filter(pk=resource.pk, status=R.CREATING).update(status=R.REQUESTED)
+            with contextlib.suppress(InvalidTransition):
+                resource_transition(
+                    resource_id=resource.pk,
+                    to=R.REQUESTED,
+                    from_=[R.CREATING],
+                    actor="acquirer",
+                    reason=str(exc),
+                )
             raise
         resource_transition(
             resource_id=resource.pk,
@@ -136,9 +147,17 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         row.external_id, row.metadata = created.external_id[:200], created.metadata
         row.secret = created.secret
         row.save(update_fields=["external_id", "metadata", "secret_encrypted"])
-        # If it was released while being created, the release task destroys it.
-        with contextlib.suppress(InvalidTransition):
+        if row.status == R.CREATING:
             resource_transition(resource_id=resource.pk, to=R.READY, from_=[R.CREATING], actor="acquirer")
+            return
+    # Released (or re-driven) while we were creating: the release's destroy may have run
+    # before the thing existed, so destroy what we made now (idempotent), and let a release
+    # still in flight find it recorded.
+    log.info("resource %s was released while being created; destroying it", resource.pk)
+    if row.status in (R.RELEASING, R.DESTROYED, R.FAILED):
+        build_well(rtype.well, rtype.config).destroy(
+            resource_id=str(resource.pk), external_id=created.external_id, job_id=str(job.pk)
+        )
 
 
 def _fail_job(job: Job, reason: str) -> None:
@@ -170,7 +189,8 @@ def release_for_job(*, job_id: Any, reason: str) -> int:
             continue
         released.append(str(resource_id))
     if released:
-        transaction.on_commit(lambda: [destroy_resource_task.delay(r) for r in released])
+        for resource_id in released:
+            enqueue_on_commit(destroy_resource_task, resource_id)
     return len(released)
 
 
@@ -207,7 +227,8 @@ def wake_waiting(*, type_id: str) -> None:
         .values_list("pk", flat=True)[:50]
     )
     if waiting:
-        transaction.on_commit(lambda: [acquire_resources_task.delay(str(j)) for j in waiting])
+        for job_id in waiting:
+            enqueue_on_commit(acquire_resources_task, str(job_id))
 
 
 def resources_safety_net(*, now: Any = None) -> dict[str, int]:
@@ -242,14 +263,28 @@ def resources_safety_net(*, now: Any = None) -> dict[str, int]:
             )
         except InvalidTransition:
             continue
+    # Creating past its deadline: the worker died mid-create (a redelivered task sees
+    # `creating` and leaves it). Back to requested; the acquire below creates it again.
+    create_cutoff = now - timedelta(seconds=settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT)
+    for resource_id in ResourceInstance.objects.filter(
+        status=R.CREATING, status_changed_at__lt=create_cutoff
+    ).values_list("pk", flat=True)[:100]:
+        with contextlib.suppress(InvalidTransition):
+            resource_transition(
+                resource_id=resource_id,
+                to=R.REQUESTED,
+                from_=[R.CREATING],
+                actor="reaper",
+                reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
+            )
     releasing = [
         str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
     ]
     for resource_id in releasing:
-        destroy_resource_task.delay(resource_id)
+        enqueue(destroy_resource_task, resource_id)
     acquiring = [
         str(j) for j in Job.objects.filter(status=J.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
     ]
     for job_id in acquiring:
-        acquire_resources_task.delay(job_id)
+        enqueue(acquire_resources_task, job_id)
     return {"released_orphans": released, "destroying": len(releasing), "acquiring": len(acquiring)}

@@ -23,7 +23,9 @@ R = ResourceStatus
 RESOURCE_LIVE = frozenset({R.REQUESTED, R.CREATING, R.READY, R.HELD, R.RELEASING})
 RESOURCE_TRANSITIONS: dict[str, frozenset[str]] = {
     R.REQUESTED: frozenset({R.CREATING, R.RELEASING, R.FAILED}),
-    R.CREATING: frozenset({R.READY, R.RELEASING, R.FAILED}),
+    # creating -> requested: a create that failed transiently or whose worker died is retried
+    # (wells create idempotently by resource id).
+    R.CREATING: frozenset({R.REQUESTED, R.READY, R.RELEASING, R.FAILED}),
     R.READY: frozenset({R.HELD, R.RELEASING, R.FAILED}),
     R.HELD: frozenset({R.RELEASING, R.FAILED}),
     R.RELEASING: frozenset({R.DESTROYED, R.FAILED}),

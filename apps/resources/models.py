@@ -3,6 +3,7 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
+from django.utils import timezone
 
 from apps.core.crypto import decrypt_json, encrypt_json
 from apps.resources.choices import ResourceStatus, WellKind
@@ -46,10 +47,16 @@ class ResourceInstance(models.Model):
     held_at = models.DateTimeField(null=True, blank=True)
     releasing_at = models.DateTimeField(null=True, blank=True)
     destroyed_at = models.DateTimeField(null=True, blank=True)
+    # When the current status was entered: the reaper's deadlines count from here.
+    status_changed_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["resource_type", "status"], name="resource_type_status")]
+        indexes = [
+            models.Index(fields=["resource_type", "status"], name="resource_type_status"),
+            # Reaper deadlines: WHERE status IN (…) AND status_changed_at < now() - deadline
+            models.Index(fields=["status", "status_changed_at"], name="resource_status_since"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.resource_type} {self.id} ({self.status})"

@@ -22,7 +22,7 @@ from apps.jobs.scheduling import (
     job_finished,
     job_started,
     job_submit,
-    jobs_requeue_for_lost_instance,
+    jobs_requeue_for_instance,
     place,
     retire_idle_machines,
     schedule,
@@ -296,7 +296,7 @@ def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World)
     first = idle_machine(world, mt)
     schedule()
     job_started(instance=first, job_id=job.pk)
-    jobs_requeue_for_lost_instance(instance=first, reason="agent silent")
+    jobs_requeue_for_instance(instance=first, cause="machine_lost", detail="agent silent")
     second = idle_machine(world, mt)
     schedule()
     refresh(job)

@@ -368,7 +368,7 @@ def test_creating_a_pool_starts_warming_it_at_once(
     from apps.pools import tasks
 
     enqueued: list[str] = []
-    monkeypatch.setattr(tasks.pool_refill_task, "delay", lambda pool_id: enqueued.append(pool_id))
+    monkeypatch.setattr(tasks.pool_refill_task, "apply_async", lambda args, **_: enqueued.append(args[0]))
     with django_capture_on_commit_callbacks(execute=True):
         pool = pool_create(org=world.org, name="now", machine_type=fake_type, target_size=2, max_size=3)
     assert enqueued == [str(pool.pk)]

@@ -83,6 +83,8 @@ class JobSerializer(serializers.ModelSerializer):
             "instance",
             "attempt",
             "max_attempts",
+            "requeue_reason",
+            "free_requeues",
             "priority",
             "exit_code",
             "failure_reason",
@@ -94,6 +96,7 @@ class JobSerializer(serializers.ModelSerializer):
             "assigned_at",
             "started_at",
             "finished_at",
+            "status_changed_at",
         )
         read_only_fields = fields
 

@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from apps.core.api import OrgScopedViewSet
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
 from apps.machines.choices import InstanceStatus
-from apps.machines.lifecycle import instance_terminate
+from apps.machines.lifecycle import instance_release_claim, instance_terminate
 from apps.machines.models import MachineInstance, MachineType
 from apps.machines.selectors import machine_types_for_org
 
@@ -57,6 +57,12 @@ class TerminateOut(serializers.Serializer):
     status = serializers.CharField()
 
 
+class ReleaseIn(serializers.Serializer):
+    claim_id = serializers.UUIDField(
+        required=False, allow_null=True, help_text="if given, only this claim is released"
+    )
+
+
 class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """The org's machine instances: status, pool, provider ids, timestamps, cost."""
 
@@ -65,6 +71,7 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
     filterset_class = InstanceFilter
     ordering_fields = ("created_at", "ready_at", "claimed_at", "status")
     ordering = ("-created_at",)
+    required_roles = {"release": "member"}
 
     @extend_schema(request=None, responses={202: TerminateOut})
     @action(detail=True, methods=["post"])
@@ -72,5 +79,18 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
         """Destroy the machine at the provider; its pool sees the deficit and replaces it."""
         instance = instance_terminate(
             instance_id=self.get_object().pk, actor=self.actor(), reason="terminated through the API"
+        )
+        return Response({"id": instance.pk, "status": instance.status}, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=ReleaseIn, responses={202: TerminateOut})
+    @action(detail=True, methods=["post"])
+    def release(self, request: Request, pk: str | None = None) -> Response:
+        """Hand back a machine acquired from a pool. A used machine never returns to a pool:
+        it is terminated and the pool refills. A repeat answers 202 again; a machine held
+        by a job answers 409 (cancel the job instead)."""
+        body = ReleaseIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        instance = instance_release_claim(
+            instance_id=self.get_object().pk, claim_id=body.validated_data.get("claim_id"), actor=self.actor()
         )
         return Response({"id": instance.pk, "status": instance.status}, status=status.HTTP_202_ACCEPTED)

@@ -101,6 +101,14 @@ class PoolUpdateSerializer(serializers.Serializer):
 class AcquireIn(serializers.Serializer):
     acquired_by = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     acquired_for = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    lease_seconds = serializers.IntegerField(
+        min_value=1,
+        max_value=30 * 86_400,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="the claim ends after this: the machine is terminated and the pool refills",
+    )
 
 
 class AcquireOut(serializers.Serializer):

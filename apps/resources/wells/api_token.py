@@ -3,10 +3,13 @@ stops working when the job ends (revoked at release; expires after the job's tim
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.orgs.models import ApiToken, Membership
@@ -39,6 +42,10 @@ class ApiTokenWell(Well):
         return Created(external_id=str(token.pk), metadata=metadata, secret={"token": secret})
 
     def destroy(self, *, resource_id: str, external_id: str, job_id: str | None) -> None:
-        token = ApiToken.objects.filter(pk=external_id).first()
-        if token is not None:
+        # By id when creation was recorded, else by the resource id in its name (a create
+        # whose worker died before recording it, or a release racing the create).
+        match = Q(name__endswith=f"({resource_id})")
+        with contextlib.suppress(ValueError):
+            match |= Q(pk=uuid.UUID(external_id))
+        for token in ApiToken.objects.filter(match, revoked_at__isnull=True):
             api_token_revoke(token=token, actor="api_token well")

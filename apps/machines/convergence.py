@@ -1,0 +1,137 @@
+"""The reaper's rules for machine instances: every live state has a deadline.
+
+Each rule finds the rows past their deadline with one query (bounded batch) and acts on
+each with the same idempotent services a task would call. A lost Celery message therefore
+delays a row by at most its deadline plus one reaper tick.
+
+| state        | deadline (from status_changed_at)         | the reaper                        |
+|--------------|-------------------------------------------|-----------------------------------|
+| pending      | CATACLOUD_REDRIVE_AFTER                   | sends the provision task again    |
+| provisioning | CATACLOUD_REDRIVE_AFTER                   | sends the provision task again    |
+| pending..warming | pool warmup_grace / CATACLOUD_BOOT_TIMEOUT | terminates it           |
+| claimed      | lease_expires_at (acquire lease_seconds)  | terminates it (claim released)    |
+| terminating  | CATACLOUD_REDRIVE_AFTER                   | sends the terminate task again    |
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import F
+from django.db.models.functions import Coalesce
+
+from apps.core.broker import enqueue
+from apps.core.errors import InvalidTransition
+from apps.events.services import event_record
+from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import instance_terminate
+from apps.machines.models import MachineInstance
+
+log = logging.getLogger(__name__)
+S = InstanceStatus
+BATCH = 500
+BOOTING = [S.PENDING, S.PROVISIONING, S.WARMING]
+
+
+def instances_converge(*, now: datetime) -> dict[str, int]:
+    return {
+        "redriven_provision": redrive_provisioning(now=now),
+        "redriven_terminate": redrive_terminating(now=now),
+        "stuck": terminate_stuck(now=now),
+        "leases_expired": expire_leases(now=now),
+    }
+
+
+def redrive_provisioning(*, now: datetime) -> int:
+    """Pending or provisioning past the re-drive deadline: its task was lost (or is backing
+    off); send it again. instance_provision is idempotent (the provider adopts by name or
+    client token), so a second copy of a live task does no harm."""
+    from apps.machines.tasks import provision_instance_task
+
+    cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
+    ids = MachineInstance.objects.filter(
+        status__in=[S.PENDING, S.PROVISIONING], status_changed_at__lt=cutoff, provider_id=""
+    ).values_list("pk", flat=True)[:BATCH]
+    count = 0
+    for instance_id in ids:
+        count += enqueue(provision_instance_task, str(instance_id))
+    return count
+
+
+def redrive_terminating(*, now: datetime) -> int:
+    from apps.machines.tasks import terminate_instance_task
+
+    cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
+    ids = MachineInstance.objects.filter(status=S.TERMINATING, status_changed_at__lt=cutoff).values_list(
+        "pk", flat=True
+    )[:BATCH]
+    count = 0
+    for instance_id in ids:
+        count += enqueue(terminate_instance_task, str(instance_id))
+    return count
+
+
+def terminate_stuck(*, now: datetime) -> int:
+    """Machines that did not become ready in time (pool members: their pool's
+    warmup_grace_seconds; others: CATACLOUD_BOOT_TIMEOUT), counted from the provisioning
+    start (or the request, for a machine still pending)."""
+    default_grace = settings.CATACLOUD_BOOT_TIMEOUT
+    rows = (
+        MachineInstance.objects.filter(status__in=BOOTING)
+        .annotate(
+            grace=F("pool__warmup_grace_seconds"), since=Coalesce("provisioning_started_at", "created_at")
+        )
+        .order_by("since")
+        .values("pk", "since", "grace", "pool_id", "org_id")[: BATCH * 4]
+    )
+    count = 0
+    for row in rows:
+        grace = row["grace"] if row["pool_id"] and row["grace"] is not None else default_grace
+        if now - row["since"] <= timedelta(seconds=grace):
+            continue
+        reason = f"not ready within {grace:.0f}s"
+        try:
+            instance_terminate(instance_id=row["pk"], actor="reaper", reason=reason, cause="boot_timeout")
+        except InvalidTransition:
+            continue
+        event_record(
+            kind="pool.member_stuck" if row["pool_id"] else "instance.stuck",
+            org=row["org_id"],
+            pool=row["pool_id"],
+            instance=row["pk"],
+            actor="reaper",
+            reason=reason,
+        )
+        count += 1
+        if count >= BATCH:
+            break
+    return count
+
+
+def expire_leases(*, now: datetime) -> int:
+    """Claims acquired with ``lease_seconds`` end when the lease does: the machine is
+    terminated (a used machine never returns to a pool) and its pool refills."""
+    rows = MachineInstance.objects.filter(status=S.CLAIMED, lease_expires_at__lt=now).values(
+        "pk", "org_id", "pool_id", "claim_id", "claimed_by"
+    )[:BATCH]
+    count = 0
+    for row in rows:
+        try:
+            instance_terminate(
+                instance_id=row["pk"], actor="reaper", reason="claim lease expired", cause="lease_expired"
+            )
+        except InvalidTransition:
+            continue
+        event_record(
+            kind="instance.lease_expired",
+            org=row["org_id"],
+            pool=row["pool_id"],
+            instance=row["pk"],
+            actor="reaper",
+            claim_id=str(row["claim_id"]),
+            acquired_by=row["claimed_by"],
+        )
+        count += 1
+    return count
