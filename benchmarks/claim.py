@@ -55,14 +55,14 @@ def _naive_sql() -> str:
 
 def naive_claim(*, pool_id: Any, acquired_by: str = "", acquired_for: str = "", enqueue: bool = True) -> Any:
     """pool_claim with plain FOR UPDATE (the baseline); same statement (autocommit), event and
-    enqueue. With ``enqueue=False``: the service's own statement without the refill enqueue."""
+    refill signal. With ``enqueue=False``: the service's own statement without the refill signal."""
     from apps.core.errors import PoolEmpty
     from apps.machines import claims
     from apps.pools.choices import POOL_ACTIVE
     from apps.pools.services import _enqueue_refill
 
     _, instance = claims.claim(
-        _NAIVE_SQL if enqueue else claims.POOL_SQL,
+        _NAIVE_SQL if enqueue else claims.POOL_SQL_NO_SIGNAL,
         by=acquired_by,
         for_=acquired_for,
         pool=str(pool_id),
