@@ -35,6 +35,9 @@ _SIGNAL = f"""
 )"""
 
 
+_SIGNAL_COUNT = ", (SELECT count(*) FROM n)"  # makes the notify CTE run
+
+
 def _sql(candidates: str, event_kind: str, *, signal: bool = False) -> str:
     return f"""
 WITH c AS (
@@ -54,7 +57,10 @@ WITH c AS (
                               'acquired_for', %(for)s::text)
     FROM u
 ){_SIGNAL if signal else ""}
-SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}{", (SELECT count(*) FROM n)" if signal else ""} FROM u
+SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}, mt.name, pa.kind{_SIGNAL_COUNT if signal else ""}
+FROM u
+JOIN machines_machinetype mt ON mt.id = u.machine_type_id
+JOIN machines_provideraccount pa ON pa.id = u.provider_account_id
 """
 
 
@@ -108,4 +114,7 @@ def claim(
         row = cursor.fetchone()
     if row is None:
         return claim_id, None
-    return claim_id, MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
+    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
+    # What an answer names besides the row (the acquire endpoint needs no second query).
+    instance.machine_type_name, instance.provider_kind = row[len(_ATTNAMES)], row[len(_ATTNAMES) + 1]
+    return claim_id, instance
