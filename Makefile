@@ -32,8 +32,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part.
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part. Installs the bench-only peers.
+bench: $(BENCH_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks $(if $(ONLY),--only $(ONLY))
 
 services-up: $(STAMP)
