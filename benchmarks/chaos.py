@@ -633,6 +633,7 @@ def _injector(
     restarts: list[tuple[float, Any]] = []
     next_fault = soak.now() + interval * rng.uniform(0.5, 1.5)
     weights = {"kill_worker": 3, "kill_agent": 3, "kill_redis": 1.5, "drop_messages": 2.5}
+    first_kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
     try:
         while not soak.stop.is_set():
             now = soak.now()
@@ -644,7 +645,10 @@ def _injector(
                     return
             elif now >= next_fault:
                 next_fault = now + interval * rng.uniform(0.5, 1.5)
-                kind = rng.choices(list(weights), list(weights.values()))[0]
+                if not first_kinds:
+                    kind = rng.choices(list(weights), list(weights.values()))[0]
+                else:  # every kind once first, so even a short soak sees each of them
+                    kind = first_kinds[0]
                 detail = ""
                 if kind == "kill_worker":
                     w = rng.choice(workers)
@@ -665,6 +669,8 @@ def _injector(
                     if detail is None:
                         continue  # Redis is down
                 soak.faults.append({"kind": kind, "at": soak.now(), "detail": detail})
+                if first_kinds and first_kinds[0] == kind:
+                    first_kinds.pop(0)
             time.sleep(0.05)
     finally:
         for _, restart in restarts:
@@ -957,11 +963,22 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
     last_fault = max((f["at"] for f in soak.faults), default=soak.now())
     deadline = soak.now() + p.settle_timeout
     converged_at = None
+    progress(f"chaos: workload done at {soak.now():.0f}s; waiting up to {p.settle_timeout:.0f}s to converge")
+    last_progress = soak.now()
     while soak.now() < deadline:
         ok = _sample(soak, world)
-        if ok and not _end_problems(soak, world):
+        problems = _end_problems(soak, world)
+        if ok and not problems:
             converged_at = soak.now()
             break
+        if soak.now() - last_progress >= p.progress_every:
+            last_progress = soak.now()
+            left = Counter(i for i, _, _ in problems)
+            progress(
+                f"chaos: {soak.now():5.0f}s  settling: "
+                f"{', '.join(f'{k} {n}' for k, n in left.items()) or 'ok'}"
+                f"{'' if ok else ' (not consistent)'}; e.g. {problems[0][2] if problems else ''}"
+            )
         time.sleep(0.5)
     soak.final = {  # type: ignore[attr-defined]
         "last_fault_at": last_fault,
@@ -1190,6 +1207,10 @@ def main(argv: list[str] | None = None) -> int:
         "--duration", type=float, default=None, help="spread the faults over this many seconds"
     )
     parser.add_argument("--fault-interval", type=float, default=5.0, help="mean seconds between faults")
+    parser.add_argument(
+        "--workload-timeout", type=float, default=None, help="end the workload phase after this"
+    )
+    parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds to wait for convergence")
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md and docs/bench/ go")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
     args = parser.parse_args(argv)
@@ -1209,6 +1230,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         duration=args.duration,
         fault_interval=args.fault_interval,
+        workload_timeout=args.workload_timeout,
+        settle_timeout=args.settle_timeout,
         out=out,
     )
     result.date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
