@@ -24,6 +24,8 @@ Invariants (each violation is recorded once per row and state, with an example):
 - ``provider_mismatch``: at the end the provider's machines are exactly the live rows.
 - ``resource_leak``: at the end no resource instance is live, the webhook has no live account
   and no scratch database of the soak exists.
+- ``artifact_lost``: at the end every succeeded job of the ``outputs`` configuration has its
+  output recorded (stored, or failed: a visible state, not a silent loss).
 
 Time to converge: for each fault, from the fault to the first sample at which the system is
 consistent again (no running machine without a live row, no ready/claimed row without its
@@ -75,6 +77,7 @@ INVARIANTS = (
     "job_not_terminal",
     "provider_mismatch",
     "resource_leak",
+    "artifact_lost",
 )
 FAULT_KINDS = ("kill_worker", "kill_agent", "kill_redis", "drop_messages")
 
@@ -99,6 +102,7 @@ class Params:
     progress_every: float = 5.0
     workers: int = 2
     workload_timeout: float | None = None  # end the workload phase after this many seconds
+    stall_timeout: float = 120.0  # ... or when no job ended for this long (wedged)
 
     @property
     def env(self) -> dict[str, str]:
@@ -136,6 +140,9 @@ def deadlines(p: Params) -> dict[tuple[str, str], float]:
         ("resource", "creating"): WELL + 2 * r,
         ("resource", "held_after_job"): WELL + 2 * r,  # ready/held whose job has ended
         ("resource", "releasing"): WELL + 2 * r,
+        ("artifact", "any"): WELL + 2 * r,  # any status but stored / failed / expired
+        ("pool", "warming"): BOOT + lost + 2 * r,  # since its last event, unless a limit holds it
+        ("pool", "replenishing"): BOOT + lost + 2 * r,
     }
 
 
@@ -373,6 +380,13 @@ WORKLOAD = {
     "scratch-db": (10, "ephemeral", ["chaos-db"], "sleep 0.5", 30),
     "hook": (15, "reuse", ["chaos-hook", "chaos-token"], "sleep 0.5", 30),
     "long": (10, "reuse", [], "sleep {long}", 40),
+    "outputs": (
+        8,
+        "ephemeral",
+        [],
+        'echo "$CATACLOUD_JOB_ID" > "$CATACLOUD_OUTPUT_DIR/result.txt"; sleep 0.3',
+        30,
+    ),
 }
 
 
@@ -485,11 +499,23 @@ def _run_soak(
     limit = p.workload_timeout or (
         p.jobs * 3.0 + p.faults * p.fault_interval * 2 + 600 + (p.duration or 0) * 2
     )
+    done, last_done_change = -1, 0.0
     try:
         while soak.now() < limit:
             if soak.now() - last_progress >= p.progress_every:
                 last_progress = soak.now()
                 progress(_progress_line(soak, submitted[0]))
+                now_done = _done_jobs(world)
+                if now_done != done:
+                    done, last_done_change = now_done, soak.now()
+                elif soak.now() - last_done_change > p.stall_timeout:
+                    soak.violate(
+                        "job_not_terminal",
+                        "stall",
+                        f"wedged: no job ended for {p.stall_timeout:.0f}s ({done} done); "
+                        f"live jobs: {_live_summary(world)}",
+                    )
+                    break
             if submitted[0] >= p.jobs and injector_done.is_set() and _live_jobs(world) == 0:
                 break
             time.sleep(0.5)
@@ -536,6 +562,34 @@ def _progress_line(soak: Soak, submitted: int) -> str:
         f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})  "
         f"violations {sum(v.values())} ({', '.join(f'{k} {n}' for k, n in v.items() if n) or 'none'})"
     )
+
+
+def _done_jobs(world: World) -> int:
+    from apps.jobs.choices import JOB_TERMINAL
+    from apps.jobs.models import Job
+
+    return Job.objects.filter(org=world.tenant.org, status__in=JOB_TERMINAL).count()
+
+
+def _live_summary(world: World) -> str:
+    from django.db.models import Count
+
+    from apps.jobs.choices import JOB_LIVE
+    from apps.jobs.models import Job
+    from apps.machines.choices import INSTANCE_LIVE
+    from apps.machines.models import MachineInstance
+
+    jobs = (
+        Job.objects.filter(org=world.tenant.org, status__in=JOB_LIVE)
+        .values_list("status", "pending_reason")
+        .annotate(n=Count("id"))
+    )
+    machines = (
+        MachineInstance.objects.filter(org=world.tenant.org, status__in=INSTANCE_LIVE)
+        .values_list("status")
+        .annotate(n=Count("id"))
+    )
+    return f"{sorted(jobs)}; live machine rows {sorted(machines)}"
 
 
 def _live_jobs(world: World) -> int:
@@ -905,6 +959,35 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
                 f"{s} ({r['resource_type_id']}) after its job ended ({r['job__status']})",
             )
 
+    from apps.jobs.models import Artifact
+    from apps.pools.models import InstancePool
+
+    for a in (
+        Artifact.objects.filter(org=org)
+        .exclude(status__in=("stored", "failed", "expired"))
+        .values("id", "status", "created_at")
+    ):
+        late(
+            "artifact",
+            a["id"],
+            a["status"],
+            _age(now, a["created_at"]),
+            budget[("artifact", "any")],
+            a["status"],
+        )
+    for pool in InstancePool.objects.filter(
+        org=org, status__in=("warming", "replenishing"), limit_reason=""
+    ).values("id", "status", "created_at"):
+        last = Event.objects.filter(pool_id=pool["id"]).aggregate(last=Max("created_at"))["last"]
+        late(
+            "pool",
+            pool["id"],
+            pool["status"],
+            _age(now, last or pool["created_at"]),
+            budget[("pool", pool["status"])],
+            f"{pool['status']} with no limit and no event",
+        )
+
     consistent &= _check_processes(soak, world, {str(j["id"]): j for j in jobs})
     if consistent:
         soak.consistent_at.append(soak.now())
@@ -919,6 +1002,7 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> boo
     from apps.jobs.models import Job
 
     seen: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    pids: set[int] = set()
     for record in _machine_records(world.state_dir):
         for proc in _agent_tree(record)[1:]:
             try:
@@ -928,6 +1012,29 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> boo
             job_id = env.get("CATACLOUD_JOB_ID")
             if job_id:
                 seen[job_id].add((env.get("CATACLOUD_ATTEMPT", "?"), record["instance_id"]))
+                pids.add(proc.pid)
+    # Job processes that left their agent's tree (an agent that died without killing its job):
+    # the job commands are shells and sleeps; they count as running on "no agent".
+    strays: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for proc in psutil.process_iter(["name"]):
+        if proc.pid in pids or proc.info["name"] not in ("sh", "dash", "bash", "sleep"):
+            continue
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        with contextlib.suppress(ValueError):
+            uuid.UUID(env.get("CATACLOUD_JOB_ID", ""))
+            strays[env["CATACLOUD_JOB_ID"]].add((env.get("CATACLOUD_ATTEMPT", "?"), "no agent"))
+    if strays:
+        ours = {
+            str(i)
+            for i in Job.objects.filter(org=world.tenant.org, pk__in=list(strays)).values_list(
+                "pk", flat=True
+            )
+        }
+        for job_id in ours:
+            seen[job_id] |= strays[job_id]
     ok = True
     for job_id, runs in seen.items():
         attempts = {a for a, _ in runs}
@@ -1042,6 +1149,21 @@ def _end_problems(soak: Soak, world: World) -> list[tuple[str, str, str]]:
                 f"row:{r['id']}",
                 f"resource {r['id']} ({r['resource_type_id']}) still {r['status']}, "
                 f"its job {r['job__status']}",
+            )
+        )
+    from apps.jobs.models import Artifact
+
+    lost = (
+        Job.objects.filter(org=org, status="succeeded", config_id=world.configs["outputs"])
+        .exclude(pk__in=Artifact.objects.filter(kind="output").values("job_id"))
+        .values_list("id", "attempt", "instance_id")
+    )
+    for job_id, attempt, instance_id in lost:
+        problems.append(
+            (
+                "artifact_lost",
+                str(job_id),
+                f"job {job_id} succeeded (attempt {attempt}, machine {instance_id}) but has no output row",
             )
         )
     with world.webhook.lock:
