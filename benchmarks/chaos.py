@@ -289,6 +289,7 @@ class Soak:
     faults: list[dict[str, Any]] = field(default_factory=list)
     series: list[tuple[float, int, int]] = field(default_factory=list)  # t, live rows, machines
     consistent_at: list[float] = field(default_factory=list)
+    samples: list[tuple[float, frozenset[str]]] = field(default_factory=list)  # t, what is off
     api: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -823,7 +824,7 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
     p = soak.p
     budget = deadlines(p)
     grace = p.reaper_interval  # "past its deadline plus one reaper interval"
-    consistent = True
+    bad: set[str] = set()  # what is not converged right now (row keys)
     org = world.tenant.org
     provider = LocalProvider(config={"state_dir": str(world.state_dir)}, credentials={})
     rows = list(
@@ -859,9 +860,8 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
         )
 
     def late(kind: str, row_id: Any, state: str, age: float, allowed: float, what: str) -> None:
-        nonlocal consistent
         if age > allowed + grace:
-            consistent = False
+            bad.add(f"{kind}:{row_id}:{state}")
             soak.violate(
                 "deadline",
                 f"{kind}:{row_id}:{state}",
@@ -902,11 +902,11 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
             )
         # consistency: a ready/claimed/warming row whose machine is gone is not converged yet
         if s in ("warming", "ready", "claimed") and r["provider_id"] and r["provider_id"] not in machines:
-            consistent = False
+            bad.add(f"row-without-machine:{r['id']}")
     for pid in machines:
         row = by_id.get(pid)
         if row is None or row["status"] not in INSTANCE_LIVE:
-            consistent = False  # a machine running with no live row (the reconciler's job)
+            bad.add(f"machine-without-row:{pid}")  # the reconciler's job
 
     jobs = list(
         Job.objects.filter(org=org, status__in=JOB_LIVE).values(
@@ -988,15 +988,16 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
             f"{pool['status']} with no limit and no event",
         )
 
-    consistent &= _check_processes(soak, world, {str(j["id"]): j for j in jobs})
-    if consistent:
+    bad |= _check_processes(soak, world, {str(j["id"]): j for j in jobs})
+    soak.samples.append((soak.now(), frozenset(bad)))
+    if not bad:
         soak.consistent_at.append(soak.now())
-    return consistent
+    return not bad
 
 
-def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> bool:
+def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set[str]:
     """Job processes: never two attempts of a job (or two machines) at once; none long after
-    its job ended."""
+    its job ended. Returns the keys of what is off."""
     import psutil
 
     from apps.jobs.models import Job
@@ -1035,12 +1036,12 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> boo
         }
         for job_id in ours:
             seen[job_id] |= strays[job_id]
-    ok = True
+    bad: set[str] = set()
     for job_id, runs in seen.items():
         attempts = {a for a, _ in runs}
         hosts = {h for _, h in runs}
         if len(attempts) > 1 or len(hosts) > 1:
-            ok = False
+            bad.add(f"process:{job_id}")
             soak.violate(
                 "double_run",
                 job_id,
@@ -1050,7 +1051,7 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> boo
         if job_id not in live_jobs:
             ended = soak.job_ended_at.setdefault(job_id, soak.now())
             if soak.now() - ended > 3.0 + 2.0:  # the agents' kill grace, plus a sample
-                ok = False
+                bad.add(f"process:{job_id}")
                 job = Job.objects.filter(pk=job_id).values("status", "attempt").first()
                 soak.violate(
                     "orphan_process",
@@ -1058,7 +1059,7 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> boo
                     f"job {job_id} ({job}) still has processes {sorted(runs)} "
                     f"{soak.now() - ended:.0f}s after it ended",
                 )
-    return ok
+    return bad
 
 
 # ---- the end -----------------------------------------------------------------------------------
@@ -1070,6 +1071,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
     last_fault = max((f["at"] for f in soak.faults), default=soak.now())
     deadline = soak.now() + p.settle_timeout
     converged_at = None
+    workload_done = soak.now()
     progress(f"chaos: workload done at {soak.now():.0f}s; waiting up to {p.settle_timeout:.0f}s to converge")
     last_progress = soak.now()
     while soak.now() < deadline:
@@ -1089,8 +1091,9 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
         time.sleep(0.5)
     soak.final = {  # type: ignore[attr-defined]
         "last_fault_at": last_fault,
+        "workload_done_at": workload_done,
         "converged_at": converged_at,
-        "converge_after_last_fault": None if converged_at is None else converged_at - last_fault,
+        "converge_after_workload": None if converged_at is None else converged_at - workload_done,
     }
     for invariant, key, detail in _end_problems(soak, world):
         soak.violate(invariant, key, detail)
@@ -1098,7 +1101,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
     if converged_at is None:
         progress(f"chaos: did NOT converge within {p.settle_timeout:.0f}s after the workload")
     else:
-        progress(f"chaos: converged {converged_at - last_fault:.1f}s after the last fault")
+        progress(f"chaos: everything converged {converged_at - workload_done:.1f}s after the workload ended")
 
 
 def _end_problems(soak: Soak, world: World) -> list[tuple[str, str, str]]:
@@ -1212,19 +1215,26 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
     from apps.jobs.models import Job
 
     p = soak.p
-    final = getattr(soak, "final", {"converge_after_last_fault": None})
+    final = getattr(soak, "final", {})
     kinds = Counter(f["kind"] for f in soak.faults)
-    # time to converge after each fault: to the first consistent sample after it
-    times = []
+    # Time to converge after each fault: to the first sample after it at which nothing is off
+    # that was not already off just before it (rows stuck by an earlier fault do not hide the
+    # recovery from this one; what this fault broke for good counts as never converged).
+    recovery: list[float | None] = []
     for f in soak.faults:
-        after = next((t for t in soak.consistent_at if t > f["at"]), None)
-        if after is not None:
-            times.append(after - f["at"])
+        before = next((keys for t, keys in reversed(soak.samples) if t <= f["at"]), frozenset())
+        after = next((t for t, keys in soak.samples if t > f["at"] and keys <= before), None)
+        recovery.append(None if after is None else after - f["at"])
+    times = [t for t in recovery if t is not None]
+    never = [f for f, t in zip(soak.faults, recovery, strict=True) if t is None]
     counts = soak.counts()
     outcomes = Counter(Job.objects.filter(org=world.tenant.org).values_list("status", flat=True))
     attempts = Counter(Job.objects.filter(org=world.tenant.org).values_list("attempt", flat=True))
-    converge = final["converge_after_last_fault"]
     target = 2 * p.reaper_interval + p.lost_after  # an agent kill is only detectable after lost_after
+    last_time = recovery[-1] if recovery else None
+    final["recovered_after_last_fault"] = last_time
+    final["never_converged"] = [f"{f['at']:.0f}s {f['kind']} {f['detail']}" for f in never]
+    end = final.get("converge_after_workload")
     figures = [
         Figure("jobs", float(sum(outcomes.values())), "", f"{p.jobs}"),
         Figure(
@@ -1234,14 +1244,28 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
     figures += [Figure(f"faults: {k}", float(kinds.get(k, 0))) for k in FAULT_KINDS]
     figures += [Figure(f"violations: {i}", float(n), "", "0", met=n == 0) for i, n in counts.items()]
     figures += [
+        Figure("faults the system never recovered from", float(len(never)), "", "0", met=not never),
         Figure("time to converge after a fault, p50", median(times), "s"),
-        Figure("time to converge after a fault, max", max(times) if times else float("nan"), "s"),
+        Figure(
+            "time to converge after a fault, max",
+            max(times) if times else float("nan"),
+            "s",
+            f"<= {target:g} s",
+            met=bool(times) and max(times) <= target,
+        ),
         Figure(
             "converged after the last fault",
-            float("nan") if converge is None else converge,
+            float("nan") if last_time is None else last_time,
             "s",
             f"<= {target:g} s (2 reaper intervals + lost-after)",
-            met=converge is not None and converge <= target,
+            met=last_time is not None and last_time <= target,
+        ),
+        Figure(
+            "everything converged after the workload ended",
+            float("nan") if end is None else end,
+            "s",
+            "",
+            note="jobs terminal, machines = rows, nothing leaked",
         ),
     ]
     examples: dict[str, list[str]] = defaultdict(list)
