@@ -1017,11 +1017,14 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
     # Job processes that left their agent's tree (an agent that died without killing its job):
     # the job commands are shells and sleeps; they count as running on "no agent".
     strays: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    agents = {r["pid"] for r in _machine_records(world.state_dir)}
     for proc in psutil.process_iter(["name"]):
         if proc.pid in pids or proc.info["name"] not in ("sh", "dash", "bash", "sleep"):
             continue
         try:
             env = proc.environ()
+            if any(parent.pid in agents for parent in proc.parents()):
+                continue  # started inside an agent's tree after we walked it: not a stray
         except psutil.Error:
             continue
         with contextlib.suppress(ValueError):
