@@ -67,6 +67,33 @@ boot times), which meets both targets; the max_wait rows show the trade-off. War
 because every claim is refilled with a new machine whose hour starts immediately; `pool:5:cost`
 (a pool in front of reusable machines) gets zero p95 wait for about the price of ephemeral."""
 
+CHAOS = """\
+**What the soak checks, and what it found.** `make chaos` runs the real system (gunicorn, two
+Celery workers, beat, local agents, PostgreSQL, a Redis of its own) under a REST workload while
+it SIGKILLs workers, agents (with their jobs: the machine is gone) and Redis, and deletes every
+queued and unacknowledged Celery message. Intervals are shortened (reaper 2 s, agent lost after
+4 s, heartbeat 0.5 s); each state's deadline is in `benchmarks.chaos.deadlines` and a row is a
+violation only past its deadline plus one reaper interval. "Converged" means: no running
+machine without a live row, no ready/claimed/warming row without its machine, no row past a
+deadline, no job running twice; at the end also every job terminal, the provider's machines
+equal to the live rows and no resource, webhook account or scratch database left. The
+convergence target after the last fault is two reaper intervals plus `CATACLOUD_AGENT_LOST_AFTER`
+(an agent's death can only be noticed once it has been silent that long).
+
+On the code of this run the soak finds, in order of harm: (1) **instances stuck in `pending`
+for ever**: `instance_request` commits a `pending` row and only the `provision_instance_task`
+message moves it; when that message is lost (a dropped queue, Redis or the worker killed
+before it acked) nothing re-drives it, and the row keeps counting against `max_instances`, so
+a long enough soak wedges the grant (jobs then wait for a machine for ever); (2) **more machines
+than `max_instances`**: both `pool_refill` and the scheduler's `_provision_or_wait` count live
+instances *excluding `terminating`* (whose machines still run and bill), and `pool_refill`
+counts under the pool's row lock, not the grant's, so a refill and a scheduler pass can both
+buy the last slot; (3) while Redis is down **every REST call answers 500** (DRF's throttle reads
+the Redis cache and raises) and the agent's `finished` report answers 500 *after* its
+transaction committed (the `on_commit` `.delay()` raises), so the agent retries a report that
+was already recorded. The per-invariant
+examples above name the rows; `tests/e2e/test_chaos.py` reproduces them in about a minute."""
+
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
     "rest": REST,
@@ -75,4 +102,5 @@ EXPLANATIONS: dict[str, str] = {
     "reaper": REAPER,
     "admission": ADMISSION,
     "cost": COST,
+    "chaos": CHAOS,
 }

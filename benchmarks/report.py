@@ -10,7 +10,7 @@ from typing import Any
 
 from benchmarks.harness import PartResult
 
-ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost")
+ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "chaos")
 
 
 def environment() -> dict[str, str]:
@@ -212,6 +212,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         fig.savefig(d / "cost.png", dpi=110)
         plt.close(fig)
         made.append("cost.png")
+    if "chaos" in by and by["chaos"].data.get("series"):
+        from benchmarks.chaos import plot
+
+        made.append(plot(by["chaos"], out))
     return made
 
 
@@ -244,7 +248,12 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             lines += [n, ""]
         if r.part in explanations:
             lines += [explanations[r.part], ""]
-        for png, part in (("claim.png", "claim"), ("latency.png", "replenish"), ("cost.png", "cost")):
+        for png, part in (
+            ("claim.png", "claim"),
+            ("latency.png", "replenish"),
+            ("cost.png", "cost"),
+            ("chaos.png", "chaos"),
+        ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]
     path = out / "BENCHMARKS.md"
