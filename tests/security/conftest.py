@@ -1,0 +1,3 @@
+"""Fixtures shared with the tests of the areas these boundaries cross."""
+
+from tests.jobs.test_artifacts import local_storage, moto_s3  # noqa: F401 - fixtures
