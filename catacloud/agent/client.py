@@ -473,7 +473,8 @@ class AgentClient:
                     time.sleep(delay)
             tries += 1
             try:
-                with open(file_path, "rb") as fh:
+                # Never follow a link the job planted where a file was listed.
+                with open(os.open(file_path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
                     checksum = sha256_of(fh, size)
                     fh.seek(0)

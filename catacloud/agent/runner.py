@@ -1,7 +1,15 @@
 """Running one job: its own session and process tree, streamed output, timeout, cancellation.
 
-The command runs as ``/bin/sh -c COMMAND`` in a new session, so the whole tree shares one process
-group. Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
+The command runs as ``/bin/sh -c COMMAND`` under a small supervisor (the "shim", see
+:data:`SHIM`) that leads a new session, so the whole tree shares one process group. The shim is
+a child subreaper whose parent-death signal is tied to the agent: when the agent dies, even by
+SIGKILL, the kernel signals the shim, which SIGKILLs every descendant of the job (also those
+that left the group or daemonized: as a subreaper, orphans are re-parented to it). A job
+therefore never outlives its agent, so a requeued attempt never runs beside it. With ``user``
+set (the agent runs as root) the command runs as that unprivileged user (``setpriv --reuid
+--regid --clear-groups``).
+
+Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
 flusher thread ships chunks while the job runs. Stopping a job (timeout, cancel, agent exit)
 kills the whole tree: SIGTERM to the group and to every descendant seen (also those that left the
 group), a grace period, then SIGKILL.
@@ -13,8 +21,10 @@ import codecs
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +43,91 @@ TIMED_OUT = "timed_out"
 CANCELLED = "cancelled"
 
 KILL_GRACE_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """The unprivileged account a job runs as."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+# The job's supervisor ("shim"), the agent's direct child and the job shell's parent. It is a
+# child subreaper (PR_SET_CHILD_SUBREAPER), so every process the job starts stays its
+# descendant even after double-forking or setsid; and it asks the kernel for SIGUSR1 when the
+# agent dies (PR_SET_PDEATHSIG), then SIGKILLs all of them. When the job's shell exits it ends
+# what the shell left behind (SIGTERM, a second, SIGKILL) and exits as the shell did.
+SHIM = """
+import ctypes, os, signal, subprocess, sys, time
+import psutil
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+def descendants():
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+def reap():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+def end_all(signum, grace):
+    deadline = time.monotonic() + grace
+    while True:
+        procs = descendants()
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.send_signal(signum)
+            except psutil.Error:
+                pass
+        reap()
+        if time.monotonic() >= deadline:
+            signum = signal.SIGKILL
+        time.sleep(0.02)
+def agent_died(*_):
+    end_all(signal.SIGKILL, 0)
+    os._exit(137)
+signal.signal(signal.SIGUSR1, agent_died)
+libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    agent_died()  # the agent died before we asked to be told
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda *_: None)  # the job's group gets them; a handler resets on exec
+child = subprocess.Popen(sys.argv[2:])
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        status = 0
+        break
+    if pid == child.pid:
+        break
+end_all(signal.SIGTERM, 1.0)
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def job_argv(command: str, *, user: JobUser | None) -> list[str]:
+    """``/bin/sh -c command`` under the shim, as ``user`` when given."""
+    argv = ["/bin/sh", "-c", command]
+    if user is not None:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise OSError("setpriv (util-linux) is needed to run jobs as an unprivileged user")
+        drop = [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs"]
+        argv = [setpriv, *drop, "--", *argv]
+    return [sys.executable, "-I", "-c", SHIM, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -418,13 +513,17 @@ def run_job_process(
     streamer: LogStreamer,
     kill_grace: float = KILL_GRACE_SECONDS,
     poll_interval: float = 0.1,
+    user: JobUser | None = None,
 ) -> JobResult:
-    """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures."""
+    """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
+
+    ``env`` is the job's whole environment (nothing of the agent's is added). With ``user``
+    the command runs as that account."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
     try:
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", command],
+            job_argv(command, user=user),
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
