@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
-from django.db import DataError
+from django.core.exceptions import RequestDataTooBig
+from django.db import DataError, IntegrityError
 from django.db.models import ProtectedError, QuerySet
 from django.http import Http404
 from rest_framework import exceptions, permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
+from rest_framework.views import APIView, set_rollback
 
 from apps.core.errors import DomainError, ValidationFailed
 from apps.orgs.choices import ROLE_RANK, Role
@@ -63,7 +64,23 @@ def error_response(status_code: int, code: str, detail: str, **extra: Any) -> Re
     return Response({"code": code, "detail": detail, **extra}, status=status_code)
 
 
+def _unique_violation(exc: IntegrityError) -> bool:
+    from psycopg import errors as pg_errors
+
+    return isinstance(exc.__cause__, pg_errors.UniqueViolation)
+
+
 def exception_handler(exc: Exception, context: dict) -> Response:
+    set_rollback()  # an error leaves nothing half-written (ATOMIC_REQUESTS or not)
+    if isinstance(exc, IntegrityError):
+        # Two requests creating the same name at once: the loser's INSERT hits the unique index.
+        if _unique_violation(exc):
+            return error_response(400, "duplicate_name", "an object with this name already exists")
+        return error_response(409, "conflict", "a concurrent change conflicts with this request")
+    if isinstance(exc, RequestDataTooBig):
+        return error_response(413, "payload_too_large", "the request body is larger than allowed")
+    if isinstance(exc, RecursionError):
+        return error_response(400, "parse_error", "the request is nested too deeply")
     if isinstance(exc, ValidationFailed):
         return error_response(exc.status, exc.code, exc.detail, fields=exc.fields)
     if isinstance(exc, DomainError):
