@@ -65,6 +65,20 @@ CATACLOUD_ENCRYPTION_KEYS = _required_secret("CATACLOUD_ENCRYPTION_KEY", _fernet
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
+# Production behind TLS (README "Security", `manage.py check --deploy` passes with these set).
+# Behind a proxy that terminates TLS, trust its X-Forwarded-Proto header (only then).
+if env.bool("DJANGO_SECURE_PROXY_SSL_HEADER", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env.bool("DJANGO_SECURE_SSL_REDIRECT", default=False)
+# /healthz answers probes over plain HTTP inside the cluster.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env.bool("DJANGO_SECURE_COOKIES", default=False)
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -237,6 +251,8 @@ if CATACLOUD_STORAGE == "s3" and not CATACLOUD_S3_BUCKET:
     raise ImproperlyConfigured("CATACLOUD_S3_BUCKET must be set when CATACLOUD_STORAGE=s3")
 # Optional bearer token Prometheus must send to scrape /metrics.
 CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
+# /metrics names every org and pool: closed unless a token is set or it is opened on purpose.
+CATACLOUD_METRICS_PUBLIC = env.bool("CATACLOUD_METRICS_PUBLIC", default=False)
 # Public URL agents use to reach the API (put into cloud-init user data).
 CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
 
