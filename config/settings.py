@@ -62,6 +62,13 @@ def _fernet_key() -> str:
 # Comma-separated Fernet keys; the first encrypts, all decrypt (rotation).
 CATACLOUD_ENCRYPTION_KEYS = _required_secret("CATACLOUD_ENCRYPTION_KEY", _fernet_key).split(",")
 
+# Bootstrap tokens (machines' single-use enrollment): comma-separated keys, the first signs, all
+# verify (rotation); and how long after a machine's creation its token is accepted.
+CATACLOUD_BOOTSTRAP_KEYS = _required_secret(
+    "CATACLOUD_BOOTSTRAP_KEYS", lambda: secrets.token_urlsafe(48)
+).split(",")
+CATACLOUD_BOOTSTRAP_TOKEN_TTL = env.int("CATACLOUD_BOOTSTRAP_TOKEN_TTL", default=6 * 3600)
+
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
@@ -225,6 +232,8 @@ CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
 # Long-poll: how long an idle agent's GET work waits before answering 204.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
+# Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
+CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
 # Billing-aware retention: an idle machine is destroyed this many seconds before its paid

@@ -24,6 +24,7 @@ PRODUCTION = {
     "DJANGO_ALLOWED_HOSTS": "catacloud.example.com",
     "DJANGO_SECRET_KEY": "k" * 10 + "Zq9#x!2@Lm4$Vb7%Nc8^Tr1&Ws5*Yd3(Fg6)Hj0-Pa+Qe=Uo~Ik",
     "CATACLOUD_ENCRYPTION_KEY": "0nQnCZr0mBxgv-xR0jXfdiK0uQd1pP3sCw1gTfnZk0k=",
+    "CATACLOUD_BOOTSTRAP_KEYS": "bootstrap-signing-key-for-the-check-only",
     "DJANGO_SECURE_PROXY_SSL_HEADER": "true",
     "DJANGO_SECURE_SSL_REDIRECT": "true",
     "DJANGO_SECURE_HSTS_SECONDS": "31536000",
