@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import django_filters
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.db import DataError, IntegrityError
@@ -117,6 +118,28 @@ def exception_handler(exc: Exception, context: dict) -> Response:
 
 
 # ---- tenancy --------------------------------------------------------------------------------
+
+
+class OrgScopedFilterSet(django_filters.FilterSet):
+    """Filters that name other objects (``?instance=<id>``) choose only among the caller's org's:
+    another org's id is refused exactly like an id that does not exist, so a filter never tells
+    whether another tenant's object exists."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        request = self.request
+        if request is None or not getattr(request, "user", None) or not request.user.is_authenticated:
+            return
+        org = org_context(request).org
+        for field in self.form.fields.values():
+            queryset = getattr(field, "queryset", None)
+            if queryset is None:
+                continue
+            names = {f.name for f in queryset.model._meta.get_fields()}
+            if "org" in names:
+                field.queryset = queryset.filter(org=org)
+            elif "orgs" in names:
+                field.queryset = queryset.filter(orgs=org)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,33 @@ class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
         return MachineType.objects.filter(grants__org=ctx) if ctx is not None else MachineType.objects.none()
 
 
-class JobConfigurationSerializer(serializers.ModelSerializer):
+class EnvForMembersMixin(serializers.Serializer):
+    """``env`` is shown to members and admins only: viewers and job-scoped tokens get ``{}``
+    and ``env_hidden: true``."""
+
+    env_hidden = serializers.SerializerMethodField(help_text="true when your role may not read env")
+
+    def _env_hidden(self) -> bool:
+        from apps.core.api import org_context
+        from apps.orgs.choices import Role
+
+        request = self.context.get("request")
+        if request is None or not getattr(request.user, "is_authenticated", False):
+            return True
+        ctx = org_context(request)
+        return ctx.job_scope is not None or not ctx.allows(Role.MEMBER)
+
+    def get_env_hidden(self, obj: object) -> bool:
+        return self._env_hidden()
+
+    def to_representation(self, instance: object) -> dict:
+        data = super().to_representation(instance)
+        if data.get("env_hidden"):
+            data["env"] = {}
+        return data
+
+
+class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
     resources = serializers.SlugRelatedField(
         source="resource_types",
@@ -44,6 +70,7 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
             "machine_type",
             "command",
             "env",
+            "env_hidden",
             "timeout_seconds",
             "resources",
             "priority",
@@ -65,7 +92,7 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
         return value
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
     config = serializers.PrimaryKeyRelatedField(read_only=True)
     config_name = serializers.CharField(source="config.name", read_only=True)
     machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -88,6 +115,7 @@ class JobSerializer(serializers.ModelSerializer):
             "failure_reason",
             "cancel_requested",
             "env",
+            "env_hidden",
             "created_at",
             "queued_at",
             "admitted_at",

@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.core.api import OrgScopedViewSet
+from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.core.errors import ValidationFailed
 from apps.jobs.api.serializers import (
     ArtifactSerializer,
@@ -28,7 +28,7 @@ from apps.jobs.scheduling import job_cancel, job_submit
 from apps.jobs.services import job_config_delete, job_config_save
 
 
-class JobConfigurationFilter(django_filters.FilterSet):
+class JobConfigurationFilter(OrgScopedFilterSet):
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
 
     class Meta:
@@ -74,7 +74,7 @@ class JobConfigurationViewSet(
         job_config_delete(config=instance, actor=self.actor())
 
 
-class JobFilter(django_filters.FilterSet):
+class JobFilter(OrgScopedFilterSet):
     status = django_filters.MultipleChoiceFilter(choices=JobStatus.choices)
     config = django_filters.UUIDFilter(field_name="config_id")
     config_name = django_filters.CharFilter(field_name="config__name")
