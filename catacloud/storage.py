@@ -5,6 +5,7 @@ or S3-compatible storage through boto3. Framework-free; keys are chosen by the c
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -79,6 +80,9 @@ class LocalStore(Store):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        # Only the control plane's user reads the store (a local job runs as another user).
+        with contextlib.suppress(PermissionError):
+            os.chmod(self.root, 0o700)
 
     def _path(self, key: str) -> Path:
         check_key(key)

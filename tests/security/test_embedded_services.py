@@ -1,7 +1,7 @@
-"""Boundary: the embedded PostgreSQL is not open to anyone on the machine.
+"""Boundary: the embedded PostgreSQL and Redis are not open to anyone on the machine.
 
-Shown on main: it ran with trust authentication, so any local process (a job on the local
-provider included) connected as superuser with no password.
+Shown on main: PostgreSQL ran with trust authentication and Redis without a password, so any
+local process (a job on the local provider included) connected as superuser or queued tasks.
 """
 
 from __future__ import annotations
@@ -54,3 +54,39 @@ def test_an_old_trust_cluster_gets_a_password_at_its_next_start(home: Path) -> N
     assert stat.S_IMODE((home / "pg-password").stat().st_mode) == 0o600
     pg.secure()  # idempotent: a restart changes nothing and still connects
     psycopg.connect(pg.url("postgres")).close()
+
+
+# ---- the embedded Redis (Celery's broker: whoever reaches it can queue tasks) -----------------
+
+
+@pytest.mark.django_db
+def test_the_running_embedded_redis_needs_its_password() -> None:
+    import redis
+    from django.conf import settings
+
+    url = redis.connection.parse_url(settings.REDIS_URL)
+    assert url.get("password"), "REDIS_URL carries the password"
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=url["host"], port=url["port"], socket_timeout=5).ping()
+
+
+def test_an_unprotected_redis_gets_its_password_at_the_next_start(home: Path) -> None:
+    import redis
+
+    from catacloud.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(home)
+    server.start()
+    try:
+        port = server.state.load()["port"]
+        redis.Redis.from_url(server.url()).config_set("requirepass", "")  # as before passwords
+        redis.Redis(host="127.0.0.1", port=port).ping()
+
+        server.secure()
+
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).ping()
+        assert redis.Redis.from_url(server.url()).ping()
+        assert server.password() not in " ".join(__import__("psutil").Process(server._pid()).cmdline())
+    finally:
+        server.stop()
