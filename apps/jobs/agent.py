@@ -61,7 +61,8 @@ def _payload(job: Job) -> dict[str, Any]:
     return {
         "id": str(job.pk),
         "command": job.command,
-        "env": job.env,
+        # Plain env, then the secret values (the configuration's, then the job's own) on top.
+        "env": {**job.env, **job.config.secret_env, **job.secret_env},
         "timeout_seconds": job.timeout_seconds,
         "attempt": job.attempt,
         "resources": _resource_names(job),

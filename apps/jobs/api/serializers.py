@@ -41,6 +41,21 @@ class EnvForMembersMixin(serializers.Serializer):
         return data
 
 
+SECRET_ENV_HELP = (
+    "NAME: value pairs given to the job but never returned (stored encrypted); write-only: "
+    "sending it replaces all of them, {} removes them"
+)
+
+
+def secret_env_field() -> serializers.DictField:
+    return serializers.DictField(
+        child=serializers.CharField(allow_blank=True, max_length=32768),
+        required=False,
+        write_only=True,
+        help_text=SECRET_ENV_HELP,
+    )
+
+
 class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
     resources = serializers.SlugRelatedField(
@@ -54,6 +69,8 @@ class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer
     env = serializers.DictField(
         child=serializers.CharField(allow_blank=True, max_length=32768), required=False
     )
+    secret_env = secret_env_field()
+    secret_env_keys = serializers.SerializerMethodField(help_text="names of the secret env values")
     timeout_seconds = serializers.IntegerField(min_value=1, max_value=7 * 86400, required=False)
     priority = serializers.IntegerField(min_value=-1000, max_value=1000, required=False)
     max_attempts = serializers.IntegerField(min_value=1, max_value=20, required=False)
@@ -71,6 +88,8 @@ class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer
             "command",
             "env",
             "env_hidden",
+            "secret_env",
+            "secret_env_keys",
             "timeout_seconds",
             "resources",
             "priority",
@@ -84,6 +103,9 @@ class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer
         read_only_fields = ("id", "created_at", "updated_at")
         extra_kwargs = {"command": {"max_length": 65536, "trim_whitespace": False}}
 
+    def get_secret_env_keys(self, obj: JobConfiguration) -> list[str]:
+        return sorted(obj.secret_env)
+
     def validate_command(self, value: str) -> str:
         if not value.strip():
             raise serializers.ValidationError("must not be empty")
@@ -93,6 +115,11 @@ class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer
 
 
 class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
+    secret_env_keys = serializers.SerializerMethodField(help_text="names of the secret env values")
+
+    def get_secret_env_keys(self, obj: Job) -> list[str]:
+        return sorted({*obj.config.secret_env, *obj.secret_env})
+
     config = serializers.PrimaryKeyRelatedField(read_only=True)
     config_name = serializers.CharField(source="config.name", read_only=True)
     machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -116,6 +143,7 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
             "cancel_requested",
             "env",
             "env_hidden",
+            "secret_env_keys",
             "created_at",
             "queued_at",
             "admitted_at",
@@ -133,6 +161,7 @@ class JobSubmitSerializer(serializers.Serializer):
         required=False,
         help_text="added to (and overriding) the configuration's env",
     )
+    secret_env = secret_env_field()
 
 
 class LogChunkSerializer(serializers.Serializer):

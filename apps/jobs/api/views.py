@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
+from django.db import transaction
 from django.http import HttpResponseRedirect, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
@@ -25,7 +26,7 @@ from apps.jobs.artifacts import get_store
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.scheduling import job_cancel, job_submit
-from apps.jobs.services import job_config_delete, job_config_save
+from apps.jobs.services import _check_env, job_config_delete, job_config_save
 
 
 class JobConfigurationFilter(OrgScopedFilterSet):
@@ -119,20 +120,27 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         config = JobConfiguration.objects.filter(org=self.ctx.org, pk=body.validated_data["config"]).first()
         if config is None:
             raise ValidationFailed("config: no such job configuration", fields={"config": ["does not exist"]})
-        job = job_submit(
-            org=self.ctx.org,
-            config=config,
-            env=body.validated_data.get("env"),
-            user=request.user,
-            actor=self.actor(),
-        )
-        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+        with transaction.atomic():  # the secret env is there before any agent can see the job
+            job = job_submit(
+                org=self.ctx.org,
+                config=config,
+                env=body.validated_data.get("env"),
+                user=request.user,
+                actor=self.actor(),
+            )
+            secret_env = body.validated_data.get("secret_env")
+            if secret_env:
+                job.secret_env = _check_env(secret_env)
+                job.save(update_fields=["secret_env_encrypted"])
+        context = self.get_serializer_context()
+        return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={202: JobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         job = job_cancel(job=self.get_object(), actor=self.actor())
-        return Response(JobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+        context = self.get_serializer_context()
+        return Response(JobSerializer(job, context=context).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
         parameters=[
