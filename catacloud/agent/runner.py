@@ -69,6 +69,11 @@ def descendants():
         return psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+def running(p):
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 def reap():
     while True:
         try:
@@ -78,18 +83,20 @@ def reap():
             return
 def end_all(signum, grace):
     deadline = time.monotonic() + grace
-    while True:
-        procs = descendants()
+    sent = set()
+    while time.monotonic() < deadline + 5:  # a zombie whose parent never reaps it: give up
+        procs = [p for p in descendants() if running(p)]
         if not procs:
             return
+        kill = time.monotonic() >= deadline
         for p in procs:
-            try:
-                p.send_signal(signum)
-            except psutil.Error:
-                pass
+            if kill or p.pid not in sent:  # SIGTERM once each, then SIGKILL after the grace
+                try:
+                    p.send_signal(signal.SIGKILL if kill else signum)
+                except psutil.Error:
+                    pass
+                sent.add(p.pid)
         reap()
-        if time.monotonic() >= deadline:
-            signum = signal.SIGKILL
         time.sleep(0.02)
 def agent_died(*_):
     end_all(signal.SIGKILL, 0)

@@ -151,3 +151,32 @@ def test_cloud_machines_create_the_job_user_and_run_jobs_as_it() -> None:
     unit = next(f["content"] for f in document["write_files"] if f["path"].endswith(".service"))
     assert "--job-user catacloud-job" in unit
     assert "User=" not in unit  # the agent itself stays root, to drop privileges for each job
+
+
+def test_the_agent_reads_a_jobs_folder_without_following_links(tmp_path: Path) -> None:
+    import tarfile
+
+    from catacloud.agent.files import archive_dir, open_beneath
+
+    secret = tmp_path / "agent.json"
+    secret.write_text("agent token")
+    job = tmp_path / "checkpoint"
+    (job / "real").mkdir(parents=True)
+    (job / "real" / "weights.bin").write_text("weights")
+    (job / "linked-dir").symlink_to(tmp_path)  # a folder swapped for a link
+    (job / "linked-file").symlink_to(secret)
+
+    os.close(open_beneath(str(job), "real/weights.bin"))
+    for rel in ("linked-dir/agent.json", "linked-file", "../agent.json"):
+        with pytest.raises(OSError):
+            os.close(open_beneath(str(job), rel))
+
+    archive = tmp_path / "c.tar.gz"
+    archive_dir(str(job), str(archive))
+    with tarfile.open(archive) as tar:
+        contents = b"".join(
+            tar.extractfile(m).read()
+            for m in tar.getmembers()
+            if m.isreg()  # type: ignore[union-attr]
+        )
+    assert b"agent token" not in contents and b"weights" in contents
