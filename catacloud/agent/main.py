@@ -454,6 +454,8 @@ class Agent:
         cancel = Cancellation()
         token = secrets.token_urlsafe(32)
         register_secret(token)
+        for value in job.secret_values:
+            register_secret(value)  # never in the agent's own log either
         with self._lock:
             self._current = CurrentJob(job, cancel)
             if job.id in self._cancelled:
@@ -504,10 +506,13 @@ class Agent:
                     cancel=cancel,
                     streamer=streamer,
                     user=self.job_user,
+                    mask=job.secret_values,
                 )
             finally:
                 self.meta.revoke()
                 forget_secret(token)
+                for value in job.secret_values:
+                    forget_secret(value)
                 with self._lock:
                     if self._current is not None:
                         self._current.checkpointer = None

@@ -16,8 +16,6 @@ from apps.machines.models import MachineInstance
 from tests.conftest import World
 from tests.security.test_agent_limits import enrolled_agent
 
-pytestmark = pytest.mark.django_db
-
 CONFIG_SECRET = "cfg-s3cret-value-1234"
 JOB_SECRET = "job-s3cret-value-5678"
 
@@ -32,6 +30,7 @@ def everything_stored() -> str:
     return "\n".join(dump)
 
 
+@pytest.mark.django_db
 def test_secret_env_reaches_the_job_and_is_never_returned_or_stored_in_clear(world: World) -> None:
     admin, member = world.client("admin"), world.client("member")
     created = admin.post(
@@ -75,8 +74,10 @@ def test_secret_env_reaches_the_job_and_is_never_returned_or_stored_in_clear(wor
     assert work.status_code == 200
     env = work.json()["job"]["env"]
     assert env["API_KEY"] == CONFIG_SECRET and env["DEPLOY_TOKEN"] == JOB_SECRET and env["REGION"] == "eu"
+    assert work.json()["job"]["secret_env_names"] == ["API_KEY", "DEPLOY_TOKEN"]
 
 
+@pytest.mark.django_db
 def test_secret_env_names_are_checked_like_env(world: World) -> None:
     response = world.client("admin").post(
         "/api/v1/job-configs/",
@@ -89,3 +90,24 @@ def test_secret_env_names_are_checked_like_env(world: World) -> None:
         format="json",
     )
     assert response.status_code == 400 and response.json()["code"] == "invalid"
+
+
+# ---- the job's output: secret values are masked by the agent ----------------------------------
+
+
+def test_a_job_printing_its_secret_shows_stars(api: object, start_agent: object) -> None:
+    from tests.agent.fake_server import FakeAgentAPI
+
+    assert isinstance(api, FakeAgentAPI)
+    start_agent()  # type: ignore[operator]
+    job = api.assign(
+        'echo "key=$API_KEY"; printf "split=%s" "${API_KEY%????????}"; sleep 0.3;'
+        ' printf "%s\\n" "${API_KEY#${API_KEY%????????}}"; echo "plain=$REGION" >&2',
+        env={"API_KEY": CONFIG_SECRET, "REGION": "eu"},
+        secret_env_names=["API_KEY"],
+    )
+    assert api.wait_finished(job)["outcome"] == "succeeded"
+    output = api.output(job)
+    assert CONFIG_SECRET not in output
+    assert "key=***" in output and "split=***" in output  # also when written in two pieces
+    assert "plain=eu" in output
