@@ -673,6 +673,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _move_env_token_to_a_file(args: argparse.Namespace) -> None:
+    """A bootstrap token given in the environment stays readable in ``/proc/<pid>/environ``
+    for the process's whole life, whatever ``os.environ`` says later. Write it to a 0600 file
+    (removed once enrolled) and re-execute the agent without it; the pid stays the same."""
+    token = os.environ.get(BOOTSTRAP_ENV, "").strip()
+    if not token or args.bootstrap_token or args.bootstrap_token_file:
+        return
+    folder = tempfile.mkdtemp(prefix="catacloud-bootstrap-")  # 0700
+    path = os.path.join(folder, "token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
+    argv = [sys.executable, "-m", "catacloud.agent", *sys.argv[1:], "--bootstrap-token-file", path]
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, argv, env)
+
+
 def _read_bootstrap_token(args: argparse.Namespace) -> str | None:
     if args.bootstrap_token:
         return str(args.bootstrap_token).strip()
@@ -766,6 +785,7 @@ def resolve_job_user(name: str | None) -> JobUser | None:
 def cmd_agent(args: argparse.Namespace) -> int:
     """``catacloud agent``: run this machine's agent until terminated."""
     _setup_logging(args.log_level)
+    _move_env_token_to_a_file(args)
     saved = bool(args.state_file and os.path.exists(args.state_file))
     try:
         token = _read_bootstrap_token(args)

@@ -180,3 +180,14 @@ def test_the_agent_reads_a_jobs_folder_without_following_links(tmp_path: Path) -
             if m.isreg()  # type: ignore[union-attr]
         )
     assert b"agent token" not in contents and b"weights" in contents
+
+
+def test_a_bootstrap_token_given_in_the_environment_leaves_it(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent(token_via_env=True)
+    api.wait_for(lambda: api.calls("POST", "heartbeat"), what="a heartbeat")
+    assert api.calls("POST", "enroll")[0].body["bootstrap_token"] == api.bootstrap_token
+    environ = psutil.Process(agent.proc.pid).environ()
+    assert api.bootstrap_token not in json.dumps(environ)
+    assert api.bootstrap_token not in " ".join(psutil.Process(agent.proc.pid).cmdline())
