@@ -61,15 +61,16 @@ class JobUser:
 # what the shell left behind (SIGTERM, a second, SIGKILL) and exits as the shell did.
 SHIM = """
 import ctypes, os, signal, subprocess, sys, time
-import psutil
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 def descendants():
+    import psutil  # only when the job ends: starting the job stays quick
     try:
         return psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
 def running(p):
+    import psutil
     try:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -93,7 +94,7 @@ def end_all(signum, grace):
             if kill or p.pid not in sent:  # SIGTERM once each, then SIGKILL after the grace
                 try:
                     p.send_signal(signal.SIGKILL if kill else signum)
-                except psutil.Error:
+                except Exception:  # psutil.Error: it is gone
                     pass
                 sent.add(p.pid)
         reap()
