@@ -16,6 +16,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from apps.jobs.models import JobConfiguration
+from apps.pools.models import InstancePool
 from tests.conftest import World
 
 
@@ -28,8 +29,34 @@ def waiting_on_a_lock() -> bool:
         return cursor.fetchone()[0] > 0
 
 
+def _config_row(world: World) -> None:
+    JobConfiguration.objects.create(org=world.org, name="dup", machine_type=world.machine_type, command="x")
+
+
+def _pool_row(world: World) -> None:
+    InstancePool.objects.create(org=world.org, name="dup", machine_type=world.machine_type)
+
+
+def _config_body(world: World) -> dict:
+    return {"name": "dup", "machine_type": str(world.machine_type.pk), "command": "y"}
+
+
+def _pool_body(world: World) -> dict:
+    return {"name": "dup", "machine_type": str(world.machine_type.pk), "target_size": 0, "max_size": 1}
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_concurrent_duplicate_name_is_400_duplicate_name(tworld: World) -> None:
+@pytest.mark.parametrize(
+    ("url", "insert", "body", "count"),
+    [
+        ("/api/v1/job-configs/", _config_row, _config_body, JobConfiguration.objects.count),
+        ("/api/v1/pools/", _pool_row, _pool_body, InstancePool.objects.count),
+    ],
+    ids=["job-config", "pool"],
+)
+def test_a_concurrent_duplicate_name_is_400_duplicate_name(
+    tworld: World, url: str, insert: Any, body: Any, count: Any
+) -> None:
     """The loser passed the name check before the winner committed: its INSERT meets the
     unique index. Forced deterministically: the winner holds its row uncommitted until the
     loser's INSERT is seen waiting on it."""
@@ -38,16 +65,13 @@ def test_a_concurrent_duplicate_name_is_400_duplicate_name(tworld: World) -> Non
 
     def winner() -> None:
         with transaction.atomic():
-            JobConfiguration.objects.create(
-                org=tworld.org, name="dup", machine_type=tworld.machine_type, command="x"
-            )
+            insert(tworld)
             inserted.set()
             release.wait(20)
         connection.close()
 
     def loser() -> None:
-        body = {"name": "dup", "machine_type": str(tworld.machine_type.pk), "command": "y"}
-        answers.append(tworld.client("admin").post("/api/v1/job-configs/", body, format="json"))
+        answers.append(tworld.client("admin").post(url, body(tworld), format="json"))
         connection.close()
 
     threads = [threading.Thread(target=winner)]
@@ -65,7 +89,7 @@ def test_a_concurrent_duplicate_name_is_400_duplicate_name(tworld: World) -> Non
     (response,) = answers
     assert response.status_code == 400, response.content
     assert response.json()["code"] == "duplicate_name"
-    assert list(JobConfiguration.objects.values_list("command", flat=True)) == ["x"]
+    assert count() == 1
 
 
 @pytest.mark.django_db
