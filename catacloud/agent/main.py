@@ -221,6 +221,17 @@ class Agent:
         if self.job_user is not None:
             # Jobs may pass through (to their own 0700 folder) but not list the others.
             os.chmod(self.work_root, 0o711)
+            blocked = _blocked_folder(self.work_root, self.job_user)
+            if blocked is not None:
+                log.error(
+                    "the job user %s cannot pass %s on the way to the work folder %s; "
+                    "choose another --work-dir (or --state-file folder)",
+                    self.job_user.name,
+                    blocked,
+                    self.work_root,
+                )
+                self.meta.close()
+                return 2
         try:
             self._heartbeat_once(retry_for=60.0)  # the handshake: enroll + heartbeat = ready
             threads = [
@@ -715,33 +726,38 @@ def _setup_logging(level: str) -> None:
 DEFAULT_JOB_USERS = ("catacloud-job", "nobody")
 
 
+def _may_execute(st: os.stat_result, user: JobUser) -> bool:
+    """Execute/search permission for ``user`` (its primary group only: jobs get no others)."""
+    if st.st_uid == user.uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == user.gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _blocked_folder(folder: str, user: JobUser) -> str | None:
+    """The first folder on the way to (and including) ``folder`` that ``user`` cannot pass."""
+    parts = os.path.abspath(folder).split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        current = os.sep.join(parts[:depth]) or os.sep
+        try:
+            if not _may_execute(os.stat(current), user):
+                return current
+        except OSError:
+            return current
+    return None
+
+
 def _can_run(path: str, user: JobUser) -> bool:
-    """Whether ``user`` (its primary group only, as jobs get no others) can execute ``path``:
-    search permission on every folder leading to it, execute permission on the file."""
-
-    def allowed(st: os.stat_result, bit_user: int, bit_group: int, bit_other: int) -> bool:
-        if st.st_uid == user.uid:
-            return bool(st.st_mode & bit_user)
-        if st.st_gid == user.gid:
-            return bool(st.st_mode & bit_group)
-        return bool(st.st_mode & bit_other)
-
+    """Whether ``user`` can execute ``path``: every folder leading to it (and to what its
+    symbolic link leads to) passable, the file executable."""
     real = os.path.realpath(path)
-    for link in (path, real):  # the venv's symlink and what it leads to
-        parts = os.path.dirname(os.path.abspath(link)).split(os.sep)
-        for depth in range(1, len(parts) + 1):
-            folder = os.sep.join(parts[:depth]) or os.sep
-            try:
-                st = os.stat(folder)
-            except OSError:
-                return False
-            if not allowed(st, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
-                return False
+    if any(_blocked_folder(os.path.dirname(os.path.abspath(p)), user) for p in (path, real)):
+        return False
     try:
-        st = os.stat(real)
+        return _may_execute(os.stat(real), user)
     except OSError:
         return False
-    return allowed(st, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH)
 
 
 def resolve_job_user(name: str | None) -> JobUser | None:

@@ -15,7 +15,8 @@ import yaml
 VENV = "/opt/catacloud"
 TOKEN_FILE = "/etc/catacloud/bootstrap-token"
 # The agent's enrollment (root-only): a restarted agent resumes instead of enrolling again.
-STATE_FILE = "/var/lib/catacloud/agent.json"
+# In a folder of its own (0700): the work folder's parent must stay passable for the job user.
+STATE_FILE = "/var/lib/catacloud/agent/agent.json"
 WORK_DIR = "/var/lib/catacloud/work"
 UNIT_NAME = "catacloud-agent.service"
 # Jobs run as this unprivileged system user (the agent runs as root and drops to it).

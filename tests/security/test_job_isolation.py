@@ -191,3 +191,21 @@ def test_a_bootstrap_token_given_in_the_environment_leaves_it(
     environ = psutil.Process(agent.proc.pid).environ()
     assert api.bootstrap_token not in json.dumps(environ)
     assert api.bootstrap_token not in " ".join(psutil.Process(agent.proc.pid).cmdline())
+
+
+@root_only
+def test_an_unreachable_work_folder_stops_the_agent_with_a_clear_error(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    private = work_dir.parent / "private"
+    private.mkdir(mode=0o700)
+    agent = start_agent("--job-user", "nobody", "--work-dir", str(private / "work"))
+    assert agent.wait() == 2
+    assert f"cannot pass {private}" in agent.log()
+
+
+def test_on_cloud_machines_the_state_folder_is_not_on_the_work_folders_path() -> None:
+    from catacloud.providers.userdata import STATE_FILE, WORK_DIR
+
+    state_folder = os.path.dirname(STATE_FILE)
+    assert not (WORK_DIR + "/").startswith(state_folder + "/")
