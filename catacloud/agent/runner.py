@@ -99,13 +99,19 @@ def end_all(signum, grace):
                 sent.add(p.pid)
         reap()
         time.sleep(0.02)
+AGENT = int(sys.argv[1])
+dying = []
 def agent_died(*_):
+    # The death signal comes each time a thread of the agent exits (we are re-parented to
+    # another of its threads): act only once the agent process itself is gone, and only once.
+    if dying or os.getppid() == AGENT:
+        return
+    dying.append(True)
     end_all(signal.SIGKILL, 0)
     os._exit(137)
 signal.signal(signal.SIGUSR1, agent_died)
 libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    agent_died()  # the agent died before we asked to be told
+agent_died()  # the agent may have died before we asked to be told
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, lambda *_: None)  # the job's group gets them; a handler resets on exec
 child = subprocess.Popen(sys.argv[2:])
