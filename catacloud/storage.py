@@ -5,6 +5,7 @@ or S3-compatible storage through boto3. Framework-free; keys are chosen by the c
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -14,6 +15,40 @@ from typing import Any, BinaryIO
 
 class StoreError(Exception):
     pass
+
+
+MAX_SEGMENT = 255  # bytes, like a file name on every common file system
+MAX_KEY = 1024  # S3's own limit on a key, in bytes
+
+
+def bad_segment(segment: str) -> str | None:
+    """Why ``segment`` may not be one part of a name or key (None when it may)."""
+    if segment in ("", ".", ".."):
+        return "empty, '.' or '..' part"
+    if "/" in segment or "\\" in segment:
+        return "path separator inside a part"
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in segment):
+        return "NUL or control character"
+    if len(segment.encode("utf-8", "surrogatepass")) > MAX_SEGMENT:
+        return f"part longer than {MAX_SEGMENT} bytes"
+    return None
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is ``<org>/<job>/<name…>`` with every part safe; ``StoreError`` otherwise.
+
+    The one rule every store applies before touching anything, so a key can never name
+    another tenant's files, whatever the caller did before.
+    """
+    parts = key.split("/")
+    if len(parts) < 3:
+        raise StoreError("a key is <org>/<job>/<name>")
+    for part in parts:
+        if (why := bad_segment(part)) is not None:
+            raise StoreError(f"unsafe key ({why})")
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY:
+        raise StoreError(f"key longer than {MAX_KEY} bytes")
+    return key
 
 
 class Store(abc.ABC):
@@ -45,11 +80,17 @@ class LocalStore(Store):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        # Only the control plane's user reads the store (a local job runs as another user).
+        with contextlib.suppress(PermissionError):
+            os.chmod(self.root, 0o700)
 
     def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if self.root not in path.parents:
-            raise StoreError("key escapes the store")
+        check_key(key)
+        org, job, _ = key.split("/", 2)
+        scope = self.root / org / job
+        path = (self.root / key).resolve()  # a symlink planted in the store cannot lead out
+        if scope.resolve() != scope or scope not in path.parents:
+            raise StoreError("key escapes its <org>/<job>/ folder")
         return path
 
     def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
@@ -115,6 +156,7 @@ class S3Store(Store):
         self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part)
 
     def _key(self, key: str) -> str:
+        check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:

@@ -24,7 +24,7 @@ router.register("resources", ResourceViewSet, basename="resource")
 urlpatterns = [
     # GET /jobs/{id}/artifacts/{name}: names may contain "/" and carry no trailing slash.
     re_path(
-        r"^jobs/(?P<pk>[^/.]+)/artifacts/(?P<name>.+[^/])$",
+        r"^jobs/(?P<pk>[^/.]+)/artifacts/(?P<name>[^/](?:.*[^/])?)$",
         JobViewSet.as_view({"get": "artifact"}),
         name="job-artifact",
     ),

@@ -62,8 +62,29 @@ def _fernet_key() -> str:
 # Comma-separated Fernet keys; the first encrypts, all decrypt (rotation).
 CATACLOUD_ENCRYPTION_KEYS = _required_secret("CATACLOUD_ENCRYPTION_KEY", _fernet_key).split(",")
 
+# Bootstrap tokens (machines' single-use enrollment): comma-separated keys, the first signs, all
+# verify (rotation); and how long after a machine's creation its token is accepted.
+CATACLOUD_BOOTSTRAP_KEYS = _required_secret(
+    "CATACLOUD_BOOTSTRAP_KEYS", lambda: secrets.token_urlsafe(48)
+).split(",")
+CATACLOUD_BOOTSTRAP_TOKEN_TTL = env.int("CATACLOUD_BOOTSTRAP_TOKEN_TTL", default=6 * 3600)
+
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+# Production behind TLS (README "Security", `manage.py check --deploy` passes with these set).
+# Behind a proxy that terminates TLS, trust its X-Forwarded-Proto header (only then).
+if env.bool("DJANGO_SECURE_PROXY_SSL_HEADER", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env.bool("DJANGO_SECURE_SSL_REDIRECT", default=False)
+# /healthz answers probes over plain HTTP inside the cluster.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env.bool("DJANGO_SECURE_COOKIES", default=False)
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -86,6 +107,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "apps.core.metrics.RequestMetricsMiddleware",
+    "apps.core.middleware.ApiJsonErrorsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -215,6 +237,8 @@ CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
 # Long-poll: how long an idle agent's GET work waits before answering 204.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
+# Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
+CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
 # Billing-aware retention: an idle machine is destroyed this many seconds before its paid
@@ -259,6 +283,8 @@ if CATACLOUD_STORAGE == "s3" and not CATACLOUD_S3_BUCKET:
     raise ImproperlyConfigured("CATACLOUD_S3_BUCKET must be set when CATACLOUD_STORAGE=s3")
 # Optional bearer token Prometheus must send to scrape /metrics.
 CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
+# /metrics names every org and pool: closed unless a token is set or it is opened on purpose.
+CATACLOUD_METRICS_PUBLIC = env.bool("CATACLOUD_METRICS_PUBLIC", default=False)
 # Public URL agents use to reach the API (put into cloud-init user data).
 CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
 
@@ -280,6 +306,11 @@ REST_FRAMEWORK = {
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PARSER_CLASSES": [
+        "apps.core.parsers.SafeJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_SCHEMA_CLASS": "apps.core.schema.AutoSchema",
     "EXCEPTION_HANDLER": "apps.core.api.exception_handler",

@@ -13,14 +13,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import django_filters
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
-from django.db import DataError
+from django.core.exceptions import RequestDataTooBig
+from django.db import DataError, IntegrityError
 from django.db.models import ProtectedError, QuerySet
 from django.http import Http404
 from rest_framework import exceptions, permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
+from rest_framework.views import APIView, set_rollback
 
 from apps.core.errors import DomainError, ValidationFailed
 from apps.orgs.choices import ROLE_RANK, Role
@@ -63,7 +65,23 @@ def error_response(status_code: int, code: str, detail: str, **extra: Any) -> Re
     return Response({"code": code, "detail": detail, **extra}, status=status_code)
 
 
+def _unique_violation(exc: IntegrityError) -> bool:
+    from psycopg import errors as pg_errors
+
+    return isinstance(exc.__cause__, pg_errors.UniqueViolation)
+
+
 def exception_handler(exc: Exception, context: dict) -> Response:
+    set_rollback()  # an error leaves nothing half-written (ATOMIC_REQUESTS or not)
+    if isinstance(exc, IntegrityError):
+        # Two requests creating the same name at once: the loser's INSERT hits the unique index.
+        if _unique_violation(exc):
+            return error_response(400, "duplicate_name", "an object with this name already exists")
+        return error_response(409, "conflict", "a concurrent change conflicts with this request")
+    if isinstance(exc, RequestDataTooBig):
+        return error_response(413, "payload_too_large", "the request body is larger than allowed")
+    if isinstance(exc, RecursionError):
+        return error_response(400, "parse_error", "the request is nested too deeply")
     if isinstance(exc, ValidationFailed):
         return error_response(exc.status, exc.code, exc.detail, fields=exc.fields)
     if isinstance(exc, DomainError):
@@ -100,6 +118,28 @@ def exception_handler(exc: Exception, context: dict) -> Response:
 
 
 # ---- tenancy --------------------------------------------------------------------------------
+
+
+class OrgScopedFilterSet(django_filters.FilterSet):
+    """Filters that name other objects (``?instance=<id>``) choose only among the caller's org's:
+    another org's id is refused exactly like an id that does not exist, so a filter never tells
+    whether another tenant's object exists."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        request = self.request
+        if request is None or not getattr(request, "user", None) or not request.user.is_authenticated:
+            return
+        org = org_context(request).org
+        for field in self.form.fields.values():
+            queryset = getattr(field, "queryset", None)
+            if queryset is None:
+                continue
+            names = {f.name for f in queryset.model._meta.get_fields()}
+            if "org" in names:
+                field.queryset = queryset.filter(org=org)
+            elif "orgs" in names:
+                field.queryset = queryset.filter(orgs=org)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,18 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus text format. With CATACLOUD_METRICS_TOKEN set, scrapers must send it as Bearer."""
+    """Prometheus text format. Scrapers send CATACLOUD_METRICS_TOKEN as Bearer; without a token
+    configured the endpoint is closed unless CATACLOUD_METRICS_PUBLIC opens it (it names every
+    org and pool)."""
     expected = settings.CATACLOUD_METRICS_TOKEN
+    if not expected and not settings.CATACLOUD_METRICS_PUBLIC:
+        return JsonResponse(
+            {
+                "code": "metrics_closed",
+                "detail": "set CATACLOUD_METRICS_TOKEN (or CATACLOUD_METRICS_PUBLIC=true) to serve metrics",
+            },
+            status=403,
+        )
     if expected:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), expected.encode()):

@@ -25,6 +25,8 @@ from apps.machines.models import MachineInstance
 
 J = JobStatus
 WAKE_KEY = "catacloud:wake:{}"
+# The generation of an instance's current long poll: a newer poll replaces an older one.
+POLL_KEY = "catacloud:poll:{}"
 
 
 _redis = redis_client
@@ -59,7 +61,10 @@ def _payload(job: Job) -> dict[str, Any]:
     return {
         "id": str(job.pk),
         "command": job.command,
-        "env": job.env,
+        # Plain env, then the secret values (the configuration's, then the job's own) on top.
+        "env": {**job.env, **job.config.secret_env, **job.secret_env},
+        # The agent masks these values in the job's output (and its own log).
+        "secret_env_names": sorted({*job.config.secret_env, *job.secret_env}),
         "timeout_seconds": job.timeout_seconds,
         "attempt": job.attempt,
         "resources": _resource_names(job),
@@ -77,6 +82,13 @@ class WorkView(AgentView):
             wait = settings.CATACLOUD_AGENT_POLL_TIMEOUT
         deadline = time.monotonic() + max(0.0, min(wait, settings.CATACLOUD_AGENT_POLL_TIMEOUT))
         key = WAKE_KEY.format(self.instance.pk)
+        poll_key = POLL_KEY.format(self.instance.pk)
+        try:  # at most one long poll per machine: this one replaces (and wakes) an older one
+            generation = _redis().incr(poll_key)
+            _redis().expire(poll_key, int(settings.CATACLOUD_AGENT_POLL_TIMEOUT) + 60)
+            wake(self.instance.pk)
+        except redis.RedisError:
+            generation = None
         while True:
             job = (
                 Job.objects.filter(instance=self.instance, status=J.ASSIGNED).order_by("assigned_at").first()
@@ -87,6 +99,8 @@ class WorkView(AgentView):
             if remaining <= 0:
                 return Response(status=204)
             try:
+                if generation is not None and int(_redis().get(poll_key) or 0) != generation:
+                    return Response(status=204)  # a newer poll of this machine took over
                 _redis().blpop([key], timeout=min(remaining, 5.0))
             except redis.RedisError:
                 time.sleep(min(remaining, 0.5))

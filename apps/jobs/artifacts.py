@@ -15,7 +15,6 @@ import logging
 import tempfile
 from datetime import timedelta
 from typing import Any, BinaryIO
-from urllib.parse import unquote
 
 from django.conf import settings
 from django.db import transaction
@@ -33,11 +32,11 @@ from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
-from catacloud.storage import LocalStore, S3Store, Store
+from catacloud.storage import LocalStore, S3Store, Store, bad_segment
 
 log = logging.getLogger(__name__)
 J = JobStatus
-MAX_NAME = 1000
+MAX_NAME = 900  # bytes: with <org>/<job>/outputs/ it stays under S3's 1024-byte keys
 
 
 @functools.cache
@@ -63,12 +62,17 @@ def artifact_key(job: Job, kind: str, name: str) -> str:
 
 
 def clean_name(raw: str) -> str | None:
-    """A safe relative path (``reports/junit.xml``), or None."""
-    parts = [unquote(p) for p in raw.split("/")]
-    if not parts or any(p in ("", ".", "..") or "\x00" in p or "\\" in p for p in parts):
+    """A safe relative path (``reports/junit.xml``), or None.
+
+    ``raw`` is already decoded (the URL path was percent-decoded once, by the server). It is
+    never decoded again: a second decoding is what turned ``a%252F..`` into ``a/..`` after
+    the check. Every ``/``-separated part is then checked (no ``.``/``..``, separators,
+    control characters or NUL; at most 255 bytes) and the whole name is bounded.
+    """
+    parts = raw.split("/")
+    if any(bad_segment(part) is not None for part in parts):
         return None
-    name = "/".join(parts)
-    return name if len(name) <= MAX_NAME else None
+    return raw if len(raw.encode("utf-8", "surrogatepass")) <= MAX_NAME else None
 
 
 class BadUpload(Exception):

@@ -8,10 +8,26 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.crypto import decrypt_json, encrypt_json
 from apps.jobs.choices import JobStatus, Reuse
 
 
-class JobConfiguration(models.Model):
+class SecretEnvMixin:
+    """``secret_env``: encrypted at rest, handed to the job by the Agent API, never returned by
+    the public API (which shows only its names)."""
+
+    secret_env_encrypted: str
+
+    @property
+    def secret_env(self) -> dict[str, str]:
+        return decrypt_json(self.secret_env_encrypted) if self.secret_env_encrypted else {}
+
+    @secret_env.setter
+    def secret_env(self, value: dict[str, str]) -> None:
+        self.secret_env_encrypted = encrypt_json(value) if value else ""
+
+
+class JobConfiguration(SecretEnvMixin, models.Model):
     """A named recipe: machine type, command, env, timeout, resources, priority."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -22,6 +38,8 @@ class JobConfiguration(models.Model):
     )
     command = models.TextField()
     env = models.JSONField(default=dict, blank=True)
+    # NAME: value pairs given to the job but never shown (Fernet, CATACLOUD_ENCRYPTION_KEY).
+    secret_env_encrypted = models.TextField(blank=True, default="", editable=False)
     timeout_seconds = models.PositiveIntegerField(default=3600, validators=[MinValueValidator(1)])
     priority = models.IntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=3, validators=[MinValueValidator(1)])
@@ -45,7 +63,7 @@ class JobConfiguration(models.Model):
         return f"{self.org}/{self.name}"
 
 
-class Job(models.Model):
+class Job(SecretEnvMixin, models.Model):
     """One run of a configuration. Fields copied from the configuration at submit time."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -54,6 +72,8 @@ class Job(models.Model):
     machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="jobs")
     command = models.TextField()
     env = models.JSONField(default=dict, blank=True)
+    # NAME: value pairs given to the job but never shown (Fernet, CATACLOUD_ENCRYPTION_KEY).
+    secret_env_encrypted = models.TextField(blank=True, default="", editable=False)
     priority = models.IntegerField(default=0)
     timeout_seconds = models.PositiveIntegerField(default=3600)
     max_attempts = models.PositiveIntegerField(default=3)

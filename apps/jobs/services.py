@@ -121,8 +121,10 @@ def job_config_save(
     creating = config is None
     config = config or JobConfiguration(org=org)
     for key, value in fields.items():
-        setattr(config, key, value)
+        setattr(config, key, value)  # secret_env: encrypted by the model's setter
     config.env = _check_env(config.env)
+    if "secret_env" in fields:
+        config.secret_env = _check_env(fields["secret_env"] or {})
     types = (
         list(resource_types)
         if resource_types is not None

@@ -18,6 +18,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from apps.core.api import error_response
@@ -78,11 +79,34 @@ class IsAgent(BasePermission):
         return isinstance(request.auth, MachineInstance)
 
 
+class AgentRateThrottle(SimpleRateThrottle):
+    """Requests per agent (``CATACLOUD_AGENT_RATE``): one machine cannot starve the API.
+    Fails open when the cache (Redis) is unreachable: agents must keep heartbeating."""
+
+    scope = "agent"
+
+    def get_rate(self) -> str:
+        return settings.CATACLOUD_AGENT_RATE
+
+    def get_cache_key(self, request: Request, view: APIView) -> str | None:
+        instance = request.auth
+        return f"throttle_agent_{instance.pk}" if isinstance(instance, MachineInstance) else None
+
+    def allow_request(self, request: Request, view: APIView) -> bool:
+        self.rate = self.get_rate()
+        self.num_requests, self.duration = self.parse_rate(self.rate)
+        try:
+            return super().allow_request(request, view)
+        except Exception as exc:  # the cache is down: never lock agents out for it
+            log.warning("agent throttle unavailable (%s); allowing the request", type(exc).__name__)
+            return True
+
+
 class AgentView(APIView):
     schema = None  # not part of the public API document
     authentication_classes = [AgentAuthentication]
     permission_classes = [IsAgent]
-    throttle_classes: list = []
+    throttle_classes: list = [AgentRateThrottle]
 
     @property
     def instance(self) -> MachineInstance:

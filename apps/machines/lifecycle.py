@@ -9,8 +9,6 @@ deleted at once. Tasks call these functions; every one of them is safe to run tw
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import sys
 from pathlib import Path
@@ -68,30 +66,18 @@ def owner_labels() -> dict[str, str]:
 # ---- bootstrap tokens -----------------------------------------------------------------------
 
 
-def _bootstrap_mac(instance_id: str) -> str:
-    key = hashlib.sha256(f"catacloud-bootstrap:{settings.SECRET_KEY}".encode()).digest()
-    return hmac.new(key, str(instance_id).encode(), hashlib.sha256).hexdigest()
-
-
 def bootstrap_token_for(instance_id: Any) -> str:
-    """The single-use token a machine's agent enrolls with.
+    """The single-use, expiring token a machine's agent enrolls with (``bootstrap.py``)."""
+    from apps.machines.bootstrap import token_for
 
-    Derived (HMAC) from the instance id, so a provision task retried after a crash puts the
-    same token into the same machine's user data; single use is enforced by the instance
-    row (an enrolled instance refuses it).
-    """
-    return f"cb.{instance_id}.{_bootstrap_mac(str(instance_id))}"
+    return token_for(instance_id)
 
 
 def bootstrap_token_instance(token: str) -> str | None:
-    """The instance id a bootstrap token belongs to, or None if it is not genuine."""
-    try:
-        prefix, instance_id, mac = token.split(".")
-    except ValueError:
-        return None
-    if prefix != "cb" or not hmac.compare_digest(mac, _bootstrap_mac(instance_id)):
-        return None
-    return instance_id
+    """The instance id a genuine, unexpired bootstrap token belongs to, or None."""
+    from apps.machines.bootstrap import token_instance
+
+    return token_instance(token)
 
 
 # ---- request ---------------------------------------------------------------------------------

@@ -113,6 +113,11 @@ class Job:
     attempt: int
     checkpoint_available: bool = False
     checkpoint_interval: int | None = None
+    secret_env_names: tuple[str, ...] = ()  # their values are masked in the job's output
+
+    @property
+    def secret_values(self) -> list[str]:
+        return [self.env[name] for name in self.secret_env_names if self.env.get(name)]
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Job:
@@ -126,6 +131,7 @@ class Job:
             attempt=int(data.get("attempt") or 0),
             checkpoint_available=bool(checkpoint.get("available")),
             checkpoint_interval=int(interval) if interval else None,
+            secret_env_names=tuple(str(n) for n in data.get("secret_env_names") or ()),
         )
 
 
@@ -473,7 +479,8 @@ class AgentClient:
                     time.sleep(delay)
             tries += 1
             try:
-                with open(file_path, "rb") as fh:
+                # Never follow a link the job planted where a file was listed.
+                with open(os.open(file_path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
                     checksum = sha256_of(fh, size)
                     fh.seek(0)

@@ -102,13 +102,44 @@ def fingerprint(root: str) -> str:
     return digest.hexdigest()
 
 
+def open_beneath(root: str, rel: str) -> int:
+    """A read-only fd of ``root/rel`` that follows no symbolic link on the way (``OSError``
+    otherwise): the job may swap a file or a folder for a link while the agent, which may be
+    root, reads its folder."""
+    parts = [p for p in rel.split(os.sep) if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise OSError(f"not a path inside {root}: {rel!r}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def archive_dir(root: str, dest: str) -> None:
-    """Write ``root``'s content (relative paths; no devices, fifos or sockets) as a tar.gz."""
+    """Write ``root``'s content (relative paths; no devices, fifos or sockets) as a tar.gz.
+
+    Regular files are read through :func:`open_beneath`, so a file swapped for a link between
+    the listing and the read is skipped, never followed."""
     with tarfile.open(dest, "w:gz", compresslevel=6) as tar:
-        for path, rel, _ in _entries(root):
+        for path, rel, st in _entries(root):
             try:
-                tar.add(path, arcname=rel, recursive=False)
+                if not stat.S_ISREG(st.st_mode):
+                    tar.add(path, arcname=rel, recursive=False)  # folders and links: no content read
+                    continue
+                with os.fdopen(open_beneath(root, rel), "rb") as fh:
+                    info = tar.gettarinfo(arcname=rel, fileobj=fh)
+                    if not info.isreg():
+                        continue
+                    tar.addfile(info, fh)
             except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("checkpoint: not archiving %r (%s)", rel, exc)
                 continue
 
 

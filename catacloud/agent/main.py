@@ -16,11 +16,13 @@ import dataclasses
 import json
 import logging
 import os
+import pwd
 import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tarfile
 import tempfile
@@ -60,7 +62,7 @@ from catacloud.agent.files import (
 )
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
-from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
+from catacloud.agent.runner import Cancellation, JobResult, JobUser, LogStreamer, run_job_process
 
 log = logging.getLogger("catacloud.agent")
 
@@ -95,9 +97,13 @@ class Agent:
         imds_url: str | None = None,
         hostname: str | None = None,
         state_file: str | None = None,
+        job_user: JobUser | None = None,
+        bootstrap_token_file: str | None = None,
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
+        self.bootstrap_token_file = bootstrap_token_file
+        self.job_user = job_user
         self.state_file = state_file
         self.work_root = work_dir
         self.heartbeat_override = heartbeat_interval
@@ -191,6 +197,9 @@ class Agent:
                 return 1
             self._save_enrollment(enrollment)
         self.bootstrap_token = ""
+        if self.bootstrap_token_file:  # used once: it is no longer anywhere on this machine
+            with contextlib.suppress(OSError):
+                os.unlink(self.bootstrap_token_file)
         self.heartbeat_interval = self.heartbeat_override or enrollment.heartbeat_interval
         self.poll_timeout = enrollment.poll_timeout
         log.info(
@@ -199,12 +208,30 @@ class Agent:
             self.heartbeat_interval,
             self.poll_timeout,
         )
-        self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now)
+        self.meta = MetaServer(
+            self._fetch_meta,
+            checkpoint=self._checkpoint_now,
+            group=self.job_user.gid if self.job_user else None,
+        )
         self.meta.start()
         if self.work_root is None:
             self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
         else:
             os.makedirs(self.work_root, mode=0o700, exist_ok=True)
+        if self.job_user is not None:
+            # Jobs may pass through (to their own 0700 folder) but not list the others.
+            os.chmod(self.work_root, 0o711)
+            blocked = _blocked_folder(self.work_root, self.job_user)
+            if blocked is not None:
+                log.error(
+                    "the job user %s cannot pass %s on the way to the work folder %s; "
+                    "choose another --work-dir (or --state-file folder)",
+                    self.job_user.name,
+                    blocked,
+                    self.work_root,
+                )
+                self.meta.close()
+                return 2
         try:
             self._heartbeat_once(retry_for=60.0)  # the handshake: enroll + heartbeat = ready
             threads = [
@@ -371,11 +398,35 @@ class Agent:
         if os.path.lexists(path):
             shutil.rmtree(path, ignore_errors=True)
         os.mkdir(path, 0o700)
+        self._give_to_job(path)
         return path
 
+    def _give_to_job(self, path: str) -> None:
+        """Make ``path`` (and what is under it) the job user's, without following links."""
+        if self.job_user is None:
+            return
+        uid, gid = self.job_user.uid, self.job_user.gid
+        os.lchown(path, uid, gid)
+        for dirpath, dirnames, filenames in os.walk(path):
+            for name in dirnames + filenames:
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+
     def _job_env(self, job: Job, work_dir: str, token: str) -> dict[str, str]:
+        """The job's whole environment: a sane base, its own env, then ``CATACLOUD_*``.
+
+        Nothing of the agent's own environment is passed on (on the local provider that is the
+        control plane's: database and broker URLs, keys, passwords)."""
         assert self.meta is not None
-        env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
+        bin_dir = os.path.dirname(sys.executable)  # where ``catacloud`` (job-meta, checkpoint) is
+        user = self.job_user.name if self.job_user else os.environ.get("USER", "")
+        env = {
+            "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": work_dir,
+            "LANG": "C.UTF-8",
+            "TMPDIR": work_dir,
+            "USER": user,
+            "LOGNAME": user,
+        }
         env.update(job.env)
         env.update(
             {
@@ -414,6 +465,8 @@ class Agent:
         cancel = Cancellation()
         token = secrets.token_urlsafe(32)
         register_secret(token)
+        for value in job.secret_values:
+            register_secret(value)  # never in the agent's own log either
         with self._lock:
             self._current = CurrentJob(job, cancel)
             if job.id in self._cancelled:
@@ -432,6 +485,7 @@ class Agent:
             checkpoint_dir = os.path.join(work_dir, "checkpoint")
             for folder in (output_dir, checkpoint_dir):
                 os.mkdir(folder, 0o700)
+                self._give_to_job(folder)
         except OSError as exc:
             output_dir = None
             result = JobResult(None, "failed", f"could not create the working directory: {exc}")
@@ -446,6 +500,7 @@ class Agent:
             )
             if job.checkpoint_available and not cancel.is_set():
                 self._restore_checkpoint(job, checkpoint_dir, cancel)
+                self._give_to_job(checkpoint_dir)
                 checkpointer.mark_saved()
             self.meta.grant(job.id, token)
             with self._lock:
@@ -461,10 +516,14 @@ class Agent:
                     timeout_seconds=job.timeout_seconds,
                     cancel=cancel,
                     streamer=streamer,
+                    user=self.job_user,
+                    mask=job.secret_values,
                 )
             finally:
                 self.meta.revoke()
                 forget_secret(token)
+                for value in job.secret_values:
+                    forget_secret(value)
                 with self._lock:
                     if self._current is not None:
                         self._current.checkpointer = None
@@ -625,6 +684,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _move_env_token_to_a_file(args: argparse.Namespace) -> None:
+    """A bootstrap token given in the environment stays readable in ``/proc/<pid>/environ``
+    for the process's whole life, whatever ``os.environ`` says later. Write it to a 0600 file
+    (removed once enrolled) and re-execute the agent without it; the pid stays the same."""
+    token = os.environ.get(BOOTSTRAP_ENV, "").strip()
+    if not token or args.bootstrap_token or args.bootstrap_token_file:
+        return
+    folder = tempfile.mkdtemp(prefix="catacloud-bootstrap-")  # 0700
+    path = os.path.join(folder, "token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
+    argv = [sys.executable, "-m", "catacloud.agent", *sys.argv[1:], "--bootstrap-token-file", path]
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, argv, env)
+
+
 def _read_bootstrap_token(args: argparse.Namespace) -> str | None:
     if args.bootstrap_token:
         return str(args.bootstrap_token).strip()
@@ -645,16 +723,106 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
+DEFAULT_JOB_USERS = ("catacloud-job", "nobody")
+
+
+def _may_execute(st: os.stat_result, user: JobUser) -> bool:
+    """Execute/search permission for ``user`` (its primary group only: jobs get no others)."""
+    if st.st_uid == user.uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == user.gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _blocked_folder(folder: str, user: JobUser) -> str | None:
+    """The first folder on the way to (and including) ``folder`` that ``user`` cannot pass."""
+    parts = os.path.abspath(folder).split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        current = os.sep.join(parts[:depth]) or os.sep
+        try:
+            if not _may_execute(os.stat(current), user):
+                return current
+        except OSError:
+            return current
+    return None
+
+
+def _can_run(path: str, user: JobUser) -> bool:
+    """Whether ``user`` can execute ``path``: every folder leading to it (and to what its
+    symbolic link leads to) passable, the file executable."""
+    real = os.path.realpath(path)
+    if any(_blocked_folder(os.path.dirname(os.path.abspath(p)), user) for p in (path, real)):
+        return False
+    try:
+        return _may_execute(os.stat(real), user)
+    except OSError:
+        return False
+
+
+def resolve_job_user(name: str | None) -> JobUser | None:
+    """The unprivileged account jobs run as, or None (jobs run as the agent's own user).
+
+    ``name`` when given (never root). Otherwise, as root: ``catacloud-job`` if it exists, else
+    ``nobody``, provided that user can run this agent's Python (for ``catacloud job-meta`` and
+    ``checkpoint``); if it cannot (a Python inside a private home folder), jobs run as the agent's
+    user and a warning says so. Not root: None."""
+    if os.geteuid() != 0:
+        if name and name != pwd.getpwuid(os.geteuid()).pw_name:
+            raise LookupError(f"--job-user {name}: only an agent running as root can switch users")
+        return None
+    for candidate in (name,) if name else DEFAULT_JOB_USERS:
+        try:
+            entry = pwd.getpwnam(candidate)
+        except KeyError:
+            continue
+        if entry.pw_uid == 0:
+            raise LookupError(f"--job-user {candidate}: jobs never run as root")
+        user = JobUser(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid)
+        if not _can_run(sys.executable, user):
+            if name:
+                log.warning("job user %s cannot run %s: jobs cannot call catacloud", name, sys.executable)
+                return user
+            log.warning(
+                "jobs run as root: user %s cannot run %s (a Python in a private folder); "
+                "install Python where %s can reach it, or pass --job-user",
+                candidate,
+                sys.executable,
+                candidate,
+            )
+            return None
+        return user
+    if name:
+        raise LookupError(f"--job-user {name}: no such user")
+    log.warning("jobs run as root: neither user %s exists", " nor ".join(DEFAULT_JOB_USERS))
+    return None
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     """``catacloud agent``: run this machine's agent until terminated."""
     _setup_logging(args.log_level)
+    _move_env_token_to_a_file(args)
+    saved = bool(args.state_file and os.path.exists(args.state_file))
     try:
         token = _read_bootstrap_token(args)
+    except FileNotFoundError:
+        token = None  # removed after enrolling; a restart resumes from the state file
+        if not saved:
+            log.error("the bootstrap token file %s does not exist", args.bootstrap_token_file)
+            return 2
     except OSError as exc:
         log.error("cannot read the bootstrap token file: %s", exc)
         return 2
     os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
-    saved = bool(args.state_file and os.path.exists(args.state_file))
+    try:
+        job_user = resolve_job_user(args.job_user)
+    except LookupError as exc:
+        log.error("%s", exc)
+        return 2
+    if job_user is None and os.geteuid() != 0:
+        log.warning("jobs run as this agent's own user: they can read its files")
+    elif job_user is not None:
+        log.info("jobs run as user %s (uid %d)", job_user.name, job_user.uid)
     if not token and not saved:
         log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
         return 2
@@ -667,6 +835,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         imds_url=args.imds_url,
         state_file=args.state_file,
+        job_user=job_user,
+        bootstrap_token_file=args.bootstrap_token_file,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -705,6 +875,13 @@ def add_agent_commands(subparsers: Any) -> None:
     )
     source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
     agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
+    agent.add_argument(
+        "--job-user",
+        metavar="NAME",
+        default=os.environ.get("CATACLOUD_JOB_USER") or None,
+        help="unprivileged user jobs run as when the agent runs as root "
+        "(default: catacloud-job if it exists, else nobody; env CATACLOUD_JOB_USER)",
+    )
     agent.add_argument(
         "--state-file",
         metavar="PATH",

@@ -103,7 +103,12 @@ class MetaServer:
     """The agent's side: a tiny HTTP server on a private Unix socket."""
 
     def __init__(
-        self, fetch: Fetch, *, checkpoint: Checkpoint | None = None, directory: str | None = None
+        self,
+        fetch: Fetch,
+        *,
+        checkpoint: Checkpoint | None = None,
+        directory: str | None = None,
+        group: int | None = None,
     ) -> None:
         self._fetch = fetch
         self._checkpoint = checkpoint
@@ -117,6 +122,13 @@ class MetaServer:
         self._server = _Server(self.path, self)
         # The directory is 0700, so nobody else can reach the socket between bind and chmod.
         os.chmod(self.path, 0o600)
+        if group is not None:
+            # Jobs run as another user: its group may connect (the per-job token still decides
+            # what it reads); nobody else may.
+            os.chown(self.path, -1, group)
+            os.chmod(self.path, 0o660)
+            os.chown(self.directory, -1, group)
+            os.chmod(self.directory, 0o710)
         self._thread = threading.Thread(target=self._server.serve_forever, name="job-meta", daemon=True)
 
     def start(self) -> None:

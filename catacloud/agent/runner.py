@@ -1,7 +1,15 @@
 """Running one job: its own session and process tree, streamed output, timeout, cancellation.
 
-The command runs as ``/bin/sh -c COMMAND`` in a new session, so the whole tree shares one process
-group. Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
+The command runs as ``/bin/sh -c COMMAND`` under a small supervisor (the "shim", see
+:data:`SHIM`) that leads a new session, so the whole tree shares one process group. The shim is
+a child subreaper whose parent-death signal is tied to the agent: when the agent dies, even by
+SIGKILL, the kernel signals the shim, which SIGKILLs every descendant of the job (also those
+that left the group or daemonized: as a subreaper, orphans are re-parented to it). A job
+therefore never outlives its agent, so a requeued attempt never runs beside it. With ``user``
+set (the agent runs as root) the command runs as that unprivileged user (``setpriv --reuid
+--regid --clear-groups``).
+
+Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
 flusher thread ships chunks while the job runs. Stopping a job (timeout, cancel, agent exit)
 kills the whole tree: SIGTERM to the group and to every descendant seen (also those that left the
 group), a grace period, then SIGKILL.
@@ -13,8 +21,10 @@ import codecs
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +43,105 @@ TIMED_OUT = "timed_out"
 CANCELLED = "cancelled"
 
 KILL_GRACE_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """The unprivileged account a job runs as."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+# The job's supervisor ("shim"), the agent's direct child and the job shell's parent. It is a
+# child subreaper (PR_SET_CHILD_SUBREAPER), so every process the job starts stays its
+# descendant even after double-forking or setsid; and it asks the kernel for SIGUSR1 when the
+# agent dies (PR_SET_PDEATHSIG), then SIGKILLs all of them. When the job's shell exits it ends
+# what the shell left behind (SIGTERM, a second, SIGKILL) and exits as the shell did.
+SHIM = """
+import ctypes, os, signal, subprocess, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+def descendants():
+    import psutil  # only when the job ends: starting the job stays quick
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+def running(p):
+    import psutil
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+def reap():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+def end_all(signum, grace):
+    deadline = time.monotonic() + grace
+    sent = set()
+    while time.monotonic() < deadline + 5:  # a zombie whose parent never reaps it: give up
+        procs = [p for p in descendants() if running(p)]
+        if not procs:
+            return
+        kill = time.monotonic() >= deadline
+        for p in procs:
+            if kill or p.pid not in sent:  # SIGTERM once each, then SIGKILL after the grace
+                try:
+                    p.send_signal(signal.SIGKILL if kill else signum)
+                except Exception:  # psutil.Error: it is gone
+                    pass
+                sent.add(p.pid)
+        reap()
+        time.sleep(0.02)
+AGENT = int(sys.argv[1])
+dying = []
+def agent_died(*_):
+    # The death signal comes each time a thread of the agent exits (we are re-parented to
+    # another of its threads): act only once the agent process itself is gone, and only once.
+    if dying or os.getppid() == AGENT:
+        return
+    dying.append(True)
+    end_all(signal.SIGKILL, 0)
+    os._exit(137)
+signal.signal(signal.SIGUSR1, agent_died)
+libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
+agent_died()  # the agent may have died before we asked to be told
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda *_: None)  # the job's group gets them; a handler resets on exec
+child = subprocess.Popen(sys.argv[2:])
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        status = 0
+        break
+    if pid == child.pid:
+        break
+end_all(signal.SIGTERM, 1.0)
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def job_argv(command: str, *, user: JobUser | None) -> list[str]:
+    """``/bin/sh -c command`` under the shim, as ``user`` when given."""
+    argv = ["/bin/sh", "-c", command]
+    if user is not None:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise OSError("setpriv (util-linux) is needed to run jobs as an unprivileged user")
+        drop = [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs"]
+        argv = [setpriv, *drop, "--", *argv]
+    return [sys.executable, "-I", "-c", SHIM, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -358,8 +467,43 @@ class ProcessTree:
             time.sleep(0.05)
 
 
-def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer) -> None:
+MASK = b"***"
+MIN_MASKED = 3  # shorter values would mask ordinary output everywhere
+
+
+class Masker:
+    """Replaces secret values in a byte stream with ``***``, also when a value is split across
+    reads: the last ``len(longest) - 1`` bytes wait for the next read (or the end)."""
+
+    def __init__(self, values: Iterable[str]) -> None:
+        encoded = {v.encode() for v in values if len(v) >= MIN_MASKED}
+        self.values = sorted(encoded, key=len, reverse=True)  # longest first
+        self.hold = max((len(v) for v in self.values), default=1) - 1
+        self.tail = b""
+
+    def _mask(self, data: bytes) -> bytes:
+        for value in self.values:
+            data = data.replace(value, MASK)
+        return data
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.values:
+            return data
+        data = self._mask(self.tail + data)
+        if self.hold and len(data) > self.hold:
+            data, self.tail = data[: -self.hold], data[-self.hold :]
+        elif self.hold:
+            data, self.tail = b"", data
+        return data
+
+    def flush(self) -> bytes:
+        rest, self.tail = self._mask(self.tail), b""
+        return rest
+
+
+def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer, mask: Iterable[str] = ()) -> None:
     fd = pipe.fileno()
+    masker = Masker(mask)
     try:
         while True:
             try:
@@ -368,8 +512,11 @@ def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer) -> None:
                 break
             if not data:
                 break
-            streamer.feed(stream, data)
+            if out := masker.feed(data):
+                streamer.feed(stream, out)
     finally:
+        if rest := masker.flush():
+            streamer.feed(stream, rest)
         streamer.end_stream(stream)
         pipe.close()
 
@@ -418,13 +565,18 @@ def run_job_process(
     streamer: LogStreamer,
     kill_grace: float = KILL_GRACE_SECONDS,
     poll_interval: float = 0.1,
+    user: JobUser | None = None,
+    mask: Iterable[str] = (),
 ) -> JobResult:
-    """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures."""
+    """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
+
+    ``env`` is the job's whole environment (nothing of the agent's is added). With ``user``
+    the command runs as that account. Values in ``mask`` become ``***`` in its output."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
     try:
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", command],
+            job_argv(command, user=user),
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -439,10 +591,10 @@ def run_job_process(
     assert proc.stdout is not None and proc.stderr is not None
     readers = [
         threading.Thread(
-            target=_pump, args=(proc.stdout, "stdout", streamer), name="job-stdout", daemon=True
+            target=_pump, args=(proc.stdout, "stdout", streamer, mask), name="job-stdout", daemon=True
         ),
         threading.Thread(
-            target=_pump, args=(proc.stderr, "stderr", streamer), name="job-stderr", daemon=True
+            target=_pump, args=(proc.stderr, "stderr", streamer, mask), name="job-stderr", daemon=True
         ),
     ]
     for reader in readers:

@@ -12,6 +12,13 @@ Config:
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
 
+Isolation: a local machine is a process on this host, not a VM. It gets none of the control
+plane's environment (database and broker URLs, keys, passwords): only ``AGENT_ENV_ALLOWED``
+plus ``spec.env``, and a bootstrap token in ``spec.env`` is handed over as a 0600 file
+(``<instance_id>.token``, removed by the agent once used) rather than in its environment, which
+``/proc/<pid>/environ`` would show for the agent's whole life. The agent runs jobs as an
+unprivileged user when it runs as root (see ``catacloud/agent/runner.py`` and SECURITY.md).
+
 The provider id is the instance id. Processes start in their own session
 (``start_new_session=True``), so restarting the Celery worker does not kill machines, and
 delete signals the whole process group. The recorded start time guards against pid reuse: a
@@ -51,6 +58,9 @@ BOOT_SHIM = "import os, sys, time; time.sleep(float(sys.argv[1])); os.execvp(sys
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # psutil derives start times from boot time + clock ticks; allow for float noise only.
 _START_TIME_TOLERANCE = 0.05
+# The only variables of the control plane's environment a local agent inherits.
+AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "CATACLOUD_JOB_USER"})
+BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
 _RECORD_KEYS = frozenset(
     {"instance_id", "name", "pid", "create_time", "labels", "created_at", "ready_at", "log_path"}
 )
@@ -125,6 +135,7 @@ class LocalProvider(Provider):
             current = self._read(provider_id)
             if current is not None and current["pid"] == record["pid"]:
                 self._record_path(provider_id).unlink(missing_ok=True)
+                self.state_dir.joinpath(f"{provider_id}.token").unlink(missing_ok=True)
                 if not self.keep_logs:
                     Path(record["log_path"]).unlink(missing_ok=True)
 
@@ -132,6 +143,15 @@ class LocalProvider(Provider):
 
     def _start(self, spec: MachineSpec) -> dict[str, Any]:
         argv = list(spec.command)
+        env = {key: value for key, value in os.environ.items() if key in AGENT_ENV_ALLOWED}
+        env.update(spec.env)
+        token = env.pop(BOOTSTRAP_ENV, None)
+        if token is not None:
+            token_path = self.state_dir / f"{spec.instance_id}.token"
+            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(token)
+            argv += ["--bootstrap-token-file", str(token_path)]
         if self.boot_delay > 0:
             argv = [sys.executable, "-c", BOOT_SHIM, repr(self.boot_delay), *argv]
         log_path = self.state_dir / f"{spec.instance_id}.log"
@@ -140,7 +160,7 @@ class LocalProvider(Provider):
             try:
                 proc = subprocess.Popen(
                     argv,
-                    env={**os.environ, **spec.env},
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -15,9 +15,12 @@ import yaml
 VENV = "/opt/catacloud"
 TOKEN_FILE = "/etc/catacloud/bootstrap-token"
 # The agent's enrollment (root-only): a restarted agent resumes instead of enrolling again.
-STATE_FILE = "/var/lib/catacloud/agent.json"
+# In a folder of its own (0700): the work folder's parent must stay passable for the job user.
+STATE_FILE = "/var/lib/catacloud/agent/agent.json"
 WORK_DIR = "/var/lib/catacloud/work"
 UNIT_NAME = "catacloud-agent.service"
+# Jobs run as this unprivileged system user (the agent runs as root and drops to it).
+JOB_USER = "catacloud-job"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
 
 # No whitespace, quotes, backslashes or control characters anywhere: nothing can break out of
@@ -60,7 +63,8 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
             "",
             "[Service]",
             f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
-            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}",
+            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}"
+            f" --job-user {JOB_USER}",
             "Restart=always",
             "RestartSec=5",
             "",
@@ -70,6 +74,10 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
         ]
     )
     document: dict[str, Any] = {
+        "users": [
+            "default",
+            {"name": JOB_USER, "system": True, "shell": "/usr/sbin/nologin", "lock_passwd": True},
+        ],
         "package_update": True,
         "packages": ["python3-venv"],
         "write_files": [

@@ -186,6 +186,7 @@ class FakeAgentAPI(_FakeBase):
         timeout_seconds: int = 60,
         attempt: int = 1,
         checkpoint: dict[str, Any] | None = None,
+        secret_env_names: list[str] | None = None,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -198,6 +199,8 @@ class FakeAgentAPI(_FakeBase):
         }
         if checkpoint is not None:
             job["checkpoint"] = checkpoint
+        if secret_env_names is not None:
+            job["secret_env_names"] = secret_env_names
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

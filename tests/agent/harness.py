@@ -6,9 +6,11 @@ The fixtures (``api``, ``work_dir``, ``start_agent``) are registered by ``confte
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,17 +69,24 @@ def api() -> Iterator[FakeAgentAPI]:
 
 
 @pytest.fixture
-def work_dir(tmp_path: Path) -> Path:
-    return tmp_path / "work"
+def work_dir() -> Iterator[Path]:
+    """Outside pytest's 0700 tmp folders: the agent (root here) runs jobs as an unprivileged
+    user, who must be able to reach its working directory."""
+    parent = Path(tempfile.mkdtemp(prefix="catacloud-test-work-"))
+    parent.chmod(0o711)
+    yield parent / "work"
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 @pytest.fixture
 def start_agent(api: FakeAgentAPI, tmp_path: Path, work_dir: Path) -> Iterator[Callable[..., AgentProcess]]:
     started: list[AgentProcess] = []
 
-    def start(*extra: str, token: str | None = None, token_via_env: bool = False) -> AgentProcess:
+    def start(
+        *extra: str, token: str | None = None, token_via_env: bool = False, env_extra: dict | None = None
+    ) -> AgentProcess:
         token = api.bootstrap_token if token is None else token
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         command = [PY, "-m", "catacloud.agent", "agent", "--url", api.url, "--work-dir", str(work_dir)]
         if token_via_env:
             env["CATACLOUD_BOOTSTRAP_TOKEN"] = token

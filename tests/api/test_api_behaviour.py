@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.test import override_settings
 from django.utils import timezone
 
 from apps.core.crypto import hash_token
@@ -171,7 +172,8 @@ def test_schema_and_docs_are_served(world: World) -> None:
 
 def test_metrics_count_requests(world: World) -> None:
     world.client("viewer").get("/api/v1/events/")
-    body = world.client("anonymous").get("/metrics").content.decode()
+    with override_settings(CATACLOUD_METRICS_TOKEN="scrape"):
+        body = world.client("anonymous").get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
     assert 'catacloud_http_requests_total{method="GET",route="api/v1/events/",status="200"}' in body
 
 

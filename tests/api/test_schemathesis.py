@@ -6,12 +6,24 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
 from config.wsgi import application
 from tests.conftest import World
 
 schema = schemathesis.openapi.from_wsgi("/api/v1/schema/?format=json", application)
+# Valid and invalid data (negative mode), plus the coverage phase's boundary values.
+schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+
+
+def errors_are_code_and_detail(ctx: object, response: object, case: object) -> None:
+    """Every error answer is JSON ``{code, detail}`` (SECURITY.md, error paths)."""
+    if response.status_code >= 400:  # type: ignore[attr-defined]
+        body = response.json()  # type: ignore[attr-defined]
+        if not (isinstance(body, dict) and isinstance(body.get("code"), str) and "detail" in body):
+            raise AssertionError(f"error {response.status_code} is not {{code, detail}}: {body!r}")  # type: ignore[attr-defined]
+
 
 # What the issue asks: no server error, and every response matches the schema (status code,
 # content type, headers, body). Schemathesis's opinions about which lenient inputs must be
@@ -22,6 +34,7 @@ CHECKS = [
     openapi_checks.content_type_conformance,
     openapi_checks.response_headers_conformance,
     openapi_checks.response_schema_conformance,
+    errors_are_code_and_detail,
 ]
 
 

@@ -105,13 +105,11 @@ def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(st
 
 
 def _agent_process(instance_id: str) -> psutil.Process:
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess):
-            continue
-        token = env.get("CATACLOUD_BOOTSTRAP_TOKEN", "")
-        if f".{instance_id}." in token and "catacloud.agent" in " ".join(proc.info["cmdline"] or []):
+    # The local provider hands the agent its bootstrap token as <instance_id>.token (never in
+    # its environment).
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if f"{instance_id}.token" in cmdline and "catacloud.agent" in cmdline:
             return proc
     raise AssertionError(f"no agent process for {instance_id}")
 

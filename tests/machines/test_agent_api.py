@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -163,7 +164,8 @@ def test_metrics_show_pool_members_and_the_job_queue(world: World) -> None:
         org=world.org, name="c", machine_type=world.machine_type, command="x"
     )
     Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x")
-    body = APIClient().get("/metrics").content.decode()
+    with override_settings(CATACLOUD_METRICS_TOKEN="scrape"):
+        body = APIClient().get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
     assert 'catacloud_pool_members{org="acme",pool="gauge",status="warming"} 1.0' in body
     assert 'catacloud_jobs{machine_type="small",org="acme",status="queued"} 1.0' in body
     assert "catacloud_pool_claim_seconds_bucket" in body

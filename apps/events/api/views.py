@@ -3,12 +3,12 @@ from __future__ import annotations
 import django_filters
 from rest_framework import mixins
 
-from apps.core.api import OrgScopedViewSet
+from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.events.api.serializers import EventSerializer
 from apps.events.models import Event
 
 
-class EventFilter(django_filters.FilterSet):
+class EventFilter(OrgScopedFilterSet):
     kind_prefix = django_filters.CharFilter(
         field_name="kind", lookup_expr="startswith", help_text="e.g. pool"
     )

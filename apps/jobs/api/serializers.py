@@ -15,7 +15,48 @@ class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
         return MachineType.objects.filter(grants__org=ctx) if ctx is not None else MachineType.objects.none()
 
 
-class JobConfigurationSerializer(serializers.ModelSerializer):
+class EnvForMembersMixin(serializers.Serializer):
+    """``env`` is shown to members and admins only: viewers and job-scoped tokens get ``{}``
+    and ``env_hidden: true``."""
+
+    env_hidden = serializers.SerializerMethodField(help_text="true when your role may not read env")
+
+    def _env_hidden(self) -> bool:
+        from apps.core.api import org_context
+        from apps.orgs.choices import Role
+
+        request = self.context.get("request")
+        if request is None or not getattr(request.user, "is_authenticated", False):
+            return True
+        ctx = org_context(request)
+        return ctx.job_scope is not None or not ctx.allows(Role.MEMBER)
+
+    def get_env_hidden(self, obj: object) -> bool:
+        return self._env_hidden()
+
+    def to_representation(self, instance: object) -> dict:
+        data = super().to_representation(instance)
+        if data.get("env_hidden"):
+            data["env"] = {}
+        return data
+
+
+SECRET_ENV_HELP = (
+    "NAME: value pairs given to the job but never returned (stored encrypted); write-only: "
+    "sending it replaces all of them, {} removes them"
+)
+
+
+def secret_env_field() -> serializers.DictField:
+    return serializers.DictField(
+        child=serializers.CharField(allow_blank=True, max_length=32768),
+        required=False,
+        write_only=True,
+        help_text=SECRET_ENV_HELP,
+    )
+
+
+class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
     resources = serializers.SlugRelatedField(
         source="resource_types",
@@ -28,6 +69,8 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
     env = serializers.DictField(
         child=serializers.CharField(allow_blank=True, max_length=32768), required=False
     )
+    secret_env = secret_env_field()
+    secret_env_keys = serializers.SerializerMethodField(help_text="names of the secret env values")
     timeout_seconds = serializers.IntegerField(min_value=1, max_value=7 * 86400, required=False)
     priority = serializers.IntegerField(min_value=-1000, max_value=1000, required=False)
     max_attempts = serializers.IntegerField(min_value=1, max_value=20, required=False)
@@ -44,6 +87,9 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
             "machine_type",
             "command",
             "env",
+            "env_hidden",
+            "secret_env",
+            "secret_env_keys",
             "timeout_seconds",
             "resources",
             "priority",
@@ -57,6 +103,9 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
         read_only_fields = ("id", "created_at", "updated_at")
         extra_kwargs = {"command": {"max_length": 65536, "trim_whitespace": False}}
 
+    def get_secret_env_keys(self, obj: JobConfiguration) -> list[str]:
+        return sorted(obj.secret_env)
+
     def validate_command(self, value: str) -> str:
         if not value.strip():
             raise serializers.ValidationError("must not be empty")
@@ -65,7 +114,12 @@ class JobConfigurationSerializer(serializers.ModelSerializer):
         return value
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
+    secret_env_keys = serializers.SerializerMethodField(help_text="names of the secret env values")
+
+    def get_secret_env_keys(self, obj: Job) -> list[str]:
+        return sorted({*obj.config.secret_env, *obj.secret_env})
+
     config = serializers.PrimaryKeyRelatedField(read_only=True)
     config_name = serializers.CharField(source="config.name", read_only=True)
     machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -90,6 +144,8 @@ class JobSerializer(serializers.ModelSerializer):
             "failure_reason",
             "cancel_requested",
             "env",
+            "env_hidden",
+            "secret_env_keys",
             "created_at",
             "queued_at",
             "admitted_at",
@@ -108,6 +164,7 @@ class JobSubmitSerializer(serializers.Serializer):
         required=False,
         help_text="added to (and overriding) the configuration's env",
     )
+    secret_env = secret_env_field()
 
 
 class LogChunkSerializer(serializers.Serializer):

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
+from django.db import transaction
 from django.http import HttpResponseRedirect, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
@@ -12,7 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.core.api import OrgScopedViewSet
+from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.core.errors import ValidationFailed
 from apps.jobs.api.serializers import (
     ArtifactSerializer,
@@ -25,10 +26,10 @@ from apps.jobs.artifacts import get_store
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.scheduling import job_cancel, job_submit
-from apps.jobs.services import job_config_delete, job_config_save
+from apps.jobs.services import _check_env, job_config_delete, job_config_save
 
 
-class JobConfigurationFilter(django_filters.FilterSet):
+class JobConfigurationFilter(OrgScopedFilterSet):
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
 
     class Meta:
@@ -74,7 +75,7 @@ class JobConfigurationViewSet(
         job_config_delete(config=instance, actor=self.actor())
 
 
-class JobFilter(django_filters.FilterSet):
+class JobFilter(OrgScopedFilterSet):
     status = django_filters.MultipleChoiceFilter(choices=JobStatus.choices)
     config = django_filters.UUIDFilter(field_name="config_id")
     config_name = django_filters.CharFilter(field_name="config__name")
@@ -119,20 +120,27 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         config = JobConfiguration.objects.filter(org=self.ctx.org, pk=body.validated_data["config"]).first()
         if config is None:
             raise ValidationFailed("config: no such job configuration", fields={"config": ["does not exist"]})
-        job = job_submit(
-            org=self.ctx.org,
-            config=config,
-            env=body.validated_data.get("env"),
-            user=request.user,
-            actor=self.actor(),
-        )
-        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+        with transaction.atomic():  # the secret env is there before any agent can see the job
+            job = job_submit(
+                org=self.ctx.org,
+                config=config,
+                env=body.validated_data.get("env"),
+                user=request.user,
+                actor=self.actor(),
+            )
+            secret_env = body.validated_data.get("secret_env")
+            if secret_env:
+                job.secret_env = _check_env(secret_env)
+                job.save(update_fields=["secret_env_encrypted"])
+        context = self.get_serializer_context()
+        return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={202: JobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str | None = None) -> Response:
         job = job_cancel(job=self.get_object(), actor=self.actor())
-        return Response(JobSerializer(job).data, status=status.HTTP_202_ACCEPTED)
+        context = self.get_serializer_context()
+        return Response(JobSerializer(job, context=context).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(
         parameters=[

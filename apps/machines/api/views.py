@@ -8,7 +8,7 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.api import OrgScopedViewSet
+from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
@@ -16,7 +16,7 @@ from apps.machines.models import MachineInstance, MachineType
 from apps.machines.selectors import machine_types_for_org
 
 
-class MachineTypeFilter(django_filters.FilterSet):
+class MachineTypeFilter(OrgScopedFilterSet):
     provider = django_filters.CharFilter(field_name="provider_account__kind")
 
     class Meta:
@@ -41,7 +41,7 @@ class MachineTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.Retriev
     needs_privileges = True
 
 
-class InstanceFilter(django_filters.FilterSet):
+class InstanceFilter(OrgScopedFilterSet):
     status = django_filters.MultipleChoiceFilter(choices=InstanceStatus.choices)
     provider = django_filters.CharFilter(field_name="provider_account__kind")
     machine_type = django_filters.CharFilter(field_name="machine_type__name")

@@ -4,7 +4,7 @@ import django_filters
 from django.db.models import Count, Q, QuerySet
 from rest_framework import mixins
 
-from apps.core.api import OrgScopedViewSet
+from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.resources.api.serializers import ResourceSerializer, ResourceTypeSerializer
 from apps.resources.choices import RESOURCE_LIVE, ResourceStatus
 from apps.resources.models import ResourceInstance, ResourceType
@@ -27,7 +27,7 @@ class ResourceTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.Retrie
     needs_privileges = True
 
 
-class ResourceFilter(django_filters.FilterSet):
+class ResourceFilter(OrgScopedFilterSet):
     status = django_filters.MultipleChoiceFilter(choices=ResourceStatus.choices)
     resource_type = django_filters.CharFilter(field_name="resource_type_id")
     job = django_filters.UUIDFilter(field_name="job_id")

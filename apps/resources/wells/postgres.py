@@ -78,6 +78,8 @@ class PostgresDatabaseWell(Well):
                         sql.Identifier(dbname), sql.Identifier(user)
                     )
                 )
+            # Only its owner (and superusers) may connect: not the other jobs' scratch roles.
+            conn.execute(sql.SQL("REVOKE CONNECT ON DATABASE {} FROM PUBLIC").format(sql.Identifier(dbname)))
             info = conninfo_to_dict(conn.info.dsn)
         host = str(self.config.get("public_host") or info.get("host") or "127.0.0.1")
         port = int(info.get("port") or 5432)

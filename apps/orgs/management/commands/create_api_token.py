@@ -20,7 +20,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--role",
             choices=Role.values,
-            help="the member's role (default: keep it, or 'member' for a new member)",
+            help="the token's role: it narrows the member's role and never changes the membership "
+            "(a user who is not a member yet joins with this role, default 'member')",
         )
         parser.add_argument("--name", default="", help="a label for the token")
         parser.add_argument("--expires-in-days", type=int, default=None)
@@ -30,9 +31,9 @@ class Command(BaseCommand):
         if org is None:
             raise CommandError(f"no organization {options['org']!r}")
         user = user_get_or_create(username=str(options["user"]))
-        membership = Membership.objects.filter(org=org, user=user).first()
-        if options["role"] or membership is None:
-            membership_set(org=org, user=user, role=str(options["role"] or Role.MEMBER), actor="manage.py")
+        role = str(options["role"] or "")
+        if not Membership.objects.filter(org=org, user=user).exists():
+            membership_set(org=org, user=user, role=role or Role.MEMBER, actor="manage.py")
         expires = options["expires_in_days"]
         if expires is not None and expires < 1:  # type: ignore[operator]
             raise CommandError("--expires-in-days must be at least 1")
@@ -41,6 +42,7 @@ class Command(BaseCommand):
                 org=org,
                 user=user,
                 name=str(options["name"]),
+                role=role,
                 expires_at=timezone.now() + timedelta(days=expires) if expires else None,  # type: ignore[arg-type]
                 actor="manage.py",
             )

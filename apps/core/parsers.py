@@ -1,0 +1,41 @@
+"""Request parsing that never turns bad input into a 500.
+
+DRF's JSON parser lets ``RecursionError`` (deeply nested JSON) escape; this one answers 400
+``parse_error`` for it and for any document nested deeper than ``MAX_DEPTH``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework.exceptions import ParseError
+from rest_framework.parsers import JSONParser
+
+MAX_DEPTH = 64
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+class SafeJSONParser(JSONParser):
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+        try:
+            data = super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels") from None
+        if _too_deep(data, MAX_DEPTH):
+            raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels")
+        return data
