@@ -82,3 +82,15 @@ def world(db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
 def tworld(transactional_db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
     """The same world for tests that commit (threads, workers)."""
     return make_world(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_throttle_counts() -> None:
+    """The API throttles count in process memory: each test starts with fresh counts."""
+    from django.conf import settings
+
+    if not settings.configured:  # a Django-free run (-p no:django)
+        return
+    from django.core.cache import caches
+
+    caches["local"].clear()

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import caches
 from django.db import transaction
 from django.utils import timezone
 from rest_framework import exceptions, serializers, status
@@ -81,9 +82,11 @@ class IsAgent(BasePermission):
 
 class AgentRateThrottle(SimpleRateThrottle):
     """Requests per agent (``CATACLOUD_AGENT_RATE``): one machine cannot starve the API.
-    Fails open when the cache (Redis) is unreachable: agents must keep heartbeating."""
+    Counted in the web process's memory like the user throttle (no Redis round trip per
+    heartbeat); fails open on any error: agents must keep heartbeating."""
 
     scope = "agent"
+    cache = caches["local"]
 
     def get_rate(self) -> str:
         return settings.CATACLOUD_AGENT_RATE

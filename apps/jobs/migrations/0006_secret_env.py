@@ -2,7 +2,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("jobs", "0004_jobconfiguration_checkpoint_interval_seconds_and_more")]
+    dependencies = [("jobs", "0005_convergence_deadlines")]
 
     operations = [
         migrations.AddField(
