@@ -114,6 +114,13 @@ class Params:
             "CATACLOUD_AGENT_LOST_AFTER": f"{self.lost_after:g}",
             "CATACLOUD_AGENT_POLL_TIMEOUT": "5",
             "CATACLOUD_RECONCILE_GRACE": "10",
+            # The product's own deadlines (README: Convergence), scaled like the intervals
+            # above so that each fits inside the deadline the soak checks it against.
+            "CATACLOUD_REDRIVE_AFTER": f"{2 * r:g}",
+            "CATACLOUD_BOOT_TIMEOUT": f"{BOOT - r:g}",
+            "CATACLOUD_ASSIGN_TIMEOUT": f"{self.lost_after:g}",
+            "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL - 2 * r:g}",
+            "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{WELL - 2 * r:g}",
             "LOG_LEVEL": "WARNING",
         }
 
