@@ -468,7 +468,7 @@ def _setup(p: Params, url: str, state_dir: Path, webhook: Webhook) -> World:
 def _wait_workers(redis: RedisServer, workers: list[Worker]) -> None:
     from celery import Celery
 
-    app = Celery(broker=redis.url)
+    app = Celery(broker=redis.url, set_as_current=False)  # never replace the project app in-process
     try:
         for w in workers:
 
