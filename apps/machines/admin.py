@@ -9,7 +9,7 @@ from django.http import HttpRequest
 from apps.core.admin import NoLiveDeleteAdmin, run_service_action
 from apps.machines.choices import INSTANCE_LIVE
 from apps.machines.lifecycle import instance_terminate
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.machines.models import Budget, MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import provider_account_upsert
 
 
@@ -142,3 +142,37 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
             "terminating",
             lambda i: instance_terminate(instance_id=i.pk, actor=actor, reason="terminated from the console"),
         )
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    """Money budgets; saving goes through ``budget_set`` (events, thresholds announced anew)."""
+
+    list_display = ("org", "machine_type", "period", "amount", "spend_now", "alerted_level")
+    list_filter = ("period", "org")
+    fields = ("org", "machine_type", "period", "amount")
+
+    @admin.display(description="spent + committed now")
+    def spend_now(self, obj: Budget) -> str:
+        from django.conf import settings
+        from django.utils import timezone
+
+        from apps.machines.budgets import budget_spend
+
+        return f"{budget_spend(obj, now=timezone.now()):.2f} {settings.CATACLOUD_CURRENCY}"
+
+    def save_model(self, request: HttpRequest, obj: Budget, form: forms.ModelForm, change: bool) -> None:
+        from apps.machines.budgets import budget_set
+
+        if change:  # the scope or period may change too: keep this row, then record it as set
+            Budget.objects.filter(pk=obj.pk).update(
+                org=obj.org, machine_type=obj.machine_type, period=obj.period
+            )
+        saved = budget_set(
+            org=obj.org,
+            amount=obj.amount,
+            period=obj.period,
+            machine_type=obj.machine_type,
+            actor=f"admin:{request.user}",
+        )
+        obj.pk = saved.pk
