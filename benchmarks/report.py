@@ -211,6 +211,24 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         fig.savefig(d / "cost.png", dpi=110)
         plt.close(fig)
         made.append("cost.png")
+        if data.get("budget", {}).get("spend_curve"):
+            b = data["budget"]
+            fig, a = plt.subplots(figsize=(8, 4))
+            curve = b["spend_curve"]
+            a.step([p[0] for p in curve], [p[1] for p in curve], where="post", label="spend + committed")
+            a.axhline(b["budget"], color="red", ls="--", label=f"budget ${b['budget']:.2f}")
+            a.set_xlabel("hours into the week")
+            a.set_ylabel("$ spent and committed")
+            a.set_title(
+                f"Budget scenario (cost policy): {b['budget_waited']} jobs waited on the budget, "
+                f"{b['not_run']} never ran"
+            )
+            a.legend()
+            a.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(d / "budget.png", dpi=110)
+            plt.close(fig)
+            made.append("budget.png")
     return made
 
 
@@ -243,7 +261,12 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             lines += [n, ""]
         if r.part in explanations:
             lines += [explanations[r.part], ""]
-        for png, part in (("claim.png", "claim"), ("latency.png", "replenish"), ("cost.png", "cost")):
+        for png, part in (
+            ("claim.png", "claim"),
+            ("latency.png", "replenish"),
+            ("cost.png", "cost"),
+            ("budget.png", "cost"),
+        ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]
     path = out / "BENCHMARKS.md"
