@@ -118,8 +118,9 @@ def run(
             "<= budget + periods of machines running when reached",
             f"without budget ${by['cost']['cost']:.2f}",
             round(budgeted["cost"] / float(budget), 3) if budget else None,
-            None,
-            f"over the budget by ${overshoot:.2f}",
+            overshoot <= budgeted["after_reached"] + 1e-9,
+            f"reached at hour {budgeted['budget_reached_hour']}; over it by ${overshoot:.2f}, "
+            f"machines running then billed ${budgeted['after_reached']:.2f} more",
         ),
         Figure(
             "budget: jobs that waited on it / never ran",

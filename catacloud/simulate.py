@@ -83,6 +83,9 @@ class Result:
     budget_waited: int = 0  # jobs that waited while the budget refused a machine
     not_run: int = 0  # jobs still waiting when the simulation ended
     spend_curve: list[tuple[float, Decimal]] = field(default_factory=list, repr=False)
+    budget_reached_at: float | None = None  # when the budget first refused a machine
+    # what machines live at that moment billed after it: spend never passes budget + this
+    after_reached: Decimal = Decimal(0)
 
     def shares(self) -> dict[str, float]:
         total = sum(self.by_kind.values(), Decimal(0))
@@ -106,6 +109,10 @@ class Result:
                     "budget_waited": self.budget_waited,
                     "not_run": self.not_run,
                     "spend_curve": [[round(t / 3600, 3), float(v)] for t, v in self.spend_curve],
+                    "budget_reached_hour": round(self.budget_reached_at / 3600, 2)
+                    if self.budget_reached_at is not None
+                    else None,
+                    "after_reached": float(self.after_reached),
                 }
                 if self.budget is not None
                 else {}
@@ -206,6 +213,8 @@ class Simulation:
         self.budget_waited: set[int] = set()
         self.spend_curve: list[tuple[float, Decimal]] = []
         self.ended_cost: dict[int, Decimal] = {}
+        self.reached: tuple[float, dict[int, Decimal]] | None = None
+        self.next_sample = 0.0
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -234,6 +243,9 @@ class Simulation:
                 self.arrivals_left -= 1
             elif kind == _REAPER:
                 self.reap()
+                if self.p.budget is not None and when >= self.next_sample:
+                    self.spend_curve.append((when, self.spend()))  # hourly, between purchases too
+                    self.next_sample = when + 3600
                 if self.pending_jobs or self.waiting or self.live(pool=False):
                     self.push(when + self.p.reaper_interval, _REAPER)
             elif kind == _SCHEDULER:
@@ -283,7 +295,16 @@ class Simulation:
         price = attribution.first_period_cost(self.p.billing)
         if price <= 0:
             return wanted
-        return max(0, min(wanted, int((self.p.budget - self.spend()) // price)))
+        allowed = max(0, min(wanted, int((self.p.budget - self.spend()) // price)))
+        if allowed == 0 and self.reached is None:
+            # the budget refuses its first machine: what live machines committed now (the
+            # periods they bill after this are the bound on passing the budget)
+            billing = self.p.billing
+            self.reached = (
+                self.now,
+                {m.id: billing.cost(self.now - m.started) for m in self.live()},
+            )
+        return allowed
 
     def starved(self) -> bool:
         if self.p.budget is None or not self.waiting or self.arrivals_left or self.live():
@@ -430,8 +451,22 @@ class Simulation:
             budget=self.p.budget,
             budget_waited=len(self.budget_waited),
             not_run=len(self.waiting),
-            spend_curve=self.spend_curve,
+            # the curve ends with what the period finally cost
+            spend_curve=[*self.spend_curve, (self.now, self.spend())] if self.p.budget is not None else [],
+            budget_reached_at=self.reached[0] if self.reached else None,
+            after_reached=self.after_reached(),
         )
+
+    def after_reached(self) -> Decimal:
+        if self.reached is None:
+            return Decimal(0)
+        billing, (_, committed) = self.p.billing, self.reached
+        total = Decimal(0)
+        for machine_id, then in committed.items():
+            m = self.machines[machine_id]
+            end = m.destroyed if m.destroyed is not None else self.now
+            total += billing.cost(end - m.started) - then
+        return total
 
 
 def simulate(

@@ -121,7 +121,9 @@ def test_a_budget_stops_buying_and_counts_the_jobs_that_waited_on_it() -> None:
     result = simulate(jobs, "ephemeral", Params(price_per_hour=Decimal("1"), budget=Decimal("2")))
     assert (result.jobs, result.not_run, result.budget_waited) == (2, 1, 1)
     assert result.cost == Decimal(2)
-    assert [float(v) for _, v in result.spend_curve] == [1.0, 2.0]
+    # hourly samples and one at every purchase, ending with the final spend
+    assert [float(v) for _, v in result.spend_curve][-1] == 2.0
+    assert sorted(float(v) for _, v in result.spend_curve) == [float(v) for _, v in result.spend_curve]
     unlimited = simulate(jobs, "ephemeral", Params(price_per_hour=Decimal("1")))
     assert unlimited.jobs == 3 and unlimited.budget_waited == 0
 
@@ -145,3 +147,17 @@ def test_the_cli_takes_a_budget_and_prints_the_spend_curve(
     assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--budget", "0.01"]) == 0
     out = capsys.readouterr().out
     assert "budget-waited" in out and "spend curve" in out and "tail" in out
+
+
+def test_spend_passes_the_budget_only_by_what_machines_running_when_it_was_reached_bill_after() -> None:
+    # A 3-hour job runs; a second job arrives 10 minutes in; budget 1.5 at 1/h: no second
+    # machine is bought, the short job waits for the paid one (which renews its hour and
+    # takes it in its fourth hour)
+    jobs = [TraceJob(0, 3 * 3600, "long"), TraceJob(600, 600, "short")]
+    result = simulate(jobs, "cost", Params(price_per_hour=Decimal("1"), budget=Decimal("1.5")))
+    assert result.budget_reached_at == 600
+    assert (result.machines_created, result.budget_waited, result.not_run) == (1, 1, 0)
+    assert result.waits == [45.0, 3 * 3600 + 45 - 600]
+    assert result.cost == Decimal(4)  # four started hours of the one machine
+    assert result.after_reached == Decimal(3)  # all billed after the budget was reached
+    assert result.cost <= result.budget + result.after_reached
