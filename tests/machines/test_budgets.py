@@ -160,3 +160,66 @@ def test_bad_budget_amounts_are_refused(world: World) -> None:
             budget_set(org=world.org, amount=amount)
     with pytest.raises(ValidationFailed):
         budget_set(org=world.org, amount="5", period="week")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_refills_of_two_machine_types_at_once_never_both_spend_an_org_budgets_last_cents(
+    tworld: World,
+) -> None:
+    # Given an org-wide budget of 1.00 and two machine types at 0.50 per started hour, each with
+    # a pool that wants 3 members: different grant rows, one budget. (Today the grant lock also
+    # locks the org row, through the ordering join; the budget row lock keeps this true
+    # without it.)
+    import threading
+    import time
+
+    from django.db import connection, transaction
+
+    from apps.machines.models import MachineType, OrgMachineType
+
+    mt, _ = setup_type(tworld)
+    other = MachineType.objects.create(
+        name="big2",
+        provider_account=mt.provider_account,
+        server_type="f2",
+        cpus=4,
+        memory_mb=1024,
+        price_per_hour=Decimal("0.50"),
+    )
+    OrgMachineType.objects.create(org=tworld.org, machine_type=other, max_pool_size=10, max_instances=10)
+    budget_set(org=tworld.org, amount="1.00")
+    pools = [  # created as rows: no refill runs before the race
+        InstancePool.objects.create(org=tworld.org, name=f"p{i}", machine_type=m, target_size=3, max_size=3)
+        for i, m in enumerate((mt, other))
+    ]
+    bought = threading.Event()
+
+    def first() -> None:  # buys two members and holds its transaction open a moment
+        try:
+            with transaction.atomic():
+                pool_refill(pool_id=pools[0].pk)
+                bought.set()
+                time.sleep(0.5)
+        finally:
+            bought.set()
+            connection.close()
+
+    def second() -> None:  # refills the other machine type's pool meanwhile
+        try:
+            bought.wait()
+            pool_refill(pool_id=pools[1].pk)
+        finally:
+            connection.close()
+
+    # When the second refill runs while the first has bought but not committed
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Then exactly two machines were bought in all: the budget's 1.00, never more
+    assert MachineInstance.objects.filter(org=tworld.org).count() == 2
+    reasons = set(
+        InstancePool.objects.filter(pk__in=[p.pk for p in pools]).values_list("limit_reason", flat=True)
+    )
+    assert reasons == {"budget_exceeded: budget 1.00/1.00 USD this month"}
