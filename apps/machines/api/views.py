@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, time, timedelta
 from decimal import Decimal
+from typing import Any
 
 import django_filters
 from django.conf import settings
@@ -205,11 +206,13 @@ class BudgetSerializer(serializers.ModelSerializer):
     def get_spend(self, obj: Budget) -> str:
         return str(budget_spend(obj, now=timezone.now()).quantize(Decimal("0.01")))
 
-    def validate_machine_type(self, value: MachineType | None) -> MachineType | None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # only the org's machine types exist for it (another org's type: "does not exist")
         org = self.context.get("org")
-        if value is not None and not OrgMachineType.objects.filter(org=org, machine_type=value).exists():
-            raise serializers.ValidationError("not a machine type of this organization")
-        return value
+        self.fields["machine_type"].queryset = MachineType.objects.filter(
+            pk__in=OrgMachineType.objects.filter(org=org).values("machine_type_id")
+        )
 
 
 class BudgetViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
