@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test lint format bench services-up services-down clean
+.PHONY: dev test lint format bench chaos services-up services-down clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,19 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part.
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part. Installs the bench-only peers.
+bench: $(BENCH_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks $(if $(ONLY),--only $(ONLY))
+
+## Chaos soak (writes its section of BENCHMARKS.md): CHAOS_ARGS="--jobs 1000 --faults 120 --seed 1".
+chaos: $(STAMP)
+	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 services-up: $(STAMP)
 	$(PY) -m catacloud.cli services up

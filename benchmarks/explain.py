@@ -65,7 +65,51 @@ more than one boot time worse than `ephemeral`'s. The grant default is now 90 s 
 boot times), which meets both targets; the max_wait rows show the trade-off. Warm pools
 (`pool:N` in front of ephemeral machines) buy zero wait at a high price under hourly billing,
 because every claim is refilled with a new machine whose hour starts immediately; `pool:5:cost`
-(a pool in front of reusable machines) gets zero p95 wait for about the price of ephemeral."""
+(a pool in front of reusable machines) gets zero p95 wait for about the price of ephemeral.
+
+**Where the money goes** (`catacloud.policy.attribution`, the split the server uses; the parts
+of every machine sum exactly to its billed cost). `ephemeral` pays mostly for `tail`: 86% of
+its cost is the unused rest of hours started for jobs of a few minutes. Reuse turns that tail
+into `idle` (machines kept between jobs while their hour lasts: 61-63% for `speed` / `cost`)
+and the tail falls to 2%, so the same jobs cost a third. Warm pools add `warm` (10-40%) and,
+in front of ephemeral machines, keep a large tail. Jobs themselves are 9-37% of the bill
+under hourly billing: the lower bound (3.41 $) is what per-second billing of job time alone
+would cost.
+
+**Budget scenario.** The cost policy under a budget of half its unbudgeted weekly spend: it
+buys no machine once the next one would pass the budget (hour 63.7); jobs that fit on machines
+already paid still run, the rest wait (`budget_waited`) and those still waiting at the end
+never ran. Final spend passes the budget by exactly what the machines running when it was
+reached billed afterwards ($0.17: they renewed their paid hours while their jobs went on),
+the bound README states. `budget.png` is the spend curve (spend plus the committed periods of
+live machines, sampled hourly and at every purchase)."""
+
+CHAOS = """\
+**What the soak checks, and what it found.** `make chaos` runs the real system (gunicorn, two
+Celery workers, beat, local agents, PostgreSQL, a Redis of its own) under a REST workload while
+it SIGKILLs workers, agents (with their jobs: the machine is gone) and Redis, and deletes every
+queued and unacknowledged Celery message. Intervals are shortened (reaper 2 s, agent lost after
+4 s, heartbeat 0.5 s); each state's deadline is in `benchmarks.chaos.deadlines` and a row is a
+violation only past its deadline plus one reaper interval. "Converged" means: no running
+machine without a live row, no ready/claimed/warming row without its machine, no row past a
+deadline, no job running twice; at the end also every job terminal, the provider's machines
+equal to the live rows and no resource, webhook account or scratch database left. The
+convergence target after the last fault is two reaper intervals plus `CATACLOUD_AGENT_LOST_AFTER`
+(an agent's death can only be noticed once it has been silent that long).
+
+On the code of this run the soak finds, in order of harm: (1) **instances stuck in `pending`
+for ever**: `instance_request` commits a `pending` row and only the `provision_instance_task`
+message moves it; when that message is lost (a dropped queue, Redis or the worker killed
+before it acked) nothing re-drives it, and the row keeps counting against `max_instances`, so
+a long enough soak wedges the grant (jobs then wait for a machine for ever); (2) **more machines
+than `max_instances`**: both `pool_refill` and the scheduler's `_provision_or_wait` count live
+instances *excluding `terminating`* (whose machines still run and bill), and `pool_refill`
+counts under the pool's row lock, not the grant's, so a refill and a scheduler pass can both
+buy the last slot; (3) while Redis is down **every REST call answers 500** (DRF's throttle reads
+the Redis cache and raises) and the agent's `finished` report answers 500 *after* its
+transaction committed (the `on_commit` `.delay()` raises), so the agent retries a report that
+was already recorded. The per-invariant
+examples above name the rows; `tests/e2e/test_chaos.py` reproduces them in about a minute."""
 
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
@@ -75,4 +119,5 @@ EXPLANATIONS: dict[str, str] = {
     "reaper": REAPER,
     "admission": ADMISSION,
     "cost": COST,
+    "chaos": CHAOS,
 }

@@ -120,8 +120,8 @@ def process_env(**extra: str) -> dict[str, str]:
         DJANGO_DEBUG="0",
         DJANGO_ALLOWED_HOSTS="127.0.0.1,localhost",
         LOG_LEVEL="WARNING",
-        **extra,
     )
+    env.update(extra)  # may override the above (the chaos soak brings its own Redis)
     return env
 
 

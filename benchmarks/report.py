@@ -10,7 +10,7 @@ from typing import Any
 
 from benchmarks.harness import PartResult
 
-ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost")
+ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "chaos")
 
 
 def environment() -> dict[str, str]:
@@ -119,8 +119,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         data = by["claim"].data
         cs = data["concurrencies"]
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for v, style in (("service", "o-"), ("naive", "s--"), ("floor", "^:"), ("no_enqueue", "d-.")):
-            a.plot(cs, [data["table"][str(c)][v]["throughput"] for c in cs], style, label=v)
+        variants = data.get("variants", ["service", "floor"])
+        styles = {"service": "o-", "floor": "^:", "procrastinate": "s--", "pgqueuer": "d-."}
+        for v in variants:
+            a.plot(cs, [data["table"][str(c)][v]["throughput"] for c in cs], styles.get(v, "x-"), label=v)
         a.set_xscale("log", base=2)
         a.set_xticks(cs, [str(c) for c in cs])
         a.set_xlabel("concurrent claimers (one connection each)")
@@ -129,13 +131,12 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         a.legend()
         a.grid(alpha=0.3)
         key = "16" if "16" in data["samples_ms"] else str(max(cs))
-        for v in ("service", "naive", "floor", "no_enqueue"):
+        for v in variants:
             xs = sorted(data["samples_ms"][key][v])
             if xs:
                 b.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=v)
         b.set_xscale("log")
         tidy(b)
-        b.axvline(10, color="grey", ls=":", label="10 ms target")
         b.set_xlabel("latency (ms, log)")
         b.set_ylabel("fraction of claims")
         b.set_title(f"Claim latency CDF at {key} claimers")
@@ -229,6 +230,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
             fig.savefig(d / "budget.png", dpi=110)
             plt.close(fig)
             made.append("budget.png")
+    if "chaos" in by and by["chaos"].data.get("series"):
+        from benchmarks.chaos import plot
+
+        made.append(plot(by["chaos"], out))
     return made
 
 
@@ -266,6 +271,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("latency.png", "replenish"),
             ("cost.png", "cost"),
             ("budget.png", "cost"),
+            ("chaos.png", "chaos"),
         ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from catacloud.supervisor import Program
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CATALOG = Path(__file__).resolve().parent / "data" / "demo.yaml"
 
@@ -55,11 +57,34 @@ def cmd_services(args: argparse.Namespace) -> int:
             services.stop()
 
 
-def cmd_dev(args: argparse.Namespace) -> int:
-    """`make dev`: services, migrations, demo data, then web + worker + beat + Flower."""
-    from honcho.manager import Manager
+def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int) -> list[Program]:
+    """What `make dev` runs: web (gunicorn), one Celery worker, beat and Flower."""
+    celery = [sys.executable, "-m", "celery", "-A", "config"]
+    gunicorn = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
+    # agents hold a thread while they long-poll for work
+    gunicorn += ["--workers", "2", "--threads", "32", "--access-logfile", "-"]
+    return [
+        Program("web", gunicorn, env=env, cwd=str(ROOT)),
+        Program(
+            "worker", [*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"], env, str(ROOT)
+        ),
+        Program(
+            "beat",
+            [*celery, "beat", "--loglevel", "INFO", "--schedule", str(home / "celerybeat-schedule")],
+            env,
+            str(ROOT),
+        ),
+        Program(
+            "flower", [*celery, "flower", "--address=127.0.0.1", f"--port={flower_port}"], env, str(ROOT)
+        ),
+    ]
 
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
+    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything."""
     from catacloud import embedded
+    from catacloud.supervisor import Supervisor
 
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
@@ -80,49 +105,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
         home = Path(services.env["CATACLOUD_HOME"])
-        celery = [sys.executable, "-m", "celery", "-A", "config"]
-        manager = Manager()
-        manager.add_process(
-            "web",
-            " ".join(
-                [
-                    sys.executable,
-                    "-m",
-                    "gunicorn",
-                    "config.wsgi",
-                    "--bind",
-                    f"127.0.0.1:{port}",
-                    "--workers",
-                    "2",
-                    "--threads",
-                    "32",  # agents hold a thread while they long-poll for work
-                    "--access-logfile",
-                    "-",
-                ]
-            ),
-            env=env,
-            cwd=str(ROOT),
-        )
-        manager.add_process(
-            "worker",
-            " ".join([*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"]),
-            env=env,
-            cwd=str(ROOT),
-        )
-        manager.add_process(
-            "beat",
-            " ".join(
-                [*celery, "beat", "--loglevel", "INFO", "--schedule", str(home / "celerybeat-schedule")]
-            ),
-            env=env,
-            cwd=str(ROOT),
-        )
-        manager.add_process(
-            "flower",
-            " ".join([*celery, "flower", "--address=127.0.0.1", f"--port={flower_port}"]),
-            env=env,
-            cwd=str(ROOT),
-        )
+        supervisor = Supervisor(dev_programs(env=env, home=home, port=port, flower_port=flower_port))
         base = f"http://127.0.0.1:{port}"
         print(
             "\n".join(
@@ -143,8 +126,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
             ),
             flush=True,
         )
-        manager.loop()
-        return manager.returncode or 0
+        return supervisor.run()
     finally:
         _stop_local_machines(Path(services.env["CATACLOUD_HOME"]))
         services.stop()

@@ -272,6 +272,11 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # orjson renders several times faster than the standard library's json (same output).
+    "DEFAULT_RENDERER_CLASSES": [
+        "drf_orjson_renderer.renderers.ORJSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": [
@@ -280,7 +285,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_SCHEMA_CLASS": "apps.core.schema.AutoSchema",
     "EXCEPTION_HANDLER": "apps.core.api.exception_handler",
-    # Fails open when its cache (Redis) is down: fairness is not worth an outage.
+    # In-process counts (no Redis round trip on every request; never fails with Redis).
     "DEFAULT_THROTTLE_CLASSES": ["apps.core.throttling.UserRateThrottle"],
     # Fairness only; quotas are enforced in PostgreSQL.
     "DEFAULT_THROTTLE_RATES": {"user": env.str("CATACLOUD_API_RATE", default="6000/min")},
@@ -292,9 +297,11 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "catacloud",
-        # The cache only throttles and memoises health: it must never hang a request.
+        # The cache only memoises health: it must never hang a request.
         "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
-    }
+    },
+    # In-process: the API throttle (fairness only) costs no network round trip.
+    "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "catacloud"},
 }
 
 SPECTACULAR_SETTINGS = {

@@ -130,7 +130,12 @@ def org_context(request: Request) -> OrgContext:
         return cached
     token = request.auth if isinstance(request.auth, ApiToken) else None
     user = request.user
-    if token is not None:
+    if token is not None and hasattr(token, "member_role"):
+        # Resolved by the bearer authentication's own query (the hot path: no second one).
+        membership = (
+            Membership(org=token.org, user=user, role=token.member_role) if token.member_role else None
+        )
+    elif token is not None:
         membership = Membership.objects.filter(org_id=token.org_id, user=user).select_related("org").first()
     else:
         slug = request.headers.get("X-Catacloud-Org") or request.query_params.get("org")

@@ -1,24 +1,24 @@
-"""The API throttle. Fairness only (quotas live in PostgreSQL), so it fails open: when its
-cache (Redis) is unreachable, requests are let through and a warning is logged."""
+"""The API throttle: fairness only (quotas live in PostgreSQL), so it costs no network round
+trip and cannot fail when Redis does. Each web process counts in its own memory, so the
+effective limit is ``CATACLOUD_API_RATE`` per process (README: Configuration)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from django.core.cache import caches
 from rest_framework import throttling
-
-from apps.core.broker import BROKER_ERRORS, broker_down, mark_broker_down
 
 log = logging.getLogger(__name__)
 
 
 class UserRateThrottle(throttling.UserRateThrottle):
+    cache = caches["local"]
+
     def allow_request(self, request: Any, view: Any) -> bool:
-        if broker_down():
-            return True
         try:
             return super().allow_request(request, view)
-        except BROKER_ERRORS as exc:
-            mark_broker_down(exc)
+        except Exception:  # never let fairness take the API down
+            log.exception("throttle failed; letting the request through")
             return True

@@ -37,7 +37,7 @@ from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_TERMINAL, InstanceStatus, Policy
 from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
-from apps.machines.services import grant_check_privilege, instance_transition
+from apps.machines.services import grant_check_privilege, grant_lock, instance_transition
 from apps.orgs.models import Organization
 from apps.pools.choices import POOL_ACTIVE
 from apps.pools.models import InstancePool
@@ -217,9 +217,7 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
     now = timezone.now()
     queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=J.QUEUED)
     with transaction.atomic():
-        grant = (
-            OrgMachineType.objects.select_for_update().filter(org_id=org_id, machine_type_id=mt_id).first()
-        )
+        grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
         if grant is None:
             queued.exclude(pending_reason="machine type no longer granted").update(
                 pending_reason="machine type no longer granted"
@@ -292,7 +290,7 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
         jobs = list(
             Job.objects.filter(status=J.WAITING_FOR_MACHINE)
             .order_by("-priority", "admitted_at")
-            .select_for_update(skip_locked=True)
+            .select_for_update(skip_locked=True, of=("self",))
             .select_related("config")[:limit]
         )
         by_key: dict[tuple, list[Job]] = defaultdict(list)
@@ -301,11 +299,7 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
         for (org_id, mt_id), group in by_key.items():
             # Lock order: the grant first (it serialises counting and buying machines of this
             # org and machine type with pool refills), then instances (the claims below).
-            grant = (
-                OrgMachineType.objects.select_for_update()
-                .filter(org_id=org_id, machine_type_id=mt_id)
-                .first()
-            )
+            grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
             mt = MachineType.objects.get(pk=mt_id)
             pools = list(
                 InstancePool.objects.filter(
@@ -502,7 +496,7 @@ def job_finished(
     """
     with transaction.atomic():
         job = (
-            Job.objects.select_for_update()
+            Job.objects.select_for_update(of=("self",))
             .select_related("config")
             .filter(pk=job_id, instance=instance)
             .first()

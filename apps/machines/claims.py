@@ -1,7 +1,8 @@
 """Claiming a ready machine in one statement, shared by pool acquires and job placement.
 
 ``WITH c AS (SELECT … ORDER BY … LIMIT 1 FOR UPDATE SKIP LOCKED) UPDATE … FROM c RETURNING``
-plus the event insert, as a single round trip. Never
+plus the event insert and (pool claims) the refill signal, as a single round trip: no
+broker call on the claim path. Never
 ``filter(pk__in=qs.select_for_update(skip_locked=True)[:1]).update(...)``: PostgreSQL may
 re-evaluate an IN subquery and update more rows than the LIMIT.
 """
@@ -21,7 +22,23 @@ _COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
 _ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
 
 
-def _sql(candidates: str, event_kind: str) -> str:
+# The refill signal: the claim that takes a member of a pool with no refill pending marks the
+# pool and notifies the refill listener (apps/pools/refill.py), inside the same statement.
+REFILL_CHANNEL = "catacloud_refill"
+_SIGNAL = f"""
+, r AS (
+    UPDATE pools_instancepool p SET refill_requested_at = now()
+    FROM u WHERE p.id = u.pool_id AND p.refill_requested_at IS NULL
+    RETURNING p.id
+), n AS (
+    SELECT pg_notify('{REFILL_CHANNEL}', r.id::text) FROM r
+)"""
+
+
+_SIGNAL_COUNT = ", (SELECT count(*) FROM n)"  # makes the notify CTE run
+
+
+def _sql(candidates: str, event_kind: str, *, signal: bool = False) -> str:
     return f"""
 WITH c AS (
     {candidates}
@@ -39,20 +56,25 @@ WITH c AS (
            jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,
                               'acquired_for', %(for)s::text)
     FROM u
-)
-SELECT {", ".join(f"u.{c}" for c in _COLUMNS)} FROM u
+){_SIGNAL if signal else ""}
+SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}, mt.name, pa.kind{_SIGNAL_COUNT if signal else ""}
+FROM u
+JOIN machines_machinetype mt ON mt.id = u.machine_type_id
+JOIN machines_provideraccount pa ON pa.id = u.provider_account_id
 """
 
 
 # Pool acquire: the oldest ready member of an active pool (partial index instance_ready_by_pool).
-POOL_SQL = _sql(
-    """SELECT m.id FROM machines_machineinstance m
+_POOL_CANDIDATES = """SELECT m.id FROM machines_machineinstance m
     JOIN pools_instancepool p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
         AND (%(org)s::uuid IS NULL OR p.org_id = %(org)s::uuid)
     WHERE m.status = 'ready'
-    ORDER BY m.ready_at""",
-    "pool.member_claimed",
-)
+    ORDER BY m.ready_at"""
+# Autocommit (the REST acquire): the statement signals the refill itself.
+POOL_SQL = _sql(_POOL_CANDIDATES, "pool.member_claimed", signal=True)
+# Inside a longer transaction (job placement): no signal here (its row lock would be held
+# until that transaction ends, stalling other claims); the caller signals after commit.
+POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, "pool.member_claimed")
 
 # Job placement on an idle machine kept for reuse: prefer the one that last ran the same
 # configuration (warm caches), then the one that became idle first.
@@ -92,4 +114,7 @@ def claim(
         row = cursor.fetchone()
     if row is None:
         return claim_id, None
-    return claim_id, MachineInstance.from_db(connection.alias, _ATTNAMES, row)
+    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
+    # What an answer names besides the row (the acquire endpoint needs no second query).
+    instance.machine_type_name, instance.provider_kind = row[len(_ATTNAMES)], row[len(_ATTNAMES) + 1]
+    return claim_id, instance

@@ -359,10 +359,9 @@ def _requeue_jobs_of(instance: MachineInstance, cause: str, detail: str = "") ->
 def _after_instance_left(instance: MachineInstance) -> None:
     """A member left its pool (claimed, ended): refill the pool right after commit."""
     if instance.pool_id:
-        from apps.pools.tasks import request_refill
+        from apps.pools.refill import request_refill
 
-        pool_id = str(instance.pool_id)
-        transaction.on_commit(lambda: request_refill(pool_id))
+        request_refill(instance.pool_id)
 
 
 def now() -> Any:

@@ -158,7 +158,7 @@ def grant_upsert(
         elif value is not None and (not isinstance(value, int) or value < 0):
             raise _invalid(key, "must be a whole number of at least 0")
     grant_check_privilege(org=org, machine_type=machine_type)
-    grant = OrgMachineType.objects.select_for_update().filter(org=org, machine_type=machine_type).first()
+    grant = grant_lock(org_id=org.pk, machine_type_id=machine_type.pk)
     if grant is None:
         grant = OrgMachineType.objects.create(org=org, machine_type=machine_type, **quota)
         event_record(
@@ -174,6 +174,21 @@ def grant_upsert(
             kind="org.grant_updated", org=org, actor="catalog", machine_type=machine_type.name, **changed
         )
     return grant, bool(changed)
+
+
+def grant_lock(*, org_id: Any, machine_type_id: Any) -> OrgMachineType | None:
+    """Lock the grant row of (org, machine type) until the transaction ends, or None.
+
+    The first lock in the one lock order (grant, pool, instance, job) that every path buying
+    machines or admitting jobs takes. Only this row: a plain ``select_for_update().first()``
+    would join (the default ordering) and lock the organization and machine type rows too,
+    and every insert that references the organization would wait on it."""
+    return (
+        OrgMachineType.objects.select_for_update(of=("self",))
+        .filter(org_id=org_id, machine_type_id=machine_type_id)
+        .order_by()
+        .first()
+    )
 
 
 def grant_for(*, org: Organization, machine_type: MachineType | Any) -> OrgMachineType:

@@ -28,9 +28,21 @@ class InstancePool(models.Model):
     limit_reason = models.CharField(max_length=200, blank=True, editable=False)
     # When a schedule last set target_size (manual changes stand until the next firing).
     schedule_applied_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Set by the claim statement itself when it takes a member (and no refill is pending yet),
+    # with a NOTIFY; the refill listener clears it and enqueues the refill. The claim path
+    # thus needs no broker round trip; the reaper refills whatever was missed.
+    refill_requested_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["org__slug", "name"]
+        indexes = [
+            # Refill listener's sweep: WHERE refill_requested_at IS NOT NULL
+            models.Index(
+                fields=["refill_requested_at"],
+                name="pool_refill_requested",
+                condition=Q(refill_requested_at__isnull=False),
+            ),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["org", "name"], name="pool_name_unique_in_org"),
             models.CheckConstraint(

@@ -10,21 +10,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
+from apps.core.locks import POOL_REFILL
 from apps.core.transitions import change_state
 from apps.events.services import event_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType
-from apps.machines.services import grant_check_privilege, grant_for
+from apps.machines.models import MachineInstance, MachineType
+from apps.machines.services import grant_check_privilege, grant_for, grant_lock
 from apps.orgs.models import Organization
 from apps.pools.choices import POOL_ACTIVE, POOL_TRANSITIONS, PoolStatus
 from apps.pools.metrics import CLAIM_LATENCY
 from apps.pools.models import InstancePool
+from apps.pools.refill import clear_mark, request_refill
 
 
 def pool_validate_sizes(*, target_size: int, min_size: int, max_size: int, max_pool_size: int) -> None:
@@ -95,7 +97,7 @@ def pool_create(
         machine_type=machine_type.name,
     )
     pool_id = str(pool.pk)
-    transaction.on_commit(lambda: _enqueue_refill(pool_id))  # warm it now, not at the next reaper tick
+    _enqueue_refill(pool_id)  # warm it now (after commit), not at the next reaper tick
     return pool
 
 
@@ -150,8 +152,9 @@ def pool_claim(
     round trip. ``org_id`` scopes the pool to an organization (another org's pool: NotFound).
     """
     started = time.perf_counter()
+    in_transaction = connection.in_atomic_block
     claim_id, instance = claims.claim(
-        claims.POOL_SQL,
+        claims.POOL_SQL_NO_SIGNAL if in_transaction else claims.POOL_SQL,
         actor=actor,
         by=acquired_by,
         for_=acquired_for,
@@ -171,15 +174,14 @@ def pool_claim(
         if status not in POOL_ACTIVE:
             raise InvalidTransition("Pool", pool_id, status, "claimed from")
         raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
-    pool_id_str = str(pool_id)
-    transaction.on_commit(lambda: _enqueue_refill(pool_id_str))  # at once when not in a transaction
+    if in_transaction:
+        _enqueue_refill(pool_id)  # after that transaction commits
+    # else the claim statement itself marked the pool for a refill and notified the listener.
     CLAIM_LATENCY.observe(time.perf_counter() - started)
     return Claim(claim_id=claim_id, instance=instance)
 
 
 def _enqueue_refill(pool_id: str) -> None:
-    from apps.pools.tasks import request_refill
-
     request_refill(pool_id)
 
 
@@ -201,8 +203,7 @@ def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> Instanc
     if changed:
         pool.save()
         event_record(kind="pool.updated", org=pool.org_id, pool=pool, actor=actor, **changed)
-        pool_id = str(pool.pk)
-        transaction.on_commit(lambda: _enqueue_refill(pool_id))
+        _enqueue_refill(pool.pk)
     return pool
 
 
@@ -214,6 +215,8 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
     from apps.machines.lifecycle import instance_terminate
 
     with transaction.atomic():
+        # Lock order as in a claim (member, then pool row): members first.
+        list(MachineInstance.objects.select_for_update().filter(pool=pool, status__in=INSTANCE_LIVE))
         pool_transition(
             pool_id=pool.pk,
             to=PoolStatus.DRAINING,
@@ -272,20 +275,15 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
     keys = InstancePool.objects.filter(pk=pool_id).values("org_id", "machine_type_id").first()
     if keys is None:
         return 0
+    clear_mark(pool_id)  # a claim committed from now on asks for the next refill
     with transaction.atomic():
         # Lock order: the grant (serialises every path that buys machines of this org and
-        # machine type: other pools' refills, job placement), then the pool.
-        grant = (
-            OrgMachineType.objects.select_for_update()
-            .filter(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"])
-            .first()
-        )
-        pool = (
-            InstancePool.objects.select_for_update(of=("self",))
-            .select_related("machine_type")
-            .filter(pk=pool_id)
-            .first()
-        )
+        # machine type: other pools' refills, job placement), then the pool's refill lock (an
+        # advisory lock, not the pool row, which claims update to signal refills).
+        grant = grant_lock(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"])
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [POOL_REFILL, str(pool_id)])
+        pool = InstancePool.objects.select_related("machine_type").filter(pk=pool_id).first()
         if pool is None or pool.status not in POOL_ACTIVE:
             return 0
         mt = pool.machine_type

@@ -8,6 +8,7 @@ Messages the reaper sends land in the real Redis queue, where the tests read the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from apps.core.broker import redis_client
+from apps.core.errors import PoolEmpty
 from apps.events.models import Event
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
@@ -558,8 +560,7 @@ def test_with_the_broker_down_the_api_answers_and_a_committed_claim_is_201(tworl
             from config.celery import app
 
             app.conf.broker_url = dead
-            app.pool.force_close_all()
-            app._pool = None
+            _reset_broker_pools(app)
             api = world.client("member")
             assert api.get("/api/v1/jobs/").status_code == 200  # the throttle fails open
             claimed = api.post(f"/api/v1/pools/{pool.pk}/acquire/", {}, format="json")
@@ -575,10 +576,19 @@ def test_with_the_broker_down_the_api_answers_and_a_committed_claim_is_201(tworl
         from config.celery import app
 
         app.conf.broker_url = settings.CELERY_BROKER_URL
-        app.pool.force_close_all()
-        app._pool = None
+        _reset_broker_pools(app)
         broker.redis_client.cache_clear()
         broker._down_until = 0.0
+
+
+def _reset_broker_pools(app: Any) -> None:
+    """The Celery app caches broker connections: drop them so the next publish uses the
+    broker URL now configured."""
+    from kombu import pools
+
+    pools.reset()  # closes and forgets every cached connection and producer pool
+    app._pool = None
+    app.amqp._producer_pool = None
 
 
 def _health() -> tuple[int, dict]:
@@ -600,3 +610,61 @@ def test_every_status_change_records_when_it_happened(tworld: World) -> None:
     schedule()
     refresh(job, machine)
     assert job.status_changed_at >= before and machine.status_changed_at >= before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claims_refills_and_placement_at_once_never_deadlock(tworld: World) -> None:
+    """Lock order (grant, pool, instance, job; only the grant row, never the organization it
+    belongs to): claims that mark their pool, refills, placements and submits running at
+    once all finish without an error."""
+    from apps.pools.services import pool_claim
+
+    mt, _ = setup_type(tworld, max_instances=60, max_pool_size=40, max_concurrent_jobs=100)
+    cfg = config(tworld, mt)
+    pool = pool_create(org=tworld.org, name="hot", machine_type=mt, target_size=20, max_size=40)
+    now = timezone.now()
+    MachineInstance.objects.bulk_create(
+        MachineInstance(
+            org=tworld.org,
+            machine_type=mt,
+            provider_account=mt.provider_account,
+            machine_type_version=mt.version,
+            pool=pool,
+            status=S.READY,
+            ready_at=now,
+            last_heartbeat_at=now,
+        )
+        for _ in range(30)
+    )
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def run(fn: Any) -> None:
+        try:
+            barrier.wait()
+            for _ in range(10):
+                with contextlib.suppress(PoolEmpty):
+                    fn()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    work = [
+        lambda: pool_claim(pool_id=pool.pk),
+        lambda: pool_claim(pool_id=pool.pk),
+        lambda: pool_refill(pool_id=pool.pk),
+        lambda: job_submit(org=tworld.org, config=cfg),
+        schedule,
+        schedule,
+    ]
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    live = MachineInstance.objects.filter(
+        org=tworld.org, machine_type=mt, status__in=INSTANCE_COUNTED
+    ).count()
+    assert live <= 60

@@ -167,9 +167,8 @@ def test_refills_of_two_machine_types_at_once_never_both_spend_an_org_budgets_la
     tworld: World,
 ) -> None:
     # Given an org-wide budget of 1.00 and two machine types at 0.50 per started hour, each with
-    # a pool that wants 3 members: different grant rows, one budget. (Today the grant lock also
-    # locks the org row, through the ordering join; the budget row lock keeps this true
-    # without it.)
+    # a pool that wants 3 members: different grant locks, one budget (its row lock is what
+    # serialises them: without it both refills buy two)
     import threading
     import time
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -16,12 +17,13 @@ from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.events.models import Event
 from apps.machines import lifecycle
 from apps.machines.choices import InstanceStatus
-from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.reaper import apply_schedules, query_count, reaper_tick
 from apps.pools.services import pool_claim, pool_create, pool_drain, pool_refill, pool_update
 from catacloud.providers.fake import FakeProvider
 from tests.conftest import World
+from tests.support.processes import wait_for
 
 S = InstanceStatus
 
@@ -356,28 +358,53 @@ def test_a_member_deleted_behind_the_pools_back_is_replaced(world: World, fake_t
     assert Event.objects.filter(kind="pool.member_lost", instance_id=gone.pk).exists()
 
 
-@pytest.mark.django_db
-def test_creating_a_pool_starts_warming_it_at_once(
-    world: World,
-    fake_type: MachineType,
-    django_capture_on_commit_callbacks: Any,
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.django_db(transaction=True)
+def test_claims_signal_the_refill_in_their_own_statement_and_a_listener_enqueues_it(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Not at the next reaper tick: the refill is enqueued right after the commit."""
-    from apps.core.broker import redis_client
+    """Not at the next reaper tick, and no broker call on the claim path: a pool created or
+    claimed from is marked (with a NOTIFY) in the same round trip; the listener enqueues one
+    refill per mark, and a burst of claims before the refill starts costs one mark."""
     from apps.pools import tasks
+    from apps.pools.refill import listen
 
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "refill"})
+    fake_type = MachineType.objects.create(
+        name="f1", provider_account=account, server_type="f", cpus=1, memory_mb=1024
+    )
+    OrgMachineType.objects.create(org=tworld.org, machine_type=fake_type, max_pool_size=10, max_instances=10)
     enqueued: list[str] = []
     monkeypatch.setattr(tasks.pool_refill_task, "apply_async", lambda args, **_: enqueued.append(args[0]))
-    with django_capture_on_commit_callbacks(execute=True):
-        pool = pool_create(org=world.org, name="now", machine_type=fake_type, target_size=2, max_size=3)
-    assert enqueued == [str(pool.pk)]
+
+    def start_listener() -> tuple[threading.Event, threading.Thread]:
+        stop = threading.Event()
+        thread = threading.Thread(target=listen, args=(stop,), kwargs={"sweep_seconds": 0.3}, daemon=True)
+        thread.start()
+        time.sleep(0.5)  # connected, LISTEN in place
+        return stop, thread
+
+    stop, listener = start_listener()
+    try:
+        pool = pool_create(org=tworld.org, name="now", machine_type=fake_type, target_size=2, max_size=3)
+        wait_for(lambda: enqueued == [str(pool.pk)], 10, "the creation's refill enqueued")
+    finally:
+        stop.set()
+        listener.join(timeout=5)
     members = ready_members(pool, 3)
-    for _ in range(2):  # a burst of claims while that refill waits: no second task
-        with django_capture_on_commit_callbacks(execute=True):
-            pool_claim(pool_id=pool.pk)
-    assert enqueued == [str(pool.pk)]
-    redis_client().delete(tasks.REFILL_PENDING.format(pool.pk))  # what the task does when it starts
-    with django_capture_on_commit_callbacks(execute=True):
-        pool_claim(pool_id=members[0].pool_id)
-    assert enqueued == [str(pool.pk)] * 2  # a claim after the refill started enqueues a new one
+    for _ in range(2):  # a burst of claims while nobody takes the mark: one mark
+        pool_claim(pool_id=pool.pk)
+    assert InstancePool.objects.get(pk=pool.pk).refill_requested_at is not None
+    assert Event.objects.filter(kind="pool.member_claimed", pool_id=pool.pk).count() == 2
+    stop, listener = start_listener()  # a listener that starts later sweeps marks nobody heard
+    try:
+        wait_for(lambda: len(enqueued) == 2, 10, "the burst's single refill enqueued")
+        time.sleep(0.7)
+        assert enqueued == [str(pool.pk)] * 2  # taken once
+        pool_refill(pool_id=pool.pk)  # a refill clears the mark before it reads the pool
+        assert InstancePool.objects.get(pk=pool.pk).refill_requested_at is None
+        pool_claim(pool_id=members[0].pool_id)  # marks again and notifies
+        wait_for(lambda: len(enqueued) == 3, 10, "a claim after the refill started enqueues a new one")
+    finally:
+        stop.set()
+        listener.join(timeout=5)

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import django_filters
 from django.db import transaction
@@ -14,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.core.api import OrgScopedViewSet
-from apps.machines.models import MachineType
+from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.pools.api.serializers import (
     AcquireIn,
     AcquireOut,
@@ -28,9 +27,14 @@ from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain, pool_update
 
 
-def _type_and_account(machine_type_id: Any) -> tuple[MachineType, Any]:
-    mt = MachineType.objects.select_related("provider_account").get(pk=machine_type_id)
-    return mt, mt.provider_account
+def _named_relations(instance: MachineInstance) -> None:
+    """Attach what the answer names (machine type name, provider kind) from the values the
+    claim statement returned with the row: no second query on the hot path."""
+    instance.machine_type = MachineType(pk=instance.machine_type_id, name=instance.machine_type_name)
+    instance.provider_account = ProviderAccount(pk=instance.provider_account_id, kind=instance.provider_kind)
+
+
+_ACQUIRE_OUT = AcquireOut()
 
 
 class PoolFilter(django_filters.FilterSet):
@@ -90,8 +94,10 @@ class PoolViewSet(
         data.is_valid(raise_exception=True)
         claim = pool_claim(pool_id=pool_id, org_id=self.ctx.org.pk, actor=self.actor(), **data.validated_data)
         instance = claim.instance
-        instance.machine_type, instance.provider_account = _type_and_account(instance.machine_type_id)
-        body = AcquireOut({"claim_id": claim.claim_id, "instance": instance}).data
+        _named_relations(instance)
+        # A serializer built once per process (building one per request cost more than the
+        # claim); its output is exactly AcquireOut's.
+        body = _ACQUIRE_OUT.to_representation({"claim_id": claim.claim_id, "instance": instance})
         return Response(body, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=DrainIn, responses={200: DrainOut})

@@ -1,0 +1,137 @@
+"""The refill signal: how a pool learns, within milliseconds and without a broker round trip
+on the claim path, that it lost a member.
+
+- A claim marks its pool (``refill_requested_at``) and sends ``NOTIFY catacloud_refill`` in
+  the claim statement itself, only when no refill is pending yet (so a burst of claims costs
+  one mark and one notification, and NOTIFY's commit-time lock is rare). Other triggers (a
+  member ended, a pool created or resized) call :func:`request_refill`, which does the same
+  after their commit.
+- One listener in the cluster (the Celery worker that holds the listener's advisory lock;
+  another takes over within seconds if it dies) LISTENs, clears each mark it sees
+  (compare-and-set, so a mark is taken once) and enqueues that pool's refill task. Every few
+  seconds it also sweeps marks whose notification nobody heard.
+- The refill clears its pool's mark before it reads the pool, so a claim committed after
+  that marks it again. Whatever slips through (no listener, broker down), the reaper refills
+  within a tick: the signal only makes things faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import psycopg
+from django.db import connection, transaction
+from psycopg.conninfo import make_conninfo
+
+from apps.core.broker import enqueue
+from apps.core.locks import REFILL_LISTENER
+from apps.machines.claims import REFILL_CHANNEL
+
+log = logging.getLogger(__name__)
+SWEEP_SECONDS = 5.0
+
+_MARK_SQL = f"""
+WITH r AS (
+    UPDATE pools_instancepool SET refill_requested_at = now()
+    WHERE id = %s AND refill_requested_at IS NULL RETURNING id
+)
+SELECT pg_notify('{REFILL_CHANNEL}', r.id::text) FROM r
+"""
+_TAKE_SQL = """
+UPDATE pools_instancepool SET refill_requested_at = NULL
+WHERE id = ANY(%s::uuid[]) AND refill_requested_at IS NOT NULL RETURNING id
+"""
+_SWEEP_SQL = "SELECT id FROM pools_instancepool WHERE refill_requested_at IS NOT NULL LIMIT 500"
+
+
+def request_refill(pool_id: Any) -> None:
+    """Ask for a refill of ``pool_id`` right after the current transaction commits."""
+    pool = str(pool_id)
+
+    def mark() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(_MARK_SQL, [pool])
+
+    transaction.on_commit(mark)
+
+
+def clear_mark(pool_id: Any) -> None:
+    """The refill starts: a claim committed from now on marks the pool again."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE pools_instancepool SET refill_requested_at = NULL "
+            "WHERE id = %s AND refill_requested_at IS NOT NULL",
+            [str(pool_id)],
+        )
+
+
+def _dsn() -> str:
+    db = connection.settings_dict
+    return make_conninfo(
+        host=db["HOST"] or None,
+        port=db["PORT"] or None,
+        dbname=db["NAME"],
+        user=db["USER"] or None,
+        password=db.get("PASSWORD") or None,
+        application_name="catacloud-refill-listener",
+    )
+
+
+def take_and_enqueue(conn: psycopg.Connection, pool_ids: set[str]) -> int:
+    """Clear the marks of ``pool_ids`` (each taken by one listener only) and enqueue their
+    refills. Returns how many were enqueued."""
+    from apps.pools.tasks import pool_refill_task
+
+    if not pool_ids:
+        return 0
+    taken = [str(row[0]) for row in conn.execute(_TAKE_SQL, [sorted(pool_ids)]).fetchall()]
+    return sum(enqueue(pool_refill_task, pool_id) for pool_id in taken)
+
+
+def listen(stop: threading.Event, *, dsn: str | None = None, sweep_seconds: float = SWEEP_SECONDS) -> None:
+    """Run the refill listener until ``stop`` is set (reconnecting after errors)."""
+    dsn = dsn or _dsn()
+    while not stop.is_set():
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                got = conn.execute("SELECT pg_try_advisory_lock(%s)", [REFILL_LISTENER]).fetchone()
+                if not got or not got[0]:
+                    stop.wait(sweep_seconds)  # another worker listens; try again later
+                    continue
+                conn.execute(f"LISTEN {REFILL_CHANNEL}")
+                log.info("refill listener: listening on %s", REFILL_CHANNEL)
+                while not stop.is_set():
+                    pending = {str(row[0]) for row in conn.execute(_SWEEP_SQL).fetchall()}
+                    take_and_enqueue(conn, pending)
+                    pending = set()
+                    for note in conn.notifies(timeout=sweep_seconds, stop_after=1):
+                        pending.add(note.payload)
+                    # Drain what else arrived meanwhile, then act on the whole batch at once.
+                    for note in conn.notifies(timeout=0.01):
+                        pending.add(note.payload)
+                    take_and_enqueue(conn, pending)
+        except Exception:  # a listener must outlive database restarts
+            log.exception("refill listener failed; reconnecting")
+            stop.wait(1.0)
+
+
+_thread: threading.Thread | None = None
+_stop = threading.Event()
+
+
+def start_listener() -> None:
+    """Start the listener thread in this process (Celery workers do, at startup)."""
+    global _thread
+    if _thread is not None and _thread.is_alive():
+        return
+    _stop.clear()
+    _thread = threading.Thread(target=listen, args=(_stop,), name="refill-listener", daemon=True)
+    _thread.start()
+
+
+def stop_listener() -> None:
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=SWEEP_SECONDS + 1)
