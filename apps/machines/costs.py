@@ -25,7 +25,7 @@ from django.db.models import Q
 
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, MachineType
-from catacloud.policy.attribution import JOB, KINDS, TAIL, Attribution, Hold, attribute
+from catacloud.policy.attribution import JOB, KINDS, MICRO, TAIL, Attribution, Hold, attribute
 from catacloud.policy.billing import Billing
 
 CLAIM_KINDS = ("pool.member_claimed", "instance.claimed")
@@ -137,6 +137,11 @@ def instance_cost(instance: MachineInstance, *, now: datetime) -> dict[str, Any]
     return cost_summary(mc)
 
 
+def _money(value: Decimal) -> str:
+    """Amounts as strings with the recorded cost's 6 decimal places (no float, no drift)."""
+    return str(value.quantize(MICRO))
+
+
 def cost_summary(mc: MachineCost) -> dict[str, Any]:
     a = mc.attribution
     return {
@@ -144,10 +149,10 @@ def cost_summary(mc: MachineCost) -> dict[str, Any]:
         "billed_seconds": a.billed_seconds,
         "runtime_seconds": round(a.runtime_seconds, 3),
         # ended: the billed cost; live: committed to the end of the current paid period
-        "cost": str(a.cost),
-        "accrued": str(a.accrued),
-        "by_kind": {k: str(v) for k, v in a.by_kind().items()},
-        "jobs": {ref: str(v) for ref, v in a.by_ref().items()},
+        "cost": _money(a.cost),
+        "accrued": _money(a.accrued),
+        "by_kind": {k: _money(v) for k, v in a.by_kind().items()},
+        "jobs": {ref: _money(v) for ref, v in a.by_ref().items()},
     }
 
 
@@ -250,7 +255,11 @@ def cost_report(*, org: Any, start: datetime, end: datetime, group_by: str, now:
             committed_live += row.amount
     total = sum(totals.values(), Decimal(0))
     results = [
-        {"key": key, "total": str(sum(kinds.values(), Decimal(0))), **{k: str(v) for k, v in kinds.items()}}
+        {
+            "key": key,
+            "total": _money(sum(kinds.values(), Decimal(0))),
+            **{k: _money(v) for k, v in kinds.items()},
+        }
         for key, kinds in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or ""))
     ]
     return {
@@ -258,11 +267,11 @@ def cost_report(*, org: Any, start: datetime, end: datetime, group_by: str, now:
         "to": end.isoformat(),
         "group_by": group_by,
         "currency": settings.CATACLOUD_CURRENCY,
-        "total": str(total),
-        "by_kind": {k: str(v) for k, v in totals.items()},
+        "total": _money(total),
+        "by_kind": {k: _money(v) for k, v in totals.items()},
         "shares": {k: (round(float(v / total), 4) if total else 0.0) for k, v in totals.items()},
         # of the total, what live machines committed but have not used yet (their paid tail)
-        "committed_not_yet_used": str(committed_live),
+        "committed_not_yet_used": _money(committed_live),
         "results": results,
     }
 
@@ -278,5 +287,5 @@ def job_cost(job: Any, *, now: datetime) -> dict[str, Any]:
     for mc in machine_costs(instances, now=now):
         amount = mc.attribution.by_ref().get(str(job.pk), Decimal(0))
         total += amount
-        machines.append({"instance": str(mc.instance.pk), "amount": str(amount), "live": mc.live})
-    return {"amount": str(total), "currency": settings.CATACLOUD_CURRENCY, "machines": machines}
+        machines.append({"instance": str(mc.instance.pk), "amount": _money(amount), "live": mc.live})
+    return {"amount": _money(total), "currency": settings.CATACLOUD_CURRENCY, "machines": machines}
