@@ -79,10 +79,10 @@ would cost.
 **Budget scenario.** The cost policy under a budget of half its unbudgeted weekly spend: it
 buys no machine once the next one would pass the budget (hour 63.7); jobs that fit on machines
 already paid still run, the rest wait (`budget_waited`) and those still waiting at the end
-never ran. Final spend passes the budget by exactly what the machines running when it was
-reached billed afterwards ($0.17: they renewed their paid hours while their jobs went on),
-the bound README states. `budget.png` is the spend curve (spend plus the committed periods of
-live machines, sampled hourly and at every purchase)."""
+never ran. Final spend passes the budget ($0.1685 over) by no more than what the machines
+running when it was reached billed afterwards ($0.171: they renewed their paid hours while
+their jobs went on), the bound README states. `budget.png` is the spend curve (spend plus
+the committed periods of live machines, sampled hourly and at every purchase)."""
 
 CHAOS = """\
 **What the soak checks, and what it found.** `make chaos` runs the real system (gunicorn, two
