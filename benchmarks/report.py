@@ -212,6 +212,24 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         fig.savefig(d / "cost.png", dpi=110)
         plt.close(fig)
         made.append("cost.png")
+        if data.get("budget", {}).get("spend_curve"):
+            b = data["budget"]
+            fig, a = plt.subplots(figsize=(8, 4))
+            curve = b["spend_curve"]
+            a.step([p[0] for p in curve], [p[1] for p in curve], where="post", label="spend + committed")
+            a.axhline(b["budget"], color="red", ls="--", label=f"budget ${b['budget']:.2f}")
+            a.set_xlabel("hours into the week")
+            a.set_ylabel("$ spent and committed")
+            a.set_title(
+                f"Budget scenario (cost policy): {b['budget_waited']} jobs waited on the budget, "
+                f"{b['not_run']} never ran"
+            )
+            a.legend()
+            a.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(d / "budget.png", dpi=110)
+            plt.close(fig)
+            made.append("budget.png")
     if "chaos" in by and by["chaos"].data.get("series"):
         from benchmarks.chaos import plot
 
@@ -252,6 +270,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("claim.png", "claim"),
             ("latency.png", "replenish"),
             ("cost.png", "cost"),
+            ("budget.png", "cost"),
             ("chaos.png", "chaos"),
         ):
             if part == r.part and png in made:

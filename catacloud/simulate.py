@@ -31,7 +31,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from catacloud.policy import placement
+from catacloud.policy import attribution, placement
 from catacloud.policy.billing import Billing
 from catacloud.policy.retention import should_retire
 
@@ -62,6 +62,8 @@ class Machine:
     job_started: float = 0.0
     job_config: str = ""
     destroyed: float | None = None
+    warm_until: float = 0.0  # age at which it left its pool (unheld time before it is warm)
+    holds: list[attribution.Hold] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +77,19 @@ class Result:
     wait_p95: float
     wait_max: float
     waits: list[float] = field(default_factory=list, repr=False)
+    # every cent attributed (catacloud.policy.attribution): job / warm / idle / tail
+    by_kind: dict[str, Decimal] = field(default_factory=dict)
+    budget: Decimal | None = None
+    budget_waited: int = 0  # jobs that waited while the budget refused a machine
+    not_run: int = 0  # jobs still waiting when the simulation ended
+    spend_curve: list[tuple[float, Decimal]] = field(default_factory=list, repr=False)
+    budget_reached_at: float | None = None  # when the budget first refused a machine
+    # what machines live at that moment billed after it: spend never passes budget + this
+    after_reached: Decimal = Decimal(0)
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.by_kind.values(), Decimal(0))
+        return {k: round(float(v / total), 4) if total else 0.0 for k, v in self.by_kind.items()}
 
     def row(self) -> dict[str, Any]:
         return {
@@ -86,6 +101,22 @@ class Result:
             "wait_p50": round(self.wait_p50, 1),
             "wait_p95": round(self.wait_p95, 1),
             "wait_max": round(self.wait_max, 1),
+            "by_kind": {k: float(v) for k, v in self.by_kind.items()},
+            "shares": self.shares(),
+            **(
+                {
+                    "budget": float(self.budget),
+                    "budget_waited": self.budget_waited,
+                    "not_run": self.not_run,
+                    "spend_curve": [[round(t / 3600, 3), float(v)] for t, v in self.spend_curve],
+                    "budget_reached_hour": round(self.budget_reached_at / 3600, 2)
+                    if self.budget_reached_at is not None
+                    else None,
+                    "after_reached": float(self.after_reached),
+                }
+                if self.budget is not None
+                else {}
+            ),
         }
 
 
@@ -99,6 +130,8 @@ class Params:
     max_instances: int = 50
     reaper_interval: float = 60.0
     scheduler_interval: float = 15.0
+    budget: Decimal | None = None  # money per budget period; no machine is bought past it
+    budget_period: float = 30 * 86400.0  # seconds (a month of 30 days, or 86400)
 
     @property
     def billing(self) -> Billing:
@@ -176,6 +209,12 @@ class Simulation:
         self.created = 0
         self.pending_jobs = len(self.jobs)
         self.scheduler_armed = False
+        self.arrivals_left = len(self.jobs)
+        self.budget_waited: set[int] = set()
+        self.spend_curve: list[tuple[float, Decimal]] = []
+        self.ended_cost: dict[int, Decimal] = {}
+        self.reached: tuple[float, dict[int, Decimal]] | None = None
+        self.next_sample = 0.0
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -185,8 +224,7 @@ class Simulation:
     def run(self) -> Result:
         for index, job in enumerate(self.jobs):
             self.push(job.submit, _ARRIVE, (index, job))
-        for _ in range(self.pool_size):
-            self.boot(pool=True)
+        self.refill_pool()
         self.push(self.p.reaper_interval, _REAPER)
         end_of_jobs = None
         while self.events:
@@ -202,13 +240,19 @@ class Simulation:
                 self.finish(data)
             elif kind == _ARRIVE:
                 self.waiting.append(data)
+                self.arrivals_left -= 1
             elif kind == _REAPER:
                 self.reap()
+                if self.p.budget is not None and when >= self.next_sample:
+                    self.spend_curve.append((when, self.spend()))  # hourly, between purchases too
+                    self.next_sample = when + 3600
                 if self.pending_jobs or self.waiting or self.live(pool=False):
                     self.push(when + self.p.reaper_interval, _REAPER)
             elif kind == _SCHEDULER:
                 self.scheduler_armed = False
             self.place()
+            if self.starved():
+                break  # the budget refuses every machine, none is left and nothing more arrives
             if not self.pending_jobs and not self.waiting and end_of_jobs is None:
                 end_of_jobs = when
                 # Nothing more to do: the pool is given up now; reusable machines run out
@@ -227,21 +271,79 @@ class Simulation:
     def live(self, *, pool: bool | None = None) -> list[Machine]:
         return [m for m in self.machines.values() if m.state != "gone" and (pool is None or m.pool == pool)]
 
+    # ---- money ----------------------------------------------------------------------------------
+
+    def spend(self) -> Decimal:
+        """The budget's spend in the current period, as the server counts it: machines whose
+        billing started in the period, ended ones at their cost, live ones committed to the end
+        of their paid period."""
+        billing = self.p.billing
+        period = self.period_of(self.now)
+        total = self.ended_cost.get(period, Decimal(0))
+        for m in self.live():
+            if self.period_of(m.started) == period:
+                total += billing.cost(self.now - m.started)
+        return total
+
+    def period_of(self, t: float) -> int:
+        return math.floor(t / self.p.budget_period)
+
+    def affordable(self, wanted: int) -> int:
+        """How many of ``wanted`` machines the budget allows now."""
+        if self.p.budget is None or wanted <= 0:
+            return wanted
+        price = attribution.first_period_cost(self.p.billing)
+        if price <= 0:
+            return wanted
+        allowed = max(0, min(wanted, int((self.p.budget - self.spend()) // price)))
+        if allowed == 0 and self.reached is None:
+            # the budget refuses its first machine: what live machines committed now (the
+            # periods they bill after this are the bound on passing the budget)
+            billing = self.p.billing
+            self.reached = (
+                self.now,
+                {m.id: billing.cost(self.now - m.started) for m in self.live()},
+            )
+        return allowed
+
+    def starved(self) -> bool:
+        if self.p.budget is None or not self.waiting or self.arrivals_left or self.live():
+            return False
+        # nothing can free a machine and the budget refuses one: it renews in the next period,
+        # which counts only while it begins within the trace (else the jobs are "not run")
+        last_submit = self.jobs[-1].submit if self.jobs else 0.0
+        return self.period_of(self.now) >= self.period_of(last_submit) and self.affordable(1) == 0
+
+    def refill_pool(self) -> None:
+        missing = self.pool_size - len(self.live(pool=True))
+        for _ in range(self.affordable(missing)):
+            self.boot(pool=True)
+
     def boot(self, *, pool: bool) -> Machine:
         m = Machine(id=next(self.ids), started=self.now, ready_at=self.now + self.p.boot_seconds, pool=pool)
         self.machines[m.id] = m
         self.created += 1
         self.push(m.ready_at, _READY, m.id)
+        if self.p.budget is not None:
+            self.spend_curve.append((self.now, self.spend()))
         return m
 
     def destroy(self, m: Machine, at: float | None = None) -> None:
         m.state, m.destroyed = "gone", self.now if at is None else at
+        period = self.period_of(m.started)
+        self.ended_cost[period] = self.ended_cost.get(period, Decimal(0)) + self.p.billing.cost(
+            m.destroyed - m.started
+        )
 
     def start(self, index: int, job: TraceJob, m: Machine) -> None:
-        if m.pool:  # claimed: it leaves the pool, which refills at once
+        if m.pool:  # claimed: it leaves the pool, which refills at once (within the budget)
             m.pool = False
-            self.boot(pool=True)
+            m.warm_until = self.now - m.started
+            self.refill_pool()
         m.state, m.job_started, m.job_config = "busy", self.now, job.config
+        m.holds.append(
+            attribution.Hold(self.now - m.started, self.now + job.duration - m.started, str(index))
+        )
         self.waits.append(self.now - job.submit)
         self.pending_jobs -= 1
         self.push(self.now + job.duration, _FINISH, (m.id, job.duration))
@@ -306,6 +408,11 @@ class Simulation:
         n = placement.machines_to_buy(
             waiting=len(remaining), overdue=overdue, supply=supply, policy=self.buy_policy
         )
+        if self.affordable(n) < n:
+            n = self.affordable(n)
+            self.budget_waited.update(i for i, _ in list(remaining)[n + supply.coming :])
+        if self.pool_size:
+            self.refill_pool()  # a pool the budget held back fills again once it allows
         for _ in range(n):
             self.boot(pool=False)
         if not self.scheduler_armed:  # the scheduler's periodic safety net while jobs wait
@@ -318,10 +425,18 @@ class Simulation:
         billing = self.p.billing
         cost = Decimal(0)
         seconds = 0
+        by_kind = {k: Decimal(0) for k in attribution.KINDS}
         for m in self.machines.values():
             runtime = (m.destroyed if m.destroyed is not None else self.now) - m.started
-            cost += billing.cost(runtime)
-            seconds += billing.billed_seconds(runtime)
+            # a member still in its pool at the end was warm all its life
+            warm_until = runtime if m.pool else m.warm_until
+            a = attribution.attribute(
+                billing=billing, runtime_seconds=runtime, holds=m.holds, warm_until=warm_until
+            )
+            cost += a.cost
+            seconds += a.billed_seconds
+            for kind, amount in a.by_kind().items():
+                by_kind[kind] += amount
         return Result(
             policy=self.policy,
             jobs=len(self.waits),
@@ -332,7 +447,26 @@ class Simulation:
             wait_p95=percentile(self.waits, 95),
             wait_max=max(self.waits, default=0.0),
             waits=self.waits,
+            by_kind=by_kind,
+            budget=self.p.budget,
+            budget_waited=len(self.budget_waited),
+            not_run=len(self.waiting),
+            # the curve ends with what the period finally cost
+            spend_curve=[*self.spend_curve, (self.now, self.spend())] if self.p.budget is not None else [],
+            budget_reached_at=self.reached[0] if self.reached else None,
+            after_reached=self.after_reached(),
         )
+
+    def after_reached(self) -> Decimal:
+        if self.reached is None:
+            return Decimal(0)
+        billing, (_, committed) = self.p.billing, self.reached
+        total = Decimal(0)
+        for machine_id, then in committed.items():
+            m = self.machines[machine_id]
+            end = m.destroyed if m.destroyed is not None else self.now
+            total += billing.cost(end - m.started) - then
+        return total
 
 
 def simulate(
@@ -344,16 +478,37 @@ def simulate(
 
 def format_table(results: list[Result], bound: Decimal) -> str:
     head = f"{'policy':<16}{'cost':>10}{'vs bound':>10}{'p50 wait':>10}{'p95 wait':>10}{'max wait':>10}"
-    head += f"{'machines':>10}{'mach-h':>10}"
+    head += f"{'machines':>10}{'mach-h':>10}{'job':>6}{'warm':>6}{'idle':>6}{'tail':>6}"
+    budgeted = any(r.budget is not None for r in results)
+    if budgeted:
+        head += f"{'budget-waited':>15}{'not run':>9}"
     lines = [head, "-" * len(head)]
     for r in results:
         ratio = f"{float(r.cost / bound):.2f}x" if bound else "-"
-        lines.append(
+        shares = r.shares()
+        line = (
             f"{r.policy:<16}{float(r.cost):>10.2f}{ratio:>10}{r.wait_p50:>9.0f}s{r.wait_p95:>9.0f}s"
             f"{r.wait_max:>9.0f}s{r.machines_created:>10}{r.machine_hours:>10.1f}"
+            + "".join(f"{shares.get(k, 0.0):>6.0%}" for k in attribution.KINDS)
         )
+        if budgeted:
+            line += f"{r.budget_waited:>15}{r.not_run:>9}"
+        lines.append(line)
     lines.append(f"{'lower bound':<16}{float(bound):>10.2f}{'1.00x':>10}  (total job seconds x price)")
+    lines.append("job / warm / idle / tail: shares of the billed cost (catacloud.policy.attribution)")
     return "\n".join(lines)
+
+
+def format_spend_curve(result: Result, points: int = 12) -> str:
+    """A few points of the spend curve (spend and commitments in the period, when buying)."""
+    curve = result.spend_curve
+    if not curve:
+        return f"{result.policy}: no machine bought"
+    step = max(1, len(curve) // points)
+    shown = [*curve[::step], curve[-1]] if (len(curve) - 1) % step else curve[::step]
+    return f"{result.policy} spend curve (hour: spend): " + ", ".join(
+        f"{t / 3600:.1f}h: {float(v):.2f}" for t, v in shown
+    )
 
 
 def params_from_args(args: argparse.Namespace) -> Params:
@@ -365,6 +520,8 @@ def params_from_args(args: argparse.Namespace) -> Params:
         max_wait=args.max_wait,
         max_instances=args.max_instances,
         reaper_interval=args.reaper_interval,
+        budget=Decimal(str(args.budget)) if args.budget is not None else None,
+        budget_period=86400.0 if args.budget_period == "day" else 30 * 86400.0,
     )
 
 
@@ -381,7 +538,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"(min {params.min_billed}s) at {params.price_per_hour}/h; boot {params.boot_seconds:.0f}s; "
         f"max_wait {params.max_wait:.0f}s; max_instances {params.max_instances}"
     )
+    if params.budget is not None:
+        print(f"budget: {params.budget} per {args.budget_period}; no machine is bought past it")
     print(format_table(results, lower_bound(jobs, params)))
+    if params.budget is not None:
+        for r in results:
+            print(format_spend_curve(r))
     return 0
 
 
@@ -406,4 +568,8 @@ def add_simulate_command(subparsers: Any) -> None:
     )
     sim.add_argument("--max-instances", type=int, default=50)
     sim.add_argument("--reaper-interval", type=float, default=60.0)
+    sim.add_argument(
+        "--budget", type=float, default=None, help="money per budget period: no machine is bought past it"
+    )
+    sim.add_argument("--budget-period", choices=["month", "day"], default="month")
     sim.set_defaults(func=cmd_simulate)

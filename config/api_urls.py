@@ -7,13 +7,15 @@ from rest_framework.routers import DefaultRouter
 
 from apps.events.api.views import EventViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
-from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
+from apps.machines.api.views import BudgetViewSet, CostViewSet, InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet
 from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 
 router = DefaultRouter(trailing_slash=True)
 router.register("machine-types", MachineTypeViewSet, basename="machine-type")
 router.register("instances", InstanceViewSet, basename="instance")
+router.register("costs", CostViewSet, basename="cost")
+router.register("budgets", BudgetViewSet, basename="budget")
 router.register("job-configs", JobConfigurationViewSet, basename="job-config")
 router.register("jobs", JobViewSet, basename="job")
 router.register("events", EventViewSet, basename="event")

@@ -241,6 +241,8 @@ CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default
 CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
+# The currency of the price list (machine types' price_per_hour, budgets' amounts).
+CATACLOUD_CURRENCY = env.str("CATACLOUD_CURRENCY", default="USD")
 # Billing-aware retention: an idle machine is destroyed this many seconds before its paid
 # period ends (must exceed the reaper interval, which is when the check runs).
 CATACLOUD_RETENTION_MARGIN = env.float(

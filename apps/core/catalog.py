@@ -281,7 +281,7 @@ class _Applier:
         from apps.orgs.models import Organization, Privilege
         from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
 
-        self.fields(node, "organization", {"slug"}, {"name", "privileges", "members", "grants"})
+        self.fields(node, "organization", {"slug"}, {"name", "privileges", "members", "grants", "budgets"})
         slug = str(node["slug"])
         org, created = Organization.objects.get_or_create(
             slug=slug, defaults={"name": str(node.get("name", slug))}
@@ -337,7 +337,39 @@ class _Applier:
                 grant, lambda m=mt, q=quota: grant_upsert(org=org, machine_type=m, **q)
             )
             changed = changed or grant_changed
+        for entry in self.items(node, "budgets"):
+            changed = self.budget(org, entry) or changed
         self.report.add(f"organization {slug}", changed, created=created)
+
+    def budget(self, org: Any, node: _Map) -> bool:
+        """``{amount: 100, period: month | day, machine_type: NAME?}``; unchanged amounts are
+        left alone (no event, thresholds not announced again)."""
+        from decimal import Decimal, InvalidOperation
+
+        from apps.machines.budgets import budget_set
+        from apps.machines.models import Budget, MachineType
+
+        self.fields(node, "budget", {"amount"}, {"period", "machine_type"})
+        mt = None
+        if node.get("machine_type") is not None:
+            mt = MachineType.objects.filter(name=str(node["machine_type"])).first()
+            if mt is None:
+                raise self.error(f"unknown machine type {node['machine_type']!r}", node, "machine_type")
+        period = str(node.get("period", "month"))
+        try:
+            amount = Decimal(str(node["amount"])).quantize(Decimal("0.01"))
+        except (InvalidOperation, ValueError):
+            amount = None
+        existing = Budget.objects.filter(org=org, machine_type=mt, period=period).first()
+        if existing is not None and amount is not None and existing.amount == amount:
+            return False
+        self.guard(
+            node,
+            lambda: budget_set(
+                org=org, amount=node["amount"], period=period, machine_type=mt, actor="catalog"
+            ),
+        )
+        return True
 
 
 def load(text: str, source: str = "<catalog>") -> _Map:

@@ -33,6 +33,7 @@ from apps.jobs.choices import JOB_ADMITTED, JOB_LIVE, JOB_TERMINAL, JobStatus, R
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.services import job_claim_label, job_transition
 from apps.machines import claims
+from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_TERMINAL, InstanceStatus, Policy
 from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
@@ -170,6 +171,30 @@ def _slots(grant: OrgMachineType, mt: MachineType, running: int) -> int:
     return max(0, slots)
 
 
+def _budget_slots(org_id: Any, mt: MachineType, slots: int, now: datetime) -> tuple[int, str]:
+    """Under a money budget, admit only the jobs that machines already paid for (ready or on
+    their way, not yet spoken for by admitted jobs) or machines the budget still allows can
+    take; the rest stay queued with the budget's sentence. No budget: ``slots`` unchanged."""
+    check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+    if check.allowed is None:
+        return slots, ""
+    paid_free = MachineInstance.objects.filter(
+        org_id=org_id,
+        machine_type=mt,
+        machine_type_version=mt.version,
+        status__in=[S.PENDING, S.PROVISIONING, S.WARMING, S.READY],
+    ).count()
+    spoken_for = Job.objects.filter(
+        org_id=org_id, machine_type_id=mt.pk, status__in=[J.ACQUIRING_RESOURCES, J.WAITING_FOR_MACHINE]
+    ).count()
+    room = max(0, check.allowed + paid_free - spoken_for)
+    if room >= slots:
+        return slots, ""
+    # the jobs let in now will have placement buy this many: the sentence counts them
+    buying = min(check.allowed, max(0, room - max(0, paid_free - spoken_for)))
+    return room, check.reason_after(buying)
+
+
 def admit(*, limit: int = 1000) -> int:
     """Admit queued jobs whose quotas hold, grant by grant. Returns how many were admitted.
 
@@ -201,6 +226,9 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
         mt = MachineType.objects.get(pk=mt_id)
         running = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status__in=JOB_ADMITTED).count()
         slots = min(_slots(grant, mt, running), limit)
+        budget_reason = ""
+        if slots:
+            slots, budget_reason = _budget_slots(org_id, mt, slots, now)
         jobs = (
             list(
                 queued.order_by("-priority", "queued_at")
@@ -245,7 +273,7 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
             )
             if needing:
                 _acquire_resources_after_commit(needing)
-        reason = _quota_reason(grant, mt, running + len(jobs))
+        reason = _quota_reason(grant, mt, running + len(jobs)) or budget_reason
         if reason:
             queued.exclude(pending_reason=reason).update(pending_reason=reason)
     return len(jobs)
@@ -364,19 +392,27 @@ def _provision_or_wait(
     )
     overdue = sum(1 for job in jobs if job.admitted_at and now - job.admitted_at >= max_wait)
     n = placement.machines_to_buy(waiting=len(jobs), overdue=overdue, supply=supply, policy=grant.policy)
+    budget_reason = ""
+    if n:
+        # Money: buy only what the org's budgets allow (machines already paid still run jobs).
+        check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+        if check.cap(n) < n:
+            n = check.cap(n)
+            budget_reason = check.reason_after(n)
+        budget_bought(check, n, now=now, actor="scheduler")
     for _ in range(n):
         instance_request(org=org_id, machine_type=mt, actor="scheduler", reason="a job is waiting")
-    _set_reason(
-        jobs,
-        placement.pending_reason(
-            waiting=len(jobs),
-            bought=n,
-            supply=supply,
-            policy=grant.policy,
-            has_pool=bool(pools),
-            max_wait_seconds=grant.max_wait_seconds,
-        ),
+    reason = placement.pending_reason(
+        waiting=len(jobs),
+        bought=n,
+        supply=supply,
+        policy=grant.policy,
+        has_pool=bool(pools),
+        max_wait_seconds=grant.max_wait_seconds,
     )
+    if budget_reason and not (supply.coming + n):
+        reason = budget_reason
+    _set_reason(jobs, reason)
     return n
 
 

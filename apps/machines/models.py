@@ -200,3 +200,40 @@ class MachineInstance(models.Model):
 
     def event_refs(self) -> dict:
         return {"org": self.org_id, "pool": self.pool_id, "instance": self.pk}
+
+
+class BudgetPeriod(models.TextChoices):
+    MONTH = "month", "calendar month (UTC)"
+    DAY = "day", "calendar day (UTC)"
+
+
+class Budget(models.Model):
+    """A money limit per org (optionally per machine type) and calendar month or day, in the
+    currency of the price list. Placement and pool refills buy no machine that would pass it."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="budgets")
+    # Null: every machine type of the org.
+    machine_type = models.ForeignKey(
+        MachineType, null=True, blank=True, on_delete=models.CASCADE, related_name="budgets"
+    )
+    amount = models.DecimalField(max_digits=14, decimal_places=2, validators=[MinValueValidator(0)])
+    period = models.CharField(max_length=8, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
+    # The highest threshold (80, 100) already announced by an event in ``alerted_period``.
+    alerted_level = models.PositiveSmallIntegerField(default=0, editable=False)
+    alerted_period = models.DateField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["org__slug", "period"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["org", "machine_type", "period"], name="budget_unique", nulls_distinct=False
+            ),
+            models.CheckConstraint(condition=Q(amount__gte=0), name="budget_amount_non_negative"),
+        ]
+
+    def __str__(self) -> str:
+        scope = self.machine_type.name if self.machine_type_id else "all machine types"
+        return f"{self.org}: {self.amount} per {self.period} ({scope})"

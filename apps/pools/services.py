@@ -11,12 +11,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import change_state
 from apps.events.services import event_record
 from apps.machines import claims
+from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType
 from apps.machines.services import grant_check_privilege, grant_for, grant_lock
@@ -313,6 +315,14 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
                 if room_pool <= room_quota
                 else f"quota_exceeded: max_instances {org_live}/{grant.max_instances if grant else 0}"
             )
+        if count:
+            # Money: buy only what the org's budgets allow (lock order: grant, pool, budget).
+            now = timezone.now()
+            check = budget_check(org_id=pool.org_id, machine_type=mt, now=now, actor=actor)
+            if check.cap(count) < count:
+                count = check.cap(count)
+                limit = f"budget_exceeded: {check.reason_after(count)}"
+            budget_bought(check, count, now=now, actor=actor)
         for _ in range(count):
             instance_request(org=pool.org_id, machine_type=mt, pool=pool, actor=actor, reason="refill")
         to_terminate: list[Any] = []

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.models import Budget, MachineInstance, MachineType, OrgMachineType
 from apps.pools.models import InstancePool
 from apps.resources.models import ResourceInstance, ResourceType
 from tests.conftest import World
@@ -77,7 +77,9 @@ def make_objects(world: World) -> dict[str, str]:
     job = Job.objects.create(org=world.org, config=nightly, machine_type=world.machine_type, command="make")
     rtype = ResourceType.objects.create(id="scratch", well="api_token")
     resource = ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
+    budget = Budget.objects.create(org=world.org, amount=1000)
     return {
+        "budget": str(budget.pk),
         "resource": str(resource.pk),
         "instance": str(instance.pk),
         "config": str(config.pk),
@@ -164,4 +166,14 @@ ENDPOINTS: list[Endpoint] = [
     Endpoint("job artifacts", "get", "/api/v1/jobs/{job}/artifacts/", "viewer"),
     Endpoint("resources", "get", "/api/v1/resources/", "viewer"),
     Endpoint("resource", "get", "/api/v1/resources/{resource}/", "viewer"),
+    Endpoint("budgets", "get", "/api/v1/budgets/", "viewer"),
+    Endpoint("budget", "get", "/api/v1/budgets/{budget}/", "viewer"),
+    Endpoint(
+        "set budget",
+        "post",
+        "/api/v1/budgets/",
+        "admin",
+        ok=(201,),
+        body=lambda ids: {"amount": "50", "period": "day", "machine_type": "acme-only"},
+    ),
 ]

@@ -23,7 +23,7 @@ def call(world: World, who: str, ep: Endpoint, ids: dict[str, str]):
 def snapshot() -> tuple:
     """Everything a write could change, except the events log's own growth from reads."""
     from apps.jobs.models import Job, JobConfiguration
-    from apps.machines.models import MachineInstance
+    from apps.machines.models import Budget, MachineInstance
     from apps.pools.models import InstancePool
     from apps.resources.models import ResourceInstance
 
@@ -33,6 +33,7 @@ def snapshot() -> tuple:
         sorted(InstancePool.objects.values_list("id", "status", "target_size")),
         sorted(Job.objects.values_list("id", "status", "cancel_requested")),
         sorted(ResourceInstance.objects.values_list("id", "status")),
+        sorted(Budget.objects.values_list("id", "amount", "period")),
         Event.objects.exclude(kind__startswith="test.").count(),
     )
 

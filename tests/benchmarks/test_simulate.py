@@ -98,3 +98,66 @@ def test_the_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--policy", "cost"]) == 0
     out = capsys.readouterr().out
     assert "ephemeral" in out and "cost" in out and "lower bound" in out
+
+
+# ---- attribution and budgets in the simulator -------------------------------------------------
+
+
+def test_shares_split_every_cent_of_the_simulated_cost() -> None:
+    # Two 5-minute jobs 10 minutes apart on one hourly machine: 45 s boot (idle), 600 s of
+    # jobs, 255 s between them (idle), the rest of the hour after retention destroys it (tail)
+    result = simulate(TWO, "cost", HOURLY)
+    assert sum(result.by_kind.values()) == result.cost == Decimal(1)
+    assert result.by_kind["job"] == (Decimal(600) / 3600).quantize(Decimal("0.000001"))
+    assert result.by_kind["warm"] == 0
+    assert result.by_kind["tail"] > 0
+    pooled = simulate([TraceJob(600, 300, "unit")], "pool:1", HOURLY, until=3600)
+    assert pooled.by_kind["warm"] > 0  # the member waited 600 s in the pool before its claim
+
+
+def test_a_budget_stops_buying_and_counts_the_jobs_that_waited_on_it() -> None:
+    # Three 10-minute jobs far apart, ephemeral machines at 1/h, budget 2: the third never runs
+    jobs = [TraceJob(0, 600, "a"), TraceJob(7200, 600, "a"), TraceJob(14400, 600, "a")]
+    result = simulate(jobs, "ephemeral", Params(price_per_hour=Decimal("1"), budget=Decimal("2")))
+    assert (result.jobs, result.not_run, result.budget_waited) == (2, 1, 1)
+    assert result.cost == Decimal(2)
+    # hourly samples and one at every purchase, ending with the final spend
+    assert [float(v) for _, v in result.spend_curve][-1] == 2.0
+    assert sorted(float(v) for _, v in result.spend_curve) == [float(v) for _, v in result.spend_curve]
+    unlimited = simulate(jobs, "ephemeral", Params(price_per_hour=Decimal("1")))
+    assert unlimited.jobs == 3 and unlimited.budget_waited == 0
+
+
+def test_a_daily_budget_renews_the_next_day() -> None:
+    # one machine-hour a day: the second job waits for the next day's budget
+    jobs = [TraceJob(0, 600, "a"), TraceJob(600, 600, "a"), TraceJob(90000, 600, "a")]
+    params = Params(price_per_hour=Decimal("1"), budget=Decimal("1"), budget_period=86400)
+    result = simulate(jobs, "ephemeral", params)
+    assert (result.jobs, result.not_run, result.budget_waited) == (2, 1, 2)
+    assert result.wait_max > 80000
+
+
+def test_the_cli_takes_a_budget_and_prints_the_spend_curve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from catacloud.cli import main
+
+    path = tmp_path / "t.csv"
+    write_trace(path, TWO)
+    assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--budget", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "budget-waited" in out and "spend curve" in out and "tail" in out
+
+
+def test_spend_passes_the_budget_only_by_what_machines_running_when_it_was_reached_bill_after() -> None:
+    # A 3-hour job runs; a second job arrives 10 minutes in; budget 1.5 at 1/h: no second
+    # machine is bought, the short job waits for the paid one (which renews its hour and
+    # takes it in its fourth hour)
+    jobs = [TraceJob(0, 3 * 3600, "long"), TraceJob(600, 600, "short")]
+    result = simulate(jobs, "cost", Params(price_per_hour=Decimal("1"), budget=Decimal("1.5")))
+    assert result.budget_reached_at == 600
+    assert (result.machines_created, result.budget_waited, result.not_run) == (1, 1, 0)
+    assert result.waits == [45.0, 3 * 3600 + 45 - 600]
+    assert result.cost == Decimal(4)  # four started hours of the one machine
+    assert result.after_reached == Decimal(3)  # all billed after the budget was reached
+    assert result.cost <= result.budget + result.after_reached

@@ -143,3 +143,27 @@ def test_command_reports_errors_without_a_traceback(tmp_path: Path) -> None:
     path.write_text("machine_types:\n  - name: x\n")
     with pytest.raises(CommandError, match=r"bad.yaml:2: machine type is missing"):
         call_command("apply", str(path))
+
+
+def test_budgets_in_the_catalog_are_idempotent_and_bad_ones_name_their_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from apps.events.models import Event
+    from apps.machines.models import Budget
+
+    monkeypatch.setenv("TEST_HCLOUD_TOKEN", "t")
+    doc = (
+        GOOD + "    budgets:\n      - {amount: 100}\n      - {amount: 20, period: day, machine_type: cx22}\n"
+    )
+    apply_catalog(doc)
+    assert sorted((str(b.amount), b.period, b.machine_type_id is not None) for b in Budget.objects.all()) == [
+        ("100.00", "month", False),
+        ("20.00", "day", True),
+    ]
+    events = Event.objects.filter(kind__startswith="budget.").count()
+    apply_catalog(doc)  # re-applying changes nothing: no event, thresholds not announced again
+    assert Event.objects.filter(kind__startswith="budget.").count() == events
+    with pytest.raises(CatalogError) as bad:
+        apply_catalog(GOOD + "    budgets:\n      - {amount: -5}\n")
+    assert bad.value.line == 22
+    assert Budget.objects.get(period="month").amount == 100  # a bad file changes nothing

@@ -5,6 +5,7 @@ from typing import Any
 import django_filters
 from django.db import transaction
 from django.http import HttpResponseRedirect, StreamingHttpResponse
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
@@ -27,6 +28,7 @@ from apps.jobs.choices import JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.scheduling import job_cancel, job_submit
 from apps.jobs.services import _check_env, job_config_delete, job_config_save
+from apps.machines.costs import job_cost
 
 
 class JobConfigurationFilter(OrgScopedFilterSet):
@@ -102,6 +104,14 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         if not getattr(self, "swagger_fake_view", False) and self.ctx.job_scope is not None:
             qs = qs.filter(pk=self.ctx.job_scope)  # a job-scoped token reads only its own job
         return qs
+
+    def retrieve(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """The job, with ``cost``: its share of every machine it held (the seconds it held
+        each; a live machine counts up to now)."""
+        job = self.get_object()
+        data = dict(self.get_serializer(job).data)
+        data["cost"] = job_cost(job, now=timezone.now())
+        return Response(data)
 
     def check_permissions(self, request: Request) -> None:
         super().check_permissions(request)

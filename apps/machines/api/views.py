@@ -1,18 +1,29 @@
 from __future__ import annotations
 
+from datetime import UTC, datetime, time, timedelta
+from decimal import Decimal
+from typing import Any
+
 import django_filters
+from django.conf import settings
 from django.db.models import QuerySet
-from drf_spectacular.utils import extend_schema
+from django.utils import timezone
+from django.utils.dateparse import parse_date, parse_datetime
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
+from apps.core.errors import ValidationFailed
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
+from apps.machines.budgets import budget_set, budget_spend, period_start
 from apps.machines.choices import InstanceStatus
+from apps.machines.costs import GROUPS, cost_report, instance_cost
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
-from apps.machines.models import MachineInstance, MachineType
+from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType, OrgMachineType
 from apps.machines.selectors import machine_types_for_org
 
 
@@ -73,6 +84,17 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
     ordering = ("-created_at",)
     required_roles = {"release": "member"}
 
+    def retrieve(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """The instance, with ``cost_detail``: billed (live: committed to the end of its paid
+        period) and accrued so far, split into job / warm / idle / tail, and per job."""
+        instance = self.get_object()
+        data = dict(self.get_serializer(instance).data)
+        data["cost_detail"] = {
+            **instance_cost(instance, now=timezone.now()),
+            "currency": settings.CATACLOUD_CURRENCY,
+        }
+        return Response(data)
+
     @extend_schema(request=None, responses={202: TerminateOut})
     @action(detail=True, methods=["post"])
     def terminate(self, request: Request, pk: str | None = None) -> Response:
@@ -94,3 +116,122 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
             instance_id=self.get_object().pk, claim_id=body.validated_data.get("claim_id"), actor=self.actor()
         )
         return Response({"id": instance.pk, "status": instance.status}, status=status.HTTP_202_ACCEPTED)
+
+
+# ---- costs and budgets ------------------------------------------------------------------------
+
+MAX_REPORT_DAYS = 400
+
+
+def _parse_when(name: str, raw: str | None, default: datetime) -> datetime:
+    if raw in (None, ""):
+        return default
+    value: datetime | None = None
+    try:
+        value = parse_datetime(raw)
+        if value is None:
+            day = parse_date(raw)
+            value = datetime.combine(day, time.min) if day else None
+    except (ValueError, OverflowError):
+        value = None
+    if value is None:
+        raise ValidationFailed(
+            f"{name}: expected a date (2026-11-01) or an ISO 8601 time",
+            fields={name: ["expected a date (2026-11-01) or an ISO 8601 time"]},
+        )
+    return value if timezone.is_aware(value) else value.replace(tzinfo=UTC)
+
+
+COST_PARAMETERS = [
+    OpenApiParameter("from", str, description="start (date or ISO time, UTC); default: this month's start"),
+    OpenApiParameter("to", str, description="end, exclusive (date or ISO time); default: now"),
+    OpenApiParameter("group_by", str, enum=list(GROUPS), description="default: day"),
+]
+
+
+class CostViewSet(OrgScopedViewSet):
+    """What the org's machines cost in a window, split into job, warm, idle and tail parts."""
+
+    queryset = MachineInstance.objects.none()
+
+    @extend_schema(parameters=COST_PARAMETERS, responses={200: OpenApiTypes.OBJECT})
+    def list(self, request: Request) -> Response:
+        """Every cent of every machine, attributed: each job's share (the seconds it held the
+        machine), warm (in a pool before a claim), idle (unheld otherwise) and tail (paid but
+        unused end of the last period). A part counts in the window where it starts."""
+        now = timezone.now()
+        start = _parse_when("from", request.query_params.get("from"), period_start("month", now))
+        end = _parse_when("to", request.query_params.get("to"), now)
+        group_by = request.query_params.get("group_by") or "day"
+        if group_by not in GROUPS:
+            raise ValidationFailed(
+                f"group_by: must be one of {', '.join(GROUPS)}",
+                fields={"group_by": [f"must be one of {', '.join(GROUPS)}"]},
+            )
+        if end <= start or end - start > timedelta(days=MAX_REPORT_DAYS):
+            raise ValidationFailed(
+                f"to must be after from, at most {MAX_REPORT_DAYS} days later",
+                fields={"to": [f"must be after from, at most {MAX_REPORT_DAYS} days later"]},
+                code="invalid_range",
+            )
+        return Response(cost_report(org=self.ctx.org, start=start, end=end, group_by=group_by, now=now))
+
+
+class BudgetSerializer(serializers.ModelSerializer):
+    machine_type = serializers.SlugRelatedField(
+        slug_field="name", queryset=MachineType.objects.all(), required=False, allow_null=True
+    )
+    period = serializers.ChoiceField(choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=Decimal(0))
+    currency = serializers.SerializerMethodField()
+    spend = serializers.SerializerMethodField(help_text="spent + committed in the current period")
+
+    class Meta:
+        model = Budget
+        fields = (
+            "id",
+            "machine_type",
+            "period",
+            "amount",
+            "currency",
+            "spend",
+            "alerted_level",
+            "updated_at",
+        )
+        read_only_fields = ("id", "currency", "spend", "alerted_level", "updated_at")
+
+    def get_currency(self, obj: Budget) -> str:
+        return settings.CATACLOUD_CURRENCY
+
+    def get_spend(self, obj: Budget) -> str:
+        return str(budget_spend(obj, now=timezone.now()).quantize(Decimal("0.01")))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # only the org's machine types exist for it (another org's type: "does not exist")
+        org = self.context.get("org")
+        self.fields["machine_type"].queryset = MachineType.objects.filter(
+            pk__in=OrgMachineType.objects.filter(org=org).values("machine_type_id")
+        )
+
+
+class BudgetViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """Money budgets: viewers read them with their spend; admins set them (POST upserts by
+    machine type and period; the next scheduler tick or refill counts the new amount)."""
+
+    queryset = Budget.objects.select_related("machine_type")
+    serializer_class = BudgetSerializer
+    ordering = ("period",)
+
+    @extend_schema(request=BudgetSerializer, responses={201: BudgetSerializer})
+    def create(self, request: Request) -> Response:
+        body = BudgetSerializer(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        budget = budget_set(
+            org=self.ctx.org,
+            amount=body.validated_data["amount"],
+            period=body.validated_data.get("period", BudgetPeriod.MONTH),
+            machine_type=body.validated_data.get("machine_type"),
+            actor=self.actor(),
+        )
+        return Response(BudgetSerializer(budget).data, status=status.HTTP_201_CREATED)
