@@ -92,6 +92,8 @@ class Params:
     reaper_interval: float = 2.0
     lost_after: float = 4.0
     heartbeat: float = 0.5
+    redrive_after: float = 6.0  # CATACLOUD_REDRIVE_AFTER: a task-moved row's message is resent
+    assign_timeout: float = 8.0  # CATACLOUD_ASSIGN_TIMEOUT
     max_instances: int = 6
     max_concurrent_jobs: int = 4
     pool_size: int = 1
@@ -114,6 +116,13 @@ class Params:
             "CATACLOUD_AGENT_LOST_AFTER": f"{self.lost_after:g}",
             "CATACLOUD_AGENT_POLL_TIMEOUT": "5",
             "CATACLOUD_RECONCILE_GRACE": "10",
+            # The product's own deadlines (README's convergence table), shortened like the
+            # intervals; settings an older build does not know are ignored.
+            "CATACLOUD_REDRIVE_AFTER": f"{self.redrive_after:g}",
+            "CATACLOUD_BOOT_TIMEOUT": f"{BOOT:g}",
+            "CATACLOUD_ASSIGN_TIMEOUT": f"{self.assign_timeout:g}",
+            "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL:g}",
+            "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{self.redrive_after:g}",
             "LOG_LEVEL": "WARNING",
         }
 
@@ -131,10 +140,10 @@ def deadlines(p: Params) -> dict[tuple[str, str], float]:
         ("instance", "provisioning"): BOOT + r,
         ("instance", "warming"): BOOT + lost + r,
         ("instance", "silent"): lost + r,  # warming/ready/claimed: since the last heartbeat
-        ("instance", "terminating"): STOP + 2 * r,
+        ("instance", "terminating"): p.redrive_after + STOP + r,
         ("job", "acquiring_resources"): WELL + 2 * r,
         ("job", "waiting_for_machine"): BOOT + lost + 2 * r,
-        ("job", "assigned"): lost + 2 * r,
+        ("job", "assigned"): max(lost, p.assign_timeout) + r,
         ("job", "running"): lost + 2 * r,  # plus the configuration's timeout
         ("resource", "requested"): WELL + 2 * r,
         ("resource", "creating"): WELL + 2 * r,
