@@ -516,7 +516,8 @@ def _run_soak(
                 last_progress = soak.now()
                 progress(_progress_line(soak, submitted[0]))
                 now_done = _done_jobs(world)
-                if now_done != done:
+                idle = submitted[0] >= p.jobs and _live_jobs(world) == 0  # only faults left
+                if now_done != done or idle:
                     done, last_done_change = now_done, soak.now()
                 elif soak.now() - last_done_change > p.stall_timeout:
                     soak.violate(
@@ -1083,6 +1084,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
     last_fault = max((f["at"] for f in soak.faults), default=soak.now())
     deadline = soak.now() + p.settle_timeout
     converged_at = None
+    problems: list[tuple[str, str, str]] = []
     workload_done = soak.now()
     progress(f"chaos: workload done at {soak.now():.0f}s; waiting up to {p.settle_timeout:.0f}s to converge")
     last_progress = soak.now()
@@ -1107,7 +1109,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
         "converged_at": converged_at,
         "converge_after_workload": None if converged_at is None else converged_at - workload_done,
     }
-    for invariant, key, detail in _end_problems(soak, world):
+    for invariant, key, detail in problems:  # what was still off when the wait ended
         soak.violate(invariant, key, detail)
     progress(_progress_line(soak, p.jobs))
     if converged_at is None:
