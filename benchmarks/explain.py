@@ -114,7 +114,16 @@ outlived its job, and no output was lost. The per-invariant examples above name 
 runs, since each fault lands at a random moment). "Time to converge after a fault" is measured
 to the first sample at which nothing is off that was not already off before the fault; a row
 that only becomes late after that sample (a `pending` row is late after 24 s) shows as a
-`deadline` violation, not in that time."""
+`deadline` violation, not in that time.
+
+**On `main` with the convergence work (51bc225)** the same harness (with the product's own
+deadlines shortened: `CATACLOUD_REDRIVE_AFTER=6`, boot 20 s, assign 8 s) reported 0
+violations of every product invariant: 300 jobs under 40 faults (all succeeded, every fault
+recovered from within 2.9 s, everything converged 0.2 s after the workload), and 1,000 jobs
+under 117 faults (35 worker, 34 agent and 21 Redis kills, 27 message drops; all 1,000
+succeeded, 14 on a second attempt; recovery p50 0.66 s, max 3.3 s; no 500 answer and no
+duplicate job). That run's two reported violations were the harness's own (a stall declared
+while only faults were left, and a terminating row seen after convergence), fixed since."""
 
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
