@@ -92,6 +92,8 @@ class Params:
     reaper_interval: float = 2.0
     lost_after: float = 4.0
     heartbeat: float = 0.5
+    redrive_after: float = 6.0  # CATACLOUD_REDRIVE_AFTER: a task-moved row's message is resent
+    assign_timeout: float = 8.0  # CATACLOUD_ASSIGN_TIMEOUT
     max_instances: int = 6
     max_concurrent_jobs: int = 4
     pool_size: int = 1
@@ -114,13 +116,13 @@ class Params:
             "CATACLOUD_AGENT_LOST_AFTER": f"{self.lost_after:g}",
             "CATACLOUD_AGENT_POLL_TIMEOUT": "5",
             "CATACLOUD_RECONCILE_GRACE": "10",
-            # The product's own deadlines (README: Convergence), scaled like the intervals
-            # above so that each fits inside the deadline the soak checks it against.
-            "CATACLOUD_REDRIVE_AFTER": f"{2 * r:g}",
-            "CATACLOUD_BOOT_TIMEOUT": f"{BOOT - r:g}",
-            "CATACLOUD_ASSIGN_TIMEOUT": f"{self.lost_after:g}",
-            "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL - 2 * r:g}",
-            "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{WELL - 2 * r:g}",
+            # The product's own deadlines (README's convergence table), shortened like the
+            # intervals; settings an older build does not know are ignored.
+            "CATACLOUD_REDRIVE_AFTER": f"{self.redrive_after:g}",
+            "CATACLOUD_BOOT_TIMEOUT": f"{BOOT:g}",
+            "CATACLOUD_ASSIGN_TIMEOUT": f"{self.assign_timeout:g}",
+            "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL:g}",
+            "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{self.redrive_after:g}",
             "LOG_LEVEL": "WARNING",
         }
 
@@ -138,10 +140,10 @@ def deadlines(p: Params) -> dict[tuple[str, str], float]:
         ("instance", "provisioning"): BOOT + r,
         ("instance", "warming"): BOOT + lost + r,
         ("instance", "silent"): lost + r,  # warming/ready/claimed: since the last heartbeat
-        ("instance", "terminating"): STOP + 2 * r,
+        ("instance", "terminating"): p.redrive_after + STOP + r,
         ("job", "acquiring_resources"): WELL + 2 * r,
         ("job", "waiting_for_machine"): BOOT + lost + 2 * r,
-        ("job", "assigned"): lost + 2 * r,
+        ("job", "assigned"): max(lost, p.assign_timeout) + r,
         ("job", "running"): lost + 2 * r,  # plus the configuration's timeout
         ("resource", "requested"): WELL + 2 * r,
         ("resource", "creating"): WELL + 2 * r,
@@ -514,7 +516,8 @@ def _run_soak(
                 last_progress = soak.now()
                 progress(_progress_line(soak, submitted[0]))
                 now_done = _done_jobs(world)
-                if now_done != done:
+                idle = submitted[0] >= p.jobs and _live_jobs(world) == 0  # only faults left
+                if now_done != done or idle:
                     done, last_done_change = now_done, soak.now()
                 elif soak.now() - last_done_change > p.stall_timeout:
                     soak.violate(
@@ -1081,6 +1084,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
     last_fault = max((f["at"] for f in soak.faults), default=soak.now())
     deadline = soak.now() + p.settle_timeout
     converged_at = None
+    problems: list[tuple[str, str, str]] = []
     workload_done = soak.now()
     progress(f"chaos: workload done at {soak.now():.0f}s; waiting up to {p.settle_timeout:.0f}s to converge")
     last_progress = soak.now()
@@ -1105,7 +1109,7 @@ def _settle(soak: Soak, world: World, progress: Any) -> None:
         "converged_at": converged_at,
         "converge_after_workload": None if converged_at is None else converged_at - workload_done,
     }
-    for invariant, key, detail in _end_problems(soak, world):
+    for invariant, key, detail in problems:  # what was still off when the wait ended
         soak.violate(invariant, key, detail)
     progress(_progress_line(soak, p.jobs))
     if converged_at is None:

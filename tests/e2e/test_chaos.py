@@ -13,21 +13,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 def test_the_system_converges_under_faults_and_keeps_its_invariants() -> None:
     result = chaos.run(
-        jobs=40,
-        faults=12,
+        jobs=50,
+        faults=16,
         seed=13,
-        fault_interval=2.5,
+        fault_interval=2,
         workload_timeout=180,
         settle_timeout=60,
     )
     data = result.data
     kinds = {f["kind"] for f in data["faults"]}
     assert kinds == set(chaos.FAULT_KINDS), data["faults"]
-    assert len(data["faults"]) == 12
+    assert len(data["faults"]) == 16
     broken = {i: data["examples"].get(i, []) for i, n in data["violations"].items() if n}
     assert not broken, "invariants violated:\n" + "\n".join(
         f"{i} ({data['violations'][i]}):\n  " + "\n  ".join(examples) for i, examples in broken.items()
     )
     assert data["final"]["converged_at"] is not None, "the system did not converge after the workload"
     assert not data["final"]["never_converged"], data["final"]["never_converged"]
-    assert sum(data["outcomes"].values()) >= 40
+    assert sum(data["outcomes"].values()) >= 50
