@@ -16,6 +16,7 @@ from typing import Any
 from django.db import connection
 from django.utils import timezone
 
+from apps.core.db import fetch_one_prepared
 from apps.machines.models import MachineInstance
 
 _COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
@@ -109,9 +110,7 @@ def claim(
         "job": str(job_id) if job_id else None,
         **params,
     }
-    with connection.cursor() as cursor:
-        cursor.execute(sql, values)
-        row = cursor.fetchone()
+    row = fetch_one_prepared(sql, values)
     if row is None:
         return claim_id, None
     instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])

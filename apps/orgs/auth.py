@@ -14,6 +14,7 @@ from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
 from apps.core.crypto import hash_token
+from apps.core.db import fetch_one_prepared
 from apps.orgs.models import ApiToken, Membership, Organization
 
 TOKEN_PREFIX = "cc"
@@ -49,9 +50,7 @@ def token_lookup(token_hash: str) -> ApiToken | None:
     (``member_role``, None when no longer a member): one hand-written query, since this runs
     on every API call and the ORM's query building cost more than the query."""
     sql, token_names, user_names, org_names = _lookup_sql()
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [token_hash])
-        row = cursor.fetchone()
+    row = fetch_one_prepared(sql, [token_hash])
     if row is None:
         return None
     n_token, n_user = len(token_names), len(user_names)
