@@ -37,7 +37,7 @@ def test_claim(tmp_path: Path) -> None:
 
 
 def test_rest() -> None:
-    result = run_part("rest", clients=2, requests=20, runs=1, progress=quiet)
+    result = run_part("rest", clients=2, requests=20, runs=1, single=10, progress=quiet)
     sane(result, "rest")
     assert result.data["errors"] == 0 and result.data["double_claims"] == 0
     assert result.data["ok"] == 20
