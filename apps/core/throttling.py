@@ -1,6 +1,6 @@
-"""The API throttle: fairness only (quotas live in PostgreSQL), so it costs no network round
+"""The API throttles: fairness only (quotas live in PostgreSQL), so they cost no network round
 trip and cannot fail when Redis does. Each web process counts in its own memory, so the
-effective limit is ``CATACLOUD_API_RATE`` per process (README: Configuration)."""
+effective limit is the configured rate per process (README: Configuration)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from rest_framework import throttling
 log = logging.getLogger(__name__)
 
 
-class UserRateThrottle(throttling.UserRateThrottle):
+class LocalThrottleMixin:
+    """Counts in the process's memory and lets the request through on any error."""
+
     cache = caches["local"]
 
     def allow_request(self, request: Any, view: Any) -> bool:
         try:
-            return super().allow_request(request, view)
+            return super().allow_request(request, view)  # type: ignore[misc]
         except Exception:  # never let fairness take the API down
             log.exception("throttle failed; letting the request through")
             return True
+
+
+class UserRateThrottle(LocalThrottleMixin, throttling.UserRateThrottle):
+    pass

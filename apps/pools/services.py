@@ -96,8 +96,7 @@ def pool_create(
         target_size=target_size,
         machine_type=machine_type.name,
     )
-    pool_id = str(pool.pk)
-    _enqueue_refill(pool_id)  # warm it now (after commit), not at the next reaper tick
+    request_refill(pool.pk)  # warm it now (after commit), not at the next reaper tick
     return pool
 
 
@@ -175,14 +174,10 @@ def pool_claim(
             raise InvalidTransition("Pool", pool_id, status, "claimed from")
         raise PoolEmpty("no ready member in this pool; try again shortly or raise target_size")
     if in_transaction:
-        _enqueue_refill(pool_id)  # after that transaction commits
+        request_refill(pool_id)  # after that transaction commits
     # else the claim statement itself marked the pool for a refill and notified the listener.
     CLAIM_LATENCY.observe(time.perf_counter() - started)
     return Claim(claim_id=claim_id, instance=instance)
-
-
-def _enqueue_refill(pool_id: str) -> None:
-    request_refill(pool_id)
 
 
 # ---- sizes, drain, delete -------------------------------------------------------------------
@@ -203,7 +198,7 @@ def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> Instanc
     if changed:
         pool.save()
         event_record(kind="pool.updated", org=pool.org_id, pool=pool, actor=actor, **changed)
-        _enqueue_refill(pool.pk)
+        request_refill(pool.pk)
     return pool
 
 
