@@ -68,6 +68,29 @@ def later(seconds: float) -> Any:
     return timezone.now() + timedelta(seconds=seconds)
 
 
+def at_once(work: list[Any]) -> list[BaseException]:
+    """Run each callable in its own thread (its own database connection), all released
+    together; returns what they raised."""
+    barrier = threading.Barrier(len(work))
+    errors: list[BaseException] = []
+
+    def run(fn: Any) -> None:
+        try:
+            barrier.wait()
+            fn()
+        except BaseException as exc:  # reported to the caller
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 # ---- 1. a provision message lost: the instance stays pending -----------------------------
 
 
@@ -309,23 +332,7 @@ def test_pools_created_at_once_never_pass_max_instances(tworld: World) -> None:
         pool_create(org=tworld.org, name=f"p{i}", machine_type=mt, target_size=4, max_size=4)
         for i in range(3)
     ]
-    barrier = threading.Barrier(len(pools))
-    errors: list[BaseException] = []
-
-    def refill(pool_id: Any) -> None:
-        try:
-            barrier.wait()
-            pool_refill(pool_id=pool_id)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=refill, args=(p.pk,)) for p in pools]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = at_once([lambda p=p: pool_refill(pool_id=p.pk) for p in pools])
     assert errors == []
     live = MachineInstance.objects.filter(
         org=tworld.org, machine_type=mt, status__in=INSTANCE_COUNTED
@@ -345,26 +352,13 @@ def test_refills_and_placement_at_once_never_pass_max_instances(tworld: World) -
     ]
     for _ in range(6):
         job_submit(org=tworld.org, config=cfg)
-    barrier = threading.Barrier(4)
-
-    def run(fn: Any) -> None:
-        try:
-            barrier.wait()
-            fn()
-        finally:
-            connection.close()
-
     work = [
         lambda: pool_refill(pool_id=pools[0].pk),
         lambda: pool_refill(pool_id=pools[1].pk),
         schedule,
         schedule,
     ]
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert at_once(work) == []
     live = MachineInstance.objects.filter(
         org=tworld.org, machine_type=mt, status__in=INSTANCE_COUNTED
     ).count()
@@ -636,19 +630,14 @@ def test_claims_refills_and_placement_at_once_never_deadlock(tworld: World) -> N
         )
         for _ in range(30)
     )
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(6)
 
-    def run(fn: Any) -> None:
-        try:
-            barrier.wait()
+    def ten_times(fn: Any) -> Any:
+        def run() -> None:
             for _ in range(10):
                 with contextlib.suppress(PoolEmpty):
                     fn()
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-        finally:
-            connection.close()
+
+        return run
 
     work = [
         lambda: pool_claim(pool_id=pool.pk),
@@ -658,11 +647,7 @@ def test_claims_refills_and_placement_at_once_never_deadlock(tworld: World) -> N
         schedule,
         schedule,
     ]
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = at_once([ten_times(fn) for fn in work])
     assert errors == []
     live = MachineInstance.objects.filter(
         org=tworld.org, machine_type=mt, status__in=INSTANCE_COUNTED
