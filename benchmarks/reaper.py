@@ -59,8 +59,8 @@ def _add_pools(t: Any, start: int, count: int, members: int) -> None:
 def _measure(runs: int, progress: Progress, pools: int) -> dict[str, Any]:
     from django.utils import timezone
 
+    from apps.control.reaper import query_count, reaper_tick
     from apps.machines.models import MachineInstance
-    from apps.pools.reaper import query_count, reaper_tick
 
     analyze("machines_machineinstance", "pools_instancepool")
     MachineInstance.objects.update(last_heartbeat_at=timezone.now())  # agents are alive

@@ -103,6 +103,7 @@ INSTALLED_APPS = [
     "apps.jobs",
     "apps.resources",
     "apps.events",
+    "apps.control",
 ]
 
 MIDDLEWARE = [
@@ -208,7 +209,7 @@ CATACLOUD_SCHEDULER_INTERVAL = env.float("CATACLOUD_SCHEDULER_INTERVAL", default
 # see it in README and in Flower; they tune it with the variables above.
 CELERY_BEAT_SCHEDULE = {
     "reaper": {
-        "task": "apps.pools.tasks.reaper_task",
+        "task": "apps.control.tasks.reaper_task",
         "schedule": CATACLOUD_REAPER_INTERVAL,
         # A tick that waited in the queue past the next one is useless: drop it.
         "options": {"expires": CATACLOUD_REAPER_INTERVAL * 0.9},

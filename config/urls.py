@@ -4,8 +4,8 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.control.urls import agent_urls
 from apps.core.views import healthz, metrics_view
-from apps.machines.agent_api import agent_urls
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"

@@ -14,6 +14,7 @@ from typing import Any
 from django.db import models, transaction
 from django.utils import timezone
 
+from apps.core import hooks
 from apps.core.errors import InvalidTransition
 
 Graph = Mapping[str, frozenset[str]]
@@ -81,8 +82,6 @@ def change_state(
     ``event_refs()`` naming the org/pool/instance/job the event is about. Returns the row
     as it is after the change.
     """
-    from apps.events.services import event_record
-
     now = now or timezone.now()
     stamp = (stamps or {}).get(to)
     if stamp and stamp not in changes:
@@ -90,7 +89,7 @@ def change_state(
     with transaction.atomic():
         transition(model, pk, graph=graph, to=to, from_=from_, where=where, **changes)
         row = model.objects.get(pk=pk)
-        event_record(
+        hooks.record_event(
             kind=event or f"{event_prefix}.{to}",
             actor=actor,
             reason=reason,

@@ -21,8 +21,8 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
+from apps.core import hooks
 from apps.core.api import error_response
-from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import InvalidTransition
 from apps.core.throttling import LocalThrottleMixin
@@ -201,9 +201,7 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
 
 def _instance_ready_hook(instance: MachineInstance) -> None:
     """A machine became ready: the scheduler may place a waiting job on it."""
-    from apps.jobs.tasks import schedule_task
-
-    enqueue_on_commit(schedule_task)
+    hooks.machine_available(instance)
 
 
 class HeartbeatView(AgentView):
@@ -211,22 +209,17 @@ class HeartbeatView(AgentView):
         data = HeartbeatIn(data=request.data)
         data.is_valid(raise_exception=True)
         instance_heartbeat(instance=self.instance)
-        from apps.jobs.agent import jobs_to_cancel
-
-        cancel = jobs_to_cancel(instance=self.instance)
+        cancel = hooks.jobs_to_cancel(instance=self.instance)
         return Response({"cancel": cancel, "terminate": self.instance.status == S.TERMINATING})
 
 
-def agent_urls() -> list:
+def machine_agent_urls() -> list:
     from django.urls import path
 
-    urls = [
+    return [
         path("enroll", EnrollView.as_view(), name="agent-enroll"),
         path("heartbeat", HeartbeatView.as_view(), name="agent-heartbeat"),
     ]
-    from apps.jobs.agent import job_agent_urls
-
-    return urls + job_agent_urls()
 
 
-__all__ = ["AgentView", "agent_urls", "status"]
+__all__ = ["AgentView", "machine_agent_urls", "status"]

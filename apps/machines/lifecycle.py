@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
 from apps.core.errors import Conflict, InvalidTransition
 from apps.core.errors import NotFound as DomainNotFound
@@ -291,9 +292,7 @@ def instance_gone(instance: MachineInstance) -> None:
     instance's ``end_cause``), its pool refills and the scheduler may buy a replacement."""
     _requeue_jobs_of(instance, instance.end_cause or "machine_terminated", instance.failure_reason)
     _after_instance_left(instance)
-    from apps.jobs.tasks import schedule_task
-
-    enqueue_on_commit(schedule_task)
+    hooks.machine_available(instance)
 
 
 def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineInstance | None:
@@ -337,17 +336,13 @@ def destroy_machine(*, account_id: Any, provider_id: str, instance_id: str) -> N
 
 
 def _requeue_jobs_of(instance: MachineInstance, cause: str, detail: str = "") -> None:
-    from apps.jobs.scheduling import jobs_requeue_for_instance
-
-    jobs_requeue_for_instance(instance=instance, cause=cause, detail=detail)
+    hooks.machine_gone(instance=instance, cause=cause, detail=detail)
 
 
 def _after_instance_left(instance: MachineInstance) -> None:
     """A member left its pool (claimed, ended): refill the pool right after commit."""
     if instance.pool_id:
-        from apps.pools.refill import request_refill
-
-        request_refill(instance.pool_id)
+        hooks.pool_member_left(instance.pool_id)
 
 
 def now() -> Any:

@@ -6,7 +6,6 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
-from apps.pools import reaper
 from apps.pools.services import pool_refill
 
 log = logging.getLogger(__name__)
@@ -31,22 +30,3 @@ def _stop_refill_listener(**_: Any) -> None:
     from apps.pools.refill import stop_listener
 
     stop_listener()
-
-
-@shared_task(ignore_result=True)
-def reaper_task() -> None:
-    """Celery beat, every CATACLOUD_REAPER_INTERVAL seconds (single instance by advisory lock)."""
-    report = reaper.reaper_tick()
-    if report.ran:
-        log.info(
-            "reaper: %d pools, %d refilled (+%d members), %d stuck, %d lost, %d schedules, "
-            "%d reconcile actions in %.3fs",
-            report.pools,
-            report.refilled,
-            report.requested,
-            report.stuck,
-            report.lost,
-            report.schedules_applied,
-            report.reconcile_actions,
-            report.seconds,
-        )

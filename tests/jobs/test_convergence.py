@@ -22,6 +22,7 @@ from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from apps.control.reaper import reaper_tick
 from apps.core.broker import redis_client
 from apps.core.errors import PoolEmpty
 from apps.events.models import Event
@@ -34,7 +35,6 @@ from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import instance_transition
 from apps.orgs.models import ApiToken
 from apps.pools.models import InstancePool
-from apps.pools.reaper import reaper_tick
 from apps.pools.services import pool_create, pool_drain, pool_refill
 from apps.resources.acquisition import job_acquire_resources, resource_destroy, resources_safety_net
 from apps.resources.models import ResourceInstance, ResourceType

@@ -13,13 +13,14 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from apps.control.reaper import query_count, reaper_tick
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.events.models import Event
 from apps.machines import lifecycle
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.pools.convergence import apply_schedules
 from apps.pools.models import InstancePool, PoolSchedule
-from apps.pools.reaper import apply_schedules, query_count, reaper_tick
 from apps.pools.services import pool_claim, pool_create, pool_drain, pool_refill, pool_update
 from catacloud.providers.fake import FakeProvider
 from tests.conftest import World

@@ -3,16 +3,8 @@ from __future__ import annotations
 from rest_framework import serializers
 
 from apps.jobs.models import Artifact, Job, JobConfiguration
-from apps.machines.models import MachineType
+from apps.machines.api.serializers import OrgMachineTypeField
 from apps.resources.models import ResourceType
-
-
-class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
-    """A machine type id, looked up only among the caller's org's grants (others: 'does not exist')."""
-
-    def get_queryset(self):
-        ctx = self.context.get("org")
-        return MachineType.objects.filter(grants__org=ctx) if ctx is not None else MachineType.objects.none()
 
 
 class EnvForMembersMixin(serializers.Serializer):

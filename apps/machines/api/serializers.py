@@ -6,6 +6,14 @@ from rest_framework import serializers
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 
 
+class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
+    """A machine type id, looked up only among the caller's org's grants (others: 'does not exist')."""
+
+    def get_queryset(self):
+        ctx = self.context.get("org")
+        return MachineType.objects.filter(grants__org=ctx) if ctx is not None else MachineType.objects.none()
+
+
 class QuotaSerializer(serializers.ModelSerializer):
     class Meta:
         model = OrgMachineType

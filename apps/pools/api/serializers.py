@@ -3,8 +3,7 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from apps.jobs.api.serializers import OrgMachineTypeField
-from apps.machines.api.serializers import InstanceSerializer
+from apps.machines.api.serializers import InstanceSerializer, OrgMachineTypeField
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool, PoolSchedule
 

@@ -1,0 +1,27 @@
+"""Every hook of ``apps.core.hooks`` connected to its handler: the one place upward calls are wired."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apps.core import hooks
+from apps.core.broker import enqueue_on_commit
+
+
+def _schedule_soon(instance: Any = None) -> None:
+    from apps.jobs.tasks import schedule_task
+
+    enqueue_on_commit(schedule_task)
+
+
+def connect_hooks() -> None:
+    from apps.events.services import event_record
+    from apps.jobs.agent import jobs_to_cancel
+    from apps.jobs.scheduling import jobs_requeue_for_instance
+    from apps.pools.refill import request_refill
+
+    hooks.record_event.connect(event_record)
+    hooks.machine_available.connect(_schedule_soon)
+    hooks.machine_gone.connect(jobs_requeue_for_instance)
+    hooks.pool_member_left.connect(request_refill)
+    hooks.jobs_to_cancel.connect(jobs_to_cancel)
