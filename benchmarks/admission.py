@@ -1,4 +1,4 @@
-"""Part 6: admission of queued jobs across many orgs with quotas (apps.jobs.scheduling.admit).
+"""Part 6: admission of queued jobs across many orgs with quotas (apps.jobs.admission.admit).
 
 100 orgs, each granted one machine type with its own max_concurrent_jobs (and, for half of
 them, a cpu quota), 100 queued jobs each. ``admit()`` is called until it admits nothing;
@@ -65,7 +65,7 @@ def _violations(grants: list[Any]) -> tuple[int, int]:
 
 
 def run(*, orgs: int = 100, jobs_per_org: int = 100, runs: int = 3, progress: Progress = say) -> PartResult:
-    from apps.jobs.scheduling import admit
+    from apps.jobs.admission import admit
 
     result = PartResult(part="admission", title="Admission within quotas")
     progress(f"admission: creating {orgs} orgs x {jobs_per_org} queued jobs")

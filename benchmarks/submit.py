@@ -23,7 +23,7 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
     ``breakdown``, appends each stage's share: queued -> admitted (the scheduler task's hop),
     admitted -> assigned (placement), assigned -> started (agent wake-up, fetch, start)."""
     from apps.jobs.models import Job
-    from apps.jobs.scheduling import job_submit
+    from apps.jobs.submission import job_submit
 
     job = job_submit(org=t.org, config=cfg, actor="bench")
     started = wait_for(

@@ -1,7 +1,7 @@
 """Replay a job trace on a simulated clock through the real placement and retention policy.
 
 Framework-free (no Django): the decisions come from :mod:`catacloud.policy` exactly as the
-scheduler (``apps/jobs/scheduling.py``) and the reaper make them:
+scheduler (``apps/jobs/admission.py``, ``placement.py``) and the reaper make them:
 
 - placement order: a warm pool member, then an idle reusable machine (the one that last ran
   the same configuration first, then the one idle longest), then new machines as

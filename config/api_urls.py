@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.urls import re_path
 from rest_framework.routers import DefaultRouter
 
-from apps.events.api.views import EventViewSet
+from apps.control.api.views import EventViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import BudgetViewSet, CostViewSet, InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet

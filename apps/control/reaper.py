@@ -27,12 +27,16 @@ from django.db import connection
 from django.utils import timezone
 
 from apps.core.locks import REAPER, try_advisory_lock
-from apps.jobs.scheduling import scheduler_safety_net
+from apps.jobs.acquisition import resources_safety_net
+from apps.jobs.artifacts import artifacts_expire
+from apps.jobs.convergence import jobs_converge
+from apps.jobs.scheduler import schedule
 from apps.machines.choices import InstanceStatus
 from apps.machines.convergence import instances_converge
 from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance
 from apps.machines.reconcile import reconcile_all
+from apps.machines.retention import idle_machines_retire
 from apps.pools.convergence import apply_schedules, pools_converge
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,12 @@ def _tick(now: datetime, reconcile: bool) -> TickReport:
     pools = pools_converge(now=now, batch=BATCH)
     report.pools, report.refilled, report.requested = pools.pools, pools.refilled, pools.requested
 
-    report.extra.update(scheduler_safety_net(now=now))
+    report.extra.update(jobs_converge(now=now))
+    report.extra["retired_idle"] = idle_machines_retire(now=now)
+    report.extra.update(resources_safety_net(now=now))
+    report.extra["artifacts_expired"] = artifacts_expire(now=now)
+    scheduled = schedule()
+    report.extra.update(admitted=scheduled.admitted, assigned=scheduled.assigned)
     if reconcile:
         report.reconcile_actions = sum(r.actions for r in reconcile_all())
     report.seconds = time.perf_counter() - started

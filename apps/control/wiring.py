@@ -16,12 +16,14 @@ def _schedule_soon(instance: Any = None) -> None:
 
 def connect_hooks() -> None:
     from apps.events.services import event_record
+    from apps.jobs.acquisition import wake_waiting
     from apps.jobs.agent import jobs_to_cancel
-    from apps.jobs.scheduling import jobs_requeue_for_instance
+    from apps.jobs.reports import jobs_requeue_for_instance
     from apps.pools.refill import request_refill
 
     hooks.record_event.connect(event_record)
     hooks.machine_available.connect(_schedule_soon)
     hooks.machine_gone.connect(jobs_requeue_for_instance)
     hooks.pool_member_left.connect(request_refill)
+    hooks.resource_slot_freed.connect(wake_waiting)
     hooks.jobs_to_cancel.connect(jobs_to_cancel)

@@ -63,6 +63,10 @@ pool_member_left = Hook(
     "pool_member_left",
     "machines → pools: a member left its pool (claimed, ended, warmed); request the pool's refill.",
 )
+resource_slot_freed = Hook(
+    "resource_slot_freed",
+    "resources → jobs: a resource of type_id= was destroyed; jobs waiting for a slot try again.",
+)
 jobs_to_cancel = Hook(
     "jobs_to_cancel",
     "machines (agent heartbeat) → jobs: the ids of jobs on this instance its agent must kill.",

@@ -8,7 +8,7 @@ from apps.core.admin import NoLiveDeleteAdmin, run_service_action
 from apps.events.models import Event
 from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduling import job_cancel
+from apps.jobs.submission import job_cancel
 
 
 @admin.register(JobConfiguration)

@@ -19,7 +19,7 @@ from apps.core.broker import redis_client
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
-from apps.jobs.scheduling import job_finished, job_interrupted, job_started
+from apps.jobs.reports import job_finished, job_interrupted, job_started
 from apps.machines.agent_api import AgentView
 from apps.machines.models import MachineInstance
 

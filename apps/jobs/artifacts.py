@@ -259,7 +259,7 @@ class CheckpointView(AgentView):
 
 class UploadsDoneView(AgentView):
     def post(self, request: Request, job_id: str) -> Response:
-        from apps.jobs.scheduling import instance_release
+        from apps.jobs.reports import instance_release
 
         job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
         if job is None:

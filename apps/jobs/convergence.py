@@ -6,7 +6,7 @@
   (not_started, counts as an attempt) and its machine terminated;
 - a machine still claimed for a job that ended CATACLOUD_UPLOAD_TIMEOUT ago (uploads-done
   never came): released; one claimed for a job that no longer exists: terminated.
-(Running past its timeout is scheduling._time_out_jobs.)
+- a job running past its timeout whose agent never reported: timed out, machine terminated.
 
 Each rule is one bounded query plus idempotent services; a repeat finds nothing to do.
 """
@@ -25,9 +25,12 @@ from django.db.models import Q
 from apps.core.errors import InvalidTransition
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.models import Job
+from apps.jobs.reports import instance_release, job_requeue
+from apps.jobs.services import job_transition
 from apps.machines.choices import INSTANCE_TERMINAL, InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
+from apps.resources.lifecycle import release_for_job
 
 J = JobStatus
 S = InstanceStatus
@@ -40,6 +43,7 @@ def jobs_converge(*, now: datetime) -> dict[str, int]:
         "requeued_gone_machine": requeue_jobs_on_gone_machines(),
         "requeued_not_started": requeue_unstarted(now=now),
         "released_claims": release_finished_claims(now=now),
+        "timed_out": jobs_time_out(now=now),
     }
 
 
@@ -47,7 +51,6 @@ def requeue_jobs_on_gone_machines() -> int:
     """A job still assigned to or running on a machine that no longer exists goes back to
     the queue with the machine's end cause (the accelerator is instance_gone; this is the
     net under it)."""
-    from apps.jobs.scheduling import job_requeue
 
     rows = list(
         Job.objects.filter(status__in=[J.ASSIGNED, J.RUNNING])
@@ -70,7 +73,6 @@ def requeue_jobs_on_gone_machines() -> int:
 def requeue_unstarted(*, now: datetime) -> int:
     """Assigned but never started by the machine's agent: requeue (not_started, counts as an
     attempt) and retire the machine. A late start is refused (the job is no longer its)."""
-    from apps.jobs.scheduling import job_requeue
 
     cutoff = now - timedelta(seconds=settings.CATACLOUD_ASSIGN_TIMEOUT)
     rows = list(
@@ -106,7 +108,6 @@ def release_finished_claims(*, now: datetime) -> int:
     """Machines still claimed for a job that ended more than CATACLOUD_UPLOAD_TIMEOUT ago
     (uploads-done never came) are released; machines claimed for a job that no longer exists
     are terminated."""
-    from apps.jobs.scheduling import instance_release
 
     claims = list(
         MachineInstance.objects.filter(status=S.CLAIMED, claimed_for__startswith=CLAIM_PREFIX).values_list(
@@ -135,4 +136,30 @@ def release_finished_claims(*, now: datetime) -> int:
                 count += 1
         elif job.status in JOB_TERMINAL and (job.finished_at is None or job.finished_at < upload_cutoff):
             count += instance_release(instance_id=instance_id, job=job)
+    return count
+
+
+def jobs_time_out(*, now: datetime) -> int:
+    """The agent enforces timeouts; this catches jobs whose agent could not report."""
+    grace = timedelta(seconds=max(60.0, settings.CATACLOUD_AGENT_LOST_AFTER))
+    count = 0
+    for job in Job.objects.filter(status=J.RUNNING, started_at__isnull=False).select_related("config")[:500]:
+        if job.started_at + timedelta(seconds=job.timeout_seconds) + grace > now:
+            continue
+        with transaction.atomic():
+            try:
+                job_transition(
+                    job_id=job.pk,
+                    to=J.TIMED_OUT,
+                    from_=[J.RUNNING],
+                    actor="reaper",
+                    reason="timeout passed without a report from the agent",
+                )
+            except InvalidTransition:
+                continue
+            release_for_job(job_id=job.pk, reason="job timed out")
+            if job.instance_id:
+                with contextlib.suppress(InvalidTransition):
+                    instance_terminate(instance_id=job.instance_id, actor="reaper", reason="job timed out")
+        count += 1
     return count

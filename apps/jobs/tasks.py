@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import logging
 
-from celery import shared_task
+from celery import Task, shared_task
 
-from apps.jobs.scheduling import schedule
+from apps.jobs.acquisition import job_acquire_resources
+from apps.jobs.scheduler import schedule
+from apps.machines.tasks import backoff
+from apps.resources.wells import WellError
 
 log = logging.getLogger(__name__)
 
@@ -23,3 +26,13 @@ def schedule_task() -> None:
             report.provisioned,
             report.waiting,
         )
+
+
+@shared_task(bind=True, max_retries=10, acks_late=True)
+def acquire_resources_task(self: Task, job_id: str) -> None:
+    try:
+        job_acquire_resources(job_id=job_id)
+    except WellError as exc:
+        if exc.retryable:
+            raise self.retry(countdown=backoff(self.request.retries)) from None
+        raise

@@ -83,7 +83,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     )
     list_filter = ("org", "role", ("revoked_at", admin.EmptyFieldListFilter))
     search_fields = ("prefix", "name", "user__username", "org__slug")
-    readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at", "job")
+    readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at", "scope")
     actions = ["revoke"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> tuple:

@@ -68,8 +68,9 @@ class ApiToken(models.Model):
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     # A token may be narrower than its user's role; never wider.
     role = models.CharField(max_length=16, choices=Role.choices, blank=True)
-    # Set for tokens minted for one job (the api_token well): they read only that job.
-    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    # Narrower than the org, set by the layer that minted the token and opaque here:
+    # ``job:<uuid>`` for the api_token well's tokens, which read only that job.
+    scope = models.CharField(max_length=64, blank=True, default="", editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)

@@ -51,12 +51,13 @@ def api_token_create(
     name: str = "",
     role: str = "",
     expires_at: datetime | None = None,
-    job: object | None = None,
+    scope: str = "",
     actor: str = "",
 ) -> tuple[ApiToken, str]:
     """Mint a token for ``user`` in ``org``. Returns the row and the secret, shown only once.
 
-    The user must be a member of ``org``; ``role`` may narrow the member's role, never widen it.
+    The user must be a member of ``org``; ``role`` may narrow the member's role, never widen it;
+    ``scope`` narrows it further (``job:<uuid>``: that job only).
     """
     membership = Membership.objects.filter(org=org, user=user).first()
     if membership is None:
@@ -77,7 +78,7 @@ def api_token_create(
         prefix=secret[:10],
         token_hash=hash_token(secret),
         expires_at=expires_at,
-        job=job,
+        scope=scope,
     )
     event_record(
         kind="org.token_created", org=org, actor=actor, token=str(token.pk), user=user.get_username()

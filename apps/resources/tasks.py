@@ -5,20 +5,10 @@ import logging
 from celery import Task, shared_task
 
 from apps.machines.tasks import backoff
-from apps.resources.acquisition import job_acquire_resources, resource_destroy
+from apps.resources.lifecycle import resource_destroy
 from apps.resources.wells import WellError
 
 log = logging.getLogger(__name__)
-
-
-@shared_task(bind=True, max_retries=10, acks_late=True)
-def acquire_resources_task(self: Task, job_id: str) -> None:
-    try:
-        job_acquire_resources(job_id=job_id)
-    except WellError as exc:
-        if exc.retryable:
-            raise self.retry(countdown=backoff(self.request.retries)) from None
-        raise
 
 
 @shared_task(bind=True, max_retries=None, acks_late=True)

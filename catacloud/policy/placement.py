@@ -1,6 +1,6 @@
 """How many new machines to buy for waiting jobs, and what to tell the jobs that wait.
 
-Pure functions shared by the scheduler (apps/jobs/scheduling.py) and the cost simulator
+Pure functions shared by the scheduler (apps/jobs/placement.py) and the cost simulator
 (catacloud/simulate.py), so the simulator replays the real decisions.
 """
 

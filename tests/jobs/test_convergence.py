@@ -26,9 +26,12 @@ from apps.control.reaper import reaper_tick
 from apps.core.broker import redis_client
 from apps.core.errors import PoolEmpty
 from apps.events.models import Event
+from apps.jobs.acquisition import job_acquire_resources, resources_safety_net
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
-from apps.jobs.scheduling import job_cancel, job_finished, job_started, job_submit, schedule
+from apps.jobs.reports import job_finished, job_started
+from apps.jobs.scheduler import schedule
+from apps.jobs.submission import job_cancel, job_submit
 from apps.machines import lifecycle
 from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus
 from apps.machines.models import MachineInstance, OrgMachineType
@@ -36,7 +39,7 @@ from apps.machines.services import instance_transition
 from apps.orgs.models import ApiToken
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_create, pool_drain, pool_refill
-from apps.resources.acquisition import job_acquire_resources, resource_destroy, resources_safety_net
+from apps.resources.lifecycle import resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import build_well
 from tests.conftest import World

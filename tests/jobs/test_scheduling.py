@@ -14,23 +14,18 @@ from django.utils import timezone
 
 from apps.core.errors import Conflict
 from apps.events.models import Event
+from apps.jobs.admission import admit
 from apps.jobs.choices import JobStatus
+from apps.jobs.convergence import jobs_time_out
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduling import (
-    admit,
-    job_cancel,
-    job_finished,
-    job_started,
-    job_submit,
-    jobs_requeue_for_instance,
-    place,
-    retire_idle_machines,
-    schedule,
-    scheduler_safety_net,
-)
+from apps.jobs.placement import place
+from apps.jobs.reports import job_finished, job_started, jobs_requeue_for_instance
+from apps.jobs.scheduler import schedule
+from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.machines.retention import idle_machines_retire
 from apps.pools.services import pool_create
 from catacloud.providers.fake import FakeProvider
 from tests.conftest import World
@@ -255,16 +250,16 @@ def test_billing_aware_retention(world: World) -> None:
     mt, _ = setup_type(world)  # hourly billing
     machine = idle_machine(world, mt)
     started = machine.provisioning_started_at
-    assert retire_idle_machines(now=started + timedelta(minutes=30)) == 0  # within its paid hour: kept
+    assert idle_machines_retire(now=started + timedelta(minutes=30)) == 0  # within its paid hour: kept
     job = job_submit(org=world.org, config=config(world, mt))
     schedule()
     refresh(job)
     assert job.instance_id == machine.pk  # reused within the paid hour
     job_started(instance=machine, job_id=job.pk)
     job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
-    assert retire_idle_machines(now=started + timedelta(minutes=50)) == 0
+    assert idle_machines_retire(now=started + timedelta(minutes=50)) == 0
     assert (
-        retire_idle_machines(now=started + timedelta(minutes=58, seconds=30)) == 1
+        idle_machines_retire(now=started + timedelta(minutes=58, seconds=30)) == 1
     )  # before hour two starts
     refresh(machine)
     assert machine.status == S.TERMINATING
@@ -338,13 +333,13 @@ def test_cancel_in_each_state(world: World) -> None:
 
 
 @pytest.mark.django_db
-def test_the_safety_net_times_out_jobs_whose_agent_never_reported(world: World) -> None:
+def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> None:
     mt, _ = setup_type(world)
     machine = idle_machine(world, mt)
     job = job_submit(org=world.org, config=config(world, mt, timeout_seconds=60))
     schedule()
     job_started(instance=machine, job_id=job.pk)
-    scheduler_safety_net(now=timezone.now() + timedelta(minutes=10))
+    jobs_time_out(now=timezone.now() + timedelta(minutes=10))
     refresh(job, machine)
     assert job.status == J.TIMED_OUT
     assert machine.status == S.TERMINATING

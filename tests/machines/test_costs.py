@@ -15,7 +15,9 @@ from django.utils import timezone
 from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduling import job_finished, job_started, job_submit, schedule
+from apps.jobs.reports import job_finished, job_started
+from apps.jobs.scheduler import schedule
+from apps.jobs.submission import job_submit
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance

@@ -14,11 +14,13 @@ import pytest
 from rest_framework.test import APIClient
 
 from apps.events.models import Event
+from apps.jobs.acquisition import job_acquire_resources
+from apps.jobs.admission import admit
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduling import admit, job_cancel, job_submit
+from apps.jobs.submission import job_cancel, job_submit
 from apps.orgs.models import Privilege
-from apps.resources.acquisition import job_acquire_resources, release_for_job, resource_destroy
+from apps.resources.lifecycle import release_for_job, resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import WellTransient
 from tests.conftest import World
@@ -228,7 +230,7 @@ def test_the_webhook_well_creates_and_retries_a_failing_destroy_until_it_succeed
 
 
 def test_the_reaper_destroys_resources_whose_job_is_gone(world: World) -> None:
-    from apps.resources.acquisition import resources_safety_net
+    from apps.jobs.acquisition import resources_safety_net
 
     ResourceType.objects.create(id="tok2", well="api_token")
     job = admitted_job(world, config_with(world, "tok2"))

@@ -52,7 +52,7 @@ def job_with_env(world: World) -> Job:
 
 def test_env_is_shown_to_members_and_hidden_from_viewers_and_job_tokens(world: World) -> None:
     job = job_with_env(world)
-    _, job_secret = api_token_create(org=world.org, user=world.users["member"], job=job)
+    _, job_secret = api_token_create(org=world.org, user=world.users["member"], scope=f"job:{job.pk}")
     job_token = APIClient()
     job_token.credentials(HTTP_AUTHORIZATION=f"Bearer {job_secret}")
 

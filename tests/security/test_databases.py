@@ -11,8 +11,8 @@ import pytest
 from django.db import connection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from apps.jobs.acquisition import job_acquire_resources
 from apps.jobs.models import Job
-from apps.resources.acquisition import job_acquire_resources
 from apps.resources.models import ResourceInstance, ResourceType
 from tests.conftest import World
 from tests.resources.test_resources import admitted_job, config_with, release

@@ -14,7 +14,7 @@ class EnvForMembersMixin(serializers.Serializer):
     env_hidden = serializers.SerializerMethodField(help_text="true when your role may not read env")
 
     def _env_hidden(self) -> bool:
-        from apps.core.api import org_context
+        from apps.orgs.api.base import org_context
         from apps.orgs.choices import Role
 
         request = self.context.get("request")

@@ -14,7 +14,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.core.errors import ValidationFailed
 from apps.jobs.api.serializers import (
     ArtifactSerializer,
@@ -26,9 +25,10 @@ from apps.jobs.api.serializers import (
 from apps.jobs.artifacts import get_store
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
-from apps.jobs.scheduling import job_cancel, job_submit
 from apps.jobs.services import _check_env, job_config_delete, job_config_save
+from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.costs import job_cost
+from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
 
 
 class JobConfigurationFilter(OrgScopedFilterSet):

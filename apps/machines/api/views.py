@@ -16,7 +16,6 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
 from apps.core.errors import ValidationFailed
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
 from apps.machines.budgets import budget_set, budget_spend, period_start
@@ -25,6 +24,7 @@ from apps.machines.costs import GROUPS, cost_report, instance_cost
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
 from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType, OrgMachineType
 from apps.machines.selectors import machine_types_for_org
+from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
 
 
 class MachineTypeFilter(OrgScopedFilterSet):

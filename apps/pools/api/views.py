@@ -12,8 +12,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.core.api import OrgScopedViewSet
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.orgs.api.base import OrgScopedViewSet
 from apps.pools.api.serializers import (
     AcquireIn,
     AcquireOut,

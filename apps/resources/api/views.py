@@ -4,7 +4,7 @@ import django_filters
 from django.db.models import Count, Q, QuerySet
 from rest_framework import mixins
 
-from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
+from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
 from apps.resources.api.serializers import ResourceSerializer, ResourceTypeSerializer
 from apps.resources.choices import RESOURCE_LIVE, ResourceStatus
 from apps.resources.models import ResourceInstance, ResourceType

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.orgs.api.base import JOB_SCOPE
 from apps.orgs.models import ApiToken, Membership
 from apps.orgs.services import api_token_create, api_token_revoke, membership_set, user_get_or_create
 from apps.resources.wells import Created, Well
@@ -35,7 +36,7 @@ class ApiTokenWell(Well):
             name=f"job {job.pk} ({resource_id})",
             role="viewer",
             expires_at=timezone.now() + lifetime,
-            job=job,
+            scope=f"{JOB_SCOPE}{job.pk}",
             actor="api_token well",
         )
         metadata = {"api_url": settings.CATACLOUD_PUBLIC_URL.rstrip("/") + "/api/v1", "job_id": str(job.pk)}

@@ -1,11 +1,14 @@
+"""The event feed: every app writes events (apps.events, a low layer); reading them is a tenant
+API, so it lives above orgs."""
+
 from __future__ import annotations
 
 import django_filters
 from rest_framework import mixins
 
-from apps.core.api import OrgScopedFilterSet, OrgScopedViewSet
-from apps.events.api.serializers import EventSerializer
+from apps.control.api.serializers import EventSerializer
 from apps.events.models import Event
+from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
 
 
 class EventFilter(OrgScopedFilterSet):

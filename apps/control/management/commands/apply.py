@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from apps.core.catalog import CatalogError, apply_file
+from apps.control.catalog import CatalogError, apply_file
 
 
 class Command(BaseCommand):

@@ -9,7 +9,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from apps.core.catalog import CatalogError, apply_catalog
+from apps.control.catalog import CatalogError, apply_catalog
 from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import Membership, Organization
 from catacloud.cli import DEMO_CATALOG

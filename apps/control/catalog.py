@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,13 @@ import yaml
 from django.db import transaction
 
 from apps.core.errors import DomainError
+from apps.machines.budgets import budget_set
+from apps.machines.models import Budget, MachineType, ProviderAccount
+from apps.machines.services import grant_upsert, machine_type_upsert, provider_account_upsert
+from apps.orgs.models import Organization, Privilege
+from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
+from apps.resources.choices import WellKind
+from apps.resources.models import ResourceType
 
 
 class CatalogError(Exception):
@@ -157,8 +165,6 @@ class _Applier:
         return self.report
 
     def provider_account(self, node: _Map) -> None:
-        from apps.machines.models import ProviderAccount
-        from apps.machines.services import provider_account_upsert
 
         self.fields(node, "provider account", {"name", "kind"}, {"config", "credentials"})
         config = node.get("config") or {}
@@ -179,7 +185,6 @@ class _Applier:
         self.report.add(f"provider account {node['name']}", changed, created=not existed)
 
     def privilege(self, node: _Map) -> None:
-        from apps.orgs.models import Privilege
 
         self.fields(node, "privilege", {"name"}, {"description"})
         privilege, created = Privilege.objects.get_or_create(
@@ -193,7 +198,6 @@ class _Applier:
         self.report.add(f"privilege {privilege.name}", changed, created=created)
 
     def _privilege(self, node: _Map, key: str = "required_privilege") -> Any:
-        from apps.orgs.models import Privilege
 
         name = node.get(key)
         if name is None:
@@ -204,8 +208,6 @@ class _Applier:
         return privilege
 
     def machine_type(self, node: _Map) -> None:
-        from apps.machines.models import MachineType, ProviderAccount
-        from apps.machines.services import machine_type_upsert
 
         optional = {
             "description",
@@ -240,8 +242,6 @@ class _Applier:
         self.report.add(f"machine type {node['name']}", changed, created=not existed)
 
     def resource_type(self, node: _Map) -> None:
-        from apps.resources.choices import WellKind
-        from apps.resources.models import ResourceType
 
         self.fields(
             node,
@@ -276,10 +276,6 @@ class _Applier:
         self.report.add(f"resource type {node['id']}", bool(changed))
 
     def organization(self, node: _Map) -> None:
-        from apps.machines.models import MachineType
-        from apps.machines.services import grant_upsert
-        from apps.orgs.models import Organization, Privilege
-        from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
 
         self.fields(node, "organization", {"slug"}, {"name", "privileges", "members", "grants", "budgets"})
         slug = str(node["slug"])
@@ -344,10 +340,6 @@ class _Applier:
     def budget(self, org: Any, node: _Map) -> bool:
         """``{amount: 100, period: month | day, machine_type: NAME?}``; unchanged amounts are
         left alone (no event, thresholds not announced again)."""
-        from decimal import Decimal, InvalidOperation
-
-        from apps.machines.budgets import budget_set
-        from apps.machines.models import Budget, MachineType
 
         self.fields(node, "budget", {"amount"}, {"period", "machine_type"})
         mt = None

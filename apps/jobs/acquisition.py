@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -25,9 +23,11 @@ from apps.core.broker import enqueue, enqueue_on_commit
 from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
+from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
 from apps.jobs.services import job_transition
 from apps.resources.choices import ResourceStatus
+from apps.resources.lifecycle import release_for_job, resources_converge
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.services import resource_transition
 from apps.resources.wells import WellError, build_well
@@ -40,7 +40,7 @@ OCCUPYING = [R.REQUESTED, R.CREATING, R.READY, R.HELD, R.RELEASING]
 
 
 def acquire_after_commit(job_ids: list[Any]) -> None:
-    from apps.resources.tasks import acquire_resources_task
+    from apps.jobs.tasks import acquire_resources_task
 
     ids = [str(j) for j in job_ids]
     for job_id in ids:
@@ -78,9 +78,7 @@ def job_acquire_resources(*, job_id: Any) -> str:
             )
         except InvalidTransition:
             return "gone"  # cancelled meanwhile: release_for_job has run or will run
-        from apps.jobs.scheduling import _schedule_after_commit
-
-        _schedule_after_commit()
+        schedule_after_commit()
     return "done"
 
 
@@ -161,65 +159,18 @@ def _create(resource: ResourceInstance, job: Job) -> None:
 
 
 def _fail_job(job: Job, reason: str) -> None:
-    from apps.jobs.scheduling import _schedule_after_commit
-
     with transaction.atomic():
         try:
             job_transition(job_id=job.pk, to=J.FAILED, actor="acquirer", reason=reason, failure_reason=reason)
         except InvalidTransition:
             return
         release_for_job(job_id=job.pk, reason="job failed")
-        _schedule_after_commit()
-
-
-def release_for_job(*, job_id: Any, reason: str) -> int:
-    """Release everything the job holds (it ended, or goes back to the queue)."""
-    from apps.resources.tasks import destroy_resource_task
-
-    ids = list(
-        ResourceInstance.objects.filter(
-            job_id=job_id, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
-        ).values_list("pk", flat=True)
-    )
-    released = []
-    for resource_id in ids:
-        try:
-            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="releaser", reason=reason)
-        except InvalidTransition:
-            continue
-        released.append(str(resource_id))
-    if released:
-        for resource_id in released:
-            enqueue_on_commit(destroy_resource_task, resource_id)
-    return len(released)
-
-
-def resource_destroy(*, resource_id: Any) -> None:
-    """Body of the destroy task: the well destroys it (idempotently), then → destroyed, and
-    jobs waiting for a slot of this type are woken."""
-    resource = ResourceInstance.objects.select_related("resource_type").filter(pk=resource_id).first()
-    if resource is None or resource.status != R.RELEASING:
-        return
-    rtype = resource.resource_type
-    build_well(rtype.well, rtype.config).destroy(  # idempotent: also when creation never finished
-        resource_id=str(resource.pk),
-        external_id=resource.external_id,
-        job_id=str(resource.job_id) if resource.job_id else None,
-    )
-    with transaction.atomic():
-        try:
-            resource_transition(
-                resource_id=resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
-            )
-        except InvalidTransition:
-            return
-        ResourceInstance.objects.filter(pk=resource.pk).update(secret_encrypted="")
-        wake_waiting(type_id=rtype.pk)
+        schedule_after_commit()
 
 
 def wake_waiting(*, type_id: str) -> None:
     """Jobs waiting for a slot of ``type_id`` try again (oldest admitted first)."""
-    from apps.resources.tasks import acquire_resources_task
+    from apps.jobs.tasks import acquire_resources_task
 
     waiting = list(
         Job.objects.filter(status=J.ACQUIRING_RESOURCES, config__resource_types=type_id)
@@ -232,9 +183,9 @@ def wake_waiting(*, type_id: str) -> None:
 
 
 def resources_safety_net(*, now: Any = None) -> dict[str, int]:
-    """The reaper's pass: release resources whose job is gone or ended, retry failed
-    destructions, and nudge jobs stuck acquiring."""
-    from apps.resources.tasks import acquire_resources_task, destroy_resource_task
+    """The reaper's pass: release resources whose job is gone or ended, converge the resources
+    themselves (apps.resources.lifecycle), and nudge jobs stuck acquiring."""
+    from apps.jobs.tasks import acquire_resources_task
 
     now = now or timezone.now()
     orphans = ResourceInstance.objects.filter(
@@ -247,44 +198,10 @@ def resources_safety_net(*, now: Any = None) -> dict[str, int]:
         except InvalidTransition:
             continue
         released += 1
-    retry = list(
-        ResourceInstance.objects.filter(status=R.FAILED)
-        .exclude(external_id="")
-        .values_list("pk", flat=True)[:100]
-    )
-    for resource_id in retry:
-        try:
-            resource_transition(
-                resource_id=resource_id,
-                to=R.RELEASING,
-                from_=[R.FAILED],
-                actor="reaper",
-                reason="retrying destruction",
-            )
-        except InvalidTransition:
-            continue
-    # Creating past its deadline: the worker died mid-create (a redelivered task sees
-    # `creating` and leaves it). Back to requested; the acquire below creates it again.
-    create_cutoff = now - timedelta(seconds=settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT)
-    for resource_id in ResourceInstance.objects.filter(
-        status=R.CREATING, status_changed_at__lt=create_cutoff
-    ).values_list("pk", flat=True)[:100]:
-        with contextlib.suppress(InvalidTransition):
-            resource_transition(
-                resource_id=resource_id,
-                to=R.REQUESTED,
-                from_=[R.CREATING],
-                actor="reaper",
-                reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
-            )
-    releasing = [
-        str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
-    ]
-    for resource_id in releasing:
-        enqueue(destroy_resource_task, resource_id)
+    converged = resources_converge(now=now)
     acquiring = [
         str(j) for j in Job.objects.filter(status=J.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
     ]
     for job_id in acquiring:
         enqueue(acquire_resources_task, job_id)
-    return {"released_orphans": released, "destroying": len(releasing), "acquiring": len(acquiring)}
+    return {"released_orphans": released, **converged, "acquiring": len(acquiring)}

@@ -1,0 +1,159 @@
+"""Admission (like a Kueue ClusterQueue, per org machine type): a queued job is admitted only if
+``max_concurrent_jobs`` and the cpu / memory / gpu quotas (and the org's money budget) hold,
+counted from admitted jobs under a row lock on the grant, so several schedulers at once never
+over-admit. Higher priority first, FIFO within a priority; a blocked grant never blocks
+another (BestEffortFIFO)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.events.models import Event
+from apps.jobs.acquisition import acquire_after_commit
+from apps.jobs.choices import JOB_ADMITTED, JobStatus
+from apps.jobs.models import Job, JobConfiguration
+from apps.machines.budgets import budget_check
+from apps.machines.choices import InstanceStatus
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.services import grant_lock
+
+J = JobStatus
+S = InstanceStatus
+
+
+def _quota_reason(grant: OrgMachineType, mt: MachineType, running: int) -> str:
+    if running + 1 > grant.max_concurrent_jobs:
+        return f"max_concurrent_jobs {running}/{grant.max_concurrent_jobs}"
+    for quota, per_job, name, unit in (
+        (grant.cpu_quota, mt.cpus, "cpu quota", ""),
+        (grant.memory_quota_mb, mt.memory_mb, "memory quota", " MiB"),
+        (grant.gpu_quota, mt.gpus, "gpu quota", ""),
+    ):
+        if quota is not None and per_job and (running + 1) * per_job > quota:
+            return f"{name} {running * per_job}/{quota}{unit} in use"
+    return ""
+
+
+def _slots(grant: OrgMachineType, mt: MachineType, running: int) -> int:
+    """How many more jobs of this grant may be admitted now."""
+    slots = grant.max_concurrent_jobs - running
+    for quota, per_job in (
+        (grant.cpu_quota, mt.cpus),
+        (grant.memory_quota_mb, mt.memory_mb),
+        (grant.gpu_quota, mt.gpus),
+    ):
+        if quota is not None and per_job:
+            slots = min(slots, quota // per_job - running)
+    return max(0, slots)
+
+
+def _budget_slots(org_id: Any, mt: MachineType, slots: int, now: datetime) -> tuple[int, str]:
+    """Under a money budget, admit only the jobs that machines already paid for (ready or on
+    their way, not yet spoken for by admitted jobs) or machines the budget still allows can
+    take; the rest stay queued with the budget's sentence. No budget: ``slots`` unchanged."""
+    check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+    if check.allowed is None:
+        return slots, ""
+    paid_free = MachineInstance.objects.filter(
+        org_id=org_id,
+        machine_type=mt,
+        machine_type_version=mt.version,
+        status__in=[S.PENDING, S.PROVISIONING, S.WARMING, S.READY],
+    ).count()
+    spoken_for = Job.objects.filter(
+        org_id=org_id, machine_type_id=mt.pk, status__in=[J.ACQUIRING_RESOURCES, J.WAITING_FOR_MACHINE]
+    ).count()
+    room = max(0, check.allowed + paid_free - spoken_for)
+    if room >= slots:
+        return slots, ""
+    # the jobs let in now will have placement buy this many: the sentence counts them
+    buying = min(check.allowed, max(0, room - max(0, paid_free - spoken_for)))
+    return room, check.reason_after(buying)
+
+
+def admit(*, limit: int = 1000) -> int:
+    """Admit queued jobs whose quotas hold, grant by grant. Returns how many were admitted.
+
+    Per grant: lock the grant row, count its admitted jobs, take as many queued jobs as fit
+    (priority, then FIFO; SKIP LOCKED), and give the rest a pending_reason naming the limit.
+    A full grant never holds back another grant's jobs.
+    """
+    keys = sorted(
+        set(Job.objects.filter(status=J.QUEUED).values_list("org_id", "machine_type_id").distinct()), key=str
+    )
+    total = 0
+    for org_id, mt_id in keys:
+        if total >= limit:
+            break
+        total += _admit_for(org_id, mt_id, limit - total)
+    return total
+
+
+def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
+    now = timezone.now()
+    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=J.QUEUED)
+    with transaction.atomic():
+        grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
+        if grant is None:
+            queued.exclude(pending_reason="machine type no longer granted").update(
+                pending_reason="machine type no longer granted"
+            )
+            return 0
+        mt = MachineType.objects.get(pk=mt_id)
+        running = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status__in=JOB_ADMITTED).count()
+        slots = min(_slots(grant, mt, running), limit)
+        budget_reason = ""
+        if slots:
+            slots, budget_reason = _budget_slots(org_id, mt, slots, now)
+        jobs = (
+            list(
+                queued.order_by("-priority", "queued_at")
+                .select_for_update(skip_locked=True)
+                .values("pk", "config_id")[:slots]
+            )
+            if slots
+            else []
+        )
+        if jobs:
+            with_resources = set(
+                JobConfiguration.resource_types.through.objects.filter(
+                    jobconfiguration_id__in={j["config_id"] for j in jobs}
+                ).values_list("jobconfiguration_id", flat=True)
+            )
+            # One UPDATE per target state and one INSERT for the batch: these rows are locked
+            # by us, so the compare-and-set cannot lose (the count is checked all the same).
+            plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
+            needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
+            updated = Job.objects.filter(pk__in=plain, status=J.QUEUED).update(
+                status=J.WAITING_FOR_MACHINE,
+                admitted_at=now,
+                status_changed_at=now,
+                pending_reason="waiting for a machine",
+            )
+            updated += Job.objects.filter(pk__in=needing, status=J.QUEUED).update(
+                status=J.ACQUIRING_RESOURCES,
+                admitted_at=now,
+                status_changed_at=now,
+                pending_reason="acquiring resources",
+            )
+            assert updated == len(jobs), "admission lost a compare-and-set on rows it had locked"
+            Event.objects.bulk_create(
+                Event(
+                    kind="job.admitted",
+                    org_id=org_id,
+                    job_id=pk,
+                    actor="scheduler",
+                    data={"status": J.ACQUIRING_RESOURCES if pk in needing else J.WAITING_FOR_MACHINE},
+                )
+                for pk in plain + needing
+            )
+            if needing:
+                acquire_after_commit(needing)
+        reason = _quota_reason(grant, mt, running + len(jobs)) or budget_reason
+        if reason:
+            queued.exclude(pending_reason=reason).update(pending_reason=reason)
+    return len(jobs)

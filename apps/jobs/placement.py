@@ -1,0 +1,205 @@
+"""Placement: admitted jobs waiting for a machine get one, in order: a warm pool of the org and
+machine type; an idle machine kept for reuse (the one that last ran the same configuration
+first); a new machine if ``max_instances`` (and the budget) allows (policy ``speed`` at once,
+``cost`` only when no paid machine will be free within ``max_wait_seconds``); otherwise the job
+waits with a ``pending_reason`` that names the limit."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from apps.core.errors import InvalidTransition, PoolEmpty
+from apps.jobs.choices import JobStatus, Reuse
+from apps.jobs.dispatch import wake_agent
+from apps.jobs.metrics import observe_wait
+from apps.jobs.models import Job
+from apps.jobs.services import job_claim_label, job_transition
+from apps.machines import claims
+from apps.machines.budgets import budget_bought, budget_check
+from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus, Policy
+from apps.machines.lifecycle import instance_request
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.services import grant_lock
+from apps.pools.choices import POOL_ACTIVE
+from apps.pools.models import InstancePool
+from apps.pools.services import pool_claim
+from catacloud.policy import placement
+
+J = JobStatus
+S = InstanceStatus
+
+
+def place(*, limit: int = 500) -> tuple[int, int, int]:
+    """Give waiting jobs machines. Returns (assigned, machines requested, still waiting)."""
+    assigned = requested = waiting = 0
+    now = timezone.now()
+    with transaction.atomic():
+        jobs = list(
+            Job.objects.filter(status=J.WAITING_FOR_MACHINE)
+            .order_by("-priority", "admitted_at")
+            .select_for_update(skip_locked=True, of=("self",))
+            .select_related("config")[:limit]
+        )
+        by_key: dict[tuple, list[Job]] = defaultdict(list)
+        for job in jobs:
+            by_key[(job.org_id, job.machine_type_id)].append(job)
+        for (org_id, mt_id), group in by_key.items():
+            # Lock order: the grant first (it serialises counting and buying machines of this
+            # org and machine type with pool refills), then instances (the claims below).
+            grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
+            mt = MachineType.objects.get(pk=mt_id)
+            pools = list(
+                InstancePool.objects.filter(
+                    org_id=org_id, machine_type_id=mt_id, status__in=POOL_ACTIVE
+                ).values_list("pk", flat=True)
+            )
+            remaining: list[Job] = []
+            for job in group:
+                instance = _claim_for(job, mt, pools)
+                if instance is None:
+                    remaining.append(job)
+                    continue
+                _assign(job, instance, now)
+                assigned += 1
+            if remaining:
+                requested += _provision_or_wait(grant, org_id, mt, pools, remaining, now)
+                waiting += len(remaining)
+    return assigned, requested, waiting
+
+
+def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance | None:
+    who = job_claim_label(job.pk)
+    for pool_id in pools:
+        try:
+            return pool_claim(
+                pool_id=pool_id, acquired_by="scheduler", acquired_for=who, actor="scheduler", job_id=job.pk
+            ).instance
+        except (PoolEmpty, InvalidTransition):
+            continue
+    _, instance = claims.claim(
+        claims.IDLE_SQL,
+        actor="scheduler",
+        by="scheduler",
+        for_=who,
+        job_id=job.pk,
+        org=str(job.org_id),
+        mt=str(mt.pk),
+        version=mt.version,
+        config=str(job.config_id),
+    )
+    return instance
+
+
+def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
+    job_transition(
+        job_id=job.pk,
+        to=J.ASSIGNED,
+        from_=[J.WAITING_FOR_MACHINE],
+        actor="scheduler",
+        instance=instance,
+        pending_reason="",
+        assigned_at=now,
+        event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
+    )
+    MachineInstance.objects.filter(pk=instance.pk).update(last_config=job.config_id)
+    observe_wait(job, now)
+    instance_id = instance.pk
+    transaction.on_commit(lambda: wake_agent(instance_id))
+
+
+def _provision_or_wait(
+    grant: OrgMachineType | None,
+    org_id: Any,
+    mt: MachineType,
+    pools: list[Any],
+    jobs: list[Job],
+    now: datetime,
+) -> int:
+    """Buy machines for waiting jobs within max_instances. The caller holds the grant's row
+    lock, so the count below cannot race another placement or a pool refill."""
+    if grant is None:
+        _set_reason(jobs, "machine type no longer granted")
+        return 0
+    live = MachineInstance.objects.filter(org_id=org_id, machine_type=mt, status__in=INSTANCE_COUNTED)
+    counts = live.aggregate(
+        # Every machine that costs money counts, terminating ones too (they still bill).
+        total=Count("id"),
+        coming=Count("id", filter=Q(pool__isnull=True, status__in=[S.PENDING, S.PROVISIONING, S.WARMING])),
+        busy=Count("id", filter=Q(pool__isnull=True, status=S.CLAIMED)),
+    )
+    max_wait = timedelta(seconds=grant.max_wait_seconds)
+    supply = placement.Supply(
+        total=counts["total"],
+        coming=counts["coming"],
+        busy=counts["busy"],
+        free_soon=_free_soon(grant, mt, now) if grant.policy == Policy.COST else 0,
+        max_instances=grant.max_instances,
+    )
+    overdue = sum(1 for job in jobs if job.admitted_at and now - job.admitted_at >= max_wait)
+    n = placement.machines_to_buy(waiting=len(jobs), overdue=overdue, supply=supply, policy=grant.policy)
+    budget_reason = ""
+    if n:
+        # Money: buy only what the org's budgets allow (machines already paid still run jobs).
+        check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+        if check.cap(n) < n:
+            n = check.cap(n)
+            budget_reason = check.reason_after(n)
+        budget_bought(check, n, now=now, actor="scheduler")
+    for _ in range(n):
+        instance_request(org=org_id, machine_type=mt, actor="scheduler", reason="a job is waiting")
+    reason = placement.pending_reason(
+        waiting=len(jobs),
+        bought=n,
+        supply=supply,
+        policy=grant.policy,
+        has_pool=bool(pools),
+        max_wait_seconds=grant.max_wait_seconds,
+    )
+    if budget_reason and not (supply.coming + n):
+        reason = budget_reason
+    _set_reason(jobs, reason)
+    return n
+
+
+def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
+    """Busy reusable machines expected free within max_wait_seconds: a machine is expected
+    free when its job's typical run time (median of recent runs of its configuration) ends."""
+    horizon = now + timedelta(seconds=grant.max_wait_seconds)
+    soon = 0
+    for running in Job.objects.filter(
+        instance__pool__isnull=True,
+        instance__status=S.CLAIMED,
+        instance__org_id=grant.org_id,
+        instance__machine_type=mt,
+        status__in=[J.ASSIGNED, J.RUNNING],
+    ).select_related("config"):
+        if running.config.reuse != Reuse.REUSE:
+            continue
+        expected = (running.started_at or running.assigned_at or now) + _typical_runtime(running.config_id)
+        if expected <= horizon:
+            soon += 1
+    return soon
+
+
+def _typical_runtime(config_id: Any) -> timedelta:
+    recent = list(
+        Job.objects.filter(config_id=config_id, status=J.SUCCEEDED, started_at__isnull=False)
+        .order_by("-finished_at")
+        .values_list("started_at", "finished_at")[:20]
+    )
+    if not recent:
+        return timedelta(hours=1)  # unknown: assume it will not be free soon
+    durations = sorted(f - s for s, f in recent)
+    return durations[len(durations) // 2]
+
+
+def _set_reason(jobs: list[Job], reason: str) -> None:
+    ids = [j.pk for j in jobs if j.pending_reason != reason]
+    if ids:
+        Job.objects.filter(pk__in=ids).update(pending_reason=reason)

@@ -1,0 +1,233 @@
+"""What the agent reports about a job (started, finished, interrupted) and what follows a
+job's end on its machine: the machine kept for reuse or destroyed, or the job requeued when
+its machine went away."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from django.db import transaction
+
+from apps.core.errors import Conflict, InvalidTransition
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
+from apps.jobs.dispatch import schedule_after_commit
+from apps.jobs.models import Job
+from apps.jobs.services import job_claim_label, job_transition
+from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import instance_terminate
+from apps.machines.models import MachineInstance
+from apps.machines.services import instance_transition
+from apps.resources.lifecycle import release_for_job
+
+J = JobStatus
+S = InstanceStatus
+
+
+def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
+    """The agent starts the command. The job must still be assigned to this very machine: a
+    job is never run by two machines at once, even when a lost agent comes back."""
+    try:
+        return job_transition(
+            job_id=job_id,
+            to=J.RUNNING,
+            from_=[J.ASSIGNED],
+            actor=f"agent:{instance.pk}",
+            where={"instance": instance},
+        )
+    except InvalidTransition:
+        raise Conflict(
+            "this job is not (or no longer) assigned to this machine", code="not_assigned"
+        ) from None
+
+
+OUTCOMES = {"succeeded": J.SUCCEEDED, "failed": J.FAILED, "timed_out": J.TIMED_OUT, "cancelled": J.CANCELLED}
+
+
+def job_finished(
+    *,
+    instance: MachineInstance,
+    job_id: Any,
+    outcome: str,
+    exit_code: int | None,
+    reason: str = "",
+    uploads_pending: int | None = None,
+) -> Job:
+    """The agent reports the end of a job; the machine is kept for reuse or destroyed.
+
+    With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
+    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow.
+    A repeated report changes nothing and answers the status already recorded. A job that
+    did not succeed on a machine being taken away (terminated, drained) was stopped, not
+    failed: it goes back to the queue with the machine's cause.
+    """
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update(of=("self",))
+            .select_related("config")
+            .filter(pk=job_id, instance=instance)
+            .first()
+        )
+        if job is not None and job.status in JOB_TERMINAL:
+            return job  # a retried report: already recorded
+        if job is None or job.status not in (J.ASSIGNED, J.RUNNING):
+            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+        status = J.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
+        if status == J.SUCCEEDED and exit_code not in (0, None):
+            status = J.FAILED
+        machine = MachineInstance.objects.filter(pk=instance.pk).values("status", "end_cause").first()
+        stopped = status not in (J.SUCCEEDED, J.CANCELLED) or (
+            status == J.CANCELLED and not job.cancel_requested
+        )
+        if stopped and machine and machine["status"] != S.CLAIMED:
+            return job_requeue(
+                job=job,
+                cause=machine["end_cause"] or "machine_terminated",
+                detail=reason,
+                actor=f"agent:{instance.pk}",
+            )
+        job = job_transition(
+            job_id=job.pk,
+            to=status,
+            actor=f"agent:{instance.pk}",
+            reason=reason,
+            exit_code=exit_code,
+            failure_reason=reason if status != J.SUCCEEDED else "",
+            pending_reason="",
+            event_data={"exit_code": exit_code, "attempt": job.attempt},
+        )
+        release_for_job(job_id=job.pk, reason=f"job {status}")
+        if uploads_pending is None:
+            instance_release(instance_id=instance.pk, job=job)
+        schedule_after_commit()
+    return job
+
+
+def instance_release(*, instance_id: Any, job: Job) -> bool:
+    """After a job: keep the machine for the next job (reuse, current version) or destroy it.
+
+    Acts only on the claim that belongs to ``job`` (a late or repeated report about an older
+    job never releases a machine another job holds now); returns whether it acted."""
+    with transaction.atomic():
+        instance = (
+            MachineInstance.objects.select_for_update(of=("self",))
+            .select_related("machine_type")
+            .filter(pk=instance_id)
+            .first()
+        )
+        if (
+            instance is None
+            or instance.status != S.CLAIMED
+            or instance.claimed_for != job_claim_label(job.pk)
+        ):
+            return False
+        reuse = (
+            job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
+        )
+        if reuse:
+            instance_transition(
+                instance_id=instance_id,
+                to=S.READY,
+                from_=[S.CLAIMED],
+                actor="scheduler",
+                reason="kept for reuse while its paid period lasts",
+                event="instance.released",
+                pool=None,
+                claim_id=None,
+                claimed_by="",
+                claimed_for="",
+                lease_expires_at=None,
+                last_config=job.config_id,
+            )
+        else:
+            instance_terminate(
+                instance_id=instance_id,
+                actor="scheduler",
+                reason="ephemeral job finished"
+                if job.config.reuse == Reuse.EPHEMERAL
+                else "outdated machine type version",
+                cause="job_finished",
+            )
+    return True
+
+
+# Requeues the operator caused: they do not use up the job's max_attempts.
+FREE_REQUEUE_CAUSES = frozenset({"machine_terminated", "pool_drained"})
+
+
+def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
+    """Back to ``queued`` with ``attempt + 1`` and ``requeue_reason = cause`` (machine_lost,
+    machine_terminated, pool_drained, not_started, spot_interruption). Requeues the operator
+    caused (terminate, drain) are free; the others count against ``max_attempts``, and when
+    none is left the job fails with the reason. A cancel requested meanwhile wins."""
+    reason = f"{cause}: {detail}" if detail else cause
+    free = cause in FREE_REQUEUE_CAUSES
+    used = job.attempt - job.free_requeues
+    if job.cancel_requested:
+        job = job_transition(job_id=job.pk, to=J.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
+    elif not free and used >= job.max_attempts:
+        job = job_transition(
+            job_id=job.pk,
+            to=J.FAILED,
+            actor=actor,
+            reason=f"{reason}; no attempts left ({used}/{job.max_attempts})",
+            failure_reason=f"{reason} (attempt {used} of {job.max_attempts})",
+            requeue_reason=cause[:32],
+        )
+    else:
+        job = job_transition(
+            job_id=job.pk,
+            to=J.QUEUED,
+            actor=actor,
+            reason=reason,
+            event="job.requeued",
+            attempt=job.attempt + 1,
+            free_requeues=job.free_requeues + (1 if free else 0),
+            requeue_reason=cause[:32],
+            instance=None,
+            pending_reason=f"requeued ({reason})"[:300],
+            admitted_at=None,
+            assigned_at=None,
+            started_at=None,
+            queued_at=job.queued_at,
+            event_data={"attempt": job.attempt + 1, "cause": cause, "counts": not free},
+        )
+    release_for_job(job_id=job.pk, reason="job requeued")
+    schedule_after_commit()
+    return job
+
+
+def jobs_requeue_for_instance(*, instance: MachineInstance, cause: str, detail: str = "") -> int:
+    """Requeue the jobs still assigned to or running on ``instance`` (its machine is gone)."""
+    count = 0
+    with transaction.atomic():
+        for job in Job.objects.select_for_update().filter(
+            instance_id=instance.pk, status__in=[J.ASSIGNED, J.RUNNING]
+        ):
+            job_requeue(job=job, cause=cause, detail=detail, actor="reaper")
+            count += 1
+    return count
+
+
+def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
+    """The agent saw a spot interruption notice: requeue its job now and retire the machine."""
+    with transaction.atomic():
+        for job in Job.objects.select_for_update().filter(
+            instance=instance, status__in=[J.ASSIGNED, J.RUNNING]
+        ):
+            job_requeue(job=job, cause="spot_interruption", detail=detail[:200], actor=f"agent:{instance.pk}")
+        event_record(
+            kind="instance.interrupted",
+            org=instance.org_id,
+            instance=instance,
+            actor=f"agent:{instance.pk}",
+            reason=detail[:500],
+        )
+        with contextlib.suppress(InvalidTransition):
+            instance_terminate(
+                instance_id=instance.pk,
+                actor=f"agent:{instance.pk}",
+                reason="spot interruption",
+                cause="spot_interruption",
+            )

@@ -1,0 +1,91 @@
+"""Jobs enter and leave the queue by hand: submit (privileges checked now) and cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from apps.core.errors import Conflict, InvalidTransition, MissingPrivilege, NotFound
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_LIVE, JobStatus
+from apps.jobs.dispatch import schedule_after_commit, wake_agent
+from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.services import _check_env, job_transition
+from apps.machines.choices import INSTANCE_TERMINAL
+from apps.machines.models import MachineInstance, OrgMachineType
+from apps.machines.services import grant_check_privilege
+from apps.orgs.models import Organization
+from apps.resources.lifecycle import release_for_job
+
+J = JobStatus
+
+
+def job_submit(
+    *,
+    org: Organization,
+    config: JobConfiguration,
+    env: dict[str, str] | None = None,
+    user: Any = None,
+    actor: str = "",
+) -> Job:
+    """Queue a run of ``config``. Privileges are checked now (403 missing_privilege)."""
+    if config.org_id != org.pk:
+        raise NotFound("job configuration not found")
+    grant_check_privilege(org=org, machine_type=config.machine_type)
+    for rt in config.resource_types.all():
+        if not org.has_privilege(rt.required_privilege):
+            raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+    if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
+        raise Conflict(
+            "this configuration's machine type is no longer granted to the organization",
+            code="machine_type_not_granted",
+        )
+    merged = {**config.env, **_check_env(env or {})}
+    with transaction.atomic():
+        job = Job.objects.create(
+            org=org,
+            config=config,
+            machine_type_id=config.machine_type_id,
+            command=config.command,
+            env=merged,
+            priority=config.priority,
+            timeout_seconds=config.timeout_seconds,
+            max_attempts=config.max_attempts,
+            submitted_by=user if getattr(user, "pk", None) else None,
+        )
+        event_record(
+            kind="job.queued", org=org, job=job, actor=actor, config=config.name, priority=job.priority
+        )
+        schedule_after_commit()
+    return job
+
+
+def job_cancel(*, job: Job, actor: str = "") -> Job:
+    """Cancel in any live state: before a machine it ends at once (releasing what it holds);
+    on a machine the agent kills the command and reports ``cancelled`` within seconds."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.status not in JOB_LIVE:
+            raise InvalidTransition("Job", job.pk, locked.status, "cancelled")
+        machine_gone = locked.instance_id is None or (
+            MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
+        )
+        if locked.status in (J.ASSIGNED, J.RUNNING) and not machine_gone:
+            # The agent kills the command and reports; if the machine goes away first, the
+            # requeue that follows sees cancel_requested and ends the job cancelled.
+            Job.objects.filter(pk=job.pk).update(cancel_requested=True)
+            event_record(
+                kind="job.cancel_requested",
+                org=locked.org_id,
+                job=job,
+                actor=actor,
+                instance=locked.instance_id,
+            )
+            instance_id = locked.instance_id
+            transaction.on_commit(lambda: wake_agent(instance_id))
+        else:
+            job_transition(job_id=job.pk, to=J.CANCELLED, actor=actor, reason="cancelled before it ran")
+            release_for_job(job_id=locked.pk, reason="job cancelled")
+            schedule_after_commit()
+    return Job.objects.get(pk=job.pk)

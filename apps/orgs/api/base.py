@@ -1,0 +1,155 @@
+"""The base of every tenant API view: the caller's org and role (OrgContext), role checks,
+org-scoped querysets and filters. Errors and the exception handler are in apps.core.api."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import django_filters
+from django.db.models import QuerySet
+from rest_framework import exceptions, permissions, viewsets
+from rest_framework.request import Request
+from rest_framework.views import APIView
+
+from apps.orgs.choices import ROLE_RANK, Role
+from apps.orgs.models import ApiToken, Membership, Organization
+
+JOB_SCOPE = "job:"  # ApiToken.scope of a job-scoped token (apps.resources.wells.api_token)
+
+
+class OrgScopedFilterSet(django_filters.FilterSet):
+    """Filters that name other objects (``?instance=<id>``) choose only among the caller's org's:
+    another org's id is refused exactly like an id that does not exist, so a filter never tells
+    whether another tenant's object exists."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        request = self.request
+        if request is None or not getattr(request, "user", None) or not request.user.is_authenticated:
+            return
+        org = org_context(request).org
+        for field in self.form.fields.values():
+            queryset = getattr(field, "queryset", None)
+            if queryset is None:
+                continue
+            names = {f.name for f in queryset.model._meta.get_fields()}
+            if "org" in names:
+                field.queryset = queryset.filter(org=org)
+            elif "orgs" in names:
+                field.queryset = queryset.filter(orgs=org)
+
+
+@dataclass(frozen=True)
+class OrgContext:
+    """Who is calling, for which organization, with which role."""
+
+    org: Organization
+    role: Role
+    token: ApiToken | None
+
+    def allows(self, role: str) -> bool:
+        return ROLE_RANK[self.role] >= ROLE_RANK[Role(role)]
+
+    @property
+    def job_scope(self) -> Any:
+        """The job a job-scoped token (api_token well) may read, or None."""
+        if self.token is None or not self.token.scope.startswith(JOB_SCOPE):
+            return None
+        return self.token.scope.removeprefix(JOB_SCOPE)
+
+
+def org_context(request: Request) -> OrgContext:
+    """Resolve (and cache on the request) the caller's org and role.
+
+    Token: its org, with the member's role narrowed by the token's. Session (browsable API):
+    the org named by ``X-Catacloud-Org`` or ``?org=``, else the user's only org.
+    """
+    cached = getattr(request, "_catacloud_ctx", None)
+    if cached is not None:
+        return cached
+    token = request.auth if isinstance(request.auth, ApiToken) else None
+    user = request.user
+    if token is not None and hasattr(token, "member_role"):
+        # Resolved by the bearer authentication's own query (the hot path: no second one).
+        membership = (
+            Membership(org=token.org, user=user, role=token.member_role) if token.member_role else None
+        )
+    elif token is not None:
+        membership = Membership.objects.filter(org_id=token.org_id, user=user).select_related("org").first()
+    else:
+        slug = request.headers.get("X-Catacloud-Org") or request.query_params.get("org")
+        memberships = Membership.objects.filter(user=user).select_related("org")
+        if slug:
+            memberships = memberships.filter(org__slug=slug)
+        found = list(memberships[:2])
+        membership = found[0] if len(found) == 1 else None
+    if membership is None:
+        raise exceptions.PermissionDenied(
+            "you are not a member of an organization (name one with X-Catacloud-Org)"
+        )
+    role = Role(membership.role)
+    if token is not None and token.role and ROLE_RANK[Role(token.role)] < ROLE_RANK[role]:
+        role = Role(token.role)
+    ctx = OrgContext(org=membership.org, role=role, token=token)
+    request._catacloud_ctx = ctx
+    return ctx
+
+
+class RolePermission(permissions.BasePermission):
+    """Checks the view's ``required_roles[action]`` (default: reads viewer, writes admin)."""
+
+    message = "your role does not allow this"
+
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        if not request.user or not request.user.is_authenticated:
+            return False
+        ctx = org_context(request)
+        if ctx.job_scope is not None and not getattr(view, "job_scoped_access", False):
+            return False
+        needed = view.required_role(request)
+        if not ctx.allows(needed):
+            raise exceptions.PermissionDenied(f"this needs the {needed} role; you are {ctx.role}")
+        return True
+
+
+class OrgScopedViewSet(viewsets.GenericViewSet):
+    """Base of every tenant viewset: querysets, lists and actions see only the caller's org."""
+
+    permission_classes: ClassVar[list] = [RolePermission]
+    org_field: ClassVar[str] = "org"
+    # action -> minimum role; anything unlisted: safe methods need viewer, others admin.
+    required_roles: ClassVar[dict[str, str]] = {}
+    job_scoped_access: ClassVar[bool] = False
+
+    def required_role(self, request: Request) -> str:
+        if self.action in self.required_roles:
+            return self.required_roles[self.action]
+        return Role.VIEWER if request.method in permissions.SAFE_METHODS else Role.ADMIN
+
+    @property
+    def ctx(self) -> OrgContext:
+        return org_context(self.request)
+
+    def get_queryset(self) -> QuerySet:
+        qs = super().get_queryset()
+        if getattr(self, "swagger_fake_view", False):
+            return qs.none()
+        return qs.filter(**{self.org_field: self.ctx.org})
+
+    # Set on views whose serializers tell whether the org holds a type's required privilege.
+    needs_privileges: ClassVar[bool] = False
+
+    def get_serializer_context(self) -> dict:
+        """Serializers see the caller's org (to look up related objects only within it)."""
+        context = super().get_serializer_context()
+        if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
+            context["org"] = self.ctx.org
+            if self.needs_privileges:
+                context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
+        return context
+
+    def actor(self) -> str:
+        token = self.ctx.token
+        who = self.request.user.get_username()
+        return f"user:{who}" + (f" token:{token.prefix}" if token else "")

@@ -1,0 +1,111 @@
+"""A resource's life after its job: released, destroyed by its well (idempotently), and the
+reaper's pass that converges what a lost message or a dead worker left behind."""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.core import hooks
+from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.errors import InvalidTransition
+from apps.resources.choices import ResourceStatus
+from apps.resources.models import ResourceInstance
+from apps.resources.services import resource_transition
+from apps.resources.wells import build_well
+
+R = ResourceStatus
+
+
+def release_for_job(*, job_id: Any, reason: str) -> int:
+    """Release everything the job holds (it ended, or goes back to the queue)."""
+    from apps.resources.tasks import destroy_resource_task
+
+    ids = list(
+        ResourceInstance.objects.filter(
+            job_id=job_id, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
+        ).values_list("pk", flat=True)
+    )
+    released = []
+    for resource_id in ids:
+        try:
+            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="releaser", reason=reason)
+        except InvalidTransition:
+            continue
+        released.append(str(resource_id))
+    if released:
+        for resource_id in released:
+            enqueue_on_commit(destroy_resource_task, resource_id)
+    return len(released)
+
+
+def resource_destroy(*, resource_id: Any) -> None:
+    """Body of the destroy task: the well destroys it (idempotently), then → destroyed, and
+    jobs waiting for a slot of this type are woken."""
+    resource = ResourceInstance.objects.select_related("resource_type").filter(pk=resource_id).first()
+    if resource is None or resource.status != R.RELEASING:
+        return
+    rtype = resource.resource_type
+    build_well(rtype.well, rtype.config).destroy(  # idempotent: also when creation never finished
+        resource_id=str(resource.pk),
+        external_id=resource.external_id,
+        job_id=str(resource.job_id) if resource.job_id else None,
+    )
+    with transaction.atomic():
+        try:
+            resource_transition(
+                resource_id=resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
+            )
+        except InvalidTransition:
+            return
+        ResourceInstance.objects.filter(pk=resource.pk).update(secret_encrypted="")
+        hooks.resource_slot_freed(type_id=rtype.pk)
+
+
+def resources_converge(*, now: Any = None) -> dict[str, int]:
+    """The reaper's pass over resources: retry failed destructions, create again what a dead
+    worker left ``creating``, and resend the destroy task of everything ``releasing``."""
+    from apps.resources.tasks import destroy_resource_task
+
+    now = now or timezone.now()
+    retry = list(
+        ResourceInstance.objects.filter(status=R.FAILED)
+        .exclude(external_id="")
+        .values_list("pk", flat=True)[:100]
+    )
+    for resource_id in retry:
+        try:
+            resource_transition(
+                resource_id=resource_id,
+                to=R.RELEASING,
+                from_=[R.FAILED],
+                actor="reaper",
+                reason="retrying destruction",
+            )
+        except InvalidTransition:
+            continue
+    # Creating past its deadline: the worker died mid-create (a redelivered task sees
+    # `creating` and leaves it). Back to requested; the acquire below creates it again.
+    create_cutoff = now - timedelta(seconds=settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT)
+    for resource_id in ResourceInstance.objects.filter(
+        status=R.CREATING, status_changed_at__lt=create_cutoff
+    ).values_list("pk", flat=True)[:100]:
+        with contextlib.suppress(InvalidTransition):
+            resource_transition(
+                resource_id=resource_id,
+                to=R.REQUESTED,
+                from_=[R.CREATING],
+                actor="reaper",
+                reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
+            )
+    releasing = [
+        str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
+    ]
+    for resource_id in releasing:
+        enqueue(destroy_resource_task, resource_id)
+    return {"destroying": len(releasing)}
