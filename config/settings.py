@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
@@ -28,7 +26,6 @@ if (CATACLOUD_HOME / ".env").is_file():
     env.read_env(str(CATACLOUD_HOME / ".env"), overwrite=False)
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
-TESTING = "pytest" in sys.modules
 
 
 def _home_secret(name: str, make: Callable[[], str]) -> str:
@@ -147,8 +144,7 @@ if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("Catacloud runs on PostgreSQL only (claims use FOR UPDATE SKIP LOCKED)")
 if env.str("DATABASE_PASSWORD", default=""):  # or DATABASE_PASSWORD_FILE, to keep it out of the URL
     DATABASES["default"]["PASSWORD"] = env.str("DATABASE_PASSWORD")
-# Under pytest, threads (live server, concurrency tests) must not keep connections open.
-DATABASES["default"]["CONN_MAX_AGE"] = 0 if TESTING else env.int("DATABASE_CONN_MAX_AGE", default=60)
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DATABASES["default"].setdefault("TEST", {})["NAME"] = env.str("DATABASE_TEST_NAME", default="test_catacloud")
 
@@ -171,10 +167,7 @@ Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)
 # ---- Redis and Celery ---------------------------------------------------------------------------
 
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
-# Under pytest, use another Redis database so tests never touch a running `make dev`.
-if TESTING:
-    _redis = urlsplit(REDIS_URL)
-    REDIS_URL = urlunsplit(_redis._replace(path=f"/{env.int('CATACLOUD_TEST_REDIS_DB', default=15)}"))
+# (The test suite's settings, config/settings_test.py, move it to another Redis database.)
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -288,6 +281,8 @@ if CATACLOUD_STORAGE == "s3" and not CATACLOUD_S3_BUCKET:
 CATACLOUD_METRICS_TOKEN = env.str("CATACLOUD_METRICS_TOKEN", default="")
 # /metrics names every org and pool: closed unless a token is set or it is opened on purpose.
 CATACLOUD_METRICS_PUBLIC = env.bool("CATACLOUD_METRICS_PUBLIC", default=False)
+# An unregistered event kind or error code raises (tests, development) instead of being logged.
+CATACLOUD_STRICT_REGISTRIES = env.bool("CATACLOUD_STRICT_REGISTRIES", default=DEBUG)
 # Public URL agents use to reach the API (put into cloud-init user data).
 CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
 

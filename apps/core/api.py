@@ -21,7 +21,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from apps.core.errors import DomainError, ValidationFailed
+from apps.core.errors import DomainError, ErrorCode, ValidationFailed, error_payload
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ _DRF_CODES = {
 
 
 def error_response(status_code: int, code: str, detail: str, **extra: Any) -> Response:
-    return Response({"code": code, "detail": detail, **extra}, status=status_code)
+    return Response(error_payload(code, detail, **extra), status=status_code)
 
 
 def _unique_violation(exc: IntegrityError) -> bool:
@@ -100,7 +100,8 @@ def exception_handler(exc: Exception, context: dict) -> Response:
     if isinstance(exc, exceptions.APIException):
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), None)
         if code is None:
-            code = exc.default_code if isinstance(exc.default_code, str) else "error"
+            default = exc.default_code if isinstance(exc.default_code, str) else ""
+            code = default if default in ErrorCode._value2member_map_ else ErrorCode.ERROR
         response = error_response(exc.status_code, code, str(_flatten(exc.detail)))
         if getattr(exc, "auth_header", None):
             response["WWW-Authenticate"] = exc.auth_header

@@ -2,7 +2,66 @@
 
 from __future__ import annotations
 
+import logging
+from enum import StrEnum
 from typing import Any, ClassVar
+
+
+class ErrorCode(StrEnum):
+    """Every ``code`` an API answer may carry (README "Error codes" lists them all, and a test
+    keeps the two equal). Clients match on these; renaming one is a breaking change."""
+
+    # 400
+    INVALID = "invalid"  # input breaks a rule; ``fields`` says which
+    PARSE_ERROR = "parse_error"  # the body is not JSON, or nested too deeply
+    DUPLICATE_NAME = "duplicate_name"
+    INVALID_SIZES = "invalid_sizes"  # pool min <= target <= max
+    INVALID_RANGE = "invalid_range"  # a time range that ends before it starts
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # an uploaded artifact's sha256 differs
+    # 401 / 403
+    NOT_AUTHENTICATED = "not_authenticated"
+    AUTHENTICATION_FAILED = "authentication_failed"
+    INVALID_BOOTSTRAP_TOKEN = "invalid_bootstrap_token"
+    PERMISSION_DENIED = "permission_denied"
+    MISSING_PRIVILEGE = "missing_privilege"
+    METRICS_CLOSED = "metrics_closed"
+    # 404 / 405 / 406 / 411 / 413 / 415
+    NOT_FOUND = "not_found"
+    NOT_A_MEMBER = "not_a_member"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    NOT_ACCEPTABLE = "not_acceptable"
+    LENGTH_REQUIRED = "length_required"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    # 409
+    CONFLICT = "conflict"  # a concurrent change won
+    INVALID_STATE = "invalid_state"  # the object's state does not allow this
+    IN_USE = "in_use"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    POOL_EMPTY = "pool_empty"
+    POOL_AT_MAX_SIZE = "pool_at_max_size"
+    MACHINE_TYPE_NOT_GRANTED = "machine_type_not_granted"
+    HELD_BY_JOB = "held_by_job"
+    CLAIM_MISMATCH = "claim_mismatch"
+    JOB_NOT_RUNNING = "job_not_running"
+    NOT_ASSIGNED = "not_assigned"
+    ALREADY_ENROLLED = "already_enrolled"
+    # 429 / 500 / any other status
+    THROTTLED = "throttled"
+    SERVER_ERROR = "server_error"
+    ERROR = "error"  # a status with no code of its own
+
+
+def error_payload(code: str, detail: str, **extra: Any) -> dict[str, Any]:
+    """The body of every API error, ``{code, detail, ...}``. An unregistered code raises when
+    ``CATACLOUD_STRICT_REGISTRIES`` is on (tests, development) and is logged otherwise."""
+    if code not in ErrorCode._value2member_map_:
+        from django.conf import settings
+
+        if settings.CATACLOUD_STRICT_REGISTRIES:
+            raise ValueError(f"error code {code!r} is not registered in apps.core.errors.ErrorCode")
+        logging.getLogger(__name__).error("error code %r is not registered in ErrorCode", code)
+    return {"code": str(code), "detail": detail, **extra}
 
 
 class DomainError(Exception):
@@ -15,7 +74,7 @@ class DomainError(Exception):
         super().__init__(detail)
         self.detail = detail
         if code:
-            self.code = code  # type: ignore[misc]
+            self.code = ErrorCode(code)  # type: ignore[misc]  # an unregistered code is a bug
         self.extra = extra
 
 

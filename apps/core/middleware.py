@@ -8,6 +8,8 @@ from collections.abc import Callable
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+from apps.core.errors import error_payload
+
 CODES = {
     400: ("invalid", "bad request"),
     403: ("permission_denied", "forbidden"),
@@ -20,7 +22,7 @@ CODES = {
 
 def too_large() -> JsonResponse:
     code, detail = CODES[413]
-    return JsonResponse({"code": code, "detail": detail}, status=413)
+    return JsonResponse(error_payload(code, detail), status=413)
 
 
 class ApiJsonErrorsMiddleware:
@@ -34,7 +36,7 @@ class ApiJsonErrorsMiddleware:
         if response.get("Content-Type", "").startswith("application/json"):
             return response
         code, detail = CODES.get(response.status_code, ("error", "request failed"))
-        json = JsonResponse({"code": code, "detail": detail}, status=response.status_code)
+        json = JsonResponse(error_payload(code, detail), status=response.status_code)
         for header in ("Allow", "Retry-After", "WWW-Authenticate"):
             if header in response:
                 json[header] = response[header]

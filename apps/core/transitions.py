@@ -7,7 +7,8 @@ raise :class:`InvalidTransition`, never overwrite.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -97,3 +98,66 @@ def change_state(
             **{"status": to, **(event_data or {})},
         )
     return row
+
+
+@dataclass(frozen=True)
+class StateMachine:
+    """One model's state machine: its graph, the timestamp each state stamps, the event each
+    state records, and what entering a state does besides (``on_enter``). Every status
+    change of that model goes through :meth:`move` (or :meth:`try_move`)."""
+
+    model: type[models.Model]
+    graph: Graph
+    event_prefix: str
+    stamps: Mapping[str, str] = field(default_factory=dict)
+    # state -> event kind when it is not ``<event_prefix>.<state>``
+    events: Mapping[str, str] = field(default_factory=dict)
+    # state -> called with (row, now) inside the transaction, after the change
+    on_enter: Mapping[str, Callable[[Any, datetime], None]] = field(default_factory=dict)
+
+    def move(
+        self,
+        pk: Any,
+        *,
+        to: str,
+        from_: Iterable[str] | None = None,
+        actor: str = "",
+        reason: str = "",
+        event: str | None = None,
+        now: datetime | None = None,
+        event_data: Mapping[str, Any] | None = None,
+        where: Mapping[str, Any] | None = None,
+        **changes: Any,
+    ) -> Any:
+        """Compare-and-set row ``pk`` to ``to`` and record its event, in one transaction.
+        Raises :class:`InvalidTransition` (changing nothing) when another actor won."""
+        now = now or timezone.now()
+        with transaction.atomic():
+            row = change_state(
+                self.model,
+                pk,
+                graph=self.graph,
+                to=to,
+                event_prefix=self.event_prefix,
+                from_=from_,
+                stamps=self.stamps,
+                actor=actor,
+                reason=reason,
+                event=event or self.events.get(to),
+                now=now,
+                event_data=event_data,
+                where=where,
+                **changes,
+            )
+            entered = self.on_enter.get(to)
+            if entered is not None:
+                entered(row, now)
+        return row
+
+    def try_move(self, pk: Any, **kwargs: Any) -> Any | None:
+        """:meth:`move`, or None when the row was not in a state that allows it (a lost race:
+        the other actor's outcome stands)."""
+        try:
+            return self.move(pk, **kwargs)
+        except InvalidTransition:
+            return None

@@ -7,6 +7,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from apps.core import health, metrics
+from apps.core.errors import error_payload
 
 
 @require_GET
@@ -23,17 +24,17 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     expected = settings.CATACLOUD_METRICS_TOKEN
     if not expected and not settings.CATACLOUD_METRICS_PUBLIC:
         return JsonResponse(
-            {
-                "code": "metrics_closed",
-                "detail": "set CATACLOUD_METRICS_TOKEN (or CATACLOUD_METRICS_PUBLIC=true) to serve metrics",
-            },
+            error_payload(
+                "metrics_closed",
+                "set CATACLOUD_METRICS_TOKEN (or CATACLOUD_METRICS_PUBLIC=true) to serve metrics",
+            ),
             status=403,
         )
     if expected:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), expected.encode()):
             return JsonResponse(
-                {"code": "not_authenticated", "detail": "metrics need the metrics token"}, status=401
+                error_payload("not_authenticated", "metrics need the metrics token"), status=401
             )
     body, content_type = metrics.render()
     return HttpResponse(body, content_type=content_type)
@@ -45,7 +46,7 @@ def _wants_json(request: HttpRequest) -> bool:
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if _wants_json(request):
-        return JsonResponse({"code": "not_found", "detail": "no such endpoint"}, status=404)
+        return JsonResponse(error_payload("not_found", "no such endpoint"), status=404)
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
@@ -53,7 +54,7 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
 
 def server_error(request: HttpRequest) -> HttpResponse:
     if _wants_json(request):
-        return JsonResponse({"code": "server_error", "detail": "internal error"}, status=500)
+        return JsonResponse(error_payload("server_error", "internal error"), status=500)
     from django.views.defaults import server_error as default
 
     return default(request)

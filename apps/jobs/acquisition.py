@@ -11,7 +11,6 @@ the reaper destroys resources whose job is gone.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -20,16 +19,15 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.broker import enqueue, enqueue_on_commit
-from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
-from apps.jobs.services import job_transition
+from apps.jobs.services import JOB_STATES
 from apps.resources.choices import ResourceStatus
 from apps.resources.lifecycle import release_for_job, resources_converge
 from apps.resources.models import ResourceInstance, ResourceType
-from apps.resources.services import resource_transition
+from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import WellError, build_well
 
 log = logging.getLogger(__name__)
@@ -63,20 +61,19 @@ def job_acquire_resources(*, job_id: Any) -> str:
             _create(resource, job)
             resource.refresh_from_db()
         if resource.status == R.READY:
-            resource_transition(resource_id=resource.pk, to=R.HELD, from_=[R.READY], actor="acquirer")
+            RESOURCE_STATES.move(resource.pk, to=R.HELD, from_=[R.READY], actor="acquirer")
         elif resource.status != R.HELD:
             return "waiting"  # failed or being created elsewhere: the next pass retries
     with transaction.atomic():
-        try:
-            job_transition(
-                job_id=job.pk,
-                to=J.WAITING_FOR_MACHINE,
-                from_=[J.ACQUIRING_RESOURCES],
-                actor="acquirer",
-                pending_reason="waiting for a machine",
-                event_data={"resources": needed},
-            )
-        except InvalidTransition:
+        moved = JOB_STATES.try_move(
+            job.pk,
+            to=J.WAITING_FOR_MACHINE,
+            from_=[J.ACQUIRING_RESOURCES],
+            actor="acquirer",
+            pending_reason="waiting for a machine",
+            event_data={"resources": needed},
+        )
+        if moved is None:
             return "gone"  # cancelled meanwhile: release_for_job has run or will run
         schedule_after_commit()
     return "done"
@@ -111,9 +108,7 @@ def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
 
 def _create(resource: ResourceInstance, job: Job) -> None:
     """Create it with its well, outside any transaction; record the result in a new one."""
-    try:
-        resource_transition(resource_id=resource.pk, to=R.CREATING, from_=[R.REQUESTED], actor="acquirer")
-    except InvalidTransition:
+    if RESOURCE_STATES.try_move(resource.pk, to=R.CREATING, from_=[R.REQUESTED], actor="acquirer") is None:
         return
     rtype = resource.resource_type
     try:
@@ -122,17 +117,16 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         ResourceInstance.objects.filter(pk=resource.pk).update(attempts=resource.attempts + 1)
         if exc.retryable:
             # Back to requested; the acquire task retries it with backoff.
-            with contextlib.suppress(InvalidTransition):
-                resource_transition(
-                    resource_id=resource.pk,
-                    to=R.REQUESTED,
-                    from_=[R.CREATING],
-                    actor="acquirer",
-                    reason=str(exc),
-                )
+            RESOURCE_STATES.try_move(
+                resource.pk,
+                to=R.REQUESTED,
+                from_=[R.CREATING],
+                actor="acquirer",
+                reason=str(exc),
+            )
             raise
-        resource_transition(
-            resource_id=resource.pk,
+        RESOURCE_STATES.move(
+            resource.pk,
             to=R.FAILED,
             actor="acquirer",
             reason=str(exc)[:500],
@@ -146,7 +140,7 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         row.secret = created.secret
         row.save(update_fields=["external_id", "metadata", "secret_encrypted"])
         if row.status == R.CREATING:
-            resource_transition(resource_id=resource.pk, to=R.READY, from_=[R.CREATING], actor="acquirer")
+            RESOURCE_STATES.move(resource.pk, to=R.READY, from_=[R.CREATING], actor="acquirer")
             return
     # Released (or re-driven) while we were creating: the release's destroy may have run
     # before the thing existed, so destroy what we made now (idempotent), and let a release
@@ -160,9 +154,10 @@ def _create(resource: ResourceInstance, job: Job) -> None:
 
 def _fail_job(job: Job, reason: str) -> None:
     with transaction.atomic():
-        try:
-            job_transition(job_id=job.pk, to=J.FAILED, actor="acquirer", reason=reason, failure_reason=reason)
-        except InvalidTransition:
+        failed = JOB_STATES.try_move(
+            job.pk, to=J.FAILED, actor="acquirer", reason=reason, failure_reason=reason
+        )
+        if failed is None:
             return
         release_for_job(job_id=job.pk, reason="job failed")
         schedule_after_commit()
@@ -193,9 +188,10 @@ def resources_safety_net(*, now: Any = None) -> dict[str, int]:
     ).values_list("pk", flat=True)[:500]
     released = 0
     for resource_id in orphans:
-        try:
-            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="reaper", reason="job is gone")
-        except InvalidTransition:
+        releasing = RESOURCE_STATES.try_move(
+            resource_id, to=R.RELEASING, actor="reaper", reason="job is gone"
+        )
+        if releasing is None:
             continue
         released += 1
     converged = resources_converge(now=now)

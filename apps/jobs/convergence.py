@@ -26,7 +26,7 @@ from apps.core.errors import InvalidTransition
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.models import Job
 from apps.jobs.reports import instance_release, job_requeue
-from apps.jobs.services import job_transition
+from apps.jobs.services import JOB_STATES
 from apps.machines.choices import INSTANCE_TERMINAL, InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
@@ -147,15 +147,14 @@ def jobs_time_out(*, now: datetime) -> int:
         if job.started_at + timedelta(seconds=job.timeout_seconds) + grace > now:
             continue
         with transaction.atomic():
-            try:
-                job_transition(
-                    job_id=job.pk,
-                    to=J.TIMED_OUT,
-                    from_=[J.RUNNING],
-                    actor="reaper",
-                    reason="timeout passed without a report from the agent",
-                )
-            except InvalidTransition:
+            moved = JOB_STATES.try_move(
+                job.pk,
+                to=J.TIMED_OUT,
+                from_=[J.RUNNING],
+                actor="reaper",
+                reason="timeout passed without a report from the agent",
+            )
+            if moved is None:
                 continue
             release_for_job(job_id=job.pk, reason="job timed out")
             if job.instance_id:

@@ -19,7 +19,7 @@ from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import wake_agent
 from apps.jobs.metrics import observe_wait
 from apps.jobs.models import Job
-from apps.jobs.services import job_claim_label, job_transition
+from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus, Policy
@@ -97,8 +97,8 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
 
 
 def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
-    job_transition(
-        job_id=job.pk,
+    JOB_STATES.move(
+        job.pk,
         to=J.ASSIGNED,
         from_=[J.WAITING_FOR_MACHINE],
         actor="scheduler",

@@ -14,11 +14,11 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
-from apps.jobs.services import job_claim_label, job_transition
+from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from apps.resources.lifecycle import release_for_job
 
 J = JobStatus
@@ -28,18 +28,18 @@ S = InstanceStatus
 def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
     """The agent starts the command. The job must still be assigned to this very machine: a
     job is never run by two machines at once, even when a lost agent comes back."""
-    try:
-        return job_transition(
-            job_id=job_id,
-            to=J.RUNNING,
-            from_=[J.ASSIGNED],
-            actor=f"agent:{instance.pk}",
-            where={"instance": instance},
-        )
-    except InvalidTransition:
+    job = JOB_STATES.try_move(
+        job_id,
+        to=J.RUNNING,
+        from_=[J.ASSIGNED],
+        actor=f"agent:{instance.pk}",
+        where={"instance": instance},
+    )
+    if job is None:
         raise Conflict(
             "this job is not (or no longer) assigned to this machine", code="not_assigned"
         ) from None
+    return job
 
 
 OUTCOMES = {"succeeded": J.SUCCEEDED, "failed": J.FAILED, "timed_out": J.TIMED_OUT, "cancelled": J.CANCELLED}
@@ -87,8 +87,8 @@ def job_finished(
                 detail=reason,
                 actor=f"agent:{instance.pk}",
             )
-        job = job_transition(
-            job_id=job.pk,
+        job = JOB_STATES.move(
+            job.pk,
             to=status,
             actor=f"agent:{instance.pk}",
             reason=reason,
@@ -126,8 +126,8 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
             job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
         )
         if reuse:
-            instance_transition(
-                instance_id=instance_id,
+            INSTANCE_STATES.move(
+                instance_id,
                 to=S.READY,
                 from_=[S.CLAIMED],
                 actor="scheduler",
@@ -165,10 +165,10 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     free = cause in FREE_REQUEUE_CAUSES
     used = job.attempt - job.free_requeues
     if job.cancel_requested:
-        job = job_transition(job_id=job.pk, to=J.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
+        job = JOB_STATES.move(job.pk, to=J.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
     elif not free and used >= job.max_attempts:
-        job = job_transition(
-            job_id=job.pk,
+        job = JOB_STATES.move(
+            job.pk,
             to=J.FAILED,
             actor=actor,
             reason=f"{reason}; no attempts left ({used}/{job.max_attempts})",
@@ -176,8 +176,8 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
             requeue_reason=cause[:32],
         )
     else:
-        job = job_transition(
-            job_id=job.pk,
+        job = JOB_STATES.move(
+            job.pk,
             to=J.QUEUED,
             actor=actor,
             reason=reason,

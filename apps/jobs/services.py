@@ -9,7 +9,7 @@ from typing import Any
 from django.db import transaction
 
 from apps.core.errors import Conflict, MissingPrivilege, ValidationFailed
-from apps.core.transitions import change_state
+from apps.core.transitions import StateMachine
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
 from apps.jobs.models import Job, JobConfiguration
@@ -42,34 +42,8 @@ def job_claim_label(job_id: Any) -> str:
     return f"job:{job_id}"
 
 
-def job_transition(
-    *,
-    job_id: Any,
-    to: str,
-    from_: Iterable[str] | None = None,
-    actor: str = "",
-    reason: str = "",
-    event: str | None = None,
-    event_data: dict[str, Any] | None = None,
-    where: dict[str, Any] | None = None,
-    **changes: Any,
-) -> Job:
-    """Compare-and-set a job's status and record its event (``where`` adds conditions)."""
-    return change_state(
-        Job,
-        job_id,
-        graph=JOB_TRANSITIONS,
-        to=to,
-        event_prefix="job",
-        from_=from_,
-        stamps=_STAMPS,
-        actor=actor,
-        reason=reason,
-        event=event or JOB_EVENTS.get(to),
-        event_data=event_data,
-        where=where,
-        **changes,
-    )
+# Every job status change: JOB_STATES.move(job_id, to=..., ...) or .try_move(...).
+JOB_STATES = StateMachine(Job, JOB_TRANSITIONS, "job", stamps=_STAMPS, events=JOB_EVENTS)
 
 
 # ---- job configurations ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.services import _check_env, job_transition
+from apps.jobs.services import JOB_STATES, _check_env
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import grant_check_privilege
@@ -85,7 +85,7 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
             instance_id = locked.instance_id
             transaction.on_commit(lambda: wake_agent(instance_id))
         else:
-            job_transition(job_id=job.pk, to=J.CANCELLED, actor=actor, reason="cancelled before it ran")
+            JOB_STATES.move(job.pk, to=J.CANCELLED, actor=actor, reason="cancelled before it ran")
             release_for_job(job_id=locked.pk, reason="job cancelled")
             schedule_after_commit()
     return Job.objects.get(pk=job.pk)

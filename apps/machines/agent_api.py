@@ -30,7 +30,7 @@ from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import _after_instance_left, bootstrap_token_instance
 from apps.machines.models import MachineInstance
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
@@ -182,8 +182,8 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
         return False
     try:
         with transaction.atomic():
-            ready = instance_transition(
-                instance_id=instance.pk,
+            ready = INSTANCE_STATES.move(
+                instance.pk,
                 to=S.READY,
                 from_=[S.WARMING],
                 actor=f"agent:{instance.pk}",

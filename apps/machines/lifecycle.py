@@ -25,7 +25,7 @@ from apps.core.errors import NotFound as DomainNotFound
 from apps.core.selectors import installation_id
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -164,16 +164,15 @@ def instance_provision(*, instance_id: Any) -> None:
     if instance is None or instance.status not in (S.PENDING, S.PROVISIONING):
         return  # gone, or already past provisioning: nothing to do (task ran twice)
     if instance.status == S.PENDING:
-        try:
-            instance_transition(
-                instance_id=instance.pk,
-                to=S.PROVISIONING,
-                from_=[S.PENDING],
-                actor="provisioner",
-                event=_event_kind(instance, "provisioning"),
-            )
-        except InvalidTransition:
-            return
+        provisioning = INSTANCE_STATES.try_move(
+            instance.pk,
+            to=S.PROVISIONING,
+            from_=[S.PENDING],
+            actor="provisioner",
+            event=_event_kind(instance, "provisioning"),
+        )
+        if provisioning is None:
+            return  # another run moved it first
     provider = provider_for(instance.provider_account)
     machine = provider.create(machine_spec(instance))  # no transaction open here
     with transaction.atomic():
@@ -183,8 +182,8 @@ def instance_provision(*, instance_id: Any) -> None:
             public_ip=machine.public_ip,
         )
         if recorded:
-            instance_transition(
-                instance_id=instance.pk,
+            INSTANCE_STATES.move(
+                instance.pk,
                 to=S.WARMING,
                 from_=[S.PROVISIONING],
                 actor="provisioner",
@@ -203,11 +202,10 @@ def instance_provision(*, instance_id: Any) -> None:
 
 def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") -> None:
     """Give up on an instance (provider refused it); its pool sees the deficit."""
-    try:
-        instance = instance_transition(
-            instance_id=instance_id, to=S.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
-        )
-    except InvalidTransition:
+    instance = INSTANCE_STATES.try_move(
+        instance_id, to=S.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
+    )
+    if instance is None:
         return
     _after_instance_left(instance)
 
@@ -229,8 +227,8 @@ def instance_terminate(
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         event = "pool.member_terminated" if row and row["pool_id"] else None
-        instance = instance_transition(
-            instance_id=instance_id,
+        instance = INSTANCE_STATES.move(
+            instance_id,
             to=S.TERMINATING,
             actor=actor,
             reason=reason,
@@ -278,11 +276,10 @@ def instance_destroy(*, instance_id: Any) -> None:
         with contextlib.suppress(NotFound):
             provider.delete(provider_id)
     with transaction.atomic():
-        try:
-            ended = instance_transition(
-                instance_id=instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
-            )
-        except InvalidTransition:
+        ended = INSTANCE_STATES.try_move(
+            instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
+        )
+        if ended is None:
             return
         instance_gone(ended)
 
@@ -302,18 +299,17 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
 
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
-        try:
-            instance = instance_transition(
-                instance_id=instance_id,
-                to=S.LOST,
-                from_=INSTANCE_LIVE,
-                actor=actor,
-                reason=reason,
-                event="pool.member_lost" if row and row["pool_id"] else None,
-                failure_reason=reason[:2000],
-                end_cause="machine_lost",
-            )
-        except InvalidTransition:
+        instance = INSTANCE_STATES.try_move(
+            instance_id,
+            to=S.LOST,
+            from_=INSTANCE_LIVE,
+            actor=actor,
+            reason=reason,
+            event="pool.member_lost" if row and row["pool_id"] else None,
+            failure_reason=reason[:2000],
+            end_cause="machine_lost",
+        )
+        if instance is None:
             return None
         _requeue_jobs_of(instance, "machine_lost", reason)
         enqueue_on_commit(

@@ -35,7 +35,7 @@ from apps.machines.lifecycle import (
     provider_for,
 )
 from apps.machines.models import MachineInstance, ProviderAccount
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import NotFound, ProviderError, RateLimited
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         elif status == S.TERMINATING and row["provider_id"] and machine is None:
             # Deleted already but the task died before recording it.
             with contextlib.suppress(InvalidTransition), transaction.atomic():
-                ended = instance_transition(
-                    instance_id=instance_id,
+                ended = INSTANCE_STATES.move(
+                    instance_id,
                     to=S.TERMINATED,
                     from_=[S.TERMINATING],
                     actor="reconciler",
@@ -174,8 +174,8 @@ def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
         if not updated:
             return
         instance = MachineInstance.objects.get(pk=instance_id)
-        instance_transition(
-            instance_id=instance_id,
+        INSTANCE_STATES.move(
+            instance_id,
             to=S.WARMING,
             from_=[S.PROVISIONING],
             actor="reconciler",

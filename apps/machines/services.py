@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
 from apps.core.errors import MissingPrivilege, NotFound, ValidationFailed
-from apps.core.transitions import change_state
+from apps.core.transitions import StateMachine
 from apps.events.services import event_record
 from apps.machines.choices import (
     INSTANCE_TERMINAL,
@@ -218,44 +216,6 @@ _STAMPS = {
 }
 
 
-def instance_transition(
-    *,
-    instance_id: Any,
-    to: str,
-    from_: Iterable[str] | None = None,
-    actor: str = "",
-    reason: str = "",
-    event: str | None = None,
-    now: datetime | None = None,
-    **changes: Any,
-) -> MachineInstance:
-    """Compare-and-set an instance to ``to`` and record an event, in one transaction.
-
-    Raises :class:`~apps.core.errors.InvalidTransition` (and changes nothing) when the
-    instance is not in a state from which ``to`` is allowed. An instance that ends records
-    its billed seconds and cost.
-    """
-    now = now or timezone.now()
-    with transaction.atomic():
-        instance = change_state(
-            MachineInstance,
-            instance_id,
-            graph=INSTANCE_TRANSITIONS,
-            to=to,
-            event_prefix="instance",
-            from_=from_,
-            stamps=_STAMPS,
-            actor=actor,
-            reason=reason,
-            event=event,
-            now=now,
-            **changes,
-        )
-        if to in INSTANCE_TERMINAL:
-            _record_billing(instance, now)
-    return instance
-
-
 def _record_billing(instance: MachineInstance, now: datetime) -> None:
     """Every instance records its billed seconds and cost when it ends."""
     started = instance.provisioning_started_at
@@ -268,3 +228,14 @@ def _record_billing(instance: MachineInstance, now: datetime) -> None:
         billed, cost = billing.billed_seconds(runtime), billing.cost(runtime)
     MachineInstance.objects.filter(pk=instance.pk).update(billed_seconds=billed, cost=cost)
     instance.billed_seconds, instance.cost = billed, cost
+
+
+# Every instance status change: INSTANCE_STATES.move(instance_id, to=..., ...). An instance
+# that ends records its billed seconds and cost in the same transaction.
+INSTANCE_STATES = StateMachine(
+    MachineInstance,
+    INSTANCE_TRANSITIONS,
+    "instance",
+    stamps=_STAMPS,
+    on_enter={state: _record_billing for state in INSTANCE_TERMINAL},
+)

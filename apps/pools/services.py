@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.locks import POOL_REFILL
-from apps.core.transitions import change_state
+from apps.core.transitions import StateMachine
 from apps.events.services import event_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
@@ -100,29 +99,8 @@ def pool_create(
     return pool
 
 
-def pool_transition(
-    *,
-    pool_id: Any,
-    to: str,
-    from_: Iterable[str] | None = None,
-    actor: str = "",
-    reason: str = "",
-    **changes: Any,
-) -> InstancePool:
-    """Compare-and-set a pool's status (``pool.<status>`` event)."""
-    stamps = {PoolStatus.DRAINED: "drained_at"}
-    return change_state(
-        InstancePool,
-        pool_id,
-        graph=POOL_TRANSITIONS,
-        to=to,
-        event_prefix="pool",
-        from_=from_,
-        stamps=stamps,
-        actor=actor,
-        reason=reason,
-        **changes,
-    )
+# Every pool status change: POOL_STATES.move(pool_id, to=..., ...).
+POOL_STATES = StateMachine(InstancePool, POOL_TRANSITIONS, "pool", stamps={PoolStatus.DRAINED: "drained_at"})
 
 
 # ---- claim (the hot path) -------------------------------------------------------------------
@@ -212,8 +190,8 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
     with transaction.atomic():
         # Lock order as in a claim (member, then pool row): members first.
         list(MachineInstance.objects.select_for_update().filter(pool=pool, status__in=INSTANCE_LIVE))
-        pool_transition(
-            pool_id=pool.pk,
+        POOL_STATES.move(
+            pool.pk,
             to=PoolStatus.DRAINING,
             actor=actor,
             reason="terminate members" if terminate_members else "release members",
@@ -243,8 +221,8 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
                     actor=actor,
                     reason="pool drained without terminating members",
                 )
-        pool_transition(
-            pool_id=pool.pk, to=PoolStatus.DRAINED, actor=actor, event_data={"terminated_count": terminated}
+        POOL_STATES.move(
+            pool.pk, to=PoolStatus.DRAINED, actor=actor, event_data={"terminated_count": terminated}
         )
     return terminated
 
@@ -361,10 +339,10 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
 def _sync_status(pool: InstancePool, *, ready: int) -> None:
     """warming → ready when target_size members are ready; ready ⇄ replenishing."""
     if ready >= pool.target_size and pool.status != PoolStatus.READY:
-        pool_transition(pool_id=pool.pk, to=PoolStatus.READY, actor="refill", event_data={"ready": ready})
+        POOL_STATES.move(pool.pk, to=PoolStatus.READY, actor="refill", event_data={"ready": ready})
     elif ready < pool.target_size and pool.status == PoolStatus.READY:
-        pool_transition(
-            pool_id=pool.pk,
+        POOL_STATES.move(
+            pool.pk,
             to=PoolStatus.REPLENISHING,
             actor="refill",
             event_data={"ready": ready, "target_size": pool.target_size},

@@ -3,7 +3,6 @@ reaper's pass that converges what a lost message or a dead worker left behind.""
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -13,10 +12,9 @@ from django.utils import timezone
 
 from apps.core import hooks
 from apps.core.broker import enqueue, enqueue_on_commit
-from apps.core.errors import InvalidTransition
 from apps.resources.choices import ResourceStatus
 from apps.resources.models import ResourceInstance
-from apps.resources.services import resource_transition
+from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import build_well
 
 R = ResourceStatus
@@ -33,9 +31,7 @@ def release_for_job(*, job_id: Any, reason: str) -> int:
     )
     released = []
     for resource_id in ids:
-        try:
-            resource_transition(resource_id=resource_id, to=R.RELEASING, actor="releaser", reason=reason)
-        except InvalidTransition:
+        if RESOURCE_STATES.try_move(resource_id, to=R.RELEASING, actor="releaser", reason=reason) is None:
             continue
         released.append(str(resource_id))
     if released:
@@ -57,11 +53,10 @@ def resource_destroy(*, resource_id: Any) -> None:
         job_id=str(resource.job_id) if resource.job_id else None,
     )
     with transaction.atomic():
-        try:
-            resource_transition(
-                resource_id=resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
-            )
-        except InvalidTransition:
+        destroyed = RESOURCE_STATES.try_move(
+            resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
+        )
+        if destroyed is None:
             return
         ResourceInstance.objects.filter(pk=resource.pk).update(secret_encrypted="")
         hooks.resource_slot_freed(type_id=rtype.pk)
@@ -79,30 +74,22 @@ def resources_converge(*, now: Any = None) -> dict[str, int]:
         .values_list("pk", flat=True)[:100]
     )
     for resource_id in retry:
-        try:
-            resource_transition(
-                resource_id=resource_id,
-                to=R.RELEASING,
-                from_=[R.FAILED],
-                actor="reaper",
-                reason="retrying destruction",
-            )
-        except InvalidTransition:
-            continue
+        RESOURCE_STATES.try_move(
+            resource_id, to=R.RELEASING, from_=[R.FAILED], actor="reaper", reason="retrying destruction"
+        )
     # Creating past its deadline: the worker died mid-create (a redelivered task sees
     # `creating` and leaves it). Back to requested; the acquire below creates it again.
     create_cutoff = now - timedelta(seconds=settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT)
     for resource_id in ResourceInstance.objects.filter(
         status=R.CREATING, status_changed_at__lt=create_cutoff
     ).values_list("pk", flat=True)[:100]:
-        with contextlib.suppress(InvalidTransition):
-            resource_transition(
-                resource_id=resource_id,
-                to=R.REQUESTED,
-                from_=[R.CREATING],
-                actor="reaper",
-                reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
-            )
+        RESOURCE_STATES.try_move(
+            resource_id,
+            to=R.REQUESTED,
+            from_=[R.CREATING],
+            actor="reaper",
+            reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
+        )
     releasing = [
         str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
     ]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
-from apps.core.transitions import change_state
+from apps.core.transitions import StateMachine
 from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
 from apps.resources.models import ResourceInstance
 
@@ -17,25 +14,5 @@ _STAMPS = {
 }
 
 
-def resource_transition(
-    *,
-    resource_id: Any,
-    to: str,
-    from_: Iterable[str] | None = None,
-    actor: str = "",
-    reason: str = "",
-    **changes: Any,
-) -> ResourceInstance:
-    """Compare-and-set a resource instance's status (``resource.<status>`` event)."""
-    return change_state(
-        ResourceInstance,
-        resource_id,
-        graph=RESOURCE_TRANSITIONS,
-        to=to,
-        event_prefix="resource",
-        from_=from_,
-        stamps=_STAMPS,
-        actor=actor,
-        reason=reason,
-        **changes,
-    )
+# Every resource status change: RESOURCE_STATES.move(resource_id, to=..., ...).
+RESOURCE_STATES = StateMachine(ResourceInstance, RESOURCE_TRANSITIONS, "resource", stamps=_STAMPS)

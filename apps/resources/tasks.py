@@ -21,10 +21,10 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
         if exc.retryable:
             log.warning("destroying resource %s: %s (retry %d)", resource_id, exc, self.request.retries + 1)
             raise self.retry(countdown=backoff(self.request.retries)) from None
-        from apps.resources.services import resource_transition
+        from apps.resources.services import RESOURCE_STATES
 
-        resource_transition(
-            resource_id=resource_id,
+        RESOURCE_STATES.move(
+            resource_id,
             to="failed",
             actor="releaser",
             reason=str(exc)[:500],

@@ -14,16 +14,16 @@ from apps.core.errors import InvalidTransition
 from apps.events.models import Event
 from apps.jobs.choices import JOB_TRANSITIONS, JobStatus
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.services import job_transition
+from apps.jobs.services import JOB_STATES
 from apps.machines.choices import INSTANCE_TRANSITIONS, InstanceStatus
 from apps.machines.models import MachineInstance
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from apps.pools.choices import POOL_TRANSITIONS, PoolStatus
 from apps.pools.models import InstancePool
-from apps.pools.services import pool_transition
+from apps.pools.services import POOL_STATES
 from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
 from apps.resources.models import ResourceInstance, ResourceType
-from apps.resources.services import resource_transition
+from apps.resources.services import RESOURCE_STATES
 from tests.conftest import World
 
 
@@ -62,15 +62,15 @@ MACHINES: dict[str, tuple[dict, Callable[[World, str], Any], Callable[..., Any],
     "instance": (
         INSTANCE_TRANSITIONS,
         make_instance,
-        lambda pk, to: instance_transition(instance_id=pk, to=to),
+        lambda pk, to: INSTANCE_STATES.move(pk, to=to),
         "instance",
     ),
-    "pool": (POOL_TRANSITIONS, make_pool, lambda pk, to: pool_transition(pool_id=pk, to=to), "pool"),
-    "job": (JOB_TRANSITIONS, make_job, lambda pk, to: job_transition(job_id=pk, to=to), "job"),
+    "pool": (POOL_TRANSITIONS, make_pool, lambda pk, to: POOL_STATES.move(pk, to=to), "pool"),
+    "job": (JOB_TRANSITIONS, make_job, lambda pk, to: JOB_STATES.move(pk, to=to), "job"),
     "resource": (
         RESOURCE_TRANSITIONS,
         make_resource,
-        lambda pk, to: resource_transition(resource_id=pk, to=to),
+        lambda pk, to: RESOURCE_STATES.move(pk, to=to),
         "resource",
     ),
 }
@@ -132,7 +132,7 @@ def test_terminal_instance_records_billing(world: World) -> None:
     MachineInstance.objects.filter(pk=instance.pk).update(
         provisioning_started_at=timezone.now() - timedelta(minutes=61)
     )
-    ended = instance_transition(instance_id=instance.pk, to=InstanceStatus.TERMINATED)
+    ended = INSTANCE_STATES.move(instance.pk, to=InstanceStatus.TERMINATED)
     # Hourly billing: 61 minutes are two started hours at 0.01/h.
     assert ended.billed_seconds == 7200
     assert str(ended.cost) == "0.020000"
@@ -143,7 +143,7 @@ def test_event_is_part_of_the_change(world: World) -> None:
     instance = make_instance(world, InstanceStatus.READY)
     before = Event.objects.count()
     with pytest.raises(RuntimeError), transaction.atomic():
-        instance_transition(instance_id=instance.pk, to=InstanceStatus.CLAIMED)
+        INSTANCE_STATES.move(instance.pk, to=InstanceStatus.CLAIMED)
         raise RuntimeError("crash after the change")
     instance.refresh_from_db()
     assert instance.status == InstanceStatus.READY
@@ -161,9 +161,7 @@ def test_racing_transitions_have_one_winner(tworld: World) -> None:
     def claim() -> None:
         try:
             barrier.wait()
-            instance_transition(
-                instance_id=instance.pk, to=InstanceStatus.CLAIMED, from_=[InstanceStatus.READY]
-            )
+            INSTANCE_STATES.move(instance.pk, to=InstanceStatus.CLAIMED, from_=[InstanceStatus.READY])
             outcome = "won"
         except InvalidTransition as exc:
             outcome = f"lost:{exc.current}"

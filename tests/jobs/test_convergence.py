@@ -35,7 +35,7 @@ from apps.jobs.submission import job_cancel, job_submit
 from apps.machines import lifecycle
 from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus
 from apps.machines.models import MachineInstance, OrgMachineType
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from apps.orgs.models import ApiToken
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_create, pool_drain, pool_refill
@@ -201,8 +201,8 @@ def test_the_reaper_requeues_a_job_whose_machine_ended_behind_its_back(world: Wo
     schedule()
     job_started(instance=machine, job_id=job.pk)
     # The terminate task recorded `terminated` and died before requeueing.
-    instance_transition(instance_id=machine.pk, to=S.TERMINATING, end_cause="machine_terminated")
-    instance_transition(instance_id=machine.pk, to=S.TERMINATED)
+    INSTANCE_STATES.move(machine.pk, to=S.TERMINATING, end_cause="machine_terminated")
+    INSTANCE_STATES.move(machine.pk, to=S.TERMINATED)
     refresh(job)
     assert job.status == J.RUNNING
     reaper_tick(reconcile=False)
@@ -218,8 +218,8 @@ def test_cancel_of_a_job_whose_machine_is_gone_ends_it(world: World) -> None:
     job = job_submit(org=world.org, config=config(world, mt))
     machine = idle_machine(world, mt)
     schedule()
-    instance_transition(instance_id=machine.pk, to=S.TERMINATING)
-    instance_transition(instance_id=machine.pk, to=S.TERMINATED)
+    INSTANCE_STATES.move(machine.pk, to=S.TERMINATING)
+    INSTANCE_STATES.move(machine.pk, to=S.TERMINATED)
     assert job_cancel(job=job).status == J.CANCELLED
     # Its max_concurrent_jobs slot is free again.
     other = job_submit(org=world.org, config=config(world, mt, name="next"))
@@ -501,7 +501,7 @@ def test_acquire_with_a_lease_expires_and_release_hands_the_machine_back(world: 
     pool_refill(pool_id=pool.pk)
     for member in MachineInstance.objects.filter(pool=pool):
         lifecycle.instance_provision(instance_id=member.pk)
-        instance_transition(instance_id=member.pk, to=S.READY, last_heartbeat_at=timezone.now())
+        INSTANCE_STATES.move(member.pk, to=S.READY, last_heartbeat_at=timezone.now())
     api = world.client("member")
     leased = api.post(f"/api/v1/pools/{pool.pk}/acquire/", {"lease_seconds": 60}, format="json")
     assert leased.status_code == 201, leased.json()
@@ -548,7 +548,7 @@ def test_with_the_broker_down_the_api_answers_and_a_committed_claim_is_201(tworl
     pool_refill(pool_id=pool.pk)
     member = MachineInstance.objects.get(pool=pool)
     lifecycle.instance_provision(instance_id=member.pk)
-    instance_transition(instance_id=member.pk, to=S.READY, last_heartbeat_at=timezone.now())
+    INSTANCE_STATES.move(member.pk, to=S.READY, last_heartbeat_at=timezone.now())
     dead = "redis://127.0.0.1:1/0"  # nothing listens there
     caches = {"default": {**settings.CACHES["default"], "LOCATION": dead}}
     broker.redis_client.cache_clear()

@@ -21,7 +21,7 @@ from apps.jobs.submission import job_submit
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from apps.pools.models import InstancePool
 from tests.conftest import World
 from tests.jobs.test_scheduling import idle_machine, refresh
@@ -158,7 +158,7 @@ def test_real_services_attribute_a_job_and_parts_sum_to_the_recorded_cost(world:
     job_started(instance=m, job_id=job.pk)
     job_finished(instance=m, job_id=job.pk, outcome="succeeded", exit_code=0)
     instance_terminate(instance_id=m.pk, actor="test", reason="done")
-    instance_transition(instance_id=m.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="test")
+    INSTANCE_STATES.move(m.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="test")
     refresh(m)
     # Then the job has a share and the machine's parts sum to the cost it recorded
     detail = _get(world, "viewer", f"/api/v1/instances/{m.pk}/").json()["cost_detail"]

@@ -18,7 +18,7 @@ from apps.machines import lifecycle
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.machines.reconcile import reconcile_account
-from apps.machines.services import instance_transition
+from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, ProviderError
 from tests.conftest import World
 from tests.fakes.hetzner_api import FakeHetzner
@@ -113,7 +113,7 @@ def test_worker_killed_after_create_before_record_is_adopted(
     world: World, hetzner: MachineType, fake_hetzner: FakeHetzner
 ) -> None:
     instance = lifecycle.instance_request(org=world.org, machine_type=hetzner)
-    instance_transition(instance_id=instance.pk, to=S.PROVISIONING)
+    INSTANCE_STATES.move(instance.pk, to=S.PROVISIONING)
     instance.refresh_from_db()
     # The worker created the server, then died before recording its id.
     lifecycle.provider_for(instance.provider_account).create(lifecycle.machine_spec(instance))
@@ -141,7 +141,7 @@ def test_dropped_create_response_retried_by_the_task_leaves_one_server(
 
 def test_provisioning_never_created_is_failed_by_the_reconciler(world: World, hetzner: MachineType) -> None:
     instance = lifecycle.instance_request(org=world.org, machine_type=hetzner)
-    instance_transition(instance_id=instance.pk, to=S.PROVISIONING)
+    INSTANCE_STATES.move(instance.pk, to=S.PROVISIONING)
     report = reconcile_account(account=hetzner.provider_account, grace_seconds=0)
     assert report.not_created == [str(instance.pk)]
     instance.refresh_from_db()

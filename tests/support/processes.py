@@ -35,6 +35,7 @@ def process_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         CATACLOUD_EMBEDDED="1",
         DATABASE_CONN_MAX_AGE="0",
+        CATACLOUD_STRICT_REGISTRIES="1",
         **extra,
     )
     return env

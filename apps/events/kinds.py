@@ -1,0 +1,95 @@
+"""Every event kind Catacloud records: the public contract of the event feed.
+
+``event_record`` refuses a kind not listed here when ``CATACLOUD_STRICT_REGISTRIES`` is on
+(tests, development) and logs it otherwise; README "Events" lists them all, and a test keeps
+this enum, the state machines' generated kinds and README equal.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventKind(StrEnum):
+    # organizations, access
+    ORG_GRANT_CREATED = "org.grant_created"
+    ORG_GRANT_UPDATED = "org.grant_updated"
+    ORG_MEMBER_SET = "org.member_set"
+    ORG_PRIVILEGE_GRANTED = "org.privilege_granted"
+    ORG_TOKEN_CREATED = "org.token_created"
+    ORG_TOKEN_REVOKED = "org.token_revoked"
+    # the catalog
+    PROVIDER_ACCOUNT_CREATED = "provider_account.created"
+    PROVIDER_ACCOUNT_UPDATED = "provider_account.updated"
+    MACHINE_TYPE_CREATED = "machine_type.created"
+    MACHINE_TYPE_UPDATED = "machine_type.updated"
+    BUDGET_CREATED = "budget.created"
+    BUDGET_UPDATED = "budget.updated"
+    BUDGET_WARNING = "budget.warning"
+    BUDGET_EXHAUSTED = "budget.exhausted"
+    # machines (state machine: instance.<status>)
+    INSTANCE_REQUESTED = "instance.requested"
+    INSTANCE_PENDING = "instance.pending"
+    INSTANCE_PROVISIONING = "instance.provisioning"
+    INSTANCE_PROVISIONED = "instance.provisioned"
+    INSTANCE_WARMING = "instance.warming"
+    INSTANCE_READY = "instance.ready"
+    INSTANCE_CLAIMED = "instance.claimed"
+    INSTANCE_RELEASED = "instance.released"
+    INSTANCE_LEASE_EXPIRED = "instance.lease_expired"
+    INSTANCE_STUCK = "instance.stuck"
+    INSTANCE_INTERRUPTED = "instance.interrupted"
+    INSTANCE_TERMINATING = "instance.terminating"
+    INSTANCE_TERMINATED = "instance.terminated"
+    INSTANCE_FAILED = "instance.failed"
+    INSTANCE_LOST = "instance.lost"
+    AGENT_ENROLLED = "agent.enrolled"
+    RECONCILE_ADOPTED = "reconcile.adopted"
+    RECONCILE_NOT_CREATED = "reconcile.not_created"
+    RECONCILE_ORPHAN_DELETED = "reconcile.orphan_deleted"
+    # pools (state machine: pool.<status>) and their members
+    POOL_CREATED = "pool.created"
+    POOL_UPDATED = "pool.updated"
+    POOL_DELETED = "pool.deleted"
+    POOL_WARMING = "pool.warming"
+    POOL_READY = "pool.ready"
+    POOL_REPLENISHING = "pool.replenishing"
+    POOL_DRAINING = "pool.draining"
+    POOL_DRAINED = "pool.drained"
+    POOL_AT_MAX_SIZE = "pool.pool_at_max_size"
+    POOL_QUOTA_EXCEEDED = "pool.quota_exceeded"
+    POOL_BUDGET_EXCEEDED = "pool.budget_exceeded"
+    POOL_MEMBER_REQUESTED = "pool.member_requested"
+    POOL_MEMBER_PROVISIONING = "pool.member_provisioning"
+    POOL_MEMBER_PROVISIONED = "pool.member_provisioned"
+    POOL_MEMBER_WARMED = "pool.member_warmed"
+    POOL_MEMBER_CLAIMED = "pool.member_claimed"
+    POOL_MEMBER_RELEASED = "pool.member_released"
+    POOL_MEMBER_STUCK = "pool.member_stuck"
+    POOL_MEMBER_LOST = "pool.member_lost"
+    POOL_MEMBER_TERMINATED = "pool.member_terminated"
+    # jobs
+    JOB_CONFIG_CREATED = "job_config.created"
+    JOB_CONFIG_UPDATED = "job_config.updated"
+    JOB_CONFIG_DELETED = "job_config.deleted"
+    JOB_QUEUED = "job.queued"
+    JOB_ADMITTED = "job.admitted"
+    JOB_WAITING_FOR_MACHINE = "job.waiting_for_machine"
+    JOB_ASSIGNED = "job.assigned"
+    JOB_STARTED = "job.started"
+    JOB_FINISHED = "job.finished"
+    JOB_REQUEUED = "job.requeued"
+    JOB_CANCEL_REQUESTED = "job.cancel_requested"
+    ARTIFACT_STORED = "artifact.stored"
+    ARTIFACT_UPLOAD_FAILED = "artifact.upload_failed"
+    ARTIFACT_EXPIRED = "artifact.expired"
+    CHECKPOINT_SAVED = "checkpoint.saved"
+    CHECKPOINT_RESTORED = "checkpoint.restored"
+    # resources (state machine: resource.<status>)
+    RESOURCE_REQUESTED = "resource.requested"
+    RESOURCE_CREATING = "resource.creating"
+    RESOURCE_READY = "resource.ready"
+    RESOURCE_HELD = "resource.held"
+    RESOURCE_RELEASING = "resource.releasing"
+    RESOURCE_DESTROYED = "resource.destroyed"
+    RESOURCE_FAILED = "resource.failed"

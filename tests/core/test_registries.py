@@ -1,0 +1,132 @@
+"""The public contracts kept in registries: event kinds (apps.events.kinds.EventKind) and error
+codes (apps.core.errors.ErrorCode). What the code emits, what the registries list and what
+README tells users must be the same sets."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from django.test import override_settings
+
+from apps.core.errors import DomainError, ErrorCode, error_payload
+from apps.events.kinds import EventKind
+from apps.events.models import Event
+from apps.events.services import event_record
+from apps.jobs.services import JOB_STATES
+from apps.machines.services import INSTANCE_STATES
+from apps.pools.services import POOL_STATES
+from apps.resources.services import RESOURCE_STATES
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = set(EventKind._value2member_map_)
+CODES = set(ErrorCode._value2member_map_)
+
+
+def _sources() -> list[tuple[Path, ast.AST]]:
+    return [
+        (path, ast.parse(path.read_text()))
+        for path in sorted((ROOT / "apps").rglob("*.py"))
+        if "migrations" not in path.parts
+    ]
+
+
+def _constants(node: ast.AST) -> list[str]:
+    """String constants an expression may evaluate to (plain, or either side of an ``x if c else y``)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.IfExp):
+        return _constants(node.body) + _constants(node.orelse)
+    return []
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def test_every_event_kind_the_code_records_is_registered() -> None:
+    emitted: dict[str, str] = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            values = [kw.value for kw in node.keywords if kw.arg in ("kind", "event")]
+            if getattr(node.func, "id", "") == "_sql" and len(node.args) >= 2:
+                values.append(node.args[1])  # the claim statements write their event in SQL
+            for value in values:
+                for kind in _constants(value):
+                    if re.fullmatch(r"[a-z_]+\.[a-z_]+", kind):
+                        emitted[kind] = str(path.relative_to(ROOT))
+    assert len(emitted) > 40  # the scan sees the code
+    assert {k: f for k, f in emitted.items() if k not in KINDS} == {}
+
+
+@pytest.mark.parametrize("machine", [JOB_STATES, INSTANCE_STATES, POOL_STATES, RESOURCE_STATES])
+def test_every_state_change_records_a_registered_kind(machine) -> None:
+    states = set(machine.graph) | {t for targets in machine.graph.values() for t in targets}
+    kinds = {machine.events.get(state, f"{machine.event_prefix}.{state}") for state in states}
+    assert kinds - KINDS == set()
+
+
+def test_readme_lists_every_event_kind_and_only_those() -> None:
+    listed = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", _readme_section("Events and error codes")))
+    assert listed == KINDS
+
+
+def test_readme_lists_every_error_code_and_only_those() -> None:
+    section = _readme_section("Events and error codes")
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
+    assert listed == CODES
+
+
+def test_every_error_code_the_code_uses_is_registered() -> None:
+    used: dict[str, str] = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg == "code":
+                        for code in _constants(kw.value):
+                            used[code] = str(path.relative_to(ROOT))
+                name = getattr(node.func, "id", "")
+                if name in ("error_response", "error_payload") and node.args:
+                    arg = node.args[1] if name == "error_response" and len(node.args) > 1 else node.args[0]
+                    for code in _constants(arg):
+                        used[code] = str(path.relative_to(ROOT))
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "code":
+                        for code in _constants(stmt.value):
+                            used[code] = str(path.relative_to(ROOT))
+    assert len(used) > 20
+    wells = {"transient", "permanent"}  # WellError's own retry classes, never an API answer
+    assert {c: f for c, f in used.items() if c not in CODES | wells} == {}
+
+    def subclasses(cls: type) -> list[type]:
+        return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]
+
+    assert {cls.__name__ for cls in subclasses(DomainError) if cls.code not in CODES} == set()
+
+
+@pytest.mark.django_db
+def test_an_unregistered_event_kind_is_refused_in_strict_mode_and_logged_otherwise(caplog) -> None:
+    with pytest.raises(ValueError, match="not registered"):
+        event_record(kind="pool.exploded")
+    with override_settings(CATACLOUD_STRICT_REGISTRIES=False):
+        event_record(kind="pool.exploded")
+    assert Event.objects.filter(kind="pool.exploded").count() == 1  # recorded all the same
+    assert "not registered" in caplog.text
+
+
+def test_an_unregistered_error_code_is_refused_in_strict_mode() -> None:
+    with pytest.raises(ValueError, match="not registered"):
+        error_payload("oops", "something")
+    with pytest.raises(ValueError):
+        DomainError("no", code="oops")
+    body = error_payload("pool_empty", "no ready member")
+    assert body == {"code": "pool_empty", "detail": "no ready member"}
