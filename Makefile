@@ -23,10 +23,11 @@ dev: $(STAMP)
 test: $(STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m pytest $(PYTEST_ARGS)
 
-## ruff lint and format check.
+## ruff lint and format check; import-linter checks the layers (pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -36,7 +36,6 @@ from catacloud.policy.billing import Billing
 from catacloud.policy.retention import should_retire
 
 DEFAULT_PRICE = "0.0095"
-UNKNOWN_RUNTIME = 3600.0  # the scheduler's assumption for a configuration never seen to finish
 
 # Event kinds, in the order they are handled at the same instant: machines finish booting and
 # jobs end before arrivals are placed, so a freed machine is seen by the job arriving with it.
@@ -205,7 +204,7 @@ class Simulation:
         self.events: list[tuple[float, int, int, Any]] = []
         self.waiting: deque[tuple[int, TraceJob]] = deque()  # (index, job), FIFO
         self.waits: list[float] = []
-        self.runtimes: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=20))
+        self.runtimes: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=placement.RECENT_RUNS))
         self.created = 0
         self.pending_jobs = len(self.jobs)
         self.scheduler_armed = False
@@ -368,8 +367,7 @@ class Simulation:
     # ---- placement (the scheduler's order) ----------------------------------------------------
 
     def typical_runtime(self, config: str) -> float:
-        recent = sorted(self.runtimes.get(config, ()))
-        return recent[len(recent) // 2] if recent else UNKNOWN_RUNTIME
+        return placement.typical_runtime(self.runtimes.get(config, ()))
 
     def place(self) -> None:
         if not self.waiting:
@@ -399,7 +397,9 @@ class Simulation:
             total=len(live),
             coming=sum(1 for m in own if m.state == "booting"),
             busy=len(busy),
-            free_soon=sum(1 for m in busy if m.job_started + self.typical_runtime(m.job_config) <= horizon)
+            free_soon=placement.free_soon(
+                ((m.job_started, self.typical_runtime(m.job_config)) for m in busy), horizon
+            )
             if self.buy_policy == placement.COST
             else 0,
             max_instances=self.p.max_instances,

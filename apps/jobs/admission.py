@@ -12,6 +12,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.errors import InvalidTransition
 from apps.events.models import Event
 from apps.jobs.acquisition import acquire_after_commit
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
@@ -140,7 +141,10 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
                 status_changed_at=now,
                 pending_reason="acquiring resources",
             )
-            assert updated == len(jobs), "admission lost a compare-and-set on rows it had locked"
+            if updated != len(jobs):  # cannot happen while we hold the row locks; never admit half
+                raise InvalidTransition(
+                    "Job", f"{len(jobs) - updated} of the batch", "changed", J.ACQUIRING_RESOURCES
+                )
             Event.objects.bulk_create(
                 Event(
                     kind="job.admitted",

@@ -26,7 +26,7 @@ from rest_framework.response import Response
 
 from apps.core.api import error_response
 from apps.events.services import event_record
-from apps.jobs.choices import JOB_TERMINAL, JobStatus
+from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job
 from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
@@ -117,7 +117,7 @@ def store_artifact(*, job: Job, kind: str, name: str, body: BinaryIO, size: int,
                 "size": size,
                 "sha256": sha256.lower(),
                 "key": key,
-                "status": "stored",
+                "status": ArtifactStatus.STORED,
                 "error": "",
                 "attempt": job.attempt,
                 "expires_at": expires,
@@ -139,14 +139,14 @@ def artifacts_expire(*, now: Any = None, limit: int = 500) -> int:
     """Retention: delete expired outputs and checkpoints from the store and record it."""
     now = now or timezone.now()
     count = 0
-    for artifact in Artifact.objects.filter(status="stored", expires_at__lt=now)[:limit]:
+    for artifact in Artifact.objects.filter(status=ArtifactStatus.STORED, expires_at__lt=now)[:limit]:
         try:
             get_store().delete(artifact.key)
         except Exception as exc:
             log.warning("could not delete expired artifact %s: %s", artifact.pk, type(exc).__name__)
             continue
         with transaction.atomic():
-            Artifact.objects.filter(pk=artifact.pk).update(status="expired")
+            Artifact.objects.filter(pk=artifact.pk).update(status=ArtifactStatus.EXPIRED)
             event_record(
                 kind="artifact.expired",
                 org=artifact.org_id,
@@ -162,7 +162,7 @@ def artifacts_expire(*, now: Any = None, limit: int = 500) -> int:
 def checkpoint_info(job: Job) -> dict[str, Any]:
     return {
         "available": Artifact.objects.filter(
-            job=job, kind=Artifact.KIND_CHECKPOINT, status="stored"
+            job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
         ).exists(),
         "interval_seconds": job.config.checkpoint_interval_seconds,
     }
@@ -236,7 +236,9 @@ class CheckpointView(AgentView):
             return error_response(
                 409, "not_assigned", "this job is not (or no longer) running on this machine"
             )
-        artifact = Artifact.objects.filter(job=job, kind=Artifact.KIND_CHECKPOINT, status="stored").first()
+        artifact = Artifact.objects.filter(
+            job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
+        ).first()
         if artifact is None:
             return error_response(404, "not_found", "this job has no checkpoint")
         try:
@@ -277,7 +279,7 @@ class UploadsDoneView(AgentView):
                     name=name,
                     defaults={
                         "org_id": job.org_id,
-                        "status": "failed",
+                        "status": ArtifactStatus.FAILED,
                         "error": error,
                         "key": "",
                         "attempt": job.attempt,

@@ -20,6 +20,17 @@ class Reuse(models.TextChoices):
     REUSE = "reuse", "reuse: keep the machine for the next job while it is paid for"
 
 
+class ArtifactKind(models.TextChoices):
+    OUTPUT = "output", "output"
+    CHECKPOINT = "checkpoint", "checkpoint"
+
+
+class ArtifactStatus(models.TextChoices):
+    STORED = "stored", "stored"
+    FAILED = "failed", "failed"  # the agent could not upload it (error says why)
+    EXPIRED = "expired", "expired"  # past its retention: the file is deleted, the row stays
+
+
 J = JobStatus
 JOB_TERMINAL = frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLED, J.TIMED_OUT})
 JOB_LIVE = frozenset(set(J) - JOB_TERMINAL)

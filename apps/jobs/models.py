@@ -9,7 +9,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.crypto import decrypt_json, encrypt_json
-from apps.jobs.choices import JobStatus, Reuse
+from apps.jobs.choices import ArtifactKind, ArtifactStatus, JobStatus, Reuse
 
 
 class SecretEnvMixin:
@@ -146,21 +146,21 @@ class JobLogChunk(models.Model):
 class Artifact(models.Model):
     """A file a job kept: an output (uploaded when the job ends) or its latest checkpoint."""
 
-    KIND_OUTPUT = "output"
-    KIND_CHECKPOINT = "checkpoint"
+    KIND_OUTPUT = ArtifactKind.OUTPUT
+    KIND_CHECKPOINT = ArtifactKind.CHECKPOINT
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="artifacts")
     org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
-    kind = models.CharField(max_length=16, choices=[(KIND_OUTPUT, "output"), (KIND_CHECKPOINT, "checkpoint")])
+    kind = models.CharField(max_length=16, choices=ArtifactKind.choices)
     name = models.CharField(max_length=1000)
     size = models.BigIntegerField(default=0)
     sha256 = models.CharField(max_length=64, blank=True)
     key = models.CharField(max_length=1200, editable=False)
     status = models.CharField(
         max_length=16,
-        default="stored",
-        choices=[("stored", "stored"), ("failed", "failed"), ("expired", "expired")],
+        default=ArtifactStatus.STORED,
+        choices=ArtifactStatus.choices,
     )
     error = models.TextField(blank=True)
     attempt = models.PositiveIntegerField(default=1)
@@ -173,7 +173,9 @@ class Artifact(models.Model):
         constraints = [models.UniqueConstraint(fields=["job", "kind", "name"], name="artifact_unique_name")]
         indexes = [
             # Retention: WHERE status = 'stored' AND expires_at < now()
-            models.Index(fields=["expires_at"], name="artifact_expiry", condition=Q(status="stored")),
+            models.Index(
+                fields=["expires_at"], name="artifact_expiry", condition=Q(status=ArtifactStatus.STORED)
+            ),
         ]
 
     def __str__(self) -> str:

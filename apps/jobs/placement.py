@@ -11,7 +11,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, PoolEmpty
@@ -169,34 +170,44 @@ def _provision_or_wait(
 
 def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
     """Busy reusable machines expected free within max_wait_seconds: a machine is expected
-    free when its job's typical run time (median of recent runs of its configuration) ends."""
-    horizon = now + timedelta(seconds=grant.max_wait_seconds)
-    soon = 0
-    for running in Job.objects.filter(
-        instance__pool__isnull=True,
-        instance__status=S.CLAIMED,
-        instance__org_id=grant.org_id,
-        instance__machine_type=mt,
-        status__in=[J.ASSIGNED, J.RUNNING],
-    ).select_related("config"):
-        if running.config.reuse != Reuse.REUSE:
-            continue
-        expected = (running.started_at or running.assigned_at or now) + _typical_runtime(running.config_id)
-        if expected <= horizon:
-            soon += 1
-    return soon
-
-
-def _typical_runtime(config_id: Any) -> timedelta:
-    recent = list(
-        Job.objects.filter(config_id=config_id, status=J.SUCCEEDED, started_at__isnull=False)
-        .order_by("-finished_at")
-        .values_list("started_at", "finished_at")[:20]
+    free when its job's typical run time (catacloud.policy.placement.typical_runtime of its
+    configuration's latest runs) ends. Two queries, however many jobs run."""
+    running = [
+        (job["config_id"], job["started_at"] or job["assigned_at"] or now)
+        for job in Job.objects.filter(
+            instance__pool__isnull=True,
+            instance__status=S.CLAIMED,
+            instance__org_id=grant.org_id,
+            instance__machine_type=mt,
+            status__in=[J.ASSIGNED, J.RUNNING],
+            config__reuse=Reuse.REUSE,
+        ).values("config_id", "started_at", "assigned_at")
+    ]
+    if not running:
+        return 0
+    recent: dict[Any, list[float]] = defaultdict(list)
+    for config_id, started, finished in (
+        Job.objects.filter(
+            config_id__in={config_id for config_id, _ in running},
+            status=J.SUCCEEDED,
+            started_at__isnull=False,
+            finished_at__isnull=False,
+        )
+        .annotate(
+            recency=Window(RowNumber(), partition_by=[F("config_id")], order_by=F("finished_at").desc())
+        )
+        .filter(recency__lte=placement.RECENT_RUNS)
+        .values_list("config_id", "started_at", "finished_at")
+    ):
+        recent[config_id].append((finished - started).total_seconds())
+    horizon = (now + timedelta(seconds=grant.max_wait_seconds)).timestamp()
+    return placement.free_soon(
+        (
+            (started.timestamp(), placement.typical_runtime(recent[config_id]))
+            for config_id, started in running
+        ),
+        horizon,
     )
-    if not recent:
-        return timedelta(hours=1)  # unknown: assume it will not be free soon
-    durations = sorted(f - s for s, f in recent)
-    return durations[len(durations) // 2]
 
 
 def _set_reason(jobs: list[Job], reason: str) -> None:

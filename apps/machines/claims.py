@@ -14,13 +14,46 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import connection
+from django.db.models import Model
 from django.utils import timezone
 
 from apps.core.db import fetch_one_prepared
-from apps.machines.models import MachineInstance
+from apps.events.kinds import EventKind
+from apps.events.models import Event
+from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 
 _COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
 _ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
+
+# Table and column names come from the models (a renamed field breaks here, not in production).
+_INSTANCES = MachineInstance._meta.db_table
+_TYPES = MachineType._meta.db_table
+_ACCOUNTS = ProviderAccount._meta.db_table
+_EVENTS = Event._meta.db_table
+# The pool table through the instance's foreign key: machines never imports the pools app.
+_POOLS = MachineInstance._meta.get_field("pool").related_model._meta.db_table
+
+
+def _col(model: type[Model], name: str) -> str:
+    return connection.ops.quote_name(model._meta.get_field(name).column)
+
+
+# The event each claim appends, in the statement: (Event field, SQL value) pairs.
+EVENT_VALUES: tuple[tuple[str, str], ...] = (
+    ("org", "u.org_id"),
+    ("kind", "%(kind)s"),
+    ("created_at", "now()"),
+    ("actor", "%(actor)s"),
+    ("reason", "''"),
+    ("pool_id", "u.pool_id"),
+    ("instance_id", "u.id"),
+    ("job_id", "%(job)s"),
+    (
+        "data",
+        "jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,"
+        " 'acquired_for', %(for)s::text)",
+    ),
+)
 
 
 # The refill signal: the claim that takes a member of a pool with no refill pending marks the
@@ -28,7 +61,7 @@ _ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
 REFILL_CHANNEL = "catacloud_refill"
 _SIGNAL = f"""
 , r AS (
-    UPDATE pools_instancepool p SET refill_requested_at = now()
+    UPDATE {_POOLS} p SET refill_requested_at = now()
     FROM u WHERE p.id = u.pool_id AND p.refill_requested_at IS NULL
     RETURNING p.id
 ), n AS (
@@ -39,52 +72,52 @@ _SIGNAL = f"""
 _SIGNAL_COUNT = ", (SELECT count(*) FROM n)"  # makes the notify CTE run
 
 
-def _sql(candidates: str, event_kind: str, *, signal: bool = False) -> str:
+def _sql(candidates: str, event_kind: EventKind, *, signal: bool = False) -> str:
+    event_columns = ", ".join(_col(Event, name) for name, _ in EVENT_VALUES)
+    event_values = ", ".join(value for _, value in EVENT_VALUES).replace("%(kind)s", f"'{event_kind}'")
     return f"""
 WITH c AS (
     {candidates}
     LIMIT 1
     FOR UPDATE OF m SKIP LOCKED
 ), u AS (
-    UPDATE machines_machineinstance m
+    UPDATE {_INSTANCES} m
     SET status = 'claimed', claimed_at = now(), status_changed_at = now(), claim_id = %(claim)s,
         claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s
     FROM c WHERE m.id = c.id AND m.status = 'ready'
     RETURNING m.*
 ), e AS (
-    INSERT INTO events_event (org_id, kind, created_at, actor, reason, pool_id, instance_id, job_id, data)
-    SELECT u.org_id, '{event_kind}', now(), %(actor)s, '', u.pool_id, u.id, %(job)s,
-           jsonb_build_object('claim_id', %(claim)s::text, 'acquired_by', %(by)s::text,
-                              'acquired_for', %(for)s::text)
+    INSERT INTO {_EVENTS} ({event_columns})
+    SELECT {event_values}
     FROM u
 ){_SIGNAL if signal else ""}
 SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}, mt.name, pa.kind{_SIGNAL_COUNT if signal else ""}
 FROM u
-JOIN machines_machinetype mt ON mt.id = u.machine_type_id
-JOIN machines_provideraccount pa ON pa.id = u.provider_account_id
+JOIN {_TYPES} mt ON mt.id = u.machine_type_id
+JOIN {_ACCOUNTS} pa ON pa.id = u.provider_account_id
 """
 
 
 # Pool acquire: the oldest ready member of an active pool (partial index instance_ready_by_pool).
-_POOL_CANDIDATES = """SELECT m.id FROM machines_machineinstance m
-    JOIN pools_instancepool p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
+_POOL_CANDIDATES = f"""SELECT m.id FROM {_INSTANCES} m
+    JOIN {_POOLS} p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
         AND (%(org)s::uuid IS NULL OR p.org_id = %(org)s::uuid)
     WHERE m.status = 'ready'
     ORDER BY m.ready_at"""
 # Autocommit (the REST acquire): the statement signals the refill itself.
-POOL_SQL = _sql(_POOL_CANDIDATES, "pool.member_claimed", signal=True)
+POOL_SQL = _sql(_POOL_CANDIDATES, EventKind.POOL_MEMBER_CLAIMED, signal=True)
 # Inside a longer transaction (job placement): no signal here (its row lock would be held
 # until that transaction ends, stalling other claims); the caller signals after commit.
-POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, "pool.member_claimed")
+POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, EventKind.POOL_MEMBER_CLAIMED)
 
 # Job placement on an idle machine kept for reuse: prefer the one that last ran the same
 # configuration (warm caches), then the one that became idle first.
 IDLE_SQL = _sql(
-    """SELECT m.id FROM machines_machineinstance m
+    f"""SELECT m.id FROM {_INSTANCES} m
     WHERE m.pool_id IS NULL AND m.status = 'ready' AND m.org_id = %(org)s AND m.machine_type_id = %(mt)s
       AND m.machine_type_version = %(version)s
     ORDER BY (m.last_config_id IS NOT DISTINCT FROM %(config)s) DESC, m.ready_at""",
-    "instance.claimed",
+    EventKind.INSTANCE_CLAIMED,
 )
 
 

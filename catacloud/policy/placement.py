@@ -6,10 +6,28 @@ Pure functions shared by the scheduler (apps/jobs/placement.py) and the cost sim
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 SPEED = "speed"
 COST = "cost"
+# How many of a configuration's latest successful runs its typical run time looks at, and what
+# it is when none finished yet (long enough that the machine is not expected free soon).
+RECENT_RUNS = 20
+UNKNOWN_RUNTIME_SECONDS = 3600.0
+
+
+def typical_runtime(recent_seconds: Iterable[float]) -> float:
+    """A configuration's typical run time: the median of its latest runs (upper median for an
+    even count), or UNKNOWN_RUNTIME_SECONDS when it never finished."""
+    ordered = sorted(recent_seconds)
+    return ordered[len(ordered) // 2] if ordered else UNKNOWN_RUNTIME_SECONDS
+
+
+def free_soon(busy: Iterable[tuple[float, float]], horizon: float) -> int:
+    """How many busy machines are expected free by ``horizon``: each is (its job's start, its
+    configuration's typical run time), in the same clock as ``horizon``."""
+    return sum(1 for started, typical in busy if started + typical <= horizon)
 
 
 @dataclass(frozen=True)

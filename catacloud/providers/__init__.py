@@ -6,11 +6,10 @@ account is actually used, so processes never pay for SDKs they do not need.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from catacloud.plugins import UnknownPlugin, load_plugin
 from catacloud.providers.base import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -61,18 +60,12 @@ DRIVERS: dict[str, str] = {
 }
 
 
-@functools.cache
 def get_driver_class(kind: str) -> type[Provider]:
     """Import and return the driver class for ``kind``; ``ValueError`` for unknown kinds."""
     try:
-        dotted = DRIVERS[kind]
-    except KeyError:
-        raise ValueError(f"unknown provider kind {kind!r}; known: {', '.join(sorted(DRIVERS))}") from None
-    module_name, _, class_name = dotted.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, Provider)):
-        raise TypeError(f"{dotted} is not a Provider subclass")
-    return cls
+        return load_plugin(DRIVERS, kind, Provider, "provider kind")
+    except UnknownPlugin as exc:
+        raise ValueError(str(exc)) from None
 
 
 def build_provider(kind: str, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> Provider:

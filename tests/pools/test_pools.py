@@ -409,3 +409,13 @@ def test_claims_signal_the_refill_in_their_own_statement_and_a_listener_enqueues
     finally:
         stop.set()
         listener.join(timeout=5)
+
+
+@pytest.mark.django_db
+def test_a_claim_records_its_event_as_the_event_model_reads_it(world: World, fake_type: MachineType) -> None:
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=1, max_size=2)
+    (member,) = ready_members(pool, 1)
+    claim = pool_claim(pool_id=pool.pk, acquired_by="ci", acquired_for="build 7", actor="user:ci")
+    event = Event.objects.get(kind="pool.member_claimed", instance_id=member.pk)
+    assert (event.org_id, event.pool_id, event.actor) == (world.org.pk, pool.pk, "user:ci")
+    assert event.data == {"claim_id": str(claim.claim_id), "acquired_by": "ci", "acquired_for": "build 7"}

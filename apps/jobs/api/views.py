@@ -23,7 +23,7 @@ from apps.jobs.api.serializers import (
     JobSubmitSerializer,
 )
 from apps.jobs.artifacts import get_store
-from apps.jobs.choices import JobStatus
+from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import _check_env, job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel, job_submit
@@ -189,7 +189,9 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
     def artifacts(self, request: Request, pk: str | None = None) -> Response:
         """Files the job kept: name, size, sha256 (outputs, and its latest checkpoint)."""
         job = self.get_object()
-        rows = Artifact.objects.filter(job=job).exclude(status="expired").order_by("kind", "name")
+        rows = (
+            Artifact.objects.filter(job=job).exclude(status=ArtifactStatus.EXPIRED).order_by("kind", "name")
+        )
         return Response(ArtifactSerializer(rows, many=True).data)
 
     @extend_schema(responses={(200, "application/octet-stream"): bytes})
@@ -197,7 +199,7 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         """One output: streamed, or a redirect to a short-lived presigned URL (S3)."""
         job = self.get_object()
         artifact = Artifact.objects.filter(
-            job=job, kind=Artifact.KIND_OUTPUT, name=name, status="stored"
+            job=job, kind=Artifact.KIND_OUTPUT, name=name, status=ArtifactStatus.STORED
         ).first()
         if artifact is None:
             raise NotFound("no such artifact")

@@ -8,10 +8,10 @@ Raise :class:`WellTransient` for errors worth retrying (the task backs off and r
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from catacloud.plugins import UnknownPlugin, load_plugin
 
 
 class WellError(Exception):
@@ -53,14 +53,11 @@ WELLS: dict[str, str] = {
 }
 
 
-@functools.cache
 def well_class(kind: str) -> type[Well]:
     try:
-        dotted = WELLS[kind]
-    except KeyError:
-        raise WellPermanent(f"unknown well {kind!r}") from None
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+        return load_plugin(WELLS, kind, Well, "well")
+    except UnknownPlugin as exc:
+        raise WellPermanent(str(exc)) from None
 
 
 def build_well(kind: str, config: dict[str, Any]) -> Well:
