@@ -10,7 +10,13 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
+
+
+class Readable(Protocol):
+    """Anything bytes are read from: a file, a spooled temp file, a request body."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 class StoreError(Exception):
@@ -53,7 +59,7 @@ def check_key(key: str) -> str:
 
 class Store(abc.ABC):
     @abc.abstractmethod
-    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+    def put(self, key: str, fileobj: Readable, *, size: int) -> None:
         """Store ``size`` bytes read from ``fileobj`` under ``key`` (replacing it)."""
 
     @abc.abstractmethod
@@ -93,7 +99,7 @@ class LocalStore(Store):
             raise StoreError("key escapes its <org>/<job>/ folder")
         return path
 
-    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+    def put(self, key: str, fileobj: Readable, *, size: int) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".part")
@@ -159,7 +165,7 @@ class S3Store(Store):
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put(self, key: str, fileobj: BinaryIO, *, size: int) -> None:
+    def put(self, key: str, fileobj: Readable, *, size: int) -> None:
         self.client.upload_fileobj(fileobj, self.bucket, self._key(key), Config=self.transfer)
         if self.size(key) != size:
             raise StoreError("size mismatch while storing")

@@ -8,6 +8,7 @@ second time. Credentials are never inline: each value is ``{env: NAME}`` or ``{f
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class _Map(dict):
 
 
 class _LineLoader(yaml.SafeLoader):
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> _Map:  # type: ignore[override]
+    def construct_mapping(self, node: Any, deep: bool = False) -> _Map:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -56,10 +57,11 @@ class _LineLoader(yaml.SafeLoader):
         return data
 
 
-_LineLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    lambda loader, node: loader.construct_mapping(node),
-)
+def _construct_map(loader: _LineLoader, node: Any) -> _Map:
+    return loader.construct_mapping(node)
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
 
 
 @dataclass
@@ -304,8 +306,8 @@ class _Applier:
             before = org.memberships.filter(user=user).values_list("role", flat=True).first()
             self.guard(
                 member,
-                lambda m=member, u=user: membership_set(
-                    org=org, user=u, role=str(m["role"]), actor="catalog"
+                functools.partial(
+                    membership_set, org=org, user=user, role=str(member["role"]), actor="catalog"
                 ),
             )
             changed = changed or before != member["role"]
@@ -330,7 +332,7 @@ class _Applier:
                 raise self.error(f"unknown machine type {grant['machine_type']!r}", grant, "machine_type")
             quota = {k: v for k, v in grant.items() if k != "machine_type"}
             _, grant_changed = self.guard(
-                grant, lambda m=mt, q=quota: grant_upsert(org=org, machine_type=m, **q)
+                grant, functools.partial(grant_upsert, org=org, machine_type=mt, **quota)
             )
             changed = changed or grant_changed
         for entry in self.items(node, "budgets"):

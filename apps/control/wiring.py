@@ -14,6 +14,13 @@ def _schedule_soon(instance: Any = None) -> None:
     enqueue_on_commit(schedule_task)
 
 
+def _job_config_names(job_ids: Any) -> dict[str, str]:
+    from apps.jobs.models import Job
+
+    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name")
+    return {str(pk): name for pk, name in rows}
+
+
 def connect_hooks() -> None:
     from apps.events.services import event_record
     from apps.jobs.acquisition import wake_waiting
@@ -27,3 +34,4 @@ def connect_hooks() -> None:
     hooks.pool_member_left.connect(request_refill)
     hooks.resource_slot_freed.connect(wake_waiting)
     hooks.jobs_to_cancel.connect(jobs_to_cancel)
+    hooks.job_config_names.connect(_job_config_names)

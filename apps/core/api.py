@@ -103,10 +103,10 @@ def exception_handler(exc: Exception, context: dict) -> Response:
             default = exc.default_code if isinstance(exc.default_code, str) else ""
             code = default if default in ErrorCode._value2member_map_ else ErrorCode.ERROR
         response = error_response(exc.status_code, code, str(_flatten(exc.detail)))
-        if getattr(exc, "auth_header", None):
-            response["WWW-Authenticate"] = exc.auth_header
-        if getattr(exc, "wait", None):
-            response["Retry-After"] = str(int(exc.wait))
+        if auth_header := getattr(exc, "auth_header", None):
+            response["WWW-Authenticate"] = auth_header
+        if wait := getattr(exc, "wait", None):
+            response["Retry-After"] = str(int(wait))
         return response
     view = context.get("view")
     log.exception("unhandled error in %s", type(view).__name__ if view else "API view")

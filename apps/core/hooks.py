@@ -67,6 +67,10 @@ resource_slot_freed = Hook(
     "resource_slot_freed",
     "resources → jobs: a resource of type_id= was destroyed; jobs waiting for a slot try again.",
 )
+job_config_names = Hook(
+    "job_config_names",
+    "machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids.",
+)
 jobs_to_cancel = Hook(
     "jobs_to_cancel",
     "machines (agent heartbeat) → jobs: the ids of jobs on this instance its agent must kill.",

@@ -6,6 +6,7 @@ DRF's JSON parser lets ``RecursionError`` (deeply nested JSON) escape; this one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework.exceptions import ParseError
@@ -31,7 +32,9 @@ def _too_deep(value: Any, limit: int) -> bool:
 
 
 class SafeJSONParser(JSONParser):
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+    def parse(
+        self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
+    ) -> Any:
         try:
             data = super().parse(stream, media_type, parser_context)
         except RecursionError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from drf_spectacular.openapi import AutoSchema as _AutoSchema
 from rest_framework import serializers
@@ -11,7 +11,7 @@ from rest_framework import serializers
 class ErrorSerializer(serializers.Serializer):
     code = serializers.CharField(help_text="machine-readable, snake_case")
     detail = serializers.CharField(help_text="a human sentence")
-    fields = serializers.DictField(
+    fields = serializers.DictField(  # type: ignore[assignment]  # the error body's field, not Serializer.fields
         child=serializers.ListField(child=serializers.CharField()),
         required=False,
         help_text="validation errors by field",
@@ -31,7 +31,7 @@ class AutoSchema(_AutoSchema):
         "429": "throttled",
     }
 
-    def _get_response_bodies(self, direction: str = "response") -> dict[str, Any]:
+    def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:
         responses = super()._get_response_bodies(direction)
         error = self._get_response_for_code(ErrorSerializer, "400", direction=direction)
         for code, description in self.ERRORS.items():

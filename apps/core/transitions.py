@@ -52,12 +52,11 @@ def transition(
         changes.setdefault("status_changed_at", timezone.now())
     if from_ is not None:
         allowed = allowed & frozenset(from_)
-    updated = model.objects.filter(pk=pk, **{f"{field}__in": allowed}, **(where or {})).update(
-        **{field: to}, **changes
-    )
+    rows = model._default_manager.filter(pk=pk)
+    updated = rows.filter(**{f"{field}__in": allowed}, **(where or {})).update(**{field: to}, **changes)
     if updated != 1:
-        current = model.objects.filter(pk=pk).values_list(field, flat=True).first()
-        raise InvalidTransition(model._meta.verbose_name.capitalize(), pk, current, to)
+        current = rows.values_list(field, flat=True).first()
+        raise InvalidTransition(str(model._meta.verbose_name).capitalize(), pk, current, to)
 
 
 def change_state(
@@ -89,12 +88,12 @@ def change_state(
         changes[stamp] = now
     with transaction.atomic():
         transition(model, pk, graph=graph, to=to, from_=from_, where=where, **changes)
-        row = model.objects.get(pk=pk)
+        row = model._default_manager.get(pk=pk)
         hooks.record_event(
             kind=event or f"{event_prefix}.{to}",
             actor=actor,
             reason=reason,
-            **row.event_refs(),
+            **row.event_refs(),  # type: ignore[attr-defined]  # every stateful model has it
             **{"status": to, **(event_data or {})},
         )
     return row
@@ -109,11 +108,11 @@ class StateMachine:
     model: type[models.Model]
     graph: Graph
     event_prefix: str
-    stamps: Mapping[str, str] = field(default_factory=dict)
+    stamps: Mapping[Any, str] = field(default_factory=dict)
     # state -> event kind when it is not ``<event_prefix>.<state>``
-    events: Mapping[str, str] = field(default_factory=dict)
+    events: Mapping[Any, str] = field(default_factory=dict)
     # state -> called with (row, now) inside the transaction, after the change
-    on_enter: Mapping[str, Callable[[Any, datetime], None]] = field(default_factory=dict)
+    on_enter: Mapping[Any, Callable[[Any, datetime], None]] = field(default_factory=dict)
 
     def move(
         self,

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import tempfile
 from datetime import timedelta
-from typing import Any, BinaryIO
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -32,7 +32,7 @@ from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
-from catacloud.storage import LocalStore, S3Store, Store, bad_segment
+from catacloud.storage import LocalStore, Readable, S3Store, Store, bad_segment
 
 log = logging.getLogger(__name__)
 J = JobStatus
@@ -79,7 +79,7 @@ class BadUpload(Exception):
     pass
 
 
-def spool_verified(stream: BinaryIO, *, size: int, sha256: str) -> tempfile.SpooledTemporaryFile:
+def spool_verified(stream: Readable, *, size: int, sha256: str) -> tempfile.SpooledTemporaryFile[bytes]:
     """Copy the request body to a spooled temp file, checking its size and SHA-256."""
     digest = hashlib.sha256()
     spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - returned open
@@ -97,7 +97,7 @@ def spool_verified(stream: BinaryIO, *, size: int, sha256: str) -> tempfile.Spoo
     return spool
 
 
-def store_artifact(*, job: Job, kind: str, name: str, body: BinaryIO, size: int, sha256: str) -> Artifact:
+def store_artifact(*, job: Job, kind: str, name: str, body: Readable, size: int, sha256: str) -> Artifact:
     """Verify and store one upload (no transaction open during the store write), then record it."""
     spool = spool_verified(body, size=size, sha256=sha256)
     key = artifact_key(job, kind, name)

@@ -144,7 +144,7 @@ def jobs_time_out(*, now: datetime) -> int:
     grace = timedelta(seconds=max(60.0, settings.CATACLOUD_AGENT_LOST_AFTER))
     count = 0
     for job in Job.objects.filter(status=J.RUNNING, started_at__isnull=False).select_related("config")[:500]:
-        if job.started_at + timedelta(seconds=job.timeout_seconds) + grace > now:
+        if job.started_at is None or job.started_at + timedelta(seconds=job.timeout_seconds) + grace > now:
             continue
         with transaction.atomic():
             moved = JOB_STATES.try_move(

@@ -199,7 +199,8 @@ def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
         .filter(recency__lte=placement.RECENT_RUNS)
         .values_list("config_id", "started_at", "finished_at")
     ):
-        recent[config_id].append((finished - started).total_seconds())
+        if started is not None and finished is not None:  # filtered above; the type cannot tell
+            recent[config_id].append((finished - started).total_seconds())
     horizon = (now + timedelta(seconds=grant.max_wait_seconds)).timestamp()
     return placement.free_soon(
         (

@@ -101,7 +101,7 @@ NO_BUDGET = BudgetCheck(None, "")
 
 def budget_sentence(budget: Budget, spend: Decimal) -> str:
     when = "today" if budget.period == BudgetPeriod.DAY else "this month"
-    scope = f" for {budget.machine_type.name}" if budget.machine_type_id else ""
+    scope = f" for {budget.machine_type.name}" if budget.machine_type is not None else ""
     shown = spend.quantize(CENT, rounding=ROUND_HALF_UP)
     return f"budget {shown}/{budget.amount.quantize(CENT)} {settings.CATACLOUD_CURRENCY} {when}{scope}"
 
@@ -163,7 +163,7 @@ def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, acto
         amount=str(budget.amount),
         currency=settings.CATACLOUD_CURRENCY,
         period=budget.period,
-        machine_type=budget.machine_type.name if budget.machine_type_id else None,
+        machine_type=budget.machine_type.name if budget.machine_type is not None else None,
     )
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Model
+from django.db.models import Field, Model
 from django.utils import timezone
 
 from apps.core.db import fetch_one_prepared
@@ -35,7 +35,9 @@ _POOLS = MachineInstance._meta.get_field("pool").related_model._meta.db_table
 
 
 def _col(model: type[Model], name: str) -> str:
-    return connection.ops.quote_name(model._meta.get_field(name).column)
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field) and field.column  # a concrete column, checked at import
+    return connection.ops.quote_name(field.column)
 
 
 # The event each claim appends, in the statement: (Event field, SQL value) pairs.
@@ -148,5 +150,6 @@ def claim(
         return claim_id, None
     instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
     # What an answer names besides the row (the acquire endpoint needs no second query).
-    instance.machine_type_name, instance.provider_kind = row[len(_ATTNAMES)], row[len(_ATTNAMES) + 1]
+    instance.machine_type_name = row[len(_ATTNAMES)]  # type: ignore[attr-defined]
+    instance.provider_kind = row[len(_ATTNAMES) + 1]  # type: ignore[attr-defined]
     return claim_id, instance

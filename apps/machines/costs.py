@@ -19,10 +19,10 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from django.apps import apps as django_apps
 from django.conf import settings
 from django.db.models import Q
 
+from apps.core import hooks
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, MachineType
 from catacloud.policy.attribution import JOB, KINDS, MICRO, TAIL, Attribution, Hold, attribute
@@ -193,12 +193,7 @@ def part_rows(*, org: Any, start: datetime, end: datetime, now: datetime) -> lis
         for p in mc.attribution.parts
         if p.kind == JOB and not p.ref.startswith("claim:")
     }
-    # jobs sit above machines: looked up by name, not imported (the layer rule)
-    job_model = django_apps.get_model("jobs", "Job")
-    configs = dict(
-        job_model.objects.filter(pk__in=job_ids).values_list("pk", "config__name") if job_ids else []
-    )
-    configs = {str(k): v for k, v in configs.items()}
+    configs: dict[str, str] = hooks.job_config_names(job_ids) if job_ids else {}
     rows = []
     for mc in costs:
         if mc.start is None:
@@ -213,7 +208,7 @@ def part_rows(*, org: Any, start: datetime, end: datetime, now: datetime) -> lis
                 PartRow(
                     instance_id=inst.pk,
                     machine_type=inst.machine_type.name,
-                    pool=inst.pool.name if inst.pool_id else None,
+                    pool=inst.pool.name if inst.pool is not None else None,
                     kind=p.kind,
                     job_id=job_id,
                     config=configs.get(job_id) if job_id else None,
@@ -278,9 +273,13 @@ def cost_report(*, org: Any, start: datetime, end: datetime, group_by: str, now:
 
 def job_cost(job: Any, *, now: datetime) -> dict[str, Any]:
     """A job's share of every machine it held (a requeued job may have held several)."""
-    instance_ids = set(
-        Event.objects.filter(job_id=job.pk, kind__in=CLAIM_KINDS).values_list("instance_id", flat=True)
-    )
+    instance_ids = {
+        pk
+        for pk in Event.objects.filter(job_id=job.pk, kind__in=CLAIM_KINDS).values_list(
+            "instance_id", flat=True
+        )
+        if pk is not None
+    }
     instances = MachineInstance.objects.filter(pk__in=instance_ids).select_related("machine_type")
     machines = []
     total = Decimal(0)

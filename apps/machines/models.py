@@ -235,5 +235,5 @@ class Budget(models.Model):
         ]
 
     def __str__(self) -> str:
-        scope = self.machine_type.name if self.machine_type_id else "all machine types"
+        scope = self.machine_type.name if self.machine_type is not None else "all machine types"
         return f"{self.org}: {self.amount} per {self.period} ({scope})"

@@ -122,23 +122,23 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
 
     # 2. Database → cloud.
     for instance_id, row in list(live_rows.items())[: BATCH * 5]:
-        machine = by_instance.get(instance_id)
+        at_provider = by_instance.get(instance_id)
         status = row["status"]
         if status == S.PROVISIONING and not row["provider_id"]:
             started = row["provisioning_started_at"] or row["created_at"]
             if now - started < grace:
                 continue
-            if machine is not None:
-                _adopt(instance_id, machine, report)
+            if at_provider is not None:
+                _adopt(instance_id, at_provider, report)
             else:
                 _not_created(instance_id, report)
-        elif status in (S.WARMING, S.READY, S.CLAIMED) and machine is None:
+        elif status in (S.WARMING, S.READY, S.CLAIMED) and at_provider is None:
             lost = instance_mark_lost(
                 instance_id=instance_id, actor="reconciler", reason="the machine is gone at the provider"
             )
             if lost is not None:
                 report.lost.append(instance_id)
-        elif status == S.TERMINATING and row["provider_id"] and machine is None:
+        elif status == S.TERMINATING and row["provider_id"] and at_provider is None:
             # Deleted already but the task died before recording it.
             with contextlib.suppress(InvalidTransition), transaction.atomic():
                 ended = INSTANCE_STATES.move(
@@ -149,7 +149,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                     reason="machine already gone",
                 )
                 instance_gone(ended)
-        elif status == S.TERMINATING and machine is not None:
+        elif status == S.TERMINATING and at_provider is not None:
             from apps.machines.tasks import terminate_instance_task
 
             enqueue(terminate_instance_task, instance_id)

@@ -28,7 +28,7 @@ def provision_instance_task(self: Task, instance_id: str) -> None:
     try:
         lifecycle.instance_provision(instance_id=instance_id)
     except ProviderError as exc:
-        if exc.retryable and self.request.retries < self.max_retries:
+        if exc.retryable and self.request.retries < MAX_RETRIES:
             log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
             raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
         lifecycle.instance_fail(instance_id=instance_id, reason=f"{exc.code}: {exc}")

@@ -24,7 +24,7 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 def _columns(model: type[Model], alias: str) -> tuple[str, list[str]]:
     fields = model._meta.concrete_fields
-    return ", ".join(f"{alias}.{connection.ops.quote_name(f.column)}" for f in fields), [
+    return ", ".join(f"{alias}.{connection.ops.quote_name(str(f.column))}" for f in fields), [
         f.attname for f in fields
     ]
 
@@ -57,7 +57,7 @@ def token_lookup(token_hash: str) -> ApiToken | None:
     token = ApiToken.from_db(connection.alias, token_names, row[:n_token])
     token.user = get_user_model().from_db(connection.alias, user_names, row[n_token : n_token + n_user])
     token.org = Organization.from_db(connection.alias, org_names, row[n_token + n_user : -1])
-    token.member_role = row[-1]
+    token.member_role = row[-1]  # type: ignore[attr-defined]  # the caller's role, from the join
     return token
 
 

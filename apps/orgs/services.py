@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
@@ -25,7 +25,7 @@ def _role(role: str) -> Role:
 
 
 @transaction.atomic
-def membership_set(*, org: Organization, user: AbstractBaseUser, role: str, actor: str = "") -> Membership:
+def membership_set(*, org: Organization, user: User, role: str, actor: str = "") -> Membership:
     """Give ``user`` the ``role`` in ``org`` (creating the membership if needed)."""
     role = _role(role)
     membership, changed = Membership.objects.get_or_create(org=org, user=user, defaults={"role": role})
@@ -38,7 +38,7 @@ def membership_set(*, org: Organization, user: AbstractBaseUser, role: str, acto
     return membership
 
 
-def user_get_or_create(*, username: str) -> AbstractBaseUser:
+def user_get_or_create(*, username: str) -> User:
     user, _ = get_user_model().objects.get_or_create(username=username)
     return user
 
@@ -47,7 +47,7 @@ def user_get_or_create(*, username: str) -> AbstractBaseUser:
 def api_token_create(
     *,
     org: Organization,
-    user: AbstractBaseUser,
+    user: User,
     name: str = "",
     role: str = "",
     expires_at: datetime | None = None,

@@ -34,9 +34,8 @@ def release_for_job(*, job_id: Any, reason: str) -> int:
         if RESOURCE_STATES.try_move(resource_id, to=R.RELEASING, actor="releaser", reason=reason) is None:
             continue
         released.append(str(resource_id))
-    if released:
-        for resource_id in released:
-            enqueue_on_commit(destroy_resource_task, resource_id)
+    for released_id in released:
+        enqueue_on_commit(destroy_resource_task, released_id)
     return len(released)
 
 
@@ -93,6 +92,6 @@ def resources_converge(*, now: Any = None) -> dict[str, int]:
     releasing = [
         str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
     ]
-    for resource_id in releasing:
-        enqueue(destroy_resource_task, resource_id)
+    for releasing_id in releasing:
+        enqueue(destroy_resource_task, releasing_id)
     return {"destroying": len(releasing)}

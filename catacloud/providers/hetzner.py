@@ -20,6 +20,7 @@ times with exponential backoff, then raises the typed error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import threading
@@ -178,16 +179,17 @@ class HetznerProvider(Provider):
         else:
             actions = []
         for pending in actions:
-            failure = self._retrying(lambda a=pending: _wait(a))
+            failure = self._retrying(functools.partial(_wait, pending))
             if failure is not None:
                 # The server exists but did not come up: remove it, report by the action's error.
                 with contextlib.suppress(ProviderError):  # else the reconciler deletes it later
-                    self._delete(server.id)
+                    self._delete(_server_id(server))
                 code = str(failure.get("code", ""))
                 cls = ERROR_CODES.get(code, Transient)
                 raise cls(f"hetzner: creating {spec.name} failed: {failure.get('message', '')} ({code})")
         if actions:
-            server = self._retrying(lambda: self.client.servers.get_by_id(server.id))
+            server_id = _server_id(server)
+            server = self._retrying(lambda: self.client.servers.get_by_id(server_id))
         return self._machine(server)
 
     def get(self, provider_id: str) -> ProviderMachine:
@@ -240,7 +242,7 @@ class HetznerProvider(Provider):
         if self.map_state(server.status or "unknown") is MachineState.STOPPING:
             # Left over by a failed attempt (its create action failed, or it was powered off):
             # never hand that out. Remove it so the retry creates a fresh server.
-            self._delete(server.id)
+            self._delete(_server_id(server))
             raise Transient(f"hetzner: removed broken leftover {spec.name} ({server.status}); retry")
         return server, None
 
@@ -322,3 +324,10 @@ def _wait(action: BoundAction) -> dict[str, Any] | None:
     except ActionFailedException as exc:
         return dict(exc.action.error or {"code": "action_failed", "message": "action failed"})
     return None
+
+
+def _server_id(server: Any) -> int:
+    """A server the API returned always has an id (hcloud types it as optional)."""
+    if server.id is None:
+        raise Transient("hetzner: a server without an id in the API's answer")
+    return int(server.id)

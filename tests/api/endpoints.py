@@ -51,7 +51,7 @@ def make_objects(world: World) -> dict[str, str]:
     config = JobConfiguration.objects.create(
         org=world.org, name="build", machine_type=world.machine_type, command="make"
     )
-    event = event_record(kind="test.made", org=world.org, actor="test")
+    event = event_record(kind="org.member_set", org=world.org, actor="test")
     pool = InstancePool.objects.create(
         org=world.org, name="warm", machine_type=world.machine_type, target_size=1, max_size=2, status="ready"
     )

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
 from apps.jobs.models import Artifact, Job, JobConfiguration
@@ -112,9 +114,11 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
     def get_secret_env_keys(self, obj: Job) -> list[str]:
         return sorted({*obj.config.secret_env, *obj.secret_env})
 
-    config = serializers.PrimaryKeyRelatedField(read_only=True)
+    config: serializers.PrimaryKeyRelatedField[Any] = serializers.PrimaryKeyRelatedField(read_only=True)
     config_name = serializers.CharField(source="config.name", read_only=True)
-    machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    machine_type: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
     instance = serializers.UUIDField(source="instance_id", read_only=True, allow_null=True)
 
     class Meta:
@@ -163,7 +167,7 @@ class LogChunkSerializer(serializers.Serializer):
     attempt = serializers.IntegerField()
     seq = serializers.IntegerField()
     stream = serializers.CharField()
-    data = serializers.CharField()
+    data = serializers.CharField()  # type: ignore[assignment]  # the chunk's text, not Serializer.data
 
 
 class JobLogsSerializer(serializers.Serializer):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -31,7 +33,9 @@ class QuotaSerializer(serializers.ModelSerializer):
 
 class MachineTypeSerializer(serializers.ModelSerializer):
     provider = serializers.CharField(source="provider_account.kind", read_only=True)
-    required_privilege = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    required_privilege: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True, allow_null=True
+    )
     quota = serializers.SerializerMethodField()
     usable = serializers.SerializerMethodField(help_text="false when the org lacks the required privilege")
 
@@ -70,7 +74,9 @@ class MachineTypeSerializer(serializers.ModelSerializer):
 
 
 class InstanceSerializer(serializers.ModelSerializer):
-    machine_type = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    machine_type: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
     machine_type_id = serializers.UUIDField(read_only=True)
     provider = serializers.CharField(source="provider_account.kind", read_only=True)
     pool = serializers.UUIDField(source="pool_id", read_only=True, allow_null=True)

@@ -210,7 +210,7 @@ class BudgetSerializer(serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         # only the org's machine types exist for it (another org's type: "does not exist")
         org = self.context.get("org")
-        self.fields["machine_type"].queryset = MachineType.objects.filter(
+        self.fields["machine_type"].queryset = MachineType.objects.filter(  # type: ignore[attr-defined]
             pk__in=OrgMachineType.objects.filter(org=org).values("machine_type_id")
         )
 

@@ -69,7 +69,7 @@ def org_context(request: Request) -> OrgContext:
     if cached is not None:
         return cached
     token = request.auth if isinstance(request.auth, ApiToken) else None
-    user = request.user
+    user: Any = request.user  # authenticated: RolePermission checked it
     if token is not None and hasattr(token, "member_role"):
         # Resolved by the bearer authentication's own query (the hot path: no second one).
         membership = (
@@ -92,7 +92,7 @@ def org_context(request: Request) -> OrgContext:
     if token is not None and token.role and ROLE_RANK[Role(token.role)] < ROLE_RANK[role]:
         role = Role(token.role)
     ctx = OrgContext(org=membership.org, role=role, token=token)
-    request._catacloud_ctx = ctx
+    request._catacloud_ctx = ctx  # type: ignore[attr-defined]
     return ctx
 
 
@@ -107,7 +107,7 @@ class RolePermission(permissions.BasePermission):
         ctx = org_context(request)
         if ctx.job_scope is not None and not getattr(view, "job_scoped_access", False):
             return False
-        needed = view.required_role(request)
+        needed = view.required_role(request)  # type: ignore[attr-defined]  # an OrgScopedViewSet
         if not ctx.allows(needed):
             raise exceptions.PermissionDenied(f"this needs the {needed} role; you are {ctx.role}")
         return True
@@ -116,7 +116,7 @@ class RolePermission(permissions.BasePermission):
 class OrgScopedViewSet(viewsets.GenericViewSet):
     """Base of every tenant viewset: querysets, lists and actions see only the caller's org."""
 
-    permission_classes: ClassVar[list] = [RolePermission]
+    permission_classes = [RolePermission]
     org_field: ClassVar[str] = "org"
     # action -> minimum role; anything unlisted: safe methods need viewer, others admin.
     required_roles: ClassVar[dict[str, str]] = {}
@@ -140,9 +140,9 @@ class OrgScopedViewSet(viewsets.GenericViewSet):
     # Set on views whose serializers tell whether the org holds a type's required privilege.
     needs_privileges: ClassVar[bool] = False
 
-    def get_serializer_context(self) -> dict:
+    def get_serializer_context(self) -> dict[str, Any]:
         """Serializers see the caller's org (to look up related objects only within it)."""
-        context = super().get_serializer_context()
+        context = dict(super().get_serializer_context())
         if not getattr(self, "swagger_fake_view", False) and self.request.user.is_authenticated:
             context["org"] = self.ctx.org
             if self.needs_privileges:

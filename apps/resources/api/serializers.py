@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
 from apps.resources.models import ResourceInstance, ResourceType
 
 
 class ResourceTypeSerializer(serializers.ModelSerializer):
-    required_privilege = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    required_privilege: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True, allow_null=True
+    )
     in_use = serializers.IntegerField(
         read_only=True, help_text="live instances counting against max_instances"
     )
@@ -26,7 +30,9 @@ class ResourceTypeSerializer(serializers.ModelSerializer):
 class ResourceSerializer(serializers.ModelSerializer):
     """A resource instance. Its secret part is never shown here (only the job reads it)."""
 
-    resource_type = serializers.SlugRelatedField(slug_field="id", read_only=True)
+    resource_type: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="id", read_only=True
+    )
     job = serializers.UUIDField(source="job_id", read_only=True, allow_null=True)
 
     class Meta:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.control.catalog import CatalogError, apply_file
@@ -12,8 +14,8 @@ class Command(BaseCommand):
         parser.add_argument("file", nargs="+", help="YAML catalog file(s), applied in order, each atomically")
         parser.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
 
-    def handle(self, *args: object, **options: object) -> None:
-        for path in options["file"]:  # type: ignore[union-attr]
+    def handle(self, *args: Any, **options: Any) -> None:
+        for path in options["file"]:
             try:
                 report = apply_file(path, dry_run=bool(options["dry_run"]))
             except CatalogError as exc:

@@ -45,6 +45,8 @@ class Command(BaseCommand):
             writer.writerow(["submit_time_seconds", "duration_seconds", "config"])
             first = rows[0][0] if rows else None
             for queued, started, finished, config in rows:
+                if first is None or started is None or finished is None:
+                    continue  # the query keeps finished jobs only; the types cannot tell
                 writer.writerow(
                     [
                         f"{(queued - first).total_seconds():.1f}",
