@@ -18,7 +18,7 @@ from rest_framework.response import Response
 
 from apps.core.errors import ValidationFailed
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
-from apps.machines.budgets import budget_set, budget_spend, period_start
+from apps.machines.budgets import budget_set, budget_spends, period_start
 from apps.machines.choices import InstanceStatus
 from apps.machines.costs import GROUPS, cost_report, instance_cost
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
@@ -204,7 +204,8 @@ class BudgetSerializer(serializers.ModelSerializer):
         return settings.CATACLOUD_CURRENCY
 
     def get_spend(self, obj: Budget) -> str:
-        return str(budget_spend(obj, now=timezone.now()).quantize(Decimal("0.01")))
+        spends = self.context.get("spends") or budget_spends([obj], now=timezone.now())
+        return str(spends[obj.pk].quantize(Decimal("0.01")))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -222,6 +223,13 @@ class BudgetViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMode
     queryset = Budget.objects.select_related("machine_type")
     serializer_class = BudgetSerializer
     ordering = ("period",)
+
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        budgets = list(page if page is not None else self.filter_queryset(self.get_queryset()))
+        context = {**self.get_serializer_context(), "spends": budget_spends(budgets, now=timezone.now())}
+        data = BudgetSerializer(budgets, many=True, context=context).data
+        return self.get_paginated_response(data) if page is not None else Response(data)
 
     @extend_schema(request=BudgetSerializer, responses={201: BudgetSerializer})
     def create(self, request: Request) -> Response:
