@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.machines.api.serializers import InstanceSerializer, OrgMachineTypeField
+from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool, PoolSchedule
+
+
+def live_members() -> QuerySet[MachineInstance]:
+    """A pool's members an answer shows: every one not ended, oldest first."""
+    return MachineInstance.objects.exclude(status__in=INSTANCE_TERMINAL).order_by("created_at")
 
 
 class MemberSerializer(serializers.ModelSerializer):
@@ -71,11 +78,12 @@ class PoolSerializer(serializers.ModelSerializer):
         read_only_fields = ("id", "status", "limit_reason", "created_at", "updated_at", "drained_at")
 
     def _members(self, obj: InstancePool) -> list[MachineInstance]:
+        prefetched = getattr(obj, "live_members", None)  # PoolViewSet: one query for the page
+        if prefetched is not None:
+            return prefetched
         cache = self.context.setdefault("_members", {})
         if obj.pk not in cache:
-            cache[obj.pk] = list(
-                obj.members.exclude(status__in=["terminated", "failed", "lost"]).order_by("created_at")
-            )
+            cache[obj.pk] = list(live_members().filter(pool=obj))
         return cache[obj.pk]
 
     def get_member_count(self, obj: InstancePool) -> int:

@@ -4,6 +4,7 @@ import uuid
 
 import django_filters
 from django.db import transaction
+from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
@@ -21,6 +22,7 @@ from apps.pools.api.serializers import (
     DrainOut,
     PoolSerializer,
     PoolUpdateSerializer,
+    live_members,
 )
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
@@ -56,7 +58,9 @@ class PoolViewSet(
 ):
     """Warm pools: keep target_size machines ready; acquire one in milliseconds."""
 
-    queryset = InstancePool.objects.select_related("machine_type").prefetch_related("schedules")
+    queryset = InstancePool.objects.select_related("machine_type").prefetch_related(
+        "schedules", Prefetch("members", queryset=live_members(), to_attr="live_members")
+    )
     serializer_class = PoolSerializer
     filterset_class = PoolFilter
     ordering_fields = ("name", "created_at", "target_size")
