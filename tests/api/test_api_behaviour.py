@@ -142,6 +142,32 @@ def test_a_config_in_use_cannot_be_deleted(world: World) -> None:
     assert JobConfiguration.objects.filter(pk=config.pk).exists()
 
 
+def test_a_job_is_submitted_by_configuration_name_or_id_within_the_org(world: World) -> None:
+    from apps.jobs.models import Job
+
+    mine = JobConfiguration.objects.create(
+        org=world.org, name="nightly", machine_type=world.machine_type, command="make"
+    )
+    theirs = JobConfiguration.objects.create(
+        org=world.other_org, name="theirs", machine_type=world.machine_type, command="x"
+    )
+    member = world.client("member")
+    by_name = member.post("/api/v1/jobs/", {"config": "nightly", "env": {"K": "v"}}, format="json")
+    assert by_name.status_code == 201, by_name.content
+    assert by_name.json()["config"] == str(mine.pk) and by_name.json()["config_name"] == "nightly"
+    assert by_name.json()["env"] == {"K": "v"}
+    by_id = member.post("/api/v1/jobs/", {"config": str(mine.pk)}, format="json")
+    assert by_id.status_code == 201 and by_id.json()["config"] == str(mine.pk)
+    # Unknown names, and another org's configuration by name or by id, are the same 400.
+    for ref in ("no-such-config", "theirs", str(theirs.pk)):
+        response = member.post("/api/v1/jobs/", {"config": ref}, format="json")
+        assert response.status_code == 400, response.content
+        assert response.json()["code"] == "unknown_config"
+        assert response.json()["fields"] == {"config": ["does not exist"]}
+    assert Job.objects.filter(org=world.org).count() == 2
+    assert not Job.objects.filter(org=world.other_org).exists()
+
+
 def test_unknown_api_paths_and_crashes_answer_json(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.machines.api import views
 
