@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -194,6 +197,31 @@ def test_schema_and_docs_are_served(world: World) -> None:
     assert "/api/v1/job-configs/" in paths and "/api/v1/events/" in paths
     assert "bearerAuth" in schema.json()["components"]["securitySchemes"]
     assert client.get("/api/docs/").status_code == 200
+
+
+@pytest.mark.parametrize("page", ["/api/docs/", "/api/redoc/"])
+def test_api_docs_load_only_our_own_assets_and_we_serve_them(
+    world: World, page: str, tmp_path: Path, settings: Any
+) -> None:
+    """Swagger UI and ReDoc work offline: no CDN, no web fonts; every script, stylesheet and
+    icon the page names is served by us (whitenoise from STATIC_ROOT after collectstatic, as
+    `make dev` and compose do)."""
+    from django.test import Client
+
+    settings.STATIC_ROOT = str(tmp_path / "static")
+    call_command("collectstatic", "--noinput", verbosity=0)
+    client = Client()  # a new client: whitenoise indexes STATIC_ROOT when it starts
+    html = client.get(page).content.decode()
+    assets = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+    assert any(a.endswith(".js") for a in assets), html
+    assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", html, re.IGNORECASE), "an external URL"
+    for url in assets:
+        assert url.startswith("/static/drf_spectacular_sidecar/"), url
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert b"".join(response.streaming_content if response.streaming else [response.content]), url
+    spec = client.get(re.search(r"""(?:spec-url=|url:\s*)["']([^"']+)["']""", html).group(1) + "?format=json")
+    assert spec.status_code == 200 and "/api/v1/jobs/" in spec.json()["paths"]
 
 
 def test_metrics_count_requests(world: World) -> None:
