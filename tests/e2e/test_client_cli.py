@@ -18,7 +18,7 @@ from apps.jobs.models import Job
 from apps.machines.models import MachineInstance
 from tests.conftest import World
 from tests.e2e.conftest import Stack
-from tests.e2e.test_jobs_and_agent import job_config
+from tests.e2e.test_jobs_and_agent import _agent_process, job_config
 from tests.support.processes import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -136,6 +136,33 @@ def test_logs_follow_a_running_job_until_it_is_cancelled(stack: Stack, cli: Cli)
     assert f"job {job_id} cancelled" in err.read_text()
     assert out.read_text().count("started") == 1  # each line once
     assert Job.objects.get(pk=job_id).status == "cancelled"
+
+
+def test_follow_carries_on_across_a_requeue(stack: Stack, cli: Cli) -> None:
+    """The machine dies mid-job: the job is requeued and finishes elsewhere; --follow shows
+    both attempts' output, once each, and ends with the job's success."""
+    job_config(
+        stack,
+        "resilient",
+        'echo attempt-$CATACLOUD_ATTEMPT; if [ "$CATACLOUD_ATTEMPT" = 1 ]; then sleep 300; fi; echo finished',
+    )
+    out, err = cli.tmp / "follow.out", cli.tmp / "follow.err"
+    args = ("jobs", "submit", "--config", "resilient", "--follow")
+    follower = cli.popen(stack.world.tokens["member"], *args, out=out, err=err)
+    try:
+        wait_for(lambda: "attempt-1" in out.read_text(), 60, "the first attempt's output", 0.2)
+        agent = _agent_process(str(Job.objects.get().instance_id))
+        for process in [*agent.children(recursive=True), agent]:
+            process.kill()  # the machine dies: no goodbye
+        assert follower.wait(timeout=120) == 0, err.read_text()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert out.read_text() == "attempt-1\nattempt-2\nfinished\n"
+    progress = err.read_text()
+    assert "--- attempt 2 ---" in progress and "succeeded" in progress
+    job = Job.objects.get()
+    assert job.status == "succeeded" and job.attempt == 2
 
 
 def test_pools_ls_acquire_and_release(stack: Stack, cli: Cli) -> None:
