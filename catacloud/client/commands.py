@@ -117,6 +117,9 @@ def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `catacloud jobs ls | head -3`: the reader has gone, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def show_error(exc: ApiError, args: argparse.Namespace) -> None:
