@@ -34,16 +34,26 @@ class ApiError(Exception):
         return body
 
 
+class BearerAuth(requests.auth.AuthBase):
+    """The token as ``Authorization: Bearer``. Given as the session's ``auth`` (not a default
+    header), so a ~/.netrc entry for the host cannot replace it, and ``requests`` drops it when
+    a redirect leaves the API's host (a presigned artifact URL)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+        request.headers["Authorization"] = f"Bearer {self.token}"
+        return request
+
+
 class Api:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.session = requests.Session()
+        self.session.auth = BearerAuth(config.token)
         self.session.headers.update(
-            {
-                "Authorization": f"Bearer {config.token}",
-                "Accept": "application/json",
-                "User-Agent": f"catacloud-cli/{__version__}",
-            }
+            {"Accept": "application/json", "User-Agent": f"catacloud-cli/{__version__}"}
         )
 
     def _url(self, path: str) -> str:
