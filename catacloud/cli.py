@@ -1,4 +1,5 @@
-"""The ``catacloud`` command: embedded services, the dev runner, and (on machines) the agent."""
+"""The ``catacloud`` command: embedded services, the dev runner, (on machines) the agent, and
+the client of the REST API (``jobs``, ``pools``, ``artifacts``)."""
 
 from __future__ import annotations
 
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from catacloud.simulate import add_simulate_command
 
     add_simulate_command(sub)
+    from catacloud.client.commands import add_client_commands
+
+    add_client_commands(sub)  # `catacloud jobs|pools|artifacts …`: the client of the REST API
     return parser
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from apps.control.urls import agent_urls
 from apps.core.views import healthz, metrics_view
@@ -19,6 +19,11 @@ urlpatterns = [
     path("api/agent/v1/", include(agent_urls())),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
+    path(
+        "api/redoc/",
+        SpectacularRedocView.as_view(url_name="schema", template_name="core/redoc.html"),
+        name="redoc",
+    ),
 ]
 
 handler404 = "apps.core.views.not_found"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -142,6 +145,32 @@ def test_a_config_in_use_cannot_be_deleted(world: World) -> None:
     assert JobConfiguration.objects.filter(pk=config.pk).exists()
 
 
+def test_a_job_is_submitted_by_configuration_name_or_id_within_the_org(world: World) -> None:
+    from apps.jobs.models import Job
+
+    mine = JobConfiguration.objects.create(
+        org=world.org, name="nightly", machine_type=world.machine_type, command="make"
+    )
+    theirs = JobConfiguration.objects.create(
+        org=world.other_org, name="theirs", machine_type=world.machine_type, command="x"
+    )
+    member = world.client("member")
+    by_name = member.post("/api/v1/jobs/", {"config": "nightly", "env": {"K": "v"}}, format="json")
+    assert by_name.status_code == 201, by_name.content
+    assert by_name.json()["config"] == str(mine.pk) and by_name.json()["config_name"] == "nightly"
+    assert by_name.json()["env"] == {"K": "v"}
+    by_id = member.post("/api/v1/jobs/", {"config": str(mine.pk)}, format="json")
+    assert by_id.status_code == 201 and by_id.json()["config"] == str(mine.pk)
+    # Unknown names, and another org's configuration by name or by id, are the same 400.
+    for ref in ("no-such-config", "theirs", str(theirs.pk)):
+        response = member.post("/api/v1/jobs/", {"config": ref}, format="json")
+        assert response.status_code == 400, response.content
+        assert response.json()["code"] == "unknown_config"
+        assert response.json()["fields"] == {"config": ["does not exist"]}
+    assert Job.objects.filter(org=world.org).count() == 2
+    assert not Job.objects.filter(org=world.other_org).exists()
+
+
 def test_unknown_api_paths_and_crashes_answer_json(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.machines.api import views
 
@@ -168,6 +197,31 @@ def test_schema_and_docs_are_served(world: World) -> None:
     assert "/api/v1/job-configs/" in paths and "/api/v1/events/" in paths
     assert "bearerAuth" in schema.json()["components"]["securitySchemes"]
     assert client.get("/api/docs/").status_code == 200
+
+
+@pytest.mark.parametrize("page", ["/api/docs/", "/api/redoc/"])
+def test_api_docs_load_only_our_own_assets_and_we_serve_them(
+    world: World, page: str, tmp_path: Path, settings: Any
+) -> None:
+    """Swagger UI and ReDoc work offline: no CDN, no web fonts; every script, stylesheet and
+    icon the page names is served by us (whitenoise from STATIC_ROOT after collectstatic, as
+    `make dev` and compose do)."""
+    from django.test import Client
+
+    settings.STATIC_ROOT = str(tmp_path / "static")
+    call_command("collectstatic", "--noinput", verbosity=0)
+    client = Client()  # a new client: whitenoise indexes STATIC_ROOT when it starts
+    html = client.get(page).content.decode()
+    assets = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+    assert any(a.endswith(".js") for a in assets), html
+    assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", html, re.IGNORECASE), "an external URL"
+    for url in assets:
+        assert url.startswith("/static/drf_spectacular_sidecar/"), url
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert b"".join(response.streaming_content if response.streaming else [response.content]), url
+    spec = client.get(re.search(r"""(?:spec-url=|url:\s*)["']([^"']+)["']""", html).group(1) + "?format=json")
+    assert spec.status_code == 200 and "/api/v1/jobs/" in spec.json()["paths"]
 
 
 def test_metrics_count_requests(world: World) -> None:

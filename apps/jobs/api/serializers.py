@@ -154,7 +154,11 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
 
 
 class JobSubmitSerializer(serializers.Serializer):
-    config = serializers.UUIDField(help_text="id of a job configuration of your organization")
+    config = serializers.CharField(
+        max_length=100,
+        help_text="id or name of a job configuration of your organization (an unknown one answers 400 "
+        "unknown_config)",
+    )
     env = serializers.DictField(
         child=serializers.CharField(allow_blank=True, max_length=32768),
         required=False,

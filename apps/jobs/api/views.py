@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import django_filters
@@ -88,6 +89,25 @@ class JobFilter(OrgScopedFilterSet):
         fields = ("status", "config", "config_name", "machine_type", "instance")
 
 
+def _config_by_id_or_name(*, org: Any, ref: str) -> JobConfiguration:
+    """The caller's org's configuration with this id or, failing that, this name (names are
+    unique in an org; a name that looks like an id is still found by name)."""
+    configs = JobConfiguration.objects.filter(org=org)
+    try:
+        config = configs.filter(pk=uuid.UUID(ref)).first()
+    except ValueError:
+        config = None
+    if config is None:
+        config = configs.filter(name=ref).first()
+    if config is None:
+        raise ValidationFailed(
+            f"config: no job configuration with id or name {ref!r}",
+            fields={"config": ["does not exist"]},
+            code="unknown_config",
+        )
+    return config
+
+
 class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     """Runs of job configurations. Members submit and cancel; viewers read."""
 
@@ -127,9 +147,7 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
         body = JobSubmitSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        config = JobConfiguration.objects.filter(org=self.ctx.org, pk=body.validated_data["config"]).first()
-        if config is None:
-            raise ValidationFailed("config: no such job configuration", fields={"config": ["does not exist"]})
+        config = _config_by_id_or_name(org=self.ctx.org, ref=body.validated_data["config"])
         with transaction.atomic():  # the secret env is there before any agent can see the job
             job = job_submit(
                 org=self.ctx.org,

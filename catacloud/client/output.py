@@ -1,0 +1,77 @@
+"""Output for people (aligned tables, ages, durations) and for scripts (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+
+def print_json(data: Any, out: TextIO | None = None) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True, default=str), file=out or sys.stdout)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    out = out or sys.stdout
+    for row in [list(headers), *cells]:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip(), file=out)
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    return str(value).replace("\n", " ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h10m``, ``4d3h``: what people read at a glance."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def age(value: str | None, now: datetime | None = None) -> str:
+    when = parse_time(value)
+    if when is None:
+        return "-"
+    return duration(((now or datetime.now(UTC)) - when).total_seconds())
+
+
+def between(start: str | None, end: str | None, now: datetime | None = None) -> float | None:
+    """Seconds from ``start`` to ``end`` (to now while ``end`` is unknown)."""
+    a = parse_time(start)
+    if a is None:
+        return None
+    b = parse_time(end) or (now or datetime.now(UTC))
+    return (b - a).total_seconds()
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
