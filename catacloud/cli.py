@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from catacloud.supervisor import Program
@@ -64,7 +69,8 @@ def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int
     # agents hold a thread while they long-poll for work
     gunicorn += ["--workers", "2", "--threads", "32", "--access-logfile", "-"]
     return [
-        Program("web", gunicorn, env=env, cwd=str(ROOT)),
+        # SIGINT is gunicorn's quick shutdown: Ctrl-C does not wait out agents' long polls.
+        Program("web", gunicorn, env=env, cwd=str(ROOT), stop_signal=signal.SIGINT),
         Program(
             "worker", [*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"], env, str(ROOT)
         ),
@@ -82,20 +88,39 @@ def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int
 
 def cmd_dev(args: argparse.Namespace) -> int:
     """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
-    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything."""
+    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0."""
     from catacloud import embedded
     from catacloud.supervisor import Supervisor
 
+    started = time.monotonic()
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
     services = embedded.services_up()
+    home = Path(services.env["CATACLOUD_HOME"])
+    # prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
+    # their counters here and each scrape sums them; fresh at every start.
+    metrics_dir = home / "prometheus"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
     env = {
         **os.environ,
         **services.env,
         "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
         "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "PYTHONUNBUFFERED": "1",
     }
+    supervisor: Supervisor | None = None
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            return  # already stopping: a second Ctrl-C must not break the clean-up half way
+        stopping.set()
+        if supervisor is None:
+            raise KeyboardInterrupt  # still setting up: unwind to the clean-up below
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print("catacloud: migrating the database…", flush=True)
         _manage("migrate", "--noinput", env=env, capture=True)
@@ -104,32 +129,58 @@ def cmd_dev(args: argparse.Namespace) -> int:
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
-        home = Path(services.env["CATACLOUD_HOME"])
         supervisor = Supervisor(dev_programs(env=env, home=home, port=port, flower_port=flower_port))
         base = f"http://127.0.0.1:{port}"
-        print(
-            "\n".join(
-                [
-                    "",
-                    "Catacloud is starting (Ctrl-C stops everything):",
-                    f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
-                    f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-                    f"  health   {base}/healthz",
-                    f"  Flower   http://127.0.0.1:{flower_port}/  "
-                    f"(basic auth {flower_auth.split(':')[0]} / same password)",
-                    f"  token    {creds['token']}",
-                    f"  try:     curl -H 'Authorization: Bearer {creds['token']}' "
-                    f"{base}/api/v1/machine-types/",
-                    f"  shell:   set -a; . {home / '.env'}; set +a  (manage.py then uses these services)",
-                    "",
-                ]
-            ),
-            flush=True,
-        )
-        return supervisor.run()
+        lines = [
+            f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
+            f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
+            f"  health   {base}/healthz",
+            f"  Flower   http://127.0.0.1:{flower_port}/  "
+            f"(basic auth {flower_auth.split(':')[0]} / same password)",
+            f"  token    {creds['token']}",
+            f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
+            f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
+            "  (manage.py then uses these services)",
+        ]
+        print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
+        threading.Thread(
+            target=_announce_when_healthy,
+            args=(supervisor, f"{base}/healthz", lines, started),
+            name="announce",
+            daemon=True,
+        ).start()
+        if not stopping.is_set():
+            supervisor.run()
+        return 0
+    except (KeyboardInterrupt, subprocess.CalledProcessError):
+        if not stopping.is_set():
+            raise
+        return 0  # Ctrl-C while setting up (a manage.py step dies of it too): a clean stop
     finally:
-        _stop_local_machines(Path(services.env["CATACLOUD_HOME"]))
+        stopping.set()
+        _stop_local_machines(home)
         services.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:
+    """Print the banner again once /healthz says every part is up: the first one has scrolled
+    away under the Celery banners by then."""
+    while not supervisor._stopping.is_set():  # type: ignore[attr-defined]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if json.loads(response.read()).get("status") == "ok":
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(1)
+    else:
+        return
+    took = time.monotonic() - started
+    supervisor.announce(  # type: ignore[attr-defined]
+        "\n".join(["", f"Catacloud is ready ({took:.0f} s; Ctrl-C stops everything):", *lines, ""])
+    )
 
 
 def _stop_local_machines(home: Path) -> None:
