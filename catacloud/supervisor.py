@@ -188,7 +188,8 @@ class Supervisor:
             try:
                 child.popen.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
-                self.log(f"{child.program.name} ignored SIGTERM for {self.stop_timeout:g}s: SIGKILL")
+                name = signal.Signals(child.program.stop_signal).name
+                self.log(f"{child.program.name} ignored {name} for {self.stop_timeout:g}s: SIGKILL")
         for child in self.children.values():
             if child.popen is None:
                 continue

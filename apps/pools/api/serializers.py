@@ -84,6 +84,7 @@ class PoolSerializer(serializers.ModelSerializer):
             )
         return cache[obj.pk]
 
+    @extend_schema_field(serializers.ChoiceField(choices=PoolStatus.choices))
     def get_status(self, obj: InstancePool) -> str:
         """The stored status moves on the refill that follows a claim or a termination (the
         claim path writes nothing to the pool row); until then it may lag by a moment. Read
