@@ -66,12 +66,12 @@ def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int
     """What `make dev` runs: web (gunicorn), one Celery worker, beat and Flower."""
     celery = [sys.executable, "-m", "celery", "-A", "config"]
     gunicorn = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
-    # agents hold a thread while they long-poll for work; at Ctrl-C (SIGINT, gunicorn's quick
-    # shutdown) a worker still waits for those threads, so the master kills it after 3 s
-    # rather than after 30 (or the supervisor's SIGKILL after 10).
-    gunicorn += ["--workers", "2", "--threads", "32", "--graceful-timeout", "3", "--access-logfile", "-"]
+    # agents hold a thread while they long-poll for work; Ctrl-C must not wait for those
+    # (catacloud/gunicorn_dev.py)
+    gunicorn += ["--workers", "2", "--threads", "32", "--access-logfile", "-"]
+    gunicorn += ["--config", "python:catacloud.gunicorn_dev"]
     return [
-        # SIGINT is gunicorn's quick shutdown (with --graceful-timeout: no waiting out long polls).
+        # SIGINT is gunicorn's quick shutdown (and gunicorn_dev's workers leave at once).
         Program("web", gunicorn, env=env, cwd=str(ROOT), stop_signal=signal.SIGINT),
         Program(
             "worker", [*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"], env, str(ROOT)
@@ -160,6 +160,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         return 0  # Ctrl-C while setting up (a manage.py step dies of it too): a clean stop
     finally:
         stopping.set()
+        print("catacloud: stopping the local machines and the embedded services…", flush=True)
         _stop_local_machines(home)
         services.stop()
         for sig, handler in previous.items():
