@@ -194,12 +194,15 @@ def _stop_local_machines(home: Path) -> None:
     root = home / "machines"
     if not root.is_dir():
         return
-    for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        provider = LocalProvider(
-            config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
-        )
-        for machine in provider.list({}):
-            provider.delete(machine.provider_id)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as pool:  # each may wait its stop timeout: at once
+        for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            provider = LocalProvider(
+                config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
+            )
+            for machine in provider.list({}):
+                pool.submit(provider.delete, machine.provider_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
