@@ -7,7 +7,8 @@ COPY catacloud ./catacloud
 COPY apps ./apps
 COPY config ./config
 COPY manage.py ./
-RUN pip install . && useradd --system --uid 1000 catacloud
+RUN pip install . && useradd --system --uid 1000 catacloud \
+    && mkdir -p /var/lib/catacloud && chown catacloud /var/lib/catacloud  # the volume starts owned by it
 USER catacloud
 EXPOSE 8000
 CMD ["gunicorn", "config.wsgi", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "32"]

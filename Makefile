@@ -5,38 +5,46 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-installed
 PYTEST_ARGS ?=
 
 .PHONY: dev test lint format bench chaos services-up services-down clean
 
+# What running needs (`make dev`): the package and the embedded services.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# What testing needs on top (`make test`, `make lint`): pytest, Playwright, moto, matplotlib, ruff.
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
 ## Run web + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
+## Ctrl-C stops everything (exit status 0).
 dev: $(STAMP)
-	$(PY) -m catacloud.cli dev
+	@$(PY) -m catacloud.cli dev
 
 ## Run the test suite against real PostgreSQL and Redis (embedded unless DATABASE_URL/REDIS_URL are set).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m pytest $(PYTEST_ARGS)
 
 ## ruff lint and format check; import-linter checks the layers (pyproject.toml).
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-format: $(STAMP)
+format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 BENCH_STAMP := $(VENV)/.bench-installed
 
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+$(BENCH_STAMP): $(TEST_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 ## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part. Installs the bench-only peers.
@@ -44,7 +52,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks $(if $(ONLY),--only $(ONLY))
 
 ## Chaos soak (writes its section of BENCHMARKS.md): CHAOS_ARGS="--jobs 1000 --faults 120 --seed 1".
-chaos: $(STAMP)
+chaos: $(TEST_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 services-up: $(STAMP)

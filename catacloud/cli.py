@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 from catacloud.supervisor import Program
@@ -62,10 +67,13 @@ def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int
     """What `make dev` runs: web (gunicorn), one Celery worker, beat and Flower."""
     celery = [sys.executable, "-m", "celery", "-A", "config"]
     gunicorn = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
-    # agents hold a thread while they long-poll for work
+    # agents hold a thread while they long-poll for work; Ctrl-C must not wait for those
+    # (catacloud/gunicorn_dev.py)
     gunicorn += ["--workers", "2", "--threads", "32", "--access-logfile", "-"]
+    gunicorn += ["--config", "python:catacloud.gunicorn_dev"]
     return [
-        Program("web", gunicorn, env=env, cwd=str(ROOT)),
+        # SIGINT is gunicorn's quick shutdown (and gunicorn_dev's workers leave at once).
+        Program("web", gunicorn, env=env, cwd=str(ROOT), stop_signal=signal.SIGINT),
         Program(
             "worker", [*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"], env, str(ROOT)
         ),
@@ -83,20 +91,39 @@ def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int
 
 def cmd_dev(args: argparse.Namespace) -> int:
     """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
-    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything."""
+    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0."""
     from catacloud import embedded
     from catacloud.supervisor import Supervisor
 
+    started = time.monotonic()
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
     services = embedded.services_up()
+    home = Path(services.env["CATACLOUD_HOME"])
+    # prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
+    # their counters here and each scrape sums them; fresh at every start.
+    metrics_dir = home / "prometheus"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
     env = {
         **os.environ,
         **services.env,
         "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
         "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "PYTHONUNBUFFERED": "1",
     }
+    supervisor: Supervisor | None = None
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            return  # already stopping: a second Ctrl-C must not break the clean-up half way
+        stopping.set()
+        if supervisor is None:
+            raise KeyboardInterrupt  # still setting up: unwind to the clean-up below
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print("catacloud: migrating the database…", flush=True)
         _manage("migrate", "--noinput", env=env, capture=True)
@@ -105,32 +132,59 @@ def cmd_dev(args: argparse.Namespace) -> int:
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
-        home = Path(services.env["CATACLOUD_HOME"])
         supervisor = Supervisor(dev_programs(env=env, home=home, port=port, flower_port=flower_port))
         base = f"http://127.0.0.1:{port}"
-        print(
-            "\n".join(
-                [
-                    "",
-                    "Catacloud is starting (Ctrl-C stops everything):",
-                    f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
-                    f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-                    f"  health   {base}/healthz",
-                    f"  Flower   http://127.0.0.1:{flower_port}/  "
-                    f"(basic auth {flower_auth.split(':')[0]} / same password)",
-                    f"  token    {creds['token']}",
-                    f"  try:     curl -H 'Authorization: Bearer {creds['token']}' "
-                    f"{base}/api/v1/machine-types/",
-                    f"  shell:   set -a; . {home / '.env'}; set +a  (manage.py then uses these services)",
-                    "",
-                ]
-            ),
-            flush=True,
-        )
-        return supervisor.run()
+        lines = [
+            f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
+            f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
+            f"  health   {base}/healthz",
+            f"  Flower   http://127.0.0.1:{flower_port}/  "
+            f"(basic auth {flower_auth.split(':')[0]} / same password)",
+            f"  token    {creds['token']}",
+            f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
+            f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
+            "  (manage.py then uses these services)",
+        ]
+        print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
+        threading.Thread(
+            target=_announce_when_healthy,
+            args=(supervisor, f"{base}/healthz", lines, started),
+            name="announce",
+            daemon=True,
+        ).start()
+        if not stopping.is_set():
+            supervisor.run()
+        return 0
+    except (KeyboardInterrupt, subprocess.CalledProcessError):
+        if not stopping.is_set():
+            raise
+        return 0  # Ctrl-C while setting up (a manage.py step dies of it too): a clean stop
     finally:
-        _stop_local_machines(Path(services.env["CATACLOUD_HOME"]))
+        stopping.set()
+        print("catacloud: stopping the local machines and the embedded services…", flush=True)
+        _stop_local_machines(home)
         services.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:
+    """Print the banner again once /healthz says every part is up: the first one has scrolled
+    away under the Celery banners by then."""
+    while not supervisor._stopping.is_set():  # type: ignore[attr-defined]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if json.loads(response.read()).get("status") == "ok":
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(1)
+    else:
+        return
+    took = time.monotonic() - started
+    supervisor.announce(  # type: ignore[attr-defined]
+        "\n".join(["", f"Catacloud is ready ({took:.0f} s; Ctrl-C stops everything):", *lines, ""])
+    )
 
 
 def _stop_local_machines(home: Path) -> None:
@@ -141,12 +195,15 @@ def _stop_local_machines(home: Path) -> None:
     root = home / "machines"
     if not root.is_dir():
         return
-    for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        provider = LocalProvider(
-            config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
-        )
-        for machine in provider.list({}):
-            provider.delete(machine.provider_id)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as pool:  # each may wait its stop timeout: at once
+        for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            provider = LocalProvider(
+                config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
+            )
+            for machine in provider.list({}):
+                pool.submit(provider.delete, machine.provider_id)
 
 
 def build_parser() -> argparse.ArgumentParser:

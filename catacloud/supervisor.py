@@ -10,8 +10,9 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
 - a program that exits while the supervisor runs is restarted after ``restart_delay`` seconds,
   doubling up to ``max_restart_delay`` while it keeps dying within ``stable_after`` seconds of
   its start, with a log line saying so;
-- ``stop()`` (or SIGINT/SIGTERM when ``run`` is in the main thread) sends SIGTERM to every
-  program's process group, waits up to ``stop_timeout`` seconds, then SIGKILLs what is left.
+- ``stop()`` (or SIGINT/SIGTERM when ``run`` is in the main thread) sends each program's
+  ``stop_signal`` (SIGTERM unless it says otherwise) to its process group, waits up to
+  ``stop_timeout`` seconds, then SIGKILLs what is left.
 
 No Django here: ``catacloud/`` never imports it.
 """
@@ -36,6 +37,9 @@ class Program:
     argv: list[str]
     env: dict[str, str] | None = None
     cwd: str | None = None
+    # What asks it to stop at once (gunicorn: SIGINT is its quick shutdown; SIGTERM would wait
+    # for open requests, e.g. agents' long polls, up to its graceful timeout).
+    stop_signal: signal.Signals = signal.SIGTERM
 
 
 @dataclass
@@ -84,6 +88,12 @@ class Supervisor:
         stamp = time.strftime("%H:%M:%S")
         with self._write_lock:
             self.out.write(f"{stamp} {name.ljust(self._width)} | {message}\n")
+            self.out.flush()
+
+    def announce(self, text: str) -> None:
+        """Write ``text`` as it is (no prefix), between the programs' lines."""
+        with self._write_lock:
+            self.out.write(text if text.endswith("\n") else text + "\n")
             self.out.flush()
 
     def _pump(self, name: str, stream: IO[bytes]) -> None:
@@ -172,13 +182,14 @@ class Supervisor:
             self.log(f"stopping {', '.join(c.program.name for c in live)}")
         for child in live:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.popen.pid, signal.SIGTERM)  # type: ignore[union-attr]
+                os.killpg(child.popen.pid, child.program.stop_signal)  # type: ignore[union-attr]
         deadline = time.monotonic() + self.stop_timeout
         for child in live:
             try:
                 child.popen.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
-                self.log(f"{child.program.name} ignored SIGTERM for {self.stop_timeout:g}s: SIGKILL")
+                name = signal.Signals(child.program.stop_signal).name
+                self.log(f"{child.program.name} ignored {name} for {self.stop_timeout:g}s: SIGKILL")
         for child in self.children.values():
             if child.popen is None:
                 continue

@@ -43,3 +43,16 @@ def test_the_image_installs_the_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install ." in dockerfile
     assert "USER catacloud" in dockerfile
+
+
+def test_web_and_worker_share_one_metrics_directory_made_fresh_before_they_start() -> None:
+    """/metrics under several gunicorn workers sums every process's counters (multiprocess
+    mode); the worker's (claim latency on job placement) land in the same directory."""
+    services = _compose()["services"]
+    dirs = {name: services[name]["environment"].get("PROMETHEUS_MULTIPROC_DIR") for name in ("web", "worker")}
+    assert dirs["web"] and dirs["web"] == dirs["worker"], dirs
+    mounts = {name: services[name]["volumes"] for name in ("web", "worker")}
+    assert any(dirs["web"].startswith(m.split(":")[1]) for m in mounts["web"]), mounts
+    assert mounts["web"] == mounts["worker"]
+    migrate = " ".join(services["migrate"]["command"])
+    assert 'mkdir -p "$$PROMETHEUS_MULTIPROC_DIR"' in migrate and "*.db" in migrate

@@ -1,9 +1,16 @@
-"""Prometheus metrics: request counters here, domain gauges collected from PostgreSQL.
+"""Prometheus metrics: request counters here, domain figures collected from PostgreSQL.
 
-Gauges about the fleet (members by pool and status, queue depth) are read from the
-database at scrape time by collectors that later modules register, so every web process
-reports the same truth. Counters and histograms are per process; set
-``PROMETHEUS_MULTIPROC_DIR`` under gunicorn to aggregate them.
+Two sources, so that a scrape answers the same whichever web process serves it:
+
+- **PostgreSQL at scrape time** (collectors that later modules register): the fleet (members
+  by pool and status), the queue (jobs by status) and job wait times. These are facts of rows
+  that workers write, so they are right wherever the worker runs (another host, another
+  container) and whichever web process is asked.
+- **In-process counters and histograms** (HTTP requests and latency, claim latency) live in
+  each process; with ``PROMETHEUS_MULTIPROC_DIR`` set (``make dev`` and docker-compose set it
+  for web and worker, one directory shared by both) prometheus_client writes them to files
+  there and every scrape sums every process's files. Without it (one process) they are that
+  process's own.
 """
 
 from __future__ import annotations
@@ -57,12 +64,39 @@ def render() -> tuple[bytes, str]:
     return body + generate_latest(db), CONTENT_TYPE_LATEST
 
 
-_GROUP = re.compile(r"\(\?P<(\w+)>[^)]*\)")
+_CONVERTER = re.compile(r"<(?:\w+:)?(\w+)>")
 
 
 def _route_label(route: str) -> str:
-    """``api/v1/pools/(?P<pk>[^/.]+)/$`` → ``api/v1/pools/{pk}/``: one label per endpoint."""
-    return _GROUP.sub(r"{\1}", route).replace("^", "").replace("$", "")
+    """One label style for every endpoint, whether its pattern is a regex (DRF routers) or a
+    ``path()`` with converters: ``api/v1/pools/(?P<pk>[^/.]+)/$`` → ``/api/v1/pools/{pk}/``,
+    ``api/agent/v1/jobs/<uuid:job_id>/finished`` → ``/api/agent/v1/jobs/{job_id}/finished``."""
+    out: list[str] = []
+    i = 0
+    while i < len(route):
+        if route.startswith("(?P<", i):  # a named group, whatever it nests: {name}
+            end = route.index(">", i)
+            name, depth, k = route[i + 4 : end], 1, end + 1
+            while k < len(route) and depth:
+                if route[k] == "\\":
+                    k += 1
+                elif route[k] == "(":
+                    depth += 1
+                elif route[k] == ")":
+                    depth -= 1
+                k += 1
+            out.append("{" + name + "}")
+            i = k
+            continue
+        ch = route[i]
+        if ch == "\\" and i + 1 < len(route):
+            out.append(route[i + 1])
+            i += 2
+            continue
+        if ch not in "^$?":
+            out.append(ch)
+        i += 1
+    return "/" + _CONVERTER.sub(r"{\1}", "".join(out)).lstrip("/")
 
 
 class RequestMetricsMiddleware:

@@ -48,8 +48,11 @@ def transition(
     arguments are written in the same UPDATE.
     """
     allowed = sources_for(graph, to)
+    now = timezone.now()
     if field == "status" and _has_field(model, "status_changed_at"):
-        changes.setdefault("status_changed_at", timezone.now())
+        changes.setdefault("status_changed_at", now)
+    if _has_field(model, "updated_at"):  # auto_now holds only for save(), not for update()
+        changes.setdefault("updated_at", now)
     if from_ is not None:
         allowed = allowed & frozenset(from_)
     rows = model._default_manager.filter(pk=pk)

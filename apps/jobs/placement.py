@@ -18,7 +18,6 @@ from django.utils import timezone
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import wake_agent
-from apps.jobs.metrics import observe_wait
 from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines import claims
@@ -109,7 +108,6 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
     )
     MachineInstance.objects.filter(pk=instance.pk).update(last_config=job.config_id)
-    observe_wait(job, now)
     instance_id = instance.pk
     transaction.on_commit(lambda: wake_agent(instance_id))
 

@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 
 from apps.core import hooks
 from apps.core.api import error_response
+from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import InvalidTransition
 from apps.core.throttling import LocalThrottleMixin
@@ -31,6 +32,7 @@ from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import _after_instance_left, bootstrap_token_instance
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
+from apps.machines.tasks import refresh_provider_state_task
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
@@ -194,6 +196,9 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
             )
             _after_instance_left(ready)  # pool: re-evaluate status and deficit
             _instance_ready_hook(ready)
+            # provider_state still says what the create answered ("booting", "initializing"):
+            # ask the provider again now that the machine runs (off the request, after commit).
+            enqueue_on_commit(refresh_provider_state_task, str(instance.pk))
     except InvalidTransition:
         return False
     return True

@@ -93,7 +93,8 @@ WITH c AS (
     SELECT {event_values}
     FROM u
 ){_SIGNAL if signal else ""}
-SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}, mt.name, pa.kind{_SIGNAL_COUNT if signal else ""}
+SELECT {", ".join(f"u.{c}" for c in _COLUMNS)}, mt.name, pa.kind, mt.server_type, mt.location,
+       COALESCE(pa.config->>'ssh_user', ''){_SIGNAL_COUNT if signal else ""}
 FROM u
 JOIN {_TYPES} mt ON mt.id = u.machine_type_id
 JOIN {_ACCOUNTS} pa ON pa.id = u.provider_account_id
@@ -149,7 +150,12 @@ def claim(
     if row is None:
         return claim_id, None
     instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
-    # What an answer names besides the row (the acquire endpoint needs no second query).
-    instance.machine_type_name = row[len(_ATTNAMES)]  # type: ignore[attr-defined]
-    instance.provider_kind = row[len(_ATTNAMES) + 1]  # type: ignore[attr-defined]
+    # What an answer names besides the row (the acquire endpoint needs no second query),
+    # including how to reach the machine (server type, location, the account's SSH user).
+    n = len(_ATTNAMES)
+    instance.machine_type_name = row[n]  # type: ignore[attr-defined]
+    instance.provider_kind = row[n + 1]  # type: ignore[attr-defined]
+    instance.machine_server_type = row[n + 2]  # type: ignore[attr-defined]
+    instance.machine_location = row[n + 3]  # type: ignore[attr-defined]
+    instance.ssh_user = row[n + 4]  # type: ignore[attr-defined]
     return claim_id, instance

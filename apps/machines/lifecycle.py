@@ -180,6 +180,8 @@ def instance_provision(*, instance_id: Any) -> None:
             provider_id=machine.provider_id,
             provider_state=machine.raw_state[:32],
             public_ip=machine.public_ip,
+            private_ip=machine.private_ip,
+            provider_checked_at=timezone.now(),
         )
         if recorded:
             INSTANCE_STATES.move(
@@ -343,3 +345,33 @@ def _after_instance_left(instance: MachineInstance) -> None:
 
 def now() -> Any:
     return timezone.now()
+
+
+def provider_facts(machine: Any) -> dict[str, Any]:
+    """What a provider's answer says about a machine, as instance row fields."""
+    return {
+        "provider_state": machine.raw_state[:32],
+        "public_ip": machine.public_ip[:64],
+        "private_ip": machine.private_ip[:64],
+        "provider_checked_at": timezone.now(),
+    }
+
+
+def instance_refresh_provider_state(*, instance_id: Any) -> bool:
+    """Ask the provider about one live machine and record what it says (state, addresses).
+    No transaction is open across the cloud call. Returns whether the row was updated."""
+    row = (
+        MachineInstance.objects.filter(pk=instance_id, status__in=INSTANCE_LIVE)
+        .exclude(provider_id="")
+        .select_related("provider_account")
+        .first()
+    )
+    if row is None:
+        return False
+    try:
+        machine = provider_for(row.provider_account).get(row.provider_id)
+    except NotFound:
+        return False  # the reconciler decides what a vanished machine means
+    return bool(
+        MachineInstance.objects.filter(pk=row.pk, status__in=INSTANCE_LIVE).update(**provider_facts(machine))
+    )

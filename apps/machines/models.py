@@ -142,6 +142,9 @@ class MachineInstance(models.Model):
     provider_id = models.CharField(max_length=128, blank=True)
     provider_state = models.CharField(max_length=32, blank=True)
     public_ip = models.CharField(max_length=64, blank=True)
+    private_ip = models.CharField(max_length=64, blank=True)
+    # When the provider last told us provider_state / addresses (create, ready, reconciler).
+    provider_checked_at = models.DateTimeField(null=True, blank=True)
     outdated = models.BooleanField(default=False, help_text="built from an older machine type version")
     bootstrap_token_hash = models.CharField(max_length=64, blank=True, editable=False)
     agent_token_hash = models.CharField(max_length=64, blank=True, editable=False)

@@ -32,6 +32,7 @@ from apps.machines.lifecycle import (
     instance_gone,
     instance_mark_lost,
     owner_labels,
+    provider_facts,
     provider_for,
 )
 from apps.machines.models import MachineInstance, ProviderAccount
@@ -85,7 +86,16 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
     live_rows = {
         str(row["id"]): row
         for row in MachineInstance.objects.filter(provider_account=account, status__in=INSTANCE_LIVE).values(
-            "id", "status", "provider_id", "created_at", "provisioning_started_at", "pool_id", "org_id"
+            "id",
+            "status",
+            "provider_id",
+            "created_at",
+            "provisioning_started_at",
+            "pool_id",
+            "org_id",
+            "provider_state",
+            "public_ip",
+            "private_ip",
         )
     }
 
@@ -124,6 +134,11 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
     for instance_id, row in list(live_rows.items())[: BATCH * 5]:
         at_provider = by_instance.get(instance_id)
         status = row["status"]
+        if at_provider is not None and row["provider_id"] == at_provider.provider_id:
+            facts = provider_facts(at_provider)
+            if any(row[k] != facts[k] for k in ("provider_state", "public_ip", "private_ip")):
+                # What the provider says now (not what the create answered), addresses too.
+                MachineInstance.objects.filter(pk=instance_id, status__in=INSTANCE_LIVE).update(**facts)
         if status == S.PROVISIONING and not row["provider_id"]:
             started = row["provisioning_started_at"] or row["created_at"]
             if now - started < grace:

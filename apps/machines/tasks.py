@@ -50,3 +50,13 @@ def destroy_machine_task(self: Task, account_id: str, provider_id: str, instance
         lifecycle.destroy_machine(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
     except ProviderError as exc:
         raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def refresh_provider_state_task(instance_id: str) -> None:
+    """Record what the provider says of a machine now (state, addresses). Best effort: the
+    reconciler refreshes every live machine at each reaper tick anyway."""
+    try:
+        lifecycle.instance_refresh_provider_state(instance_id=instance_id)
+    except ProviderError as exc:
+        log.info("provider state of %s not refreshed: %s", instance_id, exc.code)

@@ -320,7 +320,7 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
                     else "above target_size",
                 )
         if limit != pool.limit_reason:
-            InstancePool.objects.filter(pk=pool.pk).update(limit_reason=limit)
+            InstancePool.objects.filter(pk=pool.pk).update(limit_reason=limit, updated_at=timezone.now())
         # An event when the limit changes, not on every refill while it holds.
         if limit and limit.split(":")[0] != pool.limit_reason.split(":")[0]:
             event_record(

@@ -19,6 +19,7 @@ import os
 import pwd
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -106,6 +107,7 @@ class Agent:
         self.job_user = job_user
         self.state_file = state_file
         self.work_root = work_dir
+        self.job_bin: str | None = None  # holds the `catacloud` wrapper jobs call
         self.heartbeat_override = heartbeat_interval
         self.imds_url = imds_url
         self.hostname = hostname or socket.gethostname()
@@ -218,6 +220,7 @@ class Agent:
             self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
         else:
             os.makedirs(self.work_root, mode=0o700, exist_ok=True)
+        self.job_bin = _write_job_bin(self.work_root)
         if self.job_user is not None:
             # Jobs may pass through (to their own 0700 folder) but not list the others.
             os.chmod(self.work_root, 0o711)
@@ -417,10 +420,11 @@ class Agent:
         Nothing of the agent's own environment is passed on (on the local provider that is the
         control plane's: database and broker URLs, keys, passwords)."""
         assert self.meta is not None
-        bin_dir = os.path.dirname(sys.executable)  # where ``catacloud`` (job-meta, checkpoint) is
+        # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install.
+        bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d]
         user = self.job_user.name if self.job_user else os.environ.get("USER", "")
         env = {
-            "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": ":".join([*bin_dirs, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
             "HOME": work_dir,
             "LANG": "C.UTF-8",
             "TMPDIR": work_dir,
@@ -724,6 +728,22 @@ def _setup_logging(level: str) -> None:
 
 
 DEFAULT_JOB_USERS = ("catacloud-job", "nobody")
+
+
+def _write_job_bin(work_root: str) -> str:
+    """A ``bin`` folder for jobs' PATH holding ``catacloud``, a wrapper that runs this agent's
+    Python (``catacloud job-meta``, ``catacloud checkpoint``). Jobs must find it even where no
+    ``catacloud`` console script sits next to the Python (``python -m catacloud.agent``, a
+    Python whose folder the job user cannot read). Owned by the agent; jobs may only run it."""
+    bin_dir = os.path.join(work_root, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    os.chmod(bin_dir, 0o755)
+    path = os.path.join(bin_dir, "catacloud")
+    with open(path + ".tmp", "w") as fh:
+        fh.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m catacloud.agent "$@"\n')
+    os.chmod(path + ".tmp", 0o755)
+    os.replace(path + ".tmp", path)
+    return bin_dir
 
 
 def _may_execute(st: os.stat_result, user: JobUser) -> bool:

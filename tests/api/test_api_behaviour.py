@@ -228,7 +228,7 @@ def test_metrics_count_requests(world: World) -> None:
     world.client("viewer").get("/api/v1/events/")
     with override_settings(CATACLOUD_METRICS_TOKEN="scrape"):
         body = world.client("anonymous").get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
-    assert 'catacloud_http_requests_total{method="GET",route="api/v1/events/",status="200"}' in body
+    assert 'catacloud_http_requests_total{method="GET",route="/api/v1/events/",status="200"}' in body
 
 
 def test_values_the_database_cannot_take_are_a_400(world: World) -> None:

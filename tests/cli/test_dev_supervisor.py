@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -102,3 +103,65 @@ def test_ctrl_c_stops_every_program(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like gunicorn waiting out long polls on SIGTERM
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))  # its quick shutdown
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
+    """gunicorn's SIGTERM waits for open requests (agents' long polls) up to its graceful
+    timeout; `make dev` asks it with SIGINT, its quick shutdown, so Ctrl-C needs no SIGKILL."""
+    from catacloud.supervisor import Program
+
+    out = Output()
+    web = Program("web", [sys.executable, "-c", STUBBORN], stop_signal=signal.SIGINT)
+    supervisor = Supervisor([web], out=out, stop_timeout=10)
+    thread = threading.Thread(target=supervisor.run)
+    thread.start()
+    wait_for(lambda: "web | up" in out.getvalue(), 30, "the program to start")
+    started = time.monotonic()
+    supervisor.stop()
+    thread.join(30)
+    assert time.monotonic() - started < 5
+    assert "SIGKILL" not in out.getvalue()
+    programs = {p.name: p for p in dev_programs(env={}, home=Path("/tmp"), port=1, flower_port=2)}
+    assert programs["web"].stop_signal == signal.SIGINT
+
+
+def test_the_banner_comes_again_once_healthy() -> None:
+    """The first banner scrolls away under the Celery banners: it is printed again when
+    /healthz says every part is up."""
+    import http.server
+    import json as jsonlib
+
+    from catacloud.cli import _announce_when_healthy
+
+    answers = iter([{"status": "degraded"}, {"status": "degraded"}])
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = jsonlib.dumps(next(answers, {"status": "ok"})).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    supervisor = Supervisor([], out=Output())
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/healthz"
+        _announce_when_healthy(supervisor, url, ["  token    cc_x"], time.monotonic())
+    finally:
+        server.shutdown()
+    text = supervisor.out.getvalue()  # type: ignore[attr-defined]
+    assert "Catacloud is ready (" in text and "token    cc_x" in text

@@ -144,3 +144,54 @@ def celery_beat(tmp: Path, **env: str) -> Iterator[Proc]:
         yield proc
     finally:
         proc.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def gunicorn(
+    tmp: Path, *, workers: int = 2, threads: int = 8, args: tuple[str, ...] = (), **env: str
+) -> Iterator[tuple[str, Proc]]:
+    """The web app under gunicorn (gthread, as `make dev` runs it) in multiprocess metrics
+    mode; yields its base URL and the process (its log holds the access log)."""
+    import http.client
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    metrics = tmp / "prometheus"
+    metrics.mkdir(exist_ok=True)
+    argv = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
+    argv += ["--workers", str(workers), "--threads", str(threads), *args]
+    proc = Proc(
+        "gunicorn",
+        argv,
+        process_env(
+            CATACLOUD_PUBLIC_URL=url,
+            PROMETHEUS_MULTIPROC_DIR=str(metrics),
+            DJANGO_ALLOWED_HOSTS="127.0.0.1,localhost",
+            **env,
+        ),
+        tmp / f"gunicorn-{port}.log",
+    )
+
+    def healthy() -> bool:
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"gunicorn died:\n{proc.output()[-3000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status in (200, 503)
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, 60, "gunicorn to answer /healthz", interval=0.1)
+        yield url, proc
+    finally:
+        proc.stop()

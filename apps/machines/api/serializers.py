@@ -73,7 +73,60 @@ class MachineTypeSerializer(serializers.ModelSerializer):
         return privilege is None or privilege.pk in self.context.get("org_privileges", set())
 
 
+# Who logs in on a fresh machine of each provider, unless the provider account's config says
+# ``ssh_user``. AWS has no such default: it depends on the AMI (ubuntu, ec2-user, admin, …).
+DEFAULT_SSH_USER = {"hetzner": "root"}
+
+
+class AccessSerializer(serializers.Serializer):
+    host = serializers.CharField(
+        allow_null=True, help_text="the address to reach it at: public, else private"
+    )
+    public_ip = serializers.CharField(allow_blank=True)
+    private_ip = serializers.CharField(allow_blank=True)
+    ssh_user = serializers.CharField(allow_null=True, help_text="set ssh_user in the provider account config")
+    ssh = serializers.CharField(
+        allow_null=True, help_text="a command that logs in, when host and user are known"
+    )
+    provider = serializers.CharField()
+    provider_id = serializers.CharField(allow_blank=True)
+    provider_state = serializers.CharField(allow_blank=True)
+    provider_checked_at = serializers.DateTimeField(allow_null=True)
+    server_type = serializers.CharField(allow_blank=True)
+    location = serializers.CharField(allow_blank=True)
+    note = serializers.CharField(allow_blank=True)
+
+
+def instance_access(obj: MachineInstance) -> dict:
+    """How to reach a machine: addresses, SSH user and what the provider knows of it."""
+    account, mt = obj.provider_account, obj.machine_type
+    kind = account.kind
+    host = obj.public_ip or obj.private_ip or None
+    user = (account.config or {}).get("ssh_user") or DEFAULT_SSH_USER.get(kind)
+    note = ""
+    if kind == "local":
+        user, host = None, host or "127.0.0.1"
+        note = "a local agent process on the control plane's host: no SSH; its log is in the state dir"
+    return {
+        "host": host,
+        "public_ip": obj.public_ip,
+        "private_ip": obj.private_ip,
+        "ssh_user": user,
+        "ssh": f"ssh {user}@{host}" if user and host else None,
+        "provider": kind,
+        "provider_id": obj.provider_id,
+        "provider_state": obj.provider_state,
+        "provider_checked_at": serializers.DateTimeField().to_representation(obj.provider_checked_at)
+        if obj.provider_checked_at
+        else None,
+        "server_type": mt.server_type,
+        "location": mt.location,
+        "note": note,
+    }
+
+
 class InstanceSerializer(serializers.ModelSerializer):
+    access = serializers.SerializerMethodField(help_text="how to reach the machine")
     machine_type: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
         slug_field="name", read_only=True
     )
@@ -94,7 +147,10 @@ class InstanceSerializer(serializers.ModelSerializer):
             "provider",
             "provider_id",
             "provider_state",
+            "provider_checked_at",
             "public_ip",
+            "private_ip",
+            "access",
             "claim_id",
             "claimed_by",
             "claimed_for",
@@ -115,3 +171,7 @@ class InstanceSerializer(serializers.ModelSerializer):
             "cost",
         )
         read_only_fields = fields
+
+    @extend_schema_field(AccessSerializer)
+    def get_access(self, obj: MachineInstance) -> dict:
+        return instance_access(obj)

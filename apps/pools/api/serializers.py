@@ -7,6 +7,7 @@ from rest_framework import serializers
 from apps.machines.api.serializers import InstanceSerializer, OrgMachineTypeField
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance
+from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
 
 
@@ -49,8 +50,12 @@ class PoolSerializer(serializers.ModelSerializer):
     min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     warmup_grace_seconds = serializers.IntegerField(min_value=10, max_value=86_400, required=False)
-    member_count = serializers.SerializerMethodField()
+    status = serializers.SerializerMethodField(
+        help_text="read with the members below: a pool short of ready members never reads ready"
+    )
+    member_count = serializers.SerializerMethodField(help_text="len(members): every live member")
     ready_count = serializers.SerializerMethodField()
+    counts = serializers.SerializerMethodField(help_text="live members by status")
     members = serializers.SerializerMethodField()
     schedules = ScheduleSerializer(many=True, read_only=True)
 
@@ -68,6 +73,7 @@ class PoolSerializer(serializers.ModelSerializer):
             "warmup_grace_seconds",
             "member_count",
             "ready_count",
+            "counts",
             "limit_reason",
             "created_at",
             "updated_at",
@@ -75,7 +81,7 @@ class PoolSerializer(serializers.ModelSerializer):
             "schedules",
             "members",
         )
-        read_only_fields = ("id", "status", "limit_reason", "created_at", "updated_at", "drained_at")
+        read_only_fields = ("id", "limit_reason", "created_at", "updated_at", "drained_at")
 
     def _members(self, obj: InstancePool) -> list[MachineInstance]:
         prefetched = getattr(obj, "live_members", None)  # PoolViewSet: one query for the page
@@ -86,11 +92,30 @@ class PoolSerializer(serializers.ModelSerializer):
             cache[obj.pk] = list(live_members().filter(pool=obj))
         return cache[obj.pk]
 
+    @extend_schema_field(serializers.ChoiceField(choices=PoolStatus.choices))
+    def get_status(self, obj: InstancePool) -> str:
+        """The stored status moves on the refill that follows a claim or a termination (the
+        claim path writes nothing to the pool row); until then it may lag by a moment. Read
+        together with this answer's members it never contradicts them: ``ready`` needs
+        ``target_size`` fresh ready members, else an active pool is ``replenishing`` (or still
+        ``warming`` if it never was ready)."""
+        if obj.status not in (PoolStatus.READY, PoolStatus.REPLENISHING):
+            return obj.status
+        ready = sum(1 for m in self._members(obj) if m.status == "ready" and not m.outdated)
+        return PoolStatus.READY if ready >= obj.target_size else PoolStatus.REPLENISHING
+
     def get_member_count(self, obj: InstancePool) -> int:
-        return sum(1 for m in self._members(obj) if m.status not in ("claimed", "terminating"))
+        return len(self._members(obj))
 
     def get_ready_count(self, obj: InstancePool) -> int:
         return sum(1 for m in self._members(obj) if m.status == "ready")
+
+    @extend_schema_field(serializers.DictField(child=serializers.IntegerField()))
+    def get_counts(self, obj: InstancePool) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for m in self._members(obj):
+            counts[m.status] = counts.get(m.status, 0) + 1
+        return counts
 
     @extend_schema_field(MemberSerializer(many=True))
     def get_members(self, obj: InstancePool) -> list[dict]:

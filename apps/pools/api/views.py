@@ -32,8 +32,17 @@ from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain
 def _named_relations(instance: MachineInstance) -> None:
     """Attach what the answer names (machine type name, provider kind) from the values the
     claim statement returned with the row: no second query on the hot path."""
-    instance.machine_type = MachineType(pk=instance.machine_type_id, name=instance.machine_type_name)
-    instance.provider_account = ProviderAccount(pk=instance.provider_account_id, kind=instance.provider_kind)
+    instance.machine_type = MachineType(
+        pk=instance.machine_type_id,
+        name=instance.machine_type_name,
+        server_type=instance.machine_server_type,
+        location=instance.machine_location,
+    )
+    instance.provider_account = ProviderAccount(
+        pk=instance.provider_account_id,
+        kind=instance.provider_kind,
+        config={"ssh_user": instance.ssh_user} if instance.ssh_user else {},
+    )
 
 
 _ACQUIRE_OUT = AcquireOut()
