@@ -38,6 +38,19 @@ def membership_set(*, org: Organization, user: AbstractBaseUser, role: str, acto
     return membership
 
 
+@transaction.atomic
+def membership_delete(*, membership: Membership, actor: str = "") -> None:
+    """Remove a user from an org; the user's tokens in that org stop working with it."""
+    org, user = membership.org, membership.user
+    revoked = ApiToken.objects.filter(org=org, user=user, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+    Membership.objects.filter(pk=membership.pk).delete()
+    event_record(
+        kind="org.member_removed", org=org, actor=actor, user=user.get_username(), tokens_revoked=revoked
+    )
+
+
 def user_get_or_create(*, username: str) -> AbstractBaseUser:
     user, _ = get_user_model().objects.get_or_create(username=username)
     return user
