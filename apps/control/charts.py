@@ -43,7 +43,7 @@ def minute_chart(
         x = LEFT + i * step
         y = float(HEIGHT)
         for name, colour, values in bars:
-            h = values[i] / top * (HEIGHT - 4)
+            h = max(0.0, values[i]) / top * (HEIGHT - 4)
             if h <= 0:
                 continue
             y -= h

@@ -54,7 +54,12 @@ def _context(request: HttpRequest) -> dict:
 
 
 def dashboard_view(request: HttpRequest) -> TemplateResponse:
-    context = {**admin.site.each_context(request), "title": "Live dashboard", **_context(request)}
+    context = {
+        **admin.site.each_context(request),
+        "title": "Live dashboard",
+        "is_nav_sidebar_enabled": False,  # the whole width for the figures
+        **_context(request),
+    }
     return TemplateResponse(request, "admin/control/dashboard.html", context)
 
 

@@ -23,6 +23,7 @@ from apps.jobs.services import job_config_delete, job_config_save
 from apps.machines.costs import job_cost
 
 LOG_TAIL_CHUNKS = 200
+LOG_REFRESH_SECONDS = 3
 
 
 class JobConfigurationForm(forms.ModelForm):
@@ -139,14 +140,12 @@ class JobAdmin(ReadOnlyAdmin):
     change_form_template = "admin/jobs/job/change_form.html"
     list_display = (
         "short_id",
-        "status",
-        "org",
-        "config_name",
+        "status_exit",
+        "org_config",
         "attempt",
-        "pending_reason",
+        "waiting_on",
         "instance_short",
-        "exit_code",
-        "created_at",
+        "submitted",
         "wait",
         "run",
     )
@@ -192,6 +191,7 @@ class JobAdmin(ReadOnlyAdmin):
         return [
             path("<uuid:pk>/cancel/", view(self.cancel_view), name="jobs_job_cancel"),
             path("<uuid:pk>/log/", view(self.log_view), name="jobs_job_log"),
+            path("<uuid:pk>/tail/", view(self.tail_view), name="jobs_job_tail"),
             path(
                 "<uuid:pk>/artifacts/<uuid:artifact_id>/", view(self.artifact_view), name="jobs_job_artifact"
             ),
@@ -210,9 +210,13 @@ class JobAdmin(ReadOnlyAdmin):
     def short_id(self, obj: Job) -> str:
         return short_id_link(obj.pk)
 
-    @admin.display(description="config", ordering="config__name")
-    def config_name(self, obj: Job) -> str:
-        return obj.config.name
+    @admin.display(description="status", ordering="status")
+    def status_exit(self, obj: Job) -> str:
+        return obj.status if obj.exit_code is None else f"{obj.status} (exit {obj.exit_code})"
+
+    @admin.display(description="org / config", ordering="config__name")
+    def org_config(self, obj: Job) -> str:
+        return f"{obj.org.slug}/{obj.config.name}"
 
     @admin.display(description="machine")
     def instance_short(self, obj: Job) -> str:
@@ -221,6 +225,20 @@ class JobAdmin(ReadOnlyAdmin):
         return short_id_link(
             obj.instance_id, reverse("admin:machines_machineinstance_change", args=[obj.instance_id])
         )
+
+    @admin.display(description="waiting on", ordering="pending_reason")
+    def waiting_on(self, obj: Job) -> str:
+        if obj.status not in JOB_LIVE or not obj.pending_reason:
+            return "-"
+        return format_html('<span title="{}">{}</span>', obj.pending_reason, obj.pending_reason)
+
+    @admin.display(description="submitted", ordering="created_at")
+    def submitted(self, obj: Job) -> str:
+        """To the second; today's jobs show the time only (the date is in the tooltip)."""
+        at = timezone.localtime(obj.created_at)
+        full = at.strftime("%Y-%m-%d %H:%M:%S")
+        short = at.strftime("%H:%M:%S") if at.date() == timezone.localdate() else full
+        return format_html('<span title="{}">{}</span>', full, short)
 
     @admin.display(description="wait")
     def wait(self, obj: Job) -> str:
@@ -245,7 +263,7 @@ class JobAdmin(ReadOnlyAdmin):
             f" — exit code {obj.exit_code}" if obj.exit_code is not None else "",
         )
 
-    @admin.display(description="")
+    @admin.display(description="when")
     def timing(self, obj: Job) -> str:
         def at(t: Any) -> str:
             return timezone.localtime(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
@@ -266,7 +284,7 @@ class JobAdmin(ReadOnlyAdmin):
             format_html_join("", "<tr><th>{}</th><td>{}</td><td>{}</td></tr>", rows),
         )
 
-    @admin.display(description="")
+    @admin.display(description="attempts")
     def attempts(self, obj: Job) -> str:
         requeues = Event.objects.filter(job_id=obj.pk, kind="job.requeued").order_by("id")
         rows = [
@@ -317,27 +335,44 @@ class JobAdmin(ReadOnlyAdmin):
             f" (its share of: {machines})" if machines else " (no machine held yet)",
         )
 
-    @admin.display(description="")
+    @admin.display(description="last lines")
     def log_tail(self, obj: Job) -> str:
+        return self._log_tail_html(obj)
+
+    def _log_tail_html(self, obj: Job) -> str:
+        """The current attempt's last lines; while the job lives, htmx fetches them again
+        every few seconds (``tail_view``)."""
         chunks = list(
             JobLogChunk.objects.filter(job=obj, attempt=obj.attempt)
             .order_by("-seq")
             .values_list("stream", "data")[:LOG_TAIL_CHUNKS]
         )
         chunks.reverse()
+        poll = (
+            format_html(
+                ' hx-get="{}" hx-trigger="every {}s" hx-swap="outerHTML"',
+                reverse("admin:jobs_job_tail", args=[obj.pk]),
+                LOG_REFRESH_SECONDS,
+            )
+            if obj.status in JOB_LIVE
+            else ""
+        )
         if not chunks:
-            return format_html("<i>no output yet (attempt {})</i>", obj.attempt)
+            return format_html(
+                '<div id="cc-tail"{}><i>no output yet (attempt {})</i></div>', poll, obj.attempt
+            )
         body = format_html_join("", '<span class="{}">{}</span>', chunks)
-        full = reverse("admin:jobs_job_log", args=[obj.pk])
         return format_html(
-            '<pre class="cc-log" id="cc-log">{}</pre><a href="{}?attempt={}">whole log of attempt {}</a>',
+            '<div id="cc-tail"{}><pre class="cc-log" id="cc-log">{}</pre>'
+            '<a href="{}?attempt={}">whole log of attempt {}</a></div>',
+            poll,
             body,
-            full,
+            reverse("admin:jobs_job_log", args=[obj.pk]),
             obj.attempt,
             obj.attempt,
         )
 
-    @admin.display(description="")
+    @admin.display(description="files")
     def artifact_links(self, obj: Job) -> str:
         rows = Artifact.objects.filter(job=obj).exclude(status="expired").order_by("kind", "name")
         items = []
@@ -402,6 +437,9 @@ class JobAdmin(ReadOnlyAdmin):
             done = "cancelled" if job.status == "cancelled" else "cancel requested: the agent stops it"
             self.message_user(request, f"job {str(job.pk)[:8]}: {done}", messages.SUCCESS)
         return HttpResponseRedirect(change)
+
+    def tail_view(self, request: HttpRequest, pk: Any) -> HttpResponse:
+        return HttpResponse(self._log_tail_html(get_object_or_404(Job, pk=pk)))
 
     def log_view(self, request: HttpRequest, pk: Any) -> HttpResponse:
         job = get_object_or_404(Job, pk=pk)

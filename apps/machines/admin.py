@@ -60,9 +60,9 @@ class ProviderAccountAdmin(admin.ModelAdmin):
     list_filter = ("kind",)
     search_fields = ("name",)
 
-    @admin.display(boolean=True, description="credentials set")
-    def has_credentials(self, obj: ProviderAccount) -> bool:
-        return bool(obj.credentials_encrypted)
+    @admin.display(description="credentials set")
+    def has_credentials(self, obj: ProviderAccount) -> str:
+        return neutral_bool(bool(obj.credentials_encrypted))  # a local account needs none
 
     def get_readonly_fields(self, request: HttpRequest, obj: ProviderAccount | None = None) -> tuple:
         return ("kind",) if obj is not None else ()  # a provider account's kind never changes
@@ -134,17 +134,13 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
     live_statuses = INSTANCE_LIVE
     list_display = (
         "short_id",
-        "status",
-        "org",
+        "status_flag",
+        "org_pool",
         "machine_type",
-        "pool_name",
-        "provider_account",
         "provider_id",
-        "outdated_flag",
         "age",
         "heartbeat",
         "billed",
-        "created_at",
     )
     list_filter = ("status", "provider_account__kind", "provider_account", "machine_type", "pool", "outdated")
     search_fields = ("id", "provider_id", "claimed_by", "claimed_for", "org__slug")
@@ -164,19 +160,29 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
     def short_id(self, obj: MachineInstance) -> str:
         return short_id_link(obj.pk)
 
-    @admin.display(description="pool", ordering="pool__name")
-    def pool_name(self, obj: MachineInstance) -> str:
-        return obj.pool.name if obj.pool_id else "-"
+    @admin.display(description="org / pool", ordering="org__slug")
+    def org_pool(self, obj: MachineInstance) -> str:
+        return f"{obj.org.slug}/{obj.pool.name}" if obj.pool_id else obj.org.slug
 
-    @admin.display(description="outdated", ordering="outdated")
-    def outdated_flag(self, obj: MachineInstance) -> str:
-        return neutral_bool(obj.outdated)
+    @admin.display(description="status", ordering="status")
+    def status_flag(self, obj: MachineInstance) -> str:
+        """The state, and "outdated" (built from an older machine type version) only when it is."""
+        if obj.outdated:
+            return format_html(
+                '{} <span class="cc-muted" title="built from an older machine type">outdated</span>',
+                obj.status,
+            )
+        return obj.status
 
     @admin.display(description="age", ordering="created_at")
     def age(self, obj: MachineInstance) -> str:
-        return human_seconds(between(obj.created_at, obj.ended_at))
+        return format_html(
+            '<span title="created {}">{}</span>',
+            timezone.localtime(obj.created_at).strftime("%Y-%m-%d %H:%M:%S"),
+            human_seconds(between(obj.created_at, obj.ended_at)),
+        )
 
-    @admin.display(description="last heartbeat", ordering="last_heartbeat_at")
+    @admin.display(description="heartbeat", ordering="last_heartbeat_at")
     def heartbeat(self, obj: MachineInstance) -> str:
         if obj.last_heartbeat_at is None:
             return "-"
@@ -186,16 +192,22 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
             human_seconds(between(obj.last_heartbeat_at, None)),
         )
 
-    @admin.display(description=f"billed ({settings.CATACLOUD_CURRENCY})", ordering="cost")
+    @admin.display(description="billed", ordering="cost")
     def billed(self, obj: MachineInstance) -> str:
         """Ended: the recorded cost. Live: what it has committed (to the end of its current
-        paid period). Never at the provider: nothing."""
+        paid period). Never at the provider: nothing. In CATACLOUD_CURRENCY (the tooltip)."""
         if obj.cost is not None:
-            return f"{obj.cost:.4f}"
+            return format_html(
+                '<span title="billed, {}">{}</span>', settings.CATACLOUD_CURRENCY, f"{obj.cost:.4f}"
+            )
         if obj.provisioning_started_at is None:
             return "-"
         committed = billing_of(obj.machine_type).cost(between(obj.provisioning_started_at, obj.ended_at) or 0)
-        return format_html('<span title="committed so far (live)">{}…</span>', f"{committed:.4f}")
+        return format_html(
+            '<span title="committed so far (live), {}">{}…</span>',
+            settings.CATACLOUD_CURRENCY,
+            f"{committed:.4f}",
+        )
 
     @admin.display(description="cost")
     def cost_summary(self, obj: MachineInstance) -> str:

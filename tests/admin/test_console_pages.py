@@ -70,6 +70,7 @@ def ran_job(world: World, *, status: str = "running") -> Job:
     job.secret_env = {"API_KEY": "hunter2-very-secret"}
     job.save()
     Job.objects.filter(pk=job.pk).update(
+        created_at=now - timedelta(minutes=6, seconds=30),
         queued_at=now - timedelta(minutes=6, seconds=30),
         admitted_at=now - timedelta(minutes=6),
         started_at=now - timedelta(minutes=5),
@@ -82,7 +83,8 @@ def ran_job(world: World, *, status: str = "running") -> Job:
         attempt=2,
         counts=True,
     )
-    event_record(kind="pool.member_claimed", org=world.org, instance=instance, job=job)
+    claim = event_record(kind="pool.member_claimed", org=world.org, instance=instance, job=job)
+    Event.objects.filter(pk=claim.pk).update(created_at=now - timedelta(minutes=5, seconds=10))
     for seq, (stream, text) in enumerate(
         [("stdout", "epoch 1 loss 0.9\n"), ("stderr", "warning: slow disk\n")]
     ):
@@ -111,7 +113,11 @@ def test_the_job_page_answers_what_happened_and_offers_cancel(
     assert "machine_lost: agent silent for 90s" in html
     assert "epoch 1 loss 0.9" in html and '<span class="stderr">warning: slow disk' in html
     assert "metrics.csv" in html
-    assert f"{settings.CATACLOUD_CURRENCY} (its share of: {str(job.instance_id)[:8]}" in html
+    # its share of the machine it holds: 5 of the 10 minutes the paid hour has run so far
+    assert re.search(
+        rf"0\.00[0-9]+ {settings.CATACLOUD_CURRENCY} \(its share of: {str(job.instance_id)[:8]}", html
+    )
+    assert f"0.0000 {settings.CATACLOUD_CURRENCY}" not in html
     assert "EPOCHS" in html and "API_KEY" in html
     assert "hunter2" not in html  # secret env: names only
     # a record: no Save, no Delete; one action: cancel
@@ -163,9 +169,12 @@ def test_lists_show_short_ids_age_heartbeat_cost_and_seconds(world: World, ops: 
     assert f">{live.pk}<" not in html  # the whole UUID only in the tooltip
     assert "12s ago" in html or "13s ago" in html
     assert "0.0100" in html  # ended: its billed cost; live: committed so far (one paid hour)
-    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", html)  # to the second
-    assert '<span class="cc-muted">no</span>' in html  # outdated: False is not an error
-    assert "icon-no.svg" not in html
+    assert re.search(r"created \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", html)  # to the second
+    assert "icon-no.svg" not in html and "outdated</span>" not in html  # False is not an error
+    MachineInstance.objects.filter(pk=live.pk).update(outdated=True)
+    assert "outdated</span>" in ops.get("/admin/machines/machineinstance/").content.decode()
+    accounts = ops.get("/admin/machines/provideraccount/").content.decode()
+    assert '<span class="cc-muted">no</span>' in accounts and "icon-no.svg" not in accounts
     assert ended.pk
 
 
