@@ -10,7 +10,14 @@ from django.http import HttpRequest
 
 from apps.core.admin import run_service_action
 from apps.orgs.models import ApiToken, Membership, Organization, Privilege
-from apps.orgs.services import api_token_create, api_token_revoke, membership_delete, membership_set
+from apps.orgs.services import (
+    api_token_create,
+    api_token_revoke,
+    membership_delete,
+    membership_set,
+    privilege_grant,
+    privilege_revoke,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -46,6 +53,19 @@ class OrganizationAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organization]:
         return super().get_queryset(request).annotate(n_members=Count("memberships"))
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """Privileges through ``privilege_grant`` / ``privilege_revoke`` (events), then the inlines."""
+        org = form.instance
+        actor = f"admin:{request.user.get_username()}"
+        wanted = {p.name for p in form.cleaned_data.get("privileges", [])}
+        current = set(org.privileges.values_list("name", flat=True))
+        for name in sorted(wanted - current):
+            privilege_grant(org=org, name=name, actor=actor)
+        for name in sorted(current - wanted):
+            privilege_revoke(org=org, name=name, actor=actor)
+        for formset in formsets:
+            self.save_formset(request, form, formset, change=change)
 
     def save_formset(self, request: HttpRequest, form: Any, formset: BaseInlineFormSet, change: bool) -> None:
         if formset.model is Membership:

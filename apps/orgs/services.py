@@ -114,3 +114,15 @@ def privilege_grant(*, org: Organization, name: str, actor: str = "") -> Privile
         org.privileges.add(privilege)
         event_record(kind="org.privilege_granted", org=org, actor=actor, privilege=name)
     return privilege
+
+
+@transaction.atomic
+def privilege_revoke(*, org: Organization, name: str, actor: str = "") -> bool:
+    """Take a privilege away (machines and jobs already admitted keep running). Returns False
+    when the org did not have it."""
+    privilege = Privilege.objects.filter(name=name).first()
+    if privilege is None or not org.privileges.filter(pk=privilege.pk).exists():
+        return False
+    org.privileges.remove(privilege)
+    event_record(kind="org.privilege_revoked", org=org, actor=actor, privilege=name)
+    return True

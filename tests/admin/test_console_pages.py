@@ -310,3 +310,51 @@ def test_a_job_configuration_with_a_bad_env_is_refused_with_a_message(world: Wor
     assert "CATACLOUD_X is reserved" in response.content.decode()
     assert not JobConfiguration.objects.filter(name="bad").exists()
     assert not Event.objects.filter(kind="job_config.created").exists()
+
+
+def test_privileges_and_schedules_are_checked_and_recorded(world: World, ops: Client) -> None:
+    from apps.orgs.models import Privilege
+
+    gpu = Privilege.objects.create(name="gpu")
+    data = {
+        "slug": world.org.slug,
+        "name": world.org.name,
+        "privileges": [gpu.pk],
+        "memberships-TOTAL_FORMS": 0,
+        "memberships-INITIAL_FORMS": 0,
+        "machine_type_grants-TOTAL_FORMS": 0,
+        "machine_type_grants-INITIAL_FORMS": 0,
+    }
+    url = f"/admin/orgs/organization/{world.org.pk}/change/"
+    assert ops.post(url, data).status_code == 302
+    assert Event.objects.filter(kind="org.privilege_granted", org=world.org, actor="admin:ops").exists()
+    assert ops.post(url, {**data, "privileges": []}).status_code == 302
+    assert not world.org.privileges.exists()
+    assert Event.objects.filter(kind="org.privilege_revoked", org=world.org).exists()
+
+    pool = InstancePool.objects.create(
+        org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=2, status="ready"
+    )
+    response = ops.post(
+        f"/admin/pools/instancepool/{pool.pk}/change/",
+        {
+            "name": "p",
+            "description": "",
+            "target_size": 1,
+            "min_size": 0,
+            "max_size": 2,
+            "warmup_grace_seconds": 600,
+            "schedules-TOTAL_FORMS": 1,
+            "schedules-INITIAL_FORMS": 0,
+            "schedules-0-name": "mornings",
+            "schedules-0-cron": "every morning",
+            "schedules-0-timezone": "Mars/Olympus",
+            "schedules-0-target_size": 2,
+            "members-TOTAL_FORMS": 0,
+            "members-INITIAL_FORMS": 0,
+        },
+    )
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "is not a cron expression" in html and "unknown time zone" in html
+    assert not pool.schedules.exists()
