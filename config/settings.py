@@ -94,6 +94,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",  # Swagger UI and ReDoc served from our static files, no CDN
+    "django_htmx",  # vendors htmx.min.js for the console's live dashboard (no JS build step)
     "apps.core",
     "apps.orgs",
     "apps.machines",
@@ -123,7 +124,8 @@ WSGI_APPLICATION = "config.wsgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # config/templates: the console's admin/base_site.html (stylesheet, dashboard link).
+        "DIRS": [BASE_DIR / "config" / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -158,6 +160,8 @@ AUTH_PASSWORD_VALIDATORS = [
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
+# The console shows times to the second (config/formats/en/formats.py).
+FORMAT_MODULE_PATH = ["config.formats"]
 USE_I18N = True
 USE_TZ = True
 

@@ -5,6 +5,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from apps.control.urls import agent_urls
+from apps.control.views import console_urls
 from apps.core.views import healthz, metrics_view
 
 admin.site.site_header = "Catacloud operator console"
@@ -12,6 +13,7 @@ admin.site.site_title = "Catacloud"
 admin.site.index_title = "Fleet, pools, jobs and resources"
 
 urlpatterns = [
+    path("admin/dashboard/", include(console_urls())),
     path("admin/", admin.site.urls),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),

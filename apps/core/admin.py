@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 from django.http import HttpRequest
+from django.utils.html import format_html
 
 from apps.core.errors import DomainError
 from apps.core.models import Heartbeat, Installation
+from apps.core.templatetags.console import short_id_html
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -52,6 +54,20 @@ def run_service_action(modeladmin: admin.ModelAdmin, request: HttpRequest, query
         modeladmin.message_user(request, f"{verb}: {done}", messages.SUCCESS)
     for line in refused[:20]:
         modeladmin.message_user(request, line, messages.WARNING)
+
+
+def short_id_link(value: object, url: str = "") -> str:
+    """A UUID as its first 8 characters (the whole id in the tooltip), linked when ``url``."""
+    html = short_id_html(value)
+    return format_html('<a href="{}">{}</a>', url, html) if url else html
+
+
+def neutral_bool(value: bool) -> str:
+    """A yes/no column that is neither good nor bad: "yes" in bold, "no" greyed (Django's
+    boolean icons paint every False as a red error)."""
+    if value:
+        return format_html('<span class="cc-yes">{}</span>', "yes")
+    return format_html('<span class="cc-muted">{}</span>', "no")
 
 
 @admin.register(Installation)

@@ -12,12 +12,20 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
+from django.utils.html import format_html
 
-from apps.core.admin import NoLiveDeleteAdmin, run_service_action
+from apps.core.admin import NoLiveDeleteAdmin, neutral_bool, run_service_action, short_id_link
+from apps.core.templatetags.console import between, human_seconds
 from apps.machines.choices import INSTANCE_LIVE
+from apps.machines.costs import billing_of, instance_cost
 from apps.machines.lifecycle import instance_terminate
-from apps.machines.models import Budget, MachineInstance, MachineType, OrgMachineType, ProviderAccount
-from apps.machines.services import provider_account_upsert
+from apps.machines.models import Budget, MachineInstance, MachineType, ProviderAccount
+from apps.machines.services import (
+    machine_type_update,
+    machine_type_upsert,
+    provider_account_update,
+    provider_account_upsert,
+)
 
 
 class ProviderAccountForm(forms.ModelForm):
@@ -52,20 +60,30 @@ class ProviderAccountAdmin(admin.ModelAdmin):
     list_filter = ("kind",)
     search_fields = ("name",)
 
-    @admin.display(boolean=True, description="credentials set")
-    def has_credentials(self, obj: ProviderAccount) -> bool:
-        return bool(obj.credentials_encrypted)
+    @admin.display(description="credentials set")
+    def has_credentials(self, obj: ProviderAccount) -> str:
+        return neutral_bool(bool(obj.credentials_encrypted))  # a local account needs none
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ProviderAccount | None = None) -> tuple:
+        return ("kind",) if obj is not None else ()  # a provider account's kind never changes
 
     def save_model(
         self, request: HttpRequest, obj: ProviderAccount, form: forms.ModelForm, change: bool
     ) -> None:
-        account, _ = provider_account_upsert(
-            name=obj.name,
-            kind=obj.kind,
-            config=obj.config,
-            credentials=form.cleaned_data.get("new_credentials"),
-        )
+        """Through the services: a rename changes this row (its machines keep pointing at it),
+        never creates a second account."""
+        credentials = form.cleaned_data.get("new_credentials")
+        actor = f"admin:{request.user.get_username()}"
+        if change:
+            account, _ = provider_account_update(
+                account=obj, name=obj.name, config=obj.config, credentials=credentials, actor=actor
+            )
+        else:
+            account, _ = provider_account_upsert(
+                name=obj.name, kind=obj.kind, config=obj.config, credentials=credentials
+            )
         obj.__dict__.update({k: v for k, v in account.__dict__.items() if not k.startswith("_")})
+        obj._state.adding = False
 
 
 @admin.register(MachineType)
@@ -88,51 +106,121 @@ class MachineTypeAdmin(admin.ModelAdmin):
     readonly_fields = ("version", "created_at", "updated_at")
 
     def save_model(self, request: HttpRequest, obj: MachineType, form: forms.ModelForm, change: bool) -> None:
-        # Bump the version when a build field changes, like the catalog does (pool drift).
-        if change and set(form.changed_data) & {f.removesuffix("_id") for f in MachineType.BUILD_FIELDS}:
-            obj.version += 1
-        super().save_model(request, obj, form, change)
-
-
-@admin.register(OrgMachineType)
-class OrgMachineTypeAdmin(admin.ModelAdmin):
-    list_display = (
-        "org",
-        "machine_type",
-        "max_concurrent_jobs",
-        "max_instances",
-        "max_pool_size",
-        "cpu_quota",
-        "gpu_quota",
-        "policy",
-    )
-    list_filter = ("policy", "org", "machine_type")
-    search_fields = ("org__slug", "machine_type__name")
+        """Through ``machine_type_update`` / ``machine_type_upsert``: the version bump (pool
+        drift) and the event live in the service, not here."""
+        fields = {k: v for k, v in form.cleaned_data.items() if k not in ("name", "provider_account")}
+        if change:
+            saved, _ = machine_type_update(
+                machine_type=obj,
+                actor=f"admin:{request.user.get_username()}",
+                name=obj.name,
+                provider_account=obj.provider_account,
+                **fields,
+            )
+        else:
+            fields.pop("required_privilege", None)
+            saved, _ = machine_type_upsert(
+                name=obj.name,
+                provider_account=obj.provider_account,
+                required_privilege=obj.required_privilege,
+                **fields,
+            )
+        obj.__dict__.update({k: v for k, v in saved.__dict__.items() if not k.startswith("_")})
+        obj._state.adding = False
 
 
 @admin.register(MachineInstance)
 class MachineInstanceAdmin(NoLiveDeleteAdmin):
     live_statuses = INSTANCE_LIVE
     list_display = (
-        "id",
-        "status",
-        "org",
+        "short_id",
+        "status_flag",
+        "org_pool",
         "machine_type",
-        "pool",
-        "provider_account",
         "provider_id",
-        "outdated",
-        "created_at",
-        "ready_at",
-        "claimed_at",
-        "last_heartbeat_at",
-        "cost",
+        "age",
+        "heartbeat",
+        "billed",
     )
     list_filter = ("status", "provider_account__kind", "provider_account", "machine_type", "pool", "outdated")
     search_fields = ("id", "provider_id", "claimed_by", "claimed_for", "org__slug")
-    readonly_fields = [f.name for f in MachineInstance._meta.fields]
+    readonly_fields = [
+        "cost_summary",
+        *(
+            f.name
+            for f in MachineInstance._meta.fields
+            if f.name not in ("bootstrap_token_hash", "agent_token_hash")
+        ),
+    ]
+    exclude = ("bootstrap_token_hash", "agent_token_hash")
     date_hierarchy = "created_at"
     list_select_related = ("org", "machine_type", "pool", "provider_account")
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: MachineInstance) -> str:
+        return short_id_link(obj.pk)
+
+    @admin.display(description="org / pool", ordering="org__slug")
+    def org_pool(self, obj: MachineInstance) -> str:
+        return f"{obj.org.slug}/{obj.pool.name}" if obj.pool_id else obj.org.slug
+
+    @admin.display(description="status", ordering="status")
+    def status_flag(self, obj: MachineInstance) -> str:
+        """The state, and "outdated" (built from an older machine type version) only when it is."""
+        if obj.outdated:
+            return format_html(
+                '{} <span class="cc-muted" title="built from an older machine type">outdated</span>',
+                obj.status,
+            )
+        return obj.status
+
+    @admin.display(description="age", ordering="created_at")
+    def age(self, obj: MachineInstance) -> str:
+        return format_html(
+            '<span title="created {}">{}</span>',
+            timezone.localtime(obj.created_at).strftime("%Y-%m-%d %H:%M:%S"),
+            human_seconds(between(obj.created_at, obj.ended_at)),
+        )
+
+    @admin.display(description="heartbeat", ordering="last_heartbeat_at")
+    def heartbeat(self, obj: MachineInstance) -> str:
+        if obj.last_heartbeat_at is None:
+            return "-"
+        return format_html(
+            '<span title="{}">{} ago</span>',
+            timezone.localtime(obj.last_heartbeat_at).strftime("%Y-%m-%d %H:%M:%S"),
+            human_seconds(between(obj.last_heartbeat_at, None)),
+        )
+
+    @admin.display(description="billed", ordering="cost")
+    def billed(self, obj: MachineInstance) -> str:
+        """Ended: the recorded cost. Live: what it has committed (to the end of its current
+        paid period). Never at the provider: nothing. In CATACLOUD_CURRENCY (the tooltip)."""
+        if obj.cost is not None:
+            return format_html(
+                '<span title="billed, {}">{}</span>', settings.CATACLOUD_CURRENCY, f"{obj.cost:.4f}"
+            )
+        if obj.provisioning_started_at is None:
+            return "-"
+        committed = billing_of(obj.machine_type).cost(between(obj.provisioning_started_at, obj.ended_at) or 0)
+        return format_html(
+            '<span title="committed so far (live), {}">{}…</span>',
+            settings.CATACLOUD_CURRENCY,
+            f"{committed:.4f}",
+        )
+
+    @admin.display(description="cost")
+    def cost_summary(self, obj: MachineInstance) -> str:
+        summary = instance_cost(obj, now=timezone.now())
+        parts = ", ".join(f"{k} {float(v):.4f}" for k, v in summary["by_kind"].items() if Decimal(v))
+        return format_html(
+            "{} {} {} ({} billed seconds){}",
+            f"{float(summary['cost']):.4f}",
+            settings.CATACLOUD_CURRENCY,
+            "committed so far" if summary["live"] else "billed",
+            summary["billed_seconds"],
+            f": {parts}" if parts else "",
+        )
 
     actions = ["terminate"]
 

@@ -47,14 +47,45 @@ def provider_account_upsert(
         return account, True
     if account.kind != kind:
         raise _invalid("kind", f"provider account {name} is {account.kind}; its kind cannot change")
-    changed = account.config != config or (credentials is not None and account.credentials != credentials)
-    if changed:
-        account.config = config
-        if credentials is not None:
-            account.credentials = credentials
-        account.save()
-        event_record(kind="provider_account.updated", actor="catalog", account=name)
-    return account, changed
+    return provider_account_update(account=account, name=name, config=config, credentials=credentials)
+
+
+@transaction.atomic
+def provider_account_update(
+    *,
+    account: ProviderAccount,
+    name: str,
+    config: dict[str, Any] | None = None,
+    credentials: dict[str, str] | None = None,
+    actor: str = "catalog",
+) -> tuple[ProviderAccount, bool]:
+    """Change an account in place: its name (machines keep pointing at the same row), its
+    config, its credentials (None keeps them). The kind never changes. Returns (account, changed)."""
+    account = ProviderAccount.objects.select_for_update().get(pk=account.pk)
+    config = dict(config or {})
+    if name != account.name and ProviderAccount.objects.filter(name=name).exclude(pk=account.pk).exists():
+        raise _invalid("name", f"a provider account named {name} already exists")
+    fields = [
+        f for f, changed in (("name", name != account.name), ("config", account.config != config)) if changed
+    ]
+    if credentials is not None and account.credentials != credentials:
+        fields.append("credentials")  # named, never shown
+    if not fields:
+        return account, False
+    previous = account.name
+    account.name = name
+    account.config = config
+    if credentials is not None:
+        account.credentials = credentials
+    account.save()
+    event_record(
+        kind="provider_account.updated",
+        actor=actor,
+        account=name,
+        **({"renamed_from": previous} if previous != name else {}),
+        fields=fields,
+    )
+    return account, True
 
 
 def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
@@ -100,11 +131,36 @@ def machine_type_upsert(
         )
         event_record(kind="machine_type.created", actor="catalog", machine_type=name)
         return mt, True
-    wanted = {
-        "provider_account_id": provider_account.pk,
-        "required_privilege_id": getattr(required_privilege, "pk", None),
+    return machine_type_update(
+        machine_type=mt, provider_account=provider_account, required_privilege=required_privilege, **fields
+    )
+
+
+@transaction.atomic
+def machine_type_update(
+    *, machine_type: MachineType, actor: str = "catalog", **fields: Any
+) -> tuple[MachineType, bool]:
+    """Change a machine type in place (its name too). The one place ``version`` grows: a
+    change to how machines are built (``BUILD_FIELDS``) makes existing machines outdated."""
+    fields = _validate_machine_type(fields)
+    mt = MachineType.objects.select_for_update(of=("self",)).get(pk=machine_type.pk)
+    wanted: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in ("provider_account", "required_privilege"):
+            wanted[f"{key}_id"] = getattr(value, "pk", value)
+        else:
+            wanted[key] = value
+    known = {f.attname for f in MachineType._meta.concrete_fields} - {
+        "id",
+        "version",
+        "created_at",
+        "updated_at",
     }
-    wanted.update(fields)
+    unknown = set(wanted) - known
+    if unknown:
+        raise _invalid(sorted(unknown)[0], "unknown machine type field")
+    if "name" in wanted and MachineType.objects.filter(name=wanted["name"]).exclude(pk=mt.pk).exists():
+        raise _invalid("name", f"a machine type named {wanted['name']} already exists")
     changed = {k: v for k, v in wanted.items() if getattr(mt, k) != v}
     if not changed:
         return mt, False
@@ -115,8 +171,8 @@ def machine_type_upsert(
     mt.save()
     event_record(
         kind="machine_type.updated",
-        actor="catalog",
-        machine_type=name,
+        actor=actor,
+        machine_type=mt.name,
         version=mt.version,
         fields=sorted(changed),
     )

@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 from django.contrib import admin, messages
+from django.db.models import Count, QuerySet
+from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 
 from apps.core.admin import run_service_action
-from apps.machines.models import OrgMachineType
 from apps.orgs.models import ApiToken, Membership, Organization, Privilege
-from apps.orgs.services import api_token_create, api_token_revoke
+from apps.orgs.services import (
+    api_token_create,
+    api_token_revoke,
+    membership_delete,
+    membership_set,
+    privilege_grant,
+    privilege_revoke,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -16,35 +26,52 @@ class MembershipInline(admin.TabularInline):
     autocomplete_fields = ("user",)
 
 
-class GrantInline(admin.TabularInline):
-    model = OrgMachineType
-    extra = 0
-    fields = (
-        "machine_type",
-        "max_concurrent_jobs",
-        "max_instances",
-        "max_pool_size",
-        "cpu_quota",
-        "memory_quota_mb",
-        "gpu_quota",
-        "policy",
-        "max_wait_seconds",
-    )
-    verbose_name = "machine type grant and quota"
-    verbose_name_plural = "machine type grants and quotas"
+def membership_formset_save(request: HttpRequest, formset: BaseInlineFormSet) -> None:
+    """Membership rows through ``membership_set`` / ``membership_delete`` (events, token revocation)."""
+    actor = f"admin:{request.user.get_username()}"
+    formset.save(commit=False)  # fills new/changed/deleted objects; nothing is written here
+    for membership in formset.deleted_objects:
+        membership_delete(membership=membership, actor=actor)
+    for membership in [*formset.new_objects, *(obj for obj, _ in formset.changed_objects)]:
+        membership_set(org=membership.org, user=membership.user, role=membership.role, actor=actor)
 
 
 @admin.register(Organization)
 class OrganizationAdmin(admin.ModelAdmin):
+    """Grants and quotas join this page from the machines layer: apps/control/admin.py
+    registers the full page (this app sits below machines and does not import it)."""
+
     list_display = ("slug", "name", "member_count", "created_at")
     search_fields = ("slug", "name")
     list_filter = ("privileges",)
     filter_horizontal = ("privileges",)
-    inlines = [MembershipInline, GrantInline]
+    inlines = [MembershipInline]
 
-    @admin.display(description="members")
+    @admin.display(description="members", ordering="n_members")
     def member_count(self, obj: Organization) -> int:
-        return obj.memberships.count()
+        return obj.n_members
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Organization]:
+        return super().get_queryset(request).annotate(n_members=Count("memberships"))
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """Privileges through ``privilege_grant`` / ``privilege_revoke`` (events), then the inlines."""
+        org = form.instance
+        actor = f"admin:{request.user.get_username()}"
+        wanted = {p.name for p in form.cleaned_data.get("privileges", [])}
+        current = set(org.privileges.values_list("name", flat=True))
+        for name in sorted(wanted - current):
+            privilege_grant(org=org, name=name, actor=actor)
+        for name in sorted(current - wanted):
+            privilege_revoke(org=org, name=name, actor=actor)
+        for formset in formsets:
+            self.save_formset(request, form, formset, change=change)
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: BaseInlineFormSet, change: bool) -> None:
+        if formset.model is Membership:
+            membership_formset_save(request, formset)
+        else:
+            super().save_formset(request, form, formset, change)
 
 
 @admin.register(Privilege)
@@ -55,10 +82,29 @@ class PrivilegeAdmin(admin.ModelAdmin):
 
 @admin.register(Membership)
 class MembershipAdmin(admin.ModelAdmin):
+    """Saved through ``membership_set``, deleted through ``membership_delete``."""
+
     list_display = ("user", "org", "role", "created_at")
     list_filter = ("role", "org")
     search_fields = ("user__username", "org__slug")
     autocomplete_fields = ("user", "org")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Membership | None = None) -> tuple:
+        return ("org", "user") if obj is not None else ()  # change the role; remove and add otherwise
+
+    def save_model(self, request: HttpRequest, obj: Membership, form: forms.ModelForm, change: bool) -> None:
+        saved = membership_set(
+            org=obj.org, user=obj.user, role=obj.role, actor=f"admin:{request.user.get_username()}"
+        )
+        obj.pk = saved.pk
+        obj._state.adding = False
+
+    def delete_model(self, request: HttpRequest, obj: Membership) -> None:
+        membership_delete(membership=obj, actor=f"admin:{request.user.get_username()}")
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Membership]) -> None:
+        for membership in queryset.select_related("org", "user"):
+            membership_delete(membership=membership, actor=f"admin:{request.user.get_username()}")
 
 
 class ApiTokenForm(forms.ModelForm):

@@ -38,6 +38,19 @@ def membership_set(*, org: Organization, user: User, role: str, actor: str = "")
     return membership
 
 
+@transaction.atomic
+def membership_delete(*, membership: Membership, actor: str = "") -> None:
+    """Remove a user from an org; the user's tokens in that org stop working with it."""
+    org, user = membership.org, membership.user
+    revoked = ApiToken.objects.filter(org=org, user=user, revoked_at__isnull=True).update(
+        revoked_at=timezone.now()
+    )
+    Membership.objects.filter(pk=membership.pk).delete()
+    event_record(
+        kind="org.member_removed", org=org, actor=actor, user=user.get_username(), tokens_revoked=revoked
+    )
+
+
 def user_get_or_create(*, username: str) -> User:
     user, _ = get_user_model().objects.get_or_create(username=username)
     return user
@@ -102,3 +115,15 @@ def privilege_grant(*, org: Organization, name: str, actor: str = "") -> Privile
         org.privileges.add(privilege)
         event_record(kind="org.privilege_granted", org=org, actor=actor, privilege=name)
     return privilege
+
+
+@transaction.atomic
+def privilege_revoke(*, org: Organization, name: str, actor: str = "") -> bool:
+    """Take a privilege away (machines and jobs already admitted keep running). Returns False
+    when the org did not have it."""
+    privilege = Privilege.objects.filter(name=name).first()
+    if privilege is None or not org.privileges.filter(pk=privilege.pk).exists():
+        return False
+    org.privileges.remove(privilege)
+    event_record(kind="org.privilege_revoked", org=org, actor=actor, privilege=name)
+    return True

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 
-from apps.core.admin import run_service_action
+from apps.core.admin import run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.machines.models import MachineInstance
 from apps.machines.services import grant_for
@@ -19,7 +19,7 @@ class MemberInline(admin.TabularInline):
     extra = 0
     can_delete = False
     fields = (
-        "id",
+        "short_id",
         "status",
         "provider_id",
         "warming_started_at",
@@ -34,6 +34,10 @@ class MemberInline(admin.TabularInline):
 
     def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
         return False
+
+    @admin.display(description="id")
+    def short_id(self, obj: MachineInstance) -> str:
+        return short_id_link(obj.pk)
 
 
 class ScheduleInline(admin.TabularInline):
@@ -97,9 +101,13 @@ class InstancePoolAdmin(admin.ModelAdmin):
     inlines = [ScheduleInline, MemberInline]
     actions = ["drain_terminate", "drain_release"]
 
-    @admin.display(description="ready")
+    @admin.display(description="ready", ordering="n_ready")
     def ready_members(self, obj: InstancePool) -> int:
-        return obj.members.filter(status="ready").count()
+        return obj.n_ready
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[InstancePool]:
+        ready = Count("members", filter=Q(members__status="ready"))
+        return super().get_queryset(request).select_related("org", "machine_type").annotate(n_ready=ready)
 
     def get_readonly_fields(self, request: HttpRequest, obj: InstancePool | None = None) -> tuple:
         if obj is not None:  # a pool's org and machine type never change

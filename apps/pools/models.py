@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import uuid
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from croniter import croniter
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import F, Q
 
@@ -73,3 +76,15 @@ class PoolSchedule(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pool}: {self.cron} ({self.timezone}) -> {self.target_size}"
+
+    def clean(self) -> None:
+        """A schedule the reaper can fire: a valid cron expression and a known time zone."""
+        errors = {}
+        if not croniter.is_valid(self.cron):
+            errors["cron"] = f"{self.cron!r} is not a cron expression (e.g. '0 8 * * 1-5')"
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            errors["timezone"] = f"unknown time zone {self.timezone!r} (e.g. 'Europe/Berlin')"
+        if errors:
+            raise ValidationError(errors)

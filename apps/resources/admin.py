@@ -3,6 +3,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.http import HttpRequest
 
+from apps.core.admin import NoLiveDeleteAdmin, short_id_link
+from apps.resources.choices import RESOURCE_LIVE
 from apps.resources.models import ResourceInstance, ResourceType
 
 
@@ -14,13 +16,16 @@ class ResourceTypeAdmin(admin.ModelAdmin):
 
 
 @admin.register(ResourceInstance)
-class ResourceInstanceAdmin(admin.ModelAdmin):
+class ResourceInstanceAdmin(NoLiveDeleteAdmin):
+    """Created and destroyed by the wells: visible here, deleted only once destroyed or failed."""
+
+    live_statuses = RESOURCE_LIVE
     list_display = (
-        "id",
+        "short_id",
         "resource_type",
         "status",
         "org",
-        "job",
+        "job_short",
         "external_id",
         "created_at",
         "destroyed_at",
@@ -33,3 +38,11 @@ class ResourceInstanceAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: ResourceInstance) -> str:
+        return short_id_link(obj.pk)
+
+    @admin.display(description="job")
+    def job_short(self, obj: ResourceInstance) -> str:
+        return short_id_link(obj.job_id) if obj.job_id else "-"

@@ -6,14 +6,25 @@ test says so and is skipped; `.ci/run` installs it so CI runs it.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
+import random
 import shutil
+from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 
+from apps.events.services import event_record
+from apps.jobs.models import Job, JobConfiguration, JobLogChunk
+from apps.machines.budgets import budget_set
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
+from tests.admin import test_console_pages as console_pages
 from tests.conftest import World
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -98,6 +109,191 @@ def test_operator_logs_in_and_sees_orgs_and_pools(
     text = page.inner_text("#content")
     assert "ci-runners" in page.input_value("#id_name")
     for member in members:
-        assert str(member.pk) in text
+        assert str(member.pk)[:8] in text  # short ids (the whole id in the tooltip)
     assert "claimed" in text and "ready" in text
     page.screenshot(path=str(tmp_path / "pool.png"), full_page=True)
+
+
+# ---- the live dashboard and the job page ----------------------------------------------------------
+
+
+# Screenshots go to tmp_path; CATACLOUD_SCREENSHOTS=docs writes README's pictures instead.
+def shots_dir(tmp_path: Path) -> Path:
+    return Path(os.environ.get("CATACLOUD_SCREENSHOTS") or tmp_path)
+
+
+def assert_list_fits(page) -> None:
+    """Every column visible without scrolling sideways, every row on one line."""
+    shown = page.locator("#changelist .results").bounding_box()
+    last = page.locator("#result_list thead th").last.bounding_box()
+    assert last["x"] + last["width"] <= shown["x"] + shown["width"] + 1
+    rows = page.locator("#result_list tbody tr")
+    heights = {round(rows.nth(i).bounding_box()["height"]) for i in range(rows.count())}
+    assert max(heights) < 40, heights  # no UUID wrapping over four lines
+
+
+def log_in(page, live_server) -> None:
+    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
+    page.goto(f"{live_server.url}/admin/login/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "a-long-ops-password")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+
+
+def demo_fleet(world: World) -> JobConfiguration:
+    """Two pools mid-refill, a queue held by a quota and a budget, an hour of finished jobs,
+    a machine lost and its job requeued."""
+    rng = random.Random(7)
+    now = timezone.now()
+    budget_set(org=world.org, amount=Decimal("5"), period="day", actor="test")
+    config = JobConfiguration.objects.create(
+        org=world.org, name="nightly-build", machine_type=world.machine_type, command="make test"
+    )
+    for name, target, states in (
+        ("ci-runners", 4, ["ready", "ready", "claimed", "claimed", "warming"]),
+        ("gpu-burst", 2, ["claimed", "provisioning"]),
+    ):
+        pool = InstancePool.objects.create(
+            org=world.org,
+            name=name,
+            machine_type=world.machine_type,
+            target_size=target,
+            min_size=1,
+            max_size=6,
+            status="replenishing",
+        )
+        for status in states:
+            MachineInstance.objects.create(
+                org=world.org,
+                machine_type=world.machine_type,
+                provider_account=world.account,
+                pool=pool,
+                status=status,
+                provisioning_started_at=now - timedelta(minutes=rng.randint(5, 50)),
+                last_heartbeat_at=now - timedelta(seconds=rng.randint(1, 20)),
+            )
+    jobs = []
+    for i in range(240):
+        finished = now - timedelta(seconds=rng.randint(30, 3500))
+        run = timedelta(seconds=rng.randint(20, 300))
+        wait = timedelta(seconds=rng.choice([1, 2, 3, 5, 8, 15, 40]) + (60 if i % 37 == 0 else 0))
+        jobs.append(
+            Job(
+                org=world.org,
+                config=config,
+                machine_type=world.machine_type,
+                command="make test",
+                status="failed" if i % 11 == 0 else "succeeded",
+                queued_at=finished - run - wait,
+                started_at=finished - run,
+                finished_at=finished,
+            )
+        )
+    for reason, n, age in (("max_concurrent_jobs 10/10", 4, 95), ("budget 4.98/5.00 EUR today", 2, 300)):
+        for _ in range(n):
+            jobs.append(
+                Job(
+                    org=world.org,
+                    config=config,
+                    machine_type=world.machine_type,
+                    command="make test",
+                    pending_reason=reason,
+                    queued_at=now - timedelta(seconds=age),
+                )
+            )
+    queued = {job.pk: job.queued_at for job in jobs}
+    Job.objects.bulk_create(jobs)  # created_at and queued_at are auto_now_add: set them after
+    for pk, at in queued.items():
+        Job.objects.filter(pk=pk).update(created_at=at, queued_at=at)
+    lost = Job.objects.filter(status="failed").first()
+    event_record(
+        kind="job.requeued", org=world.org, job=lost, reason="machine_lost: agent silent for more than 90s"
+    )
+    event_record(
+        kind="instance.lost",
+        org=world.org,
+        instance=MachineInstance.objects.first(),
+        reason="agent silent for more than 90s",
+    )
+    return config
+
+
+def test_the_dashboard_shows_the_fleet_and_refreshes_itself(
+    tworld: World, live_server, browser_page, tmp_path: Path
+) -> None:
+    config = demo_fleet(tworld)
+    page = browser_page
+    log_in(page, live_server)
+    page.click("text=Live dashboard")  # linked from every console page
+    page.wait_for_selector("#cc-pools")
+    text = page.inner_text("#content")
+    assert "acme/ci-runners" in text and "5 live · target 4 · min 1 · max 6" in text
+    assert "max_concurrent_jobs 10/10" in text and "budget 4.98/5.00 EUR today" in text
+    assert "machines 7/20" in text
+    assert "machine_lost: agent silent for more than 90s" in text
+    assert page.locator("#cc-throughput svg rect").count() > 10  # an hour of bars
+    page.screenshot(path=str(shots_dir(tmp_path) / "console-dashboard.png"), full_page=True)
+
+    # New work shows up without a reload: htmx swaps the panel in every few seconds.
+    page.evaluate("window.ccMarker = 'same page'")
+    Job.objects.create(
+        org=tworld.org,
+        config=config,
+        machine_type=tworld.machine_type,
+        command="make test",
+        pending_reason="gpu quota 8/8 in use",
+    )
+    page.wait_for_selector("text=gpu quota 8/8 in use", timeout=15_000)
+    assert page.evaluate("window.ccMarker") == "same page"
+
+    # The instance list: one line per machine, short ids, age, heartbeat, cost so far.
+    page.goto(f"{live_server.url}/admin/machines/machineinstance/")
+    assert page.locator("#result_list tbody tr").count() == 7
+    page.screenshot(path=str(shots_dir(tmp_path) / "console-instances.png"), full_page=True)
+    assert_list_fits(page)
+
+
+def test_the_job_page_shows_log_artifacts_attempts_and_cancels(
+    tworld: World, live_server, browser_page, tmp_path: Path, settings
+) -> None:
+    from apps.jobs.artifacts import get_store, store_artifact
+
+    settings.CATACLOUD_STORAGE = "local"
+    settings.CATACLOUD_STORAGE_DIR = str(tmp_path / "artifacts")
+    get_store.cache_clear()
+    job = console_pages.ran_job(tworld)
+    for name, data in (("metrics.csv", b"epoch,loss\n1,0.9\n"), ("model/weights.bin", b"\0" * 4096)):
+        store_artifact(
+            job=job, kind="output", name=name, body=io.BytesIO(data), size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )  # fmt: skip
+    page = browser_page
+    log_in(page, live_server)
+    page.goto(f"{live_server.url}/admin/jobs/job/")
+    page.screenshot(path=str(shots_dir(tmp_path) / "console-jobs.png"), full_page=True)
+    assert_list_fits(page)
+    page.click(f"text={str(job.pk)[:8]}")  # short ids in the list
+    page.wait_for_selector("#cc-log")
+    text = page.inner_text("#content")
+    assert "epoch 1 loss 0.9" in page.inner_text("#cc-log")
+    assert "machine_lost: agent silent for 90s" in text
+    assert "metrics.csv" in text and "model/weights.bin" in text
+    assert "hunter2" not in page.content()
+    assert page.locator("input[name=_save]").count() == 0 and page.locator(".deletelink").count() == 0
+    page.screenshot(path=str(shots_dir(tmp_path) / "console-job.png"), full_page=True)
+
+    # the log tail follows the running job without a reload
+    JobLogChunk.objects.create(job=job, attempt=2, seq=2, stream="stdout", data="epoch 2 loss 0.4\n")
+    page.wait_for_selector("text=epoch 2 loss 0.4", timeout=10_000)
+
+    with page.expect_download() as download:
+        page.click("text=metrics.csv")
+    assert Path(download.value.path()).read_bytes() == b"epoch,loss\n1,0.9\n"
+
+    page.click("#cc-cancel-job")
+    page.wait_for_selector(".messagelist")
+    assert "cancel requested" in page.inner_text(".messagelist")
+    job.refresh_from_db()
+    assert job.cancel_requested
+    get_store.cache_clear()

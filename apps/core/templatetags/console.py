@@ -1,0 +1,71 @@
+"""Formatting for the operator console: durations, ages, short ids, money."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django import template
+from django.utils import timezone
+from django.utils.html import format_html
+
+register = template.Library()
+
+
+def human_seconds(seconds: float | None) -> str:
+    """``3d 4h``, ``2h 05m``, ``4m 12s``, ``9.5s``, ``-`` for None."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, float(seconds))
+    if s < 10:
+        return f"{s:.1f}s"
+    s = int(s)
+    days, rest = divmod(s, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def between(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None:
+        return None
+    return ((end or timezone.now()) - start).total_seconds()
+
+
+@register.filter
+def duration(seconds: float | timedelta | None) -> str:
+    if isinstance(seconds, timedelta):
+        seconds = seconds.total_seconds()
+    return human_seconds(seconds)
+
+
+@register.filter
+def ago(when: datetime | None) -> str:
+    return "-" if when is None else f"{human_seconds(between(when, None))} ago"
+
+
+def short_id_html(value: Any) -> str:
+    """The first 8 characters of a UUID, the whole id in the tooltip (and for copy)."""
+    if value is None or value == "":
+        return "-"
+    full = str(value)
+    return format_html('<code class="cc-id" title="{}">{}</code>', full, full[:8])
+
+
+@register.filter
+def short_id(value: Any) -> str:
+    return short_id_html(value)
+
+
+@register.filter
+def money(value: Decimal | float | None, places: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{Decimal(value):.{int(places)}f}"

@@ -1,0 +1,147 @@
+"""The live dashboard: what an operator sees, from the database, in a bounded number of queries."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from apps.events.services import event_record
+from apps.jobs.models import Job, JobConfiguration
+from apps.machines.budgets import budget_set, budget_spend
+from apps.machines.models import MachineInstance
+from apps.pools.models import InstancePool
+from tests.conftest import World
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def ops(world: World) -> Client:
+    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
+    client = Client()
+    client.login(username="ops", password="a-long-ops-password")
+    return client
+
+
+def busy_fleet(world: World, pools: int = 2) -> None:
+    """``pools`` pools with members in several states, queued and finished jobs, a failure."""
+    now = timezone.now()
+    config = JobConfiguration.objects.get_or_create(
+        org=world.org, name="build", defaults={"machine_type": world.machine_type, "command": "make"}
+    )[0]
+    for p in range(pools):
+        pool = InstancePool.objects.create(
+            org=world.org,
+            name=f"runners-{p}-{InstancePool.objects.count()}",
+            machine_type=world.machine_type,
+            target_size=3,
+            min_size=1,
+            max_size=5,
+            status="ready",
+        )
+        for status in ("ready", "ready", "claimed", "warming"):
+            MachineInstance.objects.create(
+                org=world.org,
+                machine_type=world.machine_type,
+                provider_account=world.account,
+                pool=pool,
+                status=status,
+                provisioning_started_at=now - timedelta(minutes=20),
+            )
+    for _ in range(3):
+        Job.objects.create(
+            org=world.org,
+            config=config,
+            machine_type=world.machine_type,
+            command="make",
+            pending_reason="max_concurrent_jobs 10/10",
+        )
+    Job.objects.filter(pending_reason="max_concurrent_jobs 10/10").update(
+        queued_at=now - timedelta(minutes=7)
+    )
+    for status in ("succeeded", "succeeded", "failed"):
+        job = Job.objects.create(
+            org=world.org, config=config, machine_type=world.machine_type, command="make", status=status
+        )
+        Job.objects.filter(pk=job.pk).update(
+            queued_at=now - timedelta(minutes=10),
+            started_at=now - timedelta(minutes=9),
+            finished_at=now - timedelta(minutes=2),
+        )
+    job = Job.objects.filter(status="failed").first()
+    event_record(kind="job.requeued", org=world.org, job=job, reason="machine_lost: agent silent for 90s")
+
+
+def test_dashboard_shows_pools_queue_quotas_machines_failures_and_charts(world: World, ops: Client) -> None:
+    busy_fleet(world)
+    budget_set(org=world.org, amount=Decimal("50"), period="month", actor="test")
+
+    response = ops.get("/admin/dashboard/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    # refreshes itself with htmx, served from our own static files
+    assert 'hx-trigger="every 5s"' in html and "django_htmx/htmx-2.min.js" in html
+    snap = response.context
+    bars = {p.name: p for p in snap["pools"]}
+    assert len(bars) == 2
+    bar = next(iter(bars.values()))
+    assert bar.counts == {"ready": 2, "claimed": 1, "warming": 1}
+    assert (bar.target, bar.min, bar.max) == (3, 1, 5)
+    assert "4 live · target 3 · min 1 · max 5" in html
+    # the queue by pending reason, with the oldest wait
+    (queue,) = snap["queue"]
+    assert queue["reason"] == "max_concurrent_jobs 10/10" and queue["count"] == 3
+    assert 7 * 60 <= queue["oldest_wait"] < 8 * 60
+    assert "7m 0" in html
+    # quotas x/y: 8 live machines of the 20 the grant allows
+    acme = next(q for q in snap["quotas"] if q["org"] == "acme")
+    usage = {u["name"]: (u["used"], u["limit"]) for u in acme["usage"]}
+    assert usage["machines"] == (8, 20) and usage["jobs"] == (0, 10)
+    assert "machines 8/20" in html
+    # machines by state and provider
+    (local,) = snap["machines"]["rows"]
+    assert local["account"] == "local" and local["total"] == 8
+    # failures and requeues with their reasons
+    kinds = [t["kind"] for t in snap["trouble"]]
+    assert kinds[0] == "job.requeued" and "machine_lost: agent silent for 90s" in html
+    # throughput and wait over the last hour, from the jobs table
+    series = snap["series"]
+    assert sum(series["succeeded"]) == 2 and sum(series["failed"]) == 1
+    assert max(series["wait_max"]) == pytest.approx(60.0)
+    assert "<svg" in snap["throughput_svg"] and "<svg" in snap["wait_svg"]
+    # cost: spent + committed this month agrees with the budget's own figure
+    (cost,) = snap["costs"]["rows"]
+    budget = world.org.budgets.get()
+    assert cost["month"] == budget_spend(budget, now=timezone.now())
+    assert cost["budgets"][0]["used"] == cost["month"]
+    assert "/50.00 per month" in html
+
+
+def test_the_dashboard_costs_the_same_number_of_queries_for_3_pools_or_30(world: World, ops: Client) -> None:
+    busy_fleet(world, pools=1)
+    ops.get("/admin/dashboard/panel/")  # warm up (session, content types)
+    with CaptureQueriesContext(connection) as small:
+        assert ops.get("/admin/dashboard/panel/").status_code == 200
+    busy_fleet(world, pools=10)
+    with CaptureQueriesContext(connection) as large:
+        response = ops.get("/admin/dashboard/panel/")
+    assert len(response.context["pools"]) == 11
+    assert len(large.captured_queries) == len(small.captured_queries)
+    assert len(large.captured_queries) <= 20
+
+
+def test_dashboard_is_for_staff_only(world: World) -> None:
+    client = Client()
+    response = client.get("/admin/dashboard/")
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+    get_user_model().objects.create_user("plain", password="a-long-plain-password")
+    client.login(username="plain", password="a-long-plain-password")
+    assert client.get("/admin/dashboard/panel/").status_code == 302
