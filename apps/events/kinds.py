@@ -14,8 +14,11 @@ class EventKind(StrEnum):
     # organizations, access
     ORG_GRANT_CREATED = "org.grant_created"
     ORG_GRANT_UPDATED = "org.grant_updated"
+    ORG_GRANT_DELETED = "org.grant_deleted"
     ORG_MEMBER_SET = "org.member_set"
+    ORG_MEMBER_REMOVED = "org.member_removed"
     ORG_PRIVILEGE_GRANTED = "org.privilege_granted"
+    ORG_PRIVILEGE_REVOKED = "org.privilege_revoked"
     ORG_TOKEN_CREATED = "org.token_created"
     ORG_TOKEN_REVOKED = "org.token_revoked"
     # the catalog

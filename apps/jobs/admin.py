@@ -18,8 +18,8 @@ from apps.events.models import Event
 from apps.jobs.artifacts import get_store
 from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
-from apps.jobs.submission import job_cancel
 from apps.jobs.services import job_config_delete, job_config_save
+from apps.jobs.submission import job_cancel
 from apps.machines.costs import job_cost
 
 LOG_TAIL_CHUNKS = 200

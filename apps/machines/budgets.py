@@ -24,7 +24,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import Q, Sum
 
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, INSTANCE_TERMINAL
