@@ -1,0 +1,44 @@
+"""Database calls from the async agent views.
+
+Under the agent server (ASGI) every ORM call runs on a small, fixed pool of threads, each with
+its own persistent Django connection (``CATACLOUD_AGENT_DB_THREADS``, default 8): a poll that
+waits holds no thread and no connection, and a thousand agents share eight connections.
+Anywhere else (a WSGI thread, the test client) the call runs on the request's own thread and
+connection, as ``sync_to_async(thread_sensitive=True)`` does, so tests see their transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+
+T = TypeVar("T")
+_executor: ThreadPoolExecutor | None = None
+
+
+def serve_pooled(threads: int) -> None:
+    """Called by the agent server at start-up."""
+    global _executor
+    _executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agent-db")
+
+
+def pooled() -> bool:
+    return _executor is not None
+
+
+def _in_pool_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    close_old_connections()  # drop a connection that broke or outlived DATABASE_CONN_MAX_AGE
+    return fn(*args, **kwargs)
+
+
+async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` (synchronous, may use the ORM) from async code."""
+    if _executor is None:
+        return await sync_to_async(fn, thread_sensitive=True)(*args, **kwargs)
+    return await sync_to_async(_in_pool_thread, thread_sensitive=False, executor=_executor)(
+        fn, *args, **kwargs
+    )

@@ -1,0 +1,33 @@
+"""The agent server: the Agent API as an ASGI application (``catacloud agent-server`` runs it
+under uvicorn; ``uvicorn config.agent_asgi:application`` elsewhere).
+
+One event loop holds every waiting long poll: a poll costs a socket and a few objects, not a
+thread or a database connection. Queries run on ``CATACLOUD_AGENT_DB_THREADS`` threads with
+persistent connections (apps.control.agent.db); wake-ups come over one Redis pub/sub
+connection (apps.control.agent.wakeups). The user API and the admin stay on the WSGI web.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+os.environ["CATACLOUD_AGENT_SERVER"] = "1"
+
+from django.core import signals
+from django.core.asgi import get_asgi_application
+from django.db import close_old_connections
+
+application = get_asgi_application()
+
+from django.conf import settings  # noqa: E402
+
+from apps.control.agent import db, wakeups  # noqa: E402
+
+# Django closes stale connections at each request's start and end on a thread of the request's
+# own (held for as long as the request lasts, i.e. for a whole long poll). Here connections
+# belong to the database threads, which check them before every query instead.
+signals.request_started.disconnect(close_old_connections)
+signals.request_finished.disconnect(close_old_connections)
+db.serve_pooled(settings.CATACLOUD_AGENT_DB_THREADS)
+wakeups.serve_shared()
