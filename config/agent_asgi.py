@@ -16,7 +16,7 @@ os.environ["CATACLOUD_AGENT_SERVER"] = "1"
 
 from django.core import signals
 from django.core.asgi import get_asgi_application
-from django.db import close_old_connections
+from django.db import close_old_connections, reset_queries
 
 application = get_asgi_application()
 
@@ -27,7 +27,9 @@ from apps.control.agent import db, wakeups  # noqa: E402
 # Django closes stale connections at each request's start and end on a thread of the request's
 # own (held for as long as the request lasts, i.e. for a whole long poll). Here connections
 # belong to the database threads, which check them before every query instead.
+# (reset_queries too: a sync receiver, so the same thread; it only trims DEBUG's query log.)
 signals.request_started.disconnect(close_old_connections)
+signals.request_started.disconnect(reset_queries)
 signals.request_finished.disconnect(close_old_connections)
 db.serve_pooled(settings.CATACLOUD_AGENT_DB_THREADS)
 wakeups.serve_shared()

@@ -33,6 +33,8 @@ PATTERN = WAKE_KEY.format("*")
 PREFIX = WAKE_KEY.format("")
 # While the listener is not subscribed, waiting polls look at PostgreSQL this often.
 RECHECK_WHILE_DOWN = 2.0
+# Connections for commands (a poll's take-over, a woken poll's generation check) per listener.
+REDIS_CONNECTIONS = 32
 
 
 class Waiter:
@@ -74,9 +76,17 @@ class Wakeups:
     def redis(self) -> aioredis.Redis:
         """A client for commands (the pub/sub connection cannot send them)."""
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
-                self.url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=30
+            # A burst of polls queues for a connection (at most REDIS_CONNECTIONS) instead of
+            # failing with "Too many connections".
+            pool = aioredis.BlockingConnectionPool.from_url(
+                self.url,
+                max_connections=REDIS_CONNECTIONS,
+                timeout=5,
+                socket_connect_timeout=2,
+                socket_timeout=5,
+                health_check_interval=30,
             )
+            self._client = aioredis.Redis(connection_pool=pool)
         return self._client
 
     # -- life ------------------------------------------------------------------------------
@@ -101,7 +111,7 @@ class Wakeups:
         self.subscribed.clear()
         if self._client is not None:
             with contextlib.suppress(Exception):
-                await self._client.aclose()
+                await self._client.aclose(close_connection_pool=True)
             self._client = None
 
     async def _run(self) -> None:
