@@ -9,13 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: dev test lint format bench chaos services-up services-down clean
 
-$(STAMP): pyproject.toml
+# catacloud-agent (agent/pyproject.toml) is the server's dependency, installed from this tree.
+$(STAMP): pyproject.toml agent/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e ./agent -e '.[dev]'
+	@# a venv from before the split: upgrading the server removed its old `catacloud` script
+	test -x $(VENV)/bin/catacloud || $(PY) -m pip install --quiet --no-deps --force-reinstall -e ./agent
 	touch $(STAMP)
 
-## Run web + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
+## Run web + agent server + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
 dev: $(STAMP)
 	$(PY) -m catacloud.cli dev
 
@@ -35,7 +38,7 @@ format: $(STAMP)
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e ./agent -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
 ## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part. Installs the bench-only peers.
