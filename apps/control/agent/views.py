@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 
 from apps.control.agent import db, wakeups
 from apps.core.crypto import hash_token
@@ -122,6 +123,7 @@ def _parse_body(request: HttpRequest) -> dict[str, Any] | JsonResponse:
     return body
 
 
+@csrf_exempt  # authenticated by the Agent token header, never by a cookie
 async def heartbeat(request: HttpRequest) -> HttpResponse:
     """``POST heartbeat`` → ``{cancel: [job ids], terminate: bool}``."""
     if request.method != "POST":
@@ -222,6 +224,7 @@ def _newer_poll(messages: list[str], generation: int | None) -> bool | None:
     return None if others or not messages else False
 
 
+@csrf_exempt
 async def work(request: HttpRequest) -> HttpResponse:
     """``GET work?wait=S``: ``{job: {...}}`` the moment a job is assigned here, else 204 after
     ``wait`` seconds (at most ``CATACLOUD_AGENT_POLL_TIMEOUT``)."""
