@@ -112,6 +112,7 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
     args += ["--workers", "2", "--threads", str(threads), "--log-level", "warning", "--backlog", "4096"]
+    args += ["--graceful-timeout", "3"]  # held polls are safe to cut at the end of a set-up
     proc = Proc(name, args, process_env(DATABASE_CONN_MAX_AGE="60", **env), tmp / f"{name}.log")
     try:
         _wait_http(proc, url)
@@ -163,6 +164,7 @@ class Load:
         self.user: list[float] = []
         self.user_errors = 0
         self.false_lost = 0
+        self.lost_after = LOST_AFTER
 
     def jobs(self) -> None:
         from django.db import close_old_connections, transaction
@@ -225,7 +227,7 @@ class Load:
         from apps.control.reaper import _mark_silent_lost
 
         try:
-            with override_settings(CATACLOUD_AGENT_LOST_AFTER=LOST_AFTER):
+            with override_settings(CATACLOUD_AGENT_LOST_AFTER=self.lost_after):
                 while not self.stop.wait(5.0):
                     self.false_lost += _mark_silent_lost(timezone.now())
         finally:
@@ -263,6 +265,7 @@ def _step(
     servers: list[Server],
     window: float,
     job_rate: float,
+    heartbeat: float,
     tmp: Path,
     progress: Progress,
 ) -> dict[str, Any]:
@@ -276,7 +279,7 @@ def _step(
         "--out",
         str(out_file),
         "--heartbeat",
-        str(HEARTBEAT),
+        str(heartbeat),
         "--poll",
         str(POLL),
         "--window",
@@ -291,6 +294,7 @@ def _step(
         instances=[a["instance"] for a in agents[:n]],
         rate=job_rate,
     )
+    load.lost_after = 3 * heartbeat
     samples: list[dict[str, float]] = []
     client_cpu: list[float] = []
     assert client.stdout is not None
@@ -384,6 +388,8 @@ def run(
     baseline_sizes: tuple[int, ...] = (50, 100, 200),
     window: float = 20.0,
     job_rate: float = 5.0,
+    heartbeat: float = HEARTBEAT,
+    idle_seconds: float = 8.0,
     progress: Progress = say,
 ) -> PartResult:
     from apps.jobs.models import JobConfiguration
@@ -398,7 +404,7 @@ def run(
     biggest = max((*sizes, *baseline_sizes))
     agents: list[dict[str, Any]] = []
     env = {
-        "CATACLOUD_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+        "CATACLOUD_HEARTBEAT_INTERVAL": str(heartbeat),
         "CATACLOUD_AGENT_POLL_TIMEOUT": str(POLL),
         "CATACLOUD_API_RATE": "10000000/min",
     }
@@ -407,7 +413,7 @@ def run(
     with temp_dir("fleet") as tmp:
         # Today: one gunicorn (2 x 32 threads) for users and agents.
         with _gunicorn(tmp, "web-threads", 32, **env) as web:
-            baseline_idle = _user_only(web.url, token, 8.0)
+            baseline_idle = _user_only(web.url, token, idle_seconds)
             for n in baseline_sizes:
                 if len(agents) < n:
                     progress(f"fleet: making {n - len(agents)} machines (fake provider)")
@@ -423,6 +429,7 @@ def run(
                     servers=[web],
                     window=window,
                     job_rate=job_rate,
+                    heartbeat=heartbeat,
                     tmp=tmp,
                     progress=progress,
                 )
@@ -433,7 +440,7 @@ def run(
                     break
         # This issue: the web for users, the agent server for agents.
         with _gunicorn(tmp, "web", 8, **env) as web, _agent_server(tmp, **env) as agent_api:
-            idle = _user_only(web.url, token, 8.0)
+            idle = _user_only(web.url, token, idle_seconds)
             for n in sizes:
                 if len(agents) < n:
                     progress(f"fleet: making {n - len(agents)} machines (fake provider)")
@@ -449,6 +456,7 @@ def run(
                     servers=[agent_api],
                     window=window,
                     job_rate=job_rate,
+                    heartbeat=heartbeat,
                     tmp=tmp,
                     progress=progress,
                 )
@@ -459,9 +467,9 @@ def run(
                     break
     idle_p50 = percentile(idle, 50) * 1000
     result.data = {
-        "heartbeat_s": HEARTBEAT,
+        "heartbeat_s": heartbeat,
         "poll_s": POLL,
-        "lost_after_s": LOST_AFTER,
+        "lost_after_s": 3 * heartbeat,
         "window_s": window,
         "job_rate": job_rate,
         "user_idle_p50_ms": idle_p50,

@@ -78,6 +78,9 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
         "75",
         "--backlog",
         "4096",
+        # waiting polls are safe to cut (agents poll again): a stop does not wait for them
+        "--timeout-graceful-shutdown",
+        "3",
         "--no-access-log",
     ]
 

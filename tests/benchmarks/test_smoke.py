@@ -116,7 +116,16 @@ def test_export_job_trace_writes_finished_jobs_relative_to_the_first(tmp_path: P
 
 
 def test_fleet(tmp_path: Path) -> None:
-    result = run_part("fleet", sizes=(6,), baseline_sizes=(3,), window=3.0, job_rate=2.0, progress=quiet)
+    result = run_part(
+        "fleet",
+        sizes=(6,),
+        baseline_sizes=(3,),
+        window=3.0,
+        job_rate=2.0,
+        heartbeat=1.0,
+        idle_seconds=1.0,
+        progress=quiet,
+    )
     sane(result, "fleet")
     (row,) = result.data["rows"]
     assert row["agents"] == 6 and row["heartbeats"] > 0 and row["jobs_woken"] > 0
