@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from catacloud.agent.main import add_agent_commands
@@ -12,8 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     """The ``catacloud`` command of the catacloud-agent distribution: with the server package
     installed (``catacloud.cli`` importable) the whole CLI, else the agent's own commands."""
     if __name__ != "__main__":  # run as the `catacloud` script, not `python -m catacloud.agent`
-        try:
-            from catacloud.cli import main as full_cli
+        try:  # an optional extension found at run time: the agent does not depend on the server
+            full_cli = importlib.import_module("catacloud.cli").main
         except ImportError:
             pass
         else:

@@ -31,9 +31,7 @@ def test_the_agent_imports_only_itself_the_stdlib_and_its_two_dependencies() -> 
             for name in names:
                 top = name.split(".")[0]
                 if top == "catacloud":
-                    # __main__ offers the whole CLI when the server package is there too (guarded)
-                    optional = source.name == "__main__.py" and name == "catacloud.cli"
-                    assert name.startswith("catacloud.agent") or optional, f"{source.name} imports {name}"
+                    assert name.startswith("catacloud.agent"), f"{source.name} imports {name}"
                 elif top not in sys.stdlib_module_names:
                     assert top in allowed, f"{source.name} imports {name}"
 
