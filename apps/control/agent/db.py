@@ -9,12 +9,14 @@ connection, as ``sync_to_async(thread_sensitive=True)`` does, so tests see their
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 
 T = TypeVar("T")
 _executor: ThreadPoolExecutor | None = None
@@ -30,9 +32,23 @@ def pooled() -> bool:
     return _executor is not None
 
 
+_local = threading.local()
+# How often a database thread checks its connection's age and health (Django does it per request,
+# which here would add a round trip to every heartbeat).
+CHECK_EVERY = 5.0
+
+
 def _in_pool_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    close_old_connections()  # drop a connection that broke or outlived DATABASE_CONN_MAX_AGE
-    return fn(*args, **kwargs)
+    now = time.monotonic()
+    if now - getattr(_local, "checked", 0.0) > CHECK_EVERY:
+        close_old_connections()  # drop a connection that broke or outlived DATABASE_CONN_MAX_AGE
+        _local.checked = now
+    try:
+        return fn(*args, **kwargs)
+    except DatabaseError:
+        if connection.connection is not None and not connection.is_usable():
+            connection.close()  # PostgreSQL restarted or dropped us: the next call reconnects
+        raise
 
 
 async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
