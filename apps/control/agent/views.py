@@ -3,7 +3,7 @@ the long poll for work (waits on a Redis wake-up, holding no thread and no datab
 
 They span machines (the instance, its heartbeat) and jobs (its assignment, its cancellations),
 so they live in the top app. The other agent endpoints stay the apps' DRF views; the agent
-server runs them on its database threads (:mod:`apps.control.agent.urls`).
+server runs them on its database threads (:func:`apps.control.urls.on_db_threads`).
 """
 
 from __future__ import annotations
