@@ -10,11 +10,14 @@ PYTEST_ARGS ?=
 
 .PHONY: dev test lint format bench chaos services-up services-down clean
 
-# What running needs (`make dev`): the package and the embedded services.
-$(STAMP): pyproject.toml
+# What running needs (`make dev`): the package, catacloud-agent (agent/pyproject.toml, the
+# server's dependency, installed from this tree) and the embedded services.
+$(STAMP): pyproject.toml agent/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e ./agent -e '.[dev]'
+	@# a venv from before the split: upgrading the server removed its old `catacloud` script
+	test -x $(VENV)/bin/catacloud || $(PY) -m pip install --quiet --no-deps --force-reinstall -e ./agent
 	touch $(STAMP)
 
 # What testing needs on top (`make test`, `make lint`): pytest, Playwright, moto, matplotlib, ruff.
@@ -22,7 +25,7 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(TEST_STAMP)
 
-## Run web + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
+## Run web + agent server + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
 ## Ctrl-C stops everything (exit status 0).
 dev: $(STAMP)
 	@$(PY) -m catacloud.cli dev
@@ -44,7 +47,7 @@ format: $(TEST_STAMP)
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): $(TEST_STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e ./agent -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 ## Benchmarks (writes BENCHMARKS.md); ONLY=claim runs one part. Installs the bench-only peers.

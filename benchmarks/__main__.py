@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.harness import ROOT, PartResult, say
 
-PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost")
+PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet")
 
 # Sizes: full and --quick (the smoke tests pass even smaller ones to the parts directly).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -26,6 +26,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "reaper": {"full": {}, "quick": {"sizes": (10, 100), "runs": 1}},
     "admission": {"full": {}, "quick": {"orgs": 10, "jobs_per_org": 50, "runs": 1}},
     "cost": {"full": {}, "quick": {}},
+    "fleet": {"full": {}, "quick": {"sizes": (20, 50), "baseline_sizes": (10,), "window": 6.0}},
 }
 
 

@@ -156,6 +156,31 @@ that only becomes late after that sample (a `pending` row is late after 24 s) sh
 `deadline` violation, not in that time.
 """
 
+FLEET = """\
+**Not met on this run: the fleet held 500 agents, not 2,000, and the machine was not ours.** The
+run shared the 2 cores with four other engineers' test suites and a chaos soak (load average
+10-40 during the run; 18-40 during the N = 1,000 step, where the agent server got 10% of a core).
+What the run shows regardless of the noise is the structure: the agent server ran 100, 500 and
+1,000 connected agents with 14-16 threads and 9 database connections (the 8 query threads and the one
+that answered `/healthz`), its RSS flat at ~130 MB, and the user API (on its own gunicorn) at 1.5x its
+no-agent p50 at N = 500; today's thread-held web (2 x 32 threads, users and agents together)
+did not hold even 50 agents here: heartbeats wait behind polls for the threads of the worker
+the connection landed on (p99 8.4 s) and the user API p50 went from 40 to 269 ms.
+
+**The ceiling and its bottleneck: CPU per request on one event loop.** Profiled in-process, a
+heartbeat costs ~2 ms of the agent server's CPU: ~0.5 ms is the statement (Django's cursor and
+psycopg; 0.43 ms with raw psycopg), the rest is Django's ASGI request handling, the throttle and
+the hand-off to a database thread. N agents at heartbeat H make N/H heartbeats and ~N/20 poll
+renewals per second, so 2,000 agents at 10 s need ~0.6 of a core and 5,000 ~1.5 cores for
+one process, before PostgreSQL's share (each heartbeat is one indexed UPDATE). On a machine with
+a core to spare that is 2,000 agents per agent-server process; here the process got 10-50% of
+a core and the latency grew with the queue (heartbeat p99 3.4 s at 500). Next steps, in order of
+gain: one uvicorn worker per core (`AGENT_API_WORKERS`, compose's default 2), the heartbeat on
+psycopg's async connection (no thread hand-off), and a leaner path than Django's handler for the
+two hot endpoints. The wake-up itself is not the bottleneck: one PUBLISH per assignment and one
+dispatch in the listener; a woken poll's latency is the queue in front of its database read.
+"""
+
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
     "rest": REST,
@@ -165,4 +190,5 @@ EXPLANATIONS: dict[str, str] = {
     "admission": ADMISSION,
     "cost": COST,
     "chaos": CHAOS,
+    "fleet": FLEET,
 }

@@ -10,7 +10,7 @@ from typing import Any
 
 from benchmarks.harness import PartResult
 
-ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "chaos")
+ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "chaos")
 
 
 def environment() -> dict[str, str]:
@@ -230,6 +230,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
             fig.savefig(d / "budget.png", dpi=110)
             plt.close(fig)
             made.append("budget.png")
+    if "fleet" in by and (by["fleet"].data.get("rows") or by["fleet"].data.get("baseline")):
+        from benchmarks.fleet import plot as fleet_plot
+
+        made.append(fleet_plot(by["fleet"], out))
     if "chaos" in by and by["chaos"].data.get("series"):
         from benchmarks.chaos import plot
 
@@ -264,6 +268,10 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
         lines.append("")
         for n in r.notes:
             lines += [n, ""]
+        if r.part == "fleet" and "rows" in r.data:
+            from benchmarks.fleet import table_note
+
+            lines += [table_note(r), ""]
         if r.part in explanations:
             lines += [explanations[r.part], ""]
         for png, part in (
@@ -272,6 +280,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("cost.png", "cost"),
             ("budget.png", "cost"),
             ("chaos.png", "chaos"),
+            ("fleet.png", "fleet"),
         ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]

@@ -63,17 +63,50 @@ def cmd_services(args: argparse.Namespace) -> int:
             services.stop()
 
 
-def dev_programs(*, env: dict[str, str], home: Path, port: int, flower_port: int) -> list[Program]:
-    """What `make dev` runs: web (gunicorn), one Celery worker, beat and Flower."""
+def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]:
+    """The agent server (the Agent API on ASGI, ``config/agent_asgi.py``) under uvicorn: one
+    event loop per worker holds every idle long poll. Connections are kept alive longer than a
+    long poll, so an agent's heartbeats and polls reuse theirs."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "config.agent_asgi:application",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--lifespan",
+        "off",
+        "--timeout-keep-alive",
+        "75",
+        "--backlog",
+        "4096",
+        # waiting polls are safe to cut (agents poll again): a stop does not wait for them
+        "--timeout-graceful-shutdown",
+        "3",
+        "--no-access-log",
+    ]
+
+
+def dev_programs(
+    *, env: dict[str, str], home: Path, port: int, flower_port: int, agent_port: int | None = None
+) -> list[Program]:
+    """What `make dev` runs: web (gunicorn: the user API and the admin), the agent server
+    (uvicorn: the Agent API), one Celery worker, beat and Flower."""
     celery = [sys.executable, "-m", "celery", "-A", "config"]
     gunicorn = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
-    # agents hold a thread while they long-poll for work; Ctrl-C must not wait for those
-    # (catacloud/gunicorn_dev.py)
-    gunicorn += ["--workers", "2", "--threads", "32", "--access-logfile", "-"]
+    # agents long-poll the agent server (its own process); Ctrl-C must not wait for anything
+    # the web still holds (catacloud/gunicorn_dev.py)
+    gunicorn += ["--workers", "2", "--threads", "8", "--access-logfile", "-"]
     gunicorn += ["--config", "python:catacloud.gunicorn_dev"]
+    agent_port = agent_port if agent_port is not None else port + 1
     return [
         # SIGINT is gunicorn's quick shutdown (and gunicorn_dev's workers leave at once).
         Program("web", gunicorn, env=env, cwd=str(ROOT), stop_signal=signal.SIGINT),
+        Program("agent-api", agent_server_command(host="127.0.0.1", port=agent_port), env, str(ROOT)),
         Program(
             "worker", [*celery, "worker", "--loglevel", "INFO", "--concurrency", "4", "-E"], env, str(ROOT)
         ),
@@ -98,6 +131,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     started = time.monotonic()
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
+    agent_port = int(os.environ.get("AGENT_PORT", str(port + 1)))
     services = embedded.services_up()
     home = Path(services.env["CATACLOUD_HOME"])
     # prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
@@ -111,6 +145,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
         "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "CATACLOUD_AGENT_URL": os.environ.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
         "PYTHONUNBUFFERED": "1",
     }
     supervisor: Supervisor | None = None
@@ -132,12 +167,15 @@ def cmd_dev(args: argparse.Namespace) -> int:
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
-        supervisor = Supervisor(dev_programs(env=env, home=home, port=port, flower_port=flower_port))
+        supervisor = Supervisor(
+            dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port)
+        )
         base = f"http://127.0.0.1:{port}"
         lines = [
             f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
             f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
             f"  health   {base}/healthz",
+            f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
             f"  Flower   http://127.0.0.1:{flower_port}/  "
             f"(basic auth {flower_auth.split(':')[0]} / same password)",
             f"  token    {creds['token']}",

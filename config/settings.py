@@ -230,7 +230,7 @@ CELERY_BEAT_SCHEDULE = {
 # sharing one cloud project must differ here, or their reconcilers will fight.
 CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
 # What cloud machines pip-install to get the agent (a version pin, a wheel URL, a git URL…).
-CATACLOUD_AGENT_PACKAGE = env.str("CATACLOUD_AGENT_PACKAGE", default="catacloud")
+CATACLOUD_AGENT_PACKAGE = env.str("CATACLOUD_AGENT_PACKAGE", default="catacloud-agent")
 # Agent heartbeats: how often agents beat, and how long a silence makes an instance lost.
 CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default=5.0)
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
@@ -290,6 +290,20 @@ CATACLOUD_METRICS_PUBLIC = env.bool("CATACLOUD_METRICS_PUBLIC", default=False)
 CATACLOUD_STRICT_REGISTRIES = env.bool("CATACLOUD_STRICT_REGISTRIES", default=DEBUG)
 # Public URL agents use to reach the API (put into cloud-init user data).
 CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1:8000")
+# Where agents reach the Agent API: the agent server (`catacloud agent-server`, ASGI), which holds
+# thousands of idle long polls without a thread each. Defaults to the public URL (the WSGI web
+# serves the Agent API too, but each of its long polls holds one of its threads).
+CATACLOUD_AGENT_URL = env.str("CATACLOUD_AGENT_URL", default="") or CATACLOUD_PUBLIC_URL
+
+# ---- the agent server (config/agent_asgi.py) ---------------------------------------------------
+# Set by config/agent_asgi.py: this process serves only the Agent API, asynchronously.
+CATACLOUD_AGENT_SERVER = env.bool("CATACLOUD_AGENT_SERVER", default=False)
+# Threads (each with one persistent database connection) the agent server runs queries on.
+CATACLOUD_AGENT_DB_THREADS = env.int("CATACLOUD_AGENT_DB_THREADS", default=8)
+if CATACLOUD_AGENT_SERVER:
+    ROOT_URLCONF = "config.agent_urls"
+    # Only async-capable middleware: a sync one would hold a thread for every waiting poll.
+    MIDDLEWARE = ["apps.core.middleware.ApiJsonErrorsMiddleware"]
 
 # ---- REST framework ---------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ def test_compose_runs_the_whole_system() -> None:
     assert services["redis"]["image"] == "redis:7"
     commands = {name: " ".join(svc.get("command", [])) for name, svc in services.items()}
     assert "gunicorn config.wsgi" in commands["web"]
+    assert commands["agent-api"].startswith("uvicorn config.agent_asgi:application")
     assert commands["worker"].startswith("celery -A config worker")
     assert commands["beat"].startswith("celery -A config beat")
     assert commands["flower"].startswith("celery -A config flower")
@@ -27,7 +28,8 @@ def test_compose_runs_the_whole_system() -> None:
 
 def test_every_app_service_shares_one_configuration() -> None:
     services = _compose()["services"]
-    envs = [services[name]["environment"] for name in ("web", "worker", "beat", "flower", "migrate")]
+    names = ("web", "agent-api", "worker", "beat", "flower", "migrate")
+    envs = [services[name].get("environment", services["worker"]["environment"]) for name in names]
     for env in envs:
         assert env["DATABASE_URL"].startswith("postgresql://")
         assert env["REDIS_URL"].startswith("redis://")
@@ -35,13 +37,16 @@ def test_every_app_service_shares_one_configuration() -> None:
         assert "DJANGO_SECRET_KEY" not in env and env["DJANGO_SECRET_KEY_FILE"].startswith("/run/secrets/")
         assert env["CATACLOUD_ENCRYPTION_KEY_FILE"].startswith("/run/secrets/")
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
-    for name in ("web", "worker", "beat"):
+    for name in ("web", "agent-api", "worker", "beat"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    # Machines reach the agent server, which publishes its own port.
+    assert "localhost:8001" in services["agent-api"]["environment"]["CATACLOUD_AGENT_URL"]
+    assert "8001:8001" in services["agent-api"]["ports"]
 
 
 def test_the_image_installs_the_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "pip install ." in dockerfile
+    assert "pip install ./agent ." in dockerfile  # the agent distribution, then the server
     assert "USER catacloud" in dockerfile
 
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
@@ -26,11 +28,25 @@ def too_large() -> JsonResponse:
 
 
 class ApiJsonErrorsMiddleware:
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
+    # Async-capable too: the agent server (ASGI) runs it without a thread per request.
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        response = self.get_response(request)
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
+        return self._json(request, self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        return self._json(request, await self.get_response(request))
+
+    def _json(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if not request.path.startswith("/api/") or response.status_code < 400:
             return response
         if response.get("Content-Type", "").startswith("application/json"):

@@ -1,14 +1,13 @@
-"""The job endpoints of the Agent API: work (long poll), started, logs, finished, meta,
+"""The job endpoints of the Agent API: started, logs, finished, meta,
 interruption. Every call is checked against the calling machine: a job that is not (or no
 longer) assigned to it answers 409 and its reports change nothing."""
 
 from __future__ import annotations
 
-import time
+import contextlib
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.urls import path
 from rest_framework import serializers
 from rest_framework.request import Request
@@ -24,6 +23,7 @@ from apps.machines.agent_api import AgentView
 from apps.machines.models import MachineInstance
 
 J = JobStatus
+# The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
 WAKE_KEY = "catacloud:wake:{}"
 # The generation of an instance's current long poll: a newer poll replaces an older one.
 POLL_KEY = "catacloud:poll:{}"
@@ -33,15 +33,11 @@ _redis = redis_client
 
 
 def wake(instance_id: Any) -> None:
-    """Wake the agent of ``instance_id`` if it is long-polling (best effort: it re-polls anyway)."""
-    key = WAKE_KEY.format(instance_id)
-    try:
-        pipe = _redis().pipeline()
-        pipe.rpush(key, "1")
-        pipe.expire(key, 60)
-        pipe.execute()
-    except redis.RedisError:
-        pass
+    """Wake the agent of ``instance_id`` if it is long-polling (best effort: a poll looks at
+    PostgreSQL when it starts and when it times out). Pub/sub: the agent server's listener
+    (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
+    with contextlib.suppress(redis.RedisError):
+        _redis().publish(WAKE_KEY.format(instance_id), "job")
 
 
 def jobs_to_cancel(*, instance: MachineInstance) -> list[str]:
@@ -70,40 +66,6 @@ def _payload(job: Job) -> dict[str, Any]:
         "resources": _resource_names(job),
         "checkpoint": checkpoint_info(job),
     }
-
-
-class WorkView(AgentView):
-    """Long poll: answers as soon as a job is assigned to this machine, else 204 after ``wait``."""
-
-    def get(self, request: Request) -> Response:
-        try:
-            wait = float(request.query_params.get("wait", settings.CATACLOUD_AGENT_POLL_TIMEOUT))
-        except ValueError:
-            wait = settings.CATACLOUD_AGENT_POLL_TIMEOUT
-        deadline = time.monotonic() + max(0.0, min(wait, settings.CATACLOUD_AGENT_POLL_TIMEOUT))
-        key = WAKE_KEY.format(self.instance.pk)
-        poll_key = POLL_KEY.format(self.instance.pk)
-        try:  # at most one long poll per machine: this one replaces (and wakes) an older one
-            generation = _redis().incr(poll_key)
-            _redis().expire(poll_key, int(settings.CATACLOUD_AGENT_POLL_TIMEOUT) + 60)
-            wake(self.instance.pk)
-        except redis.RedisError:
-            generation = None
-        while True:
-            job = (
-                Job.objects.filter(instance=self.instance, status=J.ASSIGNED).order_by("assigned_at").first()
-            )
-            if job is not None:
-                return Response({"job": _payload(job)})
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return Response(status=204)
-            try:
-                if generation is not None and int(_redis().get(poll_key) or 0) != generation:
-                    return Response(status=204)  # a newer poll of this machine took over
-                _redis().blpop([key], timeout=min(remaining, 5.0))
-            except redis.RedisError:
-                time.sleep(min(remaining, 0.5))
 
 
 class StartedView(AgentView):
@@ -206,7 +168,6 @@ class InterruptionView(AgentView):
 
 def job_agent_urls() -> list:
     return [
-        path("work", WorkView.as_view(), name="agent-work"),
         path("jobs/<uuid:job_id>/started", StartedView.as_view(), name="agent-job-started"),
         path("jobs/<uuid:job_id>/logs", LogsView.as_view(), name="agent-job-logs"),
         path("jobs/<uuid:job_id>/finished", FinishedView.as_view(), name="agent-job-finished"),

@@ -172,10 +172,6 @@ class EnrollView(APIView):
         )
 
 
-class HeartbeatIn(serializers.Serializer):
-    running_job = serializers.UUIDField(required=False, allow_null=True)
-
-
 def instance_heartbeat(*, instance: MachineInstance) -> bool:
     """Record a heartbeat; the first one after enrolment makes a warming instance ready."""
     now = timezone.now()
@@ -209,21 +205,11 @@ def _instance_ready_hook(instance: MachineInstance) -> None:
     hooks.machine_available(instance)
 
 
-class HeartbeatView(AgentView):
-    def post(self, request: Request) -> Response:
-        data = HeartbeatIn(data=request.data)
-        data.is_valid(raise_exception=True)
-        instance_heartbeat(instance=self.instance)
-        cancel = hooks.jobs_to_cancel(instance=self.instance)
-        return Response({"cancel": cancel, "terminate": self.instance.status == S.TERMINATING})
-
-
 def machine_agent_urls() -> list:
     from django.urls import path
 
     return [
         path("enroll", EnrollView.as_view(), name="agent-enroll"),
-        path("heartbeat", HeartbeatView.as_view(), name="agent-heartbeat"),
     ]
 
 

@@ -114,7 +114,7 @@ def instance_request(
 def machine_spec(instance: MachineInstance) -> MachineSpec:
     mt = instance.machine_type
     token = bootstrap_token_for(instance.pk)
-    url = settings.CATACLOUD_PUBLIC_URL
+    url = settings.CATACLOUD_AGENT_URL
     labels = {
         **owner_labels(),
         LABEL_INSTANCE: str(instance.pk),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from catacloud import __version__
+from catacloud.agent import __version__
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,

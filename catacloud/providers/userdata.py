@@ -1,5 +1,9 @@
 """cloud-init user data that installs the agent on a fresh cloud machine and starts it.
 
+What it installs is the ``catacloud-agent`` distribution (``CATACLOUD_AGENT_PACKAGE``): the agent
+and its ``catacloud`` command with ``requests`` and ``psutil``, not the server and its
+dependencies (Django, Celery, boto3, hcloud, psycopg).
+
 The only secret in it is the single-use bootstrap token, written to a root-only file (0600);
 the agent exchanges it for its real credentials when it enrolls.
 """
@@ -42,7 +46,7 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "catacloud") -> str:
+def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "catacloud-agent") -> str:
     """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs."""
     parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:

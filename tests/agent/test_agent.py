@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from catacloud import __version__
+from catacloud.agent import __version__
 from catacloud.agent.client import AgentAPIError, RedactingFormatter, redact, register_secret
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, job_meta_command
 from catacloud.agent.runner import LogStreamer

@@ -113,3 +113,22 @@ def test_export_job_trace_writes_finished_jobs_relative_to_the_first(tmp_path: P
     call_command("export_job_trace", "--org", t.org.slug, "--output", str(path))
     jobs = load_trace(path)
     assert [(j.submit, j.duration, j.config) for j in jobs] == [(0.0, 300.0, "unit"), (100.0, 60.0, "unit")]
+
+
+def test_fleet(tmp_path: Path) -> None:
+    result = run_part(
+        "fleet",
+        sizes=(6,),
+        baseline_sizes=(3,),
+        window=3.0,
+        job_rate=2.0,
+        heartbeat=1.0,
+        idle_seconds=1.0,
+        progress=quiet,
+    )
+    sane(result, "fleet")
+    (row,) = result.data["rows"]
+    assert row["agents"] == 6 and row["heartbeats"] > 0 and row["jobs_woken"] > 0
+    assert len(result.data["baseline"]) == 1
+    report.save(result, tmp_path)
+    assert "fleet.png" in report.plots(report.load_all(tmp_path), tmp_path)

@@ -59,6 +59,15 @@ def test_enroll_then_heartbeat_makes_the_member_ready(world: World) -> None:
     assert instance.status == S.READY and instance.warmed_at is not None
 
 
+def test_the_async_agent_endpoints_need_no_csrf_cookie(world: World) -> None:
+    """Agents send a token header, never a cookie: the web's CSRF check must not refuse them."""
+    agent, token = enroll(warming(world))
+    strict = APIClient(enforce_csrf_checks=True)
+    strict.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
+    assert strict.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
+    assert strict.get("/api/agent/v1/work?wait=0").status_code == 204
+
+
 def test_a_bootstrap_token_works_once_and_a_forged_one_never(world: World) -> None:
     instance = warming(world)
     enroll(instance)

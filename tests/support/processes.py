@@ -195,3 +195,38 @@ def gunicorn(
         yield url, proc
     finally:
         proc.stop()
+
+
+@contextmanager
+def agent_server(tmp: Path, **env: str) -> Iterator[tuple[Proc, str]]:
+    """The agent server (uvicorn, config/agent_asgi.py) as `make dev` runs it: (process, URL)."""
+    import urllib.error
+    import urllib.request
+
+    from catacloud.cli import agent_server_command
+
+    port = free_port()
+    proc = Proc(
+        "agent-api",
+        agent_server_command(host="127.0.0.1", port=port),
+        {**process_env(), "DATABASE_CONN_MAX_AGE": "60", **env},
+        tmp / "agent-api.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"the agent server died:\n{proc.output()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/api/agent/v1/work", timeout=2)
+        except urllib.error.HTTPError:
+            return True  # 401: it is up
+        except OSError:
+            return False
+        return True
+
+    try:
+        wait_for(answers, 60, "the agent server to answer")
+        yield proc, url
+    finally:
+        proc.stop()

@@ -1,0 +1,72 @@
+"""catacloud-agent is its own small distribution: what a cloud machine installs holds the agent
+and nothing of the server, and the agent imports nothing but itself, the standard library,
+requests and psutil (so it runs where ``catacloud`` is only a namespace with ``agent`` in it)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT = ROOT / "catacloud" / "agent"
+
+
+def test_the_agent_imports_only_itself_the_stdlib_and_its_two_dependencies() -> None:
+    allowed = {"requests", "psutil", "catacloud"}
+    for source in AGENT.glob("*.py"):
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "catacloud":  # `from catacloud import X` needs catacloud/__init__
+                    raise AssertionError(f"{source.name}: from catacloud import {node.names[0].name}")
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top == "catacloud":
+                    assert name.startswith("catacloud.agent"), f"{source.name} imports {name}"
+                elif top not in sys.stdlib_module_names:
+                    assert top in allowed, f"{source.name} imports {name}"
+
+
+def test_the_agent_distribution_declares_only_its_own_dependencies_and_the_server_needs_it() -> None:
+    agent = tomllib.loads((ROOT / "agent" / "pyproject.toml").read_text())["project"]
+    assert agent["name"] == "catacloud-agent"
+    assert sorted(d.split(">")[0] for d in agent["dependencies"]) == ["psutil", "requests"]
+    server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"catacloud-agent=={agent['version']}" in server["dependencies"]
+    from catacloud.agent import __version__
+
+    assert __version__ == agent["version"]
+
+
+def test_the_agent_wheel_holds_the_agent_and_its_command(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT / "agent"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("catacloud_agent-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    code = [n for n in names if not n.startswith("catacloud_agent-")]
+    assert code and all(n.startswith("catacloud/agent/") for n in code), code
+    assert "catacloud/__init__.py" not in names  # a namespace: the server package owns it
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "catacloud = catacloud.agent.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
