@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,9 @@ from catacloud.providers import (
     NotFound,
     Provider,
     build_provider,
+    get_driver_class,
 )
-from catacloud.providers.userdata import render_user_data
+from catacloud.providers.base import Bootstrap
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
@@ -52,7 +52,7 @@ def provider_for(account: ProviderAccount) -> Provider:
     provider = _providers.get(key)
     if provider is None:
         config = dict(account.config)
-        if account.kind == "local":
+        if get_driver_class(account.kind).needs_state_dir:
             config.setdefault("state_dir", str(Path(settings.CATACLOUD_HOME) / "machines" / account.name))
         provider = build_provider(account.kind, config=config, credentials=account.credentials)
         _providers[key] = provider
@@ -121,16 +121,6 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
         LABEL_ORG: str(instance.org_id),
         LABEL_POOL: str(instance.pool_id) if instance.pool_id else "none",
     }
-    command: tuple[str, ...] = ()
-    env: dict[str, str] = {}
-    user_data = ""
-    if instance.provider_account.kind == "local":
-        command = (sys.executable, "-m", "catacloud.agent", "agent", "--url", url)
-        env = {"CATACLOUD_BOOTSTRAP_TOKEN": token}
-    else:
-        user_data = render_user_data(
-            agent_url=url, bootstrap_token=token, package=settings.CATACLOUD_AGENT_PACKAGE
-        )
     return MachineSpec(
         instance_id=str(instance.pk),
         labels=labels,
@@ -141,9 +131,7 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
         memory_mb=mt.memory_mb,
         gpus=mt.gpus,
         spot=mt.spot,
-        user_data=user_data,
-        command=command,
-        env=env,
+        bootstrap=Bootstrap(agent_url=url, token=token, package=settings.CATACLOUD_AGENT_PACKAGE),
     )
 
 

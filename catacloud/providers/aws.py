@@ -190,8 +190,8 @@ class AwsProvider(Provider):
                 {"ResourceType": "volume", "Tags": tags},
             ],
         }
-        if spec.user_data:
-            params["UserData"] = spec.user_data  # boto3 base64-encodes it
+        if user_data := spec.cloud_init:
+            params["UserData"] = user_data  # boto3 base64-encodes it
         if spec.spot:
             params["InstanceMarketOptions"] = {
                 "MarketType": "spot",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import sys
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, ClassVar
@@ -85,6 +86,24 @@ class Permanent(ProviderError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Bootstrap:
+    """How a new machine's agent finds the control plane: the same for every provider. Each
+    driver turns it into what its machines run (cloud-init user data, a local process)."""
+
+    agent_url: str
+    token: str  # single-use; the agent exchanges it for its own credentials when it enrolls
+    package: str = "catacloud-agent"  # what cloud machines pip-install
+
+    def user_data(self) -> str:
+        from catacloud.providers.userdata import render_user_data
+
+        return render_user_data(agent_url=self.agent_url, bootstrap_token=self.token, package=self.package)
+
+    def local_command(self) -> tuple[str, ...]:
+        return (sys.executable, "-m", "catacloud.agent", "agent", "--url", self.agent_url)
+
+
+@dataclasses.dataclass(frozen=True)
 class MachineSpec:
     """Everything a driver needs to create one machine.
 
@@ -102,8 +121,10 @@ class MachineSpec:
     memory_mb: int = 1024
     gpus: int = 0
     spot: bool = False
+    bootstrap: Bootstrap | None = None
+    # Explicit overrides of what ``bootstrap`` derives (tests and drivers' own uses): cloud
+    # user data, and the local driver's command line and environment.
     user_data: str = ""
-    # Local driver only: the command line that plays the machine (the agent).
     command: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -111,6 +132,25 @@ class MachineSpec:
     @property
     def name(self) -> str:
         return machine_name(self.instance_id)
+
+    @property
+    def cloud_init(self) -> str:
+        """The user data a cloud machine boots with."""
+        if self.user_data or self.bootstrap is None:
+            return self.user_data
+        return self.bootstrap.user_data()
+
+    @property
+    def local_command(self) -> tuple[str, ...]:
+        if self.command or self.bootstrap is None:
+            return self.command
+        return self.bootstrap.local_command()
+
+    @property
+    def local_env(self) -> Mapping[str, str]:
+        if self.bootstrap is None:
+            return self.env
+        return {"CATACLOUD_BOOTSTRAP_TOKEN": self.bootstrap.token, **self.env}
 
 
 def machine_name(instance_id: str) -> str:
@@ -146,6 +186,9 @@ class Provider(abc.ABC):
     """One configured account at one provider."""
 
     kind: ClassVar[str]
+    # Drivers that keep files on this host (the local one) get a ``state_dir`` in their config,
+    # under CATACLOUD_HOME, unless the account sets one.
+    needs_state_dir: ClassVar[bool] = False
     # provider raw state -> MachineState; one table per driver.
     STATE_MAP: ClassVar[Mapping[str, MachineState]] = {}
 

@@ -226,7 +226,7 @@ class HetznerProvider(Provider):
                 location=_ref(Location, location) if location else None,
                 ssh_keys=self.ssh_keys or None,
                 networks=self.networks or None,
-                user_data=spec.user_data or None,
+                user_data=spec.cloud_init or None,
                 labels=labels,
             )
             return response.server, response.action

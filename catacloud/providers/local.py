@@ -14,7 +14,7 @@ Config:
 
 Isolation: a local machine is a process on this host, not a VM. It gets none of the control
 plane's environment (database and broker URLs, keys, passwords): only ``AGENT_ENV_ALLOWED``
-plus ``spec.env``, and a bootstrap token in ``spec.env`` is handed over as a 0600 file
+plus ``spec.local_env``, and the bootstrap token in it is handed over as a 0600 file
 (``<instance_id>.token``, removed by the agent once used) rather than in its environment, which
 ``/proc/<pid>/environ`` would show for the agent's whole life. The agent runs jobs as an
 unprivileged user when it runs as root (see ``catacloud/agent/runner.py`` and SECURITY.md).
@@ -71,6 +71,7 @@ _children: dict[int, subprocess.Popen[bytes]] = {}
 
 class LocalProvider(Provider):
     kind = "local"
+    needs_state_dir = True
     STATE_MAP: ClassVar[Mapping[str, MachineState]] = {
         "booting": MachineState.PROVISIONING,
         "running": MachineState.RUNNING,
@@ -94,8 +95,8 @@ class LocalProvider(Provider):
 
     def create(self, spec: MachineSpec) -> ProviderMachine:
         self._check_id(spec.instance_id)
-        if not spec.command:
-            raise Permanent("local machines need spec.command (the agent command line)")
+        if not spec.local_command:
+            raise Permanent("local machines need a bootstrap or spec.command (the agent command line)")
         with self._locked():
             record = self._read(spec.instance_id)
             if record is not None and self._process(record) is not None:
@@ -142,9 +143,9 @@ class LocalProvider(Provider):
     # ---- processes ----------------------------------------------------------------------------
 
     def _start(self, spec: MachineSpec) -> dict[str, Any]:
-        argv = list(spec.command)
+        argv = list(spec.local_command)
         env = {key: value for key, value in os.environ.items() if key in AGENT_ENV_ALLOWED}
-        env.update(spec.env)
+        env.update(spec.local_env)
         token = env.pop(BOOTSTRAP_ENV, None)
         if token is not None:
             token_path = self.state_dir / f"{spec.instance_id}.token"
