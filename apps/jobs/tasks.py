@@ -6,7 +6,7 @@ from celery import Task, shared_task
 
 from apps.jobs.acquisition import job_acquire_resources
 from apps.jobs.scheduler import schedule
-from apps.machines.tasks import backoff
+from apps.machines.tasks import task_backoff
 from apps.resources.wells import WellError
 
 log = logging.getLogger(__name__)
@@ -34,5 +34,5 @@ def acquire_resources_task(self: Task, job_id: str) -> None:
         job_acquire_resources(job_id=job_id)
     except WellError as exc:
         if exc.retryable:
-            raise self.retry(countdown=backoff(self.request.retries)) from None
+            raise self.retry(countdown=task_backoff(self.request.retries)) from None
         raise

@@ -4,11 +4,11 @@ retry only typed transient provider errors with backoff."""
 from __future__ import annotations
 
 import logging
-import random
 
 from celery import Task, shared_task
 
 from apps.machines import lifecycle
+from catacloud.agent.backoff import backoff
 from catacloud.providers import ProviderError
 
 log = logging.getLogger(__name__)
@@ -16,11 +16,9 @@ log = logging.getLogger(__name__)
 MAX_RETRIES = 8
 
 
-def backoff(retries: int, retry_after: float | None = None) -> float:
-    """Exponential backoff with jitter, capped at 5 minutes; honours the provider's hint."""
-    if retry_after:
-        return min(300.0, retry_after)
-    return min(300.0, 2.0**retries) * (0.5 + random.random())
+def task_backoff(retries: int, retry_after: float | None = None) -> float:
+    """A Celery task's retry countdown: up to 5 minutes, honouring the provider's hint."""
+    return backoff(retries, base=1.0, cap=300.0, hint=retry_after)
 
 
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
@@ -30,7 +28,7 @@ def provision_instance_task(self: Task, instance_id: str) -> None:
     except ProviderError as exc:
         if exc.retryable and self.request.retries < MAX_RETRIES:
             log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
-            raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+            raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
         lifecycle.instance_fail(instance_id=instance_id, reason=f"{exc.code}: {exc}")
 
 
@@ -41,7 +39,7 @@ def terminate_instance_task(self: Task, instance_id: str) -> None:
     except ProviderError as exc:
         # Deleting must eventually succeed: retry everything; the reaper retries after that.
         log.warning("terminating %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
-        raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+        raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
 
 
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
@@ -49,7 +47,7 @@ def destroy_machine_task(self: Task, account_id: str, provider_id: str, instance
     try:
         lifecycle.destroy_machine(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
     except ProviderError as exc:
-        raise self.retry(countdown=backoff(self.request.retries, exc.retry_after)) from None
+        raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
 
 
 @shared_task(acks_late=True, ignore_result=True)

@@ -4,7 +4,7 @@ import logging
 
 from celery import Task, shared_task
 
-from apps.machines.tasks import backoff
+from apps.machines.tasks import task_backoff
 from apps.resources.lifecycle import resource_destroy
 from apps.resources.wells import WellError
 
@@ -20,7 +20,7 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
     except WellError as exc:
         if exc.retryable:
             log.warning("destroying resource %s: %s (retry %d)", resource_id, exc, self.request.retries + 1)
-            raise self.retry(countdown=backoff(self.request.retries)) from None
+            raise self.retry(countdown=task_backoff(self.request.retries)) from None
         from apps.resources.services import RESOURCE_STATES
 
         RESOURCE_STATES.move(

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from urllib.parse import quote
 import requests
 
 from catacloud.agent import AGENT_API_PREFIX
+from catacloud.agent.backoff import backoff
 
 log = logging.getLogger("catacloud.agent")
 
@@ -223,8 +223,7 @@ class AgentClient:
 
     def backoff(self, attempt: int) -> float:
         """Delay before retry number ``attempt`` (0-based): exponential, capped, with jitter."""
-        delay = min(self.backoff_cap, self.backoff_base * (2 ** min(attempt, 20)))
-        return delay * random.uniform(0.75, 1.0)
+        return backoff(attempt, base=self.backoff_base, cap=self.backoff_cap, jitter=(0.75, 1.0))
 
     def request(
         self,

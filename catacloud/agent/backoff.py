@@ -1,0 +1,23 @@
+"""Exponential backoff with jitter: the one rule for every retry, the agent's requests and the
+server's Celery tasks alike (the server depends on this distribution, so both import it here)."""
+
+from __future__ import annotations
+
+import random
+
+
+def backoff(
+    attempt: int,
+    *,
+    base: float = 1.0,
+    cap: float = 300.0,
+    hint: float | None = None,
+    jitter: tuple[float, float] = (0.5, 1.5),
+) -> float:
+    """Seconds before retry number ``attempt`` (0-based): ``base * 2**attempt`` capped at ``cap``,
+    times a random factor in ``jitter`` so that many retrying clients spread out; a hint from
+    the other side (Retry-After) wins, capped likewise."""
+    if hint:
+        return min(cap, hint)
+    delay = min(cap, base * (2 ** min(attempt, 30)))
+    return min(cap, delay * random.uniform(*jitter))
