@@ -15,9 +15,9 @@ def backoff(
     jitter: tuple[float, float] = (0.5, 1.5),
 ) -> float:
     """Seconds before retry number ``attempt`` (0-based): ``base * 2**attempt`` capped at ``cap``,
-    times a random factor in ``jitter`` so that many retrying clients spread out; a hint from
-    the other side (Retry-After) wins, capped likewise."""
-    if hint:
-        return min(cap, hint)
+    times a random factor in ``jitter`` so that many retrying clients spread out; never sooner
+    than a hint from the other side (Retry-After), capped likewise."""
     delay = min(cap, base * (2 ** min(attempt, 30)))
+    if hint:
+        return min(cap, max(hint, delay))
     return min(cap, delay * random.uniform(*jitter))

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import psutil
 
+from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
 
 log = logging.getLogger("catacloud.agent")
@@ -342,7 +343,7 @@ class LogStreamer:
             cancel = self._send(wire)
         except Exception as exc:
             with self._cond:
-                delay = min(self.retry_cap, self.retry_base * 2 ** min(self._failures, 10))
+                delay = backoff(self._failures, base=self.retry_base, cap=self.retry_cap, jitter=(1.0, 1.0))
                 self._failures += 1
                 self._retry_at = time.monotonic() + delay
                 give_up = self._closing and self._retry_at > self._close_deadline

@@ -38,6 +38,7 @@ from hcloud.server_types import ServerType
 from hcloud.servers import BoundServer, Server
 from hcloud.ssh_keys import SSHKey
 
+from catacloud.agent.backoff import backoff
 from catacloud.providers.base import (
     LABEL_INSTANCE,
     InsufficientCapacity,
@@ -267,8 +268,15 @@ class HetznerProvider(Provider):
                 error = map_error(exc, retry_after=self._local.retry_after)
                 if not self._should_retry(error, attempt):
                     raise error from exc
-            delay = max(self.retry_backoff * 2**attempt, error.retry_after or 0.0)
-            time.sleep(min(delay, self.retry_max_delay))
+            time.sleep(
+                backoff(
+                    attempt,
+                    base=self.retry_backoff,
+                    cap=self.retry_max_delay,
+                    hint=error.retry_after,
+                    jitter=(1.0, 1.0),
+                )
+            )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _should_retry(self, error: ProviderError, attempt: int) -> bool:
