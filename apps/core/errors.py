@@ -90,6 +90,16 @@ class ValidationFailed(DomainError):
         self.fields = fields or {}
 
 
+class Unauthenticated(DomainError):
+    status = 401
+    code = "authentication_failed"
+
+
+class LengthRequired(DomainError):
+    status = 411
+    code = "length_required"
+
+
 class NotFound(DomainError):
     status = 404
     code = "not_found"

@@ -13,8 +13,8 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.api import error_response
 from apps.core.broker import redis_client
+from apps.core.errors import Conflict, NotFound
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
@@ -92,9 +92,7 @@ class LogsView(AgentView):
             pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
         ).first()
         if job is None:
-            return error_response(
-                409, "not_assigned", "this job is not (or no longer) running on this machine"
-            )
+            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
         JobLogChunk.objects.bulk_create(
             [
                 JobLogChunk(
@@ -141,12 +139,10 @@ class MetaView(AgentView):
             pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
         ).first()
         if job is None:
-            return error_response(
-                409, "not_assigned", "this job is not (or no longer) running on this machine"
-            )
+            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
         resource = job.resources.filter(resource_type_id=name, status="held").first()
         if resource is None:
-            return error_response(404, "not_found", f"this job holds no resource {name!r}")
+            raise NotFound(f"this job holds no resource {name!r}")
         # The job is entitled to its resource's secret (a token, a DSN); only here, never in the API.
         return Response({"name": name, "metadata": {**resource.metadata, **resource.secret}})
 

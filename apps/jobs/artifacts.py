@@ -24,7 +24,7 @@ from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.api import error_response
+from apps.core.errors import Conflict, LengthRequired, NotFound, ValidationFailed
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job
@@ -191,16 +191,16 @@ def _upload(view: AgentView, request: Request, job: Job, kind: str, name: str) -
     try:
         size = int(request.headers.get("Content-Length", ""))
     except ValueError:
-        return error_response(411, "length_required", "Content-Length is required")
+        raise LengthRequired("Content-Length is required") from None
     sha256 = request.headers.get("X-Checksum-Sha256", "")
     if len(sha256) != 64:
-        return error_response(400, "invalid", "X-Checksum-Sha256 (hex SHA-256 of the body) is required")
+        raise ValidationFailed("X-Checksum-Sha256 (hex SHA-256 of the body) is required")
     try:
         artifact = store_artifact(
             job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256
         )
     except BadUpload as exc:
-        return error_response(400, "checksum_mismatch", str(exc))
+        raise ValidationFailed(str(exc), code="checksum_mismatch") from None
     return Response({"name": artifact.name, "size": artifact.size, "sha256": artifact.sha256}, status=201)
 
 
@@ -210,12 +210,10 @@ class ArtifactUploadView(AgentView):
     def put(self, request: Request, job_id: str, name: str) -> Response:
         clean = clean_name(name)
         if clean is None:
-            return error_response(400, "invalid", "not a safe relative file name")
+            raise ValidationFailed("not a safe relative file name")
         job = _job_for_upload(self.instance, job_id, live_only=False)
         if job is None:
-            return error_response(
-                409, "not_assigned", "this job's outputs are no longer accepted from this machine"
-            )
+            raise Conflict("this job's outputs are no longer accepted from this machine", code="not_assigned")
         return _upload(self, request, job, Artifact.KIND_OUTPUT, clean)
 
 
@@ -225,26 +223,22 @@ class CheckpointView(AgentView):
     def put(self, request: Request, job_id: str) -> Response:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
-            return error_response(
-                409, "not_assigned", "this job is not (or no longer) running on this machine"
-            )
+            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
         return _upload(self, request, job, Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
 
     def get(self, request: Request, job_id: str) -> Any:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
-            return error_response(
-                409, "not_assigned", "this job is not (or no longer) running on this machine"
-            )
+            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
         artifact = Artifact.objects.filter(
             job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
         ).first()
         if artifact is None:
-            return error_response(404, "not_found", "this job has no checkpoint")
+            raise NotFound("this job has no checkpoint")
         try:
             chunks = get_store().open(artifact.key)
         except FileNotFoundError:
-            return error_response(404, "not_found", "the checkpoint is gone from the store")
+            raise NotFound("the checkpoint is gone from the store") from None
         event_record(
             kind="checkpoint.restored",
             org=job.org_id,
@@ -265,7 +259,7 @@ class UploadsDoneView(AgentView):
 
         job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
         if job is None:
-            return error_response(409, "not_assigned", "this job did not run on this machine")
+            raise Conflict("this job did not run on this machine", code="not_assigned")
         failed = request.data.get("failed") or [] if isinstance(request.data, dict) else []
         with transaction.atomic():
             for item in failed[:1000]:

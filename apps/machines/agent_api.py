@@ -22,10 +22,9 @@ from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from apps.core import hooks
-from apps.core.api import error_response
 from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
-from apps.core.errors import InvalidTransition
+from apps.core.errors import Conflict, InvalidTransition, Unauthenticated
 from apps.core.throttling import LocalThrottleMixin
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
@@ -135,7 +134,7 @@ class EnrollView(APIView):
         data.is_valid(raise_exception=True)
         instance_id = bootstrap_token_instance(data.validated_data["bootstrap_token"])
         if instance_id is None:
-            return error_response(401, "invalid_bootstrap_token", "this bootstrap token is not valid")
+            raise Unauthenticated("this bootstrap token is not valid", code="invalid_bootstrap_token")
         secret = new_token(AGENT_TOKEN_PREFIX)
         with transaction.atomic():
             enrolled = MachineInstance.objects.filter(
@@ -148,10 +147,10 @@ class EnrollView(APIView):
                     .first()
                 )
                 if row is None or row["status"] not in INSTANCE_LIVE:
-                    return error_response(
-                        401, "invalid_bootstrap_token", "this machine is unknown or has ended"
+                    raise Unauthenticated(
+                        "this machine is unknown or has ended", code="invalid_bootstrap_token"
                     )
-                return error_response(409, "already_enrolled", "this bootstrap token was already used")
+                raise Conflict("this bootstrap token was already used", code="already_enrolled")
             instance = MachineInstance.objects.get(pk=instance_id)
             event_record(
                 kind="agent.enrolled",
