@@ -40,7 +40,6 @@ from apps.machines.retention import idle_machines_retire
 from apps.pools.convergence import apply_schedules, pools_converge
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 BATCH = 500
 
 
@@ -94,7 +93,7 @@ def _mark_silent_lost(now: datetime) -> int:
     """Enrolled machines whose agent went silent."""
     cutoff = now - timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
     silent = MachineInstance.objects.filter(
-        status__in=[S.READY, S.CLAIMED], last_heartbeat_at__lt=cutoff
+        status__in=[InstanceStatus.READY, InstanceStatus.CLAIMED], last_heartbeat_at__lt=cutoff
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in silent:

@@ -31,10 +31,14 @@ from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import WellError, build_well
 
 log = logging.getLogger(__name__)
-R = ResourceStatus
-J = JobStatus
 # Live resources that occupy a slot of their type's max_instances.
-OCCUPYING = [R.REQUESTED, R.CREATING, R.READY, R.HELD, R.RELEASING]
+OCCUPYING = [
+    ResourceStatus.REQUESTED,
+    ResourceStatus.CREATING,
+    ResourceStatus.READY,
+    ResourceStatus.HELD,
+    ResourceStatus.RELEASING,
+]
 
 
 def acquire_after_commit(job_ids: list[Any]) -> None:
@@ -50,25 +54,27 @@ def job_acquire_resources(*, job_id: Any) -> str:
     ``done`` (all held, waiting for a machine), ``waiting`` (a type is at its limit),
     ``gone`` (the job is no longer acquiring)."""
     job = Job.objects.select_related("config", "org").filter(pk=job_id).first()
-    if job is None or job.status != J.ACQUIRING_RESOURCES:
+    if job is None or job.status != JobStatus.ACQUIRING_RESOURCES:
         return "gone"
     needed = sorted(job.config.resource_types.values_list("id", flat=True))  # lexicographic: no deadlock
     for type_id in needed:
         resource = _reserve(job, type_id)
         if resource is None:
             return "waiting"
-        if resource.status == R.REQUESTED:
+        if resource.status == ResourceStatus.REQUESTED:
             _create(resource, job)
             resource.refresh_from_db()
-        if resource.status == R.READY:
-            RESOURCE_STATES.move(resource.pk, to=R.HELD, from_=[R.READY], actor="acquirer")
-        elif resource.status != R.HELD:
+        if resource.status == ResourceStatus.READY:
+            RESOURCE_STATES.move(
+                resource.pk, to=ResourceStatus.HELD, from_=[ResourceStatus.READY], actor="acquirer"
+            )
+        elif resource.status != ResourceStatus.HELD:
             return "waiting"  # failed or being created elsewhere: the next pass retries
     with transaction.atomic():
         moved = JOB_STATES.try_move(
             job.pk,
-            to=J.WAITING_FOR_MACHINE,
-            from_=[J.ACQUIRING_RESOURCES],
+            to=JobStatus.WAITING_FOR_MACHINE,
+            from_=[JobStatus.ACQUIRING_RESOURCES],
             actor="acquirer",
             pending_reason="waiting for a machine",
             event_data={"resources": needed},
@@ -84,7 +90,14 @@ def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
     with transaction.atomic():
         rtype = ResourceType.objects.select_for_update().get(pk=type_id)  # serialises slot counting
         mine = ResourceInstance.objects.filter(
-            job=job, resource_type=rtype, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
+            job=job,
+            resource_type=rtype,
+            status__in=[
+                ResourceStatus.REQUESTED,
+                ResourceStatus.CREATING,
+                ResourceStatus.READY,
+                ResourceStatus.HELD,
+            ],
         ).first()
         if mine is not None:
             return mine
@@ -108,7 +121,12 @@ def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
 
 def _create(resource: ResourceInstance, job: Job) -> None:
     """Create it with its well, outside any transaction; record the result in a new one."""
-    if RESOURCE_STATES.try_move(resource.pk, to=R.CREATING, from_=[R.REQUESTED], actor="acquirer") is None:
+    if (
+        RESOURCE_STATES.try_move(
+            resource.pk, to=ResourceStatus.CREATING, from_=[ResourceStatus.REQUESTED], actor="acquirer"
+        )
+        is None
+    ):
         return
     rtype = resource.resource_type
     try:
@@ -119,15 +137,15 @@ def _create(resource: ResourceInstance, job: Job) -> None:
             # Back to requested; the acquire task retries it with backoff.
             RESOURCE_STATES.try_move(
                 resource.pk,
-                to=R.REQUESTED,
-                from_=[R.CREATING],
+                to=ResourceStatus.REQUESTED,
+                from_=[ResourceStatus.CREATING],
                 actor="acquirer",
                 reason=str(exc),
             )
             raise
         RESOURCE_STATES.move(
             resource.pk,
-            to=R.FAILED,
+            to=ResourceStatus.FAILED,
             actor="acquirer",
             reason=str(exc)[:500],
             failure_reason=str(exc)[:2000],
@@ -139,14 +157,16 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         row.external_id, row.metadata = created.external_id[:200], created.metadata
         row.secret = created.secret
         row.save(update_fields=["external_id", "metadata", "secret_encrypted"])
-        if row.status == R.CREATING:
-            RESOURCE_STATES.move(resource.pk, to=R.READY, from_=[R.CREATING], actor="acquirer")
+        if row.status == ResourceStatus.CREATING:
+            RESOURCE_STATES.move(
+                resource.pk, to=ResourceStatus.READY, from_=[ResourceStatus.CREATING], actor="acquirer"
+            )
             return
     # Released (or re-driven) while we were creating: the release's destroy may have run
     # before the thing existed, so destroy what we made now (idempotent), and let a release
     # still in flight find it recorded.
     log.info("resource %s was released while being created; destroying it", resource.pk)
-    if row.status in (R.RELEASING, R.DESTROYED, R.FAILED):
+    if row.status in (ResourceStatus.RELEASING, ResourceStatus.DESTROYED, ResourceStatus.FAILED):
         build_well(rtype.well, rtype.config).destroy(
             resource_id=str(resource.pk), external_id=created.external_id, job_id=str(job.pk)
         )
@@ -155,7 +175,7 @@ def _create(resource: ResourceInstance, job: Job) -> None:
 def _fail_job(job: Job, reason: str) -> None:
     with transaction.atomic():
         failed = JOB_STATES.try_move(
-            job.pk, to=J.FAILED, actor="acquirer", reason=reason, failure_reason=reason
+            job.pk, to=JobStatus.FAILED, actor="acquirer", reason=reason, failure_reason=reason
         )
         if failed is None:
             return
@@ -168,7 +188,7 @@ def wake_waiting(*, type_id: str) -> None:
     from apps.jobs.tasks import acquire_resources_task
 
     waiting = list(
-        Job.objects.filter(status=J.ACQUIRING_RESOURCES, config__resource_types=type_id)
+        Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES, config__resource_types=type_id)
         .order_by("-priority", "admitted_at")
         .values_list("pk", flat=True)[:50]
     )
@@ -184,19 +204,21 @@ def resources_safety_net(*, now: Any = None) -> dict[str, int]:
 
     now = now or timezone.now()
     orphans = ResourceInstance.objects.filter(
-        Q(job__isnull=True) | Q(job__status__in=JOB_TERMINAL), status__in=[R.REQUESTED, R.READY, R.HELD]
+        Q(job__isnull=True) | Q(job__status__in=JOB_TERMINAL),
+        status__in=[ResourceStatus.REQUESTED, ResourceStatus.READY, ResourceStatus.HELD],
     ).values_list("pk", flat=True)[:500]
     released = 0
     for resource_id in orphans:
         releasing = RESOURCE_STATES.try_move(
-            resource_id, to=R.RELEASING, actor="reaper", reason="job is gone"
+            resource_id, to=ResourceStatus.RELEASING, actor="reaper", reason="job is gone"
         )
         if releasing is None:
             continue
         released += 1
     converged = resources_converge(now=now)
     acquiring = [
-        str(j) for j in Job.objects.filter(status=J.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
+        str(j)
+        for j in Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
     ]
     for job_id in acquiring:
         enqueue(acquire_resources_task, job_id)

@@ -22,9 +22,6 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_lock
 
-J = JobStatus
-S = InstanceStatus
-
 
 def _quota_reason(grant: OrgMachineType, mt: MachineType, running: int) -> str:
     if running + 1 > grant.max_concurrent_jobs:
@@ -63,10 +60,17 @@ def _budget_slots(org_id: Any, mt: MachineType, slots: int, now: datetime) -> tu
         org_id=org_id,
         machine_type=mt,
         machine_type_version=mt.version,
-        status__in=[S.PENDING, S.PROVISIONING, S.WARMING, S.READY],
+        status__in=[
+            InstanceStatus.PENDING,
+            InstanceStatus.PROVISIONING,
+            InstanceStatus.WARMING,
+            InstanceStatus.READY,
+        ],
     ).count()
     spoken_for = Job.objects.filter(
-        org_id=org_id, machine_type_id=mt.pk, status__in=[J.ACQUIRING_RESOURCES, J.WAITING_FOR_MACHINE]
+        org_id=org_id,
+        machine_type_id=mt.pk,
+        status__in=[JobStatus.ACQUIRING_RESOURCES, JobStatus.WAITING_FOR_MACHINE],
     ).count()
     room = max(0, check.allowed + paid_free - spoken_for)
     if room >= slots:
@@ -84,7 +88,8 @@ def admit(*, limit: int = 1000) -> int:
     A full grant never holds back another grant's jobs.
     """
     keys = sorted(
-        set(Job.objects.filter(status=J.QUEUED).values_list("org_id", "machine_type_id").distinct()), key=str
+        set(Job.objects.filter(status=JobStatus.QUEUED).values_list("org_id", "machine_type_id").distinct()),
+        key=str,
     )
     total = 0
     for org_id, mt_id in keys:
@@ -96,7 +101,7 @@ def admit(*, limit: int = 1000) -> int:
 
 def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
     now = timezone.now()
-    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=J.QUEUED)
+    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED)
     with transaction.atomic():
         grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
         if grant is None:
@@ -129,21 +134,21 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
             # by us, so the compare-and-set cannot lose (the count is checked all the same).
             plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
             needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
-            updated = Job.objects.filter(pk__in=plain, status=J.QUEUED).update(
-                status=J.WAITING_FOR_MACHINE,
+            updated = Job.objects.filter(pk__in=plain, status=JobStatus.QUEUED).update(
+                status=JobStatus.WAITING_FOR_MACHINE,
                 admitted_at=now,
                 status_changed_at=now,
                 pending_reason="waiting for a machine",
             )
-            updated += Job.objects.filter(pk__in=needing, status=J.QUEUED).update(
-                status=J.ACQUIRING_RESOURCES,
+            updated += Job.objects.filter(pk__in=needing, status=JobStatus.QUEUED).update(
+                status=JobStatus.ACQUIRING_RESOURCES,
                 admitted_at=now,
                 status_changed_at=now,
                 pending_reason="acquiring resources",
             )
             if updated != len(jobs):  # cannot happen while we hold the row locks; never admit half
                 raise InvalidTransition(
-                    "Job", f"{len(jobs) - updated} of the batch", "changed", J.ACQUIRING_RESOURCES
+                    "Job", f"{len(jobs) - updated} of the batch", "changed", JobStatus.ACQUIRING_RESOURCES
                 )
             Event.objects.bulk_create(
                 Event(
@@ -151,7 +156,11 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
                     org_id=org_id,
                     job_id=pk,
                     actor="scheduler",
-                    data={"status": J.ACQUIRING_RESOURCES if pk in needing else J.WAITING_FOR_MACHINE},
+                    data={
+                        "status": JobStatus.ACQUIRING_RESOURCES
+                        if pk in needing
+                        else JobStatus.WAITING_FOR_MACHINE
+                    },
                 )
                 for pk in plain + needing
             )

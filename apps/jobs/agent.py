@@ -22,7 +22,6 @@ from apps.jobs.reports import job_finished, job_interrupted, job_started
 from apps.machines.agent_api import AgentView
 from apps.machines.models import MachineInstance
 
-J = JobStatus
 # The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
 WAKE_KEY = "catacloud:wake:{}"
 # The generation of an instance's current long poll: a newer poll replaces an older one.
@@ -44,7 +43,7 @@ def jobs_to_cancel(*, instance: MachineInstance) -> list[str]:
     return [
         str(pk)
         for pk in Job.objects.filter(
-            instance=instance, cancel_requested=True, status__in=[J.ASSIGNED, J.RUNNING]
+            instance=instance, cancel_requested=True, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).values_list("pk", flat=True)
     ]
 
@@ -89,7 +88,7 @@ class LogsView(AgentView):
         body = LogsIn(data=request.data)
         body.is_valid(raise_exception=True)
         job = Job.objects.filter(
-            pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
+            pk=job_id, instance=self.instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).first()
         if job is None:
             raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
@@ -136,7 +135,7 @@ class MetaView(AgentView):
 
     def get(self, request: Request, job_id: str, name: str) -> Response:
         job = Job.objects.filter(
-            pk=job_id, instance=self.instance, status__in=[J.ASSIGNED, J.RUNNING]
+            pk=job_id, instance=self.instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).first()
         if job is None:
             raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")

@@ -35,7 +35,6 @@ from apps.machines.models import MachineInstance
 from catacloud.storage import LocalStore, Readable, S3Store, Store, bad_segment
 
 log = logging.getLogger(__name__)
-J = JobStatus
 MAX_NAME = 900  # bytes: with <org>/<job>/outputs/ it stays under S3's 1024-byte keys
 
 
@@ -97,7 +96,7 @@ def spool_verified(stream: Readable, *, size: int, sha256: str) -> tempfile.Spoo
     return spool
 
 
-def store_artifact(*, job: Job, kind: str, name: str, body: Readable, size: int, sha256: str) -> Artifact:
+def artifact_store(*, job: Job, kind: str, name: str, body: Readable, size: int, sha256: str) -> Artifact:
     """Verify and store one upload (no transaction open during the store write), then record it."""
     spool = spool_verified(body, size=size, sha256=sha256)
     key = artifact_key(job, kind, name)
@@ -177,7 +176,7 @@ def _job_for_upload(instance: MachineInstance, job_id: Any, *, live_only: bool) 
     job = Job.objects.select_related("config").filter(pk=job_id, instance=instance).first()
     if job is None:
         return None
-    if job.status in (J.ASSIGNED, J.RUNNING):
+    if job.status in (JobStatus.ASSIGNED, JobStatus.RUNNING):
         return job
     if live_only or job.status not in JOB_TERMINAL:
         return None
@@ -196,7 +195,7 @@ def _upload(view: AgentView, request: Request, job: Job, kind: str, name: str) -
     if len(sha256) != 64:
         raise ValidationFailed("X-Checksum-Sha256 (hex SHA-256 of the body) is required")
     try:
-        artifact = store_artifact(
+        artifact = artifact_store(
             job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256
         )
     except BadUpload as exc:

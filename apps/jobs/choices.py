@@ -31,22 +31,22 @@ class ArtifactStatus(models.TextChoices):
     EXPIRED = "expired", "expired"  # past its retention: the file is deleted, the row stays
 
 
-J = JobStatus
-JOB_TERMINAL = frozenset({J.SUCCEEDED, J.FAILED, J.CANCELLED, J.TIMED_OUT})
-JOB_LIVE = frozenset(set(J) - JOB_TERMINAL)
+JOB_TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.TIMED_OUT})
+JOB_LIVE = frozenset(set(JobStatus) - JOB_TERMINAL)
 # Admitted jobs count against max_concurrent_jobs and the cpu/memory/gpu quotas.
-JOB_ADMITTED = frozenset({J.ACQUIRING_RESOURCES, J.WAITING_FOR_MACHINE, J.ASSIGNED, J.RUNNING})
-_ENDS = {J.FAILED, J.CANCELLED}
+JOB_ADMITTED = frozenset(
+    {JobStatus.ACQUIRING_RESOURCES, JobStatus.WAITING_FOR_MACHINE, JobStatus.ASSIGNED, JobStatus.RUNNING}
+)
+_ENDS = {JobStatus.FAILED, JobStatus.CANCELLED}
 JOB_TRANSITIONS: dict[str, frozenset[str]] = {
-    J.QUEUED: frozenset({J.ACQUIRING_RESOURCES, *_ENDS}),
+    JobStatus.QUEUED: frozenset({JobStatus.ACQUIRING_RESOURCES, *_ENDS}),
     # Every admitted state may be requeued (machine lost, resource gone) or ended.
-    J.ACQUIRING_RESOURCES: frozenset({J.WAITING_FOR_MACHINE, J.QUEUED, *_ENDS}),
-    J.WAITING_FOR_MACHINE: frozenset({J.ASSIGNED, J.QUEUED, *_ENDS}),
-    J.ASSIGNED: frozenset({J.RUNNING, J.QUEUED, *_ENDS, J.TIMED_OUT}),
-    J.RUNNING: frozenset({J.SUCCEEDED, J.QUEUED, *_ENDS, J.TIMED_OUT}),
-    J.SUCCEEDED: frozenset(),
-    J.FAILED: frozenset(),
-    J.CANCELLED: frozenset(),
-    J.TIMED_OUT: frozenset(),
+    JobStatus.ACQUIRING_RESOURCES: frozenset({JobStatus.WAITING_FOR_MACHINE, JobStatus.QUEUED, *_ENDS}),
+    JobStatus.WAITING_FOR_MACHINE: frozenset({JobStatus.ASSIGNED, JobStatus.QUEUED, *_ENDS}),
+    JobStatus.ASSIGNED: frozenset({JobStatus.RUNNING, JobStatus.QUEUED, *_ENDS, JobStatus.TIMED_OUT}),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.QUEUED, *_ENDS, JobStatus.TIMED_OUT}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+    JobStatus.TIMED_OUT: frozenset(),
 }
-del J

@@ -32,8 +32,6 @@ from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.resources.lifecycle import release_for_job
 
-J = JobStatus
-S = InstanceStatus
 BATCH = 500
 CLAIM_PREFIX = "job:"
 
@@ -53,7 +51,7 @@ def requeue_jobs_on_gone_machines() -> int:
     net under it)."""
 
     rows = list(
-        Job.objects.filter(status__in=[J.ASSIGNED, J.RUNNING])
+        Job.objects.filter(status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING])
         .filter(Q(instance__isnull=True) | Q(instance__status__in=INSTANCE_TERMINAL))
         .values_list("pk", "instance__end_cause", "instance__failure_reason")[:BATCH]
     )
@@ -61,7 +59,9 @@ def requeue_jobs_on_gone_machines() -> int:
     for job_id, cause, detail in rows:
         with transaction.atomic():
             job = (
-                Job.objects.select_for_update().filter(pk=job_id, status__in=[J.ASSIGNED, J.RUNNING]).first()
+                Job.objects.select_for_update()
+                .filter(pk=job_id, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING])
+                .first()
             )
             if job is None:
                 continue
@@ -76,14 +76,14 @@ def requeue_unstarted(*, now: datetime) -> int:
 
     cutoff = now - timedelta(seconds=settings.CATACLOUD_ASSIGN_TIMEOUT)
     rows = list(
-        Job.objects.filter(status=J.ASSIGNED, status_changed_at__lt=cutoff).values_list("pk", "instance_id")[
-            :BATCH
-        ]
+        Job.objects.filter(status=JobStatus.ASSIGNED, status_changed_at__lt=cutoff).values_list(
+            "pk", "instance_id"
+        )[:BATCH]
     )
     count = 0
     for job_id, instance_id in rows:
         with transaction.atomic():
-            job = Job.objects.select_for_update().filter(pk=job_id, status=J.ASSIGNED).first()
+            job = Job.objects.select_for_update().filter(pk=job_id, status=JobStatus.ASSIGNED).first()
             if job is None:
                 continue
             job_requeue(
@@ -110,9 +110,9 @@ def release_finished_claims(*, now: datetime) -> int:
     are terminated."""
 
     claims = list(
-        MachineInstance.objects.filter(status=S.CLAIMED, claimed_for__startswith=CLAIM_PREFIX).values_list(
-            "pk", "claimed_for"
-        )[: BATCH * 4]
+        MachineInstance.objects.filter(
+            status=InstanceStatus.CLAIMED, claimed_for__startswith=CLAIM_PREFIX
+        ).values_list("pk", "claimed_for")[: BATCH * 4]
     )
     by_job: dict[Any, Any] = {}
     for instance_id, claimed_for in claims:
@@ -143,14 +143,16 @@ def jobs_time_out(*, now: datetime) -> int:
     """The agent enforces timeouts; this catches jobs whose agent could not report."""
     grace = timedelta(seconds=max(60.0, settings.CATACLOUD_AGENT_LOST_AFTER))
     count = 0
-    for job in Job.objects.filter(status=J.RUNNING, started_at__isnull=False).select_related("config")[:500]:
+    for job in Job.objects.filter(status=JobStatus.RUNNING, started_at__isnull=False).select_related(
+        "config"
+    )[:500]:
         if job.started_at is None or job.started_at + timedelta(seconds=job.timeout_seconds) + grace > now:
             continue
         with transaction.atomic():
             moved = JOB_STATES.try_move(
                 job.pk,
-                to=J.TIMED_OUT,
-                from_=[J.RUNNING],
+                to=JobStatus.TIMED_OUT,
+                from_=[JobStatus.RUNNING],
                 actor="reaper",
                 reason="timeout passed without a report from the agent",
             )

@@ -31,9 +31,6 @@ from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim
 from catacloud.policy import placement
 
-J = JobStatus
-S = InstanceStatus
-
 
 def place(*, limit: int = 500) -> tuple[int, int, int]:
     """Give waiting jobs machines. Returns (assigned, machines requested, still waiting)."""
@@ -41,7 +38,7 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
     now = timezone.now()
     with transaction.atomic():
         jobs = list(
-            Job.objects.filter(status=J.WAITING_FOR_MACHINE)
+            Job.objects.filter(status=JobStatus.WAITING_FOR_MACHINE)
             .order_by("-priority", "admitted_at")
             .select_for_update(skip_locked=True, of=("self",))
             .select_related("config")[:limit]
@@ -99,8 +96,8 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
 def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
     JOB_STATES.move(
         job.pk,
-        to=J.ASSIGNED,
-        from_=[J.WAITING_FOR_MACHINE],
+        to=JobStatus.ASSIGNED,
+        from_=[JobStatus.WAITING_FOR_MACHINE],
         actor="scheduler",
         instance=instance,
         pending_reason="",
@@ -129,8 +126,14 @@ def _provision_or_wait(
     counts = live.aggregate(
         # Every machine that costs money counts, terminating ones too (they still bill).
         total=Count("id"),
-        coming=Count("id", filter=Q(pool__isnull=True, status__in=[S.PENDING, S.PROVISIONING, S.WARMING])),
-        busy=Count("id", filter=Q(pool__isnull=True, status=S.CLAIMED)),
+        coming=Count(
+            "id",
+            filter=Q(
+                pool__isnull=True,
+                status__in=[InstanceStatus.PENDING, InstanceStatus.PROVISIONING, InstanceStatus.WARMING],
+            ),
+        ),
+        busy=Count("id", filter=Q(pool__isnull=True, status=InstanceStatus.CLAIMED)),
     )
     max_wait = timedelta(seconds=grant.max_wait_seconds)
     supply = placement.Supply(
@@ -174,10 +177,10 @@ def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
         (job["config_id"], job["started_at"] or job["assigned_at"] or now)
         for job in Job.objects.filter(
             instance__pool__isnull=True,
-            instance__status=S.CLAIMED,
+            instance__status=InstanceStatus.CLAIMED,
             instance__org_id=grant.org_id,
             instance__machine_type=mt,
-            status__in=[J.ASSIGNED, J.RUNNING],
+            status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING],
             config__reuse=Reuse.REUSE,
         ).values("config_id", "started_at", "assigned_at")
     ]
@@ -187,7 +190,7 @@ def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
     for config_id, started, finished in (
         Job.objects.filter(
             config_id__in={config_id for config_id, _ in running},
-            status=J.SUCCEEDED,
+            status=JobStatus.SUCCEEDED,
             started_at__isnull=False,
             finished_at__isnull=False,
         )

@@ -21,17 +21,14 @@ from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
 from apps.resources.lifecycle import release_for_job
 
-J = JobStatus
-S = InstanceStatus
-
 
 def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
     """The agent starts the command. The job must still be assigned to this very machine: a
     job is never run by two machines at once, even when a lost agent comes back."""
     job = JOB_STATES.try_move(
         job_id,
-        to=J.RUNNING,
-        from_=[J.ASSIGNED],
+        to=JobStatus.RUNNING,
+        from_=[JobStatus.ASSIGNED],
         actor=f"agent:{instance.pk}",
         where={"instance": instance},
     )
@@ -42,7 +39,12 @@ def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
     return job
 
 
-OUTCOMES = {"succeeded": J.SUCCEEDED, "failed": J.FAILED, "timed_out": J.TIMED_OUT, "cancelled": J.CANCELLED}
+OUTCOMES = {
+    "succeeded": JobStatus.SUCCEEDED,
+    "failed": JobStatus.FAILED,
+    "timed_out": JobStatus.TIMED_OUT,
+    "cancelled": JobStatus.CANCELLED,
+}
 
 
 def job_finished(
@@ -71,16 +73,16 @@ def job_finished(
         )
         if job is not None and job.status in JOB_TERMINAL:
             return job  # a retried report: already recorded
-        if job is None or job.status not in (J.ASSIGNED, J.RUNNING):
+        if job is None or job.status not in (JobStatus.ASSIGNED, JobStatus.RUNNING):
             raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
-        status = J.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
-        if status == J.SUCCEEDED and exit_code not in (0, None):
-            status = J.FAILED
+        status = JobStatus.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
+        if status == JobStatus.SUCCEEDED and exit_code not in (0, None):
+            status = JobStatus.FAILED
         machine = MachineInstance.objects.filter(pk=instance.pk).values("status", "end_cause").first()
-        stopped = status not in (J.SUCCEEDED, J.CANCELLED) or (
-            status == J.CANCELLED and not job.cancel_requested
+        stopped = status not in (JobStatus.SUCCEEDED, JobStatus.CANCELLED) or (
+            status == JobStatus.CANCELLED and not job.cancel_requested
         )
-        if stopped and machine and machine["status"] != S.CLAIMED:
+        if stopped and machine and machine["status"] != InstanceStatus.CLAIMED:
             return job_requeue(
                 job=job,
                 cause=machine["end_cause"] or "machine_terminated",
@@ -93,7 +95,7 @@ def job_finished(
             actor=f"agent:{instance.pk}",
             reason=reason,
             exit_code=exit_code,
-            failure_reason=reason if status != J.SUCCEEDED else "",
+            failure_reason=reason if status != JobStatus.SUCCEEDED else "",
             pending_reason="",
             event_data={"exit_code": exit_code, "attempt": job.attempt},
         )
@@ -118,7 +120,7 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
         )
         if (
             instance is None
-            or instance.status != S.CLAIMED
+            or instance.status != InstanceStatus.CLAIMED
             or instance.claimed_for != job_claim_label(job.pk)
         ):
             return False
@@ -128,8 +130,8 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
         if reuse:
             INSTANCE_STATES.move(
                 instance_id,
-                to=S.READY,
-                from_=[S.CLAIMED],
+                to=InstanceStatus.READY,
+                from_=[InstanceStatus.CLAIMED],
                 actor="scheduler",
                 reason="kept for reuse while its paid period lasts",
                 event="instance.released",
@@ -165,11 +167,11 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     free = cause in FREE_REQUEUE_CAUSES
     used = job.attempt - job.free_requeues
     if job.cancel_requested:
-        job = JOB_STATES.move(job.pk, to=J.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
+        job = JOB_STATES.move(job.pk, to=JobStatus.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
     elif not free and used >= job.max_attempts:
         job = JOB_STATES.move(
             job.pk,
-            to=J.FAILED,
+            to=JobStatus.FAILED,
             actor=actor,
             reason=f"{reason}; no attempts left ({used}/{job.max_attempts})",
             failure_reason=f"{reason} (attempt {used} of {job.max_attempts})",
@@ -178,7 +180,7 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     else:
         job = JOB_STATES.move(
             job.pk,
-            to=J.QUEUED,
+            to=JobStatus.QUEUED,
             actor=actor,
             reason=reason,
             event="job.requeued",
@@ -203,7 +205,7 @@ def jobs_requeue_for_instance(*, instance: MachineInstance, cause: str, detail: 
     count = 0
     with transaction.atomic():
         for job in Job.objects.select_for_update().filter(
-            instance_id=instance.pk, status__in=[J.ASSIGNED, J.RUNNING]
+            instance_id=instance.pk, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ):
             job_requeue(job=job, cause=cause, detail=detail, actor="reaper")
             count += 1
@@ -214,7 +216,7 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
     """The agent saw a spot interruption notice: requeue its job now and retire the machine."""
     with transaction.atomic():
         for job in Job.objects.select_for_update().filter(
-            instance=instance, status__in=[J.ASSIGNED, J.RUNNING]
+            instance=instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ):
             job_requeue(job=job, cause="spot_interruption", detail=detail[:200], actor=f"agent:{instance.pk}")
         event_record(

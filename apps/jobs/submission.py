@@ -18,8 +18,6 @@ from apps.machines.services import grant_check_privilege
 from apps.orgs.models import Organization
 from apps.resources.lifecycle import release_for_job
 
-J = JobStatus
-
 
 def job_submit(
     *,
@@ -71,7 +69,7 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
         machine_gone = locked.instance_id is None or (
             MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
         )
-        if locked.status in (J.ASSIGNED, J.RUNNING) and not machine_gone:
+        if locked.status in (JobStatus.ASSIGNED, JobStatus.RUNNING) and not machine_gone:
             # The agent kills the command and reports; if the machine goes away first, the
             # requeue that follows sees cancel_requested and ends the job cancelled.
             Job.objects.filter(pk=job.pk).update(cancel_requested=True)
@@ -85,7 +83,7 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
             instance_id = locked.instance_id
             transaction.on_commit(lambda: wake_agent(instance_id))
         else:
-            JOB_STATES.move(job.pk, to=J.CANCELLED, actor=actor, reason="cancelled before it ran")
+            JOB_STATES.move(job.pk, to=JobStatus.CANCELLED, actor=actor, reason="cancelled before it ran")
             release_for_job(job_id=locked.pk, reason="job cancelled")
             schedule_after_commit()
     return Job.objects.get(pk=job.pk)

@@ -34,7 +34,6 @@ from apps.machines.services import INSTANCE_STATES
 from apps.machines.tasks import refresh_provider_state_task
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 AGENT_TOKEN_PREFIX = "ca"
 
 
@@ -138,7 +137,9 @@ class EnrollView(APIView):
         secret = new_token(AGENT_TOKEN_PREFIX)
         with transaction.atomic():
             enrolled = MachineInstance.objects.filter(
-                pk=instance_id, agent_token_hash="", status__in=[S.PROVISIONING, S.WARMING]
+                pk=instance_id,
+                agent_token_hash="",
+                status__in=[InstanceStatus.PROVISIONING, InstanceStatus.WARMING],
             ).update(agent_token_hash=hash_token(secret), last_heartbeat_at=timezone.now())
             if not enrolled:
                 row = (
@@ -175,14 +176,14 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
     """Record a heartbeat; the first one after enrolment makes a warming instance ready."""
     now = timezone.now()
     MachineInstance.objects.filter(pk=instance.pk).update(last_heartbeat_at=now)
-    if instance.status != S.WARMING:
+    if instance.status != InstanceStatus.WARMING:
         return False
     try:
         with transaction.atomic():
             ready = INSTANCE_STATES.move(
                 instance.pk,
-                to=S.READY,
-                from_=[S.WARMING],
+                to=InstanceStatus.READY,
+                from_=[InstanceStatus.WARMING],
                 actor=f"agent:{instance.pk}",
                 reason="agent handshake",
                 event="pool.member_warmed" if instance.pool_id else "instance.ready",

@@ -26,23 +26,42 @@ class InstanceStatus(models.TextChoices):
     LOST = "lost"
 
 
-S = InstanceStatus
 # Rows whose machine exists or may exist at the provider and which we still drive.
-INSTANCE_LIVE = frozenset({S.PENDING, S.PROVISIONING, S.WARMING, S.READY, S.CLAIMED, S.TERMINATING})
-INSTANCE_TERMINAL = frozenset({S.TERMINATED, S.FAILED, S.LOST})
+INSTANCE_LIVE = frozenset(
+    {
+        InstanceStatus.PENDING,
+        InstanceStatus.PROVISIONING,
+        InstanceStatus.WARMING,
+        InstanceStatus.READY,
+        InstanceStatus.CLAIMED,
+        InstanceStatus.TERMINATING,
+    }
+)
+INSTANCE_TERMINAL = frozenset({InstanceStatus.TERMINATED, InstanceStatus.FAILED, InstanceStatus.LOST})
 # Counted against max_instances (everything that costs or will cost money).
 INSTANCE_COUNTED = INSTANCE_LIVE
 
 INSTANCE_TRANSITIONS: dict[str, frozenset[str]] = {
-    S.PENDING: frozenset({S.PROVISIONING, S.TERMINATING, S.FAILED, S.LOST}),
-    S.PROVISIONING: frozenset({S.WARMING, S.TERMINATING, S.FAILED, S.LOST}),
-    S.WARMING: frozenset({S.READY, S.TERMINATING, S.FAILED, S.LOST}),
+    InstanceStatus.PENDING: frozenset(
+        {InstanceStatus.PROVISIONING, InstanceStatus.TERMINATING, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
+    InstanceStatus.PROVISIONING: frozenset(
+        {InstanceStatus.WARMING, InstanceStatus.TERMINATING, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
+    InstanceStatus.WARMING: frozenset(
+        {InstanceStatus.READY, InstanceStatus.TERMINATING, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
     # claimed -> ready: a machine kept for reuse is handed back after its job.
-    S.READY: frozenset({S.CLAIMED, S.TERMINATING, S.FAILED, S.LOST}),
-    S.CLAIMED: frozenset({S.READY, S.TERMINATING, S.FAILED, S.LOST}),
-    S.TERMINATING: frozenset({S.TERMINATED, S.FAILED, S.LOST}),
-    S.TERMINATED: frozenset(),
-    S.FAILED: frozenset(),
-    S.LOST: frozenset(),
+    InstanceStatus.READY: frozenset(
+        {InstanceStatus.CLAIMED, InstanceStatus.TERMINATING, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
+    InstanceStatus.CLAIMED: frozenset(
+        {InstanceStatus.READY, InstanceStatus.TERMINATING, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
+    InstanceStatus.TERMINATING: frozenset(
+        {InstanceStatus.TERMINATED, InstanceStatus.FAILED, InstanceStatus.LOST}
+    ),
+    InstanceStatus.TERMINATED: frozenset(),
+    InstanceStatus.FAILED: frozenset(),
+    InstanceStatus.LOST: frozenset(),
 }
-del S

@@ -30,9 +30,8 @@ from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 BATCH = 500
-BOOTING = [S.PENDING, S.PROVISIONING, S.WARMING]
+BOOTING = [InstanceStatus.PENDING, InstanceStatus.PROVISIONING, InstanceStatus.WARMING]
 
 
 def instances_converge(*, now: datetime) -> dict[str, int]:
@@ -52,7 +51,9 @@ def redrive_provisioning(*, now: datetime) -> int:
 
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
     ids = MachineInstance.objects.filter(
-        status__in=[S.PENDING, S.PROVISIONING], status_changed_at__lt=cutoff, provider_id=""
+        status__in=[InstanceStatus.PENDING, InstanceStatus.PROVISIONING],
+        status_changed_at__lt=cutoff,
+        provider_id="",
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
@@ -64,9 +65,9 @@ def redrive_terminating(*, now: datetime) -> int:
     from apps.machines.tasks import terminate_instance_task
 
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
-    ids = MachineInstance.objects.filter(status=S.TERMINATING, status_changed_at__lt=cutoff).values_list(
-        "pk", flat=True
-    )[:BATCH]
+    ids = MachineInstance.objects.filter(
+        status=InstanceStatus.TERMINATING, status_changed_at__lt=cutoff
+    ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
         count += enqueue(terminate_instance_task, str(instance_id))
@@ -113,7 +114,7 @@ def terminate_stuck(*, now: datetime) -> int:
 def expire_leases(*, now: datetime) -> int:
     """Claims acquired with ``lease_seconds`` end when the lease does: the machine is
     terminated (a used machine never returns to a pool) and its pool refills."""
-    rows = MachineInstance.objects.filter(status=S.CLAIMED, lease_expires_at__lt=now).values(
+    rows = MachineInstance.objects.filter(status=InstanceStatus.CLAIMED, lease_expires_at__lt=now).values(
         "pk", "org_id", "pool_id", "claim_id", "claimed_by"
     )[:BATCH]
     count = 0

@@ -39,7 +39,6 @@ from catacloud.providers import (
 from catacloud.providers.base import Bootstrap
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 
 # ---- providers ------------------------------------------------------------------------------
 
@@ -149,13 +148,13 @@ def instance_provision(*, instance_id: Any) -> None:
         .filter(pk=instance_id)
         .first()
     )
-    if instance is None or instance.status not in (S.PENDING, S.PROVISIONING):
+    if instance is None or instance.status not in (InstanceStatus.PENDING, InstanceStatus.PROVISIONING):
         return  # gone, or already past provisioning: nothing to do (task ran twice)
-    if instance.status == S.PENDING:
+    if instance.status == InstanceStatus.PENDING:
         provisioning = INSTANCE_STATES.try_move(
             instance.pk,
-            to=S.PROVISIONING,
-            from_=[S.PENDING],
+            to=InstanceStatus.PROVISIONING,
+            from_=[InstanceStatus.PENDING],
             actor="provisioner",
             event=_event_kind(instance, "provisioning"),
         )
@@ -164,7 +163,7 @@ def instance_provision(*, instance_id: Any) -> None:
     provider = provider_for(instance.provider_account)
     machine = provider.create(machine_spec(instance))  # no transaction open here
     with transaction.atomic():
-        recorded = MachineInstance.objects.filter(pk=instance.pk, status=S.PROVISIONING).update(
+        recorded = MachineInstance.objects.filter(pk=instance.pk, status=InstanceStatus.PROVISIONING).update(
             provider_id=machine.provider_id,
             provider_state=machine.raw_state[:32],
             public_ip=machine.public_ip,
@@ -174,8 +173,8 @@ def instance_provision(*, instance_id: Any) -> None:
         if recorded:
             INSTANCE_STATES.move(
                 instance.pk,
-                to=S.WARMING,
-                from_=[S.PROVISIONING],
+                to=InstanceStatus.WARMING,
+                from_=[InstanceStatus.PROVISIONING],
                 actor="provisioner",
                 event=_event_kind(instance, "provisioned"),
                 provider_id=machine.provider_id,
@@ -193,7 +192,7 @@ def instance_provision(*, instance_id: Any) -> None:
 def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") -> None:
     """Give up on an instance (provider refused it); its pool sees the deficit."""
     instance = INSTANCE_STATES.try_move(
-        instance_id, to=S.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
+        instance_id, to=InstanceStatus.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
     )
     if instance is None:
         return
@@ -219,7 +218,7 @@ def instance_terminate(
         event = "pool.member_terminated" if row and row["pool_id"] else None
         instance = INSTANCE_STATES.move(
             instance_id,
-            to=S.TERMINATING,
+            to=InstanceStatus.TERMINATING,
             actor=actor,
             reason=reason,
             event=event,
@@ -241,7 +240,7 @@ def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str
             raise DomainNotFound("instance not found")
         if claim_id is not None and instance.claim_id is not None and str(instance.claim_id) != str(claim_id):
             raise Conflict("this machine is held by another claim", code="claim_mismatch")
-        if instance.status != S.CLAIMED:
+        if instance.status != InstanceStatus.CLAIMED:
             if instance.end_cause == "claim_released":
                 return instance  # a repeated release
             raise InvalidTransition("Instance", instance.pk, instance.status, "released")
@@ -255,7 +254,7 @@ def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str
 def instance_destroy(*, instance_id: Any) -> None:
     """Body of the terminate task: delete the machine at the provider, then → terminated."""
     instance = MachineInstance.objects.select_related("provider_account").filter(pk=instance_id).first()
-    if instance is None or instance.status != S.TERMINATING:
+    if instance is None or instance.status != InstanceStatus.TERMINATING:
         return
     provider = provider_for(instance.provider_account)
     provider_id = instance.provider_id
@@ -267,7 +266,7 @@ def instance_destroy(*, instance_id: Any) -> None:
             provider.delete(provider_id)
     with transaction.atomic():
         ended = INSTANCE_STATES.try_move(
-            instance.pk, to=S.TERMINATED, from_=[S.TERMINATING], actor="terminator"
+            instance.pk, to=InstanceStatus.TERMINATED, from_=[InstanceStatus.TERMINATING], actor="terminator"
         )
         if ended is None:
             return
@@ -291,7 +290,7 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         instance = INSTANCE_STATES.try_move(
             instance_id,
-            to=S.LOST,
+            to=InstanceStatus.LOST,
             from_=INSTANCE_LIVE,
             actor=actor,
             reason=reason,
@@ -309,7 +308,7 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
     return instance
 
 
-def destroy_machine(*, account_id: Any, provider_id: str, instance_id: str) -> None:
+def machine_destroy(*, account_id: Any, provider_id: str, instance_id: str) -> None:
     """Delete a machine whose row already ended (lost): idempotent, by id or by label."""
     account = ProviderAccount.objects.get(pk=account_id)
     provider = provider_for(account)

@@ -40,7 +40,6 @@ from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import NotFound, ProviderError, RateLimited
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 BATCH = 200
 
 
@@ -139,7 +138,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
             if any(row[k] != facts[k] for k in ("provider_state", "public_ip", "private_ip")):
                 # What the provider says now (not what the create answered), addresses too.
                 MachineInstance.objects.filter(pk=instance_id, status__in=INSTANCE_LIVE).update(**facts)
-        if status == S.PROVISIONING and not row["provider_id"]:
+        if status == InstanceStatus.PROVISIONING and not row["provider_id"]:
             started = row["provisioning_started_at"] or row["created_at"]
             if now - started < grace:
                 continue
@@ -147,24 +146,27 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                 _adopt(instance_id, at_provider, report)
             else:
                 _not_created(instance_id, report)
-        elif status in (S.WARMING, S.READY, S.CLAIMED) and at_provider is None:
+        elif (
+            status in (InstanceStatus.WARMING, InstanceStatus.READY, InstanceStatus.CLAIMED)
+            and at_provider is None
+        ):
             lost = instance_mark_lost(
                 instance_id=instance_id, actor="reconciler", reason="the machine is gone at the provider"
             )
             if lost is not None:
                 report.lost.append(instance_id)
-        elif status == S.TERMINATING and row["provider_id"] and at_provider is None:
+        elif status == InstanceStatus.TERMINATING and row["provider_id"] and at_provider is None:
             # Deleted already but the task died before recording it.
             with contextlib.suppress(InvalidTransition), transaction.atomic():
                 ended = INSTANCE_STATES.move(
                     instance_id,
-                    to=S.TERMINATED,
-                    from_=[S.TERMINATING],
+                    to=InstanceStatus.TERMINATED,
+                    from_=[InstanceStatus.TERMINATING],
                     actor="reconciler",
                     reason="machine already gone",
                 )
                 instance_gone(ended)
-        elif status == S.TERMINATING and at_provider is not None:
+        elif status == InstanceStatus.TERMINATING and at_provider is not None:
             from apps.machines.tasks import terminate_instance_task
 
             enqueue(terminate_instance_task, instance_id)
@@ -184,15 +186,15 @@ def _uuid_or_none(value: str) -> str | None:
 def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
     with transaction.atomic():
         updated = MachineInstance.objects.filter(
-            pk=instance_id, status=S.PROVISIONING, provider_id=""
+            pk=instance_id, status=InstanceStatus.PROVISIONING, provider_id=""
         ).update(provider_id=machine.provider_id, provider_state=machine.raw_state[:32])
         if not updated:
             return
         instance = MachineInstance.objects.get(pk=instance_id)
         INSTANCE_STATES.move(
             instance_id,
-            to=S.WARMING,
-            from_=[S.PROVISIONING],
+            to=InstanceStatus.WARMING,
+            from_=[InstanceStatus.PROVISIONING],
             actor="reconciler",
             reason="adopted by label after an interrupted provisioning",
             event=_event_kind(instance, "provisioned"),

@@ -13,8 +13,6 @@ from apps.machines.models import MachineInstance
 from catacloud.policy.billing import Billing
 from catacloud.policy.retention import should_retire
 
-S = InstanceStatus
-
 
 def idle_machines_retire(*, now: datetime) -> int:
     """Billing-aware retention: an idle machine kept for reuse lives until just before its
@@ -22,9 +20,9 @@ def idle_machines_retire(*, now: datetime) -> int:
     on EC2), then it is destroyed. The margin covers the time between reaper ticks."""
     margin = settings.CATACLOUD_RETENTION_MARGIN
     count = 0
-    idle = MachineInstance.objects.filter(pool__isnull=True, status=S.READY).select_related("machine_type")[
-        :1000
-    ]
+    idle = MachineInstance.objects.filter(pool__isnull=True, status=InstanceStatus.READY).select_related(
+        "machine_type"
+    )[:1000]
     for instance in idle:
         mt = instance.machine_type
         started = instance.provisioning_started_at or instance.created_at

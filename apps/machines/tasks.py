@@ -45,7 +45,7 @@ def terminate_instance_task(self: Task, instance_id: str) -> None:
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
 def destroy_machine_task(self: Task, account_id: str, provider_id: str, instance_id: str) -> None:
     try:
-        lifecycle.destroy_machine(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
+        lifecycle.machine_destroy(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
     except ProviderError as exc:
         raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
 

@@ -11,13 +11,11 @@ class PoolStatus(models.TextChoices):
     DRAINED = "drained"
 
 
-P = PoolStatus
-POOL_ACTIVE = frozenset({P.WARMING, P.READY, P.REPLENISHING})
+POOL_ACTIVE = frozenset({PoolStatus.WARMING, PoolStatus.READY, PoolStatus.REPLENISHING})
 POOL_TRANSITIONS: dict[str, frozenset[str]] = {
-    P.WARMING: frozenset({P.READY, P.REPLENISHING, P.DRAINING}),
-    P.READY: frozenset({P.REPLENISHING, P.DRAINING}),
-    P.REPLENISHING: frozenset({P.READY, P.DRAINING}),
-    P.DRAINING: frozenset({P.DRAINED}),
-    P.DRAINED: frozenset(),
+    PoolStatus.WARMING: frozenset({PoolStatus.READY, PoolStatus.REPLENISHING, PoolStatus.DRAINING}),
+    PoolStatus.READY: frozenset({PoolStatus.REPLENISHING, PoolStatus.DRAINING}),
+    PoolStatus.REPLENISHING: frozenset({PoolStatus.READY, PoolStatus.DRAINING}),
+    PoolStatus.DRAINING: frozenset({PoolStatus.DRAINED}),
+    PoolStatus.DRAINED: frozenset(),
 }
-del P

@@ -17,7 +17,6 @@ from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_refill, pool_update
 
 log = logging.getLogger(__name__)
-S = InstanceStatus
 
 
 @dataclass
@@ -32,10 +31,10 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
     outdated, or whose status disagrees with its ready count (at most ``batch`` pools)."""
     result = PoolsConverged()
     # All pools' member counts in one grouped query.
-    live = Q(members__status__in=INSTANCE_LIVE) & ~Q(members__status=S.TERMINATING)
+    live = Q(members__status__in=INSTANCE_LIVE) & ~Q(members__status=InstanceStatus.TERMINATING)
     unclaimed_fresh = (
         live
-        & ~Q(members__status=S.CLAIMED)
+        & ~Q(members__status=InstanceStatus.CLAIMED)
         & Q(members__outdated=False)
         & Q(members__machine_type_version__gte=F("machine_type__version"))
     )
@@ -43,11 +42,11 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
         InstancePool.objects.filter(status__in=POOL_ACTIVE)
         .annotate(
             fresh=Count("members", filter=unclaimed_fresh),
-            ready=Count("members", filter=unclaimed_fresh & Q(members__status=S.READY)),
+            ready=Count("members", filter=unclaimed_fresh & Q(members__status=InstanceStatus.READY)),
             stale=Count(
                 "members",
                 filter=live
-                & ~Q(members__status=S.CLAIMED)
+                & ~Q(members__status=InstanceStatus.CLAIMED)
                 & (
                     Q(members__outdated=True)
                     | Q(members__machine_type_version__lt=F("machine_type__version"))

@@ -19,18 +19,28 @@ class ResourceStatus(models.TextChoices):
     FAILED = "failed"
 
 
-R = ResourceStatus
-RESOURCE_LIVE = frozenset({R.REQUESTED, R.CREATING, R.READY, R.HELD, R.RELEASING})
+RESOURCE_LIVE = frozenset(
+    {
+        ResourceStatus.REQUESTED,
+        ResourceStatus.CREATING,
+        ResourceStatus.READY,
+        ResourceStatus.HELD,
+        ResourceStatus.RELEASING,
+    }
+)
 RESOURCE_TRANSITIONS: dict[str, frozenset[str]] = {
-    R.REQUESTED: frozenset({R.CREATING, R.RELEASING, R.FAILED}),
+    ResourceStatus.REQUESTED: frozenset(
+        {ResourceStatus.CREATING, ResourceStatus.RELEASING, ResourceStatus.FAILED}
+    ),
     # creating -> requested: a create that failed transiently or whose worker died is retried
     # (wells create idempotently by resource id).
-    R.CREATING: frozenset({R.REQUESTED, R.READY, R.RELEASING, R.FAILED}),
-    R.READY: frozenset({R.HELD, R.RELEASING, R.FAILED}),
-    R.HELD: frozenset({R.RELEASING, R.FAILED}),
-    R.RELEASING: frozenset({R.DESTROYED, R.FAILED}),
-    R.DESTROYED: frozenset(),
+    ResourceStatus.CREATING: frozenset(
+        {ResourceStatus.REQUESTED, ResourceStatus.READY, ResourceStatus.RELEASING, ResourceStatus.FAILED}
+    ),
+    ResourceStatus.READY: frozenset({ResourceStatus.HELD, ResourceStatus.RELEASING, ResourceStatus.FAILED}),
+    ResourceStatus.HELD: frozenset({ResourceStatus.RELEASING, ResourceStatus.FAILED}),
+    ResourceStatus.RELEASING: frozenset({ResourceStatus.DESTROYED, ResourceStatus.FAILED}),
+    ResourceStatus.DESTROYED: frozenset(),
     # A failed resource may still exist outside: the reaper retries its destruction.
-    R.FAILED: frozenset({R.RELEASING}),
+    ResourceStatus.FAILED: frozenset({ResourceStatus.RELEASING}),
 }
-del R

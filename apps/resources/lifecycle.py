@@ -17,8 +17,6 @@ from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import build_well
 
-R = ResourceStatus
-
 
 def release_for_job(*, job_id: Any, reason: str) -> int:
     """Release everything the job holds (it ended, or goes back to the queue)."""
@@ -26,12 +24,23 @@ def release_for_job(*, job_id: Any, reason: str) -> int:
 
     ids = list(
         ResourceInstance.objects.filter(
-            job_id=job_id, status__in=[R.REQUESTED, R.CREATING, R.READY, R.HELD]
+            job_id=job_id,
+            status__in=[
+                ResourceStatus.REQUESTED,
+                ResourceStatus.CREATING,
+                ResourceStatus.READY,
+                ResourceStatus.HELD,
+            ],
         ).values_list("pk", flat=True)
     )
     released = []
     for resource_id in ids:
-        if RESOURCE_STATES.try_move(resource_id, to=R.RELEASING, actor="releaser", reason=reason) is None:
+        if (
+            RESOURCE_STATES.try_move(
+                resource_id, to=ResourceStatus.RELEASING, actor="releaser", reason=reason
+            )
+            is None
+        ):
             continue
         released.append(str(resource_id))
     for released_id in released:
@@ -43,7 +52,7 @@ def resource_destroy(*, resource_id: Any) -> None:
     """Body of the destroy task: the well destroys it (idempotently), then → destroyed, and
     jobs waiting for a slot of this type are woken."""
     resource = ResourceInstance.objects.select_related("resource_type").filter(pk=resource_id).first()
-    if resource is None or resource.status != R.RELEASING:
+    if resource is None or resource.status != ResourceStatus.RELEASING:
         return
     rtype = resource.resource_type
     build_well(rtype.well, rtype.config).destroy(  # idempotent: also when creation never finished
@@ -53,7 +62,7 @@ def resource_destroy(*, resource_id: Any) -> None:
     )
     with transaction.atomic():
         destroyed = RESOURCE_STATES.try_move(
-            resource.pk, to=R.DESTROYED, from_=[R.RELEASING], actor="releaser"
+            resource.pk, to=ResourceStatus.DESTROYED, from_=[ResourceStatus.RELEASING], actor="releaser"
         )
         if destroyed is None:
             return
@@ -68,29 +77,36 @@ def resources_converge(*, now: Any = None) -> dict[str, int]:
 
     now = now or timezone.now()
     retry = list(
-        ResourceInstance.objects.filter(status=R.FAILED)
+        ResourceInstance.objects.filter(status=ResourceStatus.FAILED)
         .exclude(external_id="")
         .values_list("pk", flat=True)[:100]
     )
     for resource_id in retry:
         RESOURCE_STATES.try_move(
-            resource_id, to=R.RELEASING, from_=[R.FAILED], actor="reaper", reason="retrying destruction"
+            resource_id,
+            to=ResourceStatus.RELEASING,
+            from_=[ResourceStatus.FAILED],
+            actor="reaper",
+            reason="retrying destruction",
         )
     # Creating past its deadline: the worker died mid-create (a redelivered task sees
     # `creating` and leaves it). Back to requested; the acquire below creates it again.
     create_cutoff = now - timedelta(seconds=settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT)
     for resource_id in ResourceInstance.objects.filter(
-        status=R.CREATING, status_changed_at__lt=create_cutoff
+        status=ResourceStatus.CREATING, status_changed_at__lt=create_cutoff
     ).values_list("pk", flat=True)[:100]:
         RESOURCE_STATES.try_move(
             resource_id,
-            to=R.REQUESTED,
-            from_=[R.CREATING],
+            to=ResourceStatus.REQUESTED,
+            from_=[ResourceStatus.CREATING],
             actor="reaper",
             reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
         )
     releasing = [
-        str(r) for r in ResourceInstance.objects.filter(status=R.RELEASING).values_list("pk", flat=True)[:500]
+        str(r)
+        for r in ResourceInstance.objects.filter(status=ResourceStatus.RELEASING).values_list(
+            "pk", flat=True
+        )[:500]
     ]
     for releasing_id in releasing:
         enqueue(destroy_resource_task, releasing_id)

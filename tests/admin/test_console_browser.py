@@ -257,14 +257,14 @@ def test_the_dashboard_shows_the_fleet_and_refreshes_itself(
 def test_the_job_page_shows_log_artifacts_attempts_and_cancels(
     tworld: World, live_server, browser_page, tmp_path: Path, settings
 ) -> None:
-    from apps.jobs.artifacts import get_store, store_artifact
+    from apps.jobs.artifacts import get_store, artifact_store
 
     settings.CATACLOUD_STORAGE = "local"
     settings.CATACLOUD_STORAGE_DIR = str(tmp_path / "artifacts")
     get_store.cache_clear()
     job = console_pages.ran_job(tworld)
     for name, data in (("metrics.csv", b"epoch,loss\n1,0.9\n"), ("model/weights.bin", b"\0" * 4096)):
-        store_artifact(
+        artifact_store(
             job=job, kind="output", name=name, body=io.BytesIO(data), size=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
         )  # fmt: skip

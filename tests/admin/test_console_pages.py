@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from apps.events.models import Event
 from apps.events.services import event_record
-from apps.jobs.artifacts import get_store, store_artifact
+from apps.jobs.artifacts import get_store, artifact_store
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import ApiToken, Membership
@@ -98,7 +98,7 @@ def test_the_job_page_answers_what_happened_and_offers_cancel(
 ) -> None:
     job = ran_job(world)
     data = b"accuracy,0.93\n"
-    store_artifact(
+    artifact_store(
         job=job, kind="output", name="metrics.csv", body=io.BytesIO(data), size=len(data),
         sha256=hashlib.sha256(data).hexdigest(),
     )  # fmt: skip
