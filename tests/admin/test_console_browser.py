@@ -257,7 +257,7 @@ def test_the_dashboard_shows_the_fleet_and_refreshes_itself(
 def test_the_job_page_shows_log_artifacts_attempts_and_cancels(
     tworld: World, live_server, browser_page, tmp_path: Path, settings
 ) -> None:
-    from apps.jobs.artifacts import get_store, artifact_store
+    from apps.jobs.artifacts import artifact_store, get_store
 
     settings.CATACLOUD_STORAGE = "local"
     settings.CATACLOUD_STORAGE_DIR = str(tmp_path / "artifacts")

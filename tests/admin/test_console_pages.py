@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from apps.events.models import Event
 from apps.events.services import event_record
-from apps.jobs.artifacts import get_store, artifact_store
+from apps.jobs.artifacts import artifact_store, get_store
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import ApiToken, Membership
