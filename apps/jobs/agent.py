@@ -76,7 +76,9 @@ class StartedView(AgentView):
 class ChunkIn(serializers.Serializer):
     seq = serializers.IntegerField(min_value=0)
     stream = serializers.ChoiceField(choices=["stdout", "stderr"])
-    data = serializers.CharField(allow_blank=True, trim_whitespace=False, max_length=1_000_000)
+    data = serializers.CharField(  # type: ignore[assignment]  # the chunk's text, not Serializer.data
+        allow_blank=True, trim_whitespace=False, max_length=1_000_000
+    )
 
 
 class LogsIn(serializers.Serializer):

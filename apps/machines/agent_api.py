@@ -108,7 +108,7 @@ class AgentView(APIView):
 
     @property
     def instance(self) -> MachineInstance:
-        return self.request.auth
+        return self.request.auth  # type: ignore[return-value]  # AgentAuthentication's answer
 
 
 # ---- enroll and heartbeat ---------------------------------------------------------------------

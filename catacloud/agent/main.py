@@ -850,7 +850,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         register_secret(token)
     agent = Agent(
         AgentClient(args.url, user_agent=f"catacloud-agent/{__version__}"),
-        bootstrap_token=token,
+        bootstrap_token=token or "",  # none: resumed from the saved enrollment
         work_dir=args.work_dir,
         heartbeat_interval=args.heartbeat_interval,
         imds_url=args.imds_url,

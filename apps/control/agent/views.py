@@ -50,10 +50,10 @@ class _TokenThrottle(AgentRateThrottle):
 
     def __init__(self, key: str) -> None:
         super().__init__()
-        self.key = key
+        self.token_key = key
 
     def get_cache_key(self, request: Any, view: Any) -> str:
-        return f"throttle_agent_t{self.key[:32]}"
+        return f"throttle_agent_t{self.token_key[:32]}"
 
 
 def _token_hash(request: HttpRequest) -> str | JsonResponse:
@@ -65,7 +65,7 @@ def _token_hash(request: HttpRequest) -> str | JsonResponse:
         return _unauthenticated("authentication_failed", "invalid agent token")
     digest = hash_token(parts[1])
     throttle = _TokenThrottle(digest)
-    if not throttle.allow_request(request, None):
+    if not throttle.allow_request(request, None):  # type: ignore[arg-type]  # a key, no DRF view
         wait = throttle.wait()
         retry = str(math.ceil(wait)) if wait else "1"
         return _error(429, "throttled", "Request was throttled.", Retry_After=retry)
