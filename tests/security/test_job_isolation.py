@@ -69,8 +69,12 @@ def test_a_job_gets_its_own_env_and_nothing_of_the_agents(
     assert api.bootstrap_token not in output
     assert "GREETING=hello" in output
     assert f"CATACLOUD_JOB_ID={job}" in output
-    assert values(output, "path")[0].split(":")[0] == os.path.dirname(sys.executable)
-    assert output.strip().splitlines()[-1] == os.path.join(os.path.dirname(sys.executable), "catacloud")
+    # PATH: the agent's own `catacloud` wrapper first (job-meta, checkpoint), then its Python's folder
+    job_bin, python_bin = values(output, "path")[0].split(":")[:2]
+    assert python_bin == os.path.dirname(sys.executable)
+    wrapper = output.strip().splitlines()[-1]
+    assert wrapper == os.path.join(job_bin, "catacloud")
+    assert f"exec {sys.executable} -m catacloud.agent" in Path(wrapper).read_text()
 
 
 @root_only
