@@ -4,14 +4,24 @@ API's ``{code, detail}`` errors raised as :class:`ApiError`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 import requests
 
-from catacloud import __version__
 from catacloud.client.config import ClientConfig
 
 TIMEOUT = (10, 60)  # connect, read (seconds)
+
+
+def _version() -> str:
+    """The installed distribution's version. Not ``catacloud.__version__``: with the
+    catacloud-agent distribution installed too, ``catacloud`` may be a namespace package whose
+    ``__init__`` never runs (editable installs)."""
+    try:
+        return metadata.version("catacloud")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class ApiError(Exception):
@@ -53,7 +63,7 @@ class Api:
         self.session = requests.Session()
         self.session.auth = BearerAuth(config.token)
         self.session.headers.update(
-            {"Accept": "application/json", "User-Agent": f"catacloud-cli/{__version__}"}
+            {"Accept": "application/json", "User-Agent": f"catacloud-cli/{_version()}"}
         )
 
     def _url(self, path: str) -> str:
