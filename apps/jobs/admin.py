@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
@@ -50,11 +53,15 @@ class JobConfigurationForm(forms.ModelForm):
         data = super().clean()
         if self.errors:
             return data
+        adding = self.instance._state.adding
+        org = data.get("org") if adding else self.instance.org  # the org is read-only on change
+        if org is None:
+            return data
         try:
             with _dry_run():
                 job_config_save(
-                    org=data["org"],
-                    config=self.instance if self.instance.pk else None,
+                    org=org,
+                    config=None if adding else self.instance,
                     resource_types=data.get("resource_types") or [],
                     **{k: v for k, v in data.items() if k not in ("org", "resource_types")},
                 )
@@ -63,25 +70,12 @@ class JobConfigurationForm(forms.ModelForm):
         return data
 
 
-class _Rollback(Exception):
-    pass
-
-
-class _dry_run:
-    """Run a service inside a transaction that is always rolled back (validation only)."""
-
-    def __enter__(self) -> None:
-        from django.db import transaction
-
-        self._atomic = transaction.atomic()
-        self._atomic.__enter__()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        from django.db import transaction
-
+@contextmanager
+def _dry_run() -> Iterator[None]:
+    """Run a service in a transaction that is always rolled back: its checks, none of its writes."""
+    with transaction.atomic():
+        yield
         transaction.set_rollback(True)
-        self._atomic.__exit__(exc_type, exc, tb)
-        return False
 
 
 @admin.register(JobConfiguration)

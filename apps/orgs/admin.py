@@ -32,7 +32,13 @@ def membership_formset_save(request: HttpRequest, formset: BaseInlineFormSet) ->
     formset.save(commit=False)  # fills new/changed/deleted objects; nothing is written here
     for membership in formset.deleted_objects:
         membership_delete(membership=membership, actor=actor)
-    for membership in [*formset.new_objects, *(obj for obj, _ in formset.changed_objects)]:
+    for membership, changed in formset.changed_objects:
+        if "user" in changed:  # another user on this row: the old one leaves, the new one joins
+            membership_delete(membership=Membership.objects.get(pk=membership.pk), actor=actor)
+            formset.new_objects.append(membership)
+        else:
+            membership_set(org=membership.org, user=membership.user, role=membership.role, actor=actor)
+    for membership in formset.new_objects:
         membership_set(org=membership.org, user=membership.user, role=membership.role, actor=actor)
 
 

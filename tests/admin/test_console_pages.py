@@ -358,3 +358,55 @@ def test_privileges_and_schedules_are_checked_and_recorded(world: World, ops: Cl
     html = response.content.decode()
     assert "is not a cron expression" in html and "unknown time zone" in html
     assert not pool.schedules.exists()
+
+
+def test_moving_a_membership_row_to_another_user_removes_the_first(world: World, ops: Client) -> None:
+    rows = list(Membership.objects.filter(org=world.org).order_by("user__username"))
+    data = {
+        "slug": world.org.slug,
+        "name": world.org.name,
+        "memberships-TOTAL_FORMS": len(rows),
+        "memberships-INITIAL_FORMS": len(rows),
+        "machine_type_grants-TOTAL_FORMS": 0,
+        "machine_type_grants-INITIAL_FORMS": 0,
+    }
+    for i, m in enumerate(rows):
+        user = world.users["outsider"] if m.user == world.users["member"] else m.user
+        data.update(
+            {
+                f"memberships-{i}-id": m.pk,
+                f"memberships-{i}-org": world.org.pk,
+                f"memberships-{i}-user": user.pk,
+                f"memberships-{i}-role": m.role,
+            }
+        )
+    response = ops.post(f"/admin/orgs/organization/{world.org.pk}/change/", data)
+    assert response.status_code == 302
+    members = set(Membership.objects.filter(org=world.org).values_list("user__username", "role"))
+    assert members == {("admin", "admin"), ("outsider", "member"), ("viewer", "viewer")}
+    assert Event.objects.filter(kind="org.member_removed", data__user="member").exists()
+    assert Event.objects.filter(kind="org.member_set", data__user="outsider", actor="admin:ops").exists()
+
+
+def test_a_job_configuration_is_edited_through_the_service(world: World, ops: Client) -> None:
+    config = JobConfiguration.objects.create(
+        org=world.org, name="nightly", machine_type=world.machine_type, command="make"
+    )
+    form = {
+        "name": "nightly",
+        "machine_type": world.machine_type.pk,
+        "command": "make test",
+        "env": '{"LEVEL": "2"}',
+        "timeout_seconds": 600,
+        "priority": 1,
+        "max_attempts": 2,
+        "reuse": "reuse",
+        "artifact_retention_days": 7,
+    }
+    response = ops.post(f"/admin/jobs/jobconfiguration/{config.pk}/change/", form)
+    assert response.status_code == 302
+    config.refresh_from_db()
+    assert (config.command, config.env, config.org_id) == ("make test", {"LEVEL": "2"}, world.org.pk)
+    assert list(Event.objects.filter(kind__startswith="job_config.").values_list("kind", "actor")) == [
+        ("job_config.updated", "admin:ops")
+    ]
