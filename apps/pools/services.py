@@ -227,13 +227,21 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
     return terminated
 
 
-@transaction.atomic
 def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
-    locked = InstancePool.objects.select_for_update().get(pk=pool.pk)
-    if locked.status != PoolStatus.DRAINED:
-        raise InvalidTransition("Pool", pool.pk, locked.status, "deleted (drain it first)")
-    event_record(kind="pool.deleted", org=pool.org_id, pool=pool, actor=actor, name=pool.name)
-    locked.delete()
+    status = InstancePool.objects.filter(pk=pool.pk).values_list("status", flat=True).first()
+    if status != PoolStatus.DRAINED:
+        raise InvalidTransition("Pool", pool.pk, status, "deleted (drain it first)")
+    # Its (ending) members leave it first, in a statement of their own: deleting the pool row
+    # would otherwise set their pool to NULL while holding the pool row's lock, and a member's
+    # termination finishing at that moment (member row locked, then the pool's) deadlocked
+    # with it: a 500 on DELETE that README's walkthrough hit. A drained pool gets no members.
+    MachineInstance.objects.filter(pool_id=pool.pk).update(pool=None)
+    with transaction.atomic():
+        locked = InstancePool.objects.select_for_update().get(pk=pool.pk)
+        if locked.status != PoolStatus.DRAINED:
+            raise InvalidTransition("Pool", pool.pk, locked.status, "deleted (drain it first)")
+        event_record(kind="pool.deleted", org=pool.org_id, pool=pool, actor=actor, name=pool.name)
+        locked.delete()
 
 
 # ---- refill: converge members to target_size ------------------------------------------------

@@ -152,3 +152,56 @@ def test_access_defaults_per_provider(world: World, fake_type) -> None:
         access = instance_access(row)
         assert (access["ssh_user"], access["ssh"]) == (user, ssh), account.kind
     assert instance_access(MachineInstance(provider_account=local, machine_type=mt))["host"] == "127.0.0.1"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deleting_a_drained_pool_while_a_member_finishes_terminating_is_no_deadlock(tworld: World) -> None:
+    """README's walkthrough hit a 500 (deadlock detected): DELETE held the pool row and set its
+    members' pool to NULL while a member's termination held that member and wanted the pool."""
+    import threading
+    import time
+
+    from django.db import close_old_connections, connection, transaction
+
+    from apps.pools.services import pool_delete, pool_drain
+
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "truth-d"})
+    mt = MachineType.objects.create(name="f1", provider_account=account, server_type="f", cpus=1, memory_mb=1)
+    tworld.org.machine_type_grants.create(machine_type=mt, max_pool_size=20, max_instances=20)
+    pool = _pool(tworld, mt, target=1)
+    (member,) = ready_members(pool, 1)
+    pool_drain(pool=pool, terminate_members=True)
+    errors: list[BaseException] = []
+    member_locked = threading.Event()
+
+    def finishing_termination() -> None:  # member row first, then the pool row
+        try:
+            with transaction.atomic():
+                list(MachineInstance.objects.select_for_update().filter(pk=member.pk))
+                member_locked.set()
+                time.sleep(0.5)
+                list(InstancePool.objects.select_for_update().filter(pk=pool.pk))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def delete() -> None:
+        try:
+            member_locked.wait(5)
+            pool_delete(pool=pool)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=finishing_termination), threading.Thread(target=delete)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    close_old_connections()
+    assert errors == []
+    assert not InstancePool.objects.filter(pk=pool.pk).exists()
+    assert MachineInstance.objects.get(pk=member.pk).pool_id is None
