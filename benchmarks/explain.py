@@ -157,28 +157,30 @@ that only becomes late after that sample (a `pending` row is late after 24 s) sh
 """
 
 FLEET = """\
-**Not met on this run: the fleet held 500 agents, not 2,000, and the machine was not ours.** The
-run shared the 2 cores with four other engineers' test suites and a chaos soak (load average
-10-40 during the run; 18-40 during the N = 1,000 step, where the agent server got 10% of a core).
-What the run shows regardless of the noise is the structure: the agent server ran 100, 500 and
-1,000 connected agents with 14-16 threads and 9 database connections (the 8 query threads and the one
-that answered `/healthz`), its RSS flat at ~130 MB, and the user API (on its own gunicorn) at 1.5x its
-no-agent p50 at N = 500; today's thread-held web (2 x 32 threads, users and agents together)
-did not hold even 50 agents here: heartbeats wait behind polls for the threads of the worker
-the connection landed on (p99 8.4 s) and the user API p50 went from 40 to 269 ms.
+**Not met: one agent-server process held 500 agents here, not 2,000.** The machine was shared
+(load average 3-8 from other engineers' runs during this run; an earlier run at load 10-40 held
+the same 500 with heartbeat p99 3.4 s). At N = 500 it met the heartbeat target (p99 479 ms), kept
+0 false `lost` and the user API at 1.3x its idle p50; the wake-up p99 (669 ms) missed 250 ms. At
+N = 1,000 it ran out of CPU (70% of a core, all it got): heartbeat p50 1.7 s, 131 machines
+falsely `lost`. Today's thread-held web (2 x 32 threads, users and agents together), measured in
+the same run, held 50 agents and not 100: at 100, heartbeats waited behind polls for the threads
+of the worker their connection landed on (p99 19.5 s, 3 false `lost`), so the agent server holds
+10x more. Structure held at every N: 14-20 threads and 9 database connections (the 8 query
+threads and the one that answered `/healthz`) for 100 to 1,000 agents, RSS 108-153 MB, against
+108-127 threads and 54-64 connections for 50-100 agents on the thread-held web.
 
-**The ceiling and its bottleneck: CPU per request on one event loop.** Profiled in-process, a
-heartbeat costs ~2 ms of the agent server's CPU: ~0.5 ms is the statement (Django's cursor and
-psycopg; 0.43 ms with raw psycopg), the rest is Django's ASGI request handling, the throttle and
-the hand-off to a database thread. N agents at heartbeat H make N/H heartbeats and ~N/20 poll
-renewals per second, so 2,000 agents at 10 s need ~0.6 of a core and 5,000 ~1.5 cores for
-one process, before PostgreSQL's share (each heartbeat is one indexed UPDATE). On a machine with
-a core to spare that is 2,000 agents per agent-server process; here the process got 10-50% of
-a core and the latency grew with the queue (heartbeat p99 3.4 s at 500). Next steps, in order of
-gain: one uvicorn worker per core (`AGENT_API_WORKERS`, compose's default 2), the heartbeat on
+**The ceiling and its bottleneck: CPU per request on one event loop.** Profiled in-process on a
+quiet moment, a heartbeat costs ~2 ms of the agent server's CPU: ~0.5 ms is the statement
+(Django's cursor and psycopg; 0.43 ms with raw psycopg), the rest Django's ASGI request handling,
+the throttle and the hand-off to a database thread; under contention the server used ~5 ms per
+request. N agents at heartbeat H make N/H heartbeats and ~N/20 poll renewals per second (plus a
+job's reports), so 1,000 agents at 10 s are ~165 requests/s: more than the fraction of a core this
+process could get while the bench's own client, PostgreSQL and the web shared the 2 cores. The
+wake-up p99 is the same queue (a woken poll waits for its database read), not Redis: one PUBLISH
+per assignment, one dispatch in the listener. Next steps, in order of gain: one uvicorn worker
+per core (`AGENT_API_WORKERS`, compose's default 2; the bench runs one), the heartbeat on
 psycopg's async connection (no thread hand-off), and a leaner path than Django's handler for the
-two hot endpoints. The wake-up itself is not the bottleneck: one PUBLISH per assignment and one
-dispatch in the listener; a woken poll's latency is the queue in front of its database read.
+two hot endpoints; then a bigger host, since 5,000 agents at 10 s are ~750 requests/s.
 """
 
 EXPLANATIONS: dict[str, str] = {
