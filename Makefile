@@ -34,11 +34,13 @@ dev: $(STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m catacloud.cli services run -- $(PY) -m pytest $(PYTEST_ARGS)
 
-## ruff lint and format check; import-linter checks the layers (pyproject.toml).
+## ruff lint and format check; import-linter checks the layers and mypy the types (pyproject.toml).
+## mypy's Django plugin reads the settings: development defaults, no database is opened.
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	DJANGO_DEBUG=1 DATABASE_URL=$${DATABASE_URL:-postgres://lint@127.0.0.1:1/lint} $(VENV)/bin/mypy
 
 format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -61,7 +61,7 @@ class GrantForm(forms.ModelForm):
         fields = ("org", "machine_type", *QUOTA_FIELDS)
 
     def clean(self) -> dict:
-        data = super().clean()
+        data = super().clean() or {}
         org = data.get("org") or getattr(self.instance, "org", None)
         machine_type = data.get("machine_type")
         if self.instance.pk and machine_type and machine_type.pk != self.instance.machine_type_id:

@@ -181,9 +181,9 @@ def grant_usage(grant: OrgMachineType) -> list[dict]:
     """The usage rows of a grant annotated by :func:`grants_with_usage`."""
     return quota_usage(
         grant=grant,
-        running_jobs=grant.used_jobs,
-        instances=grant.used_machines,
-        biggest_pool=grant.biggest_pool,
+        running_jobs=grant.used_jobs,  # type: ignore[attr-defined]  # annotated by grants_with_usage
+        instances=grant.used_machines,  # type: ignore[attr-defined]
+        biggest_pool=grant.biggest_pool,  # type: ignore[attr-defined]
     )
 
 
@@ -258,7 +258,7 @@ def _trouble(now: datetime) -> list[dict[str, Any]]:
         {
             "at": e.created_at,
             "kind": e.kind if e.kind != "job.finished" else f"job.{e.data.get('status')}",
-            "org": e.org.slug if e.org_id else "",
+            "org": e.org.slug if e.org is not None else "",
             "job_id": e.job_id,
             "instance_id": e.instance_id,
             "pool_id": e.pool_id,
@@ -273,7 +273,7 @@ def _series(now: datetime) -> dict[str, Any]:
     wait (queued → started) of the jobs that started, mean and longest."""
     since = (now - WINDOW).replace(second=0, microsecond=0)
     minutes = [since + timedelta(minutes=i) for i in range(61)]
-    finished = defaultdict(lambda: {"succeeded": 0, "failed": 0})
+    finished: defaultdict[datetime, dict[str, int]] = defaultdict(lambda: {"succeeded": 0, "failed": 0})
     for minute, status, n in (
         Job.objects.filter(finished_at__gte=since)
         .annotate(m=TruncMinute("finished_at"))
@@ -326,13 +326,13 @@ def _costs(now: datetime) -> dict[str, Any]:
             (
                 v
                 for (org, mt), v in spent.items()
-                if org == b.org.slug and (not b.machine_type_id or mt == b.machine_type.name)
+                if org == b.org.slug and (b.machine_type is None or mt == b.machine_type.name)
             ),
             Decimal(0),
         )
         budgets[b.org.slug].append(
             {
-                "scope": b.machine_type.name if b.machine_type_id else "all types",
+                "scope": b.machine_type.name if b.machine_type is not None else "all types",
                 "period": b.period,
                 "amount": b.amount,
                 "used": used,

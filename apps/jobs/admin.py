@@ -50,7 +50,7 @@ class JobConfigurationForm(forms.ModelForm):
     def clean(self) -> dict:
         """The service's rules (grant, privileges, env names, unique name), checked before
         anything is written; the admin's save then calls the same service."""
-        data = super().clean()
+        data = super().clean() or {}
         if self.errors:
             return data
         adding = self.instance._state.adding
@@ -310,6 +310,8 @@ class JobAdmin(ReadOnlyAdmin):
         if obj.instance_id is None:
             return "-"
         inst = obj.instance
+        if inst is None:
+            return "-"
         return format_html(
             '<a href="{}">{}</a> {} · {}',
             reverse("admin:machines_machineinstance_change", args=[inst.pk]),
@@ -464,7 +466,7 @@ class JobAdmin(ReadOnlyAdmin):
         response = StreamingHttpResponse(chunks, content_type="application/octet-stream")
         response["Content-Length"] = str(artifact.size)
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
-        return response
+        return response  # type: ignore[return-value]  # Django's views take any HttpResponseBase
 
     @admin.action(description="Cancel selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:

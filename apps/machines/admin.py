@@ -162,7 +162,7 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
 
     @admin.display(description="org / pool", ordering="org__slug")
     def org_pool(self, obj: MachineInstance) -> str:
-        return f"{obj.org.slug}/{obj.pool.name}" if obj.pool_id else obj.org.slug
+        return f"{obj.org.slug}/{obj.pool.name}" if obj.pool is not None else obj.org.slug
 
     @admin.display(description="status", ordering="status")
     def status_flag(self, obj: MachineInstance) -> str:

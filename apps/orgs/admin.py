@@ -55,7 +55,7 @@ class OrganizationAdmin(admin.ModelAdmin):
 
     @admin.display(description="members", ordering="n_members")
     def member_count(self, obj: Organization) -> int:
-        return obj.n_members
+        return obj.n_members  # type: ignore[attr-defined]  # annotated by get_queryset
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Organization]:
         return super().get_queryset(request).annotate(n_members=Count("memberships"))

@@ -62,7 +62,7 @@ class PoolForm(forms.ModelForm):
         )
 
     def clean(self) -> dict:
-        data = super().clean()
+        data = super().clean() or {}
         org = data.get("org") or getattr(self.instance, "org", None)
         machine_type = data.get("machine_type") or getattr(self.instance, "machine_type", None)
         if org is None or machine_type is None:
@@ -103,7 +103,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
 
     @admin.display(description="ready", ordering="n_ready")
     def ready_members(self, obj: InstancePool) -> int:
-        return obj.n_ready
+        return obj.n_ready  # type: ignore[attr-defined]  # annotated by get_queryset
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[InstancePool]:
         ready = Count("members", filter=Q(members__status="ready"))

@@ -87,7 +87,7 @@ class PoolSerializer(serializers.ModelSerializer):
         prefetched = getattr(obj, "live_members", None)  # PoolViewSet: one query for the page
         if prefetched is not None:
             return prefetched
-        cache = self.context.setdefault("_members", {})
+        cache = self.context.setdefault("_members", {})  # type: ignore[attr-defined]  # a dict
         if obj.pk not in cache:
             cache[obj.pk] = list(live_members().filter(pool=obj))
         return cache[obj.pk]
@@ -119,7 +119,7 @@ class PoolSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(MemberSerializer(many=True))
     def get_members(self, obj: InstancePool) -> list[dict]:
-        return MemberSerializer(self._members(obj), many=True).data
+        return list(MemberSerializer(self._members(obj), many=True).data)
 
 
 class PoolUpdateSerializer(serializers.Serializer):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import django_filters
 from django.db import transaction
@@ -32,16 +33,17 @@ from apps.pools.services import pool_claim, pool_create, pool_delete, pool_drain
 def _named_relations(instance: MachineInstance) -> None:
     """Attach what the answer names (machine type name, provider kind) from the values the
     claim statement returned with the row: no second query on the hot path."""
+    row: Any = instance  # the claim statement's extra columns ride on the row
     instance.machine_type = MachineType(
         pk=instance.machine_type_id,
-        name=instance.machine_type_name,
-        server_type=instance.machine_server_type,
-        location=instance.machine_location,
+        name=row.machine_type_name,
+        server_type=row.machine_server_type,
+        location=row.machine_location,
     )
     instance.provider_account = ProviderAccount(
         pk=instance.provider_account_id,
-        kind=instance.provider_kind,
-        config={"ssh_user": instance.ssh_user} if instance.ssh_user else {},
+        kind=row.provider_kind,
+        config={"ssh_user": row.ssh_user} if row.ssh_user else {},
     )
 
 
