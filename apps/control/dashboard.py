@@ -41,11 +41,16 @@ from apps.machines.models import Budget, MachineInstance, OrgMachineType
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
 
-J = JobStatus
-S = InstanceStatus
 # Live member states in the order a pool's bar shows them (left to right).
-MEMBER_STATES = (S.READY, S.CLAIMED, S.WARMING, S.PROVISIONING, S.PENDING, S.TERMINATING)
-WAITING = (J.QUEUED, J.ACQUIRING_RESOURCES, J.WAITING_FOR_MACHINE)
+MEMBER_STATES = (
+    InstanceStatus.READY,
+    InstanceStatus.CLAIMED,
+    InstanceStatus.WARMING,
+    InstanceStatus.PROVISIONING,
+    InstanceStatus.PENDING,
+    InstanceStatus.TERMINATING,
+)
+WAITING = (JobStatus.QUEUED, JobStatus.ACQUIRING_RESOURCES, JobStatus.WAITING_FOR_MACHINE)
 # What the "recent failures and requeues" list shows: the events an operator acts on.
 TROUBLE_KINDS = (
     "job.requeued",
@@ -229,7 +234,17 @@ def _machines() -> dict[str, Any]:
     by_provider: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
     for kind, name, status, n in rows:
         by_provider[(kind, name)][status] = n
-    states = [s for s in (S.PENDING, S.PROVISIONING, S.WARMING, S.READY, S.CLAIMED, S.TERMINATING)]
+    states = [
+        s
+        for s in (
+            InstanceStatus.PENDING,
+            InstanceStatus.PROVISIONING,
+            InstanceStatus.WARMING,
+            InstanceStatus.READY,
+            InstanceStatus.CLAIMED,
+            InstanceStatus.TERMINATING,
+        )
+    ]
     return {
         "states": states,
         "rows": [
@@ -250,7 +265,10 @@ def _trouble(now: datetime) -> list[dict[str, Any]]:
     since = now - WINDOW
     rows = (
         Event.objects.filter(created_at__gte=since)
-        .filter(Q(kind__in=TROUBLE_KINDS) | Q(kind="job.finished", data__status__in=[J.FAILED, J.TIMED_OUT]))
+        .filter(
+            Q(kind__in=TROUBLE_KINDS)
+            | Q(kind="job.finished", data__status__in=[JobStatus.FAILED, JobStatus.TIMED_OUT])
+        )
         .select_related("org")
         .order_by("-id")[:MAX_TROUBLE]
     )
@@ -281,7 +299,7 @@ def _series(now: datetime) -> dict[str, Any]:
         .annotate(n=Count("id"))
         .order_by()
     ):
-        finished[minute]["succeeded" if status == J.SUCCEEDED else "failed"] += n
+        finished[minute]["succeeded" if status == JobStatus.SUCCEEDED else "failed"] += n
     submitted = dict(
         Job.objects.filter(created_at__gte=since)
         .annotate(m=TruncMinute("created_at"))

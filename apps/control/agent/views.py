@@ -22,6 +22,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from apps.control.agent import db, wakeups
 from apps.core.crypto import hash_token
+from apps.core.errors import error_payload
 from apps.jobs.agent import POLL_KEY, WAKE_KEY, _payload
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
@@ -29,13 +30,11 @@ from apps.machines.agent_api import AGENT_TOKEN_PREFIX, AgentRateThrottle, insta
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance
 
-S = InstanceStatus
-J = JobStatus
 LIVE = sorted(INSTANCE_LIVE)
 
 
 def _error(status: int, code: str, detail: str, **headers: str) -> JsonResponse:
-    response = JsonResponse({"code": code, "detail": detail}, status=status)
+    response = JsonResponse(error_payload(code, detail), status=status)
     for name, value in headers.items():
         response[name.replace("_", "-")] = value
     return response
@@ -93,15 +92,15 @@ RETURNING m.id, m.status, ARRAY(
 def _heartbeat(digest: str) -> tuple[uuid.UUID, str, list[str]] | None:
     sql = HEARTBEAT_SQL.format(instances=MachineInstance._meta.db_table, jobs=Job._meta.db_table)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [timezone.now(), digest, LIVE, [J.ASSIGNED, J.RUNNING]])
+        cursor.execute(sql, [timezone.now(), digest, LIVE, [JobStatus.ASSIGNED, JobStatus.RUNNING]])
         row = cursor.fetchone()
     if row is None:
         return None
     instance_id, status, cancel = row
-    if status == S.WARMING:  # the handshake: once per machine, the usual service path
+    if status == InstanceStatus.WARMING:  # the handshake: once per machine, the usual service path
         instance = MachineInstance.objects.filter(pk=instance_id).first()
         if instance is not None and instance_heartbeat(instance=instance):
-            status = S.READY
+            status = InstanceStatus.READY
     return instance_id, status, [str(pk) for pk in cancel]
 
 
@@ -138,7 +137,7 @@ async def heartbeat(request: HttpRequest) -> HttpResponse:
     if row is None:
         return _gone()
     _, status, cancel = row
-    return JsonResponse({"cancel": cancel, "terminate": status == S.TERMINATING})
+    return JsonResponse({"cancel": cancel, "terminate": status == InstanceStatus.TERMINATING})
 
 
 # ---- work (long poll) --------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def _instance(digest: str) -> tuple[uuid.UUID, str] | None:
 
 def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
     job = (
-        Job.objects.filter(instance_id=instance_id, status=J.ASSIGNED)
+        Job.objects.filter(instance_id=instance_id, status=JobStatus.ASSIGNED)
         .select_related("config")
         .order_by("assigned_at")
         .first()
