@@ -8,7 +8,8 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, StreamingHttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
 from django.utils import timezone
@@ -16,10 +17,11 @@ from django.utils.html import format_html, format_html_join
 
 from apps.core.admin import ReadOnlyAdmin, run_service_action, short_id_link
 from apps.core.errors import DomainError
+from apps.core.errors import NotFound as DomainNotFound
 from apps.core.templatetags.console import between, human_seconds
 from apps.events.models import Event
-from apps.jobs.artifacts import get_store
-from apps.jobs.choices import JOB_LIVE
+from apps.jobs.artifacts import artifact_download
+from apps.jobs.choices import JOB_LIVE, ArtifactStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel
@@ -450,23 +452,14 @@ class JobAdmin(ReadOnlyAdmin):
         )
         return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
-    def artifact_view(self, request: HttpRequest, pk: Any, artifact_id: Any) -> HttpResponse:
+    def artifact_view(self, request: HttpRequest, pk: Any, artifact_id: Any) -> HttpResponseBase:
         artifact = get_object_or_404(
-            Artifact, job_id=pk, pk=artifact_id, kind=Artifact.KIND_OUTPUT, status="stored"
+            Artifact, job_id=pk, pk=artifact_id, kind=Artifact.KIND_OUTPUT, status=ArtifactStatus.STORED
         )
-        store = get_store()
-        filename = artifact.name.rsplit("/", 1)[-1].replace('"', "")
-        url = store.url(artifact.key, expires_seconds=300, filename=filename)
-        if url:
-            return HttpResponseRedirect(url)
         try:
-            chunks = store.open(artifact.key)
-        except FileNotFoundError:
-            raise Http404("the artifact is gone from the store") from None
-        response = StreamingHttpResponse(chunks, content_type="application/octet-stream")
-        response["Content-Length"] = str(artifact.size)
-        response["Content-Disposition"] = f'attachment; filename="{filename}"'
-        return response  # type: ignore[return-value]  # Django's views take any HttpResponseBase
+            return artifact_download(artifact)
+        except DomainNotFound as exc:
+            raise Http404(exc.detail) from None
 
     @admin.action(description="Cancel selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:

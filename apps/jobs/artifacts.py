@@ -18,7 +18,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.http import StreamingHttpResponse
+from django.http import HttpResponseRedirect, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.urls import path, re_path
 from django.utils import timezone
 from rest_framework.request import Request
@@ -301,3 +302,22 @@ def artifact_agent_urls() -> list:
         path("jobs/<uuid:job_id>/checkpoint", CheckpointView.as_view(), name="agent-job-checkpoint"),
         path("jobs/<uuid:job_id>/uploads-done", UploadsDoneView.as_view(), name="agent-job-uploads-done"),
     ]
+
+
+def artifact_download(artifact: Artifact) -> HttpResponseBase:
+    """A stored output as a download: a redirect to a short-lived presigned URL (S3), or the
+    file streamed with its size and checksum. The file gone from the store: 404."""
+    store = get_store()
+    filename = artifact.name.rsplit("/", 1)[-1].replace('"', "")
+    url = store.url(artifact.key, expires_seconds=300, filename=filename)
+    if url:
+        return HttpResponseRedirect(url)
+    try:
+        chunks = store.open(artifact.key)
+    except FileNotFoundError:
+        raise NotFound("the artifact is gone from the store") from None
+    response = StreamingHttpResponse(chunks, content_type="application/octet-stream")
+    response["Content-Length"] = str(artifact.size)
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    response["X-Checksum-Sha256"] = artifact.sha256
+    return response

@@ -5,7 +5,6 @@ from typing import Any
 
 import django_filters
 from django.db import transaction
-from django.http import HttpResponseRedirect, StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
@@ -23,7 +22,7 @@ from apps.jobs.api.serializers import (
     JobSerializer,
     JobSubmitSerializer,
 )
-from apps.jobs.artifacts import get_store
+from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import _check_env, job_config_delete, job_config_save
@@ -221,17 +220,4 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         ).first()
         if artifact is None:
             raise NotFound("no such artifact")
-        store = get_store()
-        filename = name.rsplit("/", 1)[-1].replace('"', "")
-        url = store.url(artifact.key, expires_seconds=300, filename=filename)
-        if url:
-            return HttpResponseRedirect(url)
-        try:
-            chunks = store.open(artifact.key)
-        except FileNotFoundError:
-            raise NotFound("the artifact is gone from the store") from None
-        response = StreamingHttpResponse(chunks, content_type="application/octet-stream")
-        response["Content-Length"] = str(artifact.size)
-        response["Content-Disposition"] = f'attachment; filename="{filename}"'
-        response["X-Checksum-Sha256"] = artifact.sha256
-        return response
+        return artifact_download(artifact)
