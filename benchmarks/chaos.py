@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -47,27 +46,20 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
-    ROOT,
     Figure,
     PartResult,
-    Proc,
-    celery_beat,
     flush,
-    free_port,
-    gunicorn,
     median,
-    process_env,
     say,
-    stop_local_machines,
     temp_dir,
     tenant,
-    wait_for,
 )
+from testkit.processes import BENCH, ROOT, Proc, free_port, stop_local_machines, wait_for, worker_args
+from testkit.servers import JsonServer
 
 INVARIANTS = (
     "quota",
@@ -188,7 +180,7 @@ class RedisServer:
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            self.proc.kill()
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -204,39 +196,20 @@ class Worker:
 
     def start(self) -> None:
         self.starts += 1
-        args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "config",
-            "worker",
-            "--loglevel",
-            "WARNING",
-            "-n",
-            self.name,
-        ]
-        args += ["--concurrency", "2", "--without-gossip", "--without-mingle"]
+        args = worker_args(self.name, concurrency=2, loglevel=BENCH.loglevel)
         log = self.tmp / f"worker{self.index}-{self.starts}.log"
-        self.proc = Proc(f"worker{self.index}", args, process_env(**self.env), log)
+        self.proc = Proc(f"worker{self.index}", args, BENCH.env(**self.env), log)
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            self.proc.kill()
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop(15)
 
 
-def _kill_group(proc: Proc) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait()
-    proc._fh.close()
-
-
-class Webhook:
+class Webhook(JsonServer):
     """The webhook well's far side: accounts created and destroyed, on loopback."""
 
     def __init__(self) -> None:
@@ -244,39 +217,18 @@ class Webhook:
         self.created = 0
         self.destroyed = 0
         self.lock = threading.Lock()
-        owner = self
+        super().__init__(self.respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                rid = str(body.get("resource_id"))
-                with owner.lock:
-                    if self.path == "/create":
-                        owner.created += 1
-                        owner.live.add(rid)
-                        answer = {"id": rid, "metadata": {"account": rid[:8]}, "secret": {"key": "s3cret"}}
-                    else:
-                        owner.destroyed += 1
-                        owner.live.discard(rid)
-                        answer = {}
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def respond(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        rid = str(body.get("resource_id"))
+        with self.lock:
+            if path == "/create":
+                self.created += 1
+                self.live.add(rid)
+                return 200, {"id": rid, "metadata": {"account": rid[:8]}, "secret": {"key": "s3cret"}}
+            self.destroyed += 1
+            self.live.discard(rid)
+            return 200, {}
 
 
 # ---- the soak ----------------------------------------------------------------------------------
@@ -345,12 +297,12 @@ def run(
         env = {**p.env, "REDIS_URL": redis.url}
         workers: list[Worker] = []
         try:
-            with gunicorn(tmp, workers=2, threads=16, **env) as url:
+            with BENCH.gunicorn(tmp, workers=2, threads=16, **env) as url:
                 wenv = {**env, "CATACLOUD_PUBLIC_URL": url}
                 workers = [Worker(tmp, i, wenv) for i in range(p.workers)]
                 for w in workers:
                     w.start()
-                with celery_beat(tmp, **wenv):
+                with BENCH.celery_beat(tmp, **wenv):
                     try:
                         soak = Soak(p=p)
                         world = _setup(p, url, state_dir, webhook)
@@ -359,11 +311,11 @@ def run(
                     finally:
                         for w in workers:
                             w.stop()
-                        stop_local_machines(state_dir)
+                        stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
         finally:
             for w in workers:
                 w.stop()
-            stop_local_machines(state_dir)
+            stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
             redis.stop()
             webhook.close()
     return _result(soak, world, time.perf_counter() - started, out)
@@ -1125,8 +1077,8 @@ def _end_problems(soak: Soak, world: World) -> list[tuple[str, str, str]]:
     from apps.machines.models import MachineInstance
     from apps.resources.choices import RESOURCE_LIVE
     from apps.resources.models import ResourceInstance
-    from benchmarks.harness import database_url
     from catacloud.providers.local import LocalProvider
+    from testkit.processes import database_url
 
     problems = []
     org = world.tenant.org
