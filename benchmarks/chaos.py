@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import sys
@@ -58,7 +57,17 @@ from benchmarks.harness import (
     temp_dir,
     tenant,
 )
-from testkit.processes import BENCH, ROOT, Proc, free_port, stop_local_machines, wait_for, worker_args
+from testkit.processes import (
+    BENCH,
+    ROOT,
+    Proc,
+    agent_tree,
+    free_port,
+    local_machines,
+    stop_local_machines,
+    wait_for,
+    worker_args,
+)
 from testkit.servers import JsonServer
 
 INVARIANTS = (
@@ -695,31 +704,11 @@ def _injector(
         done.set()
 
 
-def _agent_tree(record: dict[str, Any]) -> list[Any]:
-    import psutil
-
-    try:
-        proc = psutil.Process(record["pid"])
-        if abs(proc.create_time() - record["create_time"]) > 0.05:
-            return []
-        return [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _machine_records(state_dir: Path) -> list[dict[str, Any]]:
-    records = []
-    for path in state_dir.glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            records.append(json.loads(path.read_text()))
-    return records
-
-
 def _kill_agent(world: World, rng: random.Random) -> str:
     """The machine dies: its agent and everything it started, no goodbye."""
     import psutil
 
-    candidates = [(r, tree) for r in _machine_records(world.state_dir) if (tree := _agent_tree(r))]
+    candidates = [(r, tree) for r in local_machines(world.state_dir) if (tree := agent_tree(r))]
     if not candidates:
         return ""
     record, tree = rng.choice(candidates)
@@ -966,8 +955,8 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
 
     seen: dict[str, set[tuple[str, str]]] = defaultdict(set)
     pids: set[int] = set()
-    for record in _machine_records(world.state_dir):
-        for proc in _agent_tree(record)[1:]:
+    for record in local_machines(world.state_dir):
+        for proc in agent_tree(record)[1:]:
             try:
                 env = proc.environ()
             except psutil.Error:
@@ -979,7 +968,7 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
     # Job processes that left their agent's tree (an agent that died without killing its job):
     # the job commands are shells and sleeps; they count as running on "no agent".
     strays: dict[str, set[tuple[str, str]]] = defaultdict(set)
-    agents = {r["pid"] for r in _machine_records(world.state_dir)}
+    agents = {r["pid"] for r in local_machines(world.state_dir)}
     for proc in psutil.process_iter(["name"]):
         if proc.pid in pids or proc.info["name"] not in ("sh", "dash", "bash", "sleep"):
             continue

@@ -220,6 +220,32 @@ BENCH = Profile(
 )
 
 
+def local_machines(state_dir: Path | str) -> list[dict[str, Any]]:
+    """The local provider's machine records under ``state_dir`` (``<instance_id>.json``: pid,
+    create_time, ...), read as they are now; a record being rewritten is skipped."""
+    import json
+
+    records = []
+    for path in Path(state_dir).glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    return records
+
+
+def agent_tree(record: Mapping[str, Any]) -> list[Any]:
+    """A local machine's agent process and everything it started (psutil processes), or []
+    once it is gone (a reused pid does not count: the start time must match the record's)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(record["pid"])
+        if abs(proc.create_time() - record["create_time"]) > 0.05:
+            return []
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def stop_local_machines(
     state_dir: Path | str, *, stop_timeout: float | None = None, ignore_errors: bool = False
 ) -> None:
