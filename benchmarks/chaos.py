@@ -306,7 +306,7 @@ def run(
         env = {**p.env, "REDIS_URL": redis.url}
         workers: list[Worker] = []
         try:
-            with BENCH.gunicorn(tmp, workers=2, threads=16, **env) as url:
+            with BENCH.gunicorn(tmp, workers=2, threads=16, **env) as (url, _):
                 wenv = {**env, "CATACLOUD_PUBLIC_URL": url}
                 workers = [Worker(tmp, i, wenv) for i in range(p.workers)]
                 for w in workers:

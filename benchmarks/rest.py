@@ -93,7 +93,7 @@ def run(
     per_run = []
     with (
         temp_dir("rest") as tmp,
-        BENCH.gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as url,
+        BENCH.gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as (url, _),
     ):
         for r in range(runs + 1):
             warmup = r == 0

@@ -33,7 +33,7 @@ def live_stack(name: str) -> Iterator[Stack]:
         state_dir = tmp / "machines"
         state_dir.mkdir()
         try:
-            with BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as url:
+            with BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as (url, _):
                 env = {**ENV, "CATACLOUD_PUBLIC_URL": url}
                 with BENCH.celery_worker(tmp, concurrency=2, **env), BENCH.celery_beat(tmp, **env):
                     try:

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +119,7 @@ class Profile:
     loglevel: str = "INFO"
     events: bool = False
     concurrency: int = 2
+    web: Mapping[str, str] = field(default_factory=dict)  # settings of gunicorn on top
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process against the database and Redis this process uses."""
@@ -168,38 +169,78 @@ class Profile:
             proc.stop()
 
     @contextlib.contextmanager
-    def gunicorn(self, tmp: Path, *, workers: int = 2, threads: int = 4, **env: str) -> Iterator[str]:
-        """The web app under gunicorn (gthread, like `make dev`); yields its base URL."""
-        import http.client
-
+    def gunicorn(
+        self, tmp: Path, *, workers: int = 2, threads: int = 4, args: tuple[str, ...] = (), **env: str
+    ) -> Iterator[Web]:
+        """The web app under gunicorn (gthread, like `make dev`) in multiprocess metrics mode;
+        ``args`` go to gunicorn's command line. Yields (url, proc) once it answers /healthz."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         metrics = tmp / "prometheus"
         metrics.mkdir(exist_ok=True)
-        args = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
-        args += ["--workers", str(workers), "--threads", str(threads), "--log-level", "warning"]
-        web_env = {"CATACLOUD_PUBLIC_URL": url, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+        argv = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
+        argv += ["--workers", str(workers), "--threads", str(threads), "--log-level", self.loglevel.lower()]
+        web_env = {"CATACLOUD_PUBLIC_URL": url, "PROMETHEUS_MULTIPROC_DIR": str(metrics), **WEB}
         proc = Proc(
             "gunicorn",
-            args,
-            self.env(**{"DATABASE_CONN_MAX_AGE": "60", **web_env, **env}),
-            tmp / "gunicorn.log",
+            [*argv, *args],
+            self.env(**{**web_env, **self.web, **env}),
+            tmp / f"gunicorn-{port}.log",
         )
+        with _serving(proc, url) as web:
+            yield web
 
-        def healthy() -> bool:
-            proc.check()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/healthz")
-                return conn.getresponse().status in (200, 503)
-            except OSError:
-                return False
+    @contextlib.contextmanager
+    def agent_server(self, tmp: Path, **env: str) -> Iterator[Web]:
+        """The agent server (uvicorn, config/agent_asgi.py) as `make dev` runs it; yields
+        (url, proc) once it answers /healthz."""
+        from catacloud.cli import agent_server_command
 
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = agent_server_command(host="127.0.0.1", port=port)
+        proc = Proc(
+            "agent-api",
+            argv,
+            self.env(**{**WEB, "DATABASE_CONN_MAX_AGE": "60", **env}),
+            tmp / "agent-api.log",
+        )
+        with _serving(proc, url) as web:
+            yield web
+
+
+class Web(NamedTuple):
+    url: str
+    proc: Proc
+
+
+# What every web process gets (the hosts the tests and benchmarks call it by).
+WEB = {"DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost"}
+
+
+@contextlib.contextmanager
+def _serving(proc: Proc, url: str) -> Iterator[Web]:
+    """Wait until ``proc`` answers /healthz at ``url`` (200, or 503 while a part is down), stop
+    it at the end."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    port = urlsplit(url).port
+
+    def healthy() -> bool:
+        proc.check()
         try:
-            wait_for(healthy, 60, "gunicorn to answer /healthz", interval=0.1)
-            yield url
-        finally:
-            proc.stop()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status in (200, 503)
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, 60, f"{proc.name} to answer /healthz", interval=0.1)
+        yield Web(url, proc)
+    finally:
+        proc.stop()
 
 
 # Tests: a fresh connection per request (pytest-django's database is dropped at the end) and
@@ -217,6 +258,7 @@ BENCH = Profile(
     settings={"DJANGO_DEBUG": "0", "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "LOG_LEVEL": "WARNING"},
     loglevel="WARNING",
     concurrency=2,
+    web={"DATABASE_CONN_MAX_AGE": "60"},
 )
 
 

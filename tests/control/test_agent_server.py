@@ -20,8 +20,8 @@ from apps.core.crypto import hash_token, new_token
 from apps.jobs.agent import POLL_KEY, _redis, wake
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineInstance
+from testkit.processes import TESTS, wait_for
 from tests.conftest import World
-from tests.support.processes import agent_server, wait_for
 
 N = int(os.environ.get("FLEET_TEST_N", "500"))
 DB_THREADS = 4
@@ -110,7 +110,7 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
 ) -> None:
     machines = enrolled(tworld, N)
     env = {"CATACLOUD_AGENT_POLL_TIMEOUT": "60", "CATACLOUD_AGENT_DB_THREADS": str(DB_THREADS)}
-    with agent_server(tmp_path, **env) as (server, url):
+    with TESTS.agent_server(tmp_path, **env) as (url, server):
         fleet = Fleet(url, [token for _, token in machines])
         try:
             fleet.start_polls()

@@ -13,8 +13,8 @@ import pytest
 import requests
 from django.utils import timezone
 
+from testkit.processes import TESTS, wait_for
 from tests.conftest import World
-from tests.support.processes import gunicorn, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -68,7 +68,10 @@ def test_two_workers_serve_the_same_figures(tworld: World, tmp_path: Path) -> No
         Job.objects.filter(pk=job.pk).update(queued_at=assigned - timedelta(seconds=wait))  # auto_now_add
 
     args = ("--access-logfile", "-", "--access-logformat", "%(p)s %(r)s %(s)s")
-    with gunicorn(tmp_path, workers=2, threads=2, args=args, CATACLOUD_METRICS_TOKEN=TOKEN) as (url, web):
+    with TESTS.gunicorn(tmp_path, workers=2, threads=2, args=args, CATACLOUD_METRICS_TOKEN=TOKEN) as (
+        url,
+        web,
+    ):
         # Requests spread over both workers (a fresh connection each).
         for _ in range(30):
             assert requests.get(f"{url}/api/v1/machine-types/", timeout=10).status_code == 401

@@ -10,7 +10,6 @@ import pytest
 
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, OrgMachineType
-from testkit.processes import agent_tree, local_machines
 from tests.e2e.conftest import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -90,11 +89,10 @@ def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(st
     job_id = submit(stack, cfg)
     stack.wait(lambda: "attempt-1" in logs(stack, job_id), 60, "the first attempt to run")
     first = job(stack, job_id)["instance"]
-    machines = local_machines(stack.world.account.config["state_dir"])
-    tree = next((agent_tree(r) for r in machines if r["instance_id"] == first), [])
-    assert tree, f"no agent process for {first}"
-    for proc in tree:  # the machine dies: no goodbye
-        proc.kill()
+    agent = _agent_process(first)
+    agent.kill()  # the machine dies: no goodbye
+    for child in agent.children(recursive=True):
+        child.kill()
     body = stack.wait(
         lambda: (j := job(stack, job_id))["status"] == "succeeded" and j,
         120,
@@ -104,6 +102,16 @@ def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(st
     assert MachineInstance.objects.get(pk=first).status == "lost"
     assert Event.objects.filter(kind="job.requeued", job_id=job_id).exists()
     assert "attempt-2" in stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
+
+
+def _agent_process(instance_id: str) -> psutil.Process:
+    # The local provider hands the agent its bootstrap token as <instance_id>.token (never in
+    # its environment).
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if f"{instance_id}.token" in cmdline and "catacloud.agent" in cmdline:
+            return proc
+    raise AssertionError(f"no agent process for {instance_id}")
 
 
 def test_kueue_example_two_of_three_run_until_one_finishes(stack: Stack) -> None:

@@ -34,7 +34,7 @@ def test_enroll_then_heartbeat_makes_the_member_ready(world: World) -> None:
 
 def test_the_async_agent_endpoints_need_no_csrf_cookie(world: World) -> None:
     """Agents send a token header, never a cookie: the web's CSRF check must not refuse them."""
-    agent, token = enroll(warming(world))
+    agent, token = enroll(warming_instance(world.org, world.machine_type))
     strict = APIClient(enforce_csrf_checks=True)
     strict.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
     assert strict.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
