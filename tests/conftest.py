@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -83,6 +85,19 @@ def world(db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
 def tworld(transactional_db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
     """The same world for tests that commit (threads, workers)."""
     return make_world(tmp_path_factory)
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> Iterator[None]:
+    """Outputs and checkpoints stored under ``tmp_path`` (the local store)."""
+    from django.test import override_settings
+
+    from apps.jobs.artifacts import get_store
+
+    get_store.cache_clear()
+    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
+        yield
+    get_store.cache_clear()
 
 
 @pytest.fixture(autouse=True)

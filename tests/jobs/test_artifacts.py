@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -97,14 +96,6 @@ def put(agent: APIClient, url: str, data: bytes, sha: str | None = None) -> Any:
         content_type="application/octet-stream",
         HTTP_X_CHECKSUM_SHA256=sha or hashlib.sha256(data).hexdigest(),
     )
-
-
-@pytest.fixture
-def local_storage(tmp_path: Path) -> Iterator[None]:
-    get_store.cache_clear()
-    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
-        yield
-    get_store.cache_clear()
 
 
 @pytest.mark.django_db
