@@ -130,7 +130,7 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
 
 @contextlib.contextmanager
 def _agent_server(tmp: Path, **env: str) -> Iterator[Server]:
-    with BENCH.agent_server(tmp, **env) as (url, proc):
+    with BENCH.agent_server(tmp, probe="/healthz", **env) as (url, proc):
         yield Server("agent-api", proc, url)
 
 

@@ -191,9 +191,10 @@ class Profile:
             yield web
 
     @contextlib.contextmanager
-    def agent_server(self, tmp: Path, **env: str) -> Iterator[Web]:
+    def agent_server(self, tmp: Path, probe: str = "/api/agent/v1/work", **env: str) -> Iterator[Web]:
         """The agent server (uvicorn, config/agent_asgi.py) as `make dev` runs it; yields
-        (url, proc) once it answers /healthz."""
+        (url, proc) once ``probe`` answers (by default an unauthenticated poll: 401, no
+        database connection opened; ``/healthz`` opens one and keeps it)."""
         from catacloud.cli import agent_server_command
 
         port = free_port()
@@ -205,7 +206,7 @@ class Profile:
             self.env(**{**WEB, "DATABASE_CONN_MAX_AGE": "60", **env}),
             tmp / "agent-api.log",
         )
-        with _serving(proc, url) as web:
+        with _serving(proc, url, probe) as web:
             yield web
 
 
@@ -219,9 +220,9 @@ WEB = {"DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost"}
 
 
 @contextlib.contextmanager
-def _serving(proc: Proc, url: str) -> Iterator[Web]:
-    """Wait until ``proc`` answers /healthz at ``url`` (200, or 503 while a part is down), stop
-    it at the end."""
+def _serving(proc: Proc, url: str, probe: str = "/healthz") -> Iterator[Web]:
+    """Wait until ``proc`` answers ``probe`` at ``url`` (/healthz: 200, or 503 while a part is
+    down; another path: any answer), stop it at the end."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -231,13 +232,14 @@ def _serving(proc: Proc, url: str) -> Iterator[Web]:
         proc.check()
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/healthz")
-            return conn.getresponse().status in (200, 503)
+            conn.request("GET", probe)
+            status = conn.getresponse().status
+            return probe != "/healthz" or status in (200, 503)
         except OSError:
             return False
 
     try:
-        wait_for(healthy, 60, f"{proc.name} to answer /healthz", interval=0.1)
+        wait_for(healthy, 60, f"{proc.name} to answer {probe}", interval=0.1)
         yield Web(url, proc)
     finally:
         proc.stop()
