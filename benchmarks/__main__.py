@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ROOT, PartResult, say
+from benchmarks.harness import PartResult, say
+from testkit.processes import ROOT
 
 PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet")
 

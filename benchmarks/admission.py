@@ -11,10 +11,11 @@ import time
 from typing import Any
 
 from benchmarks.harness import Figure, PartResult, Progress, analyze, median, say, tenant
+from testkit.builders import job_config
 
 
 def _setup(orgs: int, jobs_per_org: int) -> list[Any]:
-    from apps.jobs.models import Job, JobConfiguration
+    from apps.jobs.models import Job
 
     grants = []
     for i in range(orgs):
@@ -22,9 +23,7 @@ def _setup(orgs: int, jobs_per_org: int) -> list[Any]:
         if i % 2:
             quota["cpu_quota"] = 2 * (20 + (i % 4) * 10)  # machine type has 2 cpus
         t = tenant(f"adm{i}", **quota)
-        cfg = JobConfiguration.objects.create(
-            org=t.org, name="ci", machine_type=t.machine_type, command="true"
-        )
+        cfg = job_config(t.org, t.machine_type, "ci", "true")
         Job.objects.bulk_create(
             Job(org=t.org, config=cfg, machine_type=t.machine_type, command="true")
             for _ in range(jobs_per_org)

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -47,27 +45,30 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
-    ROOT,
     Figure,
     PartResult,
-    Proc,
-    celery_beat,
     flush,
-    free_port,
-    gunicorn,
     median,
-    process_env,
     say,
-    stop_local_machines,
     temp_dir,
     tenant,
-    wait_for,
 )
+from testkit.processes import (
+    BENCH,
+    ROOT,
+    Proc,
+    agent_tree,
+    free_port,
+    local_machines,
+    stop_local_machines,
+    wait_for,
+    worker_args,
+)
+from testkit.servers import JsonServer
 
 INVARIANTS = (
     "quota",
@@ -188,7 +189,7 @@ class RedisServer:
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            self.proc.kill()
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -204,39 +205,20 @@ class Worker:
 
     def start(self) -> None:
         self.starts += 1
-        args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "config",
-            "worker",
-            "--loglevel",
-            "WARNING",
-            "-n",
-            self.name,
-        ]
-        args += ["--concurrency", "2", "--without-gossip", "--without-mingle"]
+        args = worker_args(self.name, concurrency=2, loglevel=BENCH.loglevel)
         log = self.tmp / f"worker{self.index}-{self.starts}.log"
-        self.proc = Proc(f"worker{self.index}", args, process_env(**self.env), log)
+        self.proc = Proc(f"worker{self.index}", args, BENCH.env(**self.env), log)
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            self.proc.kill()
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop(15)
 
 
-def _kill_group(proc: Proc) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait()
-    proc._fh.close()
-
-
-class Webhook:
+class Webhook(JsonServer):
     """The webhook well's far side: accounts created and destroyed, on loopback."""
 
     def __init__(self) -> None:
@@ -244,39 +226,18 @@ class Webhook:
         self.created = 0
         self.destroyed = 0
         self.lock = threading.Lock()
-        owner = self
+        super().__init__(self.respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                rid = str(body.get("resource_id"))
-                with owner.lock:
-                    if self.path == "/create":
-                        owner.created += 1
-                        owner.live.add(rid)
-                        answer = {"id": rid, "metadata": {"account": rid[:8]}, "secret": {"key": "s3cret"}}
-                    else:
-                        owner.destroyed += 1
-                        owner.live.discard(rid)
-                        answer = {}
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def respond(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        rid = str(body.get("resource_id"))
+        with self.lock:
+            if path == "/create":
+                self.created += 1
+                self.live.add(rid)
+                return 200, {"id": rid, "metadata": {"account": rid[:8]}, "secret": {"key": "s3cret"}}
+            self.destroyed += 1
+            self.live.discard(rid)
+            return 200, {}
 
 
 # ---- the soak ----------------------------------------------------------------------------------
@@ -345,12 +306,12 @@ def run(
         env = {**p.env, "REDIS_URL": redis.url}
         workers: list[Worker] = []
         try:
-            with gunicorn(tmp, workers=2, threads=16, **env) as url:
+            with BENCH.gunicorn(tmp, workers=2, threads=16, **env) as (url, _):
                 wenv = {**env, "CATACLOUD_PUBLIC_URL": url}
                 workers = [Worker(tmp, i, wenv) for i in range(p.workers)]
                 for w in workers:
                     w.start()
-                with celery_beat(tmp, **wenv):
+                with BENCH.celery_beat(tmp, **wenv):
                     try:
                         soak = Soak(p=p)
                         world = _setup(p, url, state_dir, webhook)
@@ -359,11 +320,11 @@ def run(
                     finally:
                         for w in workers:
                             w.stop()
-                        stop_local_machines(state_dir)
+                        stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
         finally:
             for w in workers:
                 w.stop()
-            stop_local_machines(state_dir)
+            stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
             redis.stop()
             webhook.close()
     return _result(soak, world, time.perf_counter() - started, out)
@@ -743,31 +704,11 @@ def _injector(
         done.set()
 
 
-def _agent_tree(record: dict[str, Any]) -> list[Any]:
-    import psutil
-
-    try:
-        proc = psutil.Process(record["pid"])
-        if abs(proc.create_time() - record["create_time"]) > 0.05:
-            return []
-        return [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-def _machine_records(state_dir: Path) -> list[dict[str, Any]]:
-    records = []
-    for path in state_dir.glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            records.append(json.loads(path.read_text()))
-    return records
-
-
 def _kill_agent(world: World, rng: random.Random) -> str:
     """The machine dies: its agent and everything it started, no goodbye."""
     import psutil
 
-    candidates = [(r, tree) for r in _machine_records(world.state_dir) if (tree := _agent_tree(r))]
+    candidates = [(r, tree) for r in local_machines(world.state_dir) if (tree := agent_tree(r))]
     if not candidates:
         return ""
     record, tree = rng.choice(candidates)
@@ -1014,8 +955,8 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
 
     seen: dict[str, set[tuple[str, str]]] = defaultdict(set)
     pids: set[int] = set()
-    for record in _machine_records(world.state_dir):
-        for proc in _agent_tree(record)[1:]:
+    for record in local_machines(world.state_dir):
+        for proc in agent_tree(record)[1:]:
             try:
                 env = proc.environ()
             except psutil.Error:
@@ -1027,7 +968,7 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
     # Job processes that left their agent's tree (an agent that died without killing its job):
     # the job commands are shells and sleeps; they count as running on "no agent".
     strays: dict[str, set[tuple[str, str]]] = defaultdict(set)
-    agents = {r["pid"] for r in _machine_records(world.state_dir)}
+    agents = {r["pid"] for r in local_machines(world.state_dir)}
     for proc in psutil.process_iter(["name"]):
         if proc.pid in pids or proc.info["name"] not in ("sh", "dash", "bash", "sleep"):
             continue
@@ -1125,8 +1066,8 @@ def _end_problems(soak: Soak, world: World) -> list[tuple[str, str, str]]:
     from apps.machines.models import MachineInstance
     from apps.resources.choices import RESOURCE_LIVE
     from apps.resources.models import ResourceInstance
-    from benchmarks.harness import database_url
     from catacloud.providers.local import LocalProvider
+    from testkit.processes import database_url
 
     problems = []
     org = world.tenant.org

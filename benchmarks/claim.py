@@ -27,14 +27,14 @@ from benchmarks.harness import (
     Figure,
     PartResult,
     Progress,
-    add_ready_members,
-    database_url,
     median,
     percentile,
     say,
     tenant,
 )
 from benchmarks.peers import PEERS
+from testkit.builders import ready_members
+from testkit.processes import database_url
 
 VARIANTS = ("service", "floor", *PEERS)
 
@@ -164,7 +164,7 @@ def _fresh_pool(t: Any, members: int, tag: str) -> Any:
     from apps.pools.services import pool_create
 
     pool = pool_create(org=t.org, name=tag, machine_type=t.machine_type, target_size=0, max_size=members)
-    add_ready_members(pool, members)
+    ready_members(pool, members, provider_ids="bench-", batch_size=2000)
     # Steady state has statistics; without them the planner sorts the whole pool per claim.
     from benchmarks.harness import analyze
 

@@ -36,19 +36,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from benchmarks.harness import (
-    ROOT,
     Figure,
     PartResult,
-    Proc,
     Progress,
-    free_port,
     percentile,
-    process_env,
     say,
     temp_dir,
     tenant,
-    wait_for,
 )
+from testkit.processes import BENCH, ROOT, Proc, free_port, wait_for
 
 HEARTBEAT = 10.0
 POLL = 20.0
@@ -124,7 +120,7 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
     args = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
     args += ["--workers", "2", "--threads", str(threads), "--log-level", "warning", "--backlog", "4096"]
     args += ["--graceful-timeout", "3"]  # held polls are safe to cut at the end of a set-up
-    proc = Proc(name, args, process_env(DATABASE_CONN_MAX_AGE="60", **env), tmp / f"{name}.log")
+    proc = Proc(name, args, BENCH.env(DATABASE_CONN_MAX_AGE="60", **env), tmp / f"{name}.log")
     try:
         _wait_http(proc, url)
         yield Server(name, proc, url)
@@ -134,21 +130,8 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
 
 @contextlib.contextmanager
 def _agent_server(tmp: Path, **env: str) -> Iterator[Server]:
-    from catacloud.cli import agent_server_command
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = Proc(
-        "agent-api",
-        agent_server_command(host="127.0.0.1", port=port),
-        process_env(DATABASE_CONN_MAX_AGE="60", **env),
-        tmp / "agent-api.log",
-    )
-    try:
-        _wait_http(proc, url)
+    with BENCH.agent_server(tmp, probe="/healthz", **env) as (url, proc):
         yield Server("agent-api", proc, url)
-    finally:
-        proc.stop()
 
 
 def _make_machines(t: Any, n: int) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from benchmarks.harness import Figure, PartResult, Progress, analyze, median, say, tenant
+from testkit.builders import bulk_create, ready_instance
 
 
 def _add_pools(t: Any, start: int, count: int, members: int) -> None:
@@ -18,7 +19,6 @@ def _add_pools(t: Any, start: int, count: int, members: int) -> None:
 
     from django.utils import timezone
 
-    from apps.machines.models import MachineInstance
     from apps.pools.models import InstancePool
 
     now = timezone.now()
@@ -34,19 +34,13 @@ def _add_pools(t: Any, start: int, count: int, members: int) -> None:
         )
         for i in range(start, start + count)
     )
-    mt = t.machine_type
-    MachineInstance.objects.bulk_create(
+    bulk_create(
         (
-            MachineInstance(
-                org=t.org,
-                machine_type=mt,
-                provider_account_id=mt.provider_account_id,
-                machine_type_version=mt.version,
+            ready_instance(
+                t.machine_type,
                 pool=pool,
-                status="ready",
+                now=now,
                 ready_at=now + timedelta(microseconds=j),
-                provisioning_started_at=now,
-                last_heartbeat_at=now,
                 provider_id=f"r-{pool.pk}-{j}",
             )
             for pool in pools

@@ -8,8 +8,9 @@ claim's ``pool.member_claimed`` event's created_at.
 
 from __future__ import annotations
 
-from benchmarks.harness import Figure, PartResult, Progress, percentile, say, tenant, wait_for
+from benchmarks.harness import Figure, PartResult, Progress, percentile, say, tenant
 from benchmarks.stack import live_stack, wait_quiet
+from testkit.processes import wait_for
 
 
 def run(*, samples: int = 10, pool_size: int = 2, progress: Progress = say) -> PartResult:

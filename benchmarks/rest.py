@@ -19,15 +19,15 @@ from benchmarks.harness import (
     Figure,
     PartResult,
     Progress,
-    add_ready_members,
     analyze,
-    gunicorn,
     median,
     percentile,
     say,
     temp_dir,
     tenant,
 )
+from testkit.builders import ready_members
+from testkit.processes import BENCH
 
 
 def _client(url: str, path: str, token: str, n: int, out: list[Any], start: threading.Barrier) -> None:
@@ -60,7 +60,7 @@ def _round(url: str, token: str, t: Any, tag: str, clients: int, n: int) -> tupl
     from apps.pools.services import pool_create
 
     pool = pool_create(org=t.org, name=tag, machine_type=t.machine_type, target_size=0, max_size=n)
-    add_ready_members(pool, n)
+    ready_members(pool, n, provider_ids="bench-", batch_size=2000)
     analyze("machines_machineinstance")
     out: list[Any] = []
     barrier = threading.Barrier(clients + 1)
@@ -93,7 +93,7 @@ def run(
     per_run = []
     with (
         temp_dir("rest") as tmp,
-        gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as url,
+        BENCH.gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as (url, _),
     ):
         for r in range(runs + 1):
             warmup = r == 0

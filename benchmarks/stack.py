@@ -9,15 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
-    celery_beat,
-    celery_worker,
-    gunicorn,
-    purge_redis,
-    stop_local_machines,
-    temp_dir,
-    wait_for,
-)
+from benchmarks.harness import temp_dir
+from testkit.processes import BENCH, purge_redis, stop_local_machines, wait_for
 
 ENV = {
     "CATACLOUD_HEARTBEAT_INTERVAL": "1",
@@ -40,15 +33,15 @@ def live_stack(name: str) -> Iterator[Stack]:
         state_dir = tmp / "machines"
         state_dir.mkdir()
         try:
-            with gunicorn(tmp, workers=2, threads=16, **ENV) as url:
+            with BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as (url, _):
                 env = {**ENV, "CATACLOUD_PUBLIC_URL": url}
-                with celery_worker(tmp, concurrency=2, **env), celery_beat(tmp, **env):
+                with BENCH.celery_worker(tmp, concurrency=2, **env), BENCH.celery_beat(tmp, **env):
                     try:
                         yield Stack(url=url, tmp=tmp, state_dir=state_dir)
                     finally:
-                        stop_local_machines(state_dir)
+                        stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
         finally:
-            stop_local_machines(state_dir)
+            stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
 
 
 def pool_quiet(pool_id: Any, target: int) -> bool:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from benchmarks.harness import Figure, PartResult, Progress, median, percentile, say, tenant, wait_for
+from benchmarks.harness import Figure, PartResult, Progress, median, percentile, say, tenant
 from benchmarks.stack import live_stack, wait_quiet
+from testkit.builders import job_config
+from testkit.processes import wait_for
 
 STAGES = ("admitted", "assigned", "started")
 
@@ -73,7 +75,6 @@ def _retire_idle(t: Any) -> None:
 
 
 def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress = say) -> PartResult:
-    from apps.jobs.models import JobConfiguration
     from apps.pools.services import pool_create, pool_refill
 
     result = PartResult(part="submit", title="Submit to running (warm pool vs cold provisioning)")
@@ -84,12 +85,8 @@ def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress
     with live_stack("submit") as stack:
         tw = tenant("warm", kind="local", state_dir=stack.state_dir, max_pool_size=20, max_instances=40)
         tc = tenant("cold", kind="local", state_dir=stack.state_dir, max_instances=40)
-        cfg_w = JobConfiguration.objects.create(
-            org=tw.org, name="w", machine_type=tw.machine_type, command="true", reuse="ephemeral"
-        )
-        cfg_c = JobConfiguration.objects.create(
-            org=tc.org, name="c", machine_type=tc.machine_type, command="true", reuse="ephemeral"
-        )
+        cfg_w = job_config(tw.org, tw.machine_type, "w", "true", reuse="ephemeral")
+        cfg_c = job_config(tc.org, tc.machine_type, "c", "true", reuse="ephemeral")
         pool = pool_create(
             org=tw.org, name="warm", machine_type=tw.machine_type, target_size=pool_size, max_size=20
         )
@@ -102,7 +99,7 @@ def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress
             warm_s.append(_one(tw, cfg_w, stages))
         for i in range(cold):
             _retire_idle(tc)  # an idle machine left by a previous sample would make it warm
-            wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine")
+            wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine", 0.02)
             progress(f"submit: cold job {i + 1}/{cold}")
             cold_s.append(_one(tc, cfg_c))
     w50, w95 = percentile(warm_s, 50), percentile(warm_s, 95)

@@ -2,7 +2,7 @@
 settings, with what keeps tests away from a running ``make dev`` and makes bugs loud.
 
 Processes the tests start (web, worker, beat) get the same values through their environment
-(tests/support/processes.py), so they run ``config.settings`` unchanged.
+(testkit/processes.py, its TESTS profile), so they run ``config.settings`` unchanged.
 """
 
 from __future__ import annotations

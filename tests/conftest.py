@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -39,9 +41,10 @@ class World:
 def make_world(tmp_path_factory: pytest.TempPathFactory | None = None) -> World:
     from django.contrib.auth import get_user_model
 
-    from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
+    from apps.machines.models import OrgMachineType
     from apps.orgs.models import Organization
     from apps.orgs.services import api_token_create, membership_set
+    from testkit.builders import granted_type, provider_account
 
     users = {
         name: get_user_model().objects.create_user(name) for name in ("admin", "member", "viewer", "outsider")
@@ -54,17 +57,17 @@ def make_world(tmp_path_factory: pytest.TempPathFactory | None = None) -> World:
     state_dir = (
         str(tmp_path_factory.mktemp("machines")) if tmp_path_factory else "/tmp/catacloud-test-machines"
     )
-    account = ProviderAccount.objects.create(name="local", kind="local", config={"state_dir": state_dir})
-    mt = MachineType.objects.create(
-        name="small",
-        provider_account=account,
-        server_type="local",
+    account = provider_account("local", "local", {"state_dir": state_dir})
+    mt, grant = granted_type(
+        org,
+        account,
+        "small",
         cpus=2,
         memory_mb=4096,
         price_per_hour=Decimal("0.01"),
         billing_increment_seconds=3600,
+        grant={"max_pool_size": 10, "max_instances": 20},
     )
-    grant = OrgMachineType.objects.create(org=org, machine_type=mt, max_pool_size=10, max_instances=20)
     OrgMachineType.objects.create(org=other, machine_type=mt, max_pool_size=10, max_instances=20)
     world = World(org=org, other_org=other, account=account, machine_type=mt, grant=grant, users=users)
     for name in ("admin", "member", "viewer"):
@@ -82,6 +85,19 @@ def world(db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
 def tworld(transactional_db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
     """The same world for tests that commit (threads, workers)."""
     return make_world(tmp_path_factory)
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> Iterator[None]:
+    """Outputs and checkpoints stored under ``tmp_path`` (the local store)."""
+    from django.test import override_settings
+
+    from apps.jobs.artifacts import get_store
+
+    get_store.cache_clear()
+    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
+        yield
+    get_store.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import hmac
 import json
 import secrets
 from typing import Any
@@ -44,7 +43,3 @@ def new_token(prefix: str) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def same_hash(token: str, digest: str) -> bool:
-    return hmac.compare_digest(hash_token(token), digest)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.db.models import Prefetch, QuerySet
 
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.models import MachineType, OrgMachineType
 from apps.orgs.models import Organization
 
 
@@ -15,7 +15,3 @@ def machine_types_for_org(*, org: Organization) -> QuerySet[MachineType]:
             Prefetch("grants", queryset=OrgMachineType.objects.filter(org=org), to_attr="org_grants")
         )
     )
-
-
-def instances_for_org(*, org: Organization) -> QuerySet[MachineInstance]:
-    return MachineInstance.objects.filter(org=org).select_related("machine_type", "provider_account", "pool")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 
@@ -13,14 +12,6 @@ from apps.pools.models import InstancePool
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def ops(world: World) -> Client:
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    client = Client()
-    client.login(username="ops", password="a-long-ops-password")
-    return client
 
 
 def act(client: Client, url: str, action: str, pk: object) -> list[str]:

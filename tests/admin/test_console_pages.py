@@ -5,19 +5,16 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.conf import settings
-from django.contrib.auth import get_user_model
-from django.test import Client, override_settings
+from django.test import Client
 from django.utils import timezone
 
 from apps.events.models import Event
 from apps.events.services import event_record
-from apps.jobs.artifacts import artifact_store, get_store
+from apps.jobs.artifacts import artifact_store
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import ApiToken, Membership
@@ -25,22 +22,6 @@ from apps.pools.models import InstancePool
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def ops(world: World) -> Client:
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    client = Client()
-    client.login(username="ops", password="a-long-ops-password")
-    return client
-
-
-@pytest.fixture
-def local_storage(tmp_path: Path) -> Iterator[None]:
-    get_store.cache_clear()
-    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
-        yield
-    get_store.cache_clear()
 
 
 def ran_job(world: World, *, status: str = "running") -> Job:

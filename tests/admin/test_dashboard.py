@@ -22,14 +22,6 @@ from tests.conftest import World
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def ops(world: World) -> Client:
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    client = Client()
-    client.login(username="ops", password="a-long-ops-password")
-    return client
-
-
 def busy_fleet(world: World, pools: int = 2) -> None:
     """``pools`` pools with members in several states, queued and finished jobs, a failure."""
     now = timezone.now()

@@ -19,7 +19,7 @@ import pytest
 
 from catacloud.cli import dev_programs
 from catacloud.supervisor import Supervisor
-from tests.support.processes import ROOT, process_env, wait_for
+from testkit.processes import ROOT, TESTS, wait_for
 
 
 class Output(io.StringIO):
@@ -39,7 +39,7 @@ def test_a_killed_worker_is_restarted_and_answers_again(tmp_path: Path) -> None:
     from config.celery import app
 
     name = f"dev-{uuid.uuid4().hex[:8]}@localhost"
-    programs = dev_programs(env=process_env(), home=tmp_path, port=1, flower_port=1)
+    programs = dev_programs(env=TESTS.env(), home=tmp_path, port=1, flower_port=1)
     worker = next(p for p in programs if p.name == "worker")
     worker.argv += ["-n", name, "--concurrency", "1", "--without-gossip", "--without-mingle"]
     out = Output()

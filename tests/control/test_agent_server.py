@@ -18,10 +18,10 @@ from django.utils import timezone
 
 from apps.core.crypto import hash_token, new_token
 from apps.jobs.agent import POLL_KEY, _redis, wake
-from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineInstance
+from testkit.builders import bulk_create, job_config, job_row, ready_instance
+from testkit.processes import TESTS, wait_for
 from tests.conftest import World
-from tests.support.processes import agent_server, wait_for
 
 N = int(os.environ.get("FLEET_TEST_N", "500"))
 DB_THREADS = 4
@@ -31,16 +31,13 @@ def enrolled(world: World, n: int) -> list[tuple[MachineInstance, str]]:
     """``n`` ready machines with agent tokens (as enrolment leaves them), without n enrolments."""
     tokens = [new_token("ca") for _ in range(n)]
     now = timezone.now()
-    rows = MachineInstance.objects.bulk_create(
-        MachineInstance(
+    rows = bulk_create(
+        ready_instance(
+            world.machine_type,
             org=world.org,
-            machine_type=world.machine_type,
-            provider_account=world.account,
-            status="ready",
+            now=now,
             provider_id=f"p-{i}",
             agent_token_hash=hash_token(token),
-            last_heartbeat_at=now,
-            provisioning_started_at=now,
         )
         for i, token in enumerate(tokens)
     )
@@ -110,7 +107,7 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
 ) -> None:
     machines = enrolled(tworld, N)
     env = {"CATACLOUD_AGENT_POLL_TIMEOUT": "60", "CATACLOUD_AGENT_DB_THREADS": str(DB_THREADS)}
-    with agent_server(tmp_path, **env) as (server, url):
+    with TESTS.agent_server(tmp_path, **env) as (url, server):
         fleet = Fleet(url, [token for _, token in machines])
         try:
             fleet.start_polls()
@@ -144,18 +141,8 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
 
             # An assignment wakes its machine's poll (and no other) with the job.
             machine = machines[N // 4][0]
-            config = JobConfiguration.objects.create(
-                org=tworld.org, name="c", machine_type=tworld.machine_type, command="echo hi"
-            )
-            job = Job.objects.create(
-                org=tworld.org,
-                config=config,
-                machine_type=tworld.machine_type,
-                command="echo hi",
-                status="assigned",
-                instance=machine,
-                assigned_at=timezone.now(),
-            )
+            config = job_config(tworld.org, tworld.machine_type, "c", "echo hi")
+            job = job_row(config, status="assigned", instance=machine, assigned_at=timezone.now())
             wake(machine.pk)
             wait_for(lambda: N // 4 in fleet.answers, 20, "the assigned machine's poll to answer")
             status, body = fleet.answers[N // 4]

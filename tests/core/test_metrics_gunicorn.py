@@ -13,8 +13,9 @@ import pytest
 import requests
 from django.utils import timezone
 
+from testkit.builders import job_config, job_row
+from testkit.processes import TESTS, wait_for
 from tests.conftest import World
-from tests.support.processes import gunicorn, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -49,26 +50,20 @@ def _scrape_by_worker(url: str, log: Path, want_workers: int = 2, tries: int = 6
 
 
 def test_two_workers_serve_the_same_figures(tworld: World, tmp_path: Path) -> None:
-    from apps.jobs.models import Job, JobConfiguration
+    from apps.jobs.models import Job
 
     # Jobs the scheduler (a Celery worker, elsewhere) assigned: waits of 3 s and 40 s.
-    config = JobConfiguration.objects.create(
-        org=tworld.org, name="c", machine_type=tworld.machine_type, command="true"
-    )
+    config = job_config(tworld.org, tworld.machine_type, "c", "true")
     assigned = timezone.now() - timedelta(seconds=5)
     for wait in (3, 40):
-        job = Job.objects.create(
-            org=tworld.org,
-            config=config,
-            machine_type=tworld.machine_type,
-            command="true",
-            status="succeeded",
-            assigned_at=assigned,
-        )
+        job = job_row(config, status="succeeded", assigned_at=assigned)
         Job.objects.filter(pk=job.pk).update(queued_at=assigned - timedelta(seconds=wait))  # auto_now_add
 
     args = ("--access-logfile", "-", "--access-logformat", "%(p)s %(r)s %(s)s")
-    with gunicorn(tmp_path, workers=2, threads=2, args=args, CATACLOUD_METRICS_TOKEN=TOKEN) as (url, web):
+    with TESTS.gunicorn(tmp_path, workers=2, threads=2, args=args, CATACLOUD_METRICS_TOKEN=TOKEN) as (
+        url,
+        web,
+    ):
         # Requests spread over both workers (a fresh connection each).
         for _ in range(30):
             assert requests.get(f"{url}/api/v1/machine-types/", timeout=10).status_code == 401

@@ -8,16 +8,16 @@ import pytest
 from django.test import Client
 
 from apps.core.models import Heartbeat
-from tests.support.processes import celery_beat, celery_worker, purge_broker, wait_for
+from testkit.processes import TESTS, purge_redis, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e]
 
 
 def test_beat_schedules_work_that_a_worker_runs_and_healthz_sees_both(tmp_path: Path) -> None:
-    purge_broker()
+    purge_redis()
     before = Client().get("/healthz").json()["checks"]
     assert before["beat"]["ok"] is False
-    with celery_worker(tmp_path), celery_beat(tmp_path) as beat:
+    with TESTS.celery_worker(tmp_path), TESTS.celery_beat(tmp_path) as beat:
         wait_for(lambda: Heartbeat.objects.filter(name="beat").exists(), 40, "beat's heartbeat task to run")
         from django.core.cache import cache
 

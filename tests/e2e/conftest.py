@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-from catacloud.providers.local import LocalProvider
+from testkit.processes import TESTS, Proc, purge_redis, stop_local_machines, wait_for
 from tests.conftest import World
-from tests.support.processes import Proc, celery_beat, celery_worker, purge_broker, wait_for
 
 FAST = {
     "CATACLOUD_HEARTBEAT_INTERVAL": "0.5",
@@ -47,19 +46,16 @@ class Stack:
 
 @pytest.fixture
 def stack(tworld: World, live_server: Any, tmp_path: Path) -> Iterator[Stack]:
-    purge_broker()
+    purge_redis()
     env = {**FAST, "CATACLOUD_PUBLIC_URL": live_server.url}
     state_dir = tworld.account.config["state_dir"]
     overrides = {k: float(v) for k, v in FAST.items()}
     with (
         override_settings(**overrides, CATACLOUD_PUBLIC_URL=live_server.url),
-        celery_worker(tmp_path, concurrency=4, **env) as worker,
-        celery_beat(tmp_path, **env) as beat,
+        TESTS.celery_worker(tmp_path, concurrency=4, **env) as worker,
+        TESTS.celery_beat(tmp_path, **env) as beat,
     ):
         try:
             yield Stack(world=tworld, url=live_server.url, worker=worker, beat=beat, tmp=tmp_path)
         finally:
-            # Never leave agent processes behind.
-            provider = LocalProvider(config={"state_dir": state_dir}, credentials={})
-            for machine in provider.list({}):
-                provider.delete(machine.provider_id)
+            stop_local_machines(state_dir)

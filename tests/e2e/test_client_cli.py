@@ -16,10 +16,10 @@ import pytest
 
 from apps.jobs.models import Job
 from apps.machines.models import MachineInstance
+from testkit.processes import wait_for
 from tests.conftest import World
 from tests.e2e.conftest import Stack
 from tests.e2e.test_jobs_and_agent import _agent_process, job_config
-from tests.support.processes import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

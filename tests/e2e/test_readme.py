@@ -146,7 +146,7 @@ def demo(transactional_db: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
     from apps.machines.models import ProviderAccount
     from apps.orgs.models import Organization
     from apps.orgs.services import api_token_create
-    from tests.support.processes import process_env
+    from testkit.processes import TESTS
 
     call_command("apply", str(DEMO_CATALOG), verbosity=0)
     resources = tmp_path / "resources.yaml"
@@ -174,7 +174,7 @@ def demo(transactional_db: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
     home = tmp_path / "home"
     home.mkdir()
     (home / "demo_token").write_text(token)
-    env = process_env()
+    env = TESTS.env()
     (home / ".env").write_text(
         "".join(f"{k}={env[k]}\n" for k in ("DATABASE_URL", "REDIS_URL", "CATACLOUD_EMBEDDED"))
     )
@@ -192,14 +192,14 @@ def demo(transactional_db: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
 def stack(demo: dict[str, Any], tmp_path: Path) -> Iterator[dict[str, Any]]:
     from django.test import override_settings
 
-    from tests.support.processes import celery_beat, celery_worker, gunicorn, purge_broker
+    from testkit.processes import TESTS, purge_redis
 
-    purge_broker()
+    purge_redis()
     with (
-        gunicorn(tmp_path, workers=2, threads=16, **FAST) as (url, web),
+        TESTS.gunicorn(tmp_path, workers=2, threads=16, **FAST) as (url, web),
         override_settings(**{k: float(v) for k, v in FAST.items()}, CATACLOUD_PUBLIC_URL=url),
-        celery_worker(tmp_path, concurrency=4, CATACLOUD_PUBLIC_URL=url, **FAST) as worker,
-        celery_beat(tmp_path, CATACLOUD_PUBLIC_URL=url, **FAST) as beat,
+        TESTS.celery_worker(tmp_path, concurrency=4, CATACLOUD_PUBLIC_URL=url, **FAST) as worker,
+        TESTS.celery_beat(tmp_path, CATACLOUD_PUBLIC_URL=url, **FAST) as beat,
     ):
         try:
             yield {**demo, "url": url, "port": url.rsplit(":", 1)[1]}

@@ -6,22 +6,21 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from apps.jobs.artifacts import artifacts_expire, get_store
-from apps.jobs.models import Artifact, Job, JobConfiguration
-from apps.machines.lifecycle import bootstrap_token_for
+from apps.jobs.models import Artifact, Job
 from apps.machines.models import MachineInstance
 from catacloud.storage import LocalStore, S3Store, Store
+from testkit.builders import enrolled_agent, job_config, job_row
+from testkit.servers import moto_client, moto_server
 from tests.conftest import World
 
 # ---- the store contract, run against both stores ------------------------------------------------
@@ -29,24 +28,10 @@ from tests.conftest import World
 
 @pytest.fixture(scope="module")
 def moto_s3() -> Iterator[Any]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    client = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{port}",
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
-    client.create_bucket(Bucket="outputs")
-    yield client
-    server.stop()
+    with moto_server() as url:
+        client = moto_client("s3", url)
+        client.create_bucket(Bucket="outputs")
+        yield client
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -93,34 +78,12 @@ def test_local_store_keys_cannot_escape(tmp_path: Path) -> None:
 def running_job(
     world: World, tmp_path: Path, retention_days: int = 7
 ) -> tuple[Job, APIClient, MachineInstance]:
-    instance = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
-        status="warming",
-        provider_id="p",
-    )
-    agent = APIClient()
-    token = agent.post(
-        "/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)}, format="json"
-    ).json()["agent_token"]
-    agent.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
-    config = JobConfiguration.objects.create(
-        org=world.org,
-        name=f"c{retention_days}",
-        machine_type=world.machine_type,
-        command="x",
-        artifact_retention_days=retention_days,
+    agent, instance = enrolled_agent(world.org, world.machine_type)
+    config = job_config(
+        world.org, world.machine_type, f"c{retention_days}", "x", artifact_retention_days=retention_days
     )
     MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
-    job = Job.objects.create(
-        org=world.org,
-        config=config,
-        machine_type=world.machine_type,
-        command="x",
-        status="running",
-        instance=instance,
-    )
+    job = job_row(config, status="running", instance=instance)
     MachineInstance.objects.filter(pk=instance.pk).update(claimed_for=f"job:{job.pk}")
     return job, agent, instance
 
@@ -133,14 +96,6 @@ def put(agent: APIClient, url: str, data: bytes, sha: str | None = None) -> Any:
         content_type="application/octet-stream",
         HTTP_X_CHECKSUM_SHA256=sha or hashlib.sha256(data).hexdigest(),
     )
-
-
-@pytest.fixture
-def local_storage(tmp_path: Path) -> Iterator[None]:
-    get_store.cache_clear()
-    with override_settings(CATACLOUD_STORAGE="local", CATACLOUD_STORAGE_DIR=str(tmp_path / "artifacts")):
-        yield
-    get_store.cache_clear()
 
 
 @pytest.mark.django_db

@@ -42,8 +42,9 @@ from apps.pools.services import pool_create, pool_drain, pool_refill
 from apps.resources.lifecycle import resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import build_well
+from testkit.builders import idle_machine, job_config, ready_members
 from tests.conftest import World
-from tests.jobs.test_scheduling import config, idle_machine, refresh, setup_type
+from tests.jobs.test_scheduling import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -154,7 +155,7 @@ def test_machines_outside_pools_that_never_become_ready_are_terminated(world: Wo
 @pytest.mark.django_db
 def test_a_terminate_message_lost_is_redriven(world: World, queue: Any) -> None:
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
+    machine = idle_machine(world.org, mt)
     lifecycle.instance_terminate(instance_id=machine.pk, actor="test")
     reaper_tick(now=later(settings.CATACLOUD_REDRIVE_AFTER + 1), reconcile=False)
     assert queue("terminate_instance_task") == [repr((str(machine.pk),))]
@@ -168,8 +169,8 @@ def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_a
     world: World,
 ) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt, max_attempts=1))
-    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt, max_attempts=1))
+    machine = idle_machine(world.org, mt)
     schedule()
     refresh(job)
     assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)
@@ -186,7 +187,7 @@ def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_a
     )
     assert job.instance_id is None
     # max_attempts 1 and yet it runs again: the operator's terminate did not use it up.
-    second = idle_machine(world, mt)
+    second = idle_machine(world.org, mt)
     schedule()
     job_started(instance=second, job_id=job.pk)
     refresh(job)
@@ -196,8 +197,8 @@ def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_a
 @pytest.mark.django_db
 def test_the_reaper_requeues_a_job_whose_machine_ended_behind_its_back(world: World) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt))
-    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    machine = idle_machine(world.org, mt)
     schedule()
     job_started(instance=machine, job_id=job.pk)
     # The terminate task recorded `terminated` and died before requeueing.
@@ -215,14 +216,14 @@ def test_the_reaper_requeues_a_job_whose_machine_ended_behind_its_back(world: Wo
 @pytest.mark.django_db
 def test_cancel_of_a_job_whose_machine_is_gone_ends_it(world: World) -> None:
     mt, grant = setup_type(world, max_concurrent_jobs=1)
-    job = job_submit(org=world.org, config=config(world, mt))
-    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    machine = idle_machine(world.org, mt)
     schedule()
     INSTANCE_STATES.move(machine.pk, to=S.TERMINATING)
     INSTANCE_STATES.move(machine.pk, to=S.TERMINATED)
     assert job_cancel(job=job).status == J.CANCELLED
     # Its max_concurrent_jobs slot is free again.
-    other = job_submit(org=world.org, config=config(world, mt, name="next"))
+    other = job_submit(org=world.org, config=job_config(world.org, mt, name="next"))
     schedule()
     refresh(other)
     assert other.status != J.QUEUED
@@ -232,8 +233,8 @@ def test_cancel_of_a_job_whose_machine_is_gone_ends_it(world: World) -> None:
 def test_an_agent_stopped_by_a_drain_reports_and_the_job_is_requeued_not_cancelled(world: World) -> None:
     mt, _ = setup_type(world)
     pool = pool_create(org=world.org, name="p", machine_type=mt, target_size=0, max_size=2)
-    member = idle_machine(world, mt, pool=pool)
-    job = job_submit(org=world.org, config=config(world, mt, max_attempts=3))
+    member = idle_machine(world.org, mt, pool=pool)
+    job = job_submit(org=world.org, config=job_config(world.org, mt, max_attempts=3))
     schedule()
     refresh(job)
     assert job.instance_id == member.pk
@@ -253,8 +254,8 @@ def test_an_agent_stopped_by_a_drain_reports_and_the_job_is_requeued_not_cancell
 @pytest.mark.django_db
 def test_a_job_that_succeeds_just_before_its_machine_goes_keeps_its_success(world: World) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt))
-    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    machine = idle_machine(world.org, mt)
     schedule()
     job_started(instance=machine, job_id=job.pk)
     lifecycle.instance_terminate(instance_id=machine.pk, actor="admin:ops")
@@ -266,8 +267,8 @@ def test_a_job_that_succeeds_just_before_its_machine_goes_keeps_its_success(worl
 @pytest.mark.django_db
 def test_a_job_assigned_but_never_started_is_requeued_and_its_machine_retired(world: World) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt))
-    machine = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    machine = idle_machine(world.org, mt)
     schedule()
     deadline = later(settings.CATACLOUD_ASSIGN_TIMEOUT + 1)
     MachineInstance.objects.filter(pk=machine.pk).update(last_heartbeat_at=deadline)  # alive, yet idle
@@ -348,7 +349,7 @@ def test_pools_created_at_once_never_pass_max_instances(tworld: World) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_refills_and_placement_at_once_never_pass_max_instances(tworld: World) -> None:
     mt, grant = setup_type(tworld, max_instances=5, max_pool_size=10, max_concurrent_jobs=50)
-    cfg = config(tworld, mt)
+    cfg = job_config(tworld.org, mt)
     pools = [
         pool_create(org=tworld.org, name=f"p{i}", machine_type=mt, target_size=3, max_size=3)
         for i in range(2)
@@ -387,8 +388,8 @@ def test_terminating_machines_still_count_against_max_instances(world: World) ->
 @pytest.mark.django_db
 def test_a_repeated_uploads_done_for_an_old_job_does_not_release_the_next_jobs_machine(world: World) -> None:
     mt, _ = setup_type(world)
-    cfg = config(world, mt)
-    machine = idle_machine(world, mt)
+    cfg = job_config(world.org, mt)
+    machine = idle_machine(world.org, mt)
     first = job_submit(org=world.org, config=cfg)
     schedule()
     job_started(instance=machine, job_id=first.pk)
@@ -428,8 +429,8 @@ def _agent_token(machine: MachineInstance) -> str:
 @pytest.mark.django_db
 def test_a_machine_held_for_uploads_that_never_finish_is_released(world: World) -> None:
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
-    job = job_submit(org=world.org, config=config(world, mt))
+    machine = idle_machine(world.org, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     job_started(instance=machine, job_id=job.pk)
     job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0, uploads_pending=3)
@@ -451,8 +452,8 @@ def test_the_console_cannot_delete_a_running_job_or_a_live_machine(world: World)
     from django.contrib.admin.sites import site
 
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
-    job = job_submit(org=world.org, config=config(world, mt))
+    machine = idle_machine(world.org, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     job_started(instance=machine, job_id=job.pk)
     operator = world.users["admin"]
@@ -481,8 +482,8 @@ def _request(user: Any) -> Any:
 @pytest.mark.django_db
 def test_a_machine_claimed_for_a_deleted_job_is_terminated(world: World) -> None:
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
-    job = job_submit(org=world.org, config=config(world, mt))
+    machine = idle_machine(world.org, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     Job.objects.filter(pk=job.pk).delete()  # e.g. the org deleted in the console
     reaper_tick(reconcile=False)
@@ -528,8 +529,8 @@ def test_acquire_with_a_lease_expires_and_release_hands_the_machine_back(world: 
 @pytest.mark.django_db
 def test_release_refuses_a_machine_that_runs_a_job(world: World) -> None:
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
-    job_submit(org=world.org, config=config(world, mt))
+    machine = idle_machine(world.org, mt)
+    job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     answer = world.client("member").post(f"/api/v1/instances/{machine.pk}/release/")
     assert answer.status_code == 409 and answer.json()["code"] == "held_by_job"
@@ -564,7 +565,9 @@ def test_with_the_broker_down_the_api_answers_and_a_committed_claim_is_201(tworl
             assert claimed.status_code == 201
             refresh(member)
             assert member.status == S.CLAIMED
-            submitted = api.post("/api/v1/jobs/", {"config": str(config(world, mt).pk)}, format="json")
+            submitted = api.post(
+                "/api/v1/jobs/", {"config": str(job_config(world.org, mt).pk)}, format="json"
+            )
             assert submitted.status_code == 201
             status, body = _health()
             assert status == 503 and body["checks"]["broker"]["ok"] is False
@@ -601,9 +604,9 @@ def _health() -> tuple[int, dict]:
 def test_every_status_change_records_when_it_happened(tworld: World) -> None:
     world = tworld
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
+    machine = idle_machine(world.org, mt)
     before = timezone.now()
-    job = job_submit(org=world.org, config=config(world, mt))
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     refresh(job, machine)
     assert job.status_changed_at >= before and machine.status_changed_at >= before
@@ -617,22 +620,9 @@ def test_claims_refills_and_placement_at_once_never_deadlock(tworld: World) -> N
     from apps.pools.services import pool_claim
 
     mt, _ = setup_type(tworld, max_instances=60, max_pool_size=40, max_concurrent_jobs=100)
-    cfg = config(tworld, mt)
+    cfg = job_config(tworld.org, mt)
     pool = pool_create(org=tworld.org, name="hot", machine_type=mt, target_size=20, max_size=40)
-    now = timezone.now()
-    MachineInstance.objects.bulk_create(
-        MachineInstance(
-            org=tworld.org,
-            machine_type=mt,
-            provider_account=mt.provider_account,
-            machine_type_version=mt.version,
-            pool=pool,
-            status=S.READY,
-            ready_at=now,
-            last_heartbeat_at=now,
-        )
-        for _ in range(30)
-    )
+    ready_members(pool, 30)
 
     def ten_times(fn: Any) -> Any:
         def run() -> None:

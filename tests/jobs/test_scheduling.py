@@ -17,17 +17,17 @@ from apps.events.models import Event
 from apps.jobs.admission import admit
 from apps.jobs.choices import JobStatus
 from apps.jobs.convergence import jobs_time_out
-from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.models import Job
 from apps.jobs.placement import place
 from apps.jobs.reports import job_finished, job_started, jobs_requeue_for_instance
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_mark_lost
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.retention import idle_machines_retire
 from apps.pools.services import pool_create
-from catacloud.providers.fake import FakeProvider
+from testkit.builders import fake_machine_type, idle_machine, job_config, job_row
 from tests.conftest import World
 
 J = JobStatus
@@ -35,39 +35,16 @@ S = InstanceStatus
 
 
 def setup_type(world: World, *, cpus: int = 32, **grant: Any) -> tuple[MachineType, OrgMachineType]:
-    FakeProvider.reset()
-    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "jobs"})
-    mt = MachineType.objects.create(
+    """The jobs tests' machine type on the fake cloud: big, 0.50 per started hour."""
+    return fake_machine_type(
+        world.org,
+        account="jobs",
         name="big",
-        provider_account=account,
-        server_type="f",
         cpus=cpus,
         memory_mb=65536,
         price_per_hour=Decimal("0.50"),
         billing_increment_seconds=3600,
-    )
-    defaults = {"max_concurrent_jobs": 100, "max_instances": 100, "max_pool_size": 10}
-    g = OrgMachineType.objects.create(org=world.org, machine_type=mt, **{**defaults, **grant})
-    return mt, g
-
-
-def config(world: World, mt: MachineType, name: str = "train", **fields: Any) -> JobConfiguration:
-    return JobConfiguration.objects.create(org=world.org, name=name, machine_type=mt, command="run", **fields)
-
-
-def idle_machine(world: World, mt: MachineType, **fields: Any) -> MachineInstance:
-    now = timezone.now()
-    return MachineInstance.objects.create(
-        org=world.org,
-        machine_type=mt,
-        provider_account=mt.provider_account,
-        machine_type_version=mt.version,
-        status=S.READY,
-        ready_at=now,
-        provisioning_started_at=now,
-        last_heartbeat_at=now,
-        provider_id="f-1",
-        **fields,
+        grant={"max_concurrent_jobs": 100, "max_instances": 100, "max_pool_size": 10, **grant},
     )
 
 
@@ -79,7 +56,7 @@ def refresh(*objs: Any) -> None:
 @pytest.mark.django_db
 def test_kueue_example_cpu_quota_admits_two_of_three(world: World) -> None:
     mt, _ = setup_type(world, cpus=32, cpu_quota=64)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     jobs = [job_submit(org=world.org, config=cfg) for _ in range(3)]
     assert admit() == 2
     refresh(*jobs)
@@ -98,11 +75,11 @@ def test_priority_then_fifo_and_a_blocked_type_does_not_block_others(world: Worl
         name="small2", provider_account=mt.provider_account, server_type="s", cpus=1, memory_mb=1024
     )
     OrgMachineType.objects.create(org=world.org, machine_type=small)
-    low, high = config(world, mt, "low", priority=0), config(world, mt, "high", priority=10)
+    low, high = job_config(world.org, mt, "low", priority=0), job_config(world.org, mt, "high", priority=10)
     first_low = job_submit(org=world.org, config=low)
     first_high = job_submit(org=world.org, config=high)
     second_high = job_submit(org=world.org, config=high)
-    other = job_submit(org=world.org, config=config(world, small, "other"))
+    other = job_submit(org=world.org, config=job_config(world.org, small, "other"))
     assert admit() == 2
     refresh(first_low, first_high, second_high, other)
     assert first_high.status == J.WAITING_FOR_MACHINE  # priority first
@@ -114,7 +91,7 @@ def test_priority_then_fifo_and_a_blocked_type_does_not_block_others(world: Worl
 @pytest.mark.django_db(transaction=True)
 def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
     mt, _ = setup_type(tworld, cpus=4, cpu_quota=28, max_concurrent_jobs=50)  # room for 7
-    cfg = config(tworld, mt)
+    cfg = job_config(tworld.org, mt)
     for _ in range(40):
         job_submit(org=tworld.org, config=cfg)
     barrier = threading.Barrier(4)
@@ -144,9 +121,9 @@ def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
 def test_placement_prefers_a_warm_pool(world: World) -> None:
     mt, _ = setup_type(world)
     pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1, max_size=2)
-    member = idle_machine(world, mt, pool=pool)
-    spare = idle_machine(world, mt)  # an idle machine exists too, but the pool comes first
-    job = job_submit(org=world.org, config=config(world, mt))
+    member = idle_machine(world.org, mt, pool=pool)
+    spare = idle_machine(world.org, mt)  # an idle machine exists too, but the pool comes first
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     report = schedule()
     assert (report.admitted, report.assigned) == (1, 1)
     refresh(job, member, spare)
@@ -158,9 +135,9 @@ def test_placement_prefers_a_warm_pool(world: World) -> None:
 @pytest.mark.django_db
 def test_placement_reuses_the_idle_machine_that_ran_the_same_config(world: World) -> None:
     mt, _ = setup_type(world)
-    cfg, other = config(world, mt, "a"), config(world, mt, "b")
-    older = idle_machine(world, mt, last_config=other)
-    warm_cache = idle_machine(world, mt, last_config=cfg)
+    cfg, other = job_config(world.org, mt, "a"), job_config(world.org, mt, "b")
+    older = idle_machine(world.org, mt, last_config=other)
+    warm_cache = idle_machine(world.org, mt, last_config=cfg)
     MachineInstance.objects.filter(pk=older.pk).update(ready_at=timezone.now() - timedelta(minutes=5))
     job = job_submit(org=world.org, config=cfg)
     schedule()
@@ -171,7 +148,7 @@ def test_placement_reuses_the_idle_machine_that_ran_the_same_config(world: World
 @pytest.mark.django_db
 def test_placement_provisions_within_max_instances_then_waits(world: World) -> None:
     mt, _ = setup_type(world, max_instances=2)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     jobs = [job_submit(org=world.org, config=cfg) for _ in range(3)]
     report = schedule()
     assert (report.admitted, report.provisioned, report.waiting) == (3, 2, 3)
@@ -188,25 +165,19 @@ def test_placement_provisions_within_max_instances_then_waits(world: World) -> N
 @pytest.mark.django_db
 def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: World) -> None:
     mt, grant = setup_type(world, policy="cost", max_wait_seconds=300)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     # History: this configuration usually runs for 2 minutes.
     t0 = timezone.now() - timedelta(hours=1)
     for _ in range(3):
-        Job.objects.create(
-            org=world.org,
-            config=cfg,
-            machine_type=mt,
-            command="x",
+        job_row(
+            cfg,
             status=J.SUCCEEDED,
             started_at=t0,
             finished_at=t0 + timedelta(minutes=2),
         )
-    busy = idle_machine(world, mt)
-    running = Job.objects.create(
-        org=world.org,
-        config=cfg,
-        machine_type=mt,
-        command="x",
+    busy = idle_machine(world.org, mt)
+    running = job_row(
+        cfg,
         status=J.RUNNING,
         instance=busy,
         started_at=timezone.now(),
@@ -230,8 +201,8 @@ def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: Wo
 def test_finished_reuse_job_keeps_the_machine_and_ephemeral_destroys_it(world: World) -> None:
     mt, _ = setup_type(world)
     for reuse, expected in (("reuse", S.READY), ("ephemeral", S.TERMINATING)):
-        machine = idle_machine(world, mt)
-        job = job_submit(org=world.org, config=config(world, mt, reuse, reuse=reuse))
+        machine = idle_machine(world.org, mt)
+        job = job_submit(org=world.org, config=job_config(world.org, mt, reuse, reuse=reuse))
         schedule()
         refresh(job)
         assert job.instance_id == machine.pk
@@ -248,10 +219,10 @@ def test_finished_reuse_job_keeps_the_machine_and_ephemeral_destroys_it(world: W
 @pytest.mark.django_db
 def test_billing_aware_retention(world: World) -> None:
     mt, _ = setup_type(world)  # hourly billing
-    machine = idle_machine(world, mt)
+    machine = idle_machine(world.org, mt)
     started = machine.provisioning_started_at
     assert idle_machines_retire(now=started + timedelta(minutes=30)) == 0  # within its paid hour: kept
-    job = job_submit(org=world.org, config=config(world, mt))
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
     schedule()
     refresh(job)
     assert job.instance_id == machine.pk  # reused within the paid hour
@@ -269,9 +240,9 @@ def test_billing_aware_retention(world: World) -> None:
 @pytest.mark.django_db
 def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt, max_attempts=2))
+    job = job_submit(org=world.org, config=job_config(world.org, mt, max_attempts=2))
     for attempt, expected in ((1, J.QUEUED), (2, J.FAILED)):
-        machine = idle_machine(world, mt)
+        machine = idle_machine(world.org, mt)
         schedule()
         refresh(job)
         assert job.attempt == attempt and job.instance_id == machine.pk
@@ -287,12 +258,12 @@ def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) ->
 @pytest.mark.django_db
 def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World) -> None:
     mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=config(world, mt))
-    first = idle_machine(world, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    first = idle_machine(world.org, mt)
     schedule()
     job_started(instance=first, job_id=job.pk)
     jobs_requeue_for_instance(instance=first, cause="machine_lost", detail="agent silent")
-    second = idle_machine(world, mt)
+    second = idle_machine(world.org, mt)
     schedule()
     refresh(job)
     assert job.instance_id == second.pk
@@ -308,7 +279,7 @@ def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World)
 @pytest.mark.django_db
 def test_cancel_in_each_state(world: World) -> None:
     mt, _ = setup_type(world, max_instances=0)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     queued = job_submit(org=world.org, config=cfg)
     assert job_cancel(job=queued).status == J.CANCELLED
     waiting = job_submit(org=world.org, config=cfg)
@@ -317,7 +288,7 @@ def test_cancel_in_each_state(world: World) -> None:
     assert waiting.status == J.WAITING_FOR_MACHINE
     assert job_cancel(job=waiting).status == J.CANCELLED
     OrgMachineType.objects.filter(machine_type=mt).update(max_instances=5)
-    machine = idle_machine(world, mt)
+    machine = idle_machine(world.org, mt)
     running = job_submit(org=world.org, config=cfg)
     schedule()
     job_started(instance=machine, job_id=running.pk)
@@ -335,8 +306,8 @@ def test_cancel_in_each_state(world: World) -> None:
 @pytest.mark.django_db
 def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> None:
     mt, _ = setup_type(world)
-    machine = idle_machine(world, mt)
-    job = job_submit(org=world.org, config=config(world, mt, timeout_seconds=60))
+    machine = idle_machine(world.org, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt, timeout_seconds=60))
     schedule()
     job_started(instance=machine, job_id=job.pk)
     jobs_time_out(now=timezone.now() + timedelta(minutes=10))
@@ -348,7 +319,7 @@ def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> N
 @pytest.mark.django_db
 def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
     mt, _ = setup_type(world, max_instances=1)
-    job_submit(org=world.org, config=config(world, mt))
+    job_submit(org=world.org, config=job_config(world.org, mt))
     admit()
     assert place() == (0, 1, 1)
     assert place() == (0, 0, 1)

@@ -2,52 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from apps.jobs.models import Job, JobConfiguration
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import bootstrap_token_for
 from apps.machines.models import MachineInstance
 from apps.pools.services import pool_create
+from testkit.builders import enroll, job_config, job_row, warming_instance
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
 
 
-def warming(world: World, **fields: Any) -> MachineInstance:
-    return MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
-        status=S.WARMING,
-        provisioning_started_at=timezone.now(),
-        provider_id="p-1",
-        **fields,
-    )
-
-
-def enroll(instance: MachineInstance) -> tuple[APIClient, str]:
-    client = APIClient()
-    response = client.post(
-        "/api/agent/v1/enroll",
-        {"bootstrap_token": bootstrap_token_for(instance.pk), "hostname": "box"},
-        format="json",
-    )
-    assert response.status_code == 200, response.content
-    token = response.json()["agent_token"]
-    client.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
-    return client, token
-
-
 def test_enroll_then_heartbeat_makes_the_member_ready(world: World) -> None:
     pool = pool_create(org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=1)
-    instance = warming(world, pool=pool)
+    instance = warming_instance(world.org, world.machine_type, pool=pool)
     client, token = enroll(instance)
     instance.refresh_from_db()
     assert (
@@ -61,7 +34,7 @@ def test_enroll_then_heartbeat_makes_the_member_ready(world: World) -> None:
 
 def test_the_async_agent_endpoints_need_no_csrf_cookie(world: World) -> None:
     """Agents send a token header, never a cookie: the web's CSRF check must not refuse them."""
-    agent, token = enroll(warming(world))
+    agent, token = enroll(warming_instance(world.org, world.machine_type))
     strict = APIClient(enforce_csrf_checks=True)
     strict.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
     assert strict.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
@@ -69,7 +42,7 @@ def test_the_async_agent_endpoints_need_no_csrf_cookie(world: World) -> None:
 
 
 def test_a_bootstrap_token_works_once_and_a_forged_one_never(world: World) -> None:
-    instance = warming(world)
+    instance = warming_instance(world.org, world.machine_type)
     enroll(instance)
     again = APIClient().post(
         "/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)}, format="json"
@@ -81,7 +54,7 @@ def test_a_bootstrap_token_works_once_and_a_forged_one_never(world: World) -> No
 
 
 def test_user_tokens_cannot_reach_agent_endpoints_and_agent_tokens_cannot_reach_the_api(world: World) -> None:
-    instance = warming(world)
+    instance = warming_instance(world.org, world.machine_type)
     agent, token = enroll(instance)
     user = world.client("admin")
     assert user.post("/api/agent/v1/heartbeat", {}, format="json").status_code == 401
@@ -94,19 +67,13 @@ def test_user_tokens_cannot_reach_agent_endpoints_and_agent_tokens_cannot_reach_
 
 
 def test_an_agent_reaches_only_its_own_jobs(world: World) -> None:
-    mine, other = warming(world), warming(world)
+    mine, other = (
+        warming_instance(world.org, world.machine_type),
+        warming_instance(world.org, world.machine_type),
+    )
     agent, _ = enroll(mine)
-    config = JobConfiguration.objects.create(
-        org=world.org, name="c", machine_type=world.machine_type, command="x"
-    )
-    theirs = Job.objects.create(
-        org=world.org,
-        config=config,
-        machine_type=world.machine_type,
-        command="x",
-        status="assigned",
-        instance=other,
-    )
+    config = job_config(world.org, world.machine_type, "c", "x")
+    theirs = job_row(config, status="assigned", instance=other)
     assert agent.get("/api/agent/v1/work?wait=0").status_code == 204  # not handed another machine's job
     assert agent.post(f"/api/agent/v1/jobs/{theirs.pk}/started").status_code == 409
     logs = agent.post(
@@ -125,7 +92,7 @@ def test_an_agent_reaches_only_its_own_jobs(world: World) -> None:
 
 
 def test_an_ended_machines_agent_is_refused(world: World) -> None:
-    instance = warming(world)
+    instance = warming_instance(world.org, world.machine_type)
     agent, _ = enroll(instance)
     MachineInstance.objects.filter(pk=instance.pk).update(status=S.LOST)
     response = agent.post("/api/agent/v1/heartbeat", {}, format="json")
@@ -133,20 +100,11 @@ def test_an_ended_machines_agent_is_refused(world: World) -> None:
 
 
 def test_a_spot_interruption_requeues_the_job_and_retires_the_machine(world: World) -> None:
-    instance = warming(world)
+    instance = warming_instance(world.org, world.machine_type)
     agent, _ = enroll(instance)
     MachineInstance.objects.filter(pk=instance.pk).update(status=S.CLAIMED)
-    config = JobConfiguration.objects.create(
-        org=world.org, name="c", machine_type=world.machine_type, command="x"
-    )
-    job = Job.objects.create(
-        org=world.org,
-        config=config,
-        machine_type=world.machine_type,
-        command="x",
-        status="running",
-        instance=instance,
-    )
+    config = job_config(world.org, world.machine_type, "c", "x")
+    job = job_row(config, status="running", instance=instance)
     response = agent.post(
         "/api/agent/v1/interruption", {"kind": "spot", "detail": "terminate at 12:00"}, format="json"
     )
@@ -165,14 +123,12 @@ def test_metrics_show_pool_members_and_the_job_queue(world: World) -> None:
     pool = pool_create(
         org=world.org, name="gauge", machine_type=world.machine_type, target_size=1, max_size=2
     )
-    warming(world, pool=pool)
-    ready = warming(world, pool=pool)
+    warming_instance(world.org, world.machine_type, pool=pool)
+    ready = warming_instance(world.org, world.machine_type, pool=pool)
     MachineInstance.objects.filter(pk=ready.pk).update(status=S.READY, ready_at=timezone.now())
     pool_claim(pool_id=pool.pk)
-    config = JobConfiguration.objects.create(
-        org=world.org, name="c", machine_type=world.machine_type, command="x"
-    )
-    Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x")
+    config = job_config(world.org, world.machine_type, "c", "x")
+    job_row(config)
     with override_settings(CATACLOUD_METRICS_TOKEN="scrape"):
         body = APIClient().get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
     assert 'catacloud_pool_members{org="acme",pool="gauge",status="warming"} 1.0' in body

@@ -21,8 +21,9 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_create, pool_refill
+from testkit.builders import job_config
 from tests.conftest import World
-from tests.jobs.test_scheduling import config, refresh, setup_type
+from tests.jobs.test_scheduling import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -53,7 +54,7 @@ def run(job: Job) -> MachineInstance:
 def test_budget_stops_buying_paid_machines_still_run_and_raising_it_lets_the_job_run(world: World) -> None:
     # Given an org with a 1.00 USD monthly budget on machines billed 0.50 per started hour
     mt, _ = setup_type(world)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     budget = budget_set(org=world.org, amount="1.00", period="month")
     # When two jobs run at once, each on a new machine (0.50 committed each)
     first = job_submit(org=world.org, config=cfg)
@@ -99,7 +100,7 @@ def test_budget_stops_buying_paid_machines_still_run_and_raising_it_lets_the_job
 @pytest.mark.django_db
 def test_placement_buys_only_what_the_budget_allows_and_says_why(world: World) -> None:
     mt, _ = setup_type(world)
-    cfg = config(world, mt)
+    cfg = job_config(world.org, mt)
     budget_set(org=world.org, amount="1.20", machine_type=mt, period="day")
     jobs = [job_submit(org=world.org, config=cfg) for _ in range(4)]
     report = schedule()

@@ -23,8 +23,9 @@ from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
 from apps.pools.models import InstancePool
+from testkit.builders import idle_machine, job_config, job_row
 from tests.conftest import World
-from tests.jobs.test_scheduling import idle_machine, refresh
+from tests.jobs.test_scheduling import refresh
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
@@ -44,10 +45,9 @@ def history(world: World) -> dict:
     mt.save()
     t0 = timezone.now().replace(microsecond=0) - timedelta(hours=3)
     pool = InstancePool.objects.create(org=world.org, name="ci", machine_type=mt, target_size=1, max_size=1)
-    cfg_a = JobConfiguration.objects.create(org=world.org, name="unit", machine_type=mt, command="x")
-    cfg_b = JobConfiguration.objects.create(org=world.org, name="lint", machine_type=mt, command="x")
-    a = Job.objects.create(org=world.org, config=cfg_a, machine_type=mt, command="x", status="succeeded")
-    b = Job.objects.create(org=world.org, config=cfg_b, machine_type=mt, command="x", status="succeeded")
+    cfg_a, cfg_b = job_config(world.org, mt, "unit", "x"), job_config(world.org, mt, "lint", "x")
+    a = job_row(cfg_a, status="succeeded")
+    b = job_row(cfg_b, status="succeeded")
     m = MachineInstance.objects.create(
         org=world.org,
         machine_type=mt,
@@ -106,7 +106,7 @@ def test_job_and_instance_detail_show_their_cost(world: World, history: dict) ->
 
 
 def test_a_live_machine_shows_committed_and_accrued(world: World) -> None:
-    m = idle_machine(world, world.machine_type)  # 0.01/h, hourly, just started
+    m = idle_machine(world.org, world.machine_type)  # 0.01/h, hourly, just started
     MachineInstance.objects.filter(pk=m.pk).update(
         provisioning_started_at=timezone.now() - timedelta(minutes=30)
     )
@@ -151,7 +151,7 @@ def test_export_costs_csv_sums_to_the_billed_cost(world: World, history: dict) -
 def test_real_services_attribute_a_job_and_parts_sum_to_the_recorded_cost(world: World) -> None:
     # Given a job run through the scheduler and the agent's reports on an idle machine
     mt = world.machine_type
-    m = idle_machine(world, mt)
+    m = idle_machine(world.org, mt)
     cfg = JobConfiguration.objects.create(org=world.org, name="build", machine_type=mt, command="x")
     job = job_submit(org=world.org, config=cfg)
     schedule()

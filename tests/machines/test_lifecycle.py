@@ -5,7 +5,6 @@ bodies are called directly (crash points are simulated between them)."""
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -16,10 +15,12 @@ from django.utils import timezone
 from apps.events.models import Event
 from apps.machines import lifecycle
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.models import MachineInstance, MachineType
 from apps.machines.reconcile import reconcile_account
 from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, ProviderError
+from testkit.builders import granted_type, provider_account
+from testkit.servers import moto_client, moto_server
 from tests.conftest import World
 from tests.fakes.hetzner_api import FakeHetzner
 
@@ -38,33 +39,27 @@ def fake_hetzner() -> Iterator[FakeHetzner]:
 @pytest.fixture
 def hetzner(world: World, fake_hetzner: FakeHetzner) -> MachineType:
     fake_hetzner.reset()
-    account = ProviderAccount(
-        name="hz",
-        kind="hetzner",
-        config={
-            "api_endpoint": fake_hetzner.url,
-            "location": "fsn1",
-            "poll_interval": 0.001,
-            "retry_backoff": 0.001,
-            "retry_max_delay": 0.01,
-            "retry_attempts": 2,
-            "timeout": 2,
-        },
-    )
-    account.credentials = {"token": TOKEN}
-    account.save()
-    mt = MachineType.objects.create(
-        name="cx22",
-        provider_account=account,
+    config = {
+        "api_endpoint": fake_hetzner.url,
+        "location": "fsn1",
+        "poll_interval": 0.001,
+        "retry_backoff": 0.001,
+        "retry_max_delay": 0.01,
+        "retry_attempts": 2,
+        "timeout": 2,
+    }
+    account = provider_account("hetzner", "hz", config, credentials={"token": TOKEN})
+    return granted_type(
+        world.org,
+        account,
+        "cx22",
         server_type="cx22",
         image="ubuntu-24.04",
         location="fsn1",
-        cpus=2,
         memory_mb=4096,
         price_per_hour=Decimal("0.006"),
-    )
-    world.org.machine_type_grants.create(machine_type=mt, max_instances=1000)
-    return mt
+        grant={"max_instances": 1000},
+    )[0]
 
 
 def provision(instance_id: Any, attempts: int = 6) -> None:
@@ -272,59 +267,36 @@ def test_soak_hetzner_500_cycles_with_faults(
 
 @pytest.fixture(scope="module")
 def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture
 def aws(world: World, moto_url: str) -> MachineType:
-    import boto3
-
-    ec2 = boto3.client(
-        "ec2",
-        region_name="eu-central-1",
-        endpoint_url=moto_url,
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
+    ec2 = moto_client("ec2", moto_url, "eu-central-1")
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    account = ProviderAccount(
-        name="aws", kind="aws", config={"region": "eu-central-1", "endpoint_url": moto_url}
+    account = provider_account(
+        "aws",
+        "aws",
+        {"region": "eu-central-1", "endpoint_url": moto_url},
+        credentials={"access_key_id": "test", "secret_access_key": "test"},
     )
-    account.credentials = {"access_key_id": "test", "secret_access_key": "test"}
-    account.save()
-    mt = MachineType.objects.create(
-        name="t3",
-        provider_account=account,
+    return granted_type(
+        world.org,
+        account,
+        "t3",
         server_type="t3.micro",
         image=ami,
-        cpus=2,
         memory_mb=1024,
         billing_increment_seconds=1,
         min_billed_seconds=60,
         price_per_hour=Decimal("0.0104"),
-    )
-    world.org.machine_type_grants.create(machine_type=mt, max_instances=1000)
-    return mt
+        grant={"max_instances": 1000},
+    )[0]
 
 
 def test_aws_lifecycle_tags_adopt_and_terminate(world: World, aws: MachineType, moto_url: str) -> None:
-    import boto3
-
-    ec2 = boto3.client(
-        "ec2",
-        region_name="eu-central-1",
-        endpoint_url=moto_url,
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
+    ec2 = moto_client("ec2", moto_url, "eu-central-1")
     instance = lifecycle.instance_request(org=world.org, machine_type=aws)
     provision(instance.pk)
     instance.refresh_from_db()

@@ -23,40 +23,17 @@ from apps.pools.convergence import apply_schedules
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_claim, pool_create, pool_drain, pool_refill, pool_update
 from catacloud.providers.fake import FakeProvider
+from testkit.builders import fake_machine_type, ready_members
+from testkit.processes import database_url, wait_for
 from tests.conftest import World
-from tests.support.processes import wait_for
 
 S = InstanceStatus
+GRANT = {"max_pool_size": 200, "max_instances": 200}
 
 
 @pytest.fixture
 def fake_type(world: World) -> MachineType:
-    FakeProvider.reset()
-    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "pools"})
-    mt = MachineType.objects.create(
-        name="f1", provider_account=account, server_type="f", cpus=2, memory_mb=2048
-    )
-    world.org.machine_type_grants.create(machine_type=mt, max_pool_size=200, max_instances=200)
-    return mt
-
-
-def ready_members(pool: InstancePool, n: int, **fields: Any) -> list[MachineInstance]:
-    now = timezone.now()
-    return MachineInstance.objects.bulk_create(
-        MachineInstance(
-            org_id=pool.org_id,
-            machine_type=pool.machine_type,
-            provider_account=pool.machine_type.provider_account,
-            machine_type_version=pool.machine_type.version,
-            pool=pool,
-            status=S.READY,
-            ready_at=now + timedelta(microseconds=i),
-            provisioning_started_at=now,
-            last_heartbeat_at=now,
-            **fields,
-        )
-        for i in range(n)
-    )
+    return fake_machine_type(world.org, account="pools", grant=GRANT)[0]
 
 
 def provision_all() -> None:
@@ -257,17 +234,11 @@ def test_reaper_queries_do_not_grow_with_the_number_of_pools(world: World, fake_
 def test_only_one_reaper_runs_at_a_time(world: World) -> None:
     from apps.core.locks import REAPER
 
-    with psycopg.connect(_dsn(), autocommit=True) as other:
+    with psycopg.connect(database_url(), autocommit=True) as other:
         other.execute("SELECT pg_advisory_lock(%s)", [REAPER])
         assert reaper_tick(reconcile=False).ran is False
         other.execute("SELECT pg_advisory_unlock(%s)", [REAPER])
     assert reaper_tick(reconcile=False).ran is True
-
-
-def _dsn() -> str:
-    from tests.support.processes import test_database_url
-
-    return test_database_url()
 
 
 # ---- concurrency: real threads, one connection each -------------------------------------------
@@ -275,12 +246,7 @@ def _dsn() -> str:
 
 @pytest.mark.django_db(transaction=True)
 def test_64_threads_race_for_100_members_and_nobody_gets_one_twice(tworld: World) -> None:
-    FakeProvider.reset()
-    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "race"})
-    mt = MachineType.objects.create(
-        name="f1", provider_account=account, server_type="f", cpus=2, memory_mb=2048
-    )
-    tworld.org.machine_type_grants.create(machine_type=mt, max_pool_size=200, max_instances=200)
+    mt, _ = fake_machine_type(tworld.org, account="race", grant=GRANT)
     pool = pool_create(org=tworld.org, name="race", machine_type=mt, target_size=100, max_size=100)
     ready_members(pool, 100)
     attempts_per_thread, threads_n = 16, 64  # 1,024 attempts
@@ -332,7 +298,7 @@ def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld
     tworld.org.machine_type_grants.create(machine_type=mt, max_pool_size=10, max_instances=10)
     pool = pool_create(org=tworld.org, name="p", machine_type=mt, target_size=1, max_size=1)
     (member,) = ready_members(pool, 1)
-    with psycopg.connect(_dsn()) as other:
+    with psycopg.connect(database_url()) as other:
         other.execute("SELECT id FROM machines_machineinstance WHERE id = %s FOR UPDATE", [member.pk])
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '1s'")

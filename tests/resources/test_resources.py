@@ -4,9 +4,7 @@ real counterpart (Catacloud's own API, a real PostgreSQL server, a local HTTP se
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psycopg
@@ -23,6 +21,8 @@ from apps.orgs.models import Privilege
 from apps.resources.lifecycle import release_for_job, resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import WellTransient
+from testkit.builders import job_config
+from testkit.servers import JsonServer
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -30,11 +30,7 @@ J = JobStatus
 
 
 def config_with(world: World, *type_ids: str, name: str = "needs") -> JobConfiguration:
-    config = JobConfiguration.objects.create(
-        org=world.org, name=name, machine_type=world.machine_type, command="x"
-    )
-    config.resource_types.set(type_ids)
-    return config
+    return job_config(world.org, world.machine_type, name, "x", resource_types=type_ids)
 
 
 def admitted_job(world: World, config: JobConfiguration) -> Job:
@@ -143,9 +139,9 @@ def test_the_database_well_connects_during_the_job_and_is_gone_after(tworld: Wor
         conn.execute("INSERT INTO t VALUES (42)")
         assert conn.execute("SELECT current_user").fetchone()[0] == resource.metadata["user"]
     release(job)
-    from tests.support.processes import test_database_url
+    from testkit.processes import database_url
 
-    with psycopg.connect(test_database_url()) as admin:
+    with psycopg.connect(database_url()) as admin:
         assert not admin.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", [resource.metadata["dbname"]]
         ).fetchone()
@@ -159,56 +155,40 @@ def test_the_database_well_connects_during_the_job_and_is_gone_after(tworld: Wor
 # ---- the webhook well against a local HTTP server ---------------------------------------------
 
 
-class Rack(BaseHTTPRequestHandler):
+class Rack(JsonServer):
     """A pretend external system: creates accounts; its destroy fails the first times."""
 
-    calls: list[tuple[str, dict]] = []
-    destroy_failures = 0
+    def __init__(self, destroy_failures: int) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.destroy_failures = destroy_failures
+        super().__init__(self.respond)
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Rack.calls.append((self.path, body))
-        if self.path == "/create":
-            answer, code = (
-                {
-                    "id": f"acct-{body['resource_id'][:8]}",
-                    "metadata": {"account": "a1"},
-                    "secret": {"password": "pw"},
-                },
-                200,
-            )
-        elif Rack.destroy_failures > 0:
-            Rack.destroy_failures -= 1
-            answer, code = {"error": "busy"}, 503
-        else:
-            answer, code = {}, 200
-        data = json.dumps(answer).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    def respond(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        self.calls.append((path, body))
+        if path == "/create":
+            return 200, {
+                "id": f"acct-{body['resource_id'][:8]}",
+                "metadata": {"account": "a1"},
+                "secret": {"password": "pw"},
+            }
+        if self.destroy_failures > 0:
+            self.destroy_failures -= 1
+            return 503, {"error": "busy"}
+        return 200, {}
 
 
 @pytest.fixture
-def rack() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Rack)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    Rack.calls, Rack.destroy_failures = [], 2
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+def rack() -> Iterator[Rack]:
+    server = Rack(destroy_failures=2)
+    yield server
+    server.close()
 
 
 def test_the_webhook_well_creates_and_retries_a_failing_destroy_until_it_succeeds(
-    world: World, rack: str
+    world: World, rack: Rack
 ) -> None:
-    ResourceType.objects.create(
-        id="rack", well="webhook", config={"create_url": f"{rack}/create", "destroy_url": f"{rack}/destroy"}
-    )
+    urls = {"create_url": f"{rack.url}/create", "destroy_url": f"{rack.url}/destroy"}
+    ResourceType.objects.create(id="rack", well="webhook", config=urls)
     job = admitted_job(world, config_with(world, "rack"))
     assert job_acquire_resources(job_id=job.pk) == "done"
     resource = ResourceInstance.objects.get(job=job)
@@ -225,7 +205,7 @@ def test_the_webhook_well_creates_and_retries_a_failing_destroy_until_it_succeed
     resource.refresh_from_db()
     assert resource.status == "destroyed"
     assert attempts == 3
-    destroys = [c for c in Rack.calls if c[0] == "/destroy"]
+    destroys = [c for c in rack.calls if c[0] == "/destroy"]
     assert len(destroys) == 3 and destroys[-1][1]["id"] == resource.external_id
 
 

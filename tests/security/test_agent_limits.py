@@ -12,33 +12,16 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test import override_settings
-from rest_framework.test import APIClient
 
-from apps.machines.lifecycle import bootstrap_token_for
 from apps.machines.models import MachineInstance
+from testkit.builders import enrolled_agent
 from tests.conftest import World
-
-
-def enrolled_agent(world: World) -> tuple[APIClient, MachineInstance]:
-    instance = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
-        status="warming",
-        provider_id="p",
-    )
-    agent = APIClient()
-    token = agent.post(
-        "/api/agent/v1/enroll", {"bootstrap_token": bootstrap_token_for(instance.pk)}, format="json"
-    ).json()["agent_token"]
-    agent.credentials(HTTP_AUTHORIZATION=f"Agent {token}")
-    return agent, instance
 
 
 @pytest.mark.django_db(transaction=True)
 @override_settings(CATACLOUD_AGENT_POLL_TIMEOUT=60)
 def test_a_second_long_poll_of_the_same_agent_replaces_the_first(tworld: World) -> None:
-    agent, _ = enrolled_agent(tworld)
+    agent, _ = enrolled_agent(tworld.org, tworld.machine_type)
     answers: dict[str, Any] = {}
 
     def poll(name: str) -> None:
@@ -78,8 +61,8 @@ def test_each_agent_has_its_own_rate_limit(world: World) -> None:
     from django.core.cache import caches
 
     caches["local"].clear()  # the throttle counts in the web process's memory
-    agent, _ = enrolled_agent(world)
-    other, _ = enrolled_agent(world)
+    agent, _ = enrolled_agent(world.org, world.machine_type)
+    other, _ = enrolled_agent(world.org, world.machine_type)
     answers = [agent.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json") for _ in range(6)]
     assert [a.status_code for a in answers[:5]] == [200] * 5
     assert answers[5].status_code == 429 and answers[5].json()["code"] == "throttled"

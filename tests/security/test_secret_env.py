@@ -13,8 +13,8 @@ from django.db import connection
 
 from apps.jobs.models import Job
 from apps.machines.models import MachineInstance
+from testkit.builders import enrolled_agent
 from tests.conftest import World
-from tests.security.test_agent_limits import enrolled_agent
 
 CONFIG_SECRET = "cfg-s3cret-value-1234"
 JOB_SECRET = "job-s3cret-value-5678"
@@ -67,7 +67,7 @@ def test_secret_env_reaches_the_job_and_is_never_returned_or_stored_in_clear(wor
     assert CONFIG_SECRET not in stored and JOB_SECRET not in stored
 
     # The job gets both, through its agent.
-    agent, instance = enrolled_agent(world)
+    agent, instance = enrolled_agent(world.org, world.machine_type)
     MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
     Job.objects.filter(pk=job_id).update(status="assigned", instance=instance)
     work = agent.get("/api/agent/v1/work?wait=0")

@@ -13,6 +13,7 @@ from django.core.management import CommandError, call_command
 from rest_framework.test import APIClient
 
 from apps.orgs.models import ApiToken, Membership
+from testkit.builders import warming_instance
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -53,11 +54,7 @@ def test_a_new_user_joins_with_the_role_given(world: World) -> None:
 
 
 def new_instance(world: World) -> object:
-    from apps.machines.models import MachineInstance
-
-    return MachineInstance.objects.create(
-        org=world.org, machine_type=world.machine_type, provider_account=world.account, status="warming"
-    )
+    return warming_instance(world.org, world.machine_type)
 
 
 def enroll(token: str) -> int:
