@@ -62,46 +62,6 @@ def transition(
         raise InvalidTransition(str(model._meta.verbose_name).capitalize(), pk, current, to)
 
 
-def change_state(
-    model: type[models.Model],
-    pk: Any,
-    *,
-    graph: Graph,
-    to: str,
-    event_prefix: str,
-    from_: Iterable[str] | None = None,
-    stamps: Mapping[str, str] | None = None,
-    actor: str = "",
-    reason: str = "",
-    event: str | None = None,
-    now: datetime | None = None,
-    event_data: Mapping[str, Any] | None = None,
-    where: Mapping[str, Any] | None = None,
-    **changes: Any,
-) -> Any:
-    """Compare-and-set row ``pk`` to ``to`` and append an event, in one transaction.
-
-    ``stamps`` maps a state to the timestamp field entering it sets. The model provides
-    ``event_refs()`` naming the org/pool/instance/job the event is about. Returns the row
-    as it is after the change.
-    """
-    now = now or timezone.now()
-    stamp = (stamps or {}).get(to)
-    if stamp and stamp not in changes:
-        changes[stamp] = now
-    with transaction.atomic():
-        transition(model, pk, graph=graph, to=to, from_=from_, where=where, **changes)
-        row = model._default_manager.get(pk=pk)
-        hooks.record_event(
-            kind=event or f"{event_prefix}.{to}",
-            actor=actor,
-            reason=reason,
-            **row.event_refs(),  # type: ignore[attr-defined]  # every stateful model has it
-            **{"status": to, **(event_data or {})},
-        )
-    return row
-
-
 @dataclass(frozen=True)
 class StateMachine:
     """One model's state machine: its graph, the timestamp each state stamps, the event each
@@ -131,25 +91,23 @@ class StateMachine:
         where: Mapping[str, Any] | None = None,
         **changes: Any,
     ) -> Any:
-        """Compare-and-set row ``pk`` to ``to`` and record its event, in one transaction.
-        Raises :class:`InvalidTransition` (changing nothing) when another actor won."""
+        """Compare-and-set row ``pk`` to ``to``, stamp the state's timestamp, record its event
+        (the model's ``event_refs()`` names the org/pool/instance/job) and run ``on_enter``, in
+        one transaction. Returns the row as it is after the change; raises
+        :class:`InvalidTransition` (changing nothing) when another actor won."""
         now = now or timezone.now()
+        stamp = self.stamps.get(to)
+        if stamp and stamp not in changes:
+            changes[stamp] = now
         with transaction.atomic():
-            row = change_state(
-                self.model,
-                pk,
-                graph=self.graph,
-                to=to,
-                event_prefix=self.event_prefix,
-                from_=from_,
-                stamps=self.stamps,
+            transition(self.model, pk, graph=self.graph, to=to, from_=from_, where=where, **changes)
+            row = self.model._default_manager.get(pk=pk)
+            hooks.record_event(
+                kind=event or self.events.get(to) or f"{self.event_prefix}.{to}",
                 actor=actor,
                 reason=reason,
-                event=event or self.events.get(to),
-                now=now,
-                event_data=event_data,
-                where=where,
-                **changes,
+                **row.event_refs(),  # type: ignore[attr-defined]  # every stateful model has it
+                **{"status": to, **(event_data or {})},
             )
             entered = self.on_enter.get(to)
             if entered is not None:
