@@ -6,28 +6,25 @@ from typing import Any
 
 from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
+from apps.events.services import event_record
+from apps.jobs.acquisition import wake_waiting
+from apps.jobs.agent import jobs_to_cancel
+from apps.jobs.models import Job
+from apps.jobs.reports import jobs_requeue_for_instance
+from apps.jobs.tasks import schedule_task
+from apps.pools.refill import request_refill
 
 
 def _schedule_soon(instance: Any = None) -> None:
-    from apps.jobs.tasks import schedule_task
-
     enqueue_on_commit(schedule_task)
 
 
 def _job_config_names(job_ids: Any) -> dict[str, str]:
-    from apps.jobs.models import Job
-
     rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name")
     return {str(pk): name for pk, name in rows}
 
 
 def connect_hooks() -> None:
-    from apps.events.services import event_record
-    from apps.jobs.acquisition import wake_waiting
-    from apps.jobs.agent import jobs_to_cancel
-    from apps.jobs.reports import jobs_requeue_for_instance
-    from apps.pools.refill import request_refill
-
     hooks.record_event.connect(event_record)
     hooks.machine_available.connect(_schedule_soon)
     hooks.machine_gone.connect(jobs_requeue_for_instance)

@@ -26,6 +26,7 @@ from apps.machines.services import (
     provider_account_update,
     provider_account_upsert,
 )
+from apps.orgs.models import Organization
 
 
 class ProviderAccountForm(forms.ModelForm):
@@ -305,7 +306,6 @@ def cost_chart_svg(days: list[tuple[str, dict[str, Decimal]]], *, width: int = 9
 
 def cost_chart_view(request: HttpRequest) -> TemplateResponse:
     from apps.machines.costs import cost_report
-    from apps.orgs.models import Organization
 
     try:
         days = min(400, max(1, int(request.GET.get("days", "30"))))

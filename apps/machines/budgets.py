@@ -26,6 +26,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q, Sum
 
+from apps.core.errors import ValidationFailed
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, INSTANCE_TERMINAL
 from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType
@@ -240,8 +241,6 @@ def budget_set(
 ) -> Budget:
     """Create or change a budget; it counts from the next check (the next scheduler tick or
     refill). Thresholds are announced again against the new amount."""
-    from apps.core.errors import ValidationFailed
-
     try:
         value = Decimal(str(amount))
     except (ArithmeticError, ValueError, TypeError):

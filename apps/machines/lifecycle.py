@@ -22,6 +22,7 @@ from apps.core.broker import enqueue_on_commit
 from apps.core.errors import Conflict, InvalidTransition
 from apps.core.errors import NotFound as DomainNotFound
 from apps.core.selectors import installation_id
+from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
@@ -87,7 +88,6 @@ def instance_request(
     *, org: Any, machine_type: MachineType, pool: Any = None, actor: str = "", reason: str = ""
 ) -> MachineInstance:
     """Commit a ``pending`` instance and enqueue its provisioning after commit."""
-    from apps.events.services import event_record
     from apps.machines.tasks import provision_instance_task
 
     with transaction.atomic():

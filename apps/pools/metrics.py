@@ -9,6 +9,8 @@ from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from apps.core.metrics import register_db_collector
+from apps.machines.choices import INSTANCE_LIVE
+from apps.machines.models import MachineInstance
 
 CLAIM_LATENCY = Histogram(
     "catacloud_pool_claim_seconds",
@@ -19,9 +21,6 @@ CLAIM_LATENCY = Histogram(
 
 @register_db_collector
 def pool_member_gauges() -> Iterable[Metric]:
-    from apps.machines.choices import INSTANCE_LIVE
-    from apps.machines.models import MachineInstance
-
     gauge = GaugeMetricFamily(
         "catacloud_pool_members", "Live pool members by pool and status", labels=["org", "pool", "status"]
     )

@@ -19,6 +19,7 @@ from apps.events.services import event_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
+from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType
 from apps.machines.services import grant_check_privilege, grant_for, grant_lock
 from apps.orgs.models import Organization
@@ -185,8 +186,6 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
     every live member is terminated; without, unclaimed members are released as idle
     machines that the reaper destroys at the end of their paid period. Returns the number
     of members terminated."""
-    from apps.machines.lifecycle import instance_terminate
-
     with transaction.atomic():
         # Lock order as in a claim (member, then pool row): members first.
         list(MachineInstance.objects.select_for_update().filter(pool=pool, status__in=INSTANCE_LIVE))
@@ -251,8 +250,6 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
     """Provision what the pool lacks (up to target_size, never past max_size or the org's
     max_instances), replace outdated members, trim a surplus, and update the pool's status.
     Serialised per pool by a row lock; returns the number of members requested."""
-    from apps.machines.lifecycle import instance_request, instance_terminate
-
     keys = InstancePool.objects.filter(pk=pool_id).values("org_id", "machine_type_id").first()
     if keys is None:
         return 0

@@ -6,6 +6,8 @@ from rest_framework import serializers
 
 from apps.jobs.models import Artifact, Job, JobConfiguration
 from apps.machines.api.serializers import OrgMachineTypeField
+from apps.orgs.api.base import org_context
+from apps.orgs.choices import Role
 from apps.resources.models import ResourceType
 
 
@@ -16,9 +18,6 @@ class EnvForMembersMixin(serializers.Serializer):
     env_hidden = serializers.SerializerMethodField(help_text="true when your role may not read env")
 
     def _env_hidden(self) -> bool:
-        from apps.orgs.api.base import org_context
-        from apps.orgs.choices import Role
-
         request = self.context.get("request")
         if request is None or not getattr(request.user, "is_authenticated", False):
             return True
