@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 from enum import StrEnum
 from typing import Any, ClassVar
+
+from apps.core.registry import registered
 
 
 class ErrorCode(StrEnum):
@@ -54,15 +55,9 @@ class ErrorCode(StrEnum):
 
 
 def error_payload(code: str, detail: str, **extra: Any) -> dict[str, Any]:
-    """The body of every API error, ``{code, detail, ...}``. An unregistered code raises when
-    ``CATACLOUD_STRICT_REGISTRIES`` is on (tests, development) and is logged otherwise."""
-    if code not in ErrorCode._value2member_map_:
-        from django.conf import settings
-
-        if settings.CATACLOUD_STRICT_REGISTRIES:
-            raise ValueError(f"error code {code!r} is not registered in apps.core.errors.ErrorCode")
-        logging.getLogger(__name__).error("error code %r is not registered in ErrorCode", code)
-    return {"code": str(code), "detail": detail, **extra}
+    """The body of every API error, ``{code, detail, ...}`` (an unregistered code: see
+    :func:`apps.core.registry.registered`)."""
+    return {"code": str(registered(code, ErrorCode)), "detail": detail, **extra}
 
 
 class DomainError(Exception):
@@ -75,7 +70,7 @@ class DomainError(Exception):
         super().__init__(detail)
         self.detail = detail
         if code:
-            self.code = ErrorCode(code)  # type: ignore[misc]  # an unregistered code is a bug
+            self.code = registered(code, ErrorCode)  # type: ignore[misc]
         self.extra = extra
 
 

@@ -1,24 +1,10 @@
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from django.conf import settings
-
+from apps.core.registry import registered
 from apps.events.kinds import EventKind
 from apps.events.models import Event
-
-log = logging.getLogger(__name__)
-
-
-def check_kind(kind: str) -> str:
-    """``kind`` if registered in EventKind; otherwise an error (strict) or a logged bug."""
-    if kind in EventKind._value2member_map_:
-        return kind
-    if settings.CATACLOUD_STRICT_REGISTRIES:
-        raise ValueError(f"event kind {kind!r} is not registered in apps.events.kinds.EventKind")
-    log.error("event kind %r is not registered in apps.events.kinds.EventKind", kind)
-    return kind
 
 
 def event_record(
@@ -42,7 +28,7 @@ def event_record(
         return getattr(value, "pk", value)
 
     return Event.objects.create(
-        kind=check_kind(kind),
+        kind=registered(kind, EventKind),
         org_id=pk(org),
         actor=actor[:200],
         reason=reason,
