@@ -8,15 +8,17 @@ random agents (the scheduler's own steps: the job row goes `assigned`, then the 
 commit) and a user client calls the REST API (``GET /api/v1/jobs/``) against the web.
 
 Two set-ups, in the same run on the same machine:
-- **agent server** (this issue, `make dev`): gunicorn 2 x 8 threads serves the user API, one
-  uvicorn process (config/agent_asgi.py) the Agent API;
+- **agent server** (this issue, as docker-compose runs it): gunicorn 2 x 8 threads serves the
+  user API, uvicorn with ``workers`` processes (default 2, one per core; config/agent_asgi.py)
+  the Agent API;
 - **thread-held** (before): one gunicorn, 2 workers x 32 threads (`make dev` before), serves
   both; every waiting poll holds one of its 64 threads.
 
 Figures per N: heartbeat p50/p99, assignment -> agent wake p50/p99, user API p50/p99 (and with
 no agent connected), false `lost` (the reaper's silent-agent rule, run every 5 s with
 ``CATACLOUD_AGENT_LOST_AFTER`` = 3 heartbeats, against agents that are all alive), heartbeat
-errors, and the Agent API process's RSS, threads, client and database connections.
+errors, the Agent API processes' RSS, threads, client and database connections, and how long
+the N fresh machines took to be enrolled and handshaken (warming -> ready) before the window.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
 
 
 @contextlib.contextmanager
-def _agent_server(tmp: Path, **env: str) -> Iterator[Server]:
-    with BENCH.agent_server(tmp, probe="/healthz", **env) as (url, proc):
+def _agent_server(tmp: Path, workers: int, **env: str) -> Iterator[Server]:
+    with BENCH.agent_server(tmp, probe="/healthz", workers=workers, **env) as (url, proc):
         yield Server("agent-api", proc, url)
 
 
@@ -291,10 +293,13 @@ def _step(
     load.lost_after = 3 * heartbeat
     samples: list[dict[str, float]] = []
     client_cpu: list[float] = []
+    handshaken_s = float("nan")
     assert client.stdout is not None
     for line in client.stdout:
-        if line.startswith("ENROLLED"):
+        if line.startswith(("ENROLLED", "HANDSHAKEN")):
             progress(f"fleet: {n} agents: {line.strip().lower()}")
+        if line.startswith("HANDSHAKEN"):
+            handshaken_s = float(line.split()[-1].rstrip("s"))
         if line.startswith("READY"):
             break
     else:
@@ -331,6 +336,7 @@ def _step(
         "heartbeat_p50_ms": percentile(hb, 50) * 1000,
         "heartbeat_p99_ms": percentile(hb, 99) * 1000,
         "heartbeat_errors": result["heartbeat_errors"],
+        "handshaken_s": handshaken_s,
         "max_heartbeat_gap_s": result["max_heartbeat_gap"],
         "jobs_assigned": len(load.assigned),
         "jobs_woken": len(wakes),
@@ -389,6 +395,7 @@ def run(
     job_rate: float = 5.0,
     heartbeat: float = HEARTBEAT,
     idle_seconds: float = 8.0,
+    workers: int = 2,
     progress: Progress = say,
 ) -> PartResult:
     from apps.jobs.models import JobConfiguration
@@ -438,7 +445,7 @@ def run(
                 if not row["held"]:
                     break
         # This issue: the web for users, the agent server for agents.
-        with _gunicorn(tmp, "web", 8, **env) as web, _agent_server(tmp, **env) as agent_api:
+        with _gunicorn(tmp, "web", 8, **env) as web, _agent_server(tmp, workers, **env) as agent_api:
             idle = _user_only(web.url, token, idle_seconds)
             for n in sizes:
                 if len(agents) < n:
@@ -471,54 +478,85 @@ def run(
         "lost_after_s": 3 * heartbeat,
         "window_s": window,
         "job_rate": job_rate,
+        "workers": workers,
         "user_idle_p50_ms": idle_p50,
         "user_idle_p99_ms": percentile(idle, 99) * 1000,
         "baseline_user_idle_p50_ms": percentile(baseline_idle, 50) * 1000,
         "rows": rows,
         "baseline": baseline,
     }
-    held = [r for r in rows if r["held"]]
-    top = max(held, key=lambda r: r["agents"]) if held else (rows[0] if rows else None)
-    base_held = [r["agents"] for r in baseline if r["held"]]
-    if top is not None:
-        at = f"N={top['agents']}"
-        result.figures += [
-            Figure(
-                "agents held (largest N that held)",
-                top["agents"],
-                "",
-                ">= 2000",
-                met=top["agents"] >= 2000,
-                baseline=f"thread-held {max(base_held, default=0)}",
-                ratio=round(top["agents"] / max(base_held, default=1), 1) if base_held else None,
-            ),
-            Figure(
-                f"heartbeat p99, {at}",
-                round(top["heartbeat_p99_ms"], 1),
-                "ms",
-                "<= 1000 ms",
-                met=top["heartbeat_p99_ms"] <= 1000,
-            ),
-            Figure(
-                f"assignment -> wake p99, {at}",
-                round(top["wake_p99_ms"], 1),
-                "ms",
-                "<= 250 ms",
-                met=top["wake_p99_ms"] <= 250,
-            ),
-            Figure(f"false lost, {at}", top["false_lost"], "", "0", met=top["false_lost"] == 0),
-            Figure(
-                f"user API p50, {at}",
-                round(top["user_p50_ms"], 1),
-                "ms",
-                "<= 2x no agents",
-                baseline=f"no agents {idle_p50:.1f} ms",
-                ratio=round(top["user_p50_ms"] / idle_p50, 2),
-                met=top["user_p50_ms"] <= 2 * idle_p50,
-            ),
-            Figure(f"Agent API RSS, {at}", round(top["rss_mb"]), "MB"),
-        ]
+    result.figures = figures(result.data)
     return result
+
+
+def _targets_met(row: dict[str, Any], idle_p50: float) -> bool:
+    return (
+        row["held"]
+        and row["heartbeat_p99_ms"] <= 1000
+        and row["wake_p99_ms"] <= 250
+        and row["user_p50_ms"] <= 2 * idle_p50
+    )
+
+
+def figures(data: dict[str, Any]) -> list[Figure]:
+    """The headline: the largest N at which every target was met, its figures, and the largest
+    N that still held (no false ``lost``, heartbeats well inside the lost rule)."""
+    rows, baseline = data["rows"], data["baseline"]
+    idle_p50 = data["user_idle_p50_ms"]
+    met = [r for r in rows if _targets_met(r, idle_p50)]
+    held = [r for r in rows if r["held"]]
+    top = max(met or held or rows[:1], key=lambda r: r["agents"], default=None)
+    if top is None:
+        return []
+    base_held = [r["agents"] for r in baseline if r["held"]]
+    at = f"N={top['agents']:,}"
+    out = [
+        Figure(
+            "agents with every target met (largest N)",
+            top["agents"] if met else 0,
+            "",
+            ">= 2000",
+            met=bool(met) and top["agents"] >= 2000,
+            baseline=f"thread-held {max(base_held, default=0)}",
+            ratio=round(top["agents"] / max(base_held), 1) if met and base_held else None,
+        ),
+        Figure(
+            f"heartbeat p99, {at}",
+            round(top["heartbeat_p99_ms"], 1),
+            "ms",
+            "<= 1000 ms",
+            met=top["heartbeat_p99_ms"] <= 1000,
+        ),
+        Figure(
+            f"assignment -> wake p99, {at}",
+            round(top["wake_p99_ms"], 1),
+            "ms",
+            "<= 250 ms",
+            met=top["wake_p99_ms"] <= 250,
+        ),
+        Figure(f"false lost, {at}", top["false_lost"], "", "0", met=top["false_lost"] == 0),
+        Figure(
+            f"user API p50, {at}",
+            round(top["user_p50_ms"], 1),
+            "ms",
+            "<= 2x no agents",
+            baseline=f"no agents {idle_p50:.1f} ms",
+            ratio=round(top["user_p50_ms"] / idle_p50, 2),
+            met=top["user_p50_ms"] <= 2 * idle_p50,
+        ),
+        Figure(f"Agent API RSS, {at} ({data.get('workers', 1)} processes)", round(top["rss_mb"]), "MB"),
+    ]
+    beyond = max(held, key=lambda r: r["agents"], default=None)
+    if beyond is not None and beyond["agents"] > top["agents"]:
+        out.append(
+            Figure(
+                f"largest N that held (0 false lost; targets missed: heartbeat p99 "
+                f"{beyond['heartbeat_p99_ms']:.0f} ms, wake p99 {beyond['wake_p99_ms']:.0f} ms)",
+                beyond["agents"],
+                "",
+            )
+        )
+    return out
 
 
 def table_note(result: PartResult) -> str:
@@ -526,9 +564,9 @@ def table_note(result: PartResult) -> str:
     head = (
         "| set-up | agents | heartbeat p50 / p99 ms | wake p50 / p99 ms (woken/assigned) | "
         "user API p50 / p99 ms | false lost | heartbeat errors | RSS MB | threads | conns | DB conns | "
-        "server CPU % | held |"
+        "server CPU % | handshakes done (s) | held |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, rows in (("thread-held", result.data["baseline"]), ("agent server", result.data["rows"])):
         for r in rows:
             lines.append(
@@ -537,7 +575,8 @@ def table_note(result: PartResult) -> str:
                 f"{r['user_p50_ms']:.0f} / {r['user_p99_ms']:.0f} | {r['false_lost']} | "
                 f"{r['heartbeat_errors']} | "
                 f"{r['rss_mb']:.0f} | {r['threads']} | {r['connections']} | {r['db_connections']} | "
-                f"{r.get('server_cpu_pct', 0):.0f} | {'yes' if r['held'] else 'no'} |"
+                f"{r.get('server_cpu_pct', 0):.0f} | {r.get('handshaken_s', float('nan')):.0f} | "
+                f"{'yes' if r['held'] else 'no'} |"
             )
     return "\n".join(lines)
 

@@ -6,17 +6,21 @@ arrives is reported ``started`` and ``finished`` at once.
     python -m benchmarks.fleet_agents --url URL --agents FILE --out FILE --heartbeat 10 --window 20
 
 ``--agents`` is a JSON list of ``{"instance": id, "bootstrap": token}`` or ``{"instance": id,
-"token": agent_token}``. The process prints ``ENROLLED n`` once every agent has its token and
-``READY`` one heartbeat interval after every agent started (heartbeats are spread over that
-interval, as machines' start times are); from then on for ``--window`` seconds it records every
-heartbeat's latency and every job's arrival (wall clock, to compare with the assignment's), then
-writes ``--out`` (with the agent tokens, for the next, larger run) and exits. No Django here.
+"token": agent_token}``. The process prints ``ENROLLED n`` once every agent has its token,
+``HANDSHAKEN n`` once every agent's first heartbeat (the handshake that makes its machine ready;
+first heartbeats are spread over one interval, as machines' start times are) was answered, and
+``READY`` one quiet heartbeat interval later. Heartbeats then follow the real agent's schedule
+(``catacloud.agent.backoff.heartbeat_delay``). For ``--window`` seconds it records every
+heartbeat sent in the window and every job's arrival (wall clock, to compare with the
+assignment's), then writes ``--out`` (with the agent tokens, for the next, larger run) and
+exits. No Django here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -24,6 +28,8 @@ import time
 from typing import Any
 
 import aiohttp
+
+from catacloud.agent.backoff import heartbeat_delay  # the real agent's schedule
 
 API = "/api/agent/v1/"
 
@@ -37,8 +43,10 @@ class Fleet:
         self.measuring = False
         self.stop = asyncio.Event()
         self.heartbeats: list[float] = []
+        self.window_started = 0.0
         self.heartbeat_errors = 0
         self.heartbeat_gaps: list[float] = []  # per agent: the longest time without a good beat
+        self.first_beats = 0  # agents whose first heartbeat (the handshake) was answered
         self.poll_errors = 0
         self.polls = 0
         self.jobs: dict[str, float] = {}
@@ -62,7 +70,7 @@ class Fleet:
     async def beat_loop(self, session: aiohttp.ClientSession, agent: dict[str, Any]) -> None:
         headers = {"Authorization": f"Agent {agent['token']}"}
         await asyncio.sleep(random.uniform(0, self.heartbeat))
-        last_ok = time.monotonic()
+        last_ok: float | None = None
         gap = 0.0
         while not self.stop.is_set():
             started = time.monotonic()
@@ -85,17 +93,21 @@ class Fleet:
                 except (aiohttp.ClientError, TimeoutError):
                     break
             took = time.monotonic() - started
-            if self.measuring:
+            if ok and last_ok is None:
+                self.first_beats += 1
+            # A heartbeat counts when it was sent inside the window (not one queued before it).
+            if self.measuring and started >= self.window_started:
                 if ok:
                     self.heartbeats.append(took)
                 else:
                     self.heartbeat_errors += 1
             if ok:
-                gap = max(gap, time.monotonic() - last_ok) if self.measuring else gap
+                if self.measuring and last_ok is not None:
+                    gap = max(gap, time.monotonic() - last_ok)
                 last_ok = time.monotonic()
             with _suppress_timeout():
-                await asyncio.wait_for(self.stop.wait(), max(0.0, self.heartbeat - took))
-        self.heartbeat_gaps.append(max(gap, time.monotonic() - last_ok))
+                await asyncio.wait_for(self.stop.wait(), max(0.0, heartbeat_delay(self.heartbeat) - took))
+        self.heartbeat_gaps.append(gap if last_ok is None else max(gap, time.monotonic() - last_ok))
 
     async def poll_loop(self, session: aiohttp.ClientSession, agent: dict[str, Any]) -> None:
         headers = {"Authorization": f"Agent {agent['token']}"}
@@ -167,9 +179,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.monotonic()
         await asyncio.gather(*(enroll(a) for a in todo))
         print(f"ENROLLED {len(todo)} in {time.monotonic() - t0:.1f}s", flush=True)
+        # The measuring client's own pauses count as the server's latency: keep the collector's
+        # full passes off the long-lived state (agents, session, connections).
+        gc.collect()
+        gc.freeze()
         tasks = [asyncio.create_task(fleet.beat_loop(session, a)) for a in agents]
         tasks += [asyncio.create_task(fleet.poll_loop(session, a)) for a in agents]
+        # Every agent's first heartbeat is its handshake (warming -> ready); the window opens
+        # once all of them were answered and one more quiet interval has passed.
+        while fleet.first_beats < len(agents) and time.monotonic() - t0 < 300:
+            await asyncio.sleep(0.2)
+        print(f"HANDSHAKEN {fleet.first_beats} in {time.monotonic() - t0:.1f}s", flush=True)
         await asyncio.sleep(args.heartbeat + 1.0)
+        fleet.window_started = time.monotonic()
         fleet.measuring = True
         print("READY", flush=True)
         await asyncio.sleep(args.window)

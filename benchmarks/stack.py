@@ -1,5 +1,6 @@
-"""A live system for the parts that need one: gunicorn (the API agents talk to), a Celery
-worker and beat, and the local provider starting real agent processes."""
+"""A live system for the parts that need one, as `make dev` runs it: gunicorn (the user API),
+the agent server (the Agent API the machines talk to), a Celery worker and beat, and the local
+provider starting real agent processes."""
 
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ def live_stack(name: str) -> Iterator[Stack]:
         state_dir = tmp / "machines"
         state_dir.mkdir()
         try:
-            with BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as (url, _):
-                env = {**ENV, "CATACLOUD_PUBLIC_URL": url}
+            with (
+                BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as (url, _),
+                BENCH.agent_server(tmp, **ENV) as (agent_url, _),
+            ):
+                env = {**ENV, "CATACLOUD_PUBLIC_URL": url, "CATACLOUD_AGENT_URL": agent_url}
                 with BENCH.celery_worker(tmp, concurrency=2, **env), BENCH.celery_beat(tmp, **env):
                     try:
                         yield Stack(url=url, tmp=tmp, state_dir=state_dir)

@@ -300,6 +300,9 @@ CATACLOUD_AGENT_URL = env.str("CATACLOUD_AGENT_URL", default="") or CATACLOUD_PU
 CATACLOUD_AGENT_SERVER = env.bool("CATACLOUD_AGENT_SERVER", default=False)
 # Threads (each with one persistent database connection) the agent server runs queries on.
 CATACLOUD_AGENT_DB_THREADS = env.int("CATACLOUD_AGENT_DB_THREADS", default=8)
+# Asynchronous connections for the hot statements (heartbeat, a poll's look-ups), held only for
+# the statement itself.
+CATACLOUD_AGENT_DB_CONNECTIONS = env.int("CATACLOUD_AGENT_DB_CONNECTIONS", default=4)
 if CATACLOUD_AGENT_SERVER:
     ROOT_URLCONF = "config.agent_urls"
     # Only async-capable middleware: a sync one would hold a thread for every waiting poll.

@@ -191,7 +191,9 @@ class Profile:
             yield web
 
     @contextlib.contextmanager
-    def agent_server(self, tmp: Path, probe: str = "/api/agent/v1/work", **env: str) -> Iterator[Web]:
+    def agent_server(
+        self, tmp: Path, probe: str = "/api/agent/v1/work", workers: int = 1, **env: str
+    ) -> Iterator[Web]:
         """The agent server (uvicorn, config/agent_asgi.py) as `make dev` runs it; yields
         (url, proc) once ``probe`` answers (by default an unauthenticated poll: 401, no
         database connection opened; ``/healthz`` opens one and keeps it)."""
@@ -199,7 +201,7 @@ class Profile:
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = agent_server_command(host="127.0.0.1", port=port)
+        argv = agent_server_command(host="127.0.0.1", port=port, workers=workers)
         proc = Proc(
             "agent-api",
             argv,

@@ -21,3 +21,14 @@ def backoff(
     if hint:
         return min(cap, max(hint, delay))
     return min(cap, delay * random.uniform(*jitter))
+
+
+# A heartbeat comes every interval, give or take this share of it: fleets that started (or
+# reconnected) together spread out instead of beating in step, and never later than 1.1 x the
+# interval, far inside the server's lost rule (3 intervals).
+HEARTBEAT_JITTER = 0.1
+
+
+def heartbeat_delay(interval: float) -> float:
+    """Seconds to the next heartbeat: ``interval`` give or take ``HEARTBEAT_JITTER``."""
+    return interval * random.uniform(1 - HEARTBEAT_JITTER, 1 + HEARTBEAT_JITTER)

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from catacloud.agent import __version__
+from catacloud.agent.backoff import heartbeat_delay
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
@@ -268,7 +269,7 @@ class Agent:
     def _heartbeat_loop(self) -> None:
         next_at = time.monotonic() + self.heartbeat_interval
         while not self.stopping.wait(max(0.0, next_at - time.monotonic())):
-            next_at = max(next_at + self.heartbeat_interval, time.monotonic())
+            next_at = max(next_at + heartbeat_delay(self.heartbeat_interval), time.monotonic())
             self._heartbeat_once()
 
     def _heartbeat_once(self, retry_for: float = 0.0) -> None:

@@ -1,5 +1,10 @@
-"""The Agent API's two hot endpoints as async Django views: the heartbeat (one statement) and
-the long poll for work (waits on a Redis wake-up, holding no thread and no database connection).
+"""The Agent API's two hot endpoints: the heartbeat (one statement) and the long poll for work
+(waits on a Redis wake-up, holding no thread and no database connection).
+
+Each is one coroutine that takes what it needs from the request (the ``Authorization`` header,
+the body or the ``wait`` parameter) and returns an :class:`Answer`; two thin adapters serve it:
+the agent server's own ASGI route (:mod:`apps.control.agent.asgi`, no Django request or
+response on the hot path) and the Django async views below (the WSGI web and the test client).
 
 They span machines (the instance, its heartbeat) and jobs (its assignment, its cancellations),
 so they live in the top app. The other agent endpoints stay the apps' DRF views; the agent
@@ -10,12 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -30,18 +37,36 @@ from apps.machines.agent_api import AGENT_TOKEN_PREFIX, AgentRateThrottle, insta
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance
 
-LIVE = sorted(INSTANCE_LIVE)
+
+def _sql_list(values: Iterable[object]) -> str:
+    """Constant status values written into a statement (they are the code's own choices, never
+    input): nothing to convert per call."""
+    return ", ".join(f"'{v}'" for v in sorted(str(x) for x in values))
 
 
-def _error(status: int, code: str, detail: str, **headers: str) -> JsonResponse:
-    response = JsonResponse(error_payload(code, detail), status=status)
-    for name, value in headers.items():
-        response[name.replace("_", "-")] = value
-    return response
+LIVE = _sql_list(INSTANCE_LIVE)
+CANCELLABLE = _sql_list([JobStatus.ASSIGNED, JobStatus.RUNNING])
 
 
-def _unauthenticated(code: str, detail: str) -> JsonResponse:
+@dataclass
+class Answer:
+    """An endpoint's answer: status, JSON body (None: no body) and extra headers."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _error(status: int, code: str, detail: str, **headers: str) -> Answer:
+    return Answer(status, error_payload(code, detail), {k.replace("_", "-"): v for k, v in headers.items()})
+
+
+def _unauthenticated(code: str, detail: str) -> Answer:
     return _error(401, code, detail, WWW_Authenticate="Agent")
+
+
+def method_not_allowed(method: str, allowed: str) -> Answer:
+    return _error(405, "method_not_allowed", f'Method "{method}" not allowed.', Allow=allowed)
 
 
 class _TokenThrottle(AgentRateThrottle):
@@ -55,23 +80,23 @@ class _TokenThrottle(AgentRateThrottle):
         return f"throttle_agent_t{self.token_key[:32]}"
 
 
-def _token_hash(request: HttpRequest) -> str | JsonResponse:
+def _token_hash(authorization: str) -> str | Answer:
     """The agent token's hash, or the 401/429 answer (same codes as the DRF agent views)."""
-    parts = request.headers.get("Authorization", "").split()
+    parts = authorization.split()
     if not parts or parts[0] != "Agent":
         return _unauthenticated("not_authenticated", "Authentication credentials were not provided.")
     if len(parts) != 2 or not parts[1].startswith(f"{AGENT_TOKEN_PREFIX}_"):
         return _unauthenticated("authentication_failed", "invalid agent token")
     digest = hash_token(parts[1])
     throttle = _TokenThrottle(digest)
-    if not throttle.allow_request(request, None):  # type: ignore[arg-type]  # a key, no DRF view
+    if not throttle.allow_request(None, None):  # type: ignore[arg-type]  # keyed by the token alone
         wait = throttle.wait()
         retry = str(math.ceil(wait)) if wait else "1"
         return _error(429, "throttled", "Request was throttled.", Retry_After=retry)
     return digest
 
 
-def _gone() -> JsonResponse:
+def _gone() -> Answer:
     return _unauthenticated("authentication_failed", "unknown agent token, or the machine has ended")
 
 
@@ -79,77 +104,70 @@ def _gone() -> JsonResponse:
 
 # One statement: authenticate, record the heartbeat and read the jobs to kill. Autocommit, no
 # lock taken beyond the row's own UPDATE, so it never waits behind a long poll (which holds none).
-HEARTBEAT_SQL = """
-UPDATE {instances} AS m SET last_heartbeat_at = %s
-WHERE m.agent_token_hash = %s AND m.agent_token_hash <> '' AND m.status = ANY(%s)
+HEARTBEAT = f"""
+UPDATE {MachineInstance._meta.db_table} AS m SET last_heartbeat_at = %s
+WHERE m.agent_token_hash = %s AND m.agent_token_hash <> '' AND m.status IN ({LIVE})
 RETURNING m.id, m.status, ARRAY(
-    SELECT j.id FROM {jobs} AS j
-    WHERE j.instance_id = m.id AND j.cancel_requested AND j.status = ANY(%s) ORDER BY j.id
+    SELECT j.id FROM {Job._meta.db_table} AS j
+    WHERE j.instance_id = m.id AND j.cancel_requested AND j.status IN ({CANCELLABLE}) ORDER BY j.id
 )
 """
 
 
-def _heartbeat(digest: str) -> tuple[uuid.UUID, str, list[str]] | None:
-    sql = HEARTBEAT_SQL.format(instances=MachineInstance._meta.db_table, jobs=Job._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [timezone.now(), digest, LIVE, [JobStatus.ASSIGNED, JobStatus.RUNNING]])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    instance_id, status, cancel = row
-    if status == InstanceStatus.WARMING:  # the handshake: once per machine, the usual service path
-        instance = MachineInstance.objects.filter(pk=instance_id).first()
-        if instance is not None and instance_heartbeat(instance=instance):
-            status = InstanceStatus.READY
-    return instance_id, status, [str(pk) for pk in cancel]
+def _handshake(instance_id: uuid.UUID) -> bool:
+    """The first heartbeat of a warming machine makes it ready (once per machine; the usual
+    service path, on a database thread)."""
+    instance = MachineInstance.objects.filter(pk=instance_id).first()
+    return instance is not None and instance_heartbeat(instance=instance)
 
 
-def _parse_body(request: HttpRequest) -> dict[str, Any] | JsonResponse:
-    if not request.body:
+def _parse_body(body: bytes) -> dict[str, Any] | Answer:
+    if not body:
         return {}
     try:
-        body = json.loads(request.body)
+        parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return _error(400, "parse_error", "the request body is not valid JSON")
-    if not isinstance(body, dict):
+    if not isinstance(parsed, dict):
         return _error(400, "invalid", "the request body must be a JSON object")
-    running = body.get("running_job")
+    running = parsed.get("running_job")
     if running is not None:
         try:
             uuid.UUID(str(running))
         except ValueError:
             return _error(400, "invalid", "running_job: must be a valid UUID")
-    return body
+    return parsed
 
 
-@csrf_exempt  # authenticated by the Agent token header, never by a cookie
-async def heartbeat(request: HttpRequest) -> HttpResponse:
+async def heartbeat_answer(authorization: str, body: bytes) -> Answer:
     """``POST heartbeat`` → ``{cancel: [job ids], terminate: bool}``."""
-    if request.method != "POST":
-        return _error(405, "method_not_allowed", f'Method "{request.method}" not allowed.', Allow="POST")
-    digest = _token_hash(request)
-    if isinstance(digest, JsonResponse):
+    digest = _token_hash(authorization)
+    if isinstance(digest, Answer):
         return digest
-    body = _parse_body(request)
-    if isinstance(body, JsonResponse):
-        return body
-    row = await db.run(_heartbeat, digest)
+    parsed = _parse_body(body)
+    if isinstance(parsed, Answer):
+        return parsed
+    row = await db.fetchone(HEARTBEAT, [timezone.now(), digest])
     if row is None:
         return _gone()
-    _, status, cancel = row
-    return JsonResponse({"cancel": cancel, "terminate": status == InstanceStatus.TERMINATING})
+    instance_id, status, cancel = row
+    if status == InstanceStatus.WARMING and await db.run(_handshake, instance_id):
+        status = InstanceStatus.READY
+    terminate = status == InstanceStatus.TERMINATING
+    return Answer(200, {"cancel": [str(pk) for pk in cancel], "terminate": terminate})
 
 
 # ---- work (long poll) --------------------------------------------------------------------------
 
 
-def _instance(digest: str) -> tuple[uuid.UUID, str] | None:
-    return (
-        MachineInstance.objects.filter(agent_token_hash=digest, status__in=LIVE)
-        .exclude(agent_token_hash="")
-        .values_list("pk", "status")
-        .first()
-    )
+INSTANCE = (
+    f"SELECT id FROM {MachineInstance._meta.db_table} "
+    f"WHERE agent_token_hash = %s AND agent_token_hash <> '' AND status IN ({LIVE})"
+)
+HAS_ASSIGNED = (
+    f"SELECT EXISTS (SELECT 1 FROM {Job._meta.db_table} "
+    f"WHERE instance_id = %s AND status IN ({_sql_list([JobStatus.ASSIGNED])}))"
+)
 
 
 def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
@@ -162,17 +180,25 @@ def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
     return None if job is None else _payload(job)
 
 
-def _instance_and_assigned(digest: str) -> tuple[uuid.UUID, dict[str, Any] | None] | None:
-    found = _instance(digest)
-    if found is None:
+async def _look(instance_id: uuid.UUID) -> dict[str, Any] | None:
+    """The job assigned to this machine, if any: one prepared statement, and the ORM (on a
+    database thread) only when there is one to hand out."""
+    row = await db.fetchone(HAS_ASSIGNED, [instance_id])
+    if not row or not row[0]:
         return None
-    return found[0], _assigned(found[0])
+    return await db.run(_assigned, instance_id)
 
 
-def _wait_seconds(request: HttpRequest) -> float:
+# A poll with nothing to hand out ends after its wait less up to this share of it, at random:
+# polls that began together (a fleet started or reconnected at once) do not all end, and renew,
+# in the same second again.
+POLL_JITTER = 0.25
+
+
+def _wait_seconds(wait_param: str | None) -> float:
     limit = float(settings.CATACLOUD_AGENT_POLL_TIMEOUT)
     try:
-        wait = float(request.GET.get("wait", limit))
+        wait = float(wait_param if wait_param is not None else limit)
     except ValueError:
         wait = limit
     if math.isnan(wait):
@@ -223,17 +249,14 @@ def _newer_poll(messages: list[str], generation: int | None) -> bool | None:
     return None if others or not messages else False
 
 
-@csrf_exempt
-async def work(request: HttpRequest) -> HttpResponse:
+async def work_answer(authorization: str, wait_param: str | None) -> Answer:
     """``GET work?wait=S``: ``{job: {...}}`` the moment a job is assigned here, else 204 after
-    ``wait`` seconds (at most ``CATACLOUD_AGENT_POLL_TIMEOUT``)."""
-    if request.method != "GET":
-        return _error(405, "method_not_allowed", f'Method "{request.method}" not allowed.', Allow="GET")
-    digest = _token_hash(request)
-    if isinstance(digest, JsonResponse):
+    ``wait`` seconds (at most ``CATACLOUD_AGENT_POLL_TIMEOUT``) less up to ``POLL_JITTER``."""
+    digest = _token_hash(authorization)
+    if isinstance(digest, Answer):
         return digest
-    deadline = time.monotonic() + _wait_seconds(request)
-    found = await db.run(_instance, digest)
+    deadline = time.monotonic() + _wait_seconds(wait_param) * random.uniform(1 - POLL_JITTER, 1)
+    found = await db.fetchone(INSTANCE, [digest])
     if found is None:
         return _gone()
     instance_id = found[0]
@@ -244,14 +267,42 @@ async def work(request: HttpRequest) -> HttpResponse:
         look = True
         while True:
             if look:
-                job = await db.run(_assigned, instance_id)
+                job = await _look(instance_id)
                 if job is not None:
-                    return JsonResponse({"job": job})
+                    return Answer(200, {"job": job})
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return HttpResponse(status=204)
+                return Answer(204)
             messages = await waiter.wait(remaining)
             newer = _newer_poll(messages, generation)
             if newer or (newer is None and messages and await _superseded(redis, instance_id, generation)):
-                return HttpResponse(status=204)  # a newer poll of this machine took over
+                return Answer(204)  # a newer poll of this machine took over
             look = newer is None  # woken by an assignment, a reconnect or the timeout: look again
+
+
+# ---- the Django adapters (the WSGI web, the test client) ---------------------------------------
+
+
+def _response(answer: Answer) -> HttpResponse:
+    response: HttpResponse = (
+        HttpResponse(status=answer.status)
+        if answer.body is None
+        else JsonResponse(answer.body, status=answer.status)
+    )
+    for name, value in answer.headers.items():
+        response[name] = value
+    return response
+
+
+@csrf_exempt  # authenticated by the Agent token header, never by a cookie
+async def heartbeat(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return _response(method_not_allowed(str(request.method), "POST"))
+    return _response(await heartbeat_answer(request.headers.get("Authorization", ""), request.body))
+
+
+@csrf_exempt
+async def work(request: HttpRequest) -> HttpResponse:
+    if request.method != "GET":
+        return _response(method_not_allowed(str(request.method), "GET"))
+    return _response(await work_answer(request.headers.get("Authorization", ""), request.GET.get("wait")))

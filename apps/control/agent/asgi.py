@@ -1,0 +1,132 @@
+"""The agent server's hot route: ``POST heartbeat`` and ``GET work`` answered straight from the
+ASGI scope (:mod:`apps.control.agent.views`' coroutines), every other request by Django.
+
+Django's handler costs more than the heartbeat's statement (a request object, the URL
+resolver, the middleware chain, a response object, a task watching for a disconnect); for the
+two requests every agent makes all day, this route reads the one header and the small body it
+needs and writes the JSON answer itself. The answers are the same as the Django views' (same
+codes, same error bodies); anything else (another method, another path) goes to Django.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+
+from apps.control.agent.views import Answer, _error, heartbeat_answer, work_answer
+
+log = logging.getLogger(__name__)
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PREFIX = "/api/agent/v1/"
+# A heartbeat's body is a few dozen bytes; anything near this is not an agent's.
+MAX_BODY = 64 * 1024
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+async def _body(receive: Receive) -> bytes | None:
+    """The request body, or None when it is larger than MAX_BODY (or the client left)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send(send: Send, answer: Answer) -> None:
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()]
+    body = b""
+    if answer.body is not None:
+        body = orjson.dumps(answer.body)
+        headers.append((b"content-type", b"application/json"))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _failed(exc: BaseException) -> Answer:
+    """PostgreSQL unreachable or a bug: a JSON 500 like Django's (the agent retries)."""
+    log.error("agent API request failed", exc_info=exc)
+    return _error(500, "server_error", "internal error")
+
+
+async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
+    body = await _body(receive)
+    if body is None:
+        await _send(send, _error(413, "payload_too_large", "the request body is larger than allowed"))
+        return
+    try:
+        answer = await heartbeat_answer(_header(scope, b"authorization"), body)
+    except Exception as exc:
+        answer = _failed(exc)
+    await _send(send, answer)
+
+
+async def _work(scope: Scope, receive: Receive, send: Send) -> None:
+    """The long poll, ended early when the agent goes away (its waiter is released then, not at
+    the poll's timeout)."""
+    wait = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("wait", [None])[-1]
+    answering = asyncio.ensure_future(work_answer(_header(scope, b"authorization"), wait))
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watching = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([answering, watching], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not answering.done():
+            answering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+    if answering.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await answering
+        return
+    exc = answering.exception()
+    await _send(send, _failed(exc) if exc is not None else answering.result())
+
+
+HOT: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
+    ("POST", PREFIX + "heartbeat"): _heartbeat,
+    ("GET", PREFIX + "work"): _work,
+}
+
+
+def hot_route(django: App) -> App:
+    """The agent server's application: the hot endpoints here, the rest to ``django``."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = HOT.get((scope["method"], scope["path"]))
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await django(scope, receive, send)
+
+    return app
