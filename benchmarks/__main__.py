@@ -21,7 +21,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "full": {},
         "quick": {"concurrencies": (1, 4, 16), "runs": 1, "duration": 0.3, "members": 1500},
     },
-    "rest": {"full": {}, "quick": {"requests": 200, "runs": 1}},
+    "rest": {"full": {"flame": True}, "quick": {"requests": 200, "runs": 1}},
     "submit": {"full": {}, "quick": {"warm": 3, "cold": 1}},
     "replenish": {"full": {}, "quick": {"samples": 3}},
     "reaper": {"full": {}, "quick": {"sizes": (10, 100), "runs": 1}},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 import time
 from typing import Any
@@ -27,7 +28,7 @@ from benchmarks.harness import (
     tenant,
 )
 from testkit.builders import ready_members
-from testkit.processes import BENCH
+from testkit.processes import BENCH, ROOT
 
 
 def _client(url: str, path: str, token: str, n: int, out: list[Any], start: threading.Barrier) -> None:
@@ -82,8 +83,43 @@ def _round(url: str, token: str, t: Any, tag: str, clients: int, n: int) -> tupl
     return lat, ids, sum(o[2] for o in out), elapsed
 
 
+FLAME = "acquire-flame.svg"
+
+
+def _flame_graph(url: str, token: str, t: Any, pid: int, progress: Progress, n: int = 600) -> str:
+    """Where one acquire's time goes: py-spy samples the gunicorn workers (``--subprocesses``)
+    while one client acquires ``n`` times; the flame graph goes to docs/bench. Returns its file
+    name, or why there is none (py-spy missing, or not allowed to attach)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "none: py-spy is not installed (pip install py-spy)"
+    out = ROOT / "docs" / "bench" / FLAME
+    progress(f"rest: flame graph of 1 client ({n} acquires, py-spy)")
+    args = [spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "500", "--format", "flamegraph"]
+    args += ["--output", str(out), "--nonblocking"]
+    spy_proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # attached
+    if spy_proc.poll() is not None:
+        return f"none: py-spy could not attach ({(spy_proc.stdout.read() if spy_proc.stdout else '')[-200:]})"
+    _round(url, token, t, "rest-flame", 1, n)
+    spy_proc.send_signal(signal.SIGINT)  # py-spy writes the graph when interrupted
+    spy_proc.wait(60)
+    return FLAME if out.exists() else "none: py-spy wrote nothing"
+
+
 def run(
-    *, clients: int = 8, requests: int = 480, runs: int = 3, single: int = 200, progress: Progress = say
+    *,
+    clients: int = 8,
+    requests: int = 480,
+    runs: int = 3,
+    single: int = 200,
+    flame: bool = False,
+    progress: Progress = say,
 ) -> PartResult:
     from apps.orgs.services import api_token_create
 
@@ -93,7 +129,7 @@ def run(
     per_run = []
     with (
         temp_dir("rest") as tmp,
-        BENCH.gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as (url, _),
+        BENCH.gunicorn(tmp, workers=2, threads=4, CATACLOUD_API_RATE="10000000/min") as (url, gunicorn),
     ):
         for r in range(runs + 1):
             warmup = r == 0
@@ -116,6 +152,7 @@ def run(
         progress(f"rest: 1 client ({single} acquires)")
         lat1, ids1, errors1, _ = _round(url, token, t, "rest-single", 1, single)
         single_p50 = percentile(lat1, 50) * 1000
+        graph = _flame_graph(url, token, t, gunicorn.popen.pid, progress) if flame else "none: not asked"
     p50 = median([x["p50_ms"] for x in per_run])
     p99 = median([x["p99_ms"] for x in per_run])
     rps = median([x["rps"] for x in per_run])
@@ -128,6 +165,7 @@ def run(
         "ok": sum(x["ok"] for x in per_run),
         "errors": errors,
         "double_claims": twice,
+        "flame_graph": graph,
     }
     result.figures += [
         Figure(f"p50 acquire latency, {clients} clients", round(p50, 2), "ms", "<= 15 ms", met=p50 <= 15),

@@ -238,6 +238,9 @@ CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
 # Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
 CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
+# A submit admits and places its grant's queued jobs in its own request (after its commit) when
+# no other transaction holds the grant, instead of leaving it all to the scheduling pass.
+CATACLOUD_SCHEDULE_ON_SUBMIT = env.bool("CATACLOUD_SCHEDULE_ON_SUBMIT", default=True)
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
 # The currency of the price list (machine types' price_per_hour, budgets' amounts).

@@ -99,11 +99,16 @@ def admit(*, limit: int = 1000) -> int:
     return total
 
 
-def _admit_for(org_id: Any, mt_id: Any, limit: int) -> int:
+def admit_grant(*, org_id: Any, machine_type_id: Any, limit: int, nowait: bool = False) -> int:
+    """Admit the queued jobs of one grant that fit (in priority, then FIFO, order)."""
+    return _admit_for(org_id, machine_type_id, limit, nowait=nowait)
+
+
+def _admit_for(org_id: Any, mt_id: Any, limit: int, *, nowait: bool = False) -> int:
     now = timezone.now()
     queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED)
     with transaction.atomic():
-        grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
+        grant = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
         if grant is None:
             queued.exclude(pending_reason="machine type no longer granted").update(
                 pending_reason="machine type no longer granted"

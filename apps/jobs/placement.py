@@ -32,14 +32,20 @@ from apps.pools.services import pool_claim
 from catacloud.policy import placement
 
 
-def place(*, limit: int = 500) -> tuple[int, int, int]:
-    """Give waiting jobs machines. Returns (assigned, machines requested, still waiting)."""
+def place(
+    *, limit: int = 500, grant: tuple[Any, Any] | None = None, nowait: bool = False
+) -> tuple[int, int, int]:
+    """Give waiting jobs machines (only ``grant``'s, an (org, machine type) pair, when given).
+    Returns (assigned, machines requested, still waiting). ``nowait``: raise OperationalError
+    rather than wait for a grant another transaction holds."""
     assigned = requested = waiting = 0
     now = timezone.now()
+    waiting_jobs = Job.objects.filter(status=JobStatus.WAITING_FOR_MACHINE)
+    if grant is not None:
+        waiting_jobs = waiting_jobs.filter(org_id=grant[0], machine_type_id=grant[1])
     with transaction.atomic():
         jobs = list(
-            Job.objects.filter(status=JobStatus.WAITING_FOR_MACHINE)
-            .order_by("-priority", "admitted_at")
+            waiting_jobs.order_by("-priority", "admitted_at")
             .select_for_update(skip_locked=True, of=("self",))
             .select_related("config")[:limit]
         )
@@ -49,7 +55,7 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
         for (org_id, mt_id), group in by_key.items():
             # Lock order: the grant first (it serialises counting and buying machines of this
             # org and machine type with pool refills), then instances (the claims below).
-            grant = grant_lock(org_id=org_id, machine_type_id=mt_id)
+            locked = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
             mt = MachineType.objects.get(pk=mt_id)
             pools = list(
                 InstancePool.objects.filter(
@@ -65,7 +71,7 @@ def place(*, limit: int = 500) -> tuple[int, int, int]:
                 _assign(job, instance, now)
                 assigned += 1
             if remaining:
-                requested += _provision_or_wait(grant, org_id, mt, pools, remaining, now)
+                requested += _provision_or_wait(locked, org_id, mt, pools, remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
 

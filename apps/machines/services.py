@@ -230,15 +230,16 @@ def grant_upsert(
     return grant, bool(changed)
 
 
-def grant_lock(*, org_id: Any, machine_type_id: Any) -> OrgMachineType | None:
+def grant_lock(*, org_id: Any, machine_type_id: Any, nowait: bool = False) -> OrgMachineType | None:
     """Lock the grant row of (org, machine type) until the transaction ends, or None.
 
     The first lock in the one lock order (grant, pool, instance, job) that every path buying
     machines or admitting jobs takes. Only this row: a plain ``select_for_update().first()``
     would join (the default ordering) and lock the organization and machine type rows too,
-    and every insert that references the organization would wait on it."""
+    and every insert that references the organization would wait on it. ``nowait``: raise
+    ``OperationalError`` instead of waiting when another transaction holds it."""
     return (
-        OrgMachineType.objects.select_for_update(of=("self",))
+        OrgMachineType.objects.select_for_update(of=("self",), nowait=nowait)
         .filter(org_id=org_id, machine_type_id=machine_type_id)
         .order_by()
         .first()

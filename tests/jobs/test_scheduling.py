@@ -9,7 +9,8 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from apps.core.errors import Conflict
@@ -26,6 +27,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.retention import idle_machines_retire
+from apps.machines.services import grant_lock
 from apps.pools.services import pool_create
 from testkit.builders import fake_machine_type, idle_machine, job_config, job_row
 from tests.conftest import World
@@ -89,6 +91,7 @@ def test_priority_then_fifo_and_a_blocked_type_does_not_block_others(world: Worl
 
 
 @pytest.mark.django_db(transaction=True)
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling passes alone, here
 def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
     mt, _ = setup_type(tworld, cpus=4, cpu_quota=28, max_concurrent_jobs=50)  # room for 7
     cfg = job_config(tworld.org, mt)
@@ -323,3 +326,84 @@ def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
     admit()
     assert place() == (0, 1, 1)
     assert place() == (0, 0, 1)
+
+
+# ---- the submit's own scheduling (no worker runs in these tests) -------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_that_fits_is_on_a_warm_machine_when_its_submit_returns(tworld: World) -> None:
+    mt, _ = setup_type(tworld)
+    pool = pool_create(org=tworld.org, name="warm", machine_type=mt, target_size=1, max_size=2)
+    member = idle_machine(tworld.org, mt, pool=pool)
+    job = job_submit(org=tworld.org, config=job_config(tworld.org, mt))
+    refresh(job)
+    assert (job.status, job.instance_id) == (J.ASSIGNED, member.pk)
+    assert job.admitted_at is not None and job.assigned_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_submit_never_waits_for_a_grant_another_transaction_holds(tworld: World) -> None:
+    mt, grant = setup_type(tworld)
+    pool = pool_create(org=tworld.org, name="warm", machine_type=mt, target_size=1, max_size=2)
+    idle_machine(tworld.org, mt, pool=pool)
+    cfg = job_config(tworld.org, mt)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a scheduling pass (or a refill) holding the grant
+        try:
+            with transaction.atomic():
+                grant_lock(org_id=grant.org_id, machine_type_id=grant.machine_type_id)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    submitted: list[Job] = []
+
+    def submit() -> None:
+        try:
+            submitted.append(job_submit(org=tworld.org, config=cfg))
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    submitter.join(10)
+    try:
+        assert not submitter.is_alive(), "the submit waited for the grant's lock"
+        job = Job.objects.get(pk=submitted[0].pk)
+        assert job.status == J.QUEUED  # left to the scheduling pass it enqueued
+    finally:
+        release.set()
+        holder.join(10)
+    assert schedule().assigned == 1  # the pass places it once the grant is free
+    assert Job.objects.get(pk=submitted[0].pk).status == J.ASSIGNED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_submits_never_pass_the_quota(tworld: World) -> None:
+    mt, _ = setup_type(tworld, max_concurrent_jobs=3)
+    cfg = job_config(tworld.org, mt)
+    barrier = threading.Barrier(8)
+
+    def submit() -> None:
+        try:
+            barrier.wait()
+            job_submit(org=tworld.org, config=cfg)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    admitted = Job.objects.exclude(status=J.QUEUED).count()
+    assert admitted <= 3
+    schedule()
+    assert Job.objects.exclude(status=J.QUEUED).count() == 3
+    assert Job.objects.filter(status=J.QUEUED, pending_reason="max_concurrent_jobs 3/3").count() == 5
