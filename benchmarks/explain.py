@@ -28,23 +28,33 @@ role in one hand-written prepared query, then the claim statement, which also re
 machine type's name and the provider's kind for the answer. The throttle counts in the web
 process's memory (no Redis round trip), the answer is built by a serializer created once per
 process, and orjson renders it. From 99 req/s, p50 67 ms, p99 171 ms before (issue 19) to
-456 req/s, p50 15.0 ms, p99 33.5 ms in this run; single client p50 4.4 ms. Three runs on the
-same quiet machine gave p50 13.3 / 15.0 / 19.5 ms and p99 30 / 34 / 88 ms: with 8 client
-threads, gunicorn's 8 threads and PostgreSQL on 2 cores, the 8-client p50 sits right at the
-15 ms target and its tail depends on scheduling noise; the single-client figure shows what
-one request costs."""
+422 req/s, p50 15.1 ms, p99 35.1 ms in this run; single client p50 3.5 ms. Runs on the same
+quiet machine gave p50 13.3-19.5 ms and p99 30-88 ms: with 8 client threads, gunicorn's 8
+threads and PostgreSQL on 2 cores, the 8-client p50 sits right at the 15 ms target (this run
+0.1 ms over it) and its tail depends on scheduling noise; the single-client figure shows what
+one request costs.
+
+**Where one acquire's time goes** ([acquire-flame.svg](docs/bench/acquire-flame.svg): py-spy
+over both gunicorn workers while one client made 600 acquires). Of the samples in the
+request, the two statements are about a fifth each way: authentication (the one prepared token
+query) ~11% and the claim ~11%; the rest is gunicorn's request parsing, Django's handler and
+middleware, DRF's dispatch and rendering, i.e. the framework the issue asked to keep."""
 
 SUBMIT = """\
-**Warm submit -> running, broken down (target 50 ms, not met).** p50 68 ms in the last run
-(105 ms before issue 19): queued -> admitted 15 ms is the scheduler task's trip (after-commit
-publish, Redis, a worker picking it up); admitted -> assigned 13 ms is placement in the same
-scheduler pass (the grant lock, the pool claim, the assignment and its event); assigned ->
-started 40 ms is the agent being woken from its long poll through Redis, answering the poll
-with the job, and the agent's `started` report (two HTTP round trips through gunicorn). The
-next cuts, not made yet: admit and place a submitted job in the request that submits it when
-its grant has room (removes the task hop), and let the work answer itself move the job to
-`running` (removes one round trip). Cold here means provisioning a local agent process; on a
-cloud the boot adds 30-60 s, so the warm/cold ratio on real providers is far larger."""
+**Warm submit -> running, broken down (target 50 ms, met).** p50 46 ms in this run (62 ms in
+this session's first run, 68 ms and 105 ms in earlier ones). queued -> admitted 4 ms and
+admitted -> assigned 10 ms: the submit admits and places its grant's jobs in its own request,
+right after its commit, when no other transaction holds the grant (`FOR UPDATE NOWAIT`; else,
+and as a safety net, the scheduling pass it enqueued does it), so the job no longer waits for
+the scheduler task's trip through Redis to a worker (15-20 ms before). assigned -> started
+24 ms is the agent being woken from its long poll through Redis by the agent server (as under
+`make dev`; the bench stack's agents talked to gunicorn before, 32-40 ms), answering the poll
+with the job, and the agent's `started` report. What is left is two HTTP round trips and two
+Python processes waking up on a 2-core machine that also runs the web, the worker, beat and
+PostgreSQL; letting the work answer itself move the job to `running` would save one round
+trip but would call a job running that its agent may never have received, so `started` stays
+the agent's word. Cold here means provisioning a local agent process; on a cloud the boot adds
+30-60 s, so the warm/cold ratio on real providers is far larger."""
 
 REPLENISH = """\
 The claim's after-commit refill task reaches the provision task in well under a second: the
