@@ -36,7 +36,7 @@ one request costs.
 
 **Where one acquire's time goes** ([acquire-flame.svg](docs/bench/acquire-flame.svg): py-spy
 over both gunicorn workers while one client made 600 acquires). Of the samples in the
-request, the two statements are about a fifth each way: authentication (the one prepared token
+request, the two statements together take about a fifth: authentication (the one prepared token
 query) ~11% and the claim ~11%; the rest is gunicorn's request parsing, Django's handler and
 middleware, DRF's dispatch and rendering, i.e. the framework the issue asked to keep."""
 

@@ -128,9 +128,9 @@ def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress
                 (
                     "admitted",
                     "queued -> admitted",
-                    "the scheduler task's trip through the broker to a worker",
+                    "admission in the submit's own request, after its commit",
                 ),
-                ("assigned", "admitted -> assigned", "placement: the pool claim in the same scheduler pass"),
+                ("assigned", "admitted -> assigned", "placement: the pool claim, in the same request"),
                 (
                     "started",
                     "assigned -> started",
