@@ -205,13 +205,9 @@ CATACLOUD_SCHEDULER_INTERVAL = env.float("CATACLOUD_SCHEDULER_INTERVAL", default
 # it is part of the code (reviewed, versioned, the same on every deployment), its periods
 # come from the environment, and there is no second source of truth to drift. Operators
 # see it in README and in Flower; they tune it with the variables above.
+# The reaper is not in it: beat runs the reaper in a thread of its own process (config/celery.py),
+# so a tick never depends on the broker or a worker.
 CELERY_BEAT_SCHEDULE = {
-    "reaper": {
-        "task": "apps.control.tasks.reaper_task",
-        "schedule": CATACLOUD_REAPER_INTERVAL,
-        # A tick that waited in the queue past the next one is useless: drop it.
-        "options": {"expires": CATACLOUD_REAPER_INTERVAL * 0.9},
-    },
     "scheduler": {
         "task": "apps.jobs.tasks.schedule_task",
         "schedule": CATACLOUD_SCHEDULER_INTERVAL,

@@ -17,6 +17,7 @@ query, and works in bounded batches:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -113,3 +114,29 @@ def query_count(fn: Any) -> tuple[Any, int]:
     with CaptureQueriesContext(connection) as ctx:
         result = fn()
     return result, len(ctx.captured_queries)
+
+
+def serve(interval: float, stop: threading.Event) -> None:
+    """Tick every ``interval`` seconds until ``stop``: the beat process runs this in a thread of
+    its own (config/celery.py), so the reaper needs neither the broker nor a worker, the two
+    things whose faults it exists to repair. One tick at a time across processes (the advisory
+    lock); a failing tick is logged and the next one comes all the same."""
+    from django.db import close_old_connections
+
+    while not stop.wait(interval):
+        try:
+            report = reaper_tick()
+            if report.ran:
+                log.info(
+                    "reaper: %d pools, %d refilled, %d stuck, %d lost, %d reconcile actions in %.3fs",
+                    report.pools,
+                    report.refilled,
+                    report.stuck,
+                    report.lost,
+                    report.reconcile_actions,
+                    report.seconds,
+                )
+        except Exception:
+            log.exception("reaper tick failed")
+        finally:
+            close_old_connections()

@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 @shared_task(ignore_result=True)
 def reaper_task() -> None:
-    """Celery beat, every CATACLOUD_REAPER_INTERVAL seconds (single instance by advisory lock)."""
+    """One reaper tick on a worker, on demand (beat runs the reaper itself: apps.control.reaper.serve)."""
     report = reaper.reaper_tick()
     if report.ran:
         log.info(
