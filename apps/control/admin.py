@@ -22,16 +22,7 @@ from apps.machines.services import grant_check_privilege, grant_upsert
 from apps.orgs.admin import OrganizationAdmin as OrgsOrganizationAdmin
 from apps.orgs.models import Organization
 
-QUOTA_FIELDS = (
-    "max_concurrent_jobs",
-    "max_instances",
-    "max_pool_size",
-    "cpu_quota",
-    "memory_quota_mb",
-    "gpu_quota",
-    "policy",
-    "max_wait_seconds",
-)
+QUOTA_FIELDS = OrgMachineType.QUOTA_FIELDS
 
 
 def usage_chips(grant: OrgMachineType) -> str:

@@ -21,7 +21,7 @@ from django.db import transaction
 
 from apps.core.errors import DomainError
 from apps.machines.budgets import budget_set
-from apps.machines.models import Budget, MachineType, ProviderAccount
+from apps.machines.models import Budget, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import grant_upsert, machine_type_upsert, provider_account_upsert
 from apps.orgs.models import Organization, Privilege
 from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
@@ -316,16 +316,7 @@ class _Applier:
                 grant,
                 "grant",
                 {"machine_type"},
-                {
-                    "max_concurrent_jobs",
-                    "max_instances",
-                    "max_pool_size",
-                    "cpu_quota",
-                    "memory_quota_mb",
-                    "gpu_quota",
-                    "policy",
-                    "max_wait_seconds",
-                },
+                set(OrgMachineType.QUOTA_FIELDS),
             )
             mt = MachineType.objects.filter(name=str(grant["machine_type"])).first()
             if mt is None:

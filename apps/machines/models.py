@@ -99,6 +99,18 @@ class MachineType(models.Model):
 class OrgMachineType(models.Model):
     """A grant of one machine type to one org, with the org's quotas on it."""
 
+    # The fields an operator sets on a grant (API, admin, catalog, grant_upsert).
+    QUOTA_FIELDS = (
+        "max_concurrent_jobs",
+        "max_instances",
+        "max_pool_size",
+        "cpu_quota",
+        "memory_quota_mb",
+        "gpu_quota",
+        "policy",
+        "max_wait_seconds",
+    )
+
     org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="machine_type_grants")
     machine_type = models.ForeignKey(MachineType, on_delete=models.CASCADE, related_name="grants")
     max_concurrent_jobs = models.PositiveIntegerField(default=10)

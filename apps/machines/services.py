@@ -192,17 +192,7 @@ def grant_upsert(
     *, org: Organization, machine_type: MachineType, **quota: Any
 ) -> tuple[OrgMachineType, bool]:
     """Grant ``machine_type`` to ``org`` with the given quotas (create or update)."""
-    allowed = {
-        "max_concurrent_jobs",
-        "max_instances",
-        "max_pool_size",
-        "cpu_quota",
-        "memory_quota_mb",
-        "gpu_quota",
-        "policy",
-        "max_wait_seconds",
-    }
-    unknown = set(quota) - allowed
+    unknown = set(quota) - set(OrgMachineType.QUOTA_FIELDS)
     if unknown:
         raise _invalid(sorted(unknown)[0], "unknown quota field")
     for key, value in quota.items():

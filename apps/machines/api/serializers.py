@@ -19,16 +19,7 @@ class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
 class QuotaSerializer(serializers.ModelSerializer):
     class Meta:
         model = OrgMachineType
-        fields = (
-            "max_concurrent_jobs",
-            "max_instances",
-            "max_pool_size",
-            "cpu_quota",
-            "memory_quota_mb",
-            "gpu_quota",
-            "policy",
-            "max_wait_seconds",
-        )
+        fields = OrgMachineType.QUOTA_FIELDS
 
 
 class MachineTypeSerializer(serializers.ModelSerializer):
