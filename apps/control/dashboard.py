@@ -234,17 +234,7 @@ def _machines() -> dict[str, Any]:
     by_provider: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
     for kind, name, status, n in rows:
         by_provider[(kind, name)][status] = n
-    states = [
-        s
-        for s in (
-            InstanceStatus.PENDING,
-            InstanceStatus.PROVISIONING,
-            InstanceStatus.WARMING,
-            InstanceStatus.READY,
-            InstanceStatus.CLAIMED,
-            InstanceStatus.TERMINATING,
-        )
-    ]
+    states = [s for s in InstanceStatus if s in INSTANCE_LIVE]  # in their lifecycle's order
     return {
         "states": states,
         "rows": [
