@@ -116,6 +116,23 @@ def query_count(fn: Any) -> tuple[Any, int]:
     return result, len(ctx.captured_queries)
 
 
+def log_tick(report: TickReport) -> None:
+    """One line per tick that ran (a skipped one logged its reason already)."""
+    if report.ran:
+        log.info(
+            "reaper: %d pools, %d refilled (+%d members), %d stuck, %d lost, %d schedules, "
+            "%d reconcile actions in %.3fs",
+            report.pools,
+            report.refilled,
+            report.requested,
+            report.stuck,
+            report.lost,
+            report.schedules_applied,
+            report.reconcile_actions,
+            report.seconds,
+        )
+
+
 def serve(interval: float, stop: threading.Event) -> None:
     """Tick every ``interval`` seconds until ``stop``: the beat process runs this in a thread of
     its own (config/celery.py), so the reaper needs neither the broker nor a worker, the two
@@ -125,17 +142,7 @@ def serve(interval: float, stop: threading.Event) -> None:
 
     while not stop.wait(interval):
         try:
-            report = reaper_tick()
-            if report.ran:
-                log.info(
-                    "reaper: %d pools, %d refilled, %d stuck, %d lost, %d reconcile actions in %.3fs",
-                    report.pools,
-                    report.refilled,
-                    report.stuck,
-                    report.lost,
-                    report.reconcile_actions,
-                    report.seconds,
-                )
+            log_tick(reaper_tick())
         except Exception:
             log.exception("reaper tick failed")
         finally:
