@@ -407,7 +407,6 @@ def run(
     config = JobConfiguration.objects.create(
         org=t.org, name="fleet", machine_type=t.machine_type, command="true"
     )
-    biggest = max((*sizes, *baseline_sizes))
     agents: list[dict[str, Any]] = []
     env = {
         "CATACLOUD_HEARTBEAT_INTERVAL": str(heartbeat),
@@ -417,60 +416,44 @@ def run(
     rows: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
     with temp_dir("fleet") as tmp:
+
+        def climb(label: str, steps: tuple[int, ...], agent_url: str, web: Server, server: Server) -> list:
+            """Steps of growing N on one set-up until one does not hold."""
+            out: list[dict[str, Any]] = []
+            for n in steps:
+                if len(agents) < n:
+                    progress(f"fleet: making {n - len(agents)} machines (fake provider)")
+                    agents.extend(_make_machines(t, n - len(agents)))
+                row = _step(
+                    n=n,
+                    agents=agents,
+                    agent_url=agent_url,
+                    user_url=web.url,
+                    token=token,
+                    t=t,
+                    config=config,
+                    servers=[server],
+                    window=window,
+                    job_rate=job_rate,
+                    heartbeat=heartbeat,
+                    tmp=tmp,
+                    progress=progress,
+                )
+                row["held"] = _held(row)
+                _say_row(progress, label, row)
+                out.append(row)
+                if not row["held"]:
+                    break
+            return out
+
         # Today: one gunicorn (2 x 32 threads) for users and agents.
         with _gunicorn(tmp, "web-threads", 32, **env) as web:
             baseline_idle = _user_only(web.url, token, idle_seconds)
-            for n in baseline_sizes:
-                if len(agents) < n:
-                    progress(f"fleet: making {n - len(agents)} machines (fake provider)")
-                    agents += _make_machines(t, n - len(agents))
-                row = _step(
-                    n=n,
-                    agents=agents,
-                    agent_url=web.url,
-                    user_url=web.url,
-                    token=token,
-                    t=t,
-                    config=config,
-                    servers=[web],
-                    window=window,
-                    job_rate=job_rate,
-                    heartbeat=heartbeat,
-                    tmp=tmp,
-                    progress=progress,
-                )
-                row["held"] = _held(row)
-                _say_row(progress, "thread-held", row)
-                baseline.append(row)
-                if not row["held"]:
-                    break
+            baseline = climb("thread-held", baseline_sizes, web.url, web, web)
         # This issue: the web for users, the agent server for agents.
         with _gunicorn(tmp, "web", 8, **env) as web, _agent_server(tmp, workers, **env) as agent_api:
             idle = _user_only(web.url, token, idle_seconds)
-            for n in sizes:
-                if len(agents) < n:
-                    progress(f"fleet: making {n - len(agents)} machines (fake provider)")
-                    agents += _make_machines(t, min(n, biggest) - len(agents))
-                row = _step(
-                    n=n,
-                    agents=agents,
-                    agent_url=agent_api.url,
-                    user_url=web.url,
-                    token=token,
-                    t=t,
-                    config=config,
-                    servers=[agent_api],
-                    window=window,
-                    job_rate=job_rate,
-                    heartbeat=heartbeat,
-                    tmp=tmp,
-                    progress=progress,
-                )
-                row["held"] = _held(row)
-                _say_row(progress, "agent server", row)
-                rows.append(row)
-                if not row["held"]:
-                    break
+            rows = climb("agent server", sizes, agent_api.url, web, agent_api)
     idle_p50 = percentile(idle, 50) * 1000
     result.data = {
         "heartbeat_s": heartbeat,
