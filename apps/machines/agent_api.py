@@ -114,10 +114,33 @@ class AgentView(APIView):
 # ---- enroll and heartbeat ---------------------------------------------------------------------
 
 
+class LimitsIn(serializers.Serializer):
+    cpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    memory_mb = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    pids = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    enforced = serializers.BooleanField(required=False)
+    by = serializers.CharField(max_length=32, required=False, allow_blank=True)
+    detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
+
+
+class IsolationIn(serializers.Serializer):
+    jobs = serializers.CharField(max_length=32, required=False, allow_blank=True)
+    job_uids = serializers.CharField(max_length=64, required=False, allow_blank=True)
+    proc = serializers.CharField(max_length=16, required=False, allow_blank=True)
+
+
+class MachineIn(serializers.Serializer):
+    """How the machine isolates jobs and which limits hold: kept on the instance as reported."""
+
+    isolation = IsolationIn(required=False)
+    limits = LimitsIn(required=False)
+
+
 class EnrollIn(serializers.Serializer):
     bootstrap_token = serializers.CharField(max_length=200)
     hostname = serializers.CharField(max_length=200, required=False, allow_blank=True)
     agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
+    machine = MachineIn(required=False)
 
 
 class EnrollView(APIView):
@@ -140,7 +163,11 @@ class EnrollView(APIView):
                 pk=instance_id,
                 agent_token_hash="",
                 status__in=[InstanceStatus.PROVISIONING, InstanceStatus.WARMING],
-            ).update(agent_token_hash=hash_token(secret), last_heartbeat_at=timezone.now())
+            ).update(
+                agent_token_hash=hash_token(secret),
+                last_heartbeat_at=timezone.now(),
+                isolation=_isolation(data.validated_data.get("machine") or {}),
+            )
             if not enrolled:
                 row = (
                     MachineInstance.objects.filter(pk=instance_id)
@@ -161,6 +188,7 @@ class EnrollView(APIView):
                 actor=f"agent:{instance.pk}",
                 hostname=data.validated_data.get("hostname", ""),
                 agent_version=data.validated_data.get("agent_version", ""),
+                isolation=instance.isolation,
             )
         return Response(
             {
@@ -170,6 +198,11 @@ class EnrollView(APIView):
                 "poll_timeout": settings.CATACLOUD_AGENT_POLL_TIMEOUT,
             }
         )
+
+
+def _isolation(machine: dict) -> dict:
+    """The instance's ``isolation``: the agent's report flattened (jobs, job uids, limits)."""
+    return {**machine.get("isolation", {}), "limits": dict(machine.get("limits", {}))}
 
 
 def instance_heartbeat(*, instance: MachineInstance) -> bool:

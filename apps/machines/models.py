@@ -185,6 +185,9 @@ class MachineInstance(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     billed_seconds = models.PositiveIntegerField(null=True, blank=True)
     cost = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
+    # What the agent said at enrollment: how jobs are isolated (sandbox, uids) and which resource
+    # limits hold on the machine (enforced or not, and why).
+    isolation = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

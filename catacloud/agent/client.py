@@ -310,15 +310,24 @@ class AgentClient:
         bootstrap_token: str,
         hostname: str,
         agent_version: str,
+        machine: dict[str, Any] | None = None,
         retry_for: float | None = 600.0,
         interrupt: threading.Event | None = None,
     ) -> Enrollment:
-        """Exchange the single-use bootstrap token for this machine's agent token."""
+        """Exchange the single-use bootstrap token for this machine's agent token; ``machine``
+        says how this machine isolates jobs and which resource limits hold."""
         register_secret(bootstrap_token)
+        body: dict[str, Any] = {
+            "bootstrap_token": bootstrap_token,
+            "hostname": hostname,
+            "agent_version": agent_version,
+        }
+        if machine is not None:
+            body["machine"] = machine
         response = self.request(
             "POST",
             "enroll",
-            body={"bootstrap_token": bootstrap_token, "hostname": hostname, "agent_version": agent_version},
+            body=body,
             auth=False,
             retry_for=retry_for,
             interrupt=interrupt,

@@ -16,14 +16,12 @@ import dataclasses
 import json
 import logging
 import os
-import pwd
 import re
 import secrets
 import shlex
 import shutil
 import signal
 import socket
-import stat
 import sys
 import tarfile
 import tempfile
@@ -64,7 +62,22 @@ from catacloud.agent.files import (
 )
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
-from catacloud.agent.runner import Cancellation, JobResult, JobUser, LogStreamer, run_job_process
+from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
+from catacloud.agent.sandbox import (
+    DEFAULT_JOB_UIDS,
+    SANDBOX_SOCKET,
+    BubblewrapLauncher,
+    JobPlace,
+    Launcher,
+    UidAllocator,
+    UidLauncher,
+    UidRange,
+    blocked_folder,
+    bwrap_path,
+    can_switch_to,
+    passable,
+    probe,
+)
 
 log = logging.getLogger("catacloud.agent")
 
@@ -99,13 +112,20 @@ class Agent:
         imds_url: str | None = None,
         hostname: str | None = None,
         state_file: str | None = None,
-        job_user: JobUser | None = None,
+        job_uids: UidRange | None = None,
         bootstrap_token_file: str | None = None,
+        limits_file: str | None = None,
+        sandbox: bool = True,
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
         self.bootstrap_token_file = bootstrap_token_file
-        self.job_user = job_user
+        # Root: each job runs as the next uid of this range. None: as this agent's own uid
+        # (in a user namespace of its own when sandboxed).
+        self.job_uids = UidAllocator(job_uids) if job_uids is not None else None
+        self.limits_file = limits_file
+        self.sandbox = sandbox
+        self.launcher: Launcher = UidLauncher()
         self.state_file = state_file
         self.work_root = work_dir
         self.job_bin: str | None = None  # holds the `catacloud` wrapper jobs call
@@ -179,9 +199,95 @@ class Agent:
             json.dump(dataclasses.asdict(enrollment), fh)
         os.replace(self.state_file + ".tmp", self.state_file)
 
+    def _prepare(self) -> str | None:
+        """The work root, the job socket and the way jobs start; why not, when that fails."""
+        if self.work_root is None:
+            self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
+        else:
+            os.makedirs(self.work_root, mode=0o700, exist_ok=True)
+        sample_uid = self.job_uids.uids.start if self.job_uids is not None else None
+        if sample_uid is not None:
+            # Jobs pass through (to their own 0700 folder, the socket) but cannot list the others.
+            os.chmod(self.work_root, 0o711)
+            blocked = blocked_folder(self.work_root, sample_uid)
+            if blocked is not None:
+                return (
+                    f"job uids cannot pass {blocked} on the way to the work folder {self.work_root}; "
+                    "choose another --work-dir (or --state-file folder)"
+                )
+        self.job_bin = _write_job_bin(self.work_root)
+        socket_dir = os.path.join(self.work_root, ".agent")
+        os.makedirs(socket_dir, exist_ok=True)
+        os.chmod(socket_dir, 0o711 if sample_uid is not None else 0o700)
+        self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now, directory=socket_dir)
+        self.launcher = self._choose_launcher()
+        if not passable(sys.executable, sample_uid):
+            log.warning(
+                "jobs cannot run `catacloud` (job-meta, checkpoint): job uids cannot reach %s; "
+                "install the agent in a folder every user can read",
+                sys.executable,
+            )
+        return None
+
+    def _choose_launcher(self) -> Launcher:
+        """A bubblewrap sandbox per job when one starts here, else the uid-only supervisor."""
+        assert self.work_root is not None
+        bwrap = bwrap_path() if self.sandbox else None
+        if bwrap is None:
+            if self.sandbox:
+                log.warning("jobs run unsandboxed (their own uid only): bubblewrap (bwrap) is not installed")
+            return UidLauncher()
+        state_dirs = [
+            os.path.dirname(os.path.abspath(p)) for p in (self.state_file, self.bootstrap_token_file) if p
+        ]
+        visible = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix), self.job_bin or ""}
+        with contextlib.suppress(ImportError):
+            import catacloud.agent
+
+            visible.add(os.path.dirname(os.path.dirname(os.path.realpath(catacloud.agent.__file__))))
+        launcher = BubblewrapLauncher(
+            bwrap=bwrap,
+            hostname=self.hostname,
+            hidden=sorted({*state_dirs, self.work_root}),
+            visible=sorted(p for p in visible if p),
+        )
+        uid = self.job_uids.uids.start if self.job_uids is not None else None
+        folder = tempfile.mkdtemp(prefix=".probe-", dir=self.work_root)
+        try:
+            if uid is not None:
+                os.chown(folder, uid, uid)
+            why = probe(launcher, JobPlace(work_dir=folder, socket_path="", uid=uid, gid=uid))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if why is not None:
+            log.warning("jobs run unsandboxed (their own uid only): bubblewrap failed here: %s", why)
+            return UidLauncher()
+        return launcher
+
+    def machine_report(self) -> dict[str, Any]:
+        """What this machine tells the control plane at enrollment: how jobs are isolated and
+        which resource limits hold."""
+        isolation = self.launcher.describe()
+        isolation["job_uids"] = (
+            str(self.job_uids.uids) if self.job_uids else "the agent's own, in a user namespace"
+        )
+        if isolation["jobs"] == "uid" and self.job_uids is None:
+            isolation["job_uids"] = "the agent's own"
+        limits = read_limits(self.limits_file)
+        if not limits.get("enforced", False):
+            log.warning(
+                "resource limits are not enforced on this machine: %s", limits.get("detail", "unknown")
+            )
+        return {"isolation": isolation, "limits": limits}
+
     def run(self) -> int:
-        """Enroll (or reuse a saved enrollment), start the threads, wait until told to stop;
-        the process exit code."""
+        """Prepare the jobs' place, enroll (or reuse a saved enrollment), start the threads, wait
+        until told to stop; the process exit code."""
+        problem = self._prepare()
+        if problem is not None:
+            log.error("%s", problem)
+            return 2
+        assert self.meta is not None
         enrollment = self._saved_enrollment()
         if enrollment is not None:
             log.info("reusing the saved enrollment of instance %s", enrollment.instance_id)
@@ -191,12 +297,15 @@ class Agent:
                     bootstrap_token=self.bootstrap_token,
                     hostname=self.hostname,
                     agent_version=__version__,
+                    machine=self.machine_report(),
                     interrupt=self.stopping,
                 )
             except Interrupted:
+                self.meta.close()
                 return self.exit_code
             except AgentAPIError as exc:
                 log.error("could not enroll with %s: %s", self.client.base_url, exc)
+                self.meta.close()
                 return 1
             self._save_enrollment(enrollment)
         self.bootstrap_token = ""
@@ -211,31 +320,7 @@ class Agent:
             self.heartbeat_interval,
             self.poll_timeout,
         )
-        self.meta = MetaServer(
-            self._fetch_meta,
-            checkpoint=self._checkpoint_now,
-            group=self.job_user.gid if self.job_user else None,
-        )
         self.meta.start()
-        if self.work_root is None:
-            self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
-        else:
-            os.makedirs(self.work_root, mode=0o700, exist_ok=True)
-        self.job_bin = _write_job_bin(self.work_root)
-        if self.job_user is not None:
-            # Jobs may pass through (to their own 0700 folder) but not list the others.
-            os.chmod(self.work_root, 0o711)
-            blocked = _blocked_folder(self.work_root, self.job_user)
-            if blocked is not None:
-                log.error(
-                    "the job user %s cannot pass %s on the way to the work folder %s; "
-                    "choose another --work-dir (or --state-file folder)",
-                    self.job_user.name,
-                    blocked,
-                    self.work_root,
-                )
-                self.meta.close()
-                return 2
         try:
             self._heartbeat_once(retry_for=60.0)  # the handshake: enroll + heartbeat = ready
             threads = [
@@ -395,35 +480,26 @@ class Agent:
         except AgentAPIError as report_exc:
             log.error("job %s: could not report its outcome: %s", job.id, report_exc)
 
-    def _job_dir(self, job: Job) -> str:
+    def _job_dir(self, job: Job, uid: int | None) -> str:
         assert self.work_root is not None
         safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job.id)[:128]
         path = os.path.join(self.work_root, f"{safe_id}-{job.attempt}")
         if os.path.lexists(path):
             shutil.rmtree(path, ignore_errors=True)
         os.mkdir(path, 0o700)
-        self._give_to_job(path)
+        _give(path, uid)
         return path
 
-    def _give_to_job(self, path: str) -> None:
-        """Make ``path`` (and what is under it) the job user's, without following links."""
-        if self.job_user is None:
-            return
-        uid, gid = self.job_user.uid, self.job_user.gid
-        os.lchown(path, uid, gid)
-        for dirpath, dirnames, filenames in os.walk(path):
-            for name in dirnames + filenames:
-                os.lchown(os.path.join(dirpath, name), uid, gid)
-
-    def _job_env(self, job: Job, work_dir: str, token: str) -> dict[str, str]:
+    def _job_env(self, job: Job, work_dir: str, token: str, socket_path: str) -> dict[str, str]:
         """The job's whole environment: a sane base, its own env, then ``CATACLOUD_*``.
 
         Nothing of the agent's own environment is passed on (on the local provider that is the
         control plane's: database and broker URLs, keys, passwords)."""
-        assert self.meta is not None
         # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install.
         bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d]
-        user = self.job_user.name if self.job_user else os.environ.get("USER", "")
+        user = "catacloud-job" if self.launcher.kind == "bubblewrap" else os.environ.get("USER", "")
+        if self.job_uids is not None and self.launcher.kind != "bubblewrap":
+            user = ""  # a uid with no name on this machine
         env = {
             "PATH": ":".join([*bin_dirs, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
             "HOME": work_dir,
@@ -440,7 +516,7 @@ class Agent:
                 "CATACLOUD_WORK_DIR": work_dir,
                 OUTPUT_ENV: os.path.join(work_dir, "output"),
                 CHECKPOINT_ENV: os.path.join(work_dir, "checkpoint"),
-                SOCKET_ENV: self.meta.path,
+                SOCKET_ENV: socket_path,
                 TOKEN_ENV: token,
             }
         )
@@ -484,13 +560,15 @@ class Agent:
         )
         streamer.start()
         output_dir: str | None = None
+        work_dir: str | None = None
+        uid = self.job_uids.take() if self.job_uids is not None else None
         try:
-            work_dir = self._job_dir(job)
+            work_dir = self._job_dir(job, uid)
             output_dir = os.path.join(work_dir, "output")
             checkpoint_dir = os.path.join(work_dir, "checkpoint")
             for folder in (output_dir, checkpoint_dir):
                 os.mkdir(folder, 0o700)
-                self._give_to_job(folder)
+                _give(folder, uid)
         except OSError as exc:
             output_dir = None
             result = JobResult(None, "failed", f"could not create the working directory: {exc}")
@@ -505,23 +583,25 @@ class Agent:
             )
             if job.checkpoint_available and not cancel.is_set():
                 self._restore_checkpoint(job, checkpoint_dir, cancel)
-                self._give_to_job(checkpoint_dir)
+                _give(checkpoint_dir, uid)
                 checkpointer.mark_saved()
-            self.meta.grant(job.id, token)
+            self.meta.grant(job.id, token, uid=uid)
             with self._lock:
                 if self._current is not None:
                     self._current.checkpointer = checkpointer
             checkpointer.start()
             log.info("job %s: running in %s", job.id, work_dir)
             try:
+                place = JobPlace(work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid)
+                socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
                 result = run_job_process(
                     job.command,
-                    env=self._job_env(job, work_dir, token),
-                    cwd=work_dir,
+                    env=self._job_env(job, work_dir, token, socket_env),
+                    place=place,
+                    launcher=self.launcher,
                     timeout_seconds=job.timeout_seconds,
                     cancel=cancel,
                     streamer=streamer,
-                    user=self.job_user,
                     mask=job.secret_values,
                 )
             finally:
@@ -536,6 +616,8 @@ class Agent:
         if self.stopping.is_set() and not self._report_on_stop:
             streamer.close(timeout=0.0)
             log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
+            if work_dir is not None:
+                shutil.rmtree(work_dir, ignore_errors=True)
             return
         retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else 60.0
         if not streamer.close(timeout=retry_for):
@@ -557,7 +639,11 @@ class Agent:
             log.error("job %s: could not report its outcome: %s", job.id, exc)
         with self._lock:
             self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
-        self._upload_outputs(job, outputs)
+        try:
+            self._upload_outputs(job, outputs)
+        finally:
+            if work_dir is not None:  # the next job (maybe another uid) finds nothing of this one
+                shutil.rmtree(work_dir, ignore_errors=True)
 
     # -- checkpoints and outputs ------------------------------------------------------------
 
@@ -728,7 +814,32 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
-DEFAULT_JOB_USERS = ("catacloud-job", "nobody")
+def _give(path: str, uid: int | None) -> None:
+    """Make ``path`` (and what is under it) ``uid``'s, without following links; None: keep."""
+    if uid is None:
+        return
+    os.lchown(path, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def read_limits(path: str | None) -> dict[str, Any]:
+    """The resource limits this machine runs under: what its host wrote to ``path`` (a local
+    machine: cpus, memory, pids from its machine type, and whether a cgroup enforces them), else
+    this machine's own size (a cloud machine: the provider enforces it)."""
+    if path:
+        try:
+            with open(path) as fh:
+                limits = json.load(fh)
+            if isinstance(limits, dict):
+                return limits
+        except (OSError, ValueError) as exc:
+            return {"enforced": False, "detail": f"cannot read {path}: {exc}"}
+    memory_mb = None
+    with contextlib.suppress(OSError, ValueError):
+        memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return {"enforced": True, "by": "machine", "cpus": os.cpu_count(), "memory_mb": memory_mb}
 
 
 def _write_job_bin(work_root: str) -> str:
@@ -747,78 +858,6 @@ def _write_job_bin(work_root: str) -> str:
     return bin_dir
 
 
-def _may_execute(st: os.stat_result, user: JobUser) -> bool:
-    """Execute/search permission for ``user`` (its primary group only: jobs get no others)."""
-    if st.st_uid == user.uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == user.gid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-def _blocked_folder(folder: str, user: JobUser) -> str | None:
-    """The first folder on the way to (and including) ``folder`` that ``user`` cannot pass."""
-    parts = os.path.abspath(folder).split(os.sep)
-    for depth in range(1, len(parts) + 1):
-        current = os.sep.join(parts[:depth]) or os.sep
-        try:
-            if not _may_execute(os.stat(current), user):
-                return current
-        except OSError:
-            return current
-    return None
-
-
-def _can_run(path: str, user: JobUser) -> bool:
-    """Whether ``user`` can execute ``path``: every folder leading to it (and to what its
-    symbolic link leads to) passable, the file executable."""
-    real = os.path.realpath(path)
-    if any(_blocked_folder(os.path.dirname(os.path.abspath(p)), user) for p in (path, real)):
-        return False
-    try:
-        return _may_execute(os.stat(real), user)
-    except OSError:
-        return False
-
-
-def resolve_job_user(name: str | None) -> JobUser | None:
-    """The unprivileged account jobs run as, or None (jobs run as the agent's own user).
-
-    ``name`` when given (never root). Otherwise, as root: ``catacloud-job`` if it exists, else
-    ``nobody``, provided that user can run this agent's Python (for ``catacloud job-meta`` and
-    ``checkpoint``); if it cannot (a Python inside a private home folder), jobs run as the agent's
-    user and a warning says so. Not root: None."""
-    if os.geteuid() != 0:
-        if name and name != pwd.getpwuid(os.geteuid()).pw_name:
-            raise LookupError(f"--job-user {name}: only an agent running as root can switch users")
-        return None
-    for candidate in (name,) if name else DEFAULT_JOB_USERS:
-        try:
-            entry = pwd.getpwnam(candidate)
-        except KeyError:
-            continue
-        if entry.pw_uid == 0:
-            raise LookupError(f"--job-user {candidate}: jobs never run as root")
-        user = JobUser(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid)
-        if not _can_run(sys.executable, user):
-            if name:
-                log.warning("job user %s cannot run %s: jobs cannot call catacloud", name, sys.executable)
-                return user
-            log.warning(
-                "jobs run as root: user %s cannot run %s (a Python in a private folder); "
-                "install Python where %s can reach it, or pass --job-user",
-                candidate,
-                sys.executable,
-                candidate,
-            )
-            return None
-        return user
-    if name:
-        raise LookupError(f"--job-user {name}: no such user")
-    log.warning("jobs run as root: neither user %s exists", " nor ".join(DEFAULT_JOB_USERS))
-    return None
-
-
 def cmd_agent(args: argparse.Namespace) -> int:
     """``catacloud agent``: run this machine's agent until terminated."""
     _setup_logging(args.log_level)
@@ -835,15 +874,25 @@ def cmd_agent(args: argparse.Namespace) -> int:
         log.error("cannot read the bootstrap token file: %s", exc)
         return 2
     os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
-    try:
-        job_user = resolve_job_user(args.job_user)
-    except LookupError as exc:
-        log.error("%s", exc)
+    job_uids: UidRange | None = None
+    if os.geteuid() == 0:
+        try:
+            job_uids = UidRange.parse(args.job_uids) if args.job_uids else DEFAULT_JOB_UIDS
+        except ValueError as exc:
+            log.error("--job-uids: %s", exc)
+            return 2
+        if not can_switch_to(job_uids):
+            log.info(
+                "job uids %s are not mapped here; jobs run as this agent's uid in a user namespace", job_uids
+            )
+            job_uids = None
+    elif args.job_uids:
+        log.error("--job-uids: only an agent running as root can run jobs as other uids")
         return 2
-    if job_user is None and os.geteuid() != 0:
-        log.warning("jobs run as this agent's own user: they can read its files")
-    elif job_user is not None:
-        log.info("jobs run as user %s (uid %d)", job_user.name, job_user.uid)
+    if job_uids is not None:
+        log.info("jobs run as uids %s, a new one for each job (never root)", job_uids)
+    else:
+        log.info("jobs run as this agent's uid, each in a user namespace of its own (never root)")
     if not token and not saved:
         log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
         return 2
@@ -856,8 +905,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         imds_url=args.imds_url,
         state_file=args.state_file,
-        job_user=job_user,
+        job_uids=job_uids,
         bootstrap_token_file=args.bootstrap_token_file,
+        limits_file=args.limits_file,
+        sandbox=not args.no_sandbox,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -897,11 +948,22 @@ def add_agent_commands(subparsers: Any) -> None:
     source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
     agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
     agent.add_argument(
-        "--job-user",
-        metavar="NAME",
-        default=os.environ.get("CATACLOUD_JOB_USER") or None,
-        help="unprivileged user jobs run as when the agent runs as root "
-        "(default: catacloud-job if it exists, else nobody; env CATACLOUD_JOB_USER)",
+        "--job-uids",
+        metavar="START+COUNT",
+        default=os.environ.get("CATACLOUD_JOB_UIDS") or None,
+        help="when the agent runs as root: the uids its jobs run as, a new one for each job "
+        f"(default {DEFAULT_JOB_UIDS}; env CATACLOUD_JOB_UIDS)",
+    )
+    agent.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="run jobs without a bubblewrap sandbox (still as their own uid, never root)",
+    )
+    agent.add_argument(
+        "--limits-file",
+        metavar="PATH",
+        help="JSON the machine's host wrote: the resource limits it enforces on this machine "
+        "(reported at enrollment)",
     )
     agent.add_argument(
         "--state-file",

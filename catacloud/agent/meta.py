@@ -1,8 +1,9 @@
 """``catacloud job-meta`` and ``catacloud checkpoint``: the job talking to its agent.
 
-The agent listens on a Unix socket (file mode 0600, in a 0700 directory) and answers, for the job
-that is running now, if the request carries that job's ``CATACLOUD_JOB_TOKEN``
-(``Authorization: Bearer <token>``):
+The agent listens on a Unix socket (mode 0600, owned by the running job's uid while it runs, so
+that uid and no other may connect; a sandboxed job finds it at ``/run/catacloud/agent.sock``) and
+answers, for the job that is running now, if the request carries that job's
+``CATACLOUD_JOB_TOKEN`` (``Authorization: Bearer <token>``):
 
 - ``GET /v1/meta/NAME``: a resource's metadata, fetched from the Agent API with the agent's own
   token, which the job never sees. Nothing is written to disk.
@@ -108,27 +109,22 @@ class MetaServer:
         *,
         checkpoint: Checkpoint | None = None,
         directory: str | None = None,
-        group: int | None = None,
     ) -> None:
         self._fetch = fetch
         self._checkpoint = checkpoint
         self._grant: JobGrant | None = None
         self._lock = threading.Lock()
         self.directory = directory or tempfile.mkdtemp(prefix="catacloud-agent-")
-        os.chmod(self.directory, 0o700)
         self.path = os.path.join(self.directory, "agent.sock")
-        if os.path.exists(self.path):
+        if os.path.lexists(self.path):
             os.unlink(self.path)
-        self._server = _Server(self.path, self)
-        # The directory is 0700, so nobody else can reach the socket between bind and chmod.
+        # Bound under a 0077 umask: nobody else can reach the socket between bind and chmod.
+        old_umask = os.umask(0o077)
+        try:
+            self._server = _Server(self.path, self)
+        finally:
+            os.umask(old_umask)
         os.chmod(self.path, 0o600)
-        if group is not None:
-            # Jobs run as another user: its group may connect (the per-job token still decides
-            # what it reads); nobody else may.
-            os.chown(self.path, -1, group)
-            os.chmod(self.path, 0o660)
-            os.chown(self.directory, -1, group)
-            os.chmod(self.directory, 0o710)
         self._thread = threading.Thread(target=self._server.serve_forever, name="job-meta", daemon=True)
 
     def start(self) -> None:
@@ -136,21 +132,27 @@ class MetaServer:
 
     def close(self) -> None:
         """Stop serving and remove the socket and its directory."""
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()  # waits for serve_forever, which must have started
         self._server.server_close()
         for remove in (lambda: os.unlink(self.path), lambda: os.rmdir(self.directory)):
             with contextlib.suppress(OSError):
                 remove()
 
-    def grant(self, job_id: str, token: str) -> None:
-        """From now on, requests with ``token`` read ``job_id``'s metadata."""
+    def grant(self, job_id: str, token: str, *, uid: int | None = None) -> None:
+        """From now on, requests with ``token`` read ``job_id``'s metadata. With ``uid`` (a job
+        running as another uid) the socket becomes that uid's (mode 0600): only it may connect."""
         with self._lock:
             self._grant = JobGrant(job_id, token)
+            if uid is not None:
+                os.chown(self.path, uid, uid)
 
     def revoke(self) -> None:
-        """The job ended: its token is no longer accepted."""
+        """The job ended: its token is no longer accepted, its uid no longer connects."""
         with self._lock:
             self._grant = None
+            if os.stat(self.path).st_uid != os.geteuid():
+                os.chown(self.path, os.geteuid(), os.getegid())
 
     def _authorize(self, authorization: str) -> JobGrant | None:
         """The running job's grant if ``authorization`` carries its token."""

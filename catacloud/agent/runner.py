@@ -1,13 +1,9 @@
-"""Running one job: its own session and process tree, streamed output, timeout, cancellation.
+"""Running one job: its own uid and sandbox, streamed output, timeout, cancellation.
 
-The command runs as ``/bin/sh -c COMMAND`` under a small supervisor (the "shim", see
-:data:`SHIM`) that leads a new session, so the whole tree shares one process group. The shim is
-a child subreaper whose parent-death signal is tied to the agent: when the agent dies, even by
-SIGKILL, the kernel signals the shim, which SIGKILLs every descendant of the job (also those
-that left the group or daemonized: as a subreaper, orphans are re-parented to it). A job
-therefore never outlives its agent, so a requeued attempt never runs beside it. With ``user``
-set (the agent runs as root) the command runs as that unprivileged user (``setpriv --reuid
---regid --clear-groups``).
+How the job's command starts (a bubblewrap sandbox per job, or a small supervisor where
+bubblewrap cannot run) is :mod:`catacloud.agent.sandbox`'s business; either way the whole tree the
+job starts dies with the agent, even when the agent is SIGKILLed, so a requeued attempt never
+runs beside it.
 
 Two reader threads feed stdout and stderr into one ordered :class:`LogStreamer`, whose
 flusher thread ships chunks while the job runs. Stopping a job (timeout, cancel, agent exit)
@@ -21,10 +17,8 @@ import codecs
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +29,7 @@ import psutil
 
 from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
+from catacloud.agent.sandbox import JobPlace, Launcher
 
 log = logging.getLogger("catacloud.agent")
 
@@ -44,105 +39,6 @@ TIMED_OUT = "timed_out"
 CANCELLED = "cancelled"
 
 KILL_GRACE_SECONDS = 3.0
-
-
-@dataclass(frozen=True)
-class JobUser:
-    """The unprivileged account a job runs as."""
-
-    name: str
-    uid: int
-    gid: int
-
-
-# The job's supervisor ("shim"), the agent's direct child and the job shell's parent. It is a
-# child subreaper (PR_SET_CHILD_SUBREAPER), so every process the job starts stays its
-# descendant even after double-forking or setsid; and it asks the kernel for SIGUSR1 when the
-# agent dies (PR_SET_PDEATHSIG), then SIGKILLs all of them. When the job's shell exits it ends
-# what the shell left behind (SIGTERM, a second, SIGKILL) and exits as the shell did.
-SHIM = """
-import ctypes, os, signal, subprocess, sys, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-def descendants():
-    import psutil  # only when the job ends: starting the job stays quick
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-def running(p):
-    import psutil
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-def reap():
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-def end_all(signum, grace):
-    deadline = time.monotonic() + grace
-    sent = set()
-    while time.monotonic() < deadline + 5:  # a zombie whose parent never reaps it: give up
-        procs = [p for p in descendants() if running(p)]
-        if not procs:
-            return
-        kill = time.monotonic() >= deadline
-        for p in procs:
-            if kill or p.pid not in sent:  # SIGTERM once each, then SIGKILL after the grace
-                try:
-                    p.send_signal(signal.SIGKILL if kill else signum)
-                except Exception:  # psutil.Error: it is gone
-                    pass
-                sent.add(p.pid)
-        reap()
-        time.sleep(0.02)
-AGENT = int(sys.argv[1])
-dying = []
-def agent_died(*_):
-    # The death signal comes each time a thread of the agent exits (we are re-parented to
-    # another of its threads): act only once the agent process itself is gone, and only once.
-    if dying or os.getppid() == AGENT:
-        return
-    dying.append(True)
-    end_all(signal.SIGKILL, 0)
-    os._exit(137)
-signal.signal(signal.SIGUSR1, agent_died)
-libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
-agent_died()  # the agent may have died before we asked to be told
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, lambda *_: None)  # the job's group gets them; a handler resets on exec
-child = subprocess.Popen(sys.argv[2:])
-while True:
-    try:
-        pid, status = os.wait()
-    except ChildProcessError:
-        status = 0
-        break
-    if pid == child.pid:
-        break
-end_all(signal.SIGTERM, 1.0)
-code = os.waitstatus_to_exitcode(status)
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
-
-
-def job_argv(command: str, *, user: JobUser | None) -> list[str]:
-    """``/bin/sh -c command`` under the shim, as ``user`` when given."""
-    argv = ["/bin/sh", "-c", command]
-    if user is not None:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            raise OSError("setpriv (util-linux) is needed to run jobs as an unprivileged user")
-        drop = [f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--no-new-privs"]
-        argv = [setpriv, *drop, "--", *argv]
-    return [sys.executable, "-I", "-c", SHIM, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -560,35 +456,42 @@ def run_job_process(
     command: str,
     *,
     env: dict[str, str],
-    cwd: str,
+    place: JobPlace,
+    launcher: Launcher,
     timeout_seconds: float,
     cancel: Cancellation,
     streamer: LogStreamer,
     kill_grace: float = KILL_GRACE_SECONDS,
     poll_interval: float = 0.1,
-    user: JobUser | None = None,
     mask: Iterable[str] = (),
 ) -> JobResult:
     """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
 
-    ``env`` is the job's whole environment (nothing of the agent's is added). With ``user``
-    the command runs as that account. Values in ``mask`` become ``***`` in its output."""
+    ``env`` is the job's whole environment (nothing of the agent's is added); only the job's own
+    process gets it (see :mod:`catacloud.agent.sandbox`). ``place`` says where it runs and as
+    whom. Values in ``mask`` become ``***`` in its output."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
     try:
+        launch = launcher.launch(command, env, place)
+    except OSError as exc:
+        return JobResult(None, FAILED, f"could not prepare the job's sandbox: {exc}")
+    try:
         proc = subprocess.Popen(
-            job_argv(command, user=user),
-            cwd=cwd,
-            env=env,
+            launch.argv,
+            cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
             bufsize=0,
             close_fds=True,
+            **launch.popen_kwargs(),
         )
     except OSError as exc:
         return JobResult(None, FAILED, f"could not start the command: {exc}")
+    finally:
+        launch.close()
     assert proc.stdout is not None and proc.stderr is not None
     readers = [
         threading.Thread(
@@ -615,12 +518,23 @@ def run_job_process(
             log.warning("job output %s is still open after the job ended; not waiting for it", reader.name)
     if stopped is not None:
         return JobResult(None, *stopped)
+    return _exit_result(returncode)
+
+
+def _exit_result(returncode: int) -> JobResult:
+    """The outcome of an exit status. A sandbox reports a command killed by signal N as exit
+    code 128 + N, as shells do; the supervisor re-raises the signal (a negative return code)."""
     if returncode == 0:
         return JobResult(0, SUCCEEDED, "exit code 0")
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = str(-returncode)
-        return JobResult(128 - returncode, FAILED, f"killed by signal {name}")
+        return JobResult(128 - returncode, FAILED, f"killed by signal {_signal_name(-returncode)}")
+    if 128 < returncode < 128 + signal.NSIG:
+        return JobResult(returncode, FAILED, f"exit code {returncode} ({_signal_name(returncode - 128)})")
     return JobResult(returncode, FAILED, f"exit code {returncode}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)

@@ -1,28 +1,35 @@
-"""The embedded default driver: a "machine" is a detached local process running the agent.
+"""The embedded default driver: a "machine" is a sandboxed local agent on this host.
 
 Config:
   ``state_dir`` (required): directory holding one JSON record per machine, ``<instance_id>.json``
-      (pid, process start time, labels, name, created_at, log path), and its log
-      ``<instance_id>.log`` (stdout and stderr). Records outlive the worker, so a restarted
-      worker still lists, adopts and deletes its machines.
+      (pid, process start time, labels, name, created_at, log path), its log ``<instance_id>.log``
+      (stdout and stderr) and its folder ``<instance_id>/`` (bootstrap token, enrollment, jobs'
+      work, limits; ``/var/lib/catacloud`` inside the machine, as on a cloud machine). Records
+      outlive the worker, so a restarted worker still lists, adopts and deletes its machines.
+  ``sandbox`` (bool, default True unless ``CATACLOUD_LOCAL_SANDBOX=off``): run each machine in a
+      bubblewrap sandbox (:mod:`catacloud.providers.machine_sandbox` says what it sees). Off is an
+      explicit, weaker mode for hosts that cannot sandbox: the agent is a plain process (jobs still
+      run as their own uid, never root, where the agent runs as root).
+  ``mounts`` (list of ``{"source", "target", "writable"}``, default none): host folders shown
+      inside every machine of the account, read-only unless ``writable`` (what a cloud machine's
+      image would hold: a runner folder, a data set).
+  ``pids_max`` (int, default 4096): the machine's process limit, with cpus and memory from its
+      machine type, where the host allows a cgroup.
   ``boot_delay_seconds`` (float, default 0): the command starts only after this delay, so
-      warming is visible. With a delay the process is ``python -c <sleep, then exec command>``;
-      ``exec`` keeps the pid, so the record stays valid. Until ``created_at + delay`` the machine
-      reports ``booting`` (PROVISIONING).
+      warming is visible. Until ``created_at + delay`` the machine reports ``booting``
+      (PROVISIONING).
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
 
-Isolation: a local machine is a process on this host, not a VM. It gets none of the control
-plane's environment (database and broker URLs, keys, passwords): only ``AGENT_ENV_ALLOWED``
-plus ``spec.local_env``, and the bootstrap token in it is handed over as a 0600 file
-(``<instance_id>.token``, removed by the agent once used) rather than in its environment, which
-``/proc/<pid>/environ`` would show for the agent's whole life. The agent runs jobs as an
-unprivileged user when it runs as root (see ``catacloud/agent/runner.py`` and SECURITY.md).
+The control plane's environment never reaches a machine: only ``AGENT_ENV_ALLOWED`` plus
+``spec.local_env``, and the bootstrap token in it is handed over as a 0600 file in the machine's
+folder (removed by the agent once used) rather than in its environment, which
+``/proc/<pid>/environ`` would show for the agent's whole life.
 
 The provider id is the instance id. Processes start in their own session
-(``start_new_session=True``), so restarting the Celery worker does not kill machines, and
-delete signals the whole process group. The recorded start time guards against pid reuse: a
-record whose pid now belongs to another process reports ``exited`` (GONE) and is never signalled.
+(``start_new_session=True``), so restarting the Celery worker does not kill machines. The
+recorded start time guards against pid reuse: a record whose pid now belongs to another process
+reports ``exited`` (GONE) and is never signalled.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +51,7 @@ from typing import Any, ClassVar
 
 import psutil
 
+from catacloud.agent.sandbox import bwrap_path
 from catacloud.providers.base import (
     LABEL_INSTANCE,
     MachineSpec,
@@ -52,6 +61,18 @@ from catacloud.providers.base import (
     Provider,
     ProviderMachine,
 )
+from catacloud.providers.machine_sandbox import (
+    DEFAULT_PIDS_MAX,
+    MACHINE_DIR,
+    Cgroup,
+    MachineSandbox,
+    Mount,
+    free_slot,
+    job_uid_slot,
+    own_slot,
+    remove_cgroup,
+    secrets_to_hide,
+)
 
 # Sleep, then replace ourselves with the real command (same pid, same process group).
 BOOT_SHIM = "import os, sys, time; time.sleep(float(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])"
@@ -59,11 +80,23 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # psutil derives start times from boot time + clock ticks; allow for float noise only.
 _START_TIME_TOLERANCE = 0.05
 # The only variables of the control plane's environment a local agent inherits.
-AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "CATACLOUD_JOB_USER"})
+AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH"})
 BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
 _RECORD_KEYS = frozenset(
     {"instance_id", "name", "pid", "create_time", "labels", "created_at", "ready_at", "log_path"}
 )
+# The agent's files inside its machine (the same places as on a cloud machine).
+TOKEN_FILE = f"{MACHINE_DIR}/bootstrap-token"
+STATE_FILE = f"{MACHINE_DIR}/agent/agent.json"
+WORK_DIR = f"{MACHINE_DIR}/work"
+LIMITS_FILE = f"{MACHINE_DIR}/limits.json"
+
+
+def sandbox_default() -> bool:
+    """``CATACLOUD_LOCAL_SANDBOX=off`` (or ``0``, ``false``, ``no``) opts out, for hosts that cannot."""
+    return os.environ.get("CATACLOUD_LOCAL_SANDBOX", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
 # Popen objects of machines this process started: polling them reaps exited children and
 # keeps Python from warning about "subprocess still running" when they are garbage collected.
 _children: dict[int, subprocess.Popen[bytes]] = {}
@@ -90,6 +123,13 @@ class LocalProvider(Provider):
         self.keep_logs = bool(self.config.get("keep_logs", False))
         if self.boot_delay < 0 or self.stop_timeout < 0:
             raise Permanent("boot_delay_seconds and stop_timeout_seconds must be >= 0")
+        sandbox = self.config.get("sandbox")
+        self.sandbox = sandbox_default() if sandbox is None else bool(sandbox)
+        try:
+            self.mounts = [Mount.parse(raw) for raw in self.config.get("mounts") or []]
+            self.pids_max = int(self.config.get("pids_max", DEFAULT_PIDS_MAX))
+        except (TypeError, ValueError) as exc:
+            raise Permanent(f"local provider config: {exc}") from exc
 
     # ---- the interface ------------------------------------------------------------------------
 
@@ -136,7 +176,10 @@ class LocalProvider(Provider):
             current = self._read(provider_id)
             if current is not None and current["pid"] == record["pid"]:
                 self._record_path(provider_id).unlink(missing_ok=True)
-                self.state_dir.joinpath(f"{provider_id}.token").unlink(missing_ok=True)
+                shutil.rmtree(self.state_dir / provider_id, ignore_errors=True)
+                remove_cgroup(f"cc-{provider_id}")
+                if "slot" in record:
+                    free_slot(record["slot"], provider_id)
                 if not self.keep_logs:
                     Path(record["log_path"]).unlink(missing_ok=True)
 
@@ -147,14 +190,58 @@ class LocalProvider(Provider):
         env = {key: value for key, value in os.environ.items() if key in AGENT_ENV_ALLOWED}
         env.update(spec.local_env)
         token = env.pop(BOOTSTRAP_ENV, None)
+        folder = self.state_dir / spec.instance_id
+        if folder.exists():
+            shutil.rmtree(folder)  # a machine that died: its successor starts clean
+        folder.mkdir(mode=0o711)
+        os.chmod(folder, 0o711)  # the machine's job uids pass through to their work folders
+
+        def inside(path: str) -> str:  # an agent file's path as the agent sees it
+            return path if self.sandbox else str(folder) + path[len(MACHINE_DIR) :]
+
+        is_agent = spec.bootstrap is not None and not spec.command
         if token is not None:
-            token_path = self.state_dir / f"{spec.instance_id}.token"
-            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(
+                folder / "bootstrap-token", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
+            )
             with os.fdopen(fd, "w") as fh:
                 fh.write(token)
-            argv += ["--bootstrap-token-file", str(token_path)]
+            argv += ["--bootstrap-token-file", inside(TOKEN_FILE)]
+        record: dict[str, Any] = {"sandbox": self.sandbox}
+        cgroup: Cgroup | None = None
+        if is_agent:
+            argv += ["--state-file", inside(STATE_FILE), "--work-dir", inside(WORK_DIR)]
+            if os.geteuid() == 0:
+                slot, uids = job_uid_slot({"instance_id": spec.instance_id, "claimer": os.getpid()})
+                record["slot"] = slot
+                argv += ["--job-uids", str(uids)]
+            if self.sandbox:
+                cgroup, limits = Cgroup.create(
+                    f"cc-{spec.instance_id}", cpus=spec.cpus, memory_mb=spec.memory_mb, pids=self.pids_max
+                )
+            else:
+                limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
+            (folder / "limits.json").write_text(json.dumps(limits))
+            argv += ["--limits-file", inside(LIMITS_FILE)]
         if self.boot_delay > 0:
             argv = [sys.executable, "-c", BOOT_SHIM, repr(self.boot_delay), *argv]
+        if self.sandbox:
+            bwrap = bwrap_path()
+            if bwrap is None:
+                raise Permanent(
+                    "local machines run in a bubblewrap sandbox: install bubblewrap "
+                    "(apt install bubblewrap), or set CATACLOUD_LOCAL_SANDBOX=off to run them unsandboxed"
+                )
+            sandbox = MachineSandbox(
+                bwrap=bwrap,
+                hostname=spec.name,
+                machine_dir=str(folder),
+                mounts=self.mounts,
+                hide=secrets_to_hide([str(self.state_dir)]),
+            )
+            argv = sandbox.argv(argv)
+            if cgroup is not None:
+                argv = cgroup.wrap(argv)
         log_path = self.state_dir / f"{spec.instance_id}.log"
         now = datetime.now(UTC)
         with open(log_path, "ab") as log:
@@ -167,22 +254,32 @@ class LocalProvider(Provider):
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     close_fds=True,
-                    cwd=self.state_dir,
+                    cwd=folder,
                 )
             except OSError as exc:
+                if cgroup is not None:
+                    cgroup.remove()
                 raise Permanent(f"cannot start {argv[0]!r}: {exc.strerror}") from exc
         _children[proc.pid] = proc
-        return {
-            "instance_id": spec.instance_id,
-            "name": spec.name,
-            "pid": proc.pid,
-            # The child is not reaped yet, so psutil can read its start time even if it exited.
-            "create_time": psutil.Process(proc.pid).create_time(),
-            "labels": {**spec.labels, LABEL_INSTANCE: spec.instance_id},
-            "created_at": now.isoformat(),
-            "ready_at": (now + timedelta(seconds=self.boot_delay)).isoformat(),
-            "log_path": str(log_path),
-        }
+        record.update(
+            {
+                "instance_id": spec.instance_id,
+                "name": spec.name,
+                "pid": proc.pid,
+                # The child is not reaped yet, so psutil can read its start time even if it exited.
+                "create_time": psutil.Process(proc.pid).create_time(),
+                "labels": {**spec.labels, LABEL_INSTANCE: spec.instance_id},
+                "created_at": now.isoformat(),
+                "ready_at": (now + timedelta(seconds=self.boot_delay)).isoformat(),
+                "log_path": str(log_path),
+            }
+        )
+        if "slot" in record:
+            own_slot(
+                record["slot"],
+                {"instance_id": spec.instance_id, "pid": proc.pid, "create_time": record["create_time"]},
+            )
+        return record
 
     @staticmethod
     def _process(record: Mapping[str, Any]) -> psutil.Process | None:
@@ -196,16 +293,28 @@ class LocalProvider(Provider):
         return proc if _running(proc) else None
 
     def _stop(self, proc: psutil.Process) -> None:
-        """SIGTERM the process group, wait up to ``stop_timeout``, then SIGKILL what is left."""
-        pgid = proc.pid  # a session leader leads its own process group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
+        """SIGTERM the agent (and what it started), wait up to ``stop_timeout``, then SIGKILL
+        everything left. A sandbox's bubblewrap processes get no SIGTERM: they end when the agent
+        does, and the first of them ends the machine's every process when it dies."""
+        tree = _tree(proc)
+        for member in tree:
+            with contextlib.suppress(psutil.Error):
+                if member.name() != "bwrap" or member.pid == proc.pid and not self._sandboxed(proc):
+                    member.send_signal(signal.SIGTERM)
         _wait_gone(proc, self.stop_timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # stragglers: children that ignored SIGTERM
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a session leader leads its own process group
+        for member in [*tree, *_tree(proc)]:
+            with contextlib.suppress(psutil.Error):
+                member.send_signal(signal.SIGKILL)  # psutil refuses a reused pid
         _wait_gone(proc, 1.0)
+
+    @staticmethod
+    def _sandboxed(proc: psutil.Process) -> bool:
+        try:
+            return proc.name() == "bwrap"
+        except psutil.Error:
+            return False
 
     def _machine(self, record: Mapping[str, Any]) -> ProviderMachine:
         if self._process(record) is None:
@@ -259,6 +368,13 @@ class LocalProvider(Provider):
                 yield
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _tree(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _running(proc: psutil.Process) -> bool:

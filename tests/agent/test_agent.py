@@ -20,8 +20,18 @@ from catacloud.agent import __version__
 from catacloud.agent.client import AgentAPIError, RedactingFormatter, redact, register_secret
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, job_meta_command
 from catacloud.agent.runner import LogStreamer
+from catacloud.agent.sandbox import DEFAULT_JOB_UIDS, SANDBOX_SOCKET
 from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
-from tests.agent.harness import PY, AgentProcess, alive, assert_no_secrets, values, wait_gone
+from tests.agent.harness import (
+    PY,
+    AgentProcess,
+    alive,
+    assert_no_secrets,
+    host_pids,
+    leftovers,
+    values,
+    wait_gone,
+)
 
 # -- enrollment and heartbeats ------------------------------------------------------------------
 
@@ -34,11 +44,16 @@ def test_enroll_is_followed_at_once_by_a_heartbeat_then_periodic_ones(
 
     first, second = api.requests[0], api.requests[1]
     assert (first.method, first.path) == ("POST", "enroll")
+    machine = first.body.pop("machine")
     assert first.body == {
         "bootstrap_token": api.bootstrap_token,
         "hostname": socket.gethostname(),
         "agent_version": __version__,
     }
+    # How this machine isolates its jobs, told at enrollment: a sandbox each, a uid of their own.
+    assert machine["isolation"]["jobs"] == "bubblewrap"
+    assert machine["isolation"]["job_uids"] == str(DEFAULT_JOB_UIDS)
+    assert machine["limits"]["enforced"] is True
     assert "Authorization" not in first.headers
     assert (second.method, second.path) == ("POST", "heartbeat")
     assert second.body == {"running_job": None}
@@ -49,7 +64,7 @@ def test_enroll_is_followed_at_once_by_a_heartbeat_then_periodic_ones(
     )  # periodic (every ~0.2 s), not just once
     assert api.calls("GET", "work"), "idle agents long-poll for work"
 
-    agent.proc.send_signal(signal.SIGTERM)
+    agent.signal(signal.SIGTERM)
     assert agent.wait() == 0
     assert f"enrolled as instance {api.instance_id}" in agent.log()
     assert_no_secrets(api, agent)
@@ -124,7 +139,7 @@ def test_output_reaches_the_server_while_the_job_still_runs(
 def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
 ) -> None:
-    start_agent(token_via_env=True)
+    agent = start_agent(token_via_env=True)
     failing = api.assign(
         'echo "id=$CATACLOUD_JOB_ID"; echo "attempt=$CATACLOUD_ATTEMPT"; echo "wd=$CATACLOUD_WORK_DIR";'
         ' echo "pwd=$(pwd)"; echo "greeting=$GREETING"; echo "boot=${CATACLOUD_BOOTSTRAP_TOKEN:-none}";'
@@ -132,7 +147,7 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
         env={"GREETING": "hello"},
         attempt=2,
     )
-    leaving_a_child = api.assign("sleep 1000 & echo bg=$!")
+    leaving_a_child = api.assign("sleep 1001 & echo bg=$!")
 
     assert api.wait_finished(failing) == {
         "exit_code": 3,
@@ -141,7 +156,7 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
         "uploads_pending": 0,
     }
     assert api.wait_finished(leaving_a_child, timeout=8)["outcome"] == "succeeded"
-    assert wait_gone([int(values(api.output(leaving_a_child), "bg")[0])]) == [], "no leftovers between jobs"
+    assert wait_gone(leftovers(agent, "sleep 1001")) == [], "no leftovers between jobs"
     output = api.output(failing)
     assert values(output, "id") == [failing]
     assert values(output, "attempt") == ["2"]
@@ -169,18 +184,16 @@ def test_a_job_the_server_took_back_is_not_run(
 def test_timeout_kills_the_whole_process_tree(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    start_agent()
+    agent = start_agent()
     job = api.assign(
         "sleep 1000 & echo bg=$!;"
-        ' "$PY" -c "import os, time; os.setsid(); print(\'esc=%d\' % os.getpid(), flush=True);'
-        ' time.sleep(1000)" &'
-        " echo fg=$$; exec sleep 1000",
-        env={"PY": PY},
+        " setsid sh -c 'echo esc=$$; exec sleep 1000' &"
+        " sleep 0.3; echo fg=$$; exec sleep 1000",
         timeout_seconds=2,
     )
 
-    output = api.wait_output(job, "esc=", timeout=5)
-    pids = [int(values(output, key)[0]) for key in ("bg", "fg", "esc")]
+    output = api.wait_output(job, "fg=", timeout=5)
+    pids = host_pids(agent, *(int(values(output, key)[0]) for key in ("bg", "fg", "esc")))
     assert all(alive(pid) for pid in pids)
     assert os.getpgid(pids[2]) != os.getpgid(pids[0]), "one process left the job's process group"
     finished = api.wait_finished(job, timeout=10)
@@ -195,9 +208,9 @@ def test_timeout_kills_the_whole_process_tree(
 def test_cancel_from_heartbeat_or_logs_answer_stops_the_job_within_seconds(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    start_agent()
+    agent = start_agent()
     by_heartbeat = api.assign("echo pid=$$; exec sleep 1000")
-    pid = int(values(api.wait_output(by_heartbeat, "pid="), "pid")[0])
+    [pid] = host_pids(agent, int(values(api.wait_output(by_heartbeat, "pid="), "pid")[0]))
 
     cancelled_at = time.monotonic()
     api.cancel(by_heartbeat)
@@ -241,7 +254,7 @@ def test_job_meta_prints_the_resource_metadata_only_for_the_running_job(
     start_agent()
     api.meta[("with-db", "db")] = {"host": "db.internal", "port": 5432}
     job = api.assign(
-        'echo "socket=$CATACLOUD_AGENT_SOCKET"; echo "token=$CATACLOUD_JOB_TOKEN"; env;'
+        'echo "socket=$CATACLOUD_AGENT_SOCKET"; echo "token=$CATACLOUD_JOB_TOKEN"; echo "uid=$(id -u)"; env;'
         ' "$PY" -m catacloud.agent job-meta db > db.json; echo "ok=$?";'
         ' "$PY" -m catacloud.agent job-meta cache; echo "missing=$?";'
         ' CATACLOUD_JOB_TOKEN=wrong "$PY" -m catacloud.agent job-meta db; echo "wrong=$?";'
@@ -268,10 +281,13 @@ def test_job_meta_prints_the_resource_metadata_only_for_the_running_job(
     meta_calls = api.calls("GET", "jobs/with-db/meta/db")
     assert meta_calls and meta_calls[0].headers["Authorization"] == f"Agent {api.agent_token}"
 
-    socket_path = Path(values(output, "socket")[0])
+    assert values(output, "socket") == [SANDBOX_SOCKET]
+    socket_path = work_dir / ".agent" / "agent.sock"  # where the agent keeps it, outside the sandbox
     assert stat.S_ISSOCK(socket_path.stat().st_mode)
     assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    assert socket_path.stat().st_uid == int(values(output, "uid")[0]) in DEFAULT_JOB_UIDS, (
+        "the job's uid only"
+    )
     environ = {SOCKET_ENV: str(socket_path), TOKEN_ENV: values(output, "token")[0]}
     assert job_meta_command("db", environ=environ) == 0
     assert json.loads(capsys.readouterr().out) == {"host": "db.internal", "port": 5432}
@@ -280,6 +296,7 @@ def test_job_meta_prints_the_resource_metadata_only_for_the_running_job(
     api.wait_finished(job)
     assert job_meta_command("db", environ=environ) == 1, "a finished job's token is no longer valid"
     assert "no longer running" in capsys.readouterr().err
+    assert socket_path.stat().st_uid == os.geteuid(), "no job uid may connect between jobs"
 
 
 # -- interruption and stopping ------------------------------------------------------------------
@@ -320,9 +337,9 @@ def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
 ) -> None:
     agent = start_agent()
     job = api.assign("echo pid=$$; exec sleep 1000")
-    pid = int(values(api.wait_output(job, "pid="), "pid")[0])
+    [pid] = host_pids(agent, int(values(api.wait_output(job, "pid="), "pid")[0]))
 
-    agent.proc.send_signal(signal.SIGTERM)
+    agent.signal(signal.SIGTERM)
 
     assert agent.wait(10) == 0
     assert api.finished[job][0] == {
@@ -340,7 +357,7 @@ def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
 ) -> None:
     agent = start_agent()
     job = api.assign("echo pid=$$; exec sleep 1000")
-    pid = int(values(api.wait_output(job, "pid="), "pid")[0])
+    [pid] = host_pids(agent, int(values(api.wait_output(job, "pid="), "pid")[0]))
 
     api.terminate = True
 
@@ -416,7 +433,7 @@ def test_a_restarted_agent_resumes_its_saved_enrollment(
     first = start_agent("--state-file", str(state))
     api.wait_for(lambda: api.calls("POST", "heartbeat"), what="the first heartbeat")
     assert oct(state.stat().st_mode & 0o777) == "0o600"
-    first.proc.kill()  # a crash: no goodbye
+    first.signal(signal.SIGKILL)  # a crash: no goodbye
     first.wait()
     beats = len(api.calls("POST", "heartbeat"))
     second = start_agent("--state-file", str(state))

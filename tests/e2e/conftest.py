@@ -4,11 +4,14 @@ processes. Timings are shortened so a run takes seconds, not minutes."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from django.test import override_settings
 
@@ -32,6 +35,25 @@ class Stack:
     worker: Proc
     beat: Proc
     tmp: Path
+    # A folder made for jobs (every uid may write it): /shared inside every machine. Nothing else
+    # of this host is visible to a job.
+    shared: Path
+
+    def machine_processes(self, instance_id: str) -> list[psutil.Process]:
+        """Every process of a local machine (its sandbox and what runs in it), as this host sees them."""
+        record = Path(self.world.account.config["state_dir"]) / f"{instance_id}.json"
+        try:
+            root = psutil.Process(json.loads(record.read_text())["pid"])
+            return [root, *root.children(recursive=True)]
+        except (OSError, ValueError, psutil.Error):
+            return []
+
+    def agent_process(self, instance_id: str) -> psutil.Process:
+        for process in self.machine_processes(instance_id):
+            with contextlib.suppress(psutil.Error):
+                if process.name() != "bwrap" and "catacloud.agent" in " ".join(process.cmdline()):
+                    return process
+        raise AssertionError(f"no agent process for {instance_id}")
 
     def api(self, who: str = "admin") -> Any:
         return self.world.client(who)
@@ -49,6 +71,11 @@ def stack(tworld: World, live_server: Any, tmp_path: Path) -> Iterator[Stack]:
     purge_redis()
     env = {**FAST, "CATACLOUD_PUBLIC_URL": live_server.url}
     state_dir = tworld.account.config["state_dir"]
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    tworld.account.config["mounts"] = [{"source": str(shared), "target": "/shared", "writable": True}]
+    tworld.account.save(update_fields=["config"])
     overrides = {k: float(v) for k, v in FAST.items()}
     with (
         override_settings(**overrides, CATACLOUD_PUBLIC_URL=live_server.url),
@@ -56,6 +83,8 @@ def stack(tworld: World, live_server: Any, tmp_path: Path) -> Iterator[Stack]:
         TESTS.celery_beat(tmp_path, **env) as beat,
     ):
         try:
-            yield Stack(world=tworld, url=live_server.url, worker=worker, beat=beat, tmp=tmp_path)
+            yield Stack(
+                world=tworld, url=live_server.url, worker=worker, beat=beat, tmp=tmp_path, shared=shared
+            )
         finally:
             stop_local_machines(state_dir)

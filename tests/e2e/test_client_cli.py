@@ -20,7 +20,7 @@ from apps.machines.models import MachineInstance
 from testkit.processes import wait_for
 from tests.conftest import World
 from tests.e2e.conftest import Stack
-from tests.e2e.test_jobs_and_agent import _agent_process, job_config
+from tests.e2e.test_jobs_and_agent import job_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -154,9 +154,7 @@ def test_follow_carries_on_across_a_requeue(stack: Stack, cli: Cli) -> None:
     follower = cli.popen(stack.world.tokens["member"], *args, out=out, err=err)
     try:
         wait_for(lambda: "attempt-1" in out.read_text(), 60, "the first attempt's output", 0.2)
-        agent = _agent_process(str(Job.objects.get().instance_id))
-        for process in [*agent.children(recursive=True), agent]:
-            process.kill()  # the machine dies: no goodbye
+        stack.agent_process(str(Job.objects.get().instance_id)).kill()  # the machine dies: no goodbye
         assert follower.wait(timeout=120) == 0, err.read_text()
     finally:
         if follower.poll() is None:

@@ -54,30 +54,39 @@ def test_output_streams_while_running_and_the_exit_code_is_recorded(stack: Stack
 
 
 def test_timeout_kills_the_process_tree(stack: Stack) -> None:
-    marker = stack.tmp / "grandchild.pid"
-    cfg = job_config(stack, "slow", f"sleep 300 & echo $! > {marker}; sleep 300", timeout_seconds=2)
+    cfg = job_config(stack, "slow", "sleep 301 & echo started; sleep 302", timeout_seconds=2)
     job_id = submit(stack, cfg)
+    stack.wait(lambda: "started" in logs(stack, job_id), 60, "the job to run")
+    instance = job(stack, job_id)["instance"]
+    assert sleepers(stack, instance) == ["sleep 301", "sleep 302"]
     body = stack.wait(lambda: (j := job(stack, job_id))["status"] == "timed_out" and j, 60, "the timeout")
     assert body["exit_code"] is None
-    pid = int(marker.read_text())
-    stack.wait(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-        10,
-        "the background grandchild to be killed",
-    )
+    stack.wait(lambda: sleepers(stack, instance) == [], 10, "the background grandchild to be killed")
 
 
 def test_cancel_kills_a_running_job(stack: Stack) -> None:
-    marker = stack.tmp / "cancel.pid"
-    cfg = job_config(stack, "long", f"echo $$ > {marker}; echo running; sleep 300")
+    cfg = job_config(stack, "long", "echo running; sleep 303")
     job_id = submit(stack, cfg)
     stack.wait(lambda: "running" in logs(stack, job_id), 60, "the job to run")
+    instance = job(stack, job_id)["instance"]
+    assert sleepers(stack, instance) == ["sleep 303"]
     assert stack.api("viewer").post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 403
     response = stack.api("member").post(f"/api/v1/jobs/{job_id}/cancel/")
     assert response.status_code == 202 and response.json()["cancel_requested"] is True
     stack.wait(lambda: job(stack, job_id)["status"] == "cancelled", 20, "the cancellation")
-    pid = int(marker.read_text())
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert sleepers(stack, instance) == []
+
+
+def sleepers(stack: Stack, instance_id: str) -> list[str]:
+    """The job's ``sleep`` processes still running on its machine."""
+    found = []
+    for process in stack.machine_processes(instance_id):
+        try:
+            if process.name() == "sleep" and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(process.cmdline()))
+        except psutil.Error:
+            continue
+    return sorted(found)
 
 
 def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(stack: Stack) -> None:
@@ -89,10 +98,7 @@ def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(st
     job_id = submit(stack, cfg)
     stack.wait(lambda: "attempt-1" in logs(stack, job_id), 60, "the first attempt to run")
     first = job(stack, job_id)["instance"]
-    agent = _agent_process(first)
-    agent.kill()  # the machine dies: no goodbye
-    for child in agent.children(recursive=True):
-        child.kill()
+    stack.agent_process(first).kill()  # the machine dies: no goodbye (and everything in it)
     body = stack.wait(
         lambda: (j := job(stack, job_id))["status"] == "succeeded" and j,
         120,
@@ -104,23 +110,15 @@ def test_a_killed_agent_makes_its_machine_lost_and_the_job_finishes_elsewhere(st
     assert "attempt-2" in stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
 
 
-def _agent_process(instance_id: str) -> psutil.Process:
-    # The local provider hands the agent its bootstrap token as <instance_id>.token (never in
-    # its environment).
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if f"{instance_id}.token" in cmdline and "catacloud.agent" in cmdline:
-            return proc
-    raise AssertionError(f"no agent process for {instance_id}")
-
-
 def test_kueue_example_two_of_three_run_until_one_finishes(stack: Stack) -> None:
     mt = stack.world.machine_type
     mt.cpus = 32
     mt.save()
     OrgMachineType.objects.filter(org=stack.world.org, machine_type=mt).update(cpu_quota=64)
-    gate = stack.tmp / "gate"
-    cfg = job_config(stack, "train", f"while [ ! -e {gate}-$CATACLOUD_JOB_ID ]; do sleep 0.2; done; echo ok")
+    gate = stack.shared / "gate"  # /shared/gate inside the machines
+    cfg = job_config(
+        stack, "train", "while [ ! -e /shared/gate-$CATACLOUD_JOB_ID ]; do sleep 0.2; done; echo ok"
+    )
     jobs = [submit(stack, cfg) for _ in range(3)]
     stack.wait(
         lambda: sorted(job(stack, j)["status"] for j in jobs) == ["queued", "running", "running"],

@@ -9,7 +9,7 @@ import pytest
 
 from apps.jobs.models import Job
 from tests.e2e.conftest import Stack
-from tests.e2e.test_jobs_and_agent import _agent_process, job, job_config, logs, submit
+from tests.e2e.test_jobs_and_agent import job, job_config, logs, submit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 PY = sys.executable
@@ -55,10 +55,7 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(stack: Stack) -> None:
     job_id = submit(stack, job_config(stack, "resumable", command))
     stack.wait(lambda: "step 3" in logs(stack, job_id), 60, "three steps of attempt 1")
     first = job(stack, job_id)["instance"]
-    agent = _agent_process(first)
-    for child in agent.children(recursive=True):
-        child.kill()
-    agent.kill()  # the machine dies
+    stack.agent_process(first).kill()  # the machine dies, and everything in it
     stack.wait(lambda: job(stack, job_id)["status"] == "succeeded", 120, "the second attempt to finish")
     second = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
     assert "attempt 2 starts at 3" in second  # resumed, did not start over

@@ -132,13 +132,17 @@ def test_list_filters_by_owner_labels(provider: LocalProvider) -> None:
 
 
 def test_delete_kills_the_whole_process_group(provider: LocalProvider, state_dir: Path) -> None:
-    spec = make_spec(command=("sh", "-c", "sleep 300 & echo $! > child.pid; wait"))
+    spec = make_spec(command=("sh", "-c", "sleep 300 & wait"))
     provider.create(spec)
-    child_file = state_dir / "child.pid"
-    assert wait_for(lambda: child_file.exists() and child_file.read_text().strip() != "")
-    child = int(child_file.read_text())
     leader = record_of(state_dir, spec.instance_id)["pid"]
-    assert psutil.Process(child).is_running()
+
+    def sleeper() -> int | None:
+        found = [p.pid for p in psutil.Process(leader).children(recursive=True) if p.name() == "sleep"]
+        return found[0] if found else None
+
+    assert wait_for(lambda: sleeper() is not None)
+    child = sleeper()
+    assert child is not None and psutil.Process(child).is_running()
 
     provider.delete(spec.instance_id)
 

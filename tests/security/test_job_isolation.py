@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import signal
 import sys
 from collections.abc import Callable
@@ -20,10 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from catacloud.agent.sandbox import DEFAULT_JOB_UIDS
 from catacloud.providers.base import MachineSpec
-from catacloud.providers.local import LocalProvider
+from catacloud.providers.local import TOKEN_FILE, LocalProvider
+from testkit.processes import wait_for
 from tests.agent.fake_server import FakeAgentAPI
-from tests.agent.harness import AgentProcess, alive, values, wait_gone
+from tests.agent.harness import AgentProcess, agent_pid, alive, host_pids, values, wait_gone
 
 CONTROL_PLANE_ENV = {
     "DATABASE_URL": "postgresql://postgres:s3cret-db@127.0.0.1:5432/catacloud",
@@ -47,10 +48,10 @@ def test_a_job_dies_with_its_agent_even_when_the_agent_is_sigkilled(
         timeout_seconds=600,
     )
     output = api.wait_output(job, "fg=", timeout=10)
-    pids = [int(values(output, key)[0]) for key in ("bg", "esc", "dmn", "fg")]
+    pids = host_pids(agent, *(int(values(output, key)[0]) for key in ("bg", "esc", "dmn", "fg")))
     assert all(alive(pid) for pid in pids)
 
-    agent.proc.send_signal(signal.SIGKILL)
+    agent.signal(signal.SIGKILL)
     agent.proc.wait(5)
 
     assert wait_gone(pids, timeout=5) == [], "the job's processes outlived their agent"
@@ -78,28 +79,32 @@ def test_a_job_gets_its_own_env_and_nothing_of_the_agents(
 
 
 @root_only
-def test_a_job_runs_unprivileged_and_cannot_read_the_agents_secrets(
+def test_each_job_runs_as_a_uid_of_its_own_and_cannot_read_the_agents_secrets(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], tmp_path: Path
 ) -> None:
     state_dir = tmp_path / "state"
-    agent = start_agent("--job-user", "nobody", "--state-file", str(state_dir / "agent.json"))
-    nobody = pwd.getpwnam("nobody")
-    job = api.assign(
+    agent = start_agent("--state-file", str(state_dir / "agent.json"))
+    probe = (
         'echo "uid=$(id -u)"; echo "groups=$(id -G)";'
         ' cat "$STATE" >/dev/null 2>&1; echo "state=$?";'
         ' cat "/proc/$AGENT/environ" >/dev/null 2>&1; echo "environ=$?";'
         ' echo mine > "$CATACLOUD_OUTPUT_DIR/x"; echo "out=$?";'
-        ' echo "home=$(cd && pwd)"',
-        env={"STATE": str(state_dir / "agent.json"), "AGENT": str(agent.proc.pid)},
+        ' echo "home=$(cd && pwd)"'
     )
-    assert api.wait_finished(job)["outcome"] == "succeeded"
-    output = api.output(job)
+    env = {"STATE": str(state_dir / "agent.json"), "AGENT": str(agent_pid(agent))}
+    first, second = api.assign(probe, env=env), api.assign(probe, env=env)
+    assert api.wait_finished(first)["outcome"] == api.wait_finished(second)["outcome"] == "succeeded"
 
-    assert values(output, "uid") == [str(nobody.pw_uid)]
-    assert values(output, "groups") == [str(nobody.pw_gid)]
-    assert values(output, "state") != ["0"], "the job read the agent's state file (its token)"
-    assert values(output, "environ") != ["0"], "the job read the agent's environment"
-    assert values(output, "out") == ["0"], "the job can write its own outputs"
+    uids = []
+    for job in (first, second):
+        output = api.output(job)
+        uids += [int(uid) for uid in values(output, "uid")]
+        assert values(output, "groups") == values(output, "uid"), "no supplementary groups"
+        assert values(output, "state") != ["0"], "the job read the agent's state file (its token)"
+        assert values(output, "environ") != ["0"], "the job read the agent's environment"
+        assert values(output, "out") == ["0"], "the job can write its own outputs"
+    assert len(set(uids)) == 2, "a new uid for each job"
+    assert all(uid in DEFAULT_JOB_UIDS for uid in uids), "never root, never an account of the host"
     assert json.loads((state_dir / "agent.json").read_text())["agent_token"] == api.agent_token
     assert not (tmp_path / "bootstrap-token-0").exists(), "the used bootstrap token file is removed"
 
@@ -127,17 +132,20 @@ def test_a_local_machine_gets_neither_the_control_planes_env_nor_its_token_in_en
     )
     record = provider.create(spec)
     try:
-        pid = json.loads((tmp_path / "m1.json").read_text())["pid"]
-        environ = psutil.Process(pid).environ()
-        cmdline = " ".join(psutil.Process(pid).cmdline())
-        assert not set(CONTROL_PLANE_ENV) & set(environ)
-        assert token not in json.dumps(environ) and token not in cmdline
-        token_file = tmp_path / "m1.token"
+        root = psutil.Process(json.loads((tmp_path / "m1.json").read_text())["pid"])
+        wait_for(lambda: any(p.name() == "sleep" for p in root.children(recursive=True)), 10, "the command")
+        cmdlines = []
+        for process in [root, *root.children(recursive=True)]:
+            environ = process.environ()
+            cmdlines.append(" ".join(process.cmdline()))
+            assert not set(CONTROL_PLANE_ENV) & set(environ)
+            assert token not in json.dumps(environ) and token not in cmdlines[-1]
+        assert f"--bootstrap-token-file {TOKEN_FILE}" in cmdlines[0]  # in the machine's own folder
+        token_file = tmp_path / "m1" / "bootstrap-token"
         assert token_file.read_text() == token and token_file.stat().st_mode & 0o777 == 0o600
-        assert f"--bootstrap-token-file {token_file}" in cmdline
     finally:
         provider.delete(record.provider_id)
-    assert not (tmp_path / "m1.token").exists()
+    assert not (tmp_path / "m1").exists(), "the machine's folder (and the token) go with it"
 
 
 def test_cloud_machines_create_the_job_user_and_run_jobs_as_it() -> None:
@@ -189,7 +197,7 @@ def test_the_agent_reads_a_jobs_folder_without_following_links(tmp_path: Path) -
 def test_a_bootstrap_token_given_in_the_environment_leaves_it(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    agent = start_agent(token_via_env=True)
+    agent = start_agent(token_via_env=True, sandboxed=False)  # the agent alone, as on a cloud machine
     api.wait_for(lambda: api.calls("POST", "heartbeat"), what="a heartbeat")
     assert api.calls("POST", "enroll")[0].body["bootstrap_token"] == api.bootstrap_token
     environ = psutil.Process(agent.proc.pid).environ()
@@ -203,7 +211,7 @@ def test_an_unreachable_work_folder_stops_the_agent_with_a_clear_error(
 ) -> None:
     private = work_dir.parent / "private"
     private.mkdir(mode=0o700)
-    agent = start_agent("--job-user", "nobody", "--work-dir", str(private / "work"))
+    agent = start_agent("--work-dir", str(private / "work"))
     assert agent.wait() == 2
     assert f"cannot pass {private}" in agent.log()
 

@@ -160,6 +160,7 @@ class InstanceSerializer(serializers.ModelSerializer):
             "ended_at",
             "billed_seconds",
             "cost",
+            "isolation",
         )
         read_only_fields = fields
 

@@ -1,0 +1,324 @@
+"""A local machine is a sandbox on this host (bubblewrap), not a bare process.
+
+What a machine sees is listed, not filtered: the host's system folders read-only (``/usr``,
+``/etc``, ``/bin``, ``/lib*``, ``/sbin``), the agent's Python (its venv, its interpreter and the
+``catacloud`` package) read-only, the operator's ``mounts`` (read-only unless said otherwise), and
+its own machine folder, writable, at :data:`MACHINE_DIR`; fresh ``/proc``, ``/dev``, ``/tmp``,
+``/run`` and ``/var``. Everything else is absent: ``$CATACLOUD_HOME`` (passwords, keys, the
+artifact store), the project checkout, home folders, other machines' folders and logs. The
+machine has its own PID, IPC and UTS namespaces (its hostname is the machine's name), so it sees
+and signals only its own processes. What a job may touch therefore never depends on the modes
+of the host's folders.
+
+An agent started as root keeps root inside (with only the capabilities it needs to run jobs as
+other uids: setuid, setgid, chown, fowner, kill, dac_override, dac_read_search), and runs each
+job as a uid of the range the provider gave its machine; any other user gets a user namespace
+(bubblewrap's default), and the agent runs jobs in nested ones. Either way no job is root.
+
+:class:`Cgroup` puts the machine under its machine type's limits (cpus, memory, pids) where the
+host lets us (cgroup v2 or v1, as root); :func:`job_uid_slot` gives each machine of this host its
+own range of job uids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from catacloud.agent.sandbox import JOB_UID_BASE, UidRange
+
+# Where a machine finds its own folder (bootstrap token, enrollment, work, limits), as on a cloud
+# machine (catacloud/providers/userdata.py).
+MACHINE_DIR = "/var/lib/catacloud"
+SYSTEM_FOLDERS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+AGENT_CAPABILITIES = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+)
+# Job uid ranges of local machines: slot N holds UIDS_PER_MACHINE uids from JOB_UID_BASE + 2^16
+# (the first 2^16 are cloud machines' default range), one slot per running machine of the host.
+UIDS_PER_MACHINE = 1024
+UID_SLOTS = 100_000
+SLOTS_DIR = Path("/run/catacloud/job-uid-slots")
+DEFAULT_PIDS_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host folder shown inside every machine of an account (``mounts`` in its config)."""
+
+    source: str
+    target: str
+    writable: bool = False
+
+    @classmethod
+    def parse(cls, raw: Any) -> Mount:
+        if not isinstance(raw, Mapping) or not raw.get("source") or not raw.get("target"):
+            raise ValueError("each mount needs 'source' and 'target' (absolute paths)")
+        source, target = str(raw["source"]), str(raw["target"])
+        if not (os.path.isabs(source) and os.path.isabs(target)) or ".." in Path(target).parts:
+            raise ValueError(f"mount {source} -> {target}: both must be absolute, without '..'")
+        return cls(source, os.path.normpath(target), bool(raw.get("writable", False)))
+
+
+def runtime_paths() -> list[str]:
+    """What the agent needs of this host to run: its venv, its interpreter, the catacloud package."""
+    import catacloud
+
+    paths = {
+        os.path.realpath(sys.prefix),
+        os.path.realpath(sys.base_prefix),
+        os.path.dirname(os.path.realpath(sys.executable)),
+        os.path.dirname(os.path.realpath(catacloud.__file__)),
+    }
+    # Keep only the outermost of nested paths (a venv inside the package's checkout and so on).
+    ordered = sorted(paths, key=len)
+    return sorted(
+        p for p in ordered if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in ordered)
+    )
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = Path(path).parts[1:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+@dataclass
+class MachineSandbox:
+    """The bubblewrap command line of one local machine."""
+
+    bwrap: str
+    hostname: str
+    machine_dir: str  # on the host; MACHINE_DIR inside
+    mounts: Sequence[Mount] = ()
+    hide: Sequence[str] = ()  # host folders that must stay invisible even under a mount
+    as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        args = [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", self.hostname]
+        if self.as_root:
+            args += ["--cap-drop", "ALL"]
+            for cap in AGENT_CAPABILITIES:
+                args += ["--cap-add", cap]
+        else:
+            args += ["--unshare-user"]
+        for folder in SYSTEM_FOLDERS:
+            if os.path.islink(folder):
+                args += ["--symlink", os.readlink(folder), folder]
+            elif os.path.isdir(folder):
+                args += ["--ro-bind", folder, folder]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/var"]
+        args += ["--perms", "1777", "--dir", "/var/tmp"]
+        made = {"/tmp", "/run", "/var", *SYSTEM_FOLDERS}
+        binds = [(p, p, False) for p in runtime_paths()]
+        binds += [(m.source, m.target, m.writable) for m in self.mounts]
+        binds.append((self.machine_dir, MACHINE_DIR, True))
+        for source, target, writable in binds:
+            for parent in _ancestors(target):  # bubblewrap would make them 0700: jobs pass through
+                if parent not in made and not any(
+                    parent == t or parent.startswith(t + "/") for t in SYSTEM_FOLDERS
+                ):
+                    args += ["--perms", "0755", "--dir", parent]
+                    made.add(parent)
+            args += ["--bind" if writable else "--ro-bind", source, target]
+        for secret in self.hide:
+            for source, target, _w in binds:
+                if secret == source or secret.startswith(source.rstrip("/") + "/"):
+                    args += ["--tmpfs", target + secret[len(source) :]]
+        args += ["--chdir", MACHINE_DIR, "--", *command]
+        return args
+
+    def check(self) -> str | None:
+        """Start ``true`` in such a sandbox; ``None`` when this host can, else what went wrong."""
+        try:
+            result = subprocess.run(
+                self.argv(["/bin/true"]),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=30,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        if result.returncode != 0:
+            return result.stderr.decode(errors="replace").strip() or f"exit code {result.returncode}"
+        return None
+
+
+# -- resource limits ---------------------------------------------------------------------------
+
+
+@dataclass
+class Cgroup:
+    """One machine's cgroup (v2, else v1 per controller), when the host lets us make one."""
+
+    name: str
+    procs: list[str] = field(default_factory=list)  # cgroup.procs files the machine joins
+    folders: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls, name: str, *, cpus: int, memory_mb: int, pids: int
+    ) -> tuple[Cgroup | None, dict[str, Any]]:
+        """The cgroup and the limits record the agent reports (``enforced`` says whether they hold)."""
+        limits: dict[str, Any] = {"cpus": cpus, "memory_mb": memory_mb, "pids": pids}
+        group = cls(name)
+        try:
+            if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+                group._make_v2(cpus, memory_mb, pids)
+                how = "cgroup v2"
+            elif os.path.isdir("/sys/fs/cgroup/memory"):
+                group._make_v1(cpus, memory_mb, pids)
+                how = "cgroup v1"
+            else:
+                raise OSError("no cgroup file system at /sys/fs/cgroup")
+        except OSError as exc:
+            group.remove()
+            reason = exc.strerror or str(exc)
+            if isinstance(exc, PermissionError) or os.geteuid() != 0:
+                reason = f"{reason} (limits need a control plane running as root, or a delegated cgroup)"
+            return None, {
+                **limits,
+                "enforced": False,
+                "detail": f"not enforced: cannot create a cgroup: {reason}",
+            }
+        return group, {**limits, "enforced": True, "detail": f"enforced by {how}"}
+
+    def _folder(self, root: str) -> str:
+        parent = os.path.join(root, "catacloud")
+        os.makedirs(parent, exist_ok=True)
+        folder = os.path.join(parent, self.name)
+        os.makedirs(folder, exist_ok=True)
+        self.folders.append(folder)
+        return folder
+
+    def _make_v2(self, cpus: int, memory_mb: int, pids: int) -> None:
+        root = "/sys/fs/cgroup"
+        for level in (root, os.path.join(root, "catacloud")):
+            os.makedirs(level, exist_ok=True)
+            with open(os.path.join(level, "cgroup.subtree_control"), "w") as fh:
+                fh.write("+cpu +memory +pids")
+        folder = self._folder(root)
+        _write(folder, "cpu.max", f"{cpus * 100000} 100000")
+        _write(folder, "memory.max", str(memory_mb * 2**20))
+        _write(folder, "pids.max", str(pids))
+        self.procs = [os.path.join(folder, "cgroup.procs")]
+
+    def _make_v1(self, cpus: int, memory_mb: int, pids: int) -> None:
+        cpu = self._folder("/sys/fs/cgroup/cpu")
+        _write(cpu, "cpu.cfs_period_us", "100000")
+        _write(cpu, "cpu.cfs_quota_us", str(cpus * 100000))
+        memory = self._folder("/sys/fs/cgroup/memory")
+        _write(memory, "memory.limit_in_bytes", str(memory_mb * 2**20))
+        with contextlib.suppress(OSError):  # not every kernel accounts swap
+            _write(memory, "memory.memsw.limit_in_bytes", str(memory_mb * 2**20))
+        folders = [cpu, memory]
+        if os.path.isdir("/sys/fs/cgroup/pids"):
+            task = self._folder("/sys/fs/cgroup/pids")
+            _write(task, "pids.max", str(pids))
+            folders.append(task)
+        self.procs = [os.path.join(f, "cgroup.procs") for f in folders]
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` started inside this cgroup: a shell joins it, then becomes ``argv`` (same pid)."""
+        join = (
+            'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done;'
+            ' exec "$@"'
+        )
+        return ["/bin/sh", "-c", join, "sh", str(len(self.procs)), *self.procs, *argv]
+
+    def remove(self) -> None:
+        for folder in reversed(self.folders):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def remove_cgroup(name: str) -> None:
+    """Remove a machine's cgroup folders (after its processes are gone), whichever version."""
+    roots = ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in ("cpu", "memory", "pids")]
+    Cgroup(name, folders=[os.path.join(r, "catacloud", name) for r in roots]).remove()
+
+
+def _write(folder: str, name: str, value: str) -> None:
+    with open(os.path.join(folder, name), "w") as fh:
+        fh.write(value)
+
+
+# -- job uid ranges ----------------------------------------------------------------------------
+
+
+def job_uid_slot(owner: Mapping[str, Any], *, slots_dir: Path = SLOTS_DIR) -> tuple[int, UidRange]:
+    """Claim a range of job uids no other running machine of this host holds: a file per slot,
+    created exclusively, naming its owner (``pid`` and ``create_time`` of the machine's process,
+    filled in by :func:`own_slot` once it runs). A slot whose owner process is gone is free."""
+    slots_dir.mkdir(parents=True, exist_ok=True)
+    for slot in range(UID_SLOTS):
+        path = slots_dir / str(slot)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if not _stale(path):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                continue  # another machine took it meanwhile
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dict(owner), fh)
+        return slot, slot_uids(slot)
+    raise OSError("every job uid slot of this host is taken")
+
+
+def slot_uids(slot: int) -> UidRange:
+    return UidRange(JOB_UID_BASE + 2**16 + slot * UIDS_PER_MACHINE, UIDS_PER_MACHINE)
+
+
+def own_slot(slot: int, owner: Mapping[str, Any], *, slots_dir: Path = SLOTS_DIR) -> None:
+    tmp = slots_dir / f".{slot}.tmp"
+    tmp.write_text(json.dumps(dict(owner)))
+    os.replace(tmp, slots_dir / str(slot))
+
+
+def free_slot(slot: int, instance_id: str, *, slots_dir: Path = SLOTS_DIR) -> None:
+    path = slots_dir / str(slot)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(path.read_text()).get("instance_id") == instance_id:
+            path.unlink()
+
+
+def _stale(path: Path) -> bool:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False  # being written
+    if "pid" not in owner:
+        # Claimed, its machine not started yet: stale only if the claimer is gone.
+        claimer = owner.get("claimer")
+        return claimer is None or not psutil.pid_exists(int(claimer))
+    try:
+        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["create_time"])) > 0.05
+    except (psutil.Error, ValueError, TypeError):
+        return True
+
+
+def secrets_to_hide(extra: Iterable[str] = ()) -> list[str]:
+    """Host folders no machine may see even if a mount or the runtime contains them."""
+    home = os.environ.get("CATACLOUD_HOME", ".catacloud")
+    return sorted({os.path.realpath(os.path.expanduser(home)), *extra})
