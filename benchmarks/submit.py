@@ -1,10 +1,17 @@
-"""Part 3: submit -> running, on a warm pool member and on a cold (new) machine.
+"""Part 3: submit -> running, on a warm pool member and on a cold (new) machine; and what a
+job's sandbox costs at each start.
 
 Real gunicorn, Celery worker and beat; the local driver starts real agent processes. A job
 is submitted with the job_submit service (as POST /jobs/ does); the time is its
 ``started_at`` (the agent reported the command running) minus its ``queued_at``. Warm: the
 org has a ready pool of the job's machine type. Cold: another machine type with no pool, so
 the scheduler provisions a machine (local boot: a new agent process) for each job.
+
+The sandbox's cost: ``true`` started the way the agent starts a job, as a job uid, interleaved:
+through the bubblewrap sandbox (every job now) and through the uid-only supervisor (the Python
+supervisor every job went through before the sandbox, and the fallback where bubblewrap cannot
+run); spawn to exit, p50 and p99. ``running`` is reported before the command is spawned, so
+submit -> running does not include it; started -> finished of the warm ``true`` jobs does.
 """
 
 from __future__ import annotations
@@ -44,13 +51,55 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
             STAGES, ((queued, admitted), (admitted, assigned), (assigned, start)), strict=True
         ):
             breakdown.setdefault(stage, []).append((b - a).total_seconds())
-    wait_for(
-        lambda: Job.objects.filter(pk=job.pk, finished_at__isnull=False).exists(),
+    finished = wait_for(
+        lambda: Job.objects.filter(pk=job.pk, finished_at__isnull=False).values_list("finished_at").first(),
         60,
         "the job to finish",
         0.02,
     )
+    if breakdown is not None:
+        breakdown.setdefault("finished", []).append((finished[0] - started[0]).total_seconds())
     return (started[0] - started[1]).total_seconds()
+
+
+def sandbox_starts(samples: int = 60) -> dict[str, list[float]]:
+    """Spawn-to-exit of ``true`` through each launcher, as the agent starts a job (interleaved)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    from catacloud.agent.sandbox import BubblewrapLauncher, JobPlace, UidLauncher, bwrap_path, probe
+
+    uid = 2_000_000_000 + 99 if os.geteuid() == 0 else None
+    folder = tempfile.mkdtemp(prefix="catacloud-bench-")
+    os.chmod(folder, 0o711)
+    work = os.path.join(folder, "job")
+    os.mkdir(work, 0o700)
+    if uid is not None:
+        os.chown(work, uid, uid)
+    place = JobPlace(work_dir=work, socket_path="", uid=uid, gid=uid)
+    bwrap = bwrap_path()
+    launchers: dict[str, Any] = {"uid-only supervisor (before)": UidLauncher()}
+    if bwrap is not None:
+        sandbox = BubblewrapLauncher(bwrap=bwrap, hostname="bench", hidden=[folder])
+        if probe(sandbox, place) is None:
+            launchers["bubblewrap sandbox (now)"] = sandbox
+    times: dict[str, list[float]] = {name: [] for name in launchers}
+    try:
+        for _ in range(samples):
+            for name, launcher in launchers.items():
+                launch = launcher.launch("true", {"PATH": "/usr/bin:/bin"}, place)
+                began = time.perf_counter()
+                try:
+                    subprocess.run(launch.argv, cwd="/", check=True, **launch.popen_kwargs())
+                finally:
+                    launch.close()
+                times[name].append(time.perf_counter() - began)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return times
 
 
 def _no_live_machines(t: Any) -> bool:
@@ -102,9 +151,17 @@ def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress
             wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine", 0.02)
             progress(f"submit: cold job {i + 1}/{cold}")
             cold_s.append(_one(tc, cfg_c))
+    progress("submit: the sandbox's cost per job start")
+    starts = sandbox_starts()
     w50, w95 = percentile(warm_s, 50), percentile(warm_s, 95)
     c50, c95 = percentile(cold_s, 50), percentile(cold_s, 95)
-    result.data = {"warm_s": warm_s, "cold_s": cold_s, "pool_size": pool_size, "warm_stages_s": stages}
+    result.data = {
+        "warm_s": warm_s,
+        "cold_s": cold_s,
+        "pool_size": pool_size,
+        "warm_stages_s": stages,
+        "job_start_s": starts,
+    }
     result.figures += [
         Figure(
             "warm: submit -> running p50",
@@ -137,6 +194,24 @@ def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress
                     "agent woken from its long poll, fetches the job, starts it",
                 ),
             )
+        ),
+        Figure(
+            "warm: started -> finished p50 (`true`)",
+            round(percentile(stages.get("finished", [0.0]), 50) * 1000, 1),
+            "ms",
+            "",
+            note="spawn in the sandbox, exit, output flushed, outcome reported",
+        ),
+        *(
+            Figure(
+                f"job start, {name}: p50 / p99",
+                round(percentile(values, 50) * 1000, 1),
+                "ms",
+                "",
+                f"p99 {percentile(values, 99) * 1000:.1f} ms",
+                note=f"`true` as a job uid, spawn to exit, {len(values)} interleaved runs",
+            )
+            for name, values in starts.items()
         ),
         Figure(
             "warm: submit -> running p95",

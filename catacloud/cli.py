@@ -129,6 +129,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from catacloud.supervisor import Supervisor
 
     started = time.monotonic()
+    problem = _local_sandbox_problem()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
     agent_port = int(os.environ.get("AGENT_PORT", str(port + 1)))
@@ -204,6 +208,28 @@ def cmd_dev(args: argparse.Namespace) -> int:
         services.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _local_sandbox_problem() -> str | None:
+    """Local machines run in a bubblewrap sandbox: a host that refuses one stops `make dev` at
+    once with the fix, unless the user opted out (CATACLOUD_LOCAL_SANDBOX=off)."""
+    from catacloud.providers.local import sandbox_default
+    from catacloud.providers.machine_sandbox import HOST_FIX, host_problem
+
+    if not sandbox_default():
+        print(
+            "catacloud: CATACLOUD_LOCAL_SANDBOX=off: local machines run unsandboxed "
+            "(jobs still run as their own uid, never root)",
+            flush=True,
+        )
+        return None
+    why = host_problem()
+    if why is None:
+        return None
+    return (
+        f"catacloud: local machines run in a bubblewrap sandbox, and this host refused one: {why}\n"
+        f"Fix: {HOST_FIX}"
+    )
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:

@@ -224,3 +224,11 @@ def reconcile_all(*, grace_seconds: float | None = None) -> list[ReconcileReport
         Q(instances__isnull=False) | Q(machine_types__isnull=False)
     ).distinct()
     return [reconcile_account(account=a, grace_seconds=grace_seconds) for a in accounts]
+
+
+def reconcile_local_machines() -> list[ReconcileReport]:
+    """At start (``make dev``): the local provider knows which of its machines still run, so
+    rows whose machine died with the previous run become ``lost`` now, before a job is placed on
+    one and waits out the heartbeat deadline."""
+    accounts = ProviderAccount.objects.filter(kind="local", instances__status__in=INSTANCE_LIVE).distinct()
+    return [reconcile_account(account=a) for a in accounts]

@@ -75,6 +75,7 @@ from catacloud.agent.sandbox import (
     blocked_folder,
     bwrap_path,
     can_switch_to,
+    make_undumpable,
     passable,
     probe,
 )
@@ -116,6 +117,7 @@ class Agent:
         bootstrap_token_file: str | None = None,
         limits_file: str | None = None,
         sandbox: bool = True,
+        shared_dirs: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
@@ -125,6 +127,7 @@ class Agent:
         self.job_uids = UidAllocator(job_uids) if job_uids is not None else None
         self.limits_file = limits_file
         self.sandbox = sandbox
+        self.shared_dirs = shared_dirs
         self.launcher: Launcher = UidLauncher()
         self.state_file = state_file
         self.work_root = work_dir
@@ -250,6 +253,7 @@ class Agent:
             hostname=self.hostname,
             hidden=sorted({*state_dirs, self.work_root}),
             visible=sorted(p for p in visible if p),
+            shared=self.shared_dirs,
         )
         uid = self.job_uids.uids.start if self.job_uids is not None else None
         folder = tempfile.mkdtemp(prefix=".probe-", dir=self.work_root)
@@ -893,6 +897,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         log.info("jobs run as uids %s, a new one for each job (never root)", job_uids)
     else:
         log.info("jobs run as this agent's uid, each in a user namespace of its own (never root)")
+        make_undumpable()  # a job of the same uid may not read this process's memory or environ
     if not token and not saved:
         log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
         return 2
@@ -909,6 +914,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         bootstrap_token_file=args.bootstrap_token_file,
         limits_file=args.limits_file,
         sandbox=not args.no_sandbox,
+        shared_dirs=tuple(args.shared_dir or ()),
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -958,6 +964,13 @@ def add_agent_commands(subparsers: Any) -> None:
         "--no-sandbox",
         action="store_true",
         help="run jobs without a bubblewrap sandbox (still as their own uid, never root)",
+    )
+    agent.add_argument(
+        "--shared-dir",
+        action="append",
+        metavar="DIR",
+        help="a folder jobs may write besides their own work folder (repeatable; everything else "
+        "of the machine is read-only to them)",
     )
     agent.add_argument(
         "--limits-file",

@@ -233,6 +233,7 @@ class BubblewrapLauncher:
     hostname: str
     hidden: Sequence[str] = ()  # the agent's folders: state, bootstrap token, work root
     visible: Sequence[str] = ()  # read-only paths jobs need even under a hidden folder (Python, venv)
+    shared: Sequence[str] = ()  # folders jobs may write besides their own (--shared-dir)
     # "mount": a /proc of the job's own PID namespace. "bind": the machine's /proc, where the kernel
     # refuses a nested one (inside a local machine's sandbox): the job sees its machine's processes,
     # never the host's, and still signals only its own.
@@ -283,6 +284,7 @@ class BubblewrapLauncher:
         hidden = [
             p for p in ("/tmp", "/var/tmp", "/run", "/dev/shm", *_HOMES, *self.hidden) if os.path.isdir(p)
         ]
+        hidden = [p for p in hidden if not any(p != q and _under(p, [q]) for q in hidden)]  # outermost
         for folder in hidden:
             args += ["--tmpfs", folder]
         created: set[str] = set(hidden)
@@ -297,9 +299,14 @@ class BubblewrapLauncher:
         for path in self.visible:
             if _under(path, hidden) and passable(path, place.uid):
                 bind("--ro-bind", path, path)
+        for folder in self.shared:
+            bind("--bind", folder, folder)
         bind("--bind", place.work_dir, place.work_dir)
         if place.socket_path:
             bind("--bind", place.socket_path, SANDBOX_SOCKET)
+        for folder in hidden:  # what hides the agent's folders and the homes is not a scratch space
+            if folder not in ("/tmp", "/var/tmp", "/dev/shm"):
+                args += ["--remount-ro", folder]
         args += ["--chdir", place.work_dir, "--clearenv"]
         for key, value in env.items():
             args += ["--setenv", key, value]

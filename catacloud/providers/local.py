@@ -63,6 +63,7 @@ from catacloud.providers.base import (
 )
 from catacloud.providers.machine_sandbox import (
     DEFAULT_PIDS_MAX,
+    HOST_FIX,
     MACHINE_DIR,
     Cgroup,
     MachineSandbox,
@@ -209,28 +210,32 @@ class LocalProvider(Provider):
             argv += ["--bootstrap-token-file", inside(TOKEN_FILE)]
         record: dict[str, Any] = {"sandbox": self.sandbox}
         cgroup: Cgroup | None = None
+        if self.sandbox:  # the machine's size, whatever it runs
+            cgroup, limits = Cgroup.create(
+                f"cc-{spec.instance_id}", cpus=spec.cpus, memory_mb=spec.memory_mb, pids=self.pids_max
+            )
+        else:
+            limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
+        (folder / "limits.json").write_text(json.dumps(limits))
         if is_agent:
-            argv += ["--state-file", inside(STATE_FILE), "--work-dir", inside(WORK_DIR)]
+            argv += ["--state-file", inside(STATE_FILE)]
+            if self.sandbox:  # unsandboxed, the agent makes one under /tmp, where job uids can pass
+                argv += ["--work-dir", WORK_DIR]
             if os.geteuid() == 0:
                 slot, uids = job_uid_slot({"instance_id": spec.instance_id, "claimer": os.getpid()})
                 record["slot"] = slot
                 argv += ["--job-uids", str(uids)]
-            if self.sandbox:
-                cgroup, limits = Cgroup.create(
-                    f"cc-{spec.instance_id}", cpus=spec.cpus, memory_mb=spec.memory_mb, pids=self.pids_max
-                )
-            else:
-                limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
-            (folder / "limits.json").write_text(json.dumps(limits))
             argv += ["--limits-file", inside(LIMITS_FILE)]
+            for mount in self.mounts:
+                if mount.writable:
+                    argv += ["--shared-dir", mount.target if self.sandbox else mount.source]
         if self.boot_delay > 0:
             argv = [sys.executable, "-c", BOOT_SHIM, repr(self.boot_delay), *argv]
         if self.sandbox:
             bwrap = bwrap_path()
             if bwrap is None:
                 raise Permanent(
-                    "local machines run in a bubblewrap sandbox: install bubblewrap "
-                    "(apt install bubblewrap), or set CATACLOUD_LOCAL_SANDBOX=off to run them unsandboxed"
+                    f"local machines run in a bubblewrap sandbox, which is not installed: {HOST_FIX}"
                 )
             sandbox = MachineSandbox(
                 bwrap=bwrap,

@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from catacloud.agent.sandbox import JOB_UID_BASE, UidRange
+from catacloud.agent.sandbox import JOB_UID_BASE, UidRange, bwrap_path
 
 # Where a machine finds its own folder (bootstrap token, enrollment, work, limits), as on a cloud
 # machine (catacloud/providers/userdata.py).
@@ -322,3 +323,21 @@ def secrets_to_hide(extra: Iterable[str] = ()) -> list[str]:
     """Host folders no machine may see even if a mount or the runtime contains them."""
     home = os.environ.get("CATACLOUD_HOME", ".catacloud")
     return sorted({os.path.realpath(os.path.expanduser(home)), *extra})
+
+
+HOST_FIX = (
+    "allow user namespaces (sudo sysctl -w kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 also "
+    "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0) or install bubblewrap "
+    "(apt install bubblewrap); or run local machines unsandboxed, a weaker mode in which jobs "
+    "still never run as root: CATACLOUD_LOCAL_SANDBOX=off"
+)
+
+
+def host_problem() -> str | None:
+    """Why this host cannot run a local machine's sandbox (``None``: it can)."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed"
+    with tempfile.TemporaryDirectory(prefix="catacloud-check-") as folder:
+        os.chmod(folder, 0o711)
+        return MachineSandbox(bwrap=bwrap, hostname="catacloud-check", machine_dir=folder).check()

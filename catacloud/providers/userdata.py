@@ -5,7 +5,9 @@ and its ``catacloud`` command with ``requests`` and ``psutil``, not the server a
 dependencies (Django, Celery, boto3, hcloud, psycopg).
 
 The only secret in it is the single-use bootstrap token, written to a root-only file (0600);
-the agent exchanges it for its real credentials when it enrolls.
+the agent exchanges it for its real credentials when it enrolls. The agent runs as root, and runs
+each job in a bubblewrap sandbox as a uid of its own (``--job-uids``, default 2000000000+65536),
+never root: no account is created for jobs.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ TOKEN_FILE = "/etc/catacloud/bootstrap-token"
 STATE_FILE = "/var/lib/catacloud/agent/agent.json"
 WORK_DIR = "/var/lib/catacloud/work"
 UNIT_NAME = "catacloud-agent.service"
-# Jobs run as this unprivileged system user (the agent runs as root and drops to it).
-JOB_USER = "catacloud-job"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
 
 # No whitespace, quotes, backslashes or control characters anywhere: nothing can break out of
@@ -67,8 +67,7 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
             "",
             "[Service]",
             f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
-            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}"
-            f" --job-user {JOB_USER}",
+            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}",
             "Restart=always",
             "RestartSec=5",
             "",
@@ -78,10 +77,6 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
         ]
     )
     document: dict[str, Any] = {
-        "users": [
-            "default",
-            {"name": JOB_USER, "system": True, "shell": "/usr/sbin/nologin", "lock_passwd": True},
-        ],
         "package_update": True,
         "packages": ["python3-venv"],
         "write_files": [

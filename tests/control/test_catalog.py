@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from io import StringIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -13,6 +14,7 @@ from apps.control.catalog import CatalogError, apply_catalog
 from apps.machines.models import MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import Membership, Organization
 from catacloud.cli import DEMO_CATALOG
+from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
 
@@ -167,3 +169,25 @@ def test_budgets_in_the_catalog_are_idempotent_and_bad_ones_name_their_line(
         apply_catalog(GOOD + "    budgets:\n      - {amount: -5}\n")
     assert bad.value.line == 22
     assert Budget.objects.get(period="month").amount == 100  # a bad file changes nothing
+
+
+def test_a_restart_marks_the_local_machines_that_died_with_the_last_run_lost_at_once(
+    world: World, settings: Any, tmp_path: Path
+) -> None:
+    """After Ctrl-C and `make dev` again, ready rows whose agent processes are gone became lost
+    only at a heartbeat deadline: the first job went to one and waited for it."""
+    from testkit.builders import ready_instance
+
+    settings.CATACLOUD_HOME = str(tmp_path)
+    call_command("apply", str(DEMO_CATALOG), stdout=StringIO())
+    ghost = ready_instance(world.machine_type, org=world.org, provider_id="gone")
+    ghost.save()
+    elsewhere = ready_instance(world.machine_type, org=world.org)
+    elsewhere.save()
+    err = StringIO()
+
+    call_command("dev_bootstrap", stdout=StringIO(), stderr=err)
+
+    ghost.refresh_from_db()
+    assert ghost.status == "lost"
+    assert "1 local machine(s) of the previous run are gone" in err.getvalue()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -257,3 +258,50 @@ def test_bad_configuration_and_specs_are_permanent(state_dir: Path, provider: Lo
     with pytest.raises(Permanent, match="cannot start"):
         provider.create(make_spec(command=("/nonexistent/catacloud-agent",)))
     assert list(state_dir.glob("*.json")) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroup limits need root (or a delegated cgroup)")
+def test_a_machine_gets_its_machine_types_memory_and_process_limits(state_dir: Path) -> None:
+    """A local machine of a 64 MB machine type cannot take 256 MB of the host, nor fork without
+    end; the machine's folder says the limits hold (the agent reports it at enrollment)."""
+    provider = LocalProvider(config={"state_dir": str(state_dir), "pids_max": 40}, credentials={})
+    hog = "b = bytearray(256 * 2**20); print('allocated', flush=True)"
+    forks = textwrap.dedent(
+        """
+        import os, time
+        kids = []
+        try:
+            while len(kids) < 200:
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(30)
+                    os._exit(0)
+                kids.append(pid)
+        except OSError:
+            pass
+        print("forks=%d" % len(kids), flush=True)
+        for pid in kids:
+            os.kill(pid, 9)
+        """
+    )
+    py = sys.executable
+    spec = MachineSpec(
+        instance_id=str(uuid.uuid4()),
+        labels={LABEL_INSTALLATION: "test"},
+        server_type="local",
+        image="local",
+        memory_mb=64,
+        cpus=1,
+        command=("sh", "-c", f'{py} -c "{hog}"; echo "hog=$?"; exec {py} -c "$0"', forks),
+    )
+    provider.create(spec)
+    log = state_dir / f"{spec.instance_id}.log"
+    try:
+        assert wait_for(lambda: "forks=" in log.read_text(), timeout=30), log.read_text()
+        text = log.read_text()
+        assert "allocated" not in text and "hog=137" in text  # killed by the kernel, out of memory
+        assert int(text.split("forks=")[1].split()[0]) < 40
+        limits = json.loads((state_dir / spec.instance_id / "limits.json").read_text())
+        assert limits["enforced"] is True and limits["memory_mb"] == 64 and limits["pids"] == 40
+    finally:
+        provider.delete(spec.instance_id)

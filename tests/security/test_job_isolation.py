@@ -148,21 +148,20 @@ def test_a_local_machine_gets_neither_the_control_planes_env_nor_its_token_in_en
     assert not (tmp_path / "m1").exists(), "the machine's folder (and the token) go with it"
 
 
-def test_cloud_machines_create_the_job_user_and_run_jobs_as_it() -> None:
+def test_cloud_machines_run_the_agent_as_root_and_every_job_as_a_uid_of_its_own() -> None:
     import yaml
 
-    from catacloud.providers.userdata import render_user_data
+    from catacloud.providers.userdata import VENV, render_user_data
 
     document = yaml.safe_load(
         render_user_data(agent_url="https://cc.example", bootstrap_token="cb.x.abcdefghijklmnopqrstuvwxyz")
     )
-    users = [u for u in document["users"] if isinstance(u, dict)]
-    assert users == [
-        {"name": "catacloud-job", "system": True, "shell": "/usr/sbin/nologin", "lock_passwd": True}
-    ]
+    assert "users" not in document, "no shared job account: each job gets a uid of its own"
     unit = next(f["content"] for f in document["write_files"] if f["path"].endswith(".service"))
-    assert "--job-user catacloud-job" in unit
-    assert "User=" not in unit  # the agent itself stays root, to drop privileges for each job
+    assert "--job-user" not in unit and "--no-sandbox" not in unit
+    assert "User=" not in unit  # the agent itself stays root, to give each job its own uid
+    # The agent's Python sits where every job uid can run it (catacloud job-meta, checkpoint).
+    assert VENV.startswith("/opt/")
 
 
 def test_the_agent_reads_a_jobs_folder_without_following_links(tmp_path: Path) -> None:

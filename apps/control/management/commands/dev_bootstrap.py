@@ -10,6 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 
 from apps.core.crypto import hash_token
+from apps.machines.reconcile import reconcile_local_machines
 from apps.orgs.models import ApiToken, Organization
 from apps.orgs.services import api_token_create
 
@@ -23,7 +24,10 @@ def _private_file(path: Path, make: Callable[[], str]) -> str:
 
 
 class Command(BaseCommand):
-    help = "Development only: ensure the demo admin user and a demo API token; print them as JSON."
+    help = (
+        "Development only: ensure the demo admin user and a demo API token (printed as JSON); mark "
+        "local machines that did not outlive the previous run lost."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--org", default="demo")
@@ -49,4 +53,9 @@ class Command(BaseCommand):
             _, token = api_token_create(org=org, user=user, name="make dev demo token", actor="make dev")
             token_file.write_text(token)
             token_file.chmod(0o600)
+        ghosts = sum(len(report.lost) for report in reconcile_local_machines())
+        if ghosts:
+            self.stderr.write(
+                f"catacloud: {ghosts} local machine(s) of the previous run are gone: marked lost"
+            )
         self.stdout.write(json.dumps({"username": user.get_username(), "password": password, "token": token}))
