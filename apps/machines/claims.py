@@ -24,6 +24,10 @@ from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 
 _COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
 _ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
+# Columns whose raw value Django converts on the way out of the database (JSON arrives as text).
+_CONVERTED = [
+    (i, f) for i, f in enumerate(MachineInstance._meta.concrete_fields) if hasattr(f, "from_db_value")
+]
 
 # Table and column names come from the models (a renamed field breaks here, not in production).
 _INSTANCES = MachineInstance._meta.db_table
@@ -149,7 +153,10 @@ def claim(
     row = fetch_one_prepared(sql, values)
     if row is None:
         return claim_id, None
-    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, row[: len(_ATTNAMES)])
+    values = list(row[: len(_ATTNAMES)])
+    for i, field in _CONVERTED:
+        values[i] = field.from_db_value(values[i], None, connection)
+    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, values)
     # What an answer names besides the row (the acquire endpoint needs no second query),
     # including how to reach the machine (server type, location, the account's SSH user).
     n = len(_ATTNAMES)

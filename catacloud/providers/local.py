@@ -188,6 +188,8 @@ class LocalProvider(Provider):
 
     def _start(self, spec: MachineSpec) -> dict[str, Any]:
         argv = list(spec.local_command)
+        if shutil.which(argv[0]) is None:  # in a sandbox it would fail there, out of sight
+            raise Permanent(f"cannot start {argv[0]!r}: no such executable")
         env = {key: value for key, value in os.environ.items() if key in AGENT_ENV_ALLOWED}
         env.update(spec.local_env)
         token = env.pop(BOOTSTRAP_ENV, None)

@@ -211,11 +211,9 @@ def test_create_replaces_a_machine_whose_process_died(provider: LocalProvider, s
 
 def test_boot_delay_is_respected(state_dir: Path) -> None:
     provider = LocalProvider(config={"state_dir": str(state_dir), "boot_delay_seconds": 0.6}, credentials={})
-    marker = state_dir / "booted"
-    script = (
-        f"import pathlib, time; pathlib.Path({str(marker)!r}).write_text(repr(time.time())); time.sleep(300)"
-    )
+    script = "import pathlib, time; pathlib.Path('booted').write_text(repr(time.time())); time.sleep(300)"
     spec = make_spec(command=(sys.executable, "-c", script))
+    marker = state_dir / spec.instance_id / "booted"  # the machine's own folder, its working directory
     before = time.time()
     machine = provider.create(spec)
 

@@ -37,7 +37,7 @@ ATTACK = r"""
 echo "whoami=$(id -u)"
 for target in $TARGETS; do
   [ -e "$target" ] && echo "VISIBLE $target"
-  grep -rIhoa 'canary-[a-z-]*-[0-9a-f]*' "$target" 2>/dev/null
+  grep -rIhoa -e 'canary-[a-z-]*-[0-9a-f]*' -e 'job-[0-9a-f]\{8\}' "$target" 2>/dev/null
 done
 for f in $SECRET_FILES; do cat "$f" 2>/dev/null && echo; done
 echo "CHECKOUT-LS=$(ls -A "$CHECKOUT" 2>/dev/null | tr '\n' ' ')"
@@ -132,6 +132,7 @@ def test_a_job_reaches_nothing_outside_its_machine(host: dict, tmp_path: Path) -
 
     for name, canary in canaries.items():
         assert canary not in output, f"job A read {name}"
+    assert victim not in output, "job A read machine B's log (it names B's job)"
     for secret in real_secrets:
         assert secret not in output, "job A read a secret of $CATACLOUD_HOME"
     assert api_b.agent_token not in output and api_a.agent_token not in output, "an agent's token leaked"
