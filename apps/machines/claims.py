@@ -153,10 +153,10 @@ def claim(
     row = fetch_one_prepared(sql, values)
     if row is None:
         return claim_id, None
-    values = list(row[: len(_ATTNAMES)])
+    raw = list(row[: len(_ATTNAMES)])
     for i, field in _CONVERTED:
-        values[i] = field.from_db_value(values[i], None, connection)
-    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, values)
+        raw[i] = field.from_db_value(raw[i], None, connection)
+    instance = MachineInstance.from_db(connection.alias, _ATTNAMES, raw)
     # What an answer names besides the row (the acquire endpoint needs no second query),
     # including how to reach the machine (server type, location, the account's SSH user).
     n = len(_ATTNAMES)
