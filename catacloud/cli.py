@@ -1,5 +1,5 @@
 """The ``catacloud`` command: embedded services, the dev runner, (on machines) the agent, and
-the client of the REST API (``jobs``, ``pools``, ``artifacts``)."""
+the client of the REST API (``jobs``, ``configs``, ``pools``, ``artifacts``, ``auth``)."""
 
 from __future__ import annotations
 
@@ -244,9 +244,22 @@ def _stop_local_machines(home: Path) -> None:
                 pool.submit(provider.delete, machine.provider_id)
 
 
+DESCRIPTION = (
+    "Catacloud: the client of the REST API (jobs, configs, pools, artifacts, auth), the dev runner "
+    "and embedded services (dev, services), the simulator (simulate) and, on machines, the agent "
+    "(agent, job-meta, checkpoint). Global flags (--url, --profile, --json) go before or after "
+    "the command."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="catacloud", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    from catacloud.client.api import client_version
+    from catacloud.client.usage import Parser, add_global_flags
+
+    parser = Parser(prog="catacloud", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"catacloud {client_version()}")
+    add_global_flags(parser, top=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     services = sub.add_parser("services", help="embedded PostgreSQL and Redis under $CATACLOUD_HOME")
     services.add_argument("action", choices=["up", "down", "run"])
@@ -265,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_command(sub)
     from catacloud.client.commands import add_client_commands
 
-    add_client_commands(sub)  # `catacloud jobs|pools|artifacts …`: the client of the REST API
+    add_client_commands(sub)  # `catacloud jobs|configs|pools|artifacts|auth …`: the REST API's client
     return parser
 
 
