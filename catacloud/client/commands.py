@@ -254,8 +254,8 @@ def resolve_id(api: Api, kind: str, path: str, ref: str, *, by_name: bool = Fals
         what = f"no {kind} named {ref!r} or" if by_name else f"no {kind}"
         raise ApiError(404, "not_found", f"{what} with an id starting {ref}")
     if len(found) > 1:
-        ids = ", ".join(short(r["id"]) for r in found[:3])
-        raise UsageError(f"{ref} is the start of several {kind} ids ({ids}…): give more of it")
+        ids = ", ".join(sorted(short(r["id"]) for r in found)[:3]) + ("…" if len(found) > 3 else "")
+        raise UsageError(f"{ref} is the start of several {kind} ids ({ids}): give more of it")
     return str(found[0]["id"])
 
 

@@ -159,10 +159,10 @@ def resolve(
                 break
     if not found_token:
         elsewhere = ""
-        if chosen and _profile_url(chosen) != final_url and (chosen.get("token") or chosen.get("token_file")):
-            elsewhere = f"profile {name!r} holds a token for {_profile_url(chosen)}, "
-        elif owner and owner != final_url:
+        if owner and owner != final_url:
             elsewhere = f"CATACLOUD_TOKEN is for {owner}, "
+        elif (chosen.get("token") or chosen.get("token_file")) and _profile_url(chosen) != final_url:
+            elsewhere = f"profile {name!r} holds a token for {_profile_url(chosen)}, "
         if elsewhere:
             raise ConfigError(
                 f"no API token for {final_url}: {elsewhere}and a token only goes to its own server; "
