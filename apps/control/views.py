@@ -73,14 +73,10 @@ def console_login(request: HttpRequest) -> HttpResponse:
     """The admin's login, landing on the live dashboard instead of the stock index (unless the
     operator was on the way to another page)."""
     wanted = request.POST.get(REDIRECT_FIELD_NAME) or request.GET.get(REDIRECT_FIELD_NAME)
+    landing = None
     if not wanted or wanted == reverse("admin:index"):
-        dashboard = reverse("console-dashboard")
-        request.GET = request.GET.copy()
-        request.GET[REDIRECT_FIELD_NAME] = dashboard
-        if request.method == "POST":
-            request.POST = request.POST.copy()
-            request.POST[REDIRECT_FIELD_NAME] = dashboard
-    return admin.site.login(request)
+        landing = {REDIRECT_FIELD_NAME: reverse("console-dashboard")}  # the form's hidden field
+    return admin.site.login(request, extra_context=landing)
 
 
 def console_urls() -> list:
