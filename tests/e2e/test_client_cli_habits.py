@@ -94,6 +94,15 @@ def test_typos_get_one_clear_message_with_a_suggestion(tworld: World, cli: Cli) 
     assert not Job.objects.exists()
 
 
+def test_the_clients_job_statuses_are_the_apis() -> None:
+    """`jobs ls --status` checks its choices on the client (one message for a typo): the same
+    list as the server's."""
+    from apps.jobs.choices import JobStatus
+    from catacloud.client.commands import JOB_STATUSES
+
+    assert sorted(JOB_STATUSES) == sorted(JobStatus.values)
+
+
 def test_help_has_no_literal_double_backticks(cli: Cli) -> None:
     for command in ([], ["jobs"], ["jobs", "submit"], ["pools", "create"], ["auth", "login"], ["agent"]):
         shown = ok(cli(None, *command, "--help"))
