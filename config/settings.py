@@ -328,7 +328,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PARSER_CLASSES": [
         "apps.core.parsers.SafeJSONParser",
-        "rest_framework.parsers.FormParser",
+        "apps.core.parsers.StrictFormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
     "DEFAULT_SCHEMA_CLASS": "apps.core.schema.AutoSchema",

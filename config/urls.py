@@ -5,15 +5,19 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from apps.control.urls import agent_urls
-from apps.control.views import console_urls
+from apps.control.views import console_login, console_urls
 from apps.core.views import healthz, metrics_view
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
 admin.site.index_title = "Fleet, pools, jobs and resources"
+# The lists need the width on a laptop (1366 px): the filters stay on the right, the models are
+# one click away on the index ("Home") and the dashboard is in the header.
+admin.site.enable_nav_sidebar = False
 
 urlpatterns = [
     path("admin/dashboard/", include(console_urls())),
+    path("admin/login/", console_login, name="console-login"),  # lands on the dashboard
     path("admin/", admin.site.urls),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),

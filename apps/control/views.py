@@ -8,8 +8,10 @@ refresh reloads the page instead.
 from __future__ import annotations
 
 from django.contrib import admin
-from django.http import HttpRequest
+from django.contrib.auth import REDIRECT_FIELD_NAME
+from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.urls import reverse
 
 from apps.control.charts import minute_chart
 from apps.control.dashboard import MEMBER_STATES, dashboard_snapshot
@@ -65,6 +67,16 @@ def dashboard_view(request: HttpRequest) -> TemplateResponse:
 
 def dashboard_panel_view(request: HttpRequest) -> TemplateResponse:
     return TemplateResponse(request, "admin/control/dashboard_panel.html", _context(request))
+
+
+def console_login(request: HttpRequest) -> HttpResponse:
+    """The admin's login, landing on the live dashboard instead of the stock index (unless the
+    operator was on the way to another page)."""
+    wanted = request.POST.get(REDIRECT_FIELD_NAME) or request.GET.get(REDIRECT_FIELD_NAME)
+    landing = None
+    if not wanted or wanted == reverse("admin:index"):
+        landing = {REDIRECT_FIELD_NAME: reverse("console-dashboard")}  # the form's hidden field
+    return admin.site.login(request, extra_context=landing)
 
 
 def console_urls() -> list:

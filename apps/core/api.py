@@ -10,14 +10,15 @@ another org's object is a 404 exactly like a missing one.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.db import DataError, IntegrityError
 from django.db.models import ProtectedError
 from django.http import Http404
-from rest_framework import exceptions, status
+from rest_framework import exceptions, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
@@ -54,6 +55,45 @@ _DRF_CODES = {
     exceptions.Throttled: "throttled",
     exceptions.ParseError: "parse_error",
 }
+
+
+class StrictFields(serializers.Serializer):
+    """Input that names a field the endpoint does not take, or one only Catacloud sets, is a
+    400 naming it: DRF would drop it silently (``POST /jobs/ {"machine_type": …}`` answered
+    201 and ran on the configuration's type). ``unknown_field_hints`` adds what to do instead."""
+
+    unknown_field_hints: ClassVar[dict[str, str]] = {}
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            writable = sorted(name for name, field in self.fields.items() if not field.read_only)
+            errors = {}
+            for name in data:
+                if name in writable:
+                    continue
+                if name in self.fields:
+                    errors[name] = ["read-only: Catacloud sets it; leave it out"]
+                else:
+                    hint = self.unknown_field_hints.get(name) or f"this endpoint takes {', '.join(writable)}"
+                    errors[name] = [f"unknown field ({hint})"]
+            if errors:
+                raise serializers.ValidationError(errors)
+        return super().to_internal_value(data)
+
+
+def _not_json(exc: exceptions.UnsupportedMediaType, context: dict) -> str:
+    """What a client sending JSON without saying so needs to hear (curl -d sends
+    ``application/x-www-form-urlencoded``; a bare body sends no Content-Type at all)."""
+    request, view = context.get("request"), context.get("view")
+    sent = (getattr(request, "content_type", "") or "").split(";")[0].strip() or "missing"
+    parsers = getattr(view, "parser_classes", [])
+    takes_json = any(getattr(parser, "media_type", "") == "application/json" for parser in parsers)
+    if not takes_json:
+        return str(exc.detail)
+    return (
+        f"the body was not read as JSON: its Content-Type is {sent}; "
+        "send the header Content-Type: application/json (curl: -H 'Content-Type: application/json')"
+    )
 
 
 def error_response(status_code: int, code: str, detail: str, **extra: Any) -> Response:
@@ -97,6 +137,8 @@ def exception_handler(exc: Exception, context: dict) -> Response:
         message = messages[0] if messages else "invalid input"
         detail = message if name == "non_field_errors" else f"{name}: {message}"
         return error_response(400, "invalid", detail, fields=fields)
+    if isinstance(exc, exceptions.UnsupportedMediaType):
+        return error_response(exc.status_code, "unsupported_media_type", _not_json(exc, context))
     if isinstance(exc, exceptions.APIException):
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), None)
         if code is None:

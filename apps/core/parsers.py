@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rest_framework.exceptions import ParseError
-from rest_framework.parsers import JSONParser
+from rest_framework.exceptions import ParseError, UnsupportedMediaType
+from rest_framework.parsers import FormParser, JSONParser
 
 MAX_DEPTH = 64
 
@@ -41,4 +41,19 @@ class SafeJSONParser(JSONParser):
             raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels") from None
         if _too_deep(data, MAX_DEPTH):
             raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels")
+        return data
+
+
+class StrictFormParser(FormParser):
+    """A form body that is one JSON document (``curl -d '{"config": …}'`` without a
+    Content-Type header) is refused as not JSON, instead of read as a form with one odd
+    field and answered "config: This field is required"."""
+
+    def parse(
+        self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
+    ) -> Any:
+        data = super().parse(stream, media_type, parser_context)
+        keys = list(data.keys())
+        if len(keys) == 1 and keys[0].lstrip()[:1] in ("{", "[") and data.get(keys[0]) in ("", None):
+            raise UnsupportedMediaType(media_type or self.media_type)
         return data

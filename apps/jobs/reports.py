@@ -14,7 +14,7 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
-from apps.jobs.services import JOB_STATES, job_claim_label
+from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
@@ -95,7 +95,7 @@ def job_finished(
             actor=f"agent:{instance.pk}",
             reason=reason,
             exit_code=exit_code,
-            failure_reason=reason if status != JobStatus.SUCCEEDED else "",
+            failure_reason=_final_reason(job, status, reason),
             pending_reason="",
             event_data={"exit_code": exit_code, "attempt": job.attempt},
         )
@@ -154,6 +154,16 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
     return True
 
 
+def _final_reason(job: Job, status: str, reported: str) -> str:
+    """A job's ``failure_reason`` says who did what: a cancel a user asked for names the user
+    (the agent only knows that the control plane told it to stop); a success has none."""
+    if status == JobStatus.SUCCEEDED:
+        return ""
+    if status == JobStatus.CANCELLED and job.cancel_requested:
+        return cancelled_by(job.pk)
+    return reported
+
+
 # Requeues the operator caused: they do not use up the job's max_attempts.
 FREE_REQUEUE_CAUSES = frozenset({"machine_terminated", "pool_drained"})
 
@@ -167,7 +177,13 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     free = cause in FREE_REQUEUE_CAUSES
     used = job.attempt - job.free_requeues
     if job.cancel_requested:
-        job = JOB_STATES.move(job.pk, to=JobStatus.CANCELLED, actor=actor, reason=f"cancelled; {reason}")
+        job = JOB_STATES.move(
+            job.pk,
+            to=JobStatus.CANCELLED,
+            actor=actor,
+            reason=f"cancelled; {reason}",
+            failure_reason=f"{cancelled_by(job.pk)} ({reason})",
+        )
     elif not free and used >= job.max_attempts:
         job = JOB_STATES.move(
             job.pk,

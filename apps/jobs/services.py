@@ -10,6 +10,7 @@ from django.db import transaction
 
 from apps.core.errors import Conflict, MissingPrivilege, ValidationFailed
 from apps.core.transitions import StateMachine
+from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
 from apps.jobs.models import Job, JobConfiguration
@@ -79,6 +80,19 @@ def _check_usable(
     for rt in resource_types:
         if not org.has_privilege(rt.required_privilege):
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+
+
+def cancelled_by(job_id: Any, fallback: str = "") -> str:
+    """``cancelled by user:alice``: who asked for the cancel (the ``job.cancel_requested``
+    event's actor, without the token prefix), so a job's reason says who did what."""
+    actor = (
+        Event.objects.filter(job_id=job_id, kind="job.cancel_requested")
+        .order_by("-id")
+        .values_list("actor", flat=True)
+        .first()
+    ) or fallback
+    who = actor.split(" token:")[0].strip()
+    return f"cancelled by {who}" if who else "cancelled"
 
 
 @transaction.atomic

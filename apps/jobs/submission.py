@@ -13,10 +13,10 @@ from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduler import schedule_grant_now
-from apps.jobs.services import JOB_STATES, _check_env
+from apps.jobs.services import JOB_STATES, _check_env, cancelled_by
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
-from apps.machines.services import grant_check_privilege
+from apps.machines.services import grant_check_privilege, not_granted_message
 from apps.orgs.models import Organization
 from apps.resources.lifecycle import release_for_job
 
@@ -38,7 +38,8 @@ def job_submit(
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
     if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
         raise Conflict(
-            "this configuration's machine type is no longer granted to the organization",
+            f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
+            "ask an operator for one, or change the configuration's machine type",
             code="machine_type_not_granted",
         )
     merged = {**config.env, **_check_env(env or {})}
@@ -88,7 +89,13 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
             instance_id = locked.instance_id
             transaction.on_commit(lambda: wake_agent(instance_id))
         else:
-            JOB_STATES.move(job.pk, to=JobStatus.CANCELLED, actor=actor, reason="cancelled before it ran")
+            JOB_STATES.move(
+                job.pk,
+                to=JobStatus.CANCELLED,
+                actor=actor,
+                reason="cancelled before it ran",
+                failure_reason=f"{cancelled_by(job.pk, fallback=actor)} before it ran",
+            )
             release_for_job(job_id=locked.pk, reason="job cancelled")
             schedule_after_commit()
     return Job.objects.get(pk=job.pk)

@@ -138,7 +138,7 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
         "status_flag",
         "org_pool",
         "machine_type",
-        "provider_id",
+        "provider_short",
         "age",
         "heartbeat",
         "billed",
@@ -160,6 +160,16 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
     @admin.display(description="id", ordering="id")
     def short_id(self, obj: MachineInstance) -> str:
         return short_id_link(obj.pk)
+
+    @admin.display(description="provider id", ordering="provider_id")
+    def provider_short(self, obj: MachineInstance) -> str:
+        """The provider's id without repeating ours: ``cc-<uuid>`` (Hetzner's server name, the
+        local provider's) as ``cc-0f3b5f2e…``; the whole id in the tooltip."""
+        value = obj.provider_id or ""
+        shown = value.replace(str(obj.pk), f"{str(obj.pk)[:8]}…") if value else "-"
+        if len(shown) > 20:
+            shown = f"{shown[:19]}…"
+        return format_html('<span title="{}">{}</span>', value, shown)
 
     @admin.display(description="org / pool", ordering="org__slug")
     def org_pool(self, obj: MachineInstance) -> str:

@@ -236,6 +236,16 @@ def grant_lock(*, org_id: Any, machine_type_id: Any, nowait: bool = False) -> Or
     )
 
 
+def not_granted_message(*, org: Organization, machine_type: MachineType | Any) -> str:
+    """``no grant for local-large in organization demo``: what to ask the operator for."""
+    name: str | None
+    if isinstance(machine_type, MachineType):
+        name = machine_type.name
+    else:  # a primary key
+        name = MachineType.objects.filter(pk=machine_type).values_list("name", flat=True).first()
+    return f"no grant for {name or machine_type} in organization {org.slug}"
+
+
 def grant_for(*, org: Organization, machine_type: MachineType | Any) -> OrgMachineType:
     """The org's grant on a machine type, or NotFound (the type is not the org's to use)."""
     grant = (
@@ -244,7 +254,8 @@ def grant_for(*, org: Organization, machine_type: MachineType | Any) -> OrgMachi
         .first()
     )
     if grant is None:
-        raise NotFound("machine type not found", code="machine_type_not_granted")
+        message = not_granted_message(org=org, machine_type=machine_type)
+        raise NotFound(message, code="machine_type_not_granted")
     return grant
 
 

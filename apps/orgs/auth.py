@@ -70,7 +70,12 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             return None
         parts = header.split()
         if parts[0].lower() != self.keyword.lower():
-            return None
+            # Another scheme (``Token cc_…``, ``Basic …``) or a bare token: say what to send
+            # instead of "credentials were not provided".
+            scheme = "no scheme" if parts[0].startswith(f"{TOKEN_PREFIX}_") else f"the scheme {parts[0]!r}"
+            raise exceptions.AuthenticationFailed(
+                f"the Authorization scheme is Bearer: send 'Authorization: Bearer <token>' (got {scheme})"
+            )
         if len(parts) != 2:
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'")
         token = parts[1]

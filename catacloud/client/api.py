@@ -14,7 +14,7 @@ from catacloud.client.config import ClientConfig
 TIMEOUT = (10, 60)  # connect, read (seconds)
 
 
-def _version() -> str:
+def client_version() -> str:
     """The installed distribution's version. Not ``catacloud.__version__``: with the
     catacloud-agent distribution installed too, ``catacloud`` may be a namespace package whose
     ``__init__`` never runs (editable installs)."""
@@ -63,7 +63,7 @@ class Api:
         self.session = requests.Session()
         self.session.auth = BearerAuth(config.token)
         self.session.headers.update(
-            {"Accept": "application/json", "User-Agent": f"catacloud-cli/{_version()}"}
+            {"Accept": "application/json", "User-Agent": f"catacloud-cli/{client_version()}"}
         )
 
     def _url(self, path: str) -> str:

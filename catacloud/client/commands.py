@@ -1,7 +1,9 @@
-"""``catacloud jobs|pools|artifacts …``: the client commands on the REST API.
+"""``catacloud jobs|configs|pools|artifacts|auth …``: the client commands on the REST API.
 
-Every command takes ``--url``, ``--profile`` and ``--json`` (see :mod:`catacloud.client.config`
-for where the URL and token come from). Tables and progress are for people; ``--json`` prints
+Every command takes ``--url``, ``--profile`` and ``--json``, before or after the subcommand
+(see :mod:`catacloud.client.config` for where the URL and token come from). Objects are named
+as the console shows them: a name, a whole id, or its first hex digits (``bd3d252e``) when
+they are unique, like git and docker. Tables and progress are for people; ``--json`` prints
 the API's answer for scripts. Exit status: 0 done, 1 the API refused or could not be reached
 (the ``{code, detail}`` is shown on stderr), 2 bad usage; ``--wait`` / ``--follow`` end with
 the job's own: 0 succeeded, its exit code when it failed with one, else 1.
@@ -10,8 +12,10 @@ the job's own: 0 succeeded, its exit code when it failed with one, else 1.
 from __future__ import annotations
 
 import argparse
+import getpass
 import hashlib
 import os
+import re
 import sys
 import time
 import uuid
@@ -20,10 +24,32 @@ from pathlib import Path
 from typing import Any
 
 from catacloud.client.api import Api, ApiError
-from catacloud.client.config import ConfigError, print_warnings, resolve
-from catacloud.client.output import age, between, duration, print_json, size, table
+from catacloud.client.config import (
+    DEFAULT_URL,
+    ClientConfig,
+    ConfigError,
+    normalize_url,
+    print_warnings,
+    resolve,
+    save_login,
+)
+from catacloud.client.output import age, between, duration, print_json, short, size, table
+from catacloud.client.usage import add_global_flags
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+# A job's states, in the order a job goes through them (the API's JobStatus).
+JOB_STATUSES = (
+    "queued",
+    "acquiring_resources",
+    "waiting_for_machine",
+    "assigned",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "timed_out",
+)
+MIN_PREFIX = 4  # hex digits of a short id, like git's shortest abbreviation
 POLL_SECONDS = 1.0
 RETRIES_WHILE_WAITING = 10  # consecutive transient errors tolerated by --wait / -f
 
@@ -36,11 +62,10 @@ class UsageError(Exception):
 
 
 def add_client_commands(subparsers: Any) -> None:
-    """Register ``jobs``, ``pools`` and ``artifacts`` on an ``add_subparsers()`` object."""
+    """Register ``jobs``, ``configs``, ``pools``, ``artifacts`` and ``auth`` on an
+    ``add_subparsers()`` object (whose parser carries the global flags too)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="API base URL (default: CATACLOUD_URL, else the profile's)")
-    common.add_argument("--profile", help="profile of the config file (default: CATACLOUD_PROFILE)")
-    common.add_argument("--json", action="store_true", help="print the API's JSON (for scripts)")
+    add_global_flags(common, top=False)
 
     def group(name: str, help: str) -> Any:
         parser = subparsers.add_parser(name, help=help, description=help)
@@ -48,7 +73,7 @@ def add_client_commands(subparsers: Any) -> None:
 
     def command(sub: Any, name: str, func: Callable, help: str, **kw: Any) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, parents=[common], help=help, description=help, **kw)
-        parser.set_defaults(func=lambda args: run(func, args))
+        parser.set_defaults(func=lambda args: run(func, args), _parser=parser)
         return parser
 
     jobs = group("jobs", "submit, follow, list and cancel jobs (client of the REST API)")
@@ -60,41 +85,88 @@ def add_client_commands(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop waiting after this (exit 1)")
 
     p = command(jobs, "logs", cmd_jobs_logs, "print a job's output (-f: follow it until the job ends)")
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new output until the job ends")
     p.add_argument("--attempt", type=int, help="which attempt (default: the current one)")
 
     p = command(jobs, "cancel", cmd_jobs_cancel, "cancel a job (in any live state)")
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
     p = command(jobs, "ls", cmd_jobs_ls, "list jobs, newest first")
-    p.add_argument("--status", action="append", default=[], help="only these statuses (repeatable)")
+    p.add_argument(
+        "--status",
+        action="append",
+        default=[],
+        choices=JOB_STATUSES,
+        metavar="STATUS",
+        help="only these statuses (repeatable): " + ", ".join(JOB_STATUSES),
+    )
     p.add_argument("--config", metavar="NAME", help="only jobs of this configuration")
     p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
 
-    p = command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost")
-    p.add_argument("job", metavar="JOB", help="job id")
+    p = command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost, then its events")
+    p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
-    pools = group("pools", "list warm pools, acquire and release their machines")
+    configs = group("configs", "list and create job configurations")
+    command(configs, "ls", cmd_configs_ls, "list job configurations")
+    p = command(configs, "create", cmd_configs_create, "create a job configuration (admin)")
+    p.add_argument("name", metavar="NAME", help="its name, e.g. unit-tests")
+    p.add_argument("--machine-type", required=True, metavar="TYPE", help="machine type name or id")
+    p.add_argument("--command", required=True, help="what the job runs, under /bin/sh -c")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="env of every run (repeatable)")
+    p.add_argument("--timeout", type=int, metavar="SECONDS", help="the job is killed after this")
+    p.add_argument("--priority", type=int, help="higher runs first (default 0)")
+    p.add_argument("--max-attempts", type=int, help="attempts on machine loss (default 3)")
+    p.add_argument("--reuse", choices=["reuse", "ephemeral"], help="keep the machine for the next job or not")
+    p.add_argument(
+        "--resource",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="a resource type it needs (repeatable)",
+    )
+
+    pools = group("pools", "list and create warm pools, acquire and release their machines")
     command(pools, "ls", cmd_pools_ls, "list pools with their members by state")
+    p = command(pools, "create", cmd_pools_create, "create a warm pool (admin)")
+    p.add_argument("name", metavar="NAME", help="its name, e.g. ci")
+    p.add_argument("--machine-type", required=True, metavar="TYPE", help="machine type name or id")
+    p.add_argument("--size", type=int, required=True, help="machines to keep warm (target_size)")
+    p.add_argument("--min", type=int, dest="min_size", help="min_size (default 0)")
+    p.add_argument("--max", type=int, dest="max_size", help="max_size (default: --size)")
+    p.add_argument("--warmup-grace", type=int, metavar="SECONDS", help="a member warming longer is replaced")
+    p.add_argument("--description", help="what it is for")
     p = command(pools, "acquire", cmd_pools_acquire, "take a ready machine from a pool (never waits)")
     p.add_argument("pool", metavar="POOL", help="pool name or id")
     p.add_argument("--by", default="", help="who holds it (acquired_by), e.g. runner-7")
     p.add_argument("--for", dest="purpose", default="", help="what for (acquired_for), e.g. 'build 1234'")
     p.add_argument("--lease", type=int, metavar="SECONDS", help="the claim ends by itself after this")
     p = command(pools, "release", cmd_pools_release, "hand back an acquired machine (it is terminated)")
-    p.add_argument("instance", metavar="INSTANCE", help="instance id")
+    p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
     p.add_argument("--claim", metavar="CLAIM_ID", help="release only if this claim still holds it")
 
     artifacts = group("artifacts", "list and download the files a job kept")
     p = command(artifacts, "ls", cmd_artifacts_ls, "list a job's artifacts")
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
     p = command(artifacts, "get", cmd_artifacts_get, "download one artifact (its sha256 is checked)")
-    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
     p.add_argument("name", metavar="NAME", help="artifact name, e.g. reports/junit.xml")
     p.add_argument(
         "--output", "-o", metavar="PATH", help="file or directory (- for stdout; default ./BASENAME)"
     )
+
+    auth = group("auth", "store and check the token for a server (like gh auth)")
+    p = auth.add_parser(
+        "login",
+        parents=[common],
+        help="check a token and store it for a URL in the config file",
+        description="Check a token against the server and store it, with the URL, as a profile of "
+        "the config file (mode 0600). The token is read from standard input (a prompt on a "
+        "terminal), never from the command line.",
+    )
+    p.set_defaults(func=cmd_auth_login, _parser=p)
+    p = auth.add_parser("status", parents=[common], help="which server and token the client uses, checked")
+    p.set_defaults(func=lambda args: run(cmd_auth_status, args), _parser=p)
 
 
 def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -114,6 +186,14 @@ def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace
     except ApiError as exc:
         show_error(exc, args)
         return 1
+    except (KeyError, TypeError, AttributeError):
+        # A JSON answer without what every Catacloud answer has: another server at this URL.
+        print(
+            f"error: {config.url} answered with something this client does not understand; "
+            "is it a Catacloud server? (check --url, CATACLOUD_URL or the profile's url)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
@@ -130,9 +210,17 @@ def show_error(exc: ApiError, args: argparse.Namespace) -> None:
     print(f"error: {exc.detail} ({exc.code}, {where})", file=sys.stderr)
     for name, messages in sorted(exc.fields.items()):
         text = "; ".join(messages) if isinstance(messages, list) else str(messages)
-        print(f"  {name}: {text}", file=sys.stderr)
+        if f"{name}: {text}" != exc.detail:  # one message, not the same one twice
+            print(f"  {name}: {text}", file=sys.stderr)
     if exc.status == 401:
-        print("  (check CATACLOUD_TOKEN or the profile's token)", file=sys.stderr)
+        print(
+            "  (check CATACLOUD_TOKEN or the profile's token; `catacloud auth login` stores one)",
+            file=sys.stderr,
+        )
+    elif exc.code in ("http_error", "bad_response"):
+        print(
+            "  (is this a Catacloud server? check --url, CATACLOUD_URL or the profile's url)", file=sys.stderr
+        )
 
 
 def _uuid(value: str, what: str) -> str:
@@ -140,6 +228,39 @@ def _uuid(value: str, what: str) -> str:
         return str(uuid.UUID(value))
     except ValueError:
         raise UsageError(f"{what} must be an id (a UUID), got {value!r}") from None
+
+
+def resolve_id(api: Api, kind: str, path: str, ref: str, *, by_name: bool = False) -> str:
+    """The id of the object ``ref`` names: a whole id, a name (``by_name``), or the first hex
+    digits of an id when only one object's id starts with them (git's and docker's short ids)."""
+    ref = ref.strip()
+    try:
+        return str(uuid.UUID(ref))
+    except ValueError:
+        pass
+    if by_name:
+        found = api.get(path, name=ref)["results"]
+        if found:
+            return str(found[0]["id"])
+    digits = ref.replace("-", "").lower()
+    if len(digits) < MIN_PREFIX or not re.fullmatch(r"[0-9a-f]+", digits):
+        if by_name:
+            raise ApiError(404, "not_found", f"no {kind} named {ref!r}")
+        raise UsageError(
+            f"{kind} {ref!r} is not an id: give its id, or at least its first {MIN_PREFIX} hex digits"
+        )
+    found = api.get(path, id_prefix=ref, limit=10)["results"]
+    if not found:
+        what = f"no {kind} named {ref!r} or" if by_name else f"no {kind}"
+        raise ApiError(404, "not_found", f"{what} with an id starting {ref}")
+    if len(found) > 1:
+        ids = ", ".join(sorted(short(r["id"]) for r in found)[:3]) + ("…" if len(found) > 3 else "")
+        raise UsageError(f"{ref} is the start of several {kind} ids ({ids}): give more of it")
+    return str(found[0]["id"])
+
+
+def _job_id(api: Api, ref: str) -> str:
+    return resolve_id(api, "job", "jobs/", ref)
 
 
 # ---- jobs ---------------------------------------------------------------------------------------
@@ -274,7 +395,7 @@ class LogFollower:
     attempt whose output is numbered from the start again)."""
 
     def __init__(self, api: Api, job_id: str, out: Any, attempt: int | None = None) -> None:
-        self.api, self.job_id, self.out = api, job_id, out
+        self.api, self.job_id, self.out = api, job_id, out  # stderr chunks go to stderr
         self.attempt = attempt
         self.after = -1
         self.pinned = attempt is not None
@@ -283,9 +404,12 @@ class LogFollower:
         page = _retrying(
             lambda: self.api.get(f"jobs/{self.job_id}/logs/", after=self.after, attempt=self.attempt)
         )
-        if page["text"]:
-            self.out.write(page["text"])
-            self.out.flush()
+        for chunk in page["chunks"]:
+            stream = sys.stderr if chunk.get("stream") == "stderr" else self.out
+            if stream is not self.out:
+                self.out.flush()  # keep the order the job wrote them in
+            stream.write(chunk["data"])
+            stream.flush()
         self.after = page["next_after"]
         return bool(page["chunks"])
 
@@ -305,7 +429,7 @@ class LogFollower:
 
 
 def cmd_jobs_logs(api: Api, args: argparse.Namespace) -> int:
-    job_id = _uuid(args.job, "JOB")
+    job_id = _job_id(api, args.job)
     job = api.get(f"jobs/{job_id}/")
     logs = LogFollower(api, job_id, out=sys.stdout, attempt=args.attempt)
     logs.poll(job)
@@ -325,7 +449,7 @@ def _exit_text(job: dict) -> str:
 
 
 def cmd_jobs_cancel(api: Api, args: argparse.Namespace) -> int:
-    job_id = _uuid(args.job, "JOB")
+    job_id = _job_id(api, args.job)
     job = api.post(f"jobs/{job_id}/cancel/")
     if args.json:
         print_json(job)
@@ -353,7 +477,7 @@ def cmd_jobs_ls(api: Api, args: argparse.Namespace) -> int:
         ["ID", "CONFIG", "STATUS", "ATTEMPT", "EXIT", "WAITED", "RAN", "AGE", "REASON"],
         [
             [
-                j["id"],
+                short(j["id"]),
                 j["config_name"],
                 j["status"],
                 f"{j['attempt']}/{j['max_attempts']}",
@@ -361,7 +485,7 @@ def cmd_jobs_ls(api: Api, args: argparse.Namespace) -> int:
                 duration(_waited(j)),
                 duration(between(j["started_at"], j["finished_at"])) if j["started_at"] else None,
                 age(j["created_at"]),
-                j["pending_reason"] or j["failure_reason"] or j["requeue_reason"],
+                _reason(j),
             ]
             for j in rows
         ],
@@ -370,12 +494,39 @@ def cmd_jobs_ls(api: Api, args: argparse.Namespace) -> int:
 
 
 def cmd_jobs_show(api: Api, args: argparse.Namespace) -> int:
-    job = api.get(f"jobs/{_uuid(args.job, 'JOB')}/")
+    """The job, then what happened to it (like ``kubectl describe``'s events)."""
+    job = api.get(f"jobs/{_job_id(api, args.job)}/")
+    events = api.get("events/", job_id=job["id"], limit=100)["results"][::-1]  # oldest first
     if args.json:
-        print_json(job)
-    else:
-        print_job_summary(job)
+        print_json({**job, "events": events})
+        return 0
+    print_job_summary(job)
+    print("\nevents:")
+    start = job["created_at"]
+    table(
+        ["  AT", "KIND", "BY", "REASON"],
+        [
+            [f"  +{duration(between(start, e['created_at']))}", e["kind"], e["actor"], e["reason"]]
+            for e in events
+        ],
+    )
     return 0
+
+
+def _reason(job: dict) -> str | None:
+    """Why a job waits, or why it ended the way it did; a success has none (an earlier
+    requeue's cause is history, shown as such)."""
+    if job["status"] not in TERMINAL:
+        return job.get("pending_reason") or None
+    return job.get("failure_reason") or None
+
+
+def _requeues(job: dict) -> str | None:
+    requeues = job["attempt"] - 1
+    if requeues <= 0:
+        return None
+    last = f" (last: {job['requeue_reason']})" if job.get("requeue_reason") else ""
+    return f"{requeues}{last}"
 
 
 def _waited(job: dict) -> float | None:
@@ -391,10 +542,11 @@ def print_job_summary(job: dict, out: Any = None) -> None:
         ("config", job["config_name"]),
         ("status", job["status"] + _exit_text(job)),
         ("attempt", f"{job['attempt']}/{job['max_attempts']}"),
+        ("requeued", _requeues(job)),
         ("instance", job.get("instance")),
         ("waited", duration(_waited(job))),
         ("ran", duration(between(job["started_at"], job["finished_at"])) if job["started_at"] else None),
-        ("reason", job.get("failure_reason") or job.get("pending_reason") or job.get("requeue_reason")),
+        ("reason", _reason(job)),
         ("cost", f"{cost['amount']} {cost['currency']}" if cost.get("amount") is not None else None),
     ]
     for key, value in rows:
@@ -418,9 +570,9 @@ def cmd_pools_ls(api: Api, args: argparse.Namespace) -> int:
         [
             [
                 p["name"],
-                p["id"],
+                short(p["id"]),
                 p["status"],
-                p["machine_type"],
+                p.get("machine_type_name") or p["machine_type"],
                 p["ready_count"],
                 p["member_count"],
                 p["target_size"],
@@ -434,22 +586,11 @@ def cmd_pools_ls(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
-def _pool_id(api: Api, ref: str) -> str:
-    try:
-        return str(uuid.UUID(ref))
-    except ValueError:
-        pass
-    found = api.get("pools/", name=ref)["results"]
-    if not found:
-        raise ApiError(404, "not_found", f"no pool named {ref!r}")
-    return found[0]["id"]
-
-
 def cmd_pools_acquire(api: Api, args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"acquired_by": args.by, "acquired_for": args.purpose}
     if args.lease:
         body["lease_seconds"] = args.lease
-    claim = api.post(f"pools/{_pool_id(api, args.pool)}/acquire/", body)
+    claim = api.post(f"pools/{resolve_id(api, 'pool', 'pools/', args.pool, by_name=True)}/acquire/", body)
     if args.json:
         print_json(claim)
         return 0
@@ -471,7 +612,7 @@ def cmd_pools_acquire(api: Api, args: argparse.Namespace) -> int:
 
 def cmd_pools_release(api: Api, args: argparse.Namespace) -> int:
     body = {"claim_id": _uuid(args.claim, "--claim")} if args.claim else {}
-    answer = api.post(f"instances/{_uuid(args.instance, 'INSTANCE')}/release/", body)
+    answer = api.post(f"instances/{resolve_id(api, 'instance', 'instances/', args.instance)}/release/", body)
     if args.json:
         print_json(answer)
     else:
@@ -479,11 +620,142 @@ def cmd_pools_release(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pools_create(api: Api, args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"name": args.name, "machine_type": args.machine_type, "target_size": args.size}
+    for key, value in (
+        ("min_size", args.min_size),
+        ("max_size", args.max_size if args.max_size is not None else max(args.size, args.min_size or 0)),
+        ("warmup_grace_seconds", args.warmup_grace),
+        ("description", args.description),
+    ):
+        if value is not None:
+            body[key] = value
+    pool = api.post("pools/", body)
+    if args.json:
+        print_json(pool)
+        return 0
+    print(
+        f"pool {pool['name']} {short(pool['id'])} created: {pool['status']}, "
+        f"{pool['target_size']} × {pool.get('machine_type_name') or args.machine_type} "
+        f"(min {pool['min_size']}, max {pool['max_size']})"
+    )
+    print(f"watch it: catacloud pools ls; take one: catacloud pools acquire {pool['name']}", file=sys.stderr)
+    return 0
+
+
+# ---- job configurations -------------------------------------------------------------------------
+
+
+def cmd_configs_ls(api: Api, args: argparse.Namespace) -> int:
+    rows = api.pages("job-configs/", limit=1000)
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print("no job configurations (catacloud configs create NAME …)", file=sys.stderr)
+        return 0
+    table(
+        ["NAME", "ID", "MACHINE TYPE", "REUSE", "TIMEOUT", "PRIORITY", "ATTEMPTS", "COMMAND"],
+        [
+            [
+                c["name"],
+                short(c["id"]),
+                c.get("machine_type_name") or c["machine_type"],
+                c["reuse"],
+                duration(c["timeout_seconds"]),
+                c["priority"],
+                c["max_attempts"],
+                c["command"] if len(c["command"]) <= 40 else c["command"][:39] + "…",
+            ]
+            for c in rows
+        ],
+    )
+    return 0
+
+
+def cmd_configs_create(api: Api, args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"name": args.name, "machine_type": args.machine_type, "command": args.command}
+    env = _parse_env(args.env)
+    for key, value in (
+        ("env", env or None),
+        ("timeout_seconds", args.timeout),
+        ("priority", args.priority),
+        ("max_attempts", args.max_attempts),
+        ("reuse", args.reuse),
+        ("resources", args.resource or None),
+    ):
+        if value is not None:
+            body[key] = value
+    config = api.post("job-configs/", body)
+    if args.json:
+        print_json(config)
+        return 0
+    print(
+        f"job configuration {config['name']} {short(config['id'])} created "
+        f"(machine type {config.get('machine_type_name') or args.machine_type})"
+    )
+    print(f"run it: catacloud jobs submit --config {config['name']} --follow", file=sys.stderr)
+    return 0
+
+
+# ---- auth ---------------------------------------------------------------------------------------
+
+
+def _check_token(api: Api) -> dict:
+    """Ask the server something every role may read: a wrong token or URL fails here."""
+    page = api.get("machine-types/", limit=100)
+    return {"machine_types": [m["name"] for m in page["results"]]}
+
+
+def cmd_auth_login(args: argparse.Namespace) -> int:
+    """Like ``gh auth login --with-token``: read a token, check it against the server, store it
+    with the URL as a profile (``--profile``, default ``default``) of the config file."""
+    url = normalize_url(args.url or os.environ.get("CATACLOUD_URL") or DEFAULT_URL)
+    profile = args.profile or "default"
+    if sys.stdin.isatty():
+        token = getpass.getpass(f"Token for {url} (input hidden): ")
+    else:
+        token = sys.stdin.readline()
+    token = token.strip()
+    if not token:
+        print("catacloud: no token given (pipe one in, or paste it at the prompt)", file=sys.stderr)
+        return 2
+    api = Api(ClientConfig(url=url, token=token, profile=profile, source="auth login"))
+    try:
+        checked = _check_token(api)
+    except ApiError as exc:
+        show_error(exc, args)
+        print("catacloud: the token was not stored", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, AttributeError):
+        print(f"error: {url} is not a Catacloud server (its answer has no machine types)", file=sys.stderr)
+        return 1
+    path = save_login(env=os.environ, url=url, token=token, profile=profile)
+    if args.json:
+        print_json({"url": url, "profile": profile, "config": str(path), **checked})
+    else:
+        types = ", ".join(checked["machine_types"]) or "none"
+        print(f"logged in to {url}: token checked (machine types: {types})")
+        print(f"stored as profile {profile!r} in {path} (mode 0600)")
+    return 0
+
+
+def cmd_auth_status(api: Api, args: argparse.Namespace) -> int:
+    checked = _check_token(api)
+    config = api.config
+    if args.json:
+        print_json({"url": config.url, "profile": config.profile, "source": config.source, **checked})
+    else:
+        print(f"{config.url}: token from {config.source} works")
+        print(f"machine types: {', '.join(checked['machine_types']) or 'none'}")
+    return 0
+
+
 # ---- artifacts ----------------------------------------------------------------------------------
 
 
 def cmd_artifacts_ls(api: Api, args: argparse.Namespace) -> int:
-    rows = api.get(f"jobs/{_uuid(args.job, 'JOB')}/artifacts/")
+    rows = api.get(f"jobs/{_job_id(api, args.job)}/artifacts/")
     if args.json:
         print_json(rows)
         return 0
@@ -498,7 +770,7 @@ def cmd_artifacts_ls(api: Api, args: argparse.Namespace) -> int:
 
 
 def cmd_artifacts_get(api: Api, args: argparse.Namespace) -> int:
-    job_id = _uuid(args.job, "JOB")
+    job_id = _job_id(api, args.job)
     response, chunks = api.download(f"jobs/{job_id}/artifacts/{args.name}")
     expected = response.headers.get("X-Checksum-Sha256")
     digest = hashlib.sha256()

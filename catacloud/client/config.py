@@ -12,10 +12,13 @@ Precedence, highest first (README, "The command line client"):
    (``$CATACLOUD_CONFIG``, else ``$XDG_CONFIG_HOME/catacloud/config.toml``, else
    ``~/.config/catacloud/config.toml``): ``url`` and ``token`` or ``token_file``;
 5. the URL ``http://127.0.0.1:8000`` (what ``make dev`` serves); no token is an error.
+
+A token only goes to the server it belongs to (see :func:`resolve`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -61,13 +64,23 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def _read_token_file(path: str, what: str) -> str:
+def _others_may_read(path: Path) -> bool:
     try:
-        token = Path(path).expanduser().read_text().strip()
+        return bool(path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO))
+    except OSError:
+        return False
+
+
+def _read_token_file(path: str, what: str, warn: list[str]) -> str:
+    file = Path(path).expanduser()
+    try:
+        token = file.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {what} names ({path}): {exc.strerror}") from None
     if not token:
         raise ConfigError(f"the token file {what} names ({path}) is empty")
+    if _others_may_read(file):
+        warn.append(f"warning: the token file {file} may be read by others (chmod 600 {file})")
     return token
 
 
@@ -78,11 +91,22 @@ def _load_profiles(path: Path, warn: list[str]) -> dict[str, dict]:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    if any(isinstance(p, dict) and "token" in p for p in data.values()):
-        mode = path.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            warn.append(f"warning: {path} holds a token and others may read it (chmod 600 {path})")
+    if any(isinstance(p, dict) and "token" in p for p in data.values()) and _others_may_read(path):
+        warn.append(f"warning: {path} holds a token and others may read it (chmod 600 {path})")
     return {name: p for name, p in data.items() if isinstance(p, dict)}
+
+
+def _profile_url(profile: Mapping) -> str:
+    """The server a profile's token belongs to (a profile without ``url``: the default one)."""
+    return normalize_url(str(profile.get("url") or DEFAULT_URL))
+
+
+def _profile_token(name: str, profile: Mapping, path: Path, warn: list[str]) -> str | None:
+    if profile.get("token"):
+        return str(profile["token"]).strip()
+    if profile.get("token_file"):
+        return _read_token_file(str(profile["token_file"]), f"profile {name!r}", warn)
+    return None
 
 
 def resolve(
@@ -93,7 +117,12 @@ def resolve(
     warn: list[str] | None = None,
 ) -> ClientConfig:
     """The client's URL and token from the flags (``url``, ``profile``), the environment and
-    the config file, in the precedence above. ``warn`` collects warnings to show."""
+    the config file, in the precedence above. ``warn`` collects warnings to show.
+
+    A token only goes to the server it belongs to: a profile's to the profile's ``url``, the
+    environment's to ``CATACLOUD_URL`` (any URL when that is unset). With another URL (from
+    ``--url`` or ``CATACLOUD_URL``), the profile whose ``url`` it is gives the token (what
+    ``catacloud auth login`` stores), or there is none."""
     env = os.environ if env is None else env
     warn = [] if warn is None else warn
     path = config_path(env)
@@ -106,29 +135,75 @@ def resolve(
         raise ConfigError(f"no profile {name!r} in {path} (profiles: {known})")
     chosen = chosen or {}
 
-    found_url, found_token, source = None, None, ""
-    if not explicit_profile:
-        found_url = env.get("CATACLOUD_URL") or None
-        if env.get("CATACLOUD_TOKEN"):
-            found_token, source = env["CATACLOUD_TOKEN"].strip(), "CATACLOUD_TOKEN"
-        elif env.get("CATACLOUD_TOKEN_FILE"):
-            found_token = _read_token_file(env["CATACLOUD_TOKEN_FILE"], "CATACLOUD_TOKEN_FILE")
-            source = "CATACLOUD_TOKEN_FILE"
-    if found_url is None:
-        found_url = chosen.get("url")
+    env_url = None if explicit_profile else (env.get("CATACLOUD_URL") or None)
+    final_url = normalize_url(url or env_url or chosen.get("url") or DEFAULT_URL)
+    found_token, source, owner = None, "", None
+    if not explicit_profile and (env.get("CATACLOUD_TOKEN") or env.get("CATACLOUD_TOKEN_FILE")):
+        owner = normalize_url(env_url) if env_url else final_url
+        if owner == final_url:
+            if env.get("CATACLOUD_TOKEN"):
+                found_token, source = env["CATACLOUD_TOKEN"].strip(), "CATACLOUD_TOKEN"
+            else:
+                found_token = _read_token_file(env["CATACLOUD_TOKEN_FILE"], "CATACLOUD_TOKEN_FILE", warn)
+                source = "CATACLOUD_TOKEN_FILE"
+    used_profile = None
     if found_token is None:
-        if chosen.get("token"):
-            found_token, source = str(chosen["token"]).strip(), f"profile {name!r} in {path}"
-        elif chosen.get("token_file"):
-            found_token = _read_token_file(str(chosen["token_file"]), f"profile {name!r}")
-            source = f"profile {name!r} in {path}"
-    final_url = normalize_url(url or found_url or DEFAULT_URL)
+        # the chosen profile first, then any profile for this very URL
+        for pname in [name, *sorted(p for p in profiles if p != name)]:
+            candidate = profiles.get(pname)
+            if candidate is None or _profile_url(candidate) != final_url:
+                continue
+            found_token = _profile_token(pname, candidate, path, warn)
+            if found_token:
+                source, used_profile = f"profile {pname!r} in {path}", pname
+                break
     if not found_token:
+        elsewhere = ""
+        if owner and owner != final_url:
+            elsewhere = f"CATACLOUD_TOKEN is for {owner}, "
+        elif (chosen.get("token") or chosen.get("token_file")) and _profile_url(chosen) != final_url:
+            elsewhere = f"profile {name!r} holds a token for {_profile_url(chosen)}, "
+        if elsewhere:
+            raise ConfigError(
+                f"no API token for {final_url}: {elsewhere}and a token only goes to its own server; "
+                f"run `catacloud auth login --url {final_url}` or set CATACLOUD_TOKEN for it"
+            )
         raise ConfigError(
-            'no API token: set CATACLOUD_TOKEN (or CATACLOUD_TOKEN_FILE), or put `token = "cc_…"` '
-            f"in a profile of {path}; `python manage.py create_api_token` makes one"
+            "no API token: run `catacloud auth login`, set CATACLOUD_TOKEN (or CATACLOUD_TOKEN_FILE), "
+            f'or put `token = "cc_…"` in a profile of {path}; `python manage.py create_api_token` makes one'
         )
-    return ClientConfig(url=final_url, token=found_token, profile=name if chosen else None, source=source)
+    return ClientConfig(url=final_url, token=found_token, profile=used_profile, source=source)
+
+
+def save_login(*, env: Mapping[str, str], url: str, token: str, profile: str) -> Path:
+    """Store ``url`` and ``token`` as ``profile`` of the config file (created 0600; the other
+    profiles are kept, comments are not) and return its path."""
+    path = config_path(env)
+    profiles = _load_profiles(path, [])
+    profiles[profile] = {**{k: v for k, v in profiles.get(profile, {}).items() if k != "token_file"}}
+    profiles[profile].update(url=normalize_url(url), token=token)
+    lines = ["# catacloud client profiles (catacloud auth login writes this file; keep it chmod 600)"]
+    for pname, values in profiles.items():
+        lines.append(f"\n[{_toml_key(pname)}]")
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in values.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("-", "").replace("_", "").isalnum() else json.dumps(key)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(str(value), ensure_ascii=False)  # a TOML basic string
 
 
 def print_warnings(warn: list[str]) -> None:

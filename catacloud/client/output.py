@@ -21,6 +21,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | N
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip(), file=out)
 
 
+def short(uid: Any) -> str:
+    """The 8 hex digits the console shows for an id (the CLI takes them back as a prefix)."""
+    return str(uid)[:8]
+
+
 def _cell(value: Any) -> str:
     if value is None or value == "":
         return "-"

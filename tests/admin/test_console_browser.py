@@ -297,3 +297,78 @@ def test_the_job_page_shows_log_artifacts_attempts_and_cancels(
     job.refresh_from_db()
     assert job.cancel_requested
     get_store.cache_clear()
+
+
+# ---- a laptop screen ----------------------------------------------------------------------------------
+
+LAPTOP = {"width": 1366, "height": 768}
+
+
+def overflow(page) -> list[str]:
+    """What scrolls sideways on this page: the page itself, or a list's scrolling box."""
+    return page.evaluate(
+        """() => [document.documentElement, ...document.querySelectorAll('#changelist .results, .cc-card')]
+            .filter(el => el.scrollWidth > el.clientWidth + 1)
+            .map(el => `${el.id || el.className || el.tagName}: ${el.scrollWidth} > ${el.clientWidth}`)"""
+    )
+
+
+def test_the_console_fits_a_laptop_screen(
+    tworld: World, live_server, browser_page, tmp_path: Path, settings
+) -> None:
+    """1366×768: login lands on the live dashboard; the dashboard, a job, an instance and the job,
+    instance and pool lists scroll only downwards; the pool bar's counts are never under a
+    marker."""
+    demo_fleet(tworld)
+    job = console_pages.ran_job(tworld)
+    for machine in MachineInstance.objects.filter(status="claimed"):  # named cc-<its id>, as on Hetzner
+        machine.provider_id, machine.claimed_by, machine.claimed_for = (
+            f"cc-{machine.pk}",
+            "runner-7",
+            "build 1",
+        )
+        machine.save()
+    instance = MachineInstance.objects.filter(status="claimed").first()
+    page = browser_page
+    page.set_viewport_size(LAPTOP)
+    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
+    page.goto(f"{live_server.url}/admin/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "a-long-ops-password")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#cc-pools")
+    assert page.url == f"{live_server.url}/admin/dashboard/"  # the live dashboard, not the stock index
+
+    shots = shots_dir(tmp_path)
+    pages = {
+        "dashboard": "/admin/dashboard/",
+        "job": f"/admin/jobs/job/{job.pk}/change/",
+        "instance": f"/admin/machines/machineinstance/{instance.pk}/change/",
+        "jobs": "/admin/jobs/job/",
+        "instances": "/admin/machines/machineinstance/",
+        "pools": "/admin/pools/instancepool/",
+    }
+    for name, path in pages.items():
+        page.goto(f"{live_server.url}{path}")
+        page.wait_for_load_state("load")
+        lists = ("jobs", "instances", "pools")
+        page.screenshot(
+            path=str(shots / f"console-{name}.png"), full_page=name not in lists
+        )  # a list: one screen
+        assert overflow(page) == [], name
+        if name in lists:
+            assert_list_fits(page)
+    rows = page.goto(f"{live_server.url}/admin/machines/machineinstance/") and page.inner_text("#result_list")
+    assert f"cc-{str(instance.pk)[:8]}…" in rows and str(instance.pk) not in rows  # no UUID twice
+
+    # The dashboard's pool bars: every count can be read, no marker drawn over it.
+    page.goto(f"{live_server.url}/admin/dashboard/")
+    covered = page.evaluate(
+        """() => [...document.querySelectorAll('.cc-bar span')].filter(s => s.textContent.trim()).map(s => {
+            const r = s.getBoundingClientRect();
+            const top = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+            const ok = top === s || s.contains(top);
+            return ok ? null : `${s.className} ${s.textContent}: under ${top && top.className}`;
+        }).filter(Boolean)"""
+    )
+    assert covered == []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from catacloud.client.config import ConfigError, resolve
+from catacloud.client.config import ConfigError, resolve, save_login
 
 CONFIG = """
 [default]
@@ -60,9 +60,56 @@ def test_an_explicit_profile_ignores_the_environment(home: dict[str, str]) -> No
 
 
 def test_the_url_flag_beats_everything(home: dict[str, str]) -> None:
+    assert resolve(env={**home, "CATACLOUD_TOKEN": "cc_env"}, url="http://flag.example/").url == (
+        "http://flag.example"
+    )
+    # the profile whose url it is gives the token
+    assert resolve(env=home, url="https://prod.example/api/v1").token == "cc_prod"
+
+
+def test_a_token_only_goes_to_the_server_it_belongs_to(home: dict[str, str]) -> None:
+    """With CATACLOUD_URL (or --url) naming another server, the default profile's token stays
+    home, and so does an exported token for another CATACLOUD_URL."""
+    with pytest.raises(ConfigError) as raised:
+        resolve(env={**home, "CATACLOUD_URL": "http://elsewhere.example"})
+    message = str(raised.value)
+    assert message.startswith("no API token for http://elsewhere.example: profile 'default' holds a token")
+    assert "catacloud auth login --url http://elsewhere.example" in message and "cc_default" not in message
+    with pytest.raises(ConfigError, match="no API token for http://flag.example"):
+        resolve(env=home, url="http://flag.example", profile="prod")
     env = {**home, "CATACLOUD_URL": "http://env.example", "CATACLOUD_TOKEN": "cc_env"}
-    assert resolve(env=env, url="http://flag.example/").url == "http://flag.example"
-    assert resolve(env=home, url="http://flag.example", profile="prod").token == "cc_prod"
+    with pytest.raises(ConfigError, match="CATACLOUD_TOKEN is for http://env.example"):
+        resolve(env=env, url="http://flag.example")
+    assert resolve(env=env, url="http://env.example/").token == "cc_env"
+
+
+def test_a_token_file_others_can_read_is_warned_about(home: dict[str, str], tmp_path: Path) -> None:
+    token_file = tmp_path / "prod-token"
+    token_file.chmod(0o600)
+    warnings: list[str] = []
+    resolve(env=home, profile="prod", warn=warnings)
+    assert warnings == []
+    token_file.chmod(0o644)
+    resolve(env=home, profile="prod", warn=warnings)
+    assert warnings == [
+        f"warning: the token file {token_file} may be read by others (chmod 600 {token_file})"
+    ]
+    warnings.clear()
+    resolve(
+        env={"XDG_CONFIG_HOME": str(tmp_path / "none"), "CATACLOUD_TOKEN_FILE": str(token_file)},
+        warn=warnings,
+    )
+    assert len(warnings) == 1 and "cc_prod" not in warnings[0]
+
+
+def test_a_login_is_stored_privately_and_found_by_its_url(home: dict[str, str]) -> None:
+    path = save_login(env=home, url="http://lab.example:8000/", token="cc_lab", profile="lab")
+    assert path.stat().st_mode & 0o777 == 0o600
+    config = resolve(env={**home, "CATACLOUD_URL": "http://lab.example:8000"})
+    assert (config.token, config.profile) == ("cc_lab", "lab")
+    assert resolve(env=home, profile="prod").token == "cc_prod"  # the other profiles are kept
+    save_login(env=home, url="http://lab.example:8000", token="cc_lab2", profile="lab")
+    assert resolve(env=home, profile="lab").token == "cc_lab2"
 
 
 def test_a_token_file_from_the_environment(tmp_path: Path) -> None:
@@ -75,7 +122,7 @@ def test_a_token_file_from_the_environment(tmp_path: Path) -> None:
 def test_missing_token_unknown_profile_and_bad_url_are_clear_errors(
     home: dict[str, str], tmp_path: Path
 ) -> None:
-    with pytest.raises(ConfigError, match="no API token: set CATACLOUD_TOKEN"):
+    with pytest.raises(ConfigError, match="no API token: run `catacloud auth login`, set CATACLOUD_TOKEN"):
         resolve(env={"XDG_CONFIG_HOME": str(tmp_path / "empty")})
     with pytest.raises(ConfigError, match=r"no profile 'staging' .*profiles: default, prod"):
         resolve(env=home, profile="staging")

@@ -19,7 +19,7 @@ import pytest
 
 from catacloud.cli import dev_programs
 from catacloud.supervisor import Supervisor
-from testkit.processes import ROOT, TESTS, wait_for
+from testkit.processes import ROOT, TESTS, free_port, wait_for
 
 
 class Output(io.StringIO):
@@ -165,3 +165,67 @@ def test_the_banner_comes_again_once_healthy() -> None:
         server.shutdown()
     text = supervisor.out.getvalue()  # type: ignore[attr-defined]
     assert "Catacloud is ready (" in text and "token    cc_x" in text
+
+
+def test_the_ready_banner_counts_the_users_whole_wait() -> None:
+    """`make dev` passes the time it started (before creating the venv and installing), and the
+    ready banner counts from there, not from when the Python program began."""
+    import http.server
+
+    from catacloud.cli import _announce_when_healthy, dev_started_at
+
+    dry_run = subprocess.run(["make", "-n", "dev"], cwd=ROOT, capture_output=True, text=True, check=True)
+    passed = re.search(r"CATACLOUD_DEV_STARTED=(\d+) ", dry_run.stdout)
+    assert passed and abs(int(passed[1]) - time.time()) < 60, dry_run.stdout
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    supervisor = Supervisor([], out=Output())
+    try:
+        started = dev_started_at({"CATACLOUD_DEV_STARTED": str(int(time.time()) - 47)})
+        _announce_when_healthy(supervisor, f"http://127.0.0.1:{server.server_port}/healthz", [], started)
+    finally:
+        server.shutdown()
+    took = re.search(r"Catacloud is ready \((\d+) s;", supervisor.out.getvalue())  # type: ignore[attr-defined]
+    assert took and 46 <= int(took[1]) <= 50, supervisor.out.getvalue()  # type: ignore[attr-defined]
+
+
+@pytest.mark.e2e
+def test_flower_starts_without_inspect_warnings(tmp_path: Path) -> None:
+    """Flower starts with the worker, before any worker can answer its first questions: that
+    must not print four "Inspect method … failed" lines at every start."""
+    import urllib.request
+
+    port = free_port()
+    programs = dev_programs(env=TESTS.env(), home=tmp_path, port=1, flower_port=port)
+    flower = next(p for p in programs if p.name == "flower")
+    out = Output()
+    supervisor = Supervisor([flower], out=out, stop_timeout=10)
+    thread = threading.Thread(target=supervisor.run, daemon=True)
+    thread.start()
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(answers, 60, "Flower to answer")
+        time.sleep(3)  # its first inspection waits for answers for 1 s
+    finally:
+        supervisor.stop()
+        thread.join(30)
+    log = out.getvalue()
+    assert "Connected to redis" in log, log  # it did ask the broker
+    assert "Inspect method" not in log, log

@@ -1,22 +1,24 @@
-"""README works as written: its walkthroughs run, as a reader would run them, against a real
-stack (gunicorn, a Celery worker and beat, the local provider's agents, PostgreSQL, Redis).
+"""README works as written: its walkthroughs run, as a reader pastes them, in README order, in
+one shell session, against a real stack (gunicorn, a Celery worker and beat, the local
+provider's agents, PostgreSQL, Redis).
 
-Which blocks run is explicit in README: a ``<!-- readme-test: NAME -->`` line right above a
-```` ```sh ```` fence. The host blocks (first-session, warm-pools, jobs) run one after the other
-in one ``bash -e -o pipefail`` session, as one person's shell, with ``curl`` made strict
-(``--fail-with-body``: an error answer fails the run); the in-job blocks (job-meta,
-checkpoint) are submitted as job commands; the trace block runs in a folder laid out like the
-clone. The only things the test provides are what README says ``make dev`` provides: the
-demo catalog, ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``. The cloud-only part (the
-scratch database a real deployment points at an admin DSN) uses Catacloud's own server.
+Every ```` ```sh ```` block in README carries a marker on the line right above it: either
+``<!-- readme-test: NAME -->`` (it runs) or ``<!-- readme-skip: REASON -->`` (it does not, and
+says why), so a new block cannot go untested by accident. The blocks that run do so one after
+the other in one ``bash -e -o pipefail`` session, as one person's shell, from the clone's
+folder, with ``curl`` made strict (``--fail-with-body``: an error answer fails the run); the
+blocks that are a job's command (job-meta, checkpoint) are submitted as jobs where they stand
+and waited for. The only things the test provides are what README says ``make dev`` provides:
+the demo catalog, ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``. The cloud-only part
+(the scratch database a real deployment points at an admin DSN) uses Catacloud's own server.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,24 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DEMO_CATALOG = ROOT / "catacloud" / "data" / "demo.yaml"
 
-MARKED = re.compile(
-    r"^(?P<indent>[ \t]*)<!-- readme-test: (?P<name>[\w-]+)[^>]*-->\n"
-    r"(?P=indent)```sh\n(?P<body>.*?)\n(?P=indent)```",
-    re.S | re.M,
-)
-SH_BLOCK = re.compile(r"^[ \t]*```sh\n(?P<body>.*?)\n[ \t]*```", re.S | re.M)
-EXPECTED = {"first-session", "warm-pools", "jobs", "job-meta", "checkpoint", "trace"}
+SH_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```sh\n(?P<body>.*?)\n(?P=indent)```", re.S | re.M)
+MARK = re.compile(r"^[ \t]*<!-- readme-(?P<what>test|skip): (?P<name>[\w-]+)?[^>]*-->$")
+# The blocks that run, in README order; those that are a job's command, with the resource
+# types the job holds.
+EXPECTED = [
+    "first-session",
+    "warm-pools",
+    "jobs",
+    "cli",
+    "costs",
+    "budgets",
+    "job-meta",
+    "artifacts",
+    "checkpoint",
+    "trace",
+]
+IN_JOB = {"job-meta": ["ci-token", "scratch-db"], "checkpoint": []}
+WRITES = ("demo.csv", "costs.csv", "shard.txt")  # files the walkthroughs leave in the clone's folder
 FAST = {
     "CATACLOUD_HEARTBEAT_INTERVAL": "0.5",
     "CATACLOUD_AGENT_LOST_AFTER": "6",
@@ -45,16 +58,34 @@ FAST = {
 }
 
 
+def marked_blocks(text: str) -> list[tuple[str, str, str]]:
+    """Every sh block of ``text`` in order, as (``test`` | ``skip`` | ``unmarked``, name or
+    reason, body)."""
+    blocks = []
+    for m in SH_BLOCK.finditer(text):
+        above = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = MARK.match(above)
+        what = mark["what"] if mark else "unmarked"
+        name = (mark["name"] or "") if mark else above.strip()
+        blocks.append((what, name, textwrap.dedent(m["body"])))
+    return blocks
+
+
 def readme_blocks() -> dict[str, str]:
-    text = README.read_text()
-    return {m["name"]: textwrap.dedent(m["body"]) for m in MARKED.finditer(text)}
+    return {name: body for what, name, body in marked_blocks(README.read_text()) if what == "test"}
 
 
 # ---- static checks (no stack) ----------------------------------------------------------------
 
 
-def test_readme_marks_the_walkthrough_blocks_it_runs() -> None:
-    assert set(readme_blocks()) == EXPECTED
+def test_every_sh_block_is_run_or_says_why_not() -> None:
+    blocks = marked_blocks(README.read_text())
+    unmarked = [body.splitlines()[0] for what, _, body in blocks if what == "unmarked"]
+    assert not unmarked, f"sh blocks with no readme-test / readme-skip marker: {unmarked}"
+    assert [name for what, name, _ in blocks if what == "test"] == EXPECTED
+    assert all(name for what, name, _ in blocks if what == "skip")  # a reason each
+    # the check can fail
+    assert marked_blocks("text\n```sh\necho hi\n```\n")[0][0] == "unmarked"
 
 
 def _unquoted_question_marks(line: str) -> list[str]:
@@ -222,31 +253,53 @@ def _shell_env(stack: dict[str, Any], bin_dir: Path) -> dict[str, str]:
     }
 
 
-def _wait_job(api: requests.Session, base: str, job_id: str, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = api.get(f"{base}/jobs/{job_id}/").json()
-        if body["status"] in ("succeeded", "failed", "cancelled", "timed_out"):
-            return body
-        assert time.monotonic() < deadline, f"job {job_id} still {body['status']}"
-        time.sleep(0.5)
+def _as_job(name: str, command: str) -> str:
+    """Shell that runs a block which is a job's command as README's reader would: a
+    configuration with it as the command (holding the resource types the block uses), one job,
+    waited for until it ends; then a ``readme-job NAME ID`` line for the checks."""
+    config = {"name": f"readme-{name}", "machine_type": "local-small", "resources": IN_JOB[name]}
+    config |= {"timeout_seconds": 120, "max_attempts": 1}
+    api = 'curl -s -H "Authorization: Bearer $TOKEN" -H "Content-Type: application/json"'
+    return "\n".join(
+        [
+            "RT_CMD=$(cat <<'RT_BLOCK_END'",
+            command.rstrip("\n"),
+            "RT_BLOCK_END",
+            ")",
+            f"RT_CFG=$(jq -n --arg cmd \"$RT_CMD\" '{json.dumps(config)} + {{command: $cmd}}' |",
+            f'  {api} -X POST "$CC/job-configs/" -d @- | jq -r .id)',
+            "RT_JOB=$(jq -n --arg cfg \"$RT_CFG\" '{config: $cfg}' |",
+            f'  {api} -X POST "$CC/jobs/" -d @- | jq -r .id)',
+            f'until {api} "$CC/jobs/$RT_JOB/" | jq -e ".finished_at != null" >/dev/null; do sleep 1; done',
+            f'echo "readme-job {name} $RT_JOB"',
+        ]
+    )
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
-def test_readme_walkthroughs_run_as_written(stack: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_path: Path) -> None:
     from apps.events.models import Event
-    from apps.jobs.models import Job
+    from apps.machines.models import Budget
 
     blocks = readme_blocks()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     env = _shell_env(stack, bin_dir)
-    clone = ROOT  # where README's reader stands: the clone's folder
+    clone = ROOT  # where README's reader stands: the clone's folder (its .venv, manage.py)
 
-    # 1. The host walkthroughs, in one shell session.
-    session = "\n".join(["set -x", blocks["first-session"], blocks["warm-pools"], blocks["jobs"]])
-    out, err = _run_shell(session, env=env, cwd=clone, timeout=240, tmp=tmp_path)
+    # Every block that runs, in README order, in one shell session.
+    session = "\n".join(
+        ["set -x", *(_as_job(name, blocks[name]) if name in IN_JOB else blocks[name] for name in EXPECTED)]
+    )
+    try:
+        out, err = _run_shell(session, env=env, cwd=clone, timeout=720, tmp=tmp_path)
+        written = {name: (clone / name).read_text() for name in WRITES if (clone / name).exists()}
+    finally:
+        for name in WRITES:
+            (clone / name).unlink(missing_ok=True)
+
+    # first session, warm pools, jobs
     assert "local-small" in out  # the machine types
     assert re.search(r'"ssh_user": null', out) and '"provider": "local"' in out  # acquire: access
     assert re.search(r"hello from \S+, shard 3", out), out  # /bin/sh: $(uname -n), the job's env
@@ -257,51 +310,45 @@ def test_readme_walkthroughs_run_as_written(stack: dict[str, Any], tmp_path: Pat
         pool_events
     ), pool_events
 
-    # 2. In-job blocks: README's job-meta and checkpoint examples as job commands.
+    # the command line client: after the warm-pools walkthrough deleted its pool `ci`
+    assert re.search(r"^logged in to http://127\.0\.0\.1:\d+: token checked", out, re.M), out
+    assert "\nevents:\n" in out and "job.finished" in out  # jobs show
+    assert re.search(r"^ci +[0-9a-f]{8} +\w+ +local-small ", out, re.M), out  # pools ls: the type by name
+    assert "job configuration lint " in out and "instance " in out and " released " in out
+
+    # costs and budgets
+    costs = written["costs.csv"]
+    assert costs.startswith("start,end,seconds,kind,amount,currency,"), costs[:200]
+    assert Budget.objects.filter(machine_type__name="local-small", period="day").exists()
+    assert '"machine_type": "local-small"' in out
+
+    # job outputs: the CLI's --wait job wrote shard.txt
+    assert written["shard.txt"].startswith("shard"), written
+
+    # the blocks that are a job's command, run as jobs
     api = requests.Session()
     api.headers["Authorization"] = f"Bearer {stack['token']}"
     base = f"{stack['url']}/api/v1"
-    mt = api.get(f"{base}/machine-types/").json()["results"][0]["id"]
-    ran = {}
-    for name, resources in (("job-meta", ["ci-token", "scratch-db"]), ("checkpoint", [])):
-        config = api.post(
-            f"{base}/job-configs/",
-            json={
-                "name": f"readme-{name}",
-                "machine_type": mt,
-                "command": blocks[name],
-                "resources": resources,
-                "timeout_seconds": 120,
-                "max_attempts": 1,
-            },
-        )
-        assert config.status_code == 201, config.text
-        job = api.post(f"{base}/jobs/", json={"config": config.json()["id"]})
-        assert job.status_code == 201, job.text
-        ran[name] = job.json()["id"]
+    ran = dict(re.findall(r"^readme-job ([\w-]+) (\S+)$", out, re.M))
+    assert set(ran) == set(IN_JOB), out
+    logs = {}
     for name, job_id in ran.items():
-        body = _wait_job(api, base, job_id, 180)
-        logs = api.get(f"{base}/jobs/{job_id}/logs/").json()["text"]
-        assert body["status"] == "succeeded" and body["exit_code"] == 0, (name, body, logs)
-        ran[name] = logs
-    meta_job = Job.objects.get(config__name="readme-job-meta")
-    assert f'"id":"{meta_job.pk}"' in ran["job-meta"].replace(" ", ""), ran["job-meta"]  # the token worked
-    checkpoint_job = Job.objects.get(config__name="readme-checkpoint")
-    assert ran["checkpoint"].count("checkpoint saved") == 5, ran["checkpoint"]
-    summary = api.get(f"{base}/jobs/{checkpoint_job.pk}/artifacts/summary.txt")
+        body = api.get(f"{base}/jobs/{job_id}/").json()
+        logs[name] = api.get(f"{base}/jobs/{job_id}/logs/").json()["text"]
+        assert body["status"] == "succeeded" and body["exit_code"] == 0, (name, body, logs[name])
+    assert f'"id":"{ran["job-meta"]}"' in logs["job-meta"].replace(" ", ""), logs[
+        "job-meta"
+    ]  # the token worked
+    assert logs["checkpoint"].count("checkpoint saved") == 5, logs["checkpoint"]
+    summary = api.get(f"{base}/jobs/{ran['checkpoint']}/artifacts/summary.txt")
     assert summary.status_code == 200 and summary.text.startswith("finished at step 5 (attempt 1)")
 
-    # 3. The trace block: the venv, the services' .env, the demo org's finished jobs.
-    trace = clone / "demo.csv"
-    try:
-        out, _ = _run_shell(blocks["trace"], env=env, cwd=clone, timeout=180, tmp=tmp_path)
-        rows = trace.read_text().splitlines()
-    finally:
-        trace.unlink(missing_ok=True)
+    # the trace: the venv, the services' .env, the demo org's finished jobs
+    rows = written["demo.csv"].splitlines()
     assert rows[0] == "submit_time_seconds,duration_seconds,config" and len(rows) >= 3, rows
     assert "ephemeral" in out and "pool:5" in out
 
-    # 4. Every event kind this run wrote is one README names.
+    # Every event kind this run wrote is one README names.
     text = README.read_text()
     unnamed = sorted(
         {k for k in Event.objects.values_list("kind", flat=True).distinct() if f"`{k}`" not in text}

@@ -4,6 +4,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from apps.core.api import StrictFields
 from apps.jobs.models import Artifact, Job, JobConfiguration
 from apps.machines.api.serializers import OrgMachineTypeField
 from apps.orgs.api.base import org_context
@@ -49,8 +50,9 @@ def secret_env_field() -> serializers.DictField:
     )
 
 
-class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer):
+class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
+    machine_type_name = serializers.CharField(source="machine_type.name", read_only=True)
     resources = serializers.SlugRelatedField(
         source="resource_types",
         slug_field="id",
@@ -78,6 +80,7 @@ class JobConfigurationSerializer(EnvForMembersMixin, serializers.ModelSerializer
             "id",
             "name",
             "machine_type",
+            "machine_type_name",
             "command",
             "env",
             "env_hidden",
@@ -152,7 +155,16 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class JobSubmitSerializer(serializers.Serializer):
+class JobSubmitSerializer(StrictFields):
+    unknown_field_hints = {
+        "machine_type": "a job runs on its configuration's machine type: submit a configuration "
+        "that names the type you want (POST /job-configs/)",
+        **{
+            name: "set by the job's configuration"
+            for name in ("command", "timeout_seconds", "priority", "max_attempts", "resources", "reuse")
+        },
+    }
+
     config = serializers.CharField(
         max_length=100,
         help_text="id or name of a job configuration of your organization (an unknown one answers 400 "

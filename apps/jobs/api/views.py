@@ -28,10 +28,11 @@ from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import _check_env, job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.costs import job_cost
-from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
+from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
 
 
 class JobConfigurationFilter(OrgScopedFilterSet):
+    id_prefix = IdPrefixFilter()
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
 
     class Meta:
@@ -81,6 +82,7 @@ class JobFilter(OrgScopedFilterSet):
     status = django_filters.MultipleChoiceFilter(choices=JobStatus.choices)
     config = django_filters.UUIDFilter(field_name="config_id")
     config_name = django_filters.CharFilter(field_name="config__name")
+    id_prefix = IdPrefixFilter()
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
 
     class Meta:

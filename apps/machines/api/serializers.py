@@ -1,19 +1,50 @@
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
+from django.db.models import Q
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 
 
-class OrgMachineTypeField(serializers.PrimaryKeyRelatedField):
-    """A machine type id, looked up only among the caller's org's grants (others: 'does not exist')."""
+@extend_schema_field(OpenApiTypes.STR)
+class OrgMachineTypeField(serializers.Field):
+    """A machine type by id or by name, among the caller's org's grants. One that is not
+    there says so and names the types the organization may use; the answer is the same
+    whether the type exists for other organizations or not at all (no tenant learns what
+    others may use). Shown as the id (``represent="name"``: as the name)."""
 
-    def get_queryset(self):
-        ctx = self.context.get("org")
-        return MachineType.objects.filter(grants__org=ctx) if ctx is not None else MachineType.objects.none()
+    default_error_messages = {
+        "not_granted": "no grant for {ref} in organization {org} (it may use: {usable})",
+        "invalid": "a machine type's id or name (a string)",
+    }
+
+    def __init__(self, *, represent: str = "id", **kwargs: Any) -> None:
+        self.represent = represent
+        kwargs.setdefault("help_text", "a machine type's name or id (one your organization has a grant for)")
+        super().__init__(**kwargs)
+
+    def to_representation(self, value: MachineType) -> str:
+        return value.name if self.represent == "name" else str(value.pk)
+
+    def to_internal_value(self, data: Any) -> MachineType:
+        if not isinstance(data, str) or not data.strip():
+            self.fail("invalid")
+        ref = data.strip()
+        org = self.context.get("org")
+        granted = MachineType.objects.filter(grants__org=org) if org else MachineType.objects.none()
+        try:
+            found = granted.filter(Q(pk=uuid.UUID(ref)) | Q(name=ref)).first()
+        except ValueError:
+            found = granted.filter(name=ref).first()
+        if found is None:
+            usable = ", ".join(granted.order_by("name").values_list("name", flat=True)) or "none"
+            self.fail("not_granted", ref=ref, org=getattr(org, "slug", "?"), usable=usable)
+        return found
 
 
 class QuotaSerializer(serializers.ModelSerializer):

@@ -16,15 +16,16 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from apps.core.api import StrictFields
 from apps.core.errors import ValidationFailed
-from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
+from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer, OrgMachineTypeField
 from apps.machines.budgets import budget_set, budget_spends, period_start
 from apps.machines.choices import InstanceStatus
 from apps.machines.costs import GROUPS, cost_report, instance_cost
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
-from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType, OrgMachineType
+from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType
 from apps.machines.selectors import machine_types_for_org
-from apps.orgs.api.base import OrgScopedFilterSet, OrgScopedViewSet
+from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
 
 
 class MachineTypeFilter(OrgScopedFilterSet):
@@ -57,6 +58,7 @@ class InstanceFilter(OrgScopedFilterSet):
     provider = django_filters.CharFilter(field_name="provider_account__kind")
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
     pool = django_filters.UUIDFilter(field_name="pool_id")
+    id_prefix = IdPrefixFilter()
 
     class Meta:
         model = MachineInstance
@@ -68,7 +70,7 @@ class TerminateOut(serializers.Serializer):
     status = serializers.CharField()
 
 
-class ReleaseIn(serializers.Serializer):
+class ReleaseIn(StrictFields):
     claim_id = serializers.UUIDField(
         required=False, allow_null=True, help_text="if given, only this claim is released"
     )
@@ -177,10 +179,8 @@ class CostViewSet(OrgScopedViewSet):
         return Response(cost_report(org=self.ctx.org, start=start, end=end, group_by=group_by, now=now))
 
 
-class BudgetSerializer(serializers.ModelSerializer):
-    machine_type = serializers.SlugRelatedField(
-        slug_field="name", queryset=MachineType.objects.all(), required=False, allow_null=True
-    )
+class BudgetSerializer(StrictFields, serializers.ModelSerializer):
+    machine_type = OrgMachineTypeField(represent="name", required=False, allow_null=True)
     period = serializers.ChoiceField(choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
     amount = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=Decimal(0))
     currency = serializers.SerializerMethodField()
@@ -206,14 +206,6 @@ class BudgetSerializer(serializers.ModelSerializer):
     def get_spend(self, obj: Budget) -> str:
         spends = self.context.get("spends") or budget_spends([obj], now=timezone.now())
         return str(spends[obj.pk].quantize(Decimal("0.01")))
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # only the org's machine types exist for it (another org's type: "does not exist")
-        org = self.context.get("org")
-        self.fields["machine_type"].queryset = MachineType.objects.filter(  # type: ignore[attr-defined]
-            pk__in=OrgMachineType.objects.filter(org=org).values("machine_type_id")
-        )
 
 
 class BudgetViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):

@@ -3,6 +3,7 @@ org-scoped querysets and filters. Errors and the exception handler are in apps.c
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +39,25 @@ class OrgScopedFilterSet(django_filters.FilterSet):
                 field.queryset = queryset.filter(org=org)
             elif "orgs" in names:
                 field.queryset = queryset.filter(orgs=org)
+
+
+class IdPrefixFilter(django_filters.CharFilter):
+    """``?id_prefix=bd3d252e``: the rows whose id starts with these hex digits (the short ids
+    the console and the CLI show, like git's abbreviated hashes). A range on the primary key,
+    so its index answers it: ``id BETWEEN bd3d252e-0000-… AND bd3d252e-ffff-…``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("help_text", "ids starting with these hex digits (a short id)")
+        super().__init__(**kwargs)
+
+    def filter(self, qs: QuerySet, value: str) -> QuerySet:
+        if not value:
+            return qs
+        digits = value.replace("-", "").lower()
+        if len(digits) > 32 or any(c not in "0123456789abcdef" for c in digits):
+            raise exceptions.ValidationError({"id_prefix": ["the first hex digits of an id, e.g. bd3d252e"]})
+        low, high = uuid.UUID(digits.ljust(32, "0")), uuid.UUID(digits.ljust(32, "f"))
+        return qs.filter(pk__gte=low, pk__lte=high)
 
 
 @dataclass(frozen=True)

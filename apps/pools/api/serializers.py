@@ -4,6 +4,7 @@ from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from apps.core.api import StrictFields
 from apps.machines.api.serializers import InstanceSerializer, OrgMachineTypeField
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance
@@ -44,8 +45,9 @@ class ScheduleSerializer(serializers.ModelSerializer):
         fields = ("name", "cron", "timezone", "target_size")
 
 
-class PoolSerializer(serializers.ModelSerializer):
+class PoolSerializer(StrictFields, serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
+    machine_type_name = serializers.CharField(source="machine_type.name", read_only=True)
     target_size = serializers.IntegerField(min_value=0, max_value=10_000)
     min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
@@ -66,6 +68,7 @@ class PoolSerializer(serializers.ModelSerializer):
             "name",
             "description",
             "machine_type",
+            "machine_type_name",
             "status",
             "target_size",
             "min_size",
@@ -122,7 +125,7 @@ class PoolSerializer(serializers.ModelSerializer):
         return list(MemberSerializer(self._members(obj), many=True).data)
 
 
-class PoolUpdateSerializer(serializers.Serializer):
+class PoolUpdateSerializer(StrictFields):
     description = serializers.CharField(max_length=300, required=False, allow_blank=True)
     target_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
@@ -130,7 +133,7 @@ class PoolUpdateSerializer(serializers.Serializer):
     warmup_grace_seconds = serializers.IntegerField(min_value=10, max_value=86_400, required=False)
 
 
-class AcquireIn(serializers.Serializer):
+class AcquireIn(StrictFields):
     acquired_by = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     acquired_for = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     lease_seconds = serializers.IntegerField(
@@ -148,7 +151,7 @@ class AcquireOut(serializers.Serializer):
     instance = InstanceSerializer()
 
 
-class DrainIn(serializers.Serializer):
+class DrainIn(StrictFields):
     terminate_members = serializers.BooleanField(default=False)
 
 

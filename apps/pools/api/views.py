@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
-from apps.orgs.api.base import OrgScopedViewSet
+from apps.orgs.api.base import IdPrefixFilter, OrgScopedViewSet
 from apps.pools.api.serializers import (
     AcquireIn,
     AcquireOut,
@@ -53,6 +53,7 @@ _ACQUIRE_OUT = AcquireOut()
 class PoolFilter(django_filters.FilterSet):
     status = django_filters.MultipleChoiceFilter(choices=PoolStatus.choices)
     machine_type = django_filters.CharFilter(field_name="machine_type__name")
+    id_prefix = IdPrefixFilter()
 
     class Meta:
         model = InstancePool

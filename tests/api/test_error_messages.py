@@ -1,0 +1,194 @@
+"""Errors that say what to do (issue 28): every message below names the fix, not only the fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.reports import job_finished, job_started
+from apps.jobs.submission import job_cancel, job_submit
+from apps.machines.models import Budget, MachineType
+from apps.pools.models import InstancePool
+from testkit.builders import granted_type, idle_machine, job_config, job_row
+from tests.conftest import World
+
+pytestmark = pytest.mark.django_db
+
+
+def _large(world: World) -> MachineType:
+    """A machine type that exists, granted to the other organization only."""
+    return granted_type(world.other_org, world.account, "large", cpus=8)[0]
+
+
+# ---- machine_type: a name or an id, everywhere --------------------------------------------------
+
+
+def test_job_configurations_pools_and_budgets_take_a_machine_type_by_name_or_id(world: World) -> None:
+    admin = world.client("admin")
+    mt = world.machine_type
+    for ref, name in ((mt.name, "by-name"), (str(mt.pk), "by-id")):
+        config = admin.post(
+            "/api/v1/job-configs/", {"name": name, "machine_type": ref, "command": "true"}, format="json"
+        )
+        assert config.status_code == 201, config.json()
+        assert config.json()["machine_type"] == str(mt.pk) and config.json()["machine_type_name"] == "small"
+        pool = admin.post(
+            "/api/v1/pools/", {"name": name, "machine_type": ref, "target_size": 0}, format="json"
+        )
+        assert pool.status_code == 201, pool.json()
+        assert pool.json()["machine_type_name"] == "small"
+        budget = admin.post(
+            "/api/v1/budgets/", {"amount": "5", "period": "day", "machine_type": ref}, format="json"
+        )
+        assert budget.status_code == 201, budget.json()
+        assert budget.json()["machine_type"] == "small"
+    assert JobConfiguration.objects.filter(machine_type=mt).count() == 2
+    assert InstancePool.objects.filter(machine_type=mt).count() == 2
+    assert Budget.objects.filter(machine_type=mt).count() == 1  # upserted
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/v1/job-configs/", {"name": "big", "command": "true"}),
+        ("/api/v1/pools/", {"name": "big", "target_size": 1}),
+        ("/api/v1/budgets/", {"amount": "5", "period": "day"}),
+    ],
+)
+def test_a_machine_type_without_a_grant_names_the_grant_and_the_organization(
+    world: World, path: str, body: dict
+) -> None:
+    large = _large(world)
+    admin = world.client("admin")
+    for ref in ("large", str(large.pk)):
+        answer = admin.post(path, {**body, "machine_type": ref}, format="json")
+        assert answer.status_code == 400, answer.json()
+        message = f"no grant for {ref} in organization acme (it may use: small)"
+        assert answer.json()["detail"] == f"machine_type: {message}"
+        assert answer.json()["fields"] == {"machine_type": [message]}
+    # the same answer for a type that exists nowhere: no tenant learns what others may use
+    unknown = admin.post(path, {**body, "machine_type": "nope"}, format="json")
+    assert unknown.status_code == 400
+    assert (
+        unknown.json()["detail"] == "machine_type: no grant for nope in organization acme (it may use: small)"
+    )
+    assert not JobConfiguration.objects.exists() and not InstancePool.objects.exists()
+    assert not Budget.objects.exists()
+
+
+def test_a_submit_whose_grant_was_withdrawn_names_it(world: World) -> None:
+    config = job_config(world.org, world.machine_type, "nightly")
+    world.grant.delete()
+    answer = world.client("member").post("/api/v1/jobs/", {"config": "nightly"}, format="json")
+    assert answer.status_code == 409 and answer.json()["code"] == "machine_type_not_granted"
+    assert answer.json()["detail"].startswith("no grant for small in organization acme")
+    assert not Job.objects.filter(config=config).exists()
+
+
+# ---- unknown and read-only fields -----------------------------------------------------------------
+
+
+def test_a_submit_naming_a_machine_type_is_refused_not_run_elsewhere(world: World) -> None:
+    job_config(world.org, world.machine_type, "unit-tests")
+    answer = world.client("member").post(
+        "/api/v1/jobs/", {"config": "unit-tests", "machine_type": "large"}, format="json"
+    )
+    assert answer.status_code == 400 and answer.json()["code"] == "invalid"
+    detail = answer.json()["detail"]
+    assert detail.startswith("machine_type: unknown field (a job runs on its configuration's machine type")
+    assert "POST /job-configs/" in detail
+    assert not Job.objects.exists()
+
+
+def test_unknown_and_read_only_fields_are_named(world: World) -> None:
+    admin = world.client("admin")
+    body = {"name": "ci", "machine_type": "small", "target_size": 0}
+    typo = admin.post("/api/v1/pools/", {**body, "target_sise": 3}, format="json")
+    assert typo.status_code == 400
+    assert typo.json()["detail"].startswith("target_sise: unknown field (this endpoint takes ")
+    assert "target_size" in typo.json()["detail"]
+    read_only = admin.post("/api/v1/pools/", {**body, "status": "ready", "id": "x"}, format="json")
+    assert read_only.status_code == 400
+    assert read_only.json()["fields"] == {
+        "status": ["read-only: Catacloud sets it; leave it out"],
+        "id": ["read-only: Catacloud sets it; leave it out"],
+    }
+    assert not InstancePool.objects.exists()
+    pool = admin.post("/api/v1/pools/", body, format="json").json()
+    patch = admin.patch(f"/api/v1/pools/{pool['id']}/", {"machine_type": "small"}, format="json")
+    assert patch.status_code == 400 and patch.json()["detail"].startswith("machine_type: unknown field")
+    acquire = world.client("member").post(
+        f"/api/v1/pools/{pool['id']}/acquire/", {"aquired_by": "runner-7"}, format="json"
+    )
+    assert acquire.status_code == 400 and "aquired_by: unknown field" in acquire.json()["detail"]
+
+
+# ---- a body that was not read as JSON ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", ""])
+def test_a_json_body_without_its_content_type_says_so(world: World, content_type: str) -> None:
+    """curl -d '{…}' sends application/x-www-form-urlencoded; a bare body sends none."""
+    job_config(world.org, world.machine_type, "unit-tests")
+    answer = world.client("member").generic(
+        "POST", "/api/v1/jobs/", json.dumps({"config": "unit-tests"}), content_type=content_type
+    )
+    assert answer.status_code == 415 and answer.json()["code"] == "unsupported_media_type"
+    detail = answer.json()["detail"]
+    assert detail.startswith("the body was not read as JSON: its Content-Type is ")
+    assert (content_type or "missing") in detail
+    assert "Content-Type: application/json" in detail
+    assert not Job.objects.exists()
+
+
+# ---- the Authorization scheme -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("header", "got"), [("Token {t}", "the scheme 'Token'"), ("{t}", "no scheme")])
+def test_a_valid_token_under_another_scheme_says_the_scheme_is_bearer(
+    world: World, header: str, got: str
+) -> None:
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=header.format(t=world.tokens["viewer"]))
+    answer = client.get("/api/v1/jobs/")
+    assert answer.status_code == 401 and answer.json()["code"] == "authentication_failed"
+    assert answer.json()["detail"] == (
+        f"the Authorization scheme is Bearer: send 'Authorization: Bearer <token>' (got {got})"
+    )
+    assert world.tokens["viewer"] not in answer.content.decode()
+
+
+# ---- reasons say who did what -------------------------------------------------------------------------
+
+
+def test_a_cancel_names_the_user_who_asked_and_a_success_has_no_reason(world: World) -> None:
+    config = job_config(world.org, world.machine_type, "long", reuse="reuse")
+    member = world.client("member")
+
+    queued = job_submit(org=world.org, config=config)
+    assert member.post(f"/api/v1/jobs/{queued.pk}/cancel/").status_code == 202
+    body = member.get(f"/api/v1/jobs/{queued.pk}/").json()
+    assert (
+        body["status"] == "cancelled" and body["failure_reason"] == "cancelled by user:member before it ran"
+    )
+
+    machine = idle_machine(world.org, world.machine_type, status="claimed")
+    running = job_row(config, status="assigned", instance=machine, attempt=1)
+    job_started(instance=machine, job_id=running.pk)
+    assert member.post(f"/api/v1/jobs/{running.pk}/cancel/").status_code == 202
+    # the agent only knows the control plane told it to stop
+    job_finished(
+        instance=machine, job_id=running.pk, outcome="cancelled", exit_code=-15,
+        reason="cancelled by the control plane",
+    )  # fmt: skip
+    body = member.get(f"/api/v1/jobs/{running.pk}/").json()
+    assert body["status"] == "cancelled" and body["failure_reason"] == "cancelled by user:member"
+
+    admin_cancelled = job_submit(org=world.org, config=config)
+    job_cancel(job=admin_cancelled, actor="admin:root")
+    admin_cancelled.refresh_from_db()
+    assert admin_cancelled.failure_reason == "cancelled by admin:root before it ran"
