@@ -295,7 +295,10 @@ class UploadsDoneView(AgentView):
 def artifact_agent_urls() -> list:
     return [
         re_path(
-            r"^jobs/(?P<job_id>[0-9a-f-]{36})/artifacts/(?P<name>.+)$",
+            # a UUID's own shape (36 characters of hex and dashes is not enough: uuid.UUID()
+            # refused it later, a 500); the name is the raw rest of the path (checked once)
+            r"^jobs/(?P<job_id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+            r"/artifacts/(?P<name>.+)$",
             ArtifactUploadView.as_view(),
             name="agent-job-artifact",
         ),
