@@ -91,6 +91,13 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
     ]
 
 
+def flower_command(*, host: str, port: int) -> list[str]:
+    """Flower with its configuration file, which puts ``/metrics`` behind its basic auth."""
+    celery = [sys.executable, "-m", "celery", "-A", "config"]
+    conf = ROOT / "config" / "flowerconfig.py"
+    return [*celery, "flower", f"--address={host}", f"--port={port}", f"--conf={conf}"]
+
+
 def dev_programs(
     *, env: dict[str, str], home: Path, port: int, flower_port: int, agent_port: int | None = None
 ) -> list[Program]:
@@ -116,9 +123,7 @@ def dev_programs(
             env,
             str(ROOT),
         ),
-        Program(
-            "flower", [*celery, "flower", "--address=127.0.0.1", f"--port={flower_port}"], env, str(ROOT)
-        ),
+        Program("flower", flower_command(host="127.0.0.1", port=flower_port), env, str(ROOT)),
     ]
 
 
