@@ -124,6 +124,7 @@ class Params:
             "CATACLOUD_ASSIGN_TIMEOUT": f"{self.assign_timeout:g}",
             "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL:g}",
             "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{self.redrive_after:g}",
+            "CATACLOUD_WEBHOOK_ALLOW_NETWORKS": "127.0.0.1/32",  # the soak's webhook is on loopback
             "LOG_LEVEL": "WARNING",
         }
 

@@ -7,6 +7,7 @@ FileAwareEnv reads both. Values that would be dangerous are refused at start-up.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from collections.abc import Callable
@@ -239,6 +240,14 @@ CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 CATACLOUD_SCHEDULE_ON_SUBMIT = env.bool("CATACLOUD_SCHEDULE_ON_SUBMIT", default=True)
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
+# Networks the webhook well may reach although they are not public: private, loopback,
+# link-local (169.254.169.254, the clouds' metadata service) and other reserved addresses are
+# refused unless listed here (comma-separated CIDRs, e.g. "10.20.0.0/16,127.0.0.1/32").
+CATACLOUD_WEBHOOK_ALLOW_NETWORKS = [
+    str(ipaddress.ip_network(n.strip(), strict=False))
+    for n in env.list("CATACLOUD_WEBHOOK_ALLOW_NETWORKS", default=[])
+    if n.strip()
+]
 # The currency of the price list (machine types' price_per_hour, budgets' amounts).
 CATACLOUD_CURRENCY = env.str("CATACLOUD_CURRENCY", default="USD")
 # Billing-aware retention: an idle machine is destroyed this many seconds before its paid
