@@ -35,6 +35,7 @@ import psutil
 
 from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
+from catacloud.agent.masking import OutputMasker
 
 log = logging.getLogger("catacloud.agent")
 
@@ -468,43 +469,8 @@ class ProcessTree:
             time.sleep(0.05)
 
 
-MASK = b"***"
-MIN_MASKED = 3  # shorter values would mask ordinary output everywhere
-
-
-class Masker:
-    """Replaces secret values in a byte stream with ``***``, also when a value is split across
-    reads: the last ``len(longest) - 1`` bytes wait for the next read (or the end)."""
-
-    def __init__(self, values: Iterable[str]) -> None:
-        encoded = {v.encode() for v in values if len(v) >= MIN_MASKED}
-        self.values = sorted(encoded, key=len, reverse=True)  # longest first
-        self.hold = max((len(v) for v in self.values), default=1) - 1
-        self.tail = b""
-
-    def _mask(self, data: bytes) -> bytes:
-        for value in self.values:
-            data = data.replace(value, MASK)
-        return data
-
-    def feed(self, data: bytes) -> bytes:
-        if not self.values:
-            return data
-        data = self._mask(self.tail + data)
-        if self.hold and len(data) > self.hold:
-            data, self.tail = data[: -self.hold], data[-self.hold :]
-        elif self.hold:
-            data, self.tail = b"", data
-        return data
-
-    def flush(self) -> bytes:
-        rest, self.tail = self._mask(self.tail), b""
-        return rest
-
-
-def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer, mask: Iterable[str] = ()) -> None:
+def _pump(pipe: IO[bytes], stream: str, masker: OutputMasker) -> None:
     fd = pipe.fileno()
-    masker = Masker(mask)
     try:
         while True:
             try:
@@ -513,12 +479,9 @@ def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer, mask: Iterable[st
                 break
             if not data:
                 break
-            if out := masker.feed(data):
-                streamer.feed(stream, out)
+            masker.feed(stream, data)
     finally:
-        if rest := masker.flush():
-            streamer.feed(stream, rest)
-        streamer.end_stream(stream)
+        masker.end(stream)
         pipe.close()
 
 
@@ -572,7 +535,8 @@ def run_job_process(
     """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
 
     ``env`` is the job's whole environment (nothing of the agent's is added). With ``user``
-    the command runs as that account. Values in ``mask`` become ``***`` in its output."""
+    the command runs as that account. Values in ``mask`` become ``***`` in its output
+    (catacloud/agent/masking.py says in which forms)."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
     try:
@@ -590,13 +554,10 @@ def run_job_process(
     except OSError as exc:
         return JobResult(None, FAILED, f"could not start the command: {exc}")
     assert proc.stdout is not None and proc.stderr is not None
+    masker = OutputMasker(mask, streamer.feed, streamer.end_stream)  # both streams as one sequence
     readers = [
-        threading.Thread(
-            target=_pump, args=(proc.stdout, "stdout", streamer, mask), name="job-stdout", daemon=True
-        ),
-        threading.Thread(
-            target=_pump, args=(proc.stderr, "stderr", streamer, mask), name="job-stderr", daemon=True
-        ),
+        threading.Thread(target=_pump, args=(proc.stdout, "stdout", masker), name="job-stdout", daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, "stderr", masker), name="job-stderr", daemon=True),
     ]
     for reader in readers:
         reader.start()
