@@ -169,3 +169,30 @@ def test_a_secret_printed_in_another_form_is_masked(api: object, start_agent: ob
     leaked = sorted(form for form in forms if form in flat)
     assert not leaked, f"{how}: {leaked} in {output!r}"
     assert "***" in output and "done" in output
+
+
+@pytest.mark.django_db
+def test_a_secret_used_as_an_output_name_is_masked_for_viewers(
+    world: World, tmp_path: object, local_storage: None
+) -> None:
+    """Viewers list a job's outputs (names) but may not read its env: a file named after the
+    secret showed it to them."""
+    from tests.jobs.test_artifacts import put, running_job
+
+    job, agent, _ = running_job(world, tmp_path)  # type: ignore[arg-type]
+    job.secret_env = {"API_KEY": JOB_SECRET}
+    job.save(update_fields=["secret_env_encrypted"])
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    assert put(agent, f"{base}/artifacts/dump-{JOB_SECRET}.txt", b"x").status_code == 201
+    assert (
+        put(
+            agent, f"{base}/artifacts/{JOB_SECRET.upper()}%2Fhex-{JOB_SECRET.encode().hex()}", b"y"
+        ).status_code
+        == 201
+    )
+    failed = {"failed": [{"name": f"big-{JOB_SECRET}.bin", "error": f"too large: big-{JOB_SECRET}.bin"}]}
+    assert agent.post(f"{base}/uploads-done", failed, format="json").status_code == 200
+    listed = world.client("viewer").get(f"/api/v1/jobs/{job.pk}/artifacts/").json()
+    names = sorted(a["name"] for a in listed)
+    assert names == ["***/hex-***", "big-***.bin", "dump-***.txt"], names
+    assert JOB_SECRET not in json.dumps(listed) and JOB_SECRET not in everything_stored()
