@@ -63,6 +63,9 @@ def cmd_services(args: argparse.Namespace) -> int:
             services.stop()
 
 
+AGENT_HTTP_PROTOCOL = "apps.control.agent.protocol:AgentHttpProtocol"
+
+
 def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]:
     """The agent server (the Agent API on ASGI, ``config/agent_asgi.py``) under uvicorn: one
     event loop per worker holds every idle long poll. Connections are kept alive longer than a
@@ -88,6 +91,9 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
         "--timeout-graceful-shutdown",
         "3",
         "--no-access-log",
+        # a header timeout and a per-client connection cap (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
+        "--http",
+        AGENT_HTTP_PROTOCOL,
     ]
 
 

@@ -233,6 +233,18 @@ CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
 # Long-poll: how long an idle agent's GET work waits before answering 204.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
+# The agent server closes a connection whose request header is not complete this many
+# seconds after it connected (or after the first byte of its next request); 0: no limit.
+CATACLOUD_AGENT_HEADER_TIMEOUT = env.float("CATACLOUD_AGENT_HEADER_TIMEOUT", default=10.0)
+# ... and refuses more than this many open connections from one address per process (0: no
+# limit; behind a proxy every agent has the proxy's address).
+CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT = env.int(
+    "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT", default=100
+)
+if CATACLOUD_AGENT_HEADER_TIMEOUT < 0 or CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT < 0:
+    raise ImproperlyConfigured(
+        "CATACLOUD_AGENT_HEADER_TIMEOUT and CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT must be >= 0"
+    )
 # Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
 CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 # A submit admits and places its grant's queued jobs in its own request (after its commit) when
