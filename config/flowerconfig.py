@@ -12,4 +12,4 @@ import tornado.web
 from flower.views import monitor
 
 if not getattr(monitor.Metrics.get, "__wrapped__", None):  # once, even if the file is read twice
-    monitor.Metrics.get = tornado.web.authenticated(monitor.Metrics.get)  # type: ignore[method-assign]
+    monitor.Metrics.get = tornado.web.authenticated(monitor.Metrics.get)

@@ -55,7 +55,7 @@ def _refuse(ip: str) -> ForbiddenTarget:
 def _guarded_conn(conn: HTTPConnection, connect: Any) -> socket.socket:
     """Refuse before connecting when the name resolves to a refused address (a permanent
     failure, not a timeout retried for ever), and check the peer actually connected to."""
-    host = str(conn._dns_host)  # type: ignore[attr-defined]  # urllib3's resolved-name attribute
+    host = str(conn._dns_host)  # urllib3: the name it resolves (brackets removed)
     try:
         infos = socket.getaddrinfo(host, conn.port, type=socket.SOCK_STREAM)
     except OSError:

@@ -24,12 +24,12 @@ class Command(BaseCommand):
     def handle(self, *args: object, **options: object) -> None:
         tokens = ApiToken.objects.filter(revoked_at__isnull=True)
         if options["token"]:
-            token = str(options["token"])
-            if token == "-":
-                token = sys.stdin.readline()
-            if not token.strip():
+            secret = str(options["token"])
+            if secret == "-":
+                secret = sys.stdin.readline()
+            if not secret.strip():
                 raise CommandError("no token given")
-            tokens = tokens.filter(token_hash=hash_token(token.strip()))
+            tokens = tokens.filter(token_hash=hash_token(secret.strip()))
         elif options["prefix"]:
             tokens = tokens.filter(prefix=options["prefix"])
         else:
