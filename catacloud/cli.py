@@ -185,7 +185,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         lines = [
             f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
             f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-            f"  health   {base}/healthz",
+            f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: the detail)",
             f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
             f"  Flower   http://127.0.0.1:{flower_port}/  "
             f"(basic auth {flower_auth.split(':')[0]} / same password)",
@@ -197,7 +197,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
         threading.Thread(
             target=_announce_when_healthy,
-            args=(supervisor, f"{base}/healthz", lines, started),
+            args=(supervisor, f"{base}/readyz", lines, started),
             name="announce",
             daemon=True,
         ).start()
@@ -218,12 +218,12 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:
-    """Print the banner again once /healthz says every part is up: the first one has scrolled
-    away under the Celery banners by then."""
+    """Print the banner again once /readyz says every part is up (200; 503 until then): the
+    first one has scrolled away under the Celery banners by then."""
     while not supervisor._stopping.is_set():  # type: ignore[attr-defined]
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if json.loads(response.read()).get("status") == "ok":
+                if json.loads(response.read()).get("status") == "ready":
                     break
         except (OSError, ValueError):
             pass

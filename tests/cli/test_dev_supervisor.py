@@ -136,18 +136,19 @@ def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
 
 def test_the_banner_comes_again_once_healthy() -> None:
     """The first banner scrolls away under the Celery banners: it is printed again when
-    /healthz says every part is up."""
+    /readyz says every part is up (503 until then)."""
     import http.server
     import json as jsonlib
 
     from catacloud.cli import _announce_when_healthy
 
-    answers = iter([{"status": "degraded"}, {"status": "degraded"}])
+    answers = iter([(503, {"status": "not_ready"}), (503, {"status": "not_ready"})])
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = jsonlib.dumps(next(answers, {"status": "ok"})).encode()
-            self.send_response(200)
+            code, answer = next(answers, (200, {"status": "ready"}))
+            body = jsonlib.dumps(answer).encode()
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(body)
@@ -159,7 +160,7 @@ def test_the_banner_comes_again_once_healthy() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     supervisor = Supervisor([], out=Output())
     try:
-        url = f"http://127.0.0.1:{server.server_port}/healthz"
+        url = f"http://127.0.0.1:{server.server_port}/readyz"
         _announce_when_healthy(supervisor, url, ["  token    cc_x"], time.monotonic())
     finally:
         server.shutdown()
