@@ -383,7 +383,7 @@ def _setup(p: Params, url: str, state_dir: Path, webhook: Webhook) -> World:
         state_dir=state_dir,
         max_instances=p.max_instances,
         max_concurrent_jobs=p.max_concurrent_jobs,
-        max_pool_size=p.pool_size,
+        max_pool_size=p.pool_size + 1,  # the pool's max_size (a replacement beside a held claim)
     )
     t.account.config = {"state_dir": str(state_dir), "stop_timeout_seconds": 2}
     t.account.save()

@@ -5,6 +5,9 @@
   next request on a kept-alive connection; otherwise it is closed. An idle connection that
   never sends, or one that sends its header a byte at a time, no longer stays open for ever
   (between requests, uvicorn's keep-alive timeout applies as before).
+- **Shutdown**: a long poll still waiting (``GET work``, nothing sent yet) is cut at once
+  instead of being waited for (agents poll again): a stop no longer ends with uvicorn's
+  "Cancel N running task(s), timeout graceful shutdown exceeded".
 - **Connections per client** (``CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT``, default 100, 0 =
   no limit): a peer address that already holds this many connections to this process has its
   next one closed at once. An agent holds a few (heartbeat, poll, log and upload posts); behind
@@ -23,6 +26,7 @@ from collections import Counter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
+POLL_PATH = "/api/agent/v1/work"
 _per_client: Counter[str] = Counter()  # open connections by peer address, in this process
 _refusals_logged: set[str] = set()
 
@@ -75,6 +79,21 @@ class AgentHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+
+    def shutdown(self) -> None:
+        cycle = self.cycle
+        waiting_poll = (
+            cycle is not None
+            and not cycle.response_started
+            and not cycle.response_complete
+            and self.scope is not None
+            and self.scope.get("method") == "GET"
+            and self.scope.get("path") == POLL_PATH
+        )
+        if waiting_poll:
+            self.transport.close()  # its agent sees the connection end and polls again
+            return
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
