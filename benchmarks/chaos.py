@@ -55,6 +55,7 @@ from typing import Any
 
 from benchmarks.harness import (
     Figure,
+    LoadSampler,
     PartResult,
     flush,
     median,
@@ -1442,16 +1443,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     import datetime as dt
 
-    result = run(
-        jobs=args.jobs,
-        faults=args.faults,
-        seed=args.seed,
-        duration=args.duration,
-        fault_interval=args.fault_interval,
-        workload_timeout=args.workload_timeout,
-        settle_timeout=args.settle_timeout,
-        out=out,
-    )
+    with LoadSampler() as load:
+        result = run(
+            jobs=args.jobs,
+            faults=args.faults,
+            seed=args.seed,
+            duration=args.duration,
+            fault_interval=args.fault_interval,
+            workload_timeout=args.workload_timeout,
+            settle_timeout=args.settle_timeout,
+            out=out,
+        )
+    result.load = load.summary()
     result.date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     flush()
     if not args.no_report:
