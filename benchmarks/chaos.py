@@ -627,14 +627,7 @@ def _claimer(soak: Soak, world: World, rng: random.Random) -> None:
         now = soak.now()
         if now >= next_claim:
             next_claim = now + soak.p.claim_every * rng.uniform(0.5, 1.5)
-            r = _call(
-                soak,
-                s,
-                "POST",
-                f"{world.url}/api/v1/pools/{world.pool_id}/acquire/",
-                "acquire",
-                json={"acquired_by": "chaos", "acquired_for": "soak"},
-            )
+            r = _acquire(soak, s, world, "acquire", "soak")
             if r is not None and r.status_code == 201:
                 world.claims[r.json()["instance"]["id"]] = now + rng.uniform(1, 4)
         for instance_id, release_at in list(world.claims.items()):
@@ -647,6 +640,12 @@ def _claimer(soak: Soak, world: World, rng: random.Random) -> None:
             if _release(soak, s, world, instance_id):
                 del world.claims[instance_id]
         time.sleep(0.5)
+
+
+def _acquire(soak: Soak, s: Any, world: World, what: str, purpose: str) -> Any:
+    """One acquire from the soak's pool through the API (None: no answer)."""
+    url = f"{world.url}/api/v1/pools/{world.pool_id}/acquire/"
+    return _call(soak, s, "POST", url, what, json={"acquired_by": "chaos", "acquired_for": purpose})
 
 
 def _release(soak: Soak, s: Any, world: World, instance_id: str) -> bool:
@@ -745,14 +744,7 @@ def _empty_pool(soak: Soak, world: World, rng: random.Random) -> str:
     s = _session(world)
     taken = 0
     for _ in range(soak.p.pool_size + 3):
-        r = _call(
-            soak,
-            s,
-            "POST",
-            f"{world.url}/api/v1/pools/{world.pool_id}/acquire/",
-            "acquire (outage)",
-            json={"acquired_by": "chaos", "acquired_for": "outage"},
-        )
+        r = _acquire(soak, s, world, "acquire (outage)", "outage")
         if r is None or r.status_code != 201:
             break
         taken += 1
