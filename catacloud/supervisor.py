@@ -10,7 +10,7 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
 - a program that exits while the supervisor runs is restarted after ``restart_delay`` seconds,
   doubling up to ``max_restart_delay`` while it keeps dying within ``stable_after`` seconds of
   its start, with a log line saying so;
-- ``stop()`` (or SIGINT/SIGTERM when ``run`` is in the main thread) sends each program's
+- ``stop()`` (or SIGINT/SIGTERM/SIGHUP when ``run`` is in the main thread) sends each program's
   ``stop_signal`` (SIGTERM unless it says otherwise) to its process group, waits up to
   ``stop_timeout`` seconds, then SIGKILLs what is left;
 - **nothing outlives it**, not even when it is SIGKILLed (the OOM killer, a CI timeout, a
@@ -214,7 +214,7 @@ class Supervisor:
         """Start everything and supervise until ``stop()`` or SIGINT/SIGTERM; then stop all."""
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: a closed terminal
                 previous[signum] = signal.signal(signum, lambda *_: self._stopping.set())
         try:
             self.start()
