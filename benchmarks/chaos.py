@@ -30,7 +30,8 @@ Invariants (each violation is recorded once per row and state, with an example):
   ``redis_outage_empty_pool`` fault: Redis killed, every ready member acquired through the API,
   Redis back on the same port), every pool is back at its target (members counting toward it:
   live, unclaimed, not outdated) within 2 reaper intervals of Redis answering again, unless a
-  limit (max_size, quota, budget) holds it.
+  limit (max_size, quota, budget) holds it: while the soak still holds the claims, max_size
+  (members including claimed ones) does; once they are released the pool must refill.
 
 Time to converge: for each fault, from the fault to the first sample at which the system is
 consistent again (no running machine without a live row, no ready/claimed row without its
@@ -384,7 +385,7 @@ def _setup(p: Params, url: str, state_dir: Path, webhook: Webhook) -> World:
         state_dir=state_dir,
         max_instances=p.max_instances,
         max_concurrent_jobs=p.max_concurrent_jobs,
-        max_pool_size=p.pool_size + 1,  # the pool's max_size (a replacement beside a held claim)
+        max_pool_size=p.pool_size,
     )
     t.account.config = {"state_dir": str(state_dir), "stop_timeout_seconds": 2}
     t.account.save()
@@ -422,7 +423,7 @@ def _setup(p: Params, url: str, state_dir: Path, webhook: Webhook) -> World:
         "machine_type": str(t.machine_type.pk),
         "target_size": p.pool_size,
         "min_size": 0,
-        "max_size": p.pool_size + 1,  # room for a replacement while a claim holds a member
+        "max_size": p.pool_size,
         "warmup_grace_seconds": int(BOOT),
     }
     r = s.post(f"{url}/api/v1/pools/", json=body, timeout=30)
