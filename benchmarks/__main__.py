@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import PartResult, say
+from benchmarks.harness import LoadSampler, PartResult, say
 from testkit.processes import ROOT
 
 PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet")
@@ -36,8 +36,10 @@ def run_part(part: str, **kwargs: Any) -> PartResult:
 
     module = importlib.import_module(f"benchmarks.{part}")
     t0 = time.perf_counter()
-    result: PartResult = module.run(**kwargs)
+    with LoadSampler() as load:
+        result: PartResult = module.run(**kwargs)
     result.seconds = time.perf_counter() - t0
+    result.load = load.summary()
     result.date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return result
 

@@ -26,6 +26,12 @@ Invariants (each violation is recorded once per row and state, with an example):
   and no scratch database of the soak exists.
 - ``artifact_lost``: at the end every succeeded job of the ``outputs`` configuration has its
   output recorded (stored, or failed: a visible state, not a silent loss).
+- ``pool_short``: after a Redis outage during which the pool was emptied (the
+  ``redis_outage_empty_pool`` fault: Redis killed, every ready member acquired through the API,
+  Redis back on the same port), every pool is back at its target (members counting toward it:
+  live, unclaimed, not outdated) within 2 reaper intervals of Redis answering again, unless a
+  limit (max_size, quota, budget) holds it: while the soak still holds the claims, max_size
+  (members including claimed ones) does; once they are released the pool must refill.
 
 Time to converge: for each fault, from the fault to the first sample at which the system is
 consistent again (no running machine without a live row, no ready/claimed row without its
@@ -50,6 +56,7 @@ from typing import Any
 
 from benchmarks.harness import (
     Figure,
+    LoadSampler,
     PartResult,
     flush,
     median,
@@ -79,8 +86,9 @@ INVARIANTS = (
     "provider_mismatch",
     "resource_leak",
     "artifact_lost",
+    "pool_short",
 )
-FAULT_KINDS = ("kill_worker", "kill_agent", "kill_redis", "drop_messages")
+FAULT_KINDS = ("kill_worker", "kill_agent", "kill_redis", "drop_messages", "redis_outage_empty_pool")
 
 
 @dataclass
@@ -124,6 +132,7 @@ class Params:
             "CATACLOUD_ASSIGN_TIMEOUT": f"{self.assign_timeout:g}",
             "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL:g}",
             "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{self.redrive_after:g}",
+            "CATACLOUD_WEBHOOK_ALLOW_NETWORKS": "127.0.0.1/32",  # the soak's webhook is on loopback
             "LOG_LEVEL": "WARNING",
         }
 
@@ -264,6 +273,9 @@ class Soak:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     job_ended_at: dict[str, float] = field(default_factory=dict)
+    # redis_outage_empty_pool faults: [fault index, when Redis answered again, when the pool was
+    # back at target (None: not yet)]
+    pool_watches: list[list[Any]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -616,14 +628,7 @@ def _claimer(soak: Soak, world: World, rng: random.Random) -> None:
         now = soak.now()
         if now >= next_claim:
             next_claim = now + soak.p.claim_every * rng.uniform(0.5, 1.5)
-            r = _call(
-                soak,
-                s,
-                "POST",
-                f"{world.url}/api/v1/pools/{world.pool_id}/acquire/",
-                "acquire",
-                json={"acquired_by": "chaos", "acquired_for": "soak"},
-            )
+            r = _acquire(soak, s, world, "acquire", "soak")
             if r is not None and r.status_code == 201:
                 world.claims[r.json()["instance"]["id"]] = now + rng.uniform(1, 4)
         for instance_id, release_at in list(world.claims.items()):
@@ -636,6 +641,12 @@ def _claimer(soak: Soak, world: World, rng: random.Random) -> None:
             if _release(soak, s, world, instance_id):
                 del world.claims[instance_id]
         time.sleep(0.5)
+
+
+def _acquire(soak: Soak, s: Any, world: World, what: str, purpose: str) -> Any:
+    """One acquire from the soak's pool through the API (None: no answer)."""
+    url = f"{world.url}/api/v1/pools/{world.pool_id}/acquire/"
+    return _call(soak, s, "POST", url, what, json={"acquired_by": "chaos", "acquired_for": purpose})
 
 
 def _release(soak: Soak, s: Any, world: World, instance_id: str) -> bool:
@@ -658,7 +669,13 @@ def _injector(
     interval = (p.duration / max(1, p.faults)) if p.duration else p.fault_interval
     restarts: list[tuple[float, Any]] = []
     next_fault = soak.now() + interval * rng.uniform(0.5, 1.5)
-    weights = {"kill_worker": 3, "kill_agent": 3, "kill_redis": 1.5, "drop_messages": 2.5}
+    weights = {
+        "kill_worker": 3,
+        "kill_agent": 3,
+        "kill_redis": 1.5,
+        "drop_messages": 2.5,
+        "redis_outage_empty_pool": 1,
+    }
     first_kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
     try:
         while not soak.stop.is_set():
@@ -682,10 +699,24 @@ def _injector(
                     restarts.append((now + rng.uniform(0.5, 3), w.start))
                     detail = w.name
                 elif kind == "kill_redis":
-                    if any(r[1] == redis.start for r in restarts):
+                    if _redis_restarting(restarts, redis):
                         continue  # already down
                     redis.kill()
                     restarts.append((now + rng.uniform(1, 4), redis.start))
+                elif kind == "redis_outage_empty_pool":
+                    if _redis_restarting(restarts, redis):
+                        continue
+                    redis.kill()
+                    detail = _empty_pool(soak, world, rng)
+                    watch = [len(soak.faults), None, None]
+                    soak.pool_watches.append(watch)
+
+                    def back(watch: list[Any] = watch) -> None:
+                        redis.start()
+                        watch[1] = soak.now()  # Redis answers again: the pool's clock starts
+
+                    back.redis_start = True  # type: ignore[attr-defined]
+                    restarts.append((now + rng.uniform(2, 5), back))
                 elif kind == "kill_agent":
                     detail = _kill_agent(world, rng)
                     if not detail:
@@ -702,6 +733,68 @@ def _injector(
         for _, restart in restarts:
             restart()
         done.set()
+
+
+def _redis_restarting(restarts: list[tuple[float, Any]], redis: RedisServer) -> bool:
+    return any(r[1] == redis.start or getattr(r[1], "redis_start", False) for r in restarts)
+
+
+def _empty_pool(soak: Soak, world: World, rng: random.Random) -> str:
+    """With Redis down, acquire every ready member of the pool through the API (until 409);
+    the claimer releases them later like its own."""
+    s = _session(world)
+    taken = 0
+    for _ in range(soak.p.pool_size + 3):
+        r = _acquire(soak, s, world, "acquire (outage)", "outage")
+        if r is None or r.status_code != 201:
+            break
+        taken += 1
+        world.claims[r.json()["instance"]["id"]] = soak.now() + rng.uniform(1, 4)
+    return f"{taken} members acquired while Redis was down"
+
+
+def _pools_short(world: World) -> dict[str, str]:
+    """Pools below their target with no limit holding them: pool id -> what is short."""
+    from apps.machines.choices import INSTANCE_LIVE
+    from apps.machines.models import MachineInstance
+    from apps.pools.choices import POOL_ACTIVE
+    from apps.pools.models import InstancePool
+
+    short = {}
+    for pool in InstancePool.objects.filter(org=world.tenant.org, status__in=POOL_ACTIVE):
+        counted = (
+            MachineInstance.objects.filter(pool=pool, status__in=INSTANCE_LIVE, outdated=False)
+            .exclude(status__in=("claimed", "terminating"))
+            .count()
+        )
+        if counted < pool.target_size and not pool.limit_reason:
+            short[str(pool.pk)] = f"{counted}/{pool.target_size} members"
+    return short
+
+
+def _check_pools_back(soak: Soak, world: World) -> set[str]:
+    """The pool_short invariant: after each redis_outage_empty_pool fault, every pool is back
+    at target within 2 reaper intervals of Redis answering again."""
+    open_watches = [w for w in soak.pool_watches if w[1] is not None and w[2] is None]
+    if not open_watches:
+        return set()
+    short = _pools_short(world)
+    bad: set[str] = set()
+    for watch in open_watches:
+        since = soak.now() - watch[1]
+        if not short:
+            watch[2] = soak.now()
+            continue
+        if since > 2 * soak.p.reaper_interval:
+            bad |= {f"pool-short:{pool_id}" for pool_id in short}
+            for pool_id, what in short.items():
+                soak.violate(
+                    "pool_short",
+                    f"{pool_id}@{watch[0]}",
+                    f"pool {pool_id} still short ({what}, no limit) {since:.1f}s after Redis came back "
+                    f"(allowed: 2 reaper intervals, {2 * soak.p.reaper_interval:g}s)",
+                )
+    return bad
 
 
 def _kill_agent(world: World, rng: random.Random) -> str:
@@ -940,6 +1033,7 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
         )
 
     bad |= _check_processes(soak, world, {str(j["id"]): j for j in jobs})
+    bad |= _check_pools_back(soak, world)
     soak.samples.append((soak.now(), frozenset(bad)))
     if not bad:
         soak.consistent_at.append(soak.now())
@@ -1190,6 +1284,8 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
     final["recovered_after_last_fault"] = last_time
     final["never_converged"] = [f"{f['at']:.0f}s {f['kind']} {f['detail']}" for f in never]
     end = final.get("converge_after_workload")
+    pool_back = [w[2] - w[1] for w in soak.pool_watches if w[1] is not None and w[2] is not None]
+    pool_never = sum(1 for w in soak.pool_watches if w[2] is None)
     figures = [
         Figure("jobs", float(sum(outcomes.values())), "", f"{p.jobs}"),
         Figure(
@@ -1214,6 +1310,14 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
             "s",
             f"<= {target:g} s (2 reaper intervals + lost-after)",
             met=last_time is not None and last_time <= target,
+        ),
+        Figure(
+            "pool back at target after Redis returned (outage that emptied it), max",
+            max(pool_back) if pool_back else float("nan"),
+            "s",
+            f"<= {2 * p.reaper_interval:g} s (2 reaper intervals)",
+            met=bool(pool_back) and max(pool_back) <= 2 * p.reaper_interval and not pool_never,
+            note=f"{len(pool_back)} outages" + (f"; {pool_never} never back" if pool_never else ""),
         ),
         Figure(
             "everything converged after the workload ended",
@@ -1257,6 +1361,7 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
             "violations": counts,
             "examples": dict(examples),
             "converge_s": times,
+            "pool_back_s": pool_back,
             "final": final,
             "outcomes": dict(outcomes),
         },
@@ -1282,7 +1387,13 @@ def plot(result: PartResult, out: Path) -> str:
         [s[0] for s in series], [s[2] for s in series], lw=1, alpha=0.7, label="machines the provider runs"
     )
     a.axhline(data["quota"], color="red", ls="--", label=f"max_instances {data['quota']}")
-    colors = {"kill_worker": "orange", "kill_agent": "purple", "kill_redis": "black", "drop_messages": "grey"}
+    colors = {
+        "kill_worker": "orange",
+        "kill_agent": "purple",
+        "kill_redis": "black",
+        "drop_messages": "grey",
+        "redis_outage_empty_pool": "red",
+    }
     shown = set()
     for f in data["faults"]:
         label = None if f["kind"] in shown else f["kind"]
@@ -1325,16 +1436,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     import datetime as dt
 
-    result = run(
-        jobs=args.jobs,
-        faults=args.faults,
-        seed=args.seed,
-        duration=args.duration,
-        fault_interval=args.fault_interval,
-        workload_timeout=args.workload_timeout,
-        settle_timeout=args.settle_timeout,
-        out=out,
-    )
+    with LoadSampler() as load:
+        result = run(
+            jobs=args.jobs,
+            faults=args.faults,
+            seed=args.seed,
+            duration=args.duration,
+            fault_interval=args.fault_interval,
+            workload_timeout=args.workload_timeout,
+            settle_timeout=args.settle_timeout,
+            out=out,
+        )
+    result.load = load.summary()
     result.date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     flush()
     if not args.no_report:

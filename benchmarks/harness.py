@@ -169,6 +169,92 @@ class Figure:
     ratio: float | None = None
     met: bool | None = None
     note: str = ""
+    # Over the part's interleaved runs: how many there were, the lowest and highest value of
+    # what the target judges (the ratio when there is one, else the value), and in how many
+    # runs the target was met. A target met in some runs and missed in others is noise.
+    runs: int = 0
+    spread: list[float] | None = None
+    met_runs: int | None = None
+
+    def status(self) -> str:
+        if self.met is None:
+            return ""
+        verdict = "met" if self.met else "not met"
+        if self.met_runs is not None and 0 < self.met_runs < self.runs:
+            return f"{verdict}, within noise ({self.met_runs} of {self.runs} runs met it)"
+        return verdict
+
+
+def of_runs(
+    name: str,
+    values: list[float],
+    unit: str = "",
+    target: str = "",
+    baseline: str = "",
+    *,
+    ratios: list[float] | None = None,
+    check: Callable[[float], bool] | None = None,
+    digits: int = 2,
+    note: str = "",
+) -> Figure:
+    """A figure from per-run numbers: the median, and the spread of what ``check`` judges
+    (``ratios`` when given: each run's ratio to its baseline measured in the same run)."""
+    judged = ratios if ratios is not None else values
+    places = 2 if ratios is not None else digits  # ratios keep two decimals
+    central = median(judged)
+    value = round(median(values), digits)
+    return Figure(
+        name,
+        int(value) if digits == 0 else value,
+        unit,
+        target,
+        baseline,
+        round(central, 2) if ratios else None,
+        None if check is None or not judged else check(central),
+        note,
+        runs=len(judged),
+        spread=[round(min(judged), places), round(max(judged), places)] if judged else None,
+        met_runs=None if check is None else sum(1 for x in judged if check(x)),
+    )
+
+
+class LoadSampler:
+    """The machine's load while a part runs (a shared machine makes numbers move): the 1-minute
+    load average and the whole machine's CPU use, sampled every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        import threading
+
+        self.interval = interval
+        self.load: list[float] = []
+        self.busy: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        psutil.cpu_percent(None)
+        while not self._stop.wait(self.interval):
+            self.load.append(os.getloadavg()[0])
+            self.busy.append(psutil.cpu_percent(None))
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def summary(self) -> dict[str, Any]:
+        load = self.load or [os.getloadavg()[0]]
+        return {
+            "cores": os.cpu_count(),
+            "samples": len(self.load),
+            "load_1m": {"min": min(load), "median": median(load), "max": max(load)},
+            "cpu_busy_percent": {"median": median(self.busy), "max": max(self.busy)} if self.busy else None,
+        }
 
 
 @dataclass
@@ -181,6 +267,7 @@ class PartResult:
     seconds: float = 0.0
     quick: bool = False
     date: str = ""
+    load: dict[str, Any] = field(default_factory=dict)  # LoadSampler.summary() while it ran
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,6 +10,26 @@ from typing import Any
 
 from benchmarks.harness import PartResult
 
+# How far apart two runs of the same code land, and how to read a figure (BENCHMARKS.md).
+NOISE = [
+    "## How far apart two runs of the same code land",
+    "",
+    "The benchmark machine is shared (2 cores, several engineers' builds and tests): a figure",
+    "moves with whatever else runs. The claim part's ratio to the raw floor at 16 claimers read",
+    "0.66 in one saved report and 0.33 and 0.52 in two later runs of the same code on the same",
+    "machine class (claims at 1,711 and 2,558/s against a floor of 4,323 and 4,900/s): **two runs",
+    "of the same code may land a factor of 2 apart on a ratio, and 1.5x apart on a throughput**.",
+    "So each figure here is the median of its interleaved runs (the variants take turns, in a",
+    "rotating order, within each run), the *spread over runs* column gives the lowest and highest",
+    "run of what the target judges (the ratio when there is one), and a target met in some runs",
+    "and missed in others reads **within noise** with the count: that target is neither met nor",
+    "missed on this machine, only a quieter one can tell. Every part also records the machine's",
+    "load while it ran (the 1-minute load average, and CPU use, which includes the part's own",
+    "processes): numbers taken at a load above the core count are not comparable with numbers",
+    "taken on a quiet machine. Compare two builds by running both in the same session, never a",
+    "fresh number with an old report.",
+    "",
+]
 ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "chaos")
 
 
@@ -73,22 +93,54 @@ def _fmt(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
 
 
+def _spread(f: Any) -> str:
+    """The judged quantity's lowest and highest run, and how many runs there were."""
+    if not f.runs or f.spread is None:
+        return ""
+    lo, hi = f.spread
+    if f.ratio is not None:
+        return f"{lo:g}x - {hi:g}x ({f.runs} runs)"
+    return f"{_fmt(lo)} - {_fmt(hi)} ({f.runs} runs)"
+
+
 def table(result: PartResult) -> str:
-    lines = ["| figure | value | target | baseline | ratio | status |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| figure | value (median) | spread over runs | target | baseline | ratio | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for f in result.figures:
-        status = "" if f.met is None else ("met" if f.met else "**not met**")
+        status = f.status()
+        status = f"**{status}**" if status.startswith("not met") else status
         ratio = "" if f.ratio is None else f"{f.ratio:g}x"
         value = f"{_fmt(f.value)} {f.unit}".strip()
         note = f" ({f.note})" if f.note else ""
-        lines.append(f"| {f.name}{note} | {value} | {f.target} | {f.baseline} | {ratio} | {status} |")
+        lines.append(
+            f"| {f.name}{note} | {value} | {_spread(f)} | {f.target} | {f.baseline} | {ratio} | {status} |"
+        )
     return "\n".join(lines)
+
+
+def load_line(result: PartResult) -> str:
+    """What else the machine was doing while the part ran."""
+    load = result.load
+    if not load:
+        return "Machine load during the part: not recorded (a run from before it was)."
+    la = load["load_1m"]
+    busy = load.get("cpu_busy_percent")
+    text = (
+        f"Machine load during the part: 1-minute load average {la['median']:.1f} "
+        f"({la['min']:.1f} - {la['max']:.1f}) on {load['cores']} cores"
+    )
+    if busy:
+        text += f"; CPU busy {busy['median']:.0f}% (max {busy['max']:.0f}%), this part's processes included"
+    return text + "."
 
 
 def console_table(results: list[PartResult]) -> str:
     rows = []
     for r in results:
         for f in r.figures:
-            status = "" if f.met is None else ("met" if f.met else "NOT MET")
+            status = f.status().replace("not met", "NOT MET")
             ratio = "" if f.ratio is None else f"{f.ratio:g}x"
             rows.append((r.part, f.name[:58], f"{_fmt(f.value)} {f.unit}".strip(), f.target, ratio, status))
     widths = [
@@ -250,6 +302,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
         "rewrites this page from every part's saved results in `docs/bench/*.json`. Figures are medians",
         "of several runs; every ratio compares numbers measured in the same run.",
         "",
+        *NOISE,
         "## Machine",
         "",
         f"- {env['cores']} cores ({env['cpu']}), {env['memory']} memory, {env['os']}",
@@ -261,7 +314,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
         lines += [
             f"## {r.title} (`{r.part}`)",
             "",
-            f"Run {r.date}, {r.seconds:.0f} s{' (quick sizes)' if r.quick else ''}.",
+            f"Run {r.date}, {r.seconds:.0f} s{' (quick sizes)' if r.quick else ''}. {load_line(r)}",
             "",
         ]
         lines.append(table(r))

@@ -4,6 +4,7 @@ the client of the REST API (``jobs``, ``configs``, ``pools``, ``artifacts``, ``a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -13,14 +14,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import IO
 
 from catacloud.supervisor import Program
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CATALOG = Path(__file__).resolve().parent / "data" / "demo.yaml"
-FLOWER_DEV = Path(__file__).resolve().parent / "flower_dev.py"  # Flower's settings under make dev
 
 
 def _manage(*args: str, env: dict[str, str], capture: bool = False) -> str:
@@ -65,6 +66,9 @@ def cmd_services(args: argparse.Namespace) -> int:
             services.stop()
 
 
+AGENT_HTTP_PROTOCOL = "apps.control.agent.protocol:AgentHttpProtocol"
+
+
 def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]:
     """The agent server (the Agent API on ASGI, ``config/agent_asgi.py``) under uvicorn: one
     event loop per worker holds every idle long poll. Connections are kept alive longer than a
@@ -90,7 +94,17 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
         "--timeout-graceful-shutdown",
         "3",
         "--no-access-log",
+        # a header timeout and a per-client connection cap (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
+        "--http",
+        AGENT_HTTP_PROTOCOL,
     ]
+
+
+def flower_command(*, host: str, port: int) -> list[str]:
+    """Flower with its configuration file, which puts ``/metrics`` behind its basic auth."""
+    celery = [sys.executable, "-m", "celery", "-A", "config"]
+    conf = ROOT / "config" / "flowerconfig.py"
+    return [*celery, "flower", f"--address={host}", f"--port={port}", f"--conf={conf}"]
 
 
 def dev_programs(
@@ -104,6 +118,8 @@ def dev_programs(
     # the web still holds (catacloud/gunicorn_dev.py)
     gunicorn += ["--workers", "2", "--threads", "8", "--access-logfile", "-"]
     gunicorn += ["--config", "python:catacloud.gunicorn_dev"]
+    # its control socket would be ~/.gunicorn/gunicorn.ctl, one for every make dev on the host
+    gunicorn += ["--control-socket", str(home / "gunicorn.ctl")]
     agent_port = agent_port if agent_port is not None else port + 1
     return [
         # SIGINT is gunicorn's quick shutdown (and gunicorn_dev's workers leave at once).
@@ -118,12 +134,7 @@ def dev_programs(
             env,
             str(ROOT),
         ),
-        Program(
-            "flower",
-            [*celery, "flower", f"--conf={FLOWER_DEV}", "--address=127.0.0.1", f"--port={flower_port}"],
-            env,
-            str(ROOT),
-        ),
+        Program("flower", flower_command(host="127.0.0.1", port=flower_port), env, str(ROOT)),
     ]
 
 
@@ -141,8 +152,12 @@ def cmd_dev(args: argparse.Namespace) -> int:
     port = int(os.environ.get("PORT", "8000"))
     flower_port = int(os.environ.get("FLOWER_PORT", "5555"))
     agent_port = int(os.environ.get("AGENT_PORT", str(port + 1)))
-    services = embedded.services_up()
-    home = Path(services.env["CATACLOUD_HOME"])
+    home = embedded.catacloud_home()
+    home.mkdir(parents=True, exist_ok=True)
+    lock = _dev_lock(home)  # held until this process ends, however it ends
+    if lock is None:
+        return 1
+    services = embedded.services_up(home)
     # prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
     # their counters here and each scrape sums them; fresh at every start.
     metrics_dir = home / "prometheus"
@@ -168,6 +183,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt  # still setting up: unwind to the clean-up below
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    give_back_terminal = _own_terminal()
     try:
         print("catacloud: migrating the database…", flush=True)
         _manage("migrate", "--noinput", env=env, capture=True)
@@ -176,14 +192,21 @@ def cmd_dev(args: argparse.Namespace) -> int:
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
+        cleanup = [sys.executable, "-m", "catacloud.cli", "dev-cleanup", "--home", str(home)]
+        cleanup += [
+            f"--stop-{type(service).__name__.removeprefix('Embedded').lower()}"
+            for service in services.started
+        ]
         supervisor = Supervisor(
-            dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port)
+            dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port),
+            on_orphan=cleanup,  # if this process is SIGKILLed: what its watchdog stops
+            state_file=home / DEV_STATE,
         )
         base = f"http://127.0.0.1:{port}"
         lines = [
             f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
             f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-            f"  health   {base}/healthz",
+            f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: the detail)",
             f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
             f"  Flower   http://127.0.0.1:{flower_port}/  "
             f"(basic auth {flower_auth.split(':')[0]} / same password)",
@@ -195,7 +218,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
         threading.Thread(
             target=_announce_when_healthy,
-            args=(supervisor, f"{base}/healthz", lines, started),
+            args=(supervisor, f"{base}/readyz", lines, started),
             name="announce",
             daemon=True,
         ).start()
@@ -211,8 +234,99 @@ def cmd_dev(args: argparse.Namespace) -> int:
         print("catacloud: stopping the local machines and the embedded services…", flush=True)
         _stop_local_machines(home)
         services.stop()
+        give_back_terminal()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        lock.close()
+
+
+DEV_LOCK, DEV_STATE = "dev.lock", "dev.programs.json"
+
+
+def _dev_lock(home: Path) -> IO[str] | None:
+    """One `make dev` per $CATACLOUD_HOME: hold ``dev.lock`` (flock, released by the kernel
+    when this process ends, even by SIGKILL), and refuse when another holds it or when
+    programs of a previous run whose supervisor died still run (they hold its ports, and a
+    second beat would run beside theirs). Prints why and returns None when refused."""
+    import fcntl
+
+    from catacloud.supervisor import leftovers
+
+    fh = open(home / DEV_LOCK, "a+")  # noqa: SIM115  (held open for the life of the process)
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        print(
+            f"catacloud: another `make dev` runs on {home} (pid {holder}); stop it first (Ctrl-C in "
+            f"its terminal, or kill {holder}), or give this one its own CATACLOUD_HOME",
+            file=sys.stderr,
+        )
+        return None
+    left = leftovers(home / DEV_STATE)
+    if left:
+        fh.close()
+        pids = " ".join(item.split("pid ", 1)[1].split(":", 1)[0] for item in left)
+        print(
+            f"catacloud: programs of a previous `make dev` on {home} still run (its supervisor died): "
+            f"{'; '.join(left)}. Stop them first (kill {pids}).",
+            file=sys.stderr,
+        )
+        return None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def _own_terminal() -> Callable[[], None]:
+    """Make this process the terminal's foreground process group, so that Ctrl-C reaches it
+    alone: `make` (which started it) would otherwise get SIGINT too, die of it and exit 130
+    whatever we do. Returns what gives the terminal back. Does nothing without a terminal or
+    in the background."""
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+            return lambda: None
+        before = os.getpgrp()
+        os.setpgid(0, 0)
+        quiet = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may set it
+        try:
+            os.tcsetpgrp(fd, os.getpgrp())
+        finally:
+            signal.signal(signal.SIGTTOU, quiet)
+    except (OSError, ValueError):
+        return lambda: None
+
+    def give_back() -> None:
+        quiet = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            with contextlib.suppress(OSError):
+                os.tcsetpgrp(fd, before)
+        finally:
+            signal.signal(signal.SIGTTOU, quiet)
+
+    return give_back
+
+
+def cmd_dev_cleanup(args: argparse.Namespace) -> int:
+    """What a `make dev` watchdog runs when its supervisor died: stop the local machines of
+    ``--home`` and the embedded services that run had started."""
+    from catacloud import embedded
+
+    home = Path(args.home)
+    _stop_local_machines(home)
+    if args.stop_redis:
+        embedded.EmbeddedRedis(home).stop()
+    if args.stop_postgres:
+        embedded.EmbeddedPostgres(home).stop()
+    with contextlib.suppress(FileNotFoundError):
+        (home / DEV_STATE).unlink()
+    print("catacloud: stopped what the dead `make dev` left (machines, services)", flush=True)
+    return 0
 
 
 def _local_sandbox_problem() -> str | None:
@@ -251,12 +365,12 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:
-    """Print the banner again once /healthz says every part is up: the first one has scrolled
-    away under the Celery banners by then."""
+    """Print the banner again once /readyz says every part is up (200; 503 until then): the
+    first one has scrolled away under the Celery banners by then."""
     while not supervisor._stopping.is_set():  # type: ignore[attr-defined]
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if json.loads(response.read()).get("status") == "ok":
+                if json.loads(response.read()).get("status") == "ready":
                     break
         except (OSError, ValueError):
             pass
@@ -313,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="run the whole system on the embedded services (make dev)")
     dev.set_defaults(func=cmd_dev)
+    cleanup = sub.add_parser("dev-cleanup", help=argparse.SUPPRESS)
+    cleanup.add_argument("--home", required=True)
+    cleanup.add_argument("--stop-postgres", action="store_true")
+    cleanup.add_argument("--stop-redis", action="store_true")
+    cleanup.set_defaults(func=cmd_dev_cleanup)
 
     from catacloud.agent.main import add_agent_commands
 

@@ -10,9 +10,18 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
 - a program that exits while the supervisor runs is restarted after ``restart_delay`` seconds,
   doubling up to ``max_restart_delay`` while it keeps dying within ``stable_after`` seconds of
   its start, with a log line saying so;
-- ``stop()`` (or SIGINT/SIGTERM when ``run`` is in the main thread) sends each program's
+- ``stop()`` (or SIGINT/SIGTERM/SIGHUP when ``run`` is in the main thread) sends each program's
   ``stop_signal`` (SIGTERM unless it says otherwise) to its process group, waits up to
-  ``stop_timeout`` seconds, then SIGKILLs what is left.
+  ``stop_timeout`` seconds, then SIGKILLs what is left;
+- **nothing outlives it**, not even when it is SIGKILLed (the OOM killer, a CI timeout, a
+  closed terminal): a small watchdog process in a session of its own holds the read end of a
+  pipe only the supervisor writes to, and learns from it every program's process group. When
+  the pipe ends without the supervisor's goodbye, the watchdog stops every group (stop signal,
+  then SIGKILL) and runs ``on_orphan`` (``make dev``: stop the local machines and the embedded
+  services this run started);
+- ``state_file`` (optional) names every program's pid and start time while it runs, so a
+  later start can refuse to run beside a previous one whose supervisor died
+  (:func:`leftovers`).
 
 No Django here: ``catacloud/`` never imports it.
 """
@@ -20,6 +29,7 @@ No Django here: ``catacloud/`` never imports it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +38,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
+
+import psutil
 
 
 @dataclass
@@ -66,6 +79,8 @@ class Supervisor:
         stop_timeout: float = 10.0,
         poll_interval: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        on_orphan: Sequence[str] = (),
+        state_file: Path | None = None,
     ) -> None:
         names = [p.name for p in programs]
         if len(set(names)) != len(names):
@@ -81,6 +96,9 @@ class Supervisor:
         self._stopping = threading.Event()
         self._write_lock = threading.Lock()
         self._width = max((len(n) for n in names), default=0)
+        self.on_orphan = list(on_orphan)
+        self.state_file = state_file
+        self.watchdog: subprocess.Popen[bytes] | None = None
 
     # ---- output ---------------------------------------------------------------------------------
 
@@ -107,6 +125,37 @@ class Supervisor:
         child = self.children[name]
         return child.popen.pid if child.popen is not None and child.popen.poll() is None else None
 
+    def _start_watchdog(self) -> None:
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-m", "catacloud.supervisor", "watchdog", *self.on_orphan],
+            stdin=subprocess.PIPE,
+            stdout=self.out if _has_fileno(self.out) else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if _has_fileno(self.out) else subprocess.DEVNULL,
+            start_new_session=True,  # neither Ctrl-C nor a kill of our group reaches it
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
+
+    def _tell(self, line: str) -> None:
+        """A line for the watchdog (it may be gone: then there is nobody to tell)."""
+        if self.watchdog is None or self.watchdog.stdin is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self.watchdog.stdin.write(line.encode() + b"\n")
+            self.watchdog.stdin.flush()
+
+    def _save_state(self) -> None:
+        if self.state_file is None:
+            return
+        state = {}
+        for name, child in self.children.items():
+            if child.popen is not None and child.popen.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    started = psutil.Process(child.popen.pid).create_time()
+                    state[name] = {"pid": child.popen.pid, "started": started}
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"supervisor": os.getpid(), "programs": state}))
+        tmp.replace(self.state_file)
+
     def _start(self, child: _Child) -> None:
         p = child.program
         child.popen = subprocess.Popen(
@@ -121,6 +170,8 @@ class Supervisor:
         child.started_at = self.clock()
         child.restart_at = None
         child.pids.append(child.popen.pid)
+        self._tell(f"+{child.popen.pid}")  # its own session: the group id is its pid
+        self._save_state()
         assert child.popen.stdout is not None
         child.reader = threading.Thread(
             target=self._pump, args=(p.name, child.popen.stdout), name=f"out-{p.name}", daemon=True
@@ -129,6 +180,8 @@ class Supervisor:
         self.log(f"started {p.name} (pid {child.popen.pid})")
 
     def start(self) -> None:
+        if self.watchdog is None:
+            self._start_watchdog()
         for child in self.children.values():
             self._start(child)
 
@@ -152,6 +205,7 @@ class Supervisor:
                 child.delay = min(child.delay * 2, self.max_restart_delay)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(popen.pid, signal.SIGKILL)  # its orphans (e.g. prefork children) too
+                self._tell(f"-{popen.pid}")
             if child.restart_at is not None and now >= child.restart_at:
                 self._start(child)
                 self.log(f"restarted {child.program.name} (pid {child.popen.pid})")  # type: ignore[union-attr]
@@ -160,7 +214,7 @@ class Supervisor:
         """Start everything and supervise until ``stop()`` or SIGINT/SIGTERM; then stop all."""
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: a closed terminal
                 previous[signum] = signal.signal(signum, lambda *_: self._stopping.set())
         try:
             self.start()
@@ -198,6 +252,15 @@ class Supervisor:
             child.popen.wait()
             if child.reader is not None:
                 child.reader.join(2)
+        if self.state_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.state_file.unlink()
+        if self.watchdog is not None:
+            self._tell("done")  # a goodbye: nothing is left to stop
+            with contextlib.suppress(OSError, ValueError):
+                self.watchdog.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.watchdog.wait(5)
 
 
 def _describe(returncode: int | None) -> str:
@@ -205,3 +268,78 @@ def _describe(returncode: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-returncode).name}"
     return f"code {returncode}"
+
+
+def _has_fileno(stream: object) -> bool:
+    try:
+        stream.fileno()  # type: ignore[attr-defined]
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+# ---- the watchdog ------------------------------------------------------------------------------
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def watchdog(lines: IO[str], on_orphan: Sequence[str], grace: float = 5.0) -> int:
+    """Read the supervisor's lines (``+pgid``, ``-pgid``, ``done``); when they end without
+    ``done`` the supervisor died: stop every group it had, then run ``on_orphan``."""
+    groups: set[int] = set()
+    for raw in lines:
+        line = raw.strip()
+        if line == "done":
+            return 0
+        if line[:1] in "+-" and line[1:].isdigit():
+            (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+    stamp = time.strftime("%H:%M:%S")
+    print(f"{stamp} watchdog | the supervisor died: stopping {len(groups)} program(s)", flush=True)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+        time.sleep(0.1)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    if on_orphan:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(list(on_orphan), timeout=120, check=False)
+    return 1
+
+
+def leftovers(state_file: Path) -> list[str]:
+    """Programs of a previous supervisor (``state_file``) that still run, as sentences; empty
+    when there is no such file or nothing of it lives."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return []
+    found = []
+    for name, info in sorted((state.get("programs") or {}).items()):
+        try:
+            proc = psutil.Process(int(info["pid"]))
+            if abs(proc.create_time() - float(info["started"])) > 1:
+                continue  # the pid was reused by something else
+            command = " ".join(proc.cmdline())[:120]
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            continue
+        found.append(f"{name} (pid {info['pid']}: {command})")
+    return found
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["watchdog"]:
+        sys.exit("usage: python -m catacloud.supervisor watchdog [ON_ORPHAN COMMAND...]")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # it ends when the supervisor's pipe does
+    sys.exit(watchdog(sys.stdin, sys.argv[2:]))

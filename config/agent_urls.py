@@ -5,10 +5,12 @@ from __future__ import annotations
 from django.urls import include, path
 
 from apps.control.urls import agent_urls
-from apps.core.views import healthz
+from apps.core.views import healthz, livez, readyz
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("livez", livez, name="livez"),
+    path("readyz", readyz, name="readyz"),
     path("api/agent/v1/", include(agent_urls())),
 ]
 

@@ -7,6 +7,7 @@ FileAwareEnv reads both. Values that would be dangerous are refused at start-up.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from collections.abc import Callable
@@ -74,8 +75,9 @@ CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 if env.bool("DJANGO_SECURE_PROXY_SSL_HEADER", default=False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = env.bool("DJANGO_SECURE_SSL_REDIRECT", default=False)
-# /healthz answers probes over plain HTTP inside the cluster.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# /livez, /readyz and /healthz answer probes over plain HTTP inside the cluster.
+SECURE_REDIRECT_EXEMPT = [r"^(healthz|livez|readyz)$"]
+
 SECURE_HSTS_SECONDS = env.int("DJANGO_SECURE_HSTS_SECONDS", default=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
 SECURE_HSTS_PRELOAD = env.bool("DJANGO_SECURE_HSTS_PRELOAD", default=False)
@@ -232,6 +234,18 @@ CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)
 # Long-poll: how long an idle agent's GET work waits before answering 204.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
+# The agent server closes a connection whose request header is not complete this many
+# seconds after it connected (or after the first byte of its next request); 0: no limit.
+CATACLOUD_AGENT_HEADER_TIMEOUT = env.float("CATACLOUD_AGENT_HEADER_TIMEOUT", default=10.0)
+# ... and refuses more than this many open connections from one address per process (0: no
+# limit; behind a proxy every agent has the proxy's address).
+CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT = env.int(
+    "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT", default=100
+)
+if CATACLOUD_AGENT_HEADER_TIMEOUT < 0 or CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT < 0:
+    raise ImproperlyConfigured(
+        "CATACLOUD_AGENT_HEADER_TIMEOUT and CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT must be >= 0"
+    )
 # Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
 CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 # A submit admits and places its grant's queued jobs in its own request (after its commit) when
@@ -239,6 +253,14 @@ CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")
 CATACLOUD_SCHEDULE_ON_SUBMIT = env.bool("CATACLOUD_SCHEDULE_ON_SUBMIT", default=True)
 # A labelled machine with no live row is deleted only after this grace (creation in flight).
 CATACLOUD_RECONCILE_GRACE = env.float("CATACLOUD_RECONCILE_GRACE", default=120.0)
+# Networks the webhook well may reach although they are not public: private, loopback,
+# link-local (169.254.169.254, the clouds' metadata service) and other reserved addresses are
+# refused unless listed here (comma-separated CIDRs, e.g. "10.20.0.0/16,127.0.0.1/32").
+CATACLOUD_WEBHOOK_ALLOW_NETWORKS = [
+    str(ipaddress.ip_network(n.strip(), strict=False))
+    for n in env.list("CATACLOUD_WEBHOOK_ALLOW_NETWORKS", default=[])
+    if n.strip()
+]
 # The currency of the price list (machine types' price_per_hour, budgets' amounts).
 CATACLOUD_CURRENCY = env.str("CATACLOUD_CURRENCY", default="USD")
 # Billing-aware retention: an idle machine is destroyed this many seconds before its paid

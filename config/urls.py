@@ -6,7 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 
 from apps.control.urls import agent_urls
 from apps.control.views import console_login, console_urls
-from apps.core.views import healthz, metrics_view
+from apps.core.views import healthz, livez, metrics_view, readyz
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
@@ -20,6 +20,8 @@ urlpatterns = [
     path("admin/login/", console_login, name="console-login"),  # lands on the dashboard
     path("admin/", admin.site.urls),
     path("healthz", healthz, name="healthz"),
+    path("livez", livez, name="livez"),
+    path("readyz", readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("config.api_urls")),
     path("api/agent/v1/", include(agent_urls())),

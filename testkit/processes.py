@@ -180,6 +180,7 @@ class Profile:
         metrics.mkdir(exist_ok=True)
         argv = [sys.executable, "-m", "gunicorn", "config.wsgi", "--bind", f"127.0.0.1:{port}"]
         argv += ["--workers", str(workers), "--threads", str(threads), "--log-level", self.loglevel.lower()]
+        argv += ["--no-control-socket"]  # not ~/.gunicorn/gunicorn.ctl, shared with every other run
         web_env = {"CATACLOUD_PUBLIC_URL": url, "PROMETHEUS_MULTIPROC_DIR": str(metrics), **WEB}
         proc = Proc(
             "gunicorn",

@@ -12,20 +12,23 @@ from typing import Any
 
 from testkit.processes import free_port
 
-Respond = Callable[[str, dict[str, Any]], tuple[int, dict[str, Any]]]
+# (status, answer) or (status, answer, headers)
+Respond = Callable[[str, dict[str, Any]], tuple[Any, ...]]
 
 
 class JsonServer:
-    """Answers each POST with ``respond(path, body)`` -> (status, answer), JSON both ways, in
+    """Answers each POST with ``respond(path, body)`` -> (status, answer[, headers]), JSON both ways, in
     a thread of its own; ``url`` is its base URL."""
 
     def __init__(self, respond: Respond) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                code, answer = respond(self.path, body)
+                code, answer, *extra = respond(self.path, body)
                 data = json.dumps(answer).encode()
                 self.send_response(code)
+                for name, value in (extra[0] if extra else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -1,4 +1,10 @@
-"""Liveness of what Catacloud depends on: database, broker, workers, beat."""
+"""Health of what Catacloud depends on: database, broker, workers, beat.
+
+Three answers (the Kubernetes convention): ``/livez`` (this process answers: restart it if
+not; no dependency is asked), ``/readyz`` (every part is up: database, broker, a worker and
+beat; 503 until then: wait on it before sending work) and ``/healthz`` (the detail, 200 while
+the API can serve, ``degraded`` when workers or beat are missing).
+"""
 
 from __future__ import annotations
 
@@ -60,15 +66,27 @@ def _beat() -> dict[str, Any]:
     return {"ok": age < BEAT_STALE_AFTER, "last_seen": mark.seen_at.isoformat()}
 
 
-def health() -> tuple[int, dict[str, Any]]:
-    """200 when the database and broker answer (workers and beat are reported; their
-    absence makes the answer ``degraded``, not unhealthy: the API still serves); else 503."""
+def _checks() -> dict[str, dict[str, Any]]:
     checks = {"database": _timed(_database), "broker": _timed(_broker)}
     if checks["broker"]["ok"]:
         checks["workers"] = _timed(_workers)
     else:
         checks["workers"] = {"ok": False, "error": "broker down"}
     checks["beat"] = _timed(_beat) if checks["database"]["ok"] else {"ok": False, "error": "database down"}
+    return checks
+
+
+def health() -> tuple[int, dict[str, Any]]:
+    """200 when the database and broker answer (workers and beat are reported; their
+    absence makes the answer ``degraded``, not unhealthy: the API still serves); else 503."""
+    checks = _checks()
     essential = checks["database"]["ok"] and checks["broker"]["ok"]
     overall = "ok" if all(c["ok"] for c in checks.values()) else ("degraded" if essential else "unhealthy")
     return (200 if essential else 503), {"status": overall, "checks": checks}
+
+
+def readiness() -> tuple[int, dict[str, Any]]:
+    """200 only when every part is up (database, broker, a worker, beat); else 503."""
+    checks = _checks()
+    ready = all(c["ok"] for c in checks.values())
+    return (200 if ready else 503), {"status": "ready" if ready else "not_ready", "checks": checks}

@@ -6,6 +6,7 @@ DRF's JSON parser lets ``RecursionError`` (deeply nested JSON) escape; this one 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,18 @@ def _too_deep(value: Any, limit: int) -> bool:
             return True
         stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def loads(raw: bytes | str) -> Any:
+    """``json.loads`` for input from outside: a document nested deeper than ``MAX_DEPTH`` is a
+    ``ValueError`` like any other bad JSON (never a ``RecursionError``)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    if _too_deep(data, MAX_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return data
 
 
 class SafeJSONParser(JSONParser):

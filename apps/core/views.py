@@ -17,6 +17,20 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 @require_GET
+def livez(request: HttpRequest) -> JsonResponse:
+    """Liveness: the process answers requests. No dependency is asked (a database outage must
+    not get every web process restarted)."""
+    return JsonResponse({"status": "alive"})
+
+
+@require_GET
+def readyz(request: HttpRequest) -> JsonResponse:
+    """Readiness: database, broker, a worker and beat all up; 503 until then."""
+    code, body = health.readiness()
+    return JsonResponse(body, status=code)
+
+
+@require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """Prometheus text format. Scrapers send CATACLOUD_METRICS_TOKEN as Bearer; without a token
     configured the endpoint is closed unless CATACLOUD_METRICS_PUBLIC opens it (it names every
@@ -41,7 +55,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
 
 
 def _wants_json(request: HttpRequest) -> bool:
-    return request.path.startswith("/api/") or request.path in ("/healthz", "/metrics")
+    return request.path.startswith("/api/") or request.path in ("/healthz", "/livez", "/readyz", "/metrics")
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:

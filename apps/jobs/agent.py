@@ -57,9 +57,9 @@ def _payload(job: Job) -> dict[str, Any]:
         "id": str(job.pk),
         "command": job.command,
         # Plain env, then the secret values (the configuration's, then the job's own) on top.
-        "env": {**job.env, **job.config.secret_env, **job.secret_env},
+        "env": {**job.env, **(secret := job.all_secret_env())},
         # The agent masks these values in the job's output (and its own log).
-        "secret_env_names": sorted({*job.config.secret_env, *job.secret_env}),
+        "secret_env_names": sorted(secret),
         "timeout_seconds": job.timeout_seconds,
         "attempt": job.attempt,
         "resources": _resource_names(job),

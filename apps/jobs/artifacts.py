@@ -33,6 +33,7 @@ from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
+from catacloud.agent.masking import mask_text
 from catacloud.storage import LocalStore, Readable, S3Store, Store, bad_segment
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,13 @@ def checkpoint_info(job: Job) -> dict[str, Any]:
 # ---- Agent API ---------------------------------------------------------------------------------
 
 
+def masked_name(job: Job, name: str) -> str:
+    """A name the job chose, with its secret env values masked (viewers list outputs but may
+    not read env): the same forms as in its output (catacloud/agent/masking.py)."""
+    secrets = job.all_secret_env()
+    return mask_text(name, secrets.values()) if secrets else name
+
+
 def _job_for_upload(instance: MachineInstance, job_id: Any, *, live_only: bool) -> Job | None:
     """The job may still be uploading if it runs on this machine, or (outputs) if it ended
     and the machine is still held for it (the server waits for uploads-done)."""
@@ -214,7 +222,7 @@ class ArtifactUploadView(AgentView):
         job = _job_for_upload(self.instance, job_id, live_only=False)
         if job is None:
             raise Conflict("this job's outputs are no longer accepted from this machine", code="not_assigned")
-        return _upload(self, request, job, Artifact.KIND_OUTPUT, clean)
+        return _upload(self, request, job, Artifact.KIND_OUTPUT, masked_name(job, clean))
 
 
 class CheckpointView(AgentView):
@@ -266,7 +274,8 @@ class UploadsDoneView(AgentView):
                 name = clean_name(str(item.get("name", ""))) if isinstance(item, dict) else None
                 if name is None:
                     continue
-                error = str(item.get("error", ""))[:2000]
+                name = masked_name(job, name)
+                error = masked_name(job, str(item.get("error", ""))[:2000])  # it may quote the name
                 Artifact.objects.update_or_create(
                     job=job,
                     kind=Artifact.KIND_OUTPUT,
@@ -295,7 +304,10 @@ class UploadsDoneView(AgentView):
 def artifact_agent_urls() -> list:
     return [
         re_path(
-            r"^jobs/(?P<job_id>[0-9a-f-]{36})/artifacts/(?P<name>.+)$",
+            # a UUID's own shape (36 characters of hex and dashes is not enough: uuid.UUID()
+            # refused it later, a 500); the name is the raw rest of the path (checked once)
+            r"^jobs/(?P<job_id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
+            r"/artifacts/(?P<name>.+)$",
             ArtifactUploadView.as_view(),
             name="agent-job-artifact",
         ),

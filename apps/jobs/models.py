@@ -121,6 +121,10 @@ class Job(SecretEnvMixin, models.Model):
     def __str__(self) -> str:
         return f"job {self.id} ({self.status})"
 
+    def all_secret_env(self) -> dict[str, str]:
+        """What the job gets as secret env: its configuration's, then its own on top."""
+        return {**self.config.secret_env, **self.secret_env}
+
     def event_refs(self) -> dict:
         return {"org": self.org_id, "job": self.pk, "instance": self.instance_id}
 

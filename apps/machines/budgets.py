@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -42,6 +42,11 @@ def period_start(period: str, now: datetime) -> datetime:
     if period == BudgetPeriod.DAY:
         return now.replace(hour=0, minute=0, second=0, microsecond=0)
     return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def next_month(month_start: datetime) -> datetime:
+    """The first instant of the month after the one ``month_start`` begins."""
+    return (month_start.replace(day=1) + timedelta(days=32)).replace(day=1)
 
 
 def _billing(mt: MachineType) -> Billing:

@@ -11,8 +11,9 @@ on the claim path, that it lost a member.
   (compare-and-set, so a mark is taken once) and enqueues that pool's refill task. Every few
   seconds it also sweeps marks whose notification nobody heard.
 - The refill clears its pool's mark before it reads the pool, so a claim committed after
-  that marks it again. Whatever slips through (no listener, broker down), the reaper refills
-  within a tick: the signal only makes things faster.
+  that marks it again. A mark whose refill could not be sent (broker down) is put back and
+  sent by a later sweep. Whatever slips through (no listener), the reaper refills every pool
+  below its target at each tick, whatever the marks say: the signal only makes things faster.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ SELECT pg_notify('{REFILL_CHANNEL}', r.id::text) FROM r
 _TAKE_SQL = """
 UPDATE pools_instancepool SET refill_requested_at = NULL
 WHERE id = ANY(%s::uuid[]) AND refill_requested_at IS NOT NULL RETURNING id
+"""
+# A refill not sent: mark the pool again (a refill that started meanwhile cleared it and reads
+# the pool after; marking it again costs at most one more refill).
+_PUT_BACK_SQL = """
+UPDATE pools_instancepool SET refill_requested_at = COALESCE(refill_requested_at, now())
+WHERE id = ANY(%s::uuid[])
 """
 _SWEEP_SQL = "SELECT id FROM pools_instancepool WHERE refill_requested_at IS NOT NULL LIMIT 500"
 
@@ -81,13 +88,17 @@ def _dsn() -> str:
 
 def take_and_enqueue(conn: psycopg.Connection, pool_ids: set[str]) -> int:
     """Clear the marks of ``pool_ids`` (each taken by one listener only) and enqueue their
-    refills. Returns how many were enqueued."""
+    refills. A mark whose refill could not be sent (the broker is down) is put back, so the
+    next sweep sends it once the broker answers. Returns how many were enqueued."""
     from apps.pools.tasks import pool_refill_task
 
     if not pool_ids:
         return 0
     taken = [str(row[0]) for row in conn.execute(_TAKE_SQL, [sorted(pool_ids)]).fetchall()]
-    return sum(enqueue(pool_refill_task, pool_id) for pool_id in taken)
+    unsent = [pool_id for pool_id in taken if not enqueue(pool_refill_task, pool_id)]
+    if unsent:
+        conn.execute(_PUT_BACK_SQL, [unsent])
+    return len(taken) - len(unsent)
 
 
 def listen(stop: threading.Event, *, dsn: str | None = None, sweep_seconds: float = SWEEP_SECONDS) -> None:

@@ -29,6 +29,7 @@ import psutil
 
 from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
+from catacloud.agent.masking import OutputMasker
 from catacloud.agent.sandbox import JobPlace, Launcher
 
 log = logging.getLogger("catacloud.agent")
@@ -364,43 +365,8 @@ class ProcessTree:
             time.sleep(0.05)
 
 
-MASK = b"***"
-MIN_MASKED = 3  # shorter values would mask ordinary output everywhere
-
-
-class Masker:
-    """Replaces secret values in a byte stream with ``***``, also when a value is split across
-    reads: the last ``len(longest) - 1`` bytes wait for the next read (or the end)."""
-
-    def __init__(self, values: Iterable[str]) -> None:
-        encoded = {v.encode() for v in values if len(v) >= MIN_MASKED}
-        self.values = sorted(encoded, key=len, reverse=True)  # longest first
-        self.hold = max((len(v) for v in self.values), default=1) - 1
-        self.tail = b""
-
-    def _mask(self, data: bytes) -> bytes:
-        for value in self.values:
-            data = data.replace(value, MASK)
-        return data
-
-    def feed(self, data: bytes) -> bytes:
-        if not self.values:
-            return data
-        data = self._mask(self.tail + data)
-        if self.hold and len(data) > self.hold:
-            data, self.tail = data[: -self.hold], data[-self.hold :]
-        elif self.hold:
-            data, self.tail = b"", data
-        return data
-
-    def flush(self) -> bytes:
-        rest, self.tail = self._mask(self.tail), b""
-        return rest
-
-
-def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer, mask: Iterable[str] = ()) -> None:
+def _pump(pipe: IO[bytes], stream: str, masker: OutputMasker) -> None:
     fd = pipe.fileno()
-    masker = Masker(mask)
     try:
         while True:
             try:
@@ -409,12 +375,9 @@ def _pump(pipe: IO[bytes], stream: str, streamer: LogStreamer, mask: Iterable[st
                 break
             if not data:
                 break
-            if out := masker.feed(data):
-                streamer.feed(stream, out)
+            masker.feed(stream, data)
     finally:
-        if rest := masker.flush():
-            streamer.feed(stream, rest)
-        streamer.end_stream(stream)
+        masker.end(stream)
         pipe.close()
 
 
@@ -469,7 +432,8 @@ def run_job_process(
 
     ``env`` is the job's whole environment (nothing of the agent's is added); only the job's own
     process gets it (see :mod:`catacloud.agent.sandbox`). ``place`` says where it runs and as
-    whom. Values in ``mask`` become ``***`` in its output."""
+    whom. Values in ``mask`` become ``***`` in its output (catacloud/agent/masking.py says in
+    which forms)."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
     try:
@@ -493,13 +457,10 @@ def run_job_process(
     finally:
         launch.close()
     assert proc.stdout is not None and proc.stderr is not None
+    masker = OutputMasker(mask, streamer.feed, streamer.end_stream)  # both streams as one sequence
     readers = [
-        threading.Thread(
-            target=_pump, args=(proc.stdout, "stdout", streamer, mask), name="job-stdout", daemon=True
-        ),
-        threading.Thread(
-            target=_pump, args=(proc.stderr, "stderr", streamer, mask), name="job-stderr", daemon=True
-        ),
+        threading.Thread(target=_pump, args=(proc.stdout, "stdout", masker), name="job-stdout", daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, "stderr", masker), name="job-stderr", daemon=True),
     ]
     for reader in readers:
         reader.start()

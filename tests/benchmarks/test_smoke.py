@@ -26,14 +26,39 @@ def sane(result: PartResult, part: str) -> None:
 
 
 def test_claim(tmp_path: Path) -> None:
-    result = run_part("claim", concurrencies=(1, 4), runs=1, duration=0.1, members=300, progress=quiet)
+    result = run_part("claim", concurrencies=(1, 4), runs=2, duration=0.1, members=300, progress=quiet)
     sane(result, "claim")
     assert result.data["double_claims"] == 0
     for c in ("1", "4"):
         for v in result.data["variants"]:  # service, floor, and the peers that are installed
             assert result.data["table"][c][v]["claims"] > 0
+    # every judged figure is the median of its runs with their spread; the load is recorded
+    vs_floor = result.figures[0]
+    assert vs_floor.runs == 2 and vs_floor.spread is not None and vs_floor.met_runs is not None
+    assert vs_floor.spread[0] <= vs_floor.ratio <= vs_floor.spread[1]  # type: ignore[operator]
+    assert result.load["cores"] and result.load["load_1m"]["max"] >= result.load["load_1m"]["min"]
     report.save(result, tmp_path)
     assert report.plots(report.load_all(tmp_path), tmp_path) == ["claim.png"]
+    text = report.write(report.load_all(tmp_path), tmp_path, report.environment(), {}).read_text()
+    assert "## How far apart two runs of the same code land" in text
+    assert "Machine load during the part: 1-minute load average" in text
+    assert f"({vs_floor.runs} runs)" in text
+
+
+def test_a_target_met_in_some_runs_only_reads_within_noise() -> None:
+    """The claim's ratio to the floor read 0.66, then 0.33 and 0.52 on the same code: one
+    number per figure made the 60% target met or missed by the machine's mood."""
+    from benchmarks.harness import of_runs
+
+    def at_least_60(x: float) -> bool:
+        return x >= 0.6
+
+    noisy = of_runs("vs floor", [1711, 2558, 2900], "claims/s", ratios=[0.33, 0.52, 0.66], check=at_least_60)
+    assert (noisy.ratio, noisy.spread, noisy.runs, noisy.met_runs) == (0.52, [0.33, 0.66], 3, 1)
+    assert noisy.status() == "not met, within noise (1 of 3 runs met it)"
+    clear = of_runs("vs floor", [2900, 3000], "claims/s", ratios=[0.61, 0.7], check=at_least_60)
+    assert clear.status() == "met"
+    assert "0.33x - 0.66x (3 runs)" in report.table(PartResult(part="claim", title="t", figures=[noisy]))
 
 
 def test_rest() -> None:

@@ -3,7 +3,9 @@ Ctrl-C still stops everything."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -136,18 +138,19 @@ def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
 
 def test_the_banner_comes_again_once_healthy() -> None:
     """The first banner scrolls away under the Celery banners: it is printed again when
-    /healthz says every part is up."""
+    /readyz says every part is up (503 until then)."""
     import http.server
     import json as jsonlib
 
     from catacloud.cli import _announce_when_healthy
 
-    answers = iter([{"status": "degraded"}, {"status": "degraded"}])
+    answers = iter([(503, {"status": "not_ready"}), (503, {"status": "not_ready"})])
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = jsonlib.dumps(next(answers, {"status": "ok"})).encode()
-            self.send_response(200)
+            code, answer = next(answers, (200, {"status": "ready"}))
+            body = jsonlib.dumps(answer).encode()
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(body)
@@ -159,7 +162,7 @@ def test_the_banner_comes_again_once_healthy() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     supervisor = Supervisor([], out=Output())
     try:
-        url = f"http://127.0.0.1:{server.server_port}/healthz"
+        url = f"http://127.0.0.1:{server.server_port}/readyz"
         _announce_when_healthy(supervisor, url, ["  token    cc_x"], time.monotonic())
     finally:
         server.shutdown()
@@ -229,3 +232,148 @@ def test_flower_starts_without_inspect_warnings(tmp_path: Path) -> None:
     log = out.getvalue()
     assert "Connected to redis" in log, log  # it did ask the broker
     assert "Inspect method" not in log, log
+
+
+ORPHANED = """
+import sys
+from pathlib import Path
+from catacloud.supervisor import Program, Supervisor
+sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
+marker = sys.argv[1]
+cleanup = [sys.executable, "-c", f"open({marker!r}, 'w').write('cleaned')"]
+Supervisor(
+    [Program("a", sleep), Program("b", sleep)], on_orphan=cleanup, state_file=Path(sys.argv[2])
+).run()
+"""
+
+
+def test_every_program_dies_with_a_sigkilled_supervisor_and_its_clean_up_runs(tmp_path: Path) -> None:
+    """kill -9 of `make dev`'s supervisor (the OOM killer, a CI timeout, a closed terminal)
+    left gunicorn, beat and PostgreSQL running; the next `make dev` could not bind its port."""
+    from catacloud.supervisor import leftovers
+
+    marker, state = tmp_path / "cleaned", tmp_path / "dev.programs.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHANED, str(marker), str(state)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "the supervisor exited before starting its programs"
+            if "started" in line:
+                pids.append(int(re.search(r"pid (\d+)", line).group(1)))  # type: ignore[union-attr]
+        wait_for(lambda: len(leftovers(state)) == 2, 10, "the programs recorded in the state file")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: all(gone(pid) for pid in pids), 20, "every program gone with its supervisor")
+        wait_for(marker.exists, 20, "the supervisor's clean-up (local machines, services) run")
+        assert leftovers(state) == []
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_start_refuses_to_run_beside_a_live_stack_of_the_same_home(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from catacloud.cli import DEV_STATE, _dev_lock
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from catacloud.cli import _dev_lock;"
+            f" lock = _dev_lock(Path({str(tmp_path)!r})); print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert _dev_lock(tmp_path) is None
+        assert f"pid {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    # its supervisor is gone but one of its programs still runs (here: a sleep we started)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(orphan.pid).create_time()
+        (tmp_path / DEV_STATE).write_text(
+            json.dumps({"supervisor": 1, "programs": {"web": {"pid": orphan.pid, "started": started}}})
+        )
+        assert _dev_lock(tmp_path) is None
+        err = capsys.readouterr().err
+        assert f"web (pid {orphan.pid}" in err and f"kill {orphan.pid}" in err
+    finally:
+        orphan.kill()
+        orphan.wait()
+    lock = _dev_lock(tmp_path)  # nothing left: it starts
+    assert lock is not None
+    lock.close()
+
+
+def test_gunicorns_control_socket_lives_under_catacloud_home(tmp_path: Path) -> None:
+    """It was ~/.gunicorn/gunicorn.ctl, one for every `make dev` on the host."""
+    web = next(p for p in dev_programs(env={}, home=tmp_path, port=1, flower_port=2) if p.name == "web")
+    assert web.argv[web.argv.index("--control-socket") + 1] == str(tmp_path / "gunicorn.ctl")
+
+
+CTRL_C = """
+import signal, sys, time
+from catacloud.cli import _own_terminal
+give_back = _own_terminal() if sys.argv[1] == "own" else (lambda: None)
+def stop(*_):
+    give_back()
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("mode", "status"), [("own", 0), ("shared", -signal.SIGINT)])
+def test_ctrl_c_in_a_terminal_ends_make_dev_with_status_0(tmp_path: Path, mode: str, status: int) -> None:
+    """Ctrl-C reached `make` too, which died of SIGINT (status 130) whatever the supervisor
+    did. Run under make in a real terminal (a pty): the dev runner takes the terminal's
+    foreground for itself, so make sees a clean exit; without that (control case) make dies."""
+    import fcntl
+    import pty
+    import termios
+
+    script = tmp_path / "stop.py"
+    script.write_text(CTRL_C)
+    (tmp_path / "Makefile").write_text(f"dev:\n\t@{sys.executable} {script} {mode}\n")
+    master, slave = pty.openpty()
+
+    def controlling_terminal() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    make = subprocess.Popen(
+        ["make", "-s", "-C", str(tmp_path), "dev"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=controlling_terminal,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    os.close(slave)
+    try:
+        seen = b""
+        while b"ready" not in seen:
+            seen += os.read(master, 1024)
+        os.write(master, b"\x03")  # what the terminal sends for Ctrl-C
+        assert make.wait(20) == status
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+        os.close(master)

@@ -148,3 +148,28 @@ def test_work_hands_out_the_assigned_job_and_otherwise_answers_204(tworld: World
     d_status, d_answer, _ = django("GET", WORK, Authorization=f"Agent {token}")
     assert status == 200 and answer["job"]["id"] == str(job.pk) and answer["job"]["command"] == "echo hi"
     assert (status, answer) == (d_status, d_answer)
+
+
+def test_a_stop_cuts_waiting_polls_instead_of_timing_out_on_them(tworld: World, tmp_path: Path) -> None:
+    """Every Ctrl-C of make dev ended with "Cancel 15 running task(s), timeout graceful
+    shutdown exceeded": the agents' long polls were waited for, then cancelled."""
+    import contextlib
+    import threading
+    import time
+
+    def poll(token: str) -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException):  # the server went away
+            call(url, "GET", "/api/agent/v1/work?wait=60", Authorization=f"Agent {token}")
+
+    tokens = [agent(tworld, provider_id=f"p-{i}")[1] for i in range(3)]
+    with TESTS.agent_server(tmp_path, CATACLOUD_AGENT_POLL_TIMEOUT="60") as (url, proc):
+        polls = [threading.Thread(target=poll, args=(token,), daemon=True) for token in tokens]
+        for thread in polls:
+            thread.start()
+        time.sleep(1.5)  # the three polls wait
+        assert all(thread.is_alive() for thread in polls)
+        proc.stop(timeout=15)
+        assert "timeout graceful shutdown exceeded" not in proc.output(), proc.output()[-2000:]
+        for thread in polls:
+            thread.join(10)
+            assert not thread.is_alive(), "a poll still waits on a stopped server"

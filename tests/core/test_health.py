@@ -23,3 +23,35 @@ def test_healthz_is_503_when_the_broker_is_down() -> None:
     assert body["status"] == "unhealthy"
     assert body["checks"]["broker"]["ok"] is False
     assert body["checks"]["database"]["ok"] is True
+
+
+def test_liveness_and_readiness_answer_apart_without_a_worker_or_beat() -> None:
+    """/healthz answered 200 ("degraded") while no worker and no beat ran, so whoever waited on
+    it started sending work too early. Kubernetes convention: /livez says the process answers
+    (restart it if not), /readyz says everything is up (wait on it before sending work)."""
+    from django.core.cache import cache
+    from django.utils import timezone
+
+    from apps.core.models import Heartbeat
+
+    Heartbeat.objects.all().delete()
+    cache.set("health:workers", [], 5)  # no worker answered a ping
+    live = Client().get("/livez")
+    assert live.status_code == 200 and live.json() == {"status": "alive"}
+    ready = Client().get("/readyz")
+    assert ready.status_code == 503
+    body = ready.json()
+    assert body["status"] == "not_ready"
+    assert body["checks"]["workers"]["ok"] is False and body["checks"]["beat"]["ok"] is False
+    assert body["checks"]["database"]["ok"] is True
+
+    Heartbeat.objects.create(name="beat", seen_at=timezone.now())
+    cache.set("health:workers", ["w1@host"], 5)
+    ready = Client().get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+@override_settings(CELERY_BROKER_URL="redis://127.0.0.1:1/0")
+def test_a_process_whose_broker_is_down_is_alive_but_not_ready() -> None:
+    assert Client().get("/livez").status_code == 200
+    assert Client().get("/readyz").status_code == 503

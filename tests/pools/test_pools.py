@@ -385,3 +385,70 @@ def test_a_claim_records_its_event_as_the_event_model_reads_it(world: World, fak
     event = Event.objects.get(kind="pool.member_claimed", instance_id=member.pk)
     assert (event.org_id, event.pool_id, event.actor) == (world.org.pk, pool.pk, "user:ci")
     assert event.data == {"claim_id": str(claim.claim_id), "acquired_by": "ci", "acquired_for": "build 7"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refill_the_broker_refused_is_sent_once_it_answers_again(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis down while a pool is emptied: the listener took the claims' mark, the enqueue
+    failed, and the mark was gone: with the listener alive the pool stayed short (issue 26).
+    Now the mark is put back and a later sweep sends the refill once Redis answers."""
+    from kombu.exceptions import OperationalError
+
+    from apps.core import broker
+    from apps.pools import tasks
+    from apps.pools.refill import listen
+
+    FakeProvider.reset()
+    account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "outage"})
+    mt = MachineType.objects.create(
+        name="f1", provider_account=account, server_type="f", cpus=1, memory_mb=1024
+    )
+    OrgMachineType.objects.create(org=tworld.org, machine_type=mt, max_pool_size=10, max_instances=10)
+    pool = pool_create(org=tworld.org, name="outage", machine_type=mt, target_size=2, max_size=4)
+    InstancePool.objects.filter(pk=pool.pk).update(refill_requested_at=None)
+    members = ready_members(pool, 2)
+    redis_up = threading.Event()
+    enqueued: list[str] = []
+
+    def apply_async(args: list[str], **_: Any) -> None:
+        if not redis_up.is_set():
+            raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        enqueued.append(args[0])
+
+    monkeypatch.setattr(tasks.pool_refill_task, "apply_async", apply_async)
+    monkeypatch.setattr(broker, "BROKER_BACKOFF_SECONDS", 0.5)
+    monkeypatch.setattr(broker, "_down_until", 0.0)
+    stop = threading.Event()
+    listener = threading.Thread(target=listen, args=(stop,), kwargs={"sweep_seconds": 0.3}, daemon=True)
+    listener.start()
+    try:
+        time.sleep(0.5)  # listening
+        for _ in members:  # the pool is emptied while Redis is down
+            pool_claim(pool_id=pool.pk)
+        time.sleep(1.5)  # the listener heard the claims and failed to send the refill
+        assert enqueued == []
+        redis_up.set()  # Redis is back; no claim, no reaper tick
+        wait_for(lambda: enqueued == [str(pool.pk)], 10, "the refill sent once Redis answers")
+        assert InstancePool.objects.get(pk=pool.pk).refill_requested_at is None  # taken once
+    finally:
+        stop.set()
+        listener.join(timeout=5)
+
+
+@pytest.mark.django_db
+def test_the_reaper_refills_a_short_pool_whatever_its_refill_mark_says(
+    world: World, fake_type: MachineType
+) -> None:
+    """Level-triggered: a pool below target is refilled at the reaper's next tick whether a
+    refill is marked as pending (a listener holds it) or not (the mark was lost)."""
+    short = pool_create(org=world.org, name="marked", machine_type=fake_type, target_size=2, max_size=3)
+    lost = pool_create(org=world.org, name="unmarked", machine_type=fake_type, target_size=2, max_size=3)
+    MachineInstance.objects.filter(pool__in=[short, lost]).delete()  # the members are gone
+    InstancePool.objects.filter(pk=short.pk).update(refill_requested_at=timezone.now())
+    InstancePool.objects.filter(pk=lost.pk).update(refill_requested_at=None)
+    report = reaper_tick(reconcile=False)
+    assert report.requested == 4
+    for pool in (short, lost):
+        assert MachineInstance.objects.filter(pool=pool, status=S.PENDING).count() == 2

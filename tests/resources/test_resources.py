@@ -4,11 +4,13 @@ real counterpart (Catacloud's own API, a real PostgreSQL server, a local HTTP se
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from django.test import override_settings
 from rest_framework.test import APIClient
 
 from apps.events.models import Event
@@ -20,8 +22,8 @@ from apps.jobs.submission import job_cancel, job_submit
 from apps.orgs.models import Privilege
 from apps.resources.lifecycle import release_for_job, resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
-from apps.resources.wells import WellTransient
-from testkit.builders import job_config
+from apps.resources.wells import WellPermanent, WellTransient, build_well
+from testkit.builders import job_config, job_row
 from testkit.servers import JsonServer
 from tests.conftest import World
 
@@ -184,6 +186,10 @@ def rack() -> Iterator[Rack]:
     server.close()
 
 
+LOOPBACK = override_settings(CATACLOUD_WEBHOOK_ALLOW_NETWORKS=["127.0.0.1/32"])
+
+
+@LOOPBACK
 def test_the_webhook_well_creates_and_retries_a_failing_destroy_until_it_succeeds(
     world: World, rack: Rack
 ) -> None:
@@ -233,3 +239,57 @@ def test_resource_types_show_use_and_whether_the_org_may_use_them(world: World) 
     world.org.privileges.add(lab)
     rows = {r["id"]: r for r in world.client("viewer").get("/api/v1/resource-types/").json()["results"]}
     assert rows["locked"]["usable"] is True
+
+
+@LOOPBACK
+def test_the_webhook_well_never_follows_a_redirect(world: World) -> None:
+    """A far side answering 307 to an internal address had the well replay its POST (headers
+    and all) there."""
+    internal = Rack(destroy_failures=0)  # what must never be reached
+    far = JsonServer(lambda path, body: (307, {}, {"Location": f"{internal.url}{path}"}))
+    try:
+        urls = {"create_url": f"{far.url}/create", "destroy_url": f"{far.url}/destroy"}
+        ResourceType.objects.create(id="hop", well="webhook", config=urls)
+        job = admitted_job(world, config_with(world, "hop"))
+        job_acquire_resources(job_id=job.pk)
+        resource = ResourceInstance.objects.get(job=job)
+        assert resource.status == "failed" and "redirects are not followed" in resource.failure_reason
+        job.refresh_from_db()
+        assert job.status == J.FAILED
+        with pytest.raises(WellPermanent, match="307"):
+            build_well("webhook", urls).destroy(resource_id=str(resource.pk), external_id="x", job_id=None)
+        assert internal.calls == []
+    finally:
+        far.close()
+        internal.close()
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "localhost", "[::1]", "169.254.169.254", "10.1.2.3", "0.0.0.0"]
+)
+def test_the_webhook_well_refuses_addresses_that_are_not_public(world: World, rack: Rack, host: str) -> None:
+    """Loopback, private and link-local targets (the metadata service) are refused unless the
+    operator lists their network; refused at connect time, so a name resolving there is too."""
+    port = rack.url.rsplit(":", 1)[1]
+    urls = {"create_url": f"http://{host}:{port}/create", "destroy_url": f"http://{host}:{port}/destroy"}
+    well = build_well("webhook", {**urls, "timeout": 2})
+    job = job_row(config_with(world), status="queued")
+    with pytest.raises(WellPermanent, match="not a public address"):
+        well.create(resource_id=str(uuid.uuid4()), job=job)
+    assert rack.calls == []
+    if host in ("127.0.0.1", "localhost"):
+        with override_settings(CATACLOUD_WEBHOOK_ALLOW_NETWORKS=["127.0.0.0/8"]):
+            well.create(resource_id=str(uuid.uuid4()), job=job)
+        assert [path for path, _ in rack.calls] == ["/create"]
+
+
+def test_webhook_addresses_public_or_allowed() -> None:
+    from apps.resources.wells.webhook import refused_address
+
+    assert not refused_address("93.184.215.14") and not refused_address("2606:4700::1111")
+    for ip in ("127.0.0.1", "10.0.0.1", "172.16.5.4", "192.168.1.1", "169.254.169.254", "100.64.0.1"):
+        assert refused_address(ip), ip
+    for ip in ("::1", "fe80::1", "fd00::1", "::ffff:10.0.0.1", "224.0.0.1", "0.0.0.0"):
+        assert refused_address(ip), ip
+    with override_settings(CATACLOUD_WEBHOOK_ALLOW_NETWORKS=["10.20.0.0/16"]):
+        assert not refused_address("10.20.3.4") and refused_address("10.21.0.1")

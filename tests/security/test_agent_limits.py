@@ -67,3 +67,57 @@ def test_each_agent_has_its_own_rate_limit(world: World) -> None:
     assert [a.status_code for a in answers[:5]] == [200] * 5
     assert answers[5].status_code == 429 and answers[5].json()["code"] == "throttled"
     assert other.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
+
+
+# ---- the agent server's connections (issue 26) --------------------------------------------------
+
+
+def _closed_by_server(sock: Any, within: float) -> bool:
+    """Whether the server closes ``sock`` (reads end of file) within ``within`` seconds."""
+
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_server_closes_idle_and_slow_header_connections_and_caps_each_client(
+    tworld: World, tmp_path: Any
+) -> None:
+    """300 connections that sent nothing, or their header a byte at a time, stayed open for a
+    whole 45 s probe: no header timeout and no limit per client."""
+    import http.client
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from testkit.processes import TESTS
+
+    env = {"CATACLOUD_AGENT_HEADER_TIMEOUT": "2", "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT": "20"}
+    with TESTS.agent_server(tmp_path, **env) as (url, _):
+        port = urlsplit(url).port
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /api/agent/v1/work HTTP/1.1\r\nHost: x\r\n")
+        extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(15)]  # 26 in all
+        try:
+            for _ in range(3):  # a header trickling in does not keep it open
+                time.sleep(0.3)
+                slow.sendall(b"X")
+            refused = sum(_closed_by_server(s, 0.1) for s in extra)
+            assert refused == 6, "connections beyond the cap of 20 are closed at once"
+            assert all(_closed_by_server(s, 10) for s in idle), "idle connections outlived the timeout"
+            assert _closed_by_server(slow, 10), "a slow header outlived the timeout"
+            # ... and once they are gone, the same client is served as before
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/api/agent/v1/work?wait=0")
+            assert conn.getresponse().status == 401
+            conn.close()
+        finally:
+            for s in [*idle, slow, *extra]:
+                s.close()

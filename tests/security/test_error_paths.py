@@ -122,3 +122,51 @@ def test_unknown_paths_and_methods_under_api_are_json_in_debug(world: World) -> 
     assert missing.json()["code"] == "not_found"
     wrong = client.put("/api/v1/jobs/", {}, format="json")
     assert wrong.status_code == 405 and wrong.json()["code"] == "method_not_allowed"
+
+
+# ---- issue 26: bad input that still found a 500 ------------------------------------------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("param", ["after", "attempt"])
+@pytest.mark.parametrize("value", ["100000000000000000000000000000", "-100000000000000000000", "2147483648"])
+def test_a_log_cursor_out_of_range_is_400_not_500(world: World, param: str, value: str) -> None:
+    """``?after=`` and ``?attempt=`` beyond what the columns hold reached PostgreSQL (a 500)."""
+    from testkit.builders import job_config, job_row
+
+    job = job_row(job_config(world.org, world.machine_type, "c", "echo"), status="queued")
+    response = world.client("member").get(f"/api/v1/jobs/{job.pk}/logs/?{param}={value}")
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == "invalid"
+    assert param in response.json()["fields"]
+    ok = world.client("member").get(f"/api/v1/jobs/{job.pk}/logs/?after=2147483647&attempt=1")
+    assert ok.status_code == 200 and ok.json()["text"] == ""
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_deeply_nested_heartbeat_with_an_unknown_token_is_4xx(world: World, depth: int) -> None:
+    """The heartbeat parsed its body before the token was looked up: deeply nested JSON from
+    anyone with a well-formed token raised RecursionError (a 500)."""
+    from django.test import Client
+
+    from apps.core.crypto import new_token
+
+    body = '{"a": ' * depth + "1" + "}" * depth
+    response = Client(headers={"Authorization": f"Agent {new_token('ca')}"}).generic(
+        "POST", "/api/agent/v1/heartbeat", body, content_type="application/json"
+    )
+    assert response.status_code in (400, 401), response.content
+    assert response.json()["code"] == "parse_error"
+
+
+@pytest.mark.django_db
+def test_an_artifact_put_for_a_job_id_that_is_not_a_uuid_is_404(world: World, tmp_path: Any) -> None:
+    from tests.jobs.test_artifacts import put, running_job
+
+    _, agent, _ = running_job(world, tmp_path)
+    for job_id in ("-" * 36, "0" * 36, "0123456789abcdef-0123456789abcdef-01"):
+        assert len(job_id) == 36
+        response = put(agent, f"/api/agent/v1/jobs/{job_id}/artifacts/x.txt", b"x")
+        assert response.status_code == 404, (job_id, response.content)
+        assert response.json()["code"] == "not_found"

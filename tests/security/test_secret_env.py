@@ -111,3 +111,88 @@ def test_a_job_printing_its_secret_shows_stars(api: object, start_agent: object)
     assert CONFIG_SECRET not in output
     assert "key=***" in output and "split=***" in output  # also when written in two pieces
     assert "plain=eu" in output
+
+
+# Ways a job printed its secret past the mask (issue 26), each a shell line over $API_KEY.
+BYPASSES = {
+    "split across stdout and stderr": 'printf "k=%s" "${API_KEY%????????}"; sleep 0.2; '
+    'printf "%s\\n" "${API_KEY#${API_KEY%????????}}" >&2',
+    "an ANSI code inside": 'printf "%s\\033[31m%s\\033[0m\\n" '
+    '"${API_KEY%????????}" "${API_KEY#${API_KEY%????????}}"',
+    "upper-cased": 'echo "$API_KEY" | tr a-z A-Z',
+    "hex": 'printf %s "$API_KEY" | od -An -tx1',
+    "hex, one line": 'printf %s "$API_KEY" | od -An -tx1 | tr -d " \\n"',
+    "base64": 'printf %s "$API_KEY" | base64',
+    "base64 inside a longer text": 'printf "xy%s" "$API_KEY" | base64',
+    "spaced": 'echo "$API_KEY" | sed "s/./& /g"',
+    "fold -w 3": 'echo "$API_KEY" | fold -w 3',
+    "rev": 'echo "$API_KEY" | rev',  # util-linux (bsdextrautils on Debian 12)
+    "URL-encoded": 'python3 -c "import os, urllib.parse; '
+    "print(urllib.parse.quote(os.environ['URL_KEY'], safe=''))\"",
+}
+URL_SECRET = "p@ss/w0rd+Zq9#x!"
+
+
+def _flat(text: str) -> str:
+    """The output as a reader would take it in: no whitespace, no colour codes, lower case."""
+    import re
+
+    return re.sub(r"\s|\x1b\[[0-9;]*m", "", text).lower()
+
+
+@pytest.mark.parametrize("how", list(BYPASSES))
+def test_a_secret_printed_in_another_form_is_masked(api: object, start_agent: object, how: str) -> None:
+    import base64
+    from urllib.parse import quote
+
+    from tests.agent.fake_server import FakeAgentAPI
+
+    assert isinstance(api, FakeAgentAPI)
+    start_agent()  # type: ignore[operator]
+    job = api.assign(
+        BYPASSES[how] + "; sleep 0.2; echo done",  # after the last piece has been read
+        env={"API_KEY": CONFIG_SECRET, "URL_KEY": URL_SECRET},
+        secret_env_names=["API_KEY", "URL_KEY"],
+    )
+    assert api.wait_finished(job)["outcome"] == "succeeded"
+    output = api.output(job)
+    flat = _flat(output)
+    raw = CONFIG_SECRET.encode()
+    forms = {
+        CONFIG_SECRET.lower(),
+        CONFIG_SECRET[::-1].lower(),
+        raw.hex(),
+        base64.b64encode(raw).decode().rstrip("=").lower(),
+        base64.b64encode(b"xy" + raw).decode()[4:-4].lower(),  # the part that is the secret's alone
+        quote(URL_SECRET, safe="").lower(),
+    }
+    leaked = sorted(form for form in forms if form in flat)
+    assert not leaked, f"{how}: {leaked} in {output!r}"
+    assert "***" in output and "done" in output
+
+
+@pytest.mark.django_db
+def test_a_secret_used_as_an_output_name_is_masked_for_viewers(
+    world: World, tmp_path: object, local_storage: None
+) -> None:
+    """Viewers list a job's outputs (names) but may not read its env: a file named after the
+    secret showed it to them."""
+    from tests.jobs.test_artifacts import put, running_job
+
+    job, agent, _ = running_job(world, tmp_path)  # type: ignore[arg-type]
+    job.secret_env = {"API_KEY": JOB_SECRET}
+    job.save(update_fields=["secret_env_encrypted"])
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    assert put(agent, f"{base}/artifacts/dump-{JOB_SECRET}.txt", b"x").status_code == 201
+    assert (
+        put(
+            agent, f"{base}/artifacts/{JOB_SECRET.upper()}%2Fhex-{JOB_SECRET.encode().hex()}", b"y"
+        ).status_code
+        == 201
+    )
+    failed = {"failed": [{"name": f"big-{JOB_SECRET}.bin", "error": f"too large: big-{JOB_SECRET}.bin"}]}
+    assert agent.post(f"{base}/uploads-done", failed, format="json").status_code == 200
+    listed = world.client("viewer").get(f"/api/v1/jobs/{job.pk}/artifacts/").json()
+    names = sorted(a["name"] for a in listed)
+    assert names == ["***/hex-***", "big-***.bin", "dump-***.txt"], names
+    assert JOB_SECRET not in json.dumps(listed) and JOB_SECRET not in everything_stored()

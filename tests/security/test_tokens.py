@@ -96,3 +96,19 @@ def test_bootstrap_tokens_do_not_hang_on_the_secret_key(world: World, settings: 
     token = bootstrap_token_for(new_instance(world).pk)
     settings.SECRET_KEY = "a-rotated-django-secret-key-that-changes-nothing-for-machines"
     assert enroll(token) == 200
+
+
+def test_revoke_api_token_reads_the_token_from_standard_input(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--token -`` (what the help advises, to keep the token out of shell history) looked
+    for a token spelled "-" and found none."""
+    import sys
+
+    token = world.tokens["member"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(token + "\n"))
+    out = io.StringIO()
+    call_command("revoke_api_token", "--token", "-", stdout=out)
+    assert "revoked 1 token(s)" in out.getvalue()
+    assert world.client("member").get("/api/v1/pools/").status_code == 401
+    assert world.client("admin").get("/api/v1/pools/").status_code == 200  # only that one

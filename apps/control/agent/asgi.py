@@ -11,7 +11,6 @@ codes, same error bodies); anything else (another method, another path) goes to 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -102,12 +101,12 @@ async def _work(scope: Scope, receive: Receive, send: Send) -> None:
         watching.cancel()
         if not answering.done():
             answering.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watching
-    if answering.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await answering
-        return
+        # cancel() only asks: wait until both have really finished (a cancelled poll releases
+        # its waiter first) before reading them
+        await asyncio.wait([answering, watching])
+    left = not watching.cancelled() and watching.exception() is None
+    if answering.cancelled() or left:
+        return  # the agent went away (a drain, a termination): nobody to answer
     exc = answering.exception()
     await _send(send, _failed(exc) if exc is not None else answering.result())
 

@@ -13,7 +13,6 @@ server runs them on its database threads (:func:`apps.control.urls.on_db_threads
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -30,6 +29,7 @@ from django.views.decorators.csrf import csrf_exempt
 from apps.control.agent import db, wakeups
 from apps.core.crypto import hash_token
 from apps.core.errors import error_payload
+from apps.core.parsers import loads
 from apps.jobs.agent import POLL_KEY, WAKE_KEY, _payload
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
@@ -125,8 +125,8 @@ def _parse_body(body: bytes) -> dict[str, Any] | Answer:
     if not body:
         return {}
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        parsed = loads(body)  # deeply nested: a ValueError too, before any token is looked up
+    except ValueError:
         return _error(400, "parse_error", "the request body is not valid JSON")
     if not isinstance(parsed, dict):
         return _error(400, "invalid", "the request body must be a JSON object")

@@ -185,6 +185,17 @@ class LogChunkSerializer(serializers.Serializer):
     data = serializers.CharField()  # type: ignore[assignment]  # the chunk's text, not Serializer.data
 
 
+# What the log columns (PostgreSQL integer) can hold: a cursor beyond it is refused, not sent.
+PG_INT_MAX = 2**31 - 1
+
+
+class JobLogsQuerySerializer(serializers.Serializer):
+    """``GET /jobs/{id}/logs/`` parameters."""
+
+    after = serializers.IntegerField(min_value=-1, max_value=PG_INT_MAX, default=-1)
+    attempt = serializers.IntegerField(min_value=1, max_value=PG_INT_MAX, required=False)
+
+
 class JobLogsSerializer(serializers.Serializer):
     job = serializers.UUIDField()
     status = serializers.CharField()

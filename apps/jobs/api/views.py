@@ -18,6 +18,7 @@ from apps.core.errors import ValidationFailed
 from apps.jobs.api.serializers import (
     ArtifactSerializer,
     JobConfigurationSerializer,
+    JobLogsQuerySerializer,
     JobLogsSerializer,
     JobSerializer,
     JobSubmitSerializer,
@@ -182,11 +183,10 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
     def logs(self, request: Request, pk: str | None = None) -> Response:
         """The job's output so far (poll with ?after=next_after to follow it)."""
         job = self.get_object()
-        try:
-            after = int(request.query_params.get("after", -1))
-            attempt = int(request.query_params.get("attempt", job.attempt))
-        except ValueError:
-            raise ValidationFailed("after and attempt must be whole numbers") from None
+        query = JobLogsQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        after = query.validated_data["after"]
+        attempt = query.validated_data.get("attempt", job.attempt)
         chunks = list(
             JobLogChunk.objects.filter(job=job, attempt=attempt, seq__gt=after)
             .order_by("seq")

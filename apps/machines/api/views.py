@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from apps.core.api import StrictFields
 from apps.core.errors import ValidationFailed
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer, OrgMachineTypeField
-from apps.machines.budgets import budget_set, budget_spends, period_start
+from apps.machines.budgets import budget_set, budget_spends, next_month, period_start
 from apps.machines.choices import InstanceStatus
 from apps.machines.costs import GROUPS, cost_report, instance_cost
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
@@ -146,7 +146,9 @@ def _parse_when(name: str, raw: str | None, default: datetime) -> datetime:
 
 COST_PARAMETERS = [
     OpenApiParameter("from", str, description="start (date or ISO time, UTC); default: this month's start"),
-    OpenApiParameter("to", str, description="end, exclusive (date or ISO time); default: now"),
+    OpenApiParameter(
+        "to", str, description="end, exclusive (date or ISO time); default: the next month's start"
+    ),
     OpenApiParameter("group_by", str, enum=list(GROUPS), description="default: day"),
 ]
 
@@ -162,8 +164,11 @@ class CostViewSet(OrgScopedViewSet):
         machine), warm (in a pool before a claim), idle (unheld otherwise) and tail (paid but
         unused end of the last period). A part counts in the window where it starts."""
         now = timezone.now()
-        start = _parse_when("from", request.query_params.get("from"), period_start("month", now))
-        end = _parse_when("to", request.query_params.get("to"), now)
+        month = period_start("month", now)
+        start = _parse_when("from", request.query_params.get("from"), month)
+        # Default: the whole month (not "until now": a live machine's committed tail starts
+        # now, and an end at now would leave it out; the same window gives the same money).
+        end = _parse_when("to", request.query_params.get("to"), next_month(month))
         group_by = request.query_params.get("group_by") or "day"
         if group_by not in GROUPS:
             raise ValidationFailed(

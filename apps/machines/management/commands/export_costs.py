@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
-from apps.machines.budgets import period_start
+from apps.machines.budgets import next_month, period_start
 from apps.machines.costs import part_rows
 from apps.orgs.models import Organization
 
@@ -54,7 +54,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--from", dest="start", help="start (date or ISO time, UTC); default: month start"
         )
-        parser.add_argument("--to", dest="end", help="end, exclusive; default: now")
+        parser.add_argument("--to", dest="end", help="end, exclusive; default: the next month's start")
         parser.add_argument("--output", default="-", help="file to write (default: stdout)")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -62,8 +62,9 @@ class Command(BaseCommand):
         if org is None:
             raise CommandError(f"no organization {options['org']!r}")
         now = timezone.now()
-        start = _when(options["start"], period_start("month", now))
-        end = _when(options["end"], now)
+        month = period_start("month", now)
+        start = _when(options["start"], month)
+        end = _when(options["end"], next_month(month))  # as GET /costs/: the whole month
         if end <= start:
             raise CommandError("--to must be after --from")
         rows = part_rows(org=org, start=start, end=end, now=now)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from apps.core.crypto import hash_token
@@ -12,14 +14,22 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         group = parser.add_mutually_exclusive_group(required=True)
-        group.add_argument("--token", help="the token (read it from a pipe to keep it out of shell history)")
+        group.add_argument(
+            "--token",
+            help="the token, or - to read it from standard input (keeps it out of shell history)",
+        )
         group.add_argument("--prefix", help="the prefix shown in the admin, e.g. cc_AbCdEfG")
         group.add_argument("--user", help="revoke every token of this username")
 
     def handle(self, *args: object, **options: object) -> None:
         tokens = ApiToken.objects.filter(revoked_at__isnull=True)
         if options["token"]:
-            tokens = tokens.filter(token_hash=hash_token(str(options["token"]).strip()))
+            secret = str(options["token"])
+            if secret == "-":
+                secret = sys.stdin.readline()
+            if not secret.strip():
+                raise CommandError("no token given")
+            tokens = tokens.filter(token_hash=hash_token(secret.strip()))
         elif options["prefix"]:
             tokens = tokens.filter(prefix=options["prefix"])
         else:
