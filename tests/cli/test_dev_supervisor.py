@@ -185,7 +185,7 @@ def test_the_ready_banner_counts_the_users_whole_wait() -> None:
         def do_GET(self) -> None:
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(b'{"status": "ok"}')
+            self.wfile.write(b'{"status": "ready"}')
 
         def log_message(self, *args: object) -> None:
             pass
@@ -195,7 +195,7 @@ def test_the_ready_banner_counts_the_users_whole_wait() -> None:
     supervisor = Supervisor([], out=Output())
     try:
         started = dev_started_at({"CATACLOUD_DEV_STARTED": str(int(time.time()) - 47)})
-        _announce_when_healthy(supervisor, f"http://127.0.0.1:{server.server_port}/healthz", [], started)
+        _announce_when_healthy(supervisor, f"http://127.0.0.1:{server.server_port}/readyz", [], started)
     finally:
         server.shutdown()
     took = re.search(r"Catacloud is ready \((\d+) s;", supervisor.out.getvalue())  # type: ignore[attr-defined]

@@ -82,6 +82,12 @@ def host(tmp_path: Path) -> Iterator[dict]:
         api.stop()
 
 
+def one(output: str, key: str) -> str:
+    found = values(output, key)
+    assert len(found) == 1, f"no single {key}= line in the job's output:\n{output[-3000:]}"
+    return found[0]
+
+
 def start_machine(provider: LocalProvider, api: FakeAgentAPI, org: str) -> str:
     instance_id = str(uuid.uuid4())
     spec = MachineSpec(
@@ -128,7 +134,8 @@ def test_a_job_reaches_nothing_outside_its_machine(host: dict, tmp_path: Path) -
     }
     attack = api_a.assign(ATTACK, env=env, timeout_seconds=120)
     assert api_a.wait_finished(attack, timeout=90)["outcome"] == "succeeded"
-    output = api_a.output(attack) + api_a.output(attack, "stderr")
+    stdout = api_a.output(attack, "stdout")
+    output = stdout + api_a.output(attack, "stderr")
 
     for name, canary in canaries.items():
         assert canary not in output, f"job A read {name}"
@@ -141,11 +148,11 @@ def test_a_job_reaches_nothing_outside_its_machine(host: dict, tmp_path: Path) -
         assert not line.startswith(("VISIBLE ", "MEM ", "WROTE ")), line
     # Of the checkout, the agent's Python and package only (read-only); of the homes, nothing
     # but that Python, where it lives in one.
-    assert set(values(output, "CHECKOUT-LS")[0].split()) <= {".venv", "catacloud"}
-    assert set(values(output, "HOME-LS")[0].split()) <= {".pyenv", ".local"}
+    assert set(one(stdout, "CHECKOUT-LS").split()) <= {".venv", "catacloud"}
+    assert set(one(stdout, "HOME-LS").split()) <= {".pyenv", ".local"}
     # Of its machine's own folder, only its work folder: not the agent's state or token.
     work = f"/var/lib/catacloud/work/{attack}-1"
-    assert set(values(output, "MACHINE-LS")[0].split()) <= {
+    assert set(one(stdout, "MACHINE-LS").split()) <= {
         "/var/lib/catacloud",
         "/var/lib/catacloud/work",
         "/var/lib/catacloud/work/bin",  # the agent's `catacloud` wrapper (job-meta, checkpoint)
@@ -154,7 +161,7 @@ def test_a_job_reaches_nothing_outside_its_machine(host: dict, tmp_path: Path) -
         f"{work}/output",
         f"{work}/checkpoint",
     }
-    uid = int(values(output, "whoami")[0])
+    uid = int(one(stdout, "whoami"))
     assert uid != 0
     ps = output.split("PS-BEGIN", 1)[1].split("PS-END", 1)[0]
     assert "99991" not in ps and "99992" not in ps, "job A sees processes outside its machine"
