@@ -9,6 +9,7 @@ from apps.core.broker import enqueue_on_commit
 from apps.events.services import event_record
 from apps.jobs.acquisition import wake_waiting
 from apps.jobs.agent import jobs_to_cancel
+from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 from apps.jobs.reports import jobs_requeue_for_instance
 from apps.jobs.tasks import schedule_task
@@ -24,6 +25,12 @@ def _job_config_names(job_ids: Any) -> dict[str, str]:
     return {str(pk): name for pk, name in rows}
 
 
+def _jobs_waiting(*, org_id: Any, machine_type_id: Any) -> int:
+    return Job.objects.filter(
+        org_id=org_id, machine_type_id=machine_type_id, status=JobStatus.WAITING_FOR_MACHINE
+    ).count()
+
+
 def connect_hooks() -> None:
     hooks.record_event.connect(event_record)
     hooks.machine_available.connect(_schedule_soon)
@@ -32,3 +39,4 @@ def connect_hooks() -> None:
     hooks.resource_slot_freed.connect(wake_waiting)
     hooks.jobs_to_cancel.connect(jobs_to_cancel)
     hooks.job_config_names.connect(_job_config_names)
+    hooks.jobs_waiting.connect(_jobs_waiting)

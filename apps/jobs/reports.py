@@ -59,7 +59,9 @@ def job_finished(
     """The agent reports the end of a job; the machine is kept for reuse or destroyed.
 
     With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
-    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow.
+    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow
+    (a reusable machine with nothing to upload is released at once; the ``uploads-done`` that
+    follows finds nothing to release).
     A repeated report changes nothing and answers the status already recorded. A job that
     did not succeed on a machine being taken away (terminated, drained) was stopped, not
     failed: it goes back to the queue with the machine's cause.
@@ -100,7 +102,9 @@ def job_finished(
             event_data={"exit_code": exit_code, "attempt": job.attempt},
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
-        if uploads_pending is None:
+        if uploads_pending is None or (uploads_pending == 0 and job.config.reuse == Reuse.REUSE):
+            # Nothing to upload: a reusable machine is free for the next job at once (a job
+            # submitted the moment this one reads finished finds it idle, not held).
             instance_release(instance_id=instance.pk, job=job)
         schedule_after_commit()
     return job
