@@ -36,8 +36,10 @@ from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.models import Job
 from apps.machines.budgets import period_start, spend_grouped
+from apps.machines.costs import kind_totals
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import Budget, MachineInstance, OrgMachineType
+from apps.orgs.models import Organization
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
 
@@ -347,18 +349,38 @@ def _costs(now: datetime) -> dict[str, Any]:
                 "percent": min(100.0, float(100 * used / b.amount)) if b.amount else 100.0,
             }
         )
-    orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets))
+    # Where the last hour's money went: the idle share (paid, nobody's job; catacloud.policy.
+    # attribution) and the machines idle right now outside pools (kept for reuse).
+    slugs = dict(Organization.objects.values_list("pk", "slug"))
+    kinds = {slugs.get(org_id): k for org_id, k in kind_totals(start=now - WINDOW, end=now, now=now).items()}
+    idle_now = dict(
+        MachineInstance.objects.filter(status=InstanceStatus.READY, pool__isnull=True)
+        .values_list("org__slug")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    orgs = sorted(
+        {org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds) - {None}
+    )
     rows = [
         {
             "org": org,
             "today": sum((v for (o, _), v in day.items() if o == org), Decimal(0)),
             "month": sum((v for (o, _), v in month.items() if o == org), Decimal(0)),
             "per_hour": burn.get(org) or Decimal(0),
+            "idle_share": _share(kinds.get(org), "idle"),
+            "idle_now": idle_now.get(org, 0),
             "budgets": budgets.get(org, []),
         }
         for org in orgs
     ]
     return {"currency": settings.CATACLOUD_CURRENCY, "rows": rows}
+
+
+def _share(kinds: dict[str, Decimal] | None, kind: str) -> float | None:
+    """``kind``'s share of the total (None: nothing billed)."""
+    total = sum((kinds or {}).values(), Decimal(0))
+    return float(kinds[kind] / total) if kinds and total else None
 
 
 def dashboard_snapshot(*, now: datetime | None = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
+from apps.pools.refill import request_refill
 from apps.resources.lifecycle import release_for_job
 
 
@@ -112,6 +113,8 @@ def job_finished(
 
 def instance_release(*, instance_id: Any, job: Job) -> bool:
     """After a job: keep the machine for the next job (reuse, current version) or destroy it.
+    A kept machine leaves its pool (jobs take it first until its paid period ends); the pool
+    refills, and takes it back in while no job is waiting for it.
 
     Acts only on the claim that belongs to ``job`` (a late or repeated report about an older
     job never releases a machine another job holds now); returns whether it acted."""
@@ -132,6 +135,8 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
             job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
         )
         if reuse:
+            if instance.pool_id:
+                request_refill(instance.pool_id)  # a member left its pool: the pool may take it back
             INSTANCE_STATES.move(
                 instance_id,
                 to=InstanceStatus.READY,

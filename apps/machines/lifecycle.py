@@ -203,13 +203,20 @@ def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") 
 
 
 def instance_terminate(
-    *, instance_id: Any, actor: str = "", reason: str = "", cause: str = "machine_terminated"
+    *,
+    instance_id: Any,
+    actor: str = "",
+    reason: str = "",
+    cause: str = "machine_terminated",
+    only_idle: bool = False,
 ) -> MachineInstance:
     """Move a live instance to ``terminating`` and enqueue its destruction after commit.
 
-    Raises InvalidTransition when it is not live. Its pool (if any) refills after commit. A
-    job still on the machine is requeued with ``cause`` once the machine is gone (or when its
-    agent reports it killed), never while it may still run there.
+    Raises InvalidTransition when it is not live (with ``only_idle``: unless it is still ready
+    outside every pool, so a retirement never takes a machine a job or a pool just took). Its
+    pool (if any) refills after commit. A job still on the machine is requeued with ``cause``
+    once the machine is gone (or when its agent reports it killed), never while it may still
+    run there.
     """
     from apps.machines.tasks import terminate_instance_task
 
@@ -224,6 +231,7 @@ def instance_terminate(
             event=event,
             end_cause=cause[:32],
             lease_expires_at=None,
+            **({"from_": [InstanceStatus.READY], "where": {"pool": None}} if only_idle else {}),
         )
         enqueue_on_commit(terminate_instance_task, str(instance_id))
     _after_instance_left(instance)

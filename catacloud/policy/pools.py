@@ -20,6 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def adopt_preference(*, ran_a_job: bool, since: float) -> tuple[bool, float]:
+    """Sort key among the machines a pool may take in (smallest first): one that never ran a
+    job, then the oldest. apps/pools/services._adopt orders the same way."""
+    return (ran_a_job, since)
+
+
 @dataclass(frozen=True)
 class RefillPlan:
     adopt_ready: int  # idle machines outside pools the pool takes in

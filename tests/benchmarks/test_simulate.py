@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -52,10 +53,13 @@ def test_a_machine_kept_busy_past_the_hour_bills_the_started_second_hour() -> No
     assert result.machines_created == 1 and result.machine_hours == 2
 
 
-def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills() -> None:
-    result = simulate([TraceJob(100, 60, "unit")], "pool:1", HOURLY)
-    assert result.wait_max == 0
-    assert result.machines_created == 2  # the member, and its replacement
+def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills_within_max_size() -> None:
+    roomy = simulate([TraceJob(100, 60, "unit")], "pool:1", replace(HOURLY, pool_max_size=2))
+    assert roomy.wait_max == 0
+    assert roomy.machines_created == 2  # the member, and its replacement
+    # max_size 1 (pool_create's default: the target): the member a job holds still counts
+    tight = simulate([TraceJob(100, 60, "unit")], "pool:1", HOURLY)
+    assert (tight.wait_max, tight.machines_created) == (0, 1)
 
 
 def test_cost_waits_for_a_paid_machine_instead_of_buying() -> None:

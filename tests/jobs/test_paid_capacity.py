@@ -5,6 +5,8 @@ machine's row at that instant. Services are called directly; the fake provider i
 from __future__ import annotations
 
 import threading
+import time
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -17,12 +19,14 @@ from apps.jobs.models import Job
 from apps.jobs.reports import job_finished, job_started
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_submit
+from apps.machines import claims
 from apps.machines.agent_api import instance_heartbeat
 from apps.machines.budgets import budget_set
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_provision
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
-from testkit.builders import fake_machine_type, job_config
+from apps.machines.retention import idle_machines_retire
+from testkit.builders import fake_machine_type, idle_machine, job_config, job_row
 from tests.conftest import World
 
 J = JobStatus
@@ -141,3 +145,60 @@ def test_an_idle_machine_is_used_before_a_pool_member_and_sequential_jobs_buy_no
     assert len(set(used)) == 1
     assert MachineInstance.objects.count() == 3
     assert MachineInstance.objects.filter(pool=pool, status=S.READY).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retirement_never_takes_a_machine_a_job_claimed_meanwhile(tworld: World) -> None:
+    # Given an idle machine at the end of its paid hour, and a job placed on it by a
+    # transaction that has not committed yet when the reaper retires idle machines
+    mt, _ = hourly_type(tworld)
+    machine = idle_machine(tworld.org, mt, provisioning_started_at=timezone.now() - timedelta(minutes=59))
+    cfg = job_config(tworld.org, mt, "late")
+    job = job_row(cfg, status=J.WAITING_FOR_MACHINE)
+    claimed = threading.Event()
+
+    def place_the_job() -> None:
+        try:
+            with transaction.atomic():
+                claims.claim(
+                    claims.IDLE_SQL,
+                    by="scheduler",
+                    for_=f"job:{job.pk}",
+                    job_id=job.pk,
+                    org=str(tworld.org.pk),
+                    mt=str(mt.pk),
+                    version=mt.version,
+                    config=str(cfg.pk),
+                )
+                claimed.set()
+                time.sleep(1.0)  # the reaper reads the machine as idle and waits for its row
+        finally:
+            connection.close()
+
+    placer = threading.Thread(target=place_the_job)
+    placer.start()
+    assert claimed.wait(10)
+    # When the reaper retires idle machines at that moment
+    retired = idle_machines_retire(now=timezone.now())
+    placer.join(10)
+    # Then the machine stays with the job that claimed it
+    machine.refresh_from_db()
+    assert (retired, machine.status, machine.claimed_for) == (0, S.CLAIMED, f"job:{job.pk}")
+
+
+@pytest.mark.django_db
+def test_with_a_pool_in_front_idle_machines_retire_before_renewing_and_members_stay(world: World) -> None:
+    from apps.pools.services import pool_create
+
+    # Given a pool of one (its member is the expected demand) and a used machine kept for reuse
+    mt, _ = hourly_type(world)
+    pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1)
+    hour_ago = timezone.now() - timedelta(minutes=59)
+    member = idle_machine(world.org, mt, pool=pool, provisioning_started_at=hour_ago)
+    used = idle_machine(world.org, mt, provisioning_started_at=hour_ago)
+    # When the reaper runs just before their second hour would start
+    assert idle_machines_retire(now=timezone.now()) == 1
+    # Then the idle machine beyond the pool's target is gone before it renews; the member stays
+    member.refresh_from_db()
+    used.refresh_from_db()
+    assert (used.status, member.status) == (S.TERMINATING, S.READY)
