@@ -36,8 +36,8 @@ from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.models import Job
 from apps.machines.budgets import period_start, spend_grouped
-from apps.machines.costs import kind_totals
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
+from apps.machines.costs import kind_totals
 from apps.machines.models import Budget, MachineInstance, OrgMachineType
 from apps.orgs.models import Organization
 from apps.pools.choices import PoolStatus
