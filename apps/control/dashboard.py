@@ -351,17 +351,19 @@ def _costs(now: datetime) -> dict[str, Any]:
         )
     # Where the last hour's money went: the idle share (paid, nobody's job; catacloud.policy.
     # attribution) and the machines idle right now outside pools (kept for reuse).
-    slugs = dict(Organization.objects.values_list("pk", "slug"))
-    kinds = {slugs.get(org_id): k for org_id, k in kind_totals(start=now - WINDOW, end=now, now=now).items()}
+    slugs: dict[Any, str] = dict(Organization.objects.values_list("pk", "slug"))
+    kinds = {
+        slugs[org_id]: k
+        for org_id, k in kind_totals(start=now - WINDOW, end=now, now=now).items()
+        if org_id in slugs
+    }
     idle_now = dict(
         MachineInstance.objects.filter(status=InstanceStatus.READY, pool__isnull=True)
         .values_list("org__slug")
         .annotate(n=Count("id"))
         .order_by()
     )
-    orgs = sorted(
-        {org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds) - {None}
-    )
+    orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds))
     rows = [
         {
             "org": org,

@@ -226,12 +226,13 @@ def instance_terminate(
         instance = INSTANCE_STATES.move(
             instance_id,
             to=InstanceStatus.TERMINATING,
+            from_=[InstanceStatus.READY] if only_idle else None,
+            where={"pool": None} if only_idle else None,
             actor=actor,
             reason=reason,
             event=event,
             end_cause=cause[:32],
             lease_expires_at=None,
-            **({"from_": [InstanceStatus.READY], "where": {"pool": None}} if only_idle else {}),
         )
         enqueue_on_commit(terminate_instance_task, str(instance_id))
     _after_instance_left(instance)
