@@ -143,6 +143,12 @@ class Params:
     budget: Decimal | None = None  # money per budget period; no machine is bought past it
     budget_period: float = 30 * 86400.0  # seconds (a month of 30 days, or 86400)
     pool_max_size: int | None = None  # a pool's max_size (None: its target, pool_create's default)
+    # measured boot times, in order: the n-th machine bought boots in boot_samples[n % len]
+    # seconds (instead of boot_seconds), e.g. a live run's, so their spread is replayed too
+    boot_samples: tuple[float, ...] = ()
+    # seconds a machine is held beyond its job's run (the agent fetching, starting and ending
+    # it): nothing on a real cloud's scale, a measurable share on a compressed live clock
+    job_overhead: float = 0.0
 
     @property
     def billing(self) -> Billing:
@@ -370,10 +376,13 @@ class Simulation:
             self.boot(pool=True)
 
     def boot(self, *, pool: bool) -> Machine:
+        n = next(self.ids)
+        samples = self.p.boot_samples
+        boot = samples[(n - 1) % len(samples)] if samples else self.p.boot_seconds
         m = Machine(
-            id=next(self.ids),
+            id=n,
             started=self.now,
-            ready_at=self.now + self.p.boot_seconds,
+            ready_at=self.now + boot,
             pool=pool,
             born_in_pool=pool,
         )
@@ -395,12 +404,11 @@ class Simulation:
         if m.warm_until is None:
             m.warm_until = self.now - m.started
         m.state, m.job_started, m.job_config = "busy", self.now, job.config
-        m.holds.append(
-            attribution.Hold(self.now - m.started, self.now + job.duration - m.started, str(index))
-        )
+        held = job.duration + self.p.job_overhead  # the agent starts and ends the job around it
+        m.holds.append(attribution.Hold(self.now - m.started, self.now + held - m.started, str(index)))
         self.waits.append(self.now - job.submit)
         self.pending_jobs -= 1
-        self.push(self.now + job.duration, _FINISH, (m.id, job.duration))
+        self.push(self.now + held, _FINISH, (m.id, held))
 
     def finish(self, data: tuple[int, float]) -> None:
         machine_id, duration = data

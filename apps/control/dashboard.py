@@ -39,7 +39,6 @@ from apps.machines.budgets import period_start, spend_grouped
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
 from apps.machines.costs import kind_totals
 from apps.machines.models import Budget, MachineInstance, OrgMachineType
-from apps.orgs.models import Organization
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
 
@@ -323,12 +322,21 @@ def _costs(now: datetime) -> dict[str, Any]:
     what the live fleet costs per hour."""
     day = spend_grouped(since=period_start("day", now), now=now)
     month = spend_grouped(since=period_start("month", now), now=now)
-    burn = dict(
-        MachineInstance.objects.filter(status__in=INSTANCE_LIVE, provisioning_started_at__isnull=False)
+    # What the live fleet costs per hour, and how many of its machines are idle right now
+    # outside pools (kept for reuse while their paid period lasts).
+    fleet = {
+        org: (rate, idle)
+        for org, rate, idle in MachineInstance.objects.filter(
+            status__in=INSTANCE_LIVE, provisioning_started_at__isnull=False
+        )
         .values_list("org__slug")
-        .annotate(rate=Sum("machine_type__price_per_hour"))
+        .annotate(
+            rate=Sum("machine_type__price_per_hour"),
+            idle=Count("id", filter=Q(status=InstanceStatus.READY, pool__isnull=True)),
+        )
         .order_by()
-    )
+    }
+    burn = {org: rate for org, (rate, _) in fleet.items()}
     budgets = defaultdict(list)
     for b in Budget.objects.select_related("org", "machine_type").order_by("org__slug", "period"):
         spent = month if b.period == "month" else day
@@ -349,20 +357,9 @@ def _costs(now: datetime) -> dict[str, Any]:
                 "percent": min(100.0, float(100 * used / b.amount)) if b.amount else 100.0,
             }
         )
-    # Where the last hour's money went: the idle share (paid, nobody's job; catacloud.policy.
-    # attribution) and the machines idle right now outside pools (kept for reuse).
-    slugs: dict[Any, str] = dict(Organization.objects.values_list("pk", "slug"))
-    kinds = {
-        slugs[org_id]: k
-        for org_id, k in kind_totals(start=now - WINDOW, end=now, now=now).items()
-        if org_id in slugs
-    }
-    idle_now = dict(
-        MachineInstance.objects.filter(status=InstanceStatus.READY, pool__isnull=True)
-        .values_list("org__slug")
-        .annotate(n=Count("id"))
-        .order_by()
-    )
+    # Where the last hour's money went: the idle share (paid, no job on it; catacloud.policy.
+    # attribution), per org.
+    kinds = kind_totals(start=now - WINDOW, end=now, now=now)
     orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds))
     rows = [
         {
@@ -371,7 +368,7 @@ def _costs(now: datetime) -> dict[str, Any]:
             "month": sum((v for (o, _), v in month.items() if o == org), Decimal(0)),
             "per_hour": burn.get(org) or Decimal(0),
             "idle_share": _share(kinds.get(org), "idle"),
-            "idle_now": idle_now.get(org, 0),
+            "idle_now": fleet[org][1] if org in fleet else 0,
             "budgets": budgets.get(org, []),
         }
         for org in orgs

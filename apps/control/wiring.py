@@ -12,12 +12,17 @@ from apps.jobs.agent import jobs_to_cancel
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 from apps.jobs.reports import jobs_requeue_for_instance
+from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.tasks import schedule_task
 from apps.pools.refill import request_refill
 
 
 def _schedule_soon(instance: Any = None) -> None:
+    """A machine became ready (or ended): a scheduling pass, and its grant's jobs placed in this
+    request right after the commit (a job waiting for it need not wait for a worker)."""
     enqueue_on_commit(schedule_task)
+    if instance is not None:
+        schedule_grant_after_commit(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
 def _job_config_names(job_ids: Any) -> dict[str, str]:

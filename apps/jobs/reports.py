@@ -14,6 +14,7 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
+from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
@@ -151,6 +152,10 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
                 lease_expires_at=None,
                 last_config=job.config_id,
             )
+            # A job waiting for a machine of this grant gets this one now, in this request
+            # (after the report's commit), not after a worker's scheduling pass.
+            schedule_after_commit()
+            schedule_grant_after_commit(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
         else:
             instance_terminate(
                 instance_id=instance_id,

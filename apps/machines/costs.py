@@ -184,16 +184,16 @@ def _in_window(start: datetime, end: datetime) -> Any:
     )
 
 
-def kind_totals(*, start: datetime, end: datetime, now: datetime) -> dict[Any, dict[str, Decimal]]:
-    """Per organization id: the job / warm / idle / tail amounts of every part starting in
+def kind_totals(*, start: datetime, end: datetime, now: datetime) -> dict[str, dict[str, Decimal]]:
+    """Per organization slug: the job / warm / idle / tail amounts of every part starting in
     [start, end), all organizations at once (two queries: the dashboard's idle share)."""
-    totals: dict[Any, dict[str, Decimal]] = defaultdict(lambda: {k: Decimal(0) for k in KINDS})
-    for mc in machine_costs(_in_window(start, end).select_related("machine_type"), now=now):
+    totals: dict[str, dict[str, Decimal]] = defaultdict(lambda: {k: Decimal(0) for k in KINDS})
+    for mc in machine_costs(_in_window(start, end).select_related("machine_type", "org"), now=now):
         if mc.start is None:
             continue
         for p in mc.attribution.parts:
             if start <= mc.start + timedelta(seconds=p.start) < end:
-                totals[mc.instance.org_id][p.kind] += p.amount
+                totals[mc.instance.org.slug][p.kind] += p.amount
     return dict(totals)
 
 

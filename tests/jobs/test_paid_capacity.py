@@ -202,3 +202,53 @@ def test_with_a_pool_in_front_idle_machines_retire_before_renewing_and_members_s
     member.refresh_from_db()
     used.refresh_from_db()
     assert (used.status, member.status) == (S.TERMINATING, S.READY)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_next_job_on_a_reused_machine_is_charged_its_time_not_idle(tworld: World) -> None:
+    from apps.machines.costs import machine_costs
+
+    # Given a machine running job A, and a scheduling pass whose transaction began before A
+    # ended (it waited for the grant's lock) and then gives the machine to job B
+    mt, _ = hourly_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt, "unit", reuse="reuse")
+    first = job_submit(org=tworld.org, config=cfg)
+    schedule()
+    job_started(instance=machine, job_id=first.pk)
+    second = job_row(cfg, status=J.WAITING_FOR_MACHINE)
+    began, released = threading.Event(), threading.Event()
+
+    def place_second() -> None:
+        try:
+            with transaction.atomic():
+                Job.objects.filter(pk=second.pk).exists()  # the transaction has begun
+                began.set()
+                assert released.wait(10)
+                claims.claim(
+                    claims.IDLE_SQL,
+                    by="scheduler",
+                    for_=f"job:{second.pk}",
+                    job_id=second.pk,
+                    org=str(tworld.org.pk),
+                    mt=str(mt.pk),
+                    version=mt.version,
+                    config=str(cfg.pk),
+                )
+        finally:
+            connection.close()
+
+    placer = threading.Thread(target=place_second)
+    placer.start()
+    assert began.wait(10)
+    time.sleep(0.2)
+    job_finished(instance=machine, job_id=first.pk, outcome="succeeded", exit_code=0, uploads_pending=0)
+    released.set()
+    placer.join(10)
+    time.sleep(0.5)  # job B holds the machine
+    # Then the cost report charges B's time to B, not to idle
+    machine.refresh_from_db()
+    assert machine.claimed_for == f"job:{second.pk}"
+    (cost,) = machine_costs([machine], now=timezone.now())
+    held = {p.ref: p.seconds for p in cost.attribution.parts if p.kind == "job"}
+    assert held.get(str(second.pk), 0) >= 0.5
