@@ -146,7 +146,9 @@ def replay_live(
             "every replayed job to end",
             0.2,
         )
-        rows = list(Job.objects.filter(org=t.org).values("status", "queued_at", "assigned_at", "finished_at"))
+        rows = list(
+            Job.objects.filter(org=t.org).values("status", "queued_at", "assigned_at", "finished_at", "env")
+        )
         horizon = max(r["finished_at"] for r in rows)
         instances = list(
             MachineInstance.objects.filter(org=t.org).select_related("machine_type").order_by("created_at")
@@ -158,7 +160,14 @@ def replay_live(
         for kind, amount in mc.attribution.by_kind().items():
             by_kind[kind] += amount
     waits = [(r["assigned_at"] - r["queued_at"]).total_seconds() * k for r in rows if r["assigned_at"]]
-    boots = [(i.warmed_at - i.created_at).total_seconds() for i in instances if i.warmed_at is not None]
+    # Request to ready, in the order bought; and what a machine is held beyond a job's run
+    # (the agent fetching, starting and ending it), both at the trace's scale.
+    boots = [(i.warmed_at - i.created_at).total_seconds() * k for i in instances if i.warmed_at is not None]
+    overheads = [
+        ((r["finished_at"] - r["assigned_at"]).total_seconds() - float(r["env"]["RUN_SECONDS"])) * k
+        for r in rows
+        if r["assigned_at"] and r["finished_at"]
+    ]
 
     def trace_s(at: Any) -> float:
         return (at.timestamp() - origin) * k
@@ -179,25 +188,35 @@ def replay_live(
     measured = {
         "statuses": sorted({r["status"] for r in rows}),
         "failed": sum(1 for r in rows if r["status"] != "succeeded"),
-        "boot_live_s": median(boots),
-        "boot_trace_s": median(boots) * k,
+        "boot_live_s": median(boots) / k,
+        "boot_trace_s": median(boots),
+        "boots_trace_s": [round(b, 2) for b in boots],
+        "job_overhead_trace_s": median(overheads),
         "needless_purchases": len(needless_purchases(events)),
         "horizon_trace_s": trace_s(horizon),
     }
     return side, measured
 
 
-def replay_simulated(jobs: list[TraceJob], *, pool_size: int, boot_seconds: float) -> tuple[Side, Result]:
-    """The simulator's side: the same trace, policy ``pool:N:cost``, billed to the end of the
-    last job, with the live machines' boot time."""
-    params = Params(
+def replay_params(measured: dict[str, Any]) -> Params:
+    """The simulator's parameters for a trace replayed live: the grant's and the reaper's at
+    the trace's scale, and what the live run measured of its machines (their boot times, in
+    the order bought, and the agent's time around each job)."""
+    return Params(
         price_per_hour=PRICE,
-        boot_seconds=boot_seconds,
+        boot_seconds=measured["boot_trace_s"],
+        boot_samples=tuple(measured["boots_trace_s"]),
+        job_overhead=measured["job_overhead_trace_s"],
         max_wait=MAX_WAIT,
         max_instances=500,
         reaper_interval=REAPER,
         scheduler_interval=SCHEDULER,
     )
+
+
+def replay_simulated(jobs: list[TraceJob], *, pool_size: int, params: Params) -> tuple[Side, Result]:
+    """The simulator's side: the same trace, policy ``pool:N:cost``, billed to the end of the
+    last job."""
     policy = f"pool:{pool_size}:cost" if pool_size else "cost"
     sim = simulate(jobs, policy, params, until_done=True)
     side = Side(
