@@ -617,6 +617,7 @@ def params_from_args(args: argparse.Namespace) -> Params:
         reaper_interval=args.reaper_interval,
         budget=Decimal(str(args.budget)) if args.budget is not None else None,
         budget_period=86400.0 if args.budget_period == "day" else 30 * 86400.0,
+        pool_max_size=args.pool_max_size,
     )
 
 
@@ -626,7 +627,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     policies = args.policy or ["ephemeral", "speed", "cost", "pool:2", "pool:5", "pool:10"]
     for policy in policies:
         parse_policy(policy)
-    results = [simulate(jobs, policy, params) for policy in policies]
+    results = [simulate(jobs, policy, params, until_done=args.until_done) for policy in policies]
     span = (max(j.submit + j.duration for j in jobs) - jobs[0].submit) / 3600 if jobs else 0
     print(
         f"{len(jobs)} jobs over {span:.1f} h from {args.trace}; billing every {params.billing_increment}s "
@@ -667,4 +668,15 @@ def add_simulate_command(subparsers: Any) -> None:
         "--budget", type=float, default=None, help="money per budget period: no machine is bought past it"
     )
     sim.add_argument("--budget-period", choices=["month", "day"], default="month")
+    sim.add_argument(
+        "--pool-max-size",
+        type=int,
+        default=None,
+        help="pool:N policies: the pool's max_size (default N, like a pool created without one)",
+    )
+    sim.add_argument(
+        "--until-done",
+        action="store_true",
+        help="bill to the end of the last job (the rest of live machines' paid periods is tail)",
+    )
     sim.set_defaults(func=cmd_simulate)
