@@ -110,9 +110,11 @@ def tenant(
     kind: str = "fake",
     state_dir: Path | None = None,
     cpus: int = 2,
+    machine_type: dict[str, Any] | None = None,
     **grant: Any,
 ) -> Tenant:
-    """An org with one machine type (provider ``kind``) granted to it; names made unique."""
+    """An org with one machine type (provider ``kind``; ``machine_type`` overrides its price
+    and billing) granted to it; names made unique."""
     from django.contrib.auth import get_user_model
 
     from apps.orgs.models import Organization
@@ -131,9 +133,8 @@ def tenant(
         f"{name}-{suffix}",
         cpus=cpus,
         memory_mb=2048,
-        price_per_hour=Decimal("0.0095"),
-        billing_increment_seconds=3600,
         grant={**defaults, **grant},
+        **{"price_per_hour": Decimal("0.0095"), "billing_increment_seconds": 3600, **(machine_type or {})},
     )
     return Tenant(org=org, account=account, machine_type=mt, grant=g, user=user)
 

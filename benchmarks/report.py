@@ -264,6 +264,8 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         fig.savefig(d / "cost.png", dpi=110)
         plt.close(fig)
         made.append("cost.png")
+        if data.get("replay"):
+            made.append(_replay_plot(data["replay"], d))
         if data.get("budget", {}).get("spend_curve"):
             b = data["budget"]
             fig, a = plt.subplots(figsize=(8, 4))
@@ -291,6 +293,45 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
 
         made.append(plot(by["chaos"], out))
     return made
+
+
+def _alive(timeline: list[list[float]], at: list[float]) -> list[int]:
+    return [sum(1 for a, b in timeline if a <= t < b) for t in at]
+
+
+def _replay_plot(replay: dict[str, Any], d: Path) -> str:
+    """Machines alive over the trace, live and simulated, with the side-by-side figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    live, sim = replay["live"], replay["simulated"]
+    end = max(b for _, b in live["timeline"] + sim["timeline"])
+    at = [i * end / 400 for i in range(401)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    hours = [t / 3600 for t in at]
+    a.step(hours, _alive(live["timeline"], at), where="post", label="live stack")
+    a.step(hours, _alive(sim["timeline"], at), where="post", ls="--", label="simulator")
+    a.set_xlabel("hours into the trace")
+    a.set_ylabel("machines alive (billing)")
+    a.set_title(f"{replay['jobs']} jobs replayed ({replay['policy']}, clock x{replay['compression']:g})")
+    a.legend()
+    a.grid(alpha=0.3)
+    names = ["machines", "cost", "idle share", "p95 wait"]
+    lv = [live["machines"], live["cost"], live["idle_share"], live["wait_p95"]]
+    sv = [sim["machines"], sim["cost"], sim["idle_share"], sim["wait_p95"]]
+    ratios = [x / y if y else 0.0 for x, y in zip(lv, sv, strict=True)]
+    b.barh(names, ratios, color=["green" if 0.9 <= r <= 1.1 else "orange" for r in ratios])
+    b.axvline(1.0, color="black", lw=1)
+    for lim in (0.9, 1.1):
+        b.axvline(lim, color="grey", ls=":", lw=1)
+    b.set_xlabel("live / simulated (10% band dotted)")
+    b.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(d / "replay.png", dpi=110)
+    plt.close(fig)
+    return "replay.png"
 
 
 def write(results: list[PartResult], out: Path, env: dict[str, str], explanations: dict[str, str]) -> Path:
@@ -331,6 +372,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("claim.png", "claim"),
             ("latency.png", "replenish"),
             ("cost.png", "cost"),
+            ("replay.png", "cost"),
             ("budget.png", "cost"),
             ("chaos.png", "chaos"),
             ("fleet.png", "fleet"),

@@ -28,17 +28,19 @@ class Stack:
 
 
 @contextlib.contextmanager
-def live_stack(name: str) -> Iterator[Stack]:
+def live_stack(name: str, **extra: str) -> Iterator[Stack]:
+    """The stack with ``ENV`` and ``extra`` settings in every process."""
     purge_redis()
+    settings = {**ENV, **extra}
     with temp_dir(name) as tmp:
         state_dir = tmp / "machines"
         state_dir.mkdir()
         try:
             with (
-                BENCH.gunicorn(tmp, workers=2, threads=16, **ENV) as (url, _),
-                BENCH.agent_server(tmp, **ENV) as (agent_url, _),
+                BENCH.gunicorn(tmp, workers=2, threads=16, **settings) as (url, _),
+                BENCH.agent_server(tmp, **settings) as (agent_url, _),
             ):
-                env = {**ENV, "CATACLOUD_PUBLIC_URL": url, "CATACLOUD_AGENT_URL": agent_url}
+                env = {**settings, "CATACLOUD_PUBLIC_URL": url, "CATACLOUD_AGENT_URL": agent_url}
                 with BENCH.celery_worker(tmp, concurrency=2, **env), BENCH.celery_beat(tmp, **env):
                     try:
                         yield Stack(url=url, tmp=tmp, state_dir=state_dir)

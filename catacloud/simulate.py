@@ -3,17 +3,24 @@
 Framework-free (no Django): the decisions come from :mod:`catacloud.policy` exactly as the
 scheduler (``apps/jobs/admission.py``, ``placement.py``) and the reaper make them:
 
-- placement order: a warm pool member, then an idle reusable machine (the one that last ran
-  the same configuration first, then the one idle longest), then new machines as
-  :func:`catacloud.policy.placement.machines_to_buy` decides for the policy, else wait;
-- retention: every reaper interval, an idle reusable machine is destroyed when
+- placement order (:data:`catacloud.policy.placement.ORDER`): an idle reusable machine (the one
+  that last ran the same configuration first, then the one idle longest:
+  :func:`~catacloud.policy.placement.idle_preference`), then a warm pool member, then new
+  machines as :func:`catacloud.policy.placement.machines_to_buy` decides for the policy (counting
+  machines booting, pool members included), else wait;
+- pools (:func:`catacloud.policy.pools.refill_plan`): a member a job takes stays a member until
+  the job ends (``max_size`` counts it), then leaves the pool; the pool refills when a member
+  is claimed or leaves and at every reaper tick, taking in idle machines and machines booting
+  for no job before it buys;
+- retention: every reaper interval, an idle reusable machine outside the pool is destroyed when
   :func:`catacloud.policy.retention.should_retire` says its paid period is about to end;
 - billing: :class:`catacloud.policy.billing.Billing` from boot start to destroy.
 
 Policies: ``ephemeral`` (a new machine per job, destroyed after it), ``speed`` and ``cost``
 (reuse machines; the grant policies), ``pool:N`` (N warm members kept in front of ephemeral
 machines; a claim refills at once, like the real pool) and ``pool:N:speed`` / ``pool:N:cost``
-(a warm pool in front of reusable machines).
+(a warm pool in front of reusable machines). A pool's ``max_size`` is N unless
+``Params.pool_max_size`` says more (``pool_create``'s default is its target).
 
 A trace is CSV with a header: ``submit_time_seconds,duration_seconds,config``.
 """
@@ -33,6 +40,7 @@ from typing import Any
 
 from catacloud.policy import attribution, placement
 from catacloud.policy.billing import Billing
+from catacloud.policy.pools import adopt_preference, refill_plan
 from catacloud.policy.retention import should_retire
 
 DEFAULT_PRICE = "0.0095"
@@ -54,14 +62,15 @@ class Machine:
     id: int
     started: float  # boot start: billing starts here
     ready_at: float
-    pool: bool
+    pool: bool  # a member of the pool (while a job holds it too)
     state: str = "booting"  # booting | idle | busy | gone
     idle_since: float = 0.0
     last_config: str | None = None
     job_started: float = 0.0
     job_config: str = ""
     destroyed: float | None = None
-    warm_until: float = 0.0  # age at which it left its pool (unheld time before it is warm)
+    born_in_pool: bool = False
+    warm_until: float | None = None  # age of its first claim (unheld time before it is warm)
     holds: list[attribution.Hold] = field(default_factory=list)
 
 
@@ -85,6 +94,8 @@ class Result:
     budget_reached_at: float | None = None  # when the budget first refused a machine
     # what machines live at that moment billed after it: spend never passes budget + this
     after_reached: Decimal = Decimal(0)
+    # (billing start, end) of every machine, in trace seconds
+    timeline: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     def shares(self) -> dict[str, float]:
         total = sum(self.by_kind.values(), Decimal(0))
@@ -131,6 +142,13 @@ class Params:
     scheduler_interval: float = 15.0
     budget: Decimal | None = None  # money per budget period; no machine is bought past it
     budget_period: float = 30 * 86400.0  # seconds (a month of 30 days, or 86400)
+    pool_max_size: int | None = None  # a pool's max_size (None: its target, pool_create's default)
+    # measured boot times, in order: the n-th machine bought boots in boot_samples[n % len]
+    # seconds (instead of boot_seconds), e.g. a live run's, so their spread is replayed too
+    boot_samples: tuple[float, ...] = ()
+    # seconds a machine is held beyond its job's run (the agent fetching, starting and ending
+    # it): nothing on a real cloud's scale, a measurable share on a compressed live clock
+    job_overhead: float = 0.0
 
     @property
     def billing(self) -> Billing:
@@ -191,12 +209,21 @@ def lower_bound(jobs: list[TraceJob], params: Params) -> Decimal:
 
 
 class Simulation:
-    def __init__(self, jobs: list[TraceJob], policy: str, params: Params, until: float | None = None) -> None:
+    def __init__(
+        self,
+        jobs: list[TraceJob],
+        policy: str,
+        params: Params,
+        until: float | None = None,
+        until_done: bool = False,
+    ) -> None:
         self.jobs = sorted(jobs, key=lambda j: j.submit)
         self.policy = policy
         self.buy_policy, self.pool_size, self.reuse = parse_policy(policy)
         self.p = params
         self.until = until
+        self.until_done = until_done
+        self.unfinished = len(self.jobs)
         self.now = 0.0
         self.machines: dict[int, Machine] = {}
         self.ids = itertools.count(1)
@@ -214,6 +241,7 @@ class Simulation:
         self.ended_cost: dict[int, Decimal] = {}
         self.reached: tuple[float, dict[int, Decimal]] | None = None
         self.next_sample = 0.0
+        self.pool_open = bool(self.pool_size)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -235,6 +263,8 @@ class Simulation:
                 machine = self.machines[data]
                 if machine.state == "booting":
                     machine.state, machine.idle_since = "idle", when
+                    if machine.pool:
+                        self.refill_pool()  # a member became ready: the pool re-counts
             elif kind == _FINISH:
                 self.finish(data)
             elif kind == _ARRIVE:
@@ -242,6 +272,7 @@ class Simulation:
                 self.arrivals_left -= 1
             elif kind == _REAPER:
                 self.reap()
+                self.refill_pool()  # every pool off its target, at every tick
                 if self.p.budget is not None and when >= self.next_sample:
                     self.spend_curve.append((when, self.spend()))  # hourly, between purchases too
                     self.next_sample = when + 3600
@@ -250,6 +281,9 @@ class Simulation:
             elif kind == _SCHEDULER:
                 self.scheduler_armed = False
             self.place()
+            if self.until_done and not self.unfinished:
+                self.until = when  # the last job ended: bill everything to this moment
+                break
             if self.starved():
                 break  # the budget refuses every machine, none is left and nothing more arrives
             if not self.pending_jobs and not self.waiting and end_of_jobs is None:
@@ -257,6 +291,7 @@ class Simulation:
                 # Nothing more to do: the pool is given up now; reusable machines run out
                 # their paid period under retention (the reaper keeps ticking).
                 if self.until is None:
+                    self.pool_open = False
                     for m in self.live(pool=True):
                         self.destroy(m)
         horizon = self.until if self.until is not None else self.now
@@ -314,12 +349,43 @@ class Simulation:
         return self.period_of(self.now) >= self.period_of(last_submit) and self.affordable(1) == 0
 
     def refill_pool(self) -> None:
-        missing = self.pool_size - len(self.live(pool=True))
-        for _ in range(self.affordable(missing)):
+        """The pool's refill (apps/pools/services.pool_refill): take in idle machines and
+        machines booting for no job, then buy what is still missing (within the budget)."""
+        if not self.pool_open:
+            return
+        members = self.live(pool=True)
+        outside = [m for m in self.live(pool=False) if m.state in ("idle", "booting")]
+        plan = refill_plan(
+            target=self.pool_size,
+            max_size=self.p.pool_max_size or self.pool_size,
+            members=len(members),
+            fresh=sum(1 for m in members if m.state != "busy"),
+            idle=sum(1 for m in outside if m.state == "idle"),
+            booting=sum(1 for m in outside if m.state == "booting"),
+            waiting=len(self.waiting),
+            counted=len(self.live()),
+            max_instances=self.p.max_instances,
+        )
+        for state, n in (("idle", plan.adopt_ready), ("booting", plan.adopt_booting)):
+            for m in sorted(
+                (m for m in outside if m.state == state),
+                key=lambda m: adopt_preference(ran_a_job=m.last_config is not None, since=m.started),
+            )[:n]:
+                m.pool = True
+        for _ in range(self.affordable(plan.buy)):
             self.boot(pool=True)
 
     def boot(self, *, pool: bool) -> Machine:
-        m = Machine(id=next(self.ids), started=self.now, ready_at=self.now + self.p.boot_seconds, pool=pool)
+        n = next(self.ids)
+        samples = self.p.boot_samples
+        boot = samples[(n - 1) % len(samples)] if samples else self.p.boot_seconds
+        m = Machine(
+            id=n,
+            started=self.now,
+            ready_at=self.now + boot,
+            pool=pool,
+            born_in_pool=pool,
+        )
         self.machines[m.id] = m
         self.created += 1
         self.push(m.ready_at, _READY, m.id)
@@ -335,26 +401,27 @@ class Simulation:
         )
 
     def start(self, index: int, job: TraceJob, m: Machine) -> None:
-        if m.pool:  # claimed: it leaves the pool, which refills at once (within the budget)
-            m.pool = False
+        if m.warm_until is None:
             m.warm_until = self.now - m.started
-            self.refill_pool()
         m.state, m.job_started, m.job_config = "busy", self.now, job.config
-        m.holds.append(
-            attribution.Hold(self.now - m.started, self.now + job.duration - m.started, str(index))
-        )
+        held = job.duration + self.p.job_overhead  # the agent starts and ends the job around it
+        m.holds.append(attribution.Hold(self.now - m.started, self.now + held - m.started, str(index)))
         self.waits.append(self.now - job.submit)
         self.pending_jobs -= 1
-        self.push(self.now + job.duration, _FINISH, (m.id, job.duration))
+        self.push(self.now + held, _FINISH, (m.id, held))
 
     def finish(self, data: tuple[int, float]) -> None:
         machine_id, duration = data
         m = self.machines[machine_id]
+        self.unfinished -= 1
         self.runtimes[m.job_config].append(duration)
-        if self.reuse:
-            m.state, m.idle_since, m.last_config = "idle", self.now, m.job_config
+        member = m.pool
+        if self.reuse:  # kept for reuse, outside the pool
+            m.state, m.idle_since, m.last_config, m.pool = "idle", self.now, m.job_config, False
         else:
             self.destroy(m)
+        if member:
+            self.refill_pool()  # a member left the pool
 
     def reap(self) -> None:
         billing = self.p.billing
@@ -372,30 +439,48 @@ class Simulation:
     def place(self) -> None:
         if not self.waiting:
             return
-        idle_pool = sorted((m for m in self.live(pool=True) if m.state == "idle"), key=lambda m: m.ready_at)
-        idle = [m for m in self.live(pool=False) if m.state == "idle"]
+        idle = {
+            placement.IDLE: [m for m in self.live(pool=False) if m.state == "idle"],
+            placement.POOL: [m for m in self.live(pool=True) if m.state == "idle"],
+        }
         remaining: deque[tuple[int, TraceJob]] = deque()
+        claimed_from_pool = False
         while self.waiting:
             index, job = self.waiting.popleft()
-            if idle_pool:
-                self.start(index, job, idle_pool.pop(0))
-                continue
-            if idle:
-                best = min(idle, key=lambda m: (m.last_config != job.config, m.idle_since))
-                idle.remove(best)
+            for source in placement.ORDER:
+                if not idle[source]:
+                    continue
+                if source == placement.IDLE:
+                    best = min(
+                        idle[source],
+                        key=lambda m: placement.idle_preference(
+                            same_config=m.last_config == job.config, idle_since=m.idle_since
+                        ),
+                    )
+                else:  # the pool's oldest ready member (claims.POOL_SQL)
+                    best = min(idle[source], key=lambda m: m.idle_since)
+                    claimed_from_pool = True
+                idle[source].remove(best)
                 self.start(index, job, best)
-                continue
-            remaining.append((index, job))
+                break
+            else:
+                remaining.append((index, job))
         self.waiting = remaining
-        if not remaining:
-            return
+        if remaining:
+            self.buy(remaining)
+        if claimed_from_pool or (remaining and self.pool_size):
+            # After the placement commits: the claims ask for their pool's refill (and a pool
+            # the budget held back fills again once it allows)
+            self.refill_pool()
+
+    def buy(self, remaining: deque[tuple[int, TraceJob]]) -> None:
         live = self.live()
-        own = [m for m in live if not m.pool]
         horizon = self.now + self.p.max_wait
-        busy = [m for m in own if m.state == "busy"] if self.reuse else []
+        busy = [m for m in live if m.state == "busy"] if self.reuse else []
         supply = placement.Supply(
             total=len(live),
-            coming=sum(1 for m in own if m.state == "booting"),
+            coming=sum(1 for m in live if m.state == "booting" and not m.pool),
+            pool_coming=sum(1 for m in live if m.state == "booting" and m.pool),
             busy=len(busy),
             free_soon=placement.free_soon(
                 ((m.job_started, self.typical_runtime(m.job_config)) for m in busy), horizon
@@ -410,9 +495,7 @@ class Simulation:
         )
         if self.affordable(n) < n:
             n = self.affordable(n)
-            self.budget_waited.update(i for i, _ in list(remaining)[n + supply.coming :])
-        if self.pool_size:
-            self.refill_pool()  # a pool the budget held back fills again once it allows
+            self.budget_waited.update(i for i, _ in list(remaining)[n + supply.on_the_way :])
         for _ in range(n):
             self.boot(pool=False)
         if not self.scheduler_armed:  # the scheduler's periodic safety net while jobs wait
@@ -428,8 +511,8 @@ class Simulation:
         by_kind = {k: Decimal(0) for k in attribution.KINDS}
         for m in self.machines.values():
             runtime = (m.destroyed if m.destroyed is not None else self.now) - m.started
-            # a member still in its pool at the end was warm all its life
-            warm_until = runtime if m.pool else m.warm_until
+            # born in the pool: unheld time before its first claim (all of it, if never) is warm
+            warm_until = (runtime if m.warm_until is None else m.warm_until) if m.born_in_pool else 0.0
             a = attribution.attribute(
                 billing=billing, runtime_seconds=runtime, holds=m.holds, warm_until=warm_until
             )
@@ -455,6 +538,10 @@ class Simulation:
             spend_curve=[*self.spend_curve, (self.now, self.spend())] if self.p.budget is not None else [],
             budget_reached_at=self.reached[0] if self.reached else None,
             after_reached=self.after_reached(),
+            timeline=[
+                (m.started, m.destroyed if m.destroyed is not None else self.now)
+                for m in self.machines.values()
+            ],
         )
 
     def after_reached(self) -> Decimal:
@@ -470,10 +557,18 @@ class Simulation:
 
 
 def simulate(
-    jobs: list[TraceJob], policy: str, params: Params | None = None, *, until: float | None = None
+    jobs: list[TraceJob],
+    policy: str,
+    params: Params | None = None,
+    *,
+    until: float | None = None,
+    until_done: bool = False,
 ) -> Result:
-    """Replay ``jobs`` under ``policy``. ``until`` stops the clock there (and bills to it)."""
-    return Simulation(jobs, policy, params or Params(), until=until).run()
+    """Replay ``jobs`` under ``policy``. ``until`` stops the clock there (and bills to it);
+    ``until_done`` stops it when the last job ends: machines still alive then are billed what
+    they committed (their current paid period), its unused rest reported as ``tail``, as the
+    server's cost report does for live machines."""
+    return Simulation(jobs, policy, params or Params(), until=until, until_done=until_done).run()
 
 
 def format_table(results: list[Result], bound: Decimal) -> str:
@@ -522,6 +617,7 @@ def params_from_args(args: argparse.Namespace) -> Params:
         reaper_interval=args.reaper_interval,
         budget=Decimal(str(args.budget)) if args.budget is not None else None,
         budget_period=86400.0 if args.budget_period == "day" else 30 * 86400.0,
+        pool_max_size=args.pool_max_size,
     )
 
 
@@ -531,7 +627,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     policies = args.policy or ["ephemeral", "speed", "cost", "pool:2", "pool:5", "pool:10"]
     for policy in policies:
         parse_policy(policy)
-    results = [simulate(jobs, policy, params) for policy in policies]
+    results = [simulate(jobs, policy, params, until_done=args.until_done) for policy in policies]
     span = (max(j.submit + j.duration for j in jobs) - jobs[0].submit) / 3600 if jobs else 0
     print(
         f"{len(jobs)} jobs over {span:.1f} h from {args.trace}; billing every {params.billing_increment}s "
@@ -572,4 +668,15 @@ def add_simulate_command(subparsers: Any) -> None:
         "--budget", type=float, default=None, help="money per budget period: no machine is bought past it"
     )
     sim.add_argument("--budget-period", choices=["month", "day"], default="month")
+    sim.add_argument(
+        "--pool-max-size",
+        type=int,
+        default=None,
+        help="pool:N policies: the pool's max_size (default N, like a pool created without one)",
+    )
+    sim.add_argument(
+        "--until-done",
+        action="store_true",
+        help="bill to the end of the last job (the rest of live machines' paid periods is tail)",
+    )
     sim.set_defaults(func=cmd_simulate)

@@ -1,11 +1,17 @@
-"""A bursty CI-like job trace generator (for ``catacloud simulate`` and the benchmarks).
+"""Bursty CI-like job trace generators (for ``catacloud simulate`` and the benchmarks).
 
-Working hours (09:00-18:00 on weekdays) see bursts of pushes: a burst (a merge train, a
-review round) brings a few pushes minutes apart, and every push triggers several jobs of a
-few configurations at once. Nights and weekends are quiet: an occasional push and a nightly
-batch. Durations are lognormal around each configuration's median, clipped to 2-20 minutes.
+``generate``: a week. Working hours (09:00-18:00 on weekdays) see bursts of pushes: a burst
+(a merge train, a review round) brings a few pushes minutes apart, and every push triggers
+several jobs of a few configurations at once. Nights and weekends are quiet: an occasional
+push and a nightly batch. Durations are lognormal around each configuration's median, clipped
+to 2-20 minutes.
+
+``busy_window``: the busy hours of a team behind a merge queue: a push every ``push_every``
+seconds on average (gaps gamma-distributed, ``regularity`` 1 is Poisson, higher is steadier),
+each a burst of jobs of the same configurations at once.
 
     python -m catacloud.trace --days 7 --seed 7 --output catacloud/data/traces/ci-week.csv
+    python -m catacloud.trace --window-minutes 120 --seed 7 --output catacloud/data/traces/ci-2h.csv
 """
 
 from __future__ import annotations
@@ -77,14 +83,36 @@ def generate(
     return sorted(jobs, key=lambda j: j.submit)
 
 
+def busy_window(
+    *, minutes: float = 120.0, seed: int = 7, push_every: float = 90.0, regularity: float = 4.0
+) -> list[TraceJob]:
+    """Jobs over ``minutes`` of busy hours (times in seconds from the window's start)."""
+    rng = random.Random(seed)
+    jobs: list[TraceJob] = []
+    t = 0.0
+    while True:
+        t += rng.gammavariate(regularity, push_every / regularity)
+        if t >= minutes * 60:
+            break
+        jobs += _push(rng, t)
+    return sorted(jobs, key=lambda j: j.submit)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--days", type=int, default=7)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--bursts-per-hour", type=float, default=7.0)
+    parser.add_argument(
+        "--window-minutes", type=float, default=None, help="busy hours only: a window this long"
+    )
+    parser.add_argument("--push-every", type=float, default=90.0, help="window: mean seconds between pushes")
     parser.add_argument("--output", default="-")
     args = parser.parse_args(argv)
-    jobs = generate(days=args.days, seed=args.seed, bursts_per_hour=args.bursts_per_hour)
+    if args.window_minutes is not None:
+        jobs = busy_window(minutes=args.window_minutes, seed=args.seed, push_every=args.push_every)
+    else:
+        jobs = generate(days=args.days, seed=args.seed, bursts_per_hour=args.bursts_per_hour)
     if args.output == "-":
         import sys
 

@@ -37,6 +37,7 @@ from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.models import Job
 from apps.machines.budgets import period_start, spend_grouped
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
+from apps.machines.costs import kind_totals
 from apps.machines.models import Budget, MachineInstance, OrgMachineType
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
@@ -321,12 +322,21 @@ def _costs(now: datetime) -> dict[str, Any]:
     what the live fleet costs per hour."""
     day = spend_grouped(since=period_start("day", now), now=now)
     month = spend_grouped(since=period_start("month", now), now=now)
-    burn = dict(
-        MachineInstance.objects.filter(status__in=INSTANCE_LIVE, provisioning_started_at__isnull=False)
+    # What the live fleet costs per hour, and how many of its machines are idle right now
+    # outside pools (kept for reuse while their paid period lasts).
+    fleet = {
+        org: (rate, idle)
+        for org, rate, idle in MachineInstance.objects.filter(
+            status__in=INSTANCE_LIVE, provisioning_started_at__isnull=False
+        )
         .values_list("org__slug")
-        .annotate(rate=Sum("machine_type__price_per_hour"))
+        .annotate(
+            rate=Sum("machine_type__price_per_hour"),
+            idle=Count("id", filter=Q(status=InstanceStatus.READY, pool__isnull=True)),
+        )
         .order_by()
-    )
+    }
+    burn = {org: rate for org, (rate, _) in fleet.items()}
     budgets = defaultdict(list)
     for b in Budget.objects.select_related("org", "machine_type").order_by("org__slug", "period"):
         spent = month if b.period == "month" else day
@@ -347,18 +357,29 @@ def _costs(now: datetime) -> dict[str, Any]:
                 "percent": min(100.0, float(100 * used / b.amount)) if b.amount else 100.0,
             }
         )
-    orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets))
+    # Where the last hour's money went: the idle share (paid, no job on it; catacloud.policy.
+    # attribution), per org.
+    kinds = kind_totals(start=now - WINDOW, end=now, now=now)
+    orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds))
     rows = [
         {
             "org": org,
             "today": sum((v for (o, _), v in day.items() if o == org), Decimal(0)),
             "month": sum((v for (o, _), v in month.items() if o == org), Decimal(0)),
             "per_hour": burn.get(org) or Decimal(0),
+            "idle_share": _share(kinds.get(org), "idle"),
+            "idle_now": fleet[org][1] if org in fleet else 0,
             "budgets": budgets.get(org, []),
         }
         for org in orgs
     ]
     return {"currency": settings.CATACLOUD_CURRENCY, "rows": rows}
+
+
+def _share(kinds: dict[str, Decimal] | None, kind: str) -> float | None:
+    """``kind``'s share of the total (None: nothing billed)."""
+    total = sum((kinds or {}).values(), Decimal(0))
+    return float(kinds[kind] / total) if kinds and total else None
 
 
 def dashboard_snapshot(*, now: datetime | None = None) -> dict[str, Any]:

@@ -71,6 +71,11 @@ job_config_names = Hook(
     "job_config_names",
     "machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids.",
 )
+jobs_waiting = Hook(
+    "jobs_waiting",
+    "pools (refill) → jobs: how many jobs of org_id= and machine_type_id= wait for a machine "
+    "(they take the machines outside pools before a refill may take them in).",
+)
 jobs_to_cancel = Hook(
     "jobs_to_cancel",
     "machines (agent heartbeat) → jobs: the ids of jobs on this instance its agent must kill.",

@@ -68,6 +68,7 @@ class EventKind(StrEnum):
     POOL_MEMBER_WARMED = "pool.member_warmed"
     POOL_MEMBER_CLAIMED = "pool.member_claimed"
     POOL_MEMBER_RELEASED = "pool.member_released"
+    POOL_MEMBER_ADOPTED = "pool.member_adopted"
     POOL_MEMBER_STUCK = "pool.member_stuck"
     POOL_MEMBER_LOST = "pool.member_lost"
     POOL_MEMBER_TERMINATED = "pool.member_terminated"

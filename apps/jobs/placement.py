@@ -1,8 +1,15 @@
-"""Placement: admitted jobs waiting for a machine get one, in order: a warm pool of the org and
-machine type; an idle machine kept for reuse (the one that last ran the same configuration
-first); a new machine if ``max_instances`` (and the budget) allows (policy ``speed`` at once,
-``cost`` only when no paid machine will be free within ``max_wait_seconds``); otherwise the job
-waits with a ``pending_reason`` that names the limit."""
+"""Placement: admitted jobs waiting for a machine get one, paid capacity first
+(catacloud.policy.placement.ORDER): an idle machine kept for reuse (the one that last ran the
+same configuration first), then a member of a warm pool of the org and machine type; a new
+machine only for the jobs that the machines already paid for cannot serve
+(catacloud.policy.placement.machines_to_buy: policy ``speed`` at once, ``cost`` only when no
+paid machine will be free within ``max_wait_seconds``), within ``max_instances`` and the budget;
+otherwise the job waits with a ``pending_reason`` that names the limit.
+
+What it counts comes from one view (apps.machines.selectors.paid_capacity), read without row
+locks after the claims: a ready machine the claim skipped because another transaction held its
+row at that instant (SKIP LOCKED hides a row, it does not make it absent) is paid capacity, not
+a reason to buy; the job gets it at the next scheduling pass, which this pass enqueues."""
 
 from __future__ import annotations
 
@@ -11,20 +18,21 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Count, F, Q, Window
+from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.jobs.choices import JobStatus, Reuse
-from apps.jobs.dispatch import wake_agent
+from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
-from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus, Policy
+from apps.machines.choices import InstanceStatus, Policy
 from apps.machines.lifecycle import instance_request
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.selectors import paid_capacity
 from apps.machines.services import grant_lock
 from apps.pools.choices import POOL_ACTIVE
 from apps.pools.models import InstancePool
@@ -77,26 +85,36 @@ def place(
 
 
 def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance | None:
+    """A paid machine for ``job``, in placement's order, or None."""
     who = job_claim_label(job.pk)
-    for pool_id in pools:
-        try:
-            return pool_claim(
-                pool_id=pool_id, acquired_by="scheduler", acquired_for=who, actor="scheduler", job_id=job.pk
-            ).instance
-        except (PoolEmpty, InvalidTransition):
+    for source in placement.ORDER:
+        if source == placement.IDLE:
+            _, instance = claims.claim(
+                claims.IDLE_SQL,
+                actor="scheduler",
+                by="scheduler",
+                for_=who,
+                job_id=job.pk,
+                org=str(job.org_id),
+                mt=str(mt.pk),
+                version=mt.version,
+                config=str(job.config_id),
+            )
+            if instance is not None:
+                return instance
             continue
-    _, instance = claims.claim(
-        claims.IDLE_SQL,
-        actor="scheduler",
-        by="scheduler",
-        for_=who,
-        job_id=job.pk,
-        org=str(job.org_id),
-        mt=str(mt.pk),
-        version=mt.version,
-        config=str(job.config_id),
-    )
-    return instance
+        for pool_id in pools:
+            try:
+                return pool_claim(
+                    pool_id=pool_id,
+                    acquired_by="scheduler",
+                    acquired_for=who,
+                    actor="scheduler",
+                    job_id=job.pk,
+                ).instance
+            except (PoolEmpty, InvalidTransition):
+                continue
+    return None
 
 
 def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
@@ -128,27 +146,21 @@ def _provision_or_wait(
     if grant is None:
         _set_reason(jobs, "machine type no longer granted")
         return 0
-    live = MachineInstance.objects.filter(org_id=org_id, machine_type=mt, status__in=INSTANCE_COUNTED)
-    counts = live.aggregate(
-        # Every machine that costs money counts, terminating ones too (they still bill).
-        total=Count("id"),
-        coming=Count(
-            "id",
-            filter=Q(
-                pool__isnull=True,
-                status__in=[InstanceStatus.PENDING, InstanceStatus.PROVISIONING, InstanceStatus.WARMING],
-            ),
-        ),
-        busy=Count("id", filter=Q(pool__isnull=True, status=InstanceStatus.CLAIMED)),
-    )
     max_wait = timedelta(seconds=grant.max_wait_seconds)
+    paid = paid_capacity(org_id=org_id, machine_type=mt)
     supply = placement.Supply(
-        total=counts["total"],
-        coming=counts["coming"],
-        busy=counts["busy"],
+        total=paid.counted,
+        coming=paid.booting,
+        pool_coming=paid.pool_booting,
+        # Every ready machine is still here after the claims above took what they could:
+        # the ones left were held by another transaction at that instant.
+        held=paid.idle + paid.pool_ready,
+        busy=paid.busy,
         free_soon=_free_soon(grant, mt, now) if grant.policy == Policy.COST else 0,
         max_instances=grant.max_instances,
     )
+    if supply.held:
+        schedule_after_commit()  # the held machines are free again within milliseconds
     overdue = sum(1 for job in jobs if job.admitted_at and now - job.admitted_at >= max_wait)
     n = placement.machines_to_buy(waiting=len(jobs), overdue=overdue, supply=supply, policy=grant.policy)
     budget_reason = ""
@@ -169,20 +181,20 @@ def _provision_or_wait(
         has_pool=bool(pools),
         max_wait_seconds=grant.max_wait_seconds,
     )
-    if budget_reason and not (supply.coming + n):
+    if budget_reason and not (supply.on_the_way + n):
         reason = budget_reason
     _set_reason(jobs, reason)
     return n
 
 
 def _free_soon(grant: OrgMachineType, mt: MachineType, now: datetime) -> int:
-    """Busy reusable machines expected free within max_wait_seconds: a machine is expected
-    free when its job's typical run time (catacloud.policy.placement.typical_runtime of its
-    configuration's latest runs) ends. Two queries, however many jobs run."""
+    """Busy reusable machines expected free within max_wait_seconds (pool members a job took
+    too: they come back outside the pool): a machine is expected free when its job's typical
+    run time (catacloud.policy.placement.typical_runtime of its configuration's latest runs)
+    ends. Two queries, however many jobs run."""
     running = [
         (job["config_id"], job["started_at"] or job["assigned_at"] or now)
         for job in Job.objects.filter(
-            instance__pool__isnull=True,
             instance__status=InstanceStatus.CLAIMED,
             instance__org_id=grant.org_id,
             instance__machine_type=mt,

@@ -14,11 +14,13 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job
+from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
+from apps.pools.refill import request_refill
 from apps.resources.lifecycle import release_for_job
 
 
@@ -59,7 +61,9 @@ def job_finished(
     """The agent reports the end of a job; the machine is kept for reuse or destroyed.
 
     With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
-    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow.
+    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow
+    (a reusable machine with nothing to upload is released at once; the ``uploads-done`` that
+    follows finds nothing to release).
     A repeated report changes nothing and answers the status already recorded. A job that
     did not succeed on a machine being taken away (terminated, drained) was stopped, not
     failed: it goes back to the queue with the machine's cause.
@@ -100,7 +104,9 @@ def job_finished(
             event_data={"exit_code": exit_code, "attempt": job.attempt},
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
-        if uploads_pending is None:
+        if uploads_pending is None or (uploads_pending == 0 and job.config.reuse == Reuse.REUSE):
+            # Nothing to upload: a reusable machine is free for the next job at once (a job
+            # submitted the moment this one reads finished finds it idle, not held).
             instance_release(instance_id=instance.pk, job=job)
         schedule_after_commit()
     return job
@@ -108,6 +114,8 @@ def job_finished(
 
 def instance_release(*, instance_id: Any, job: Job) -> bool:
     """After a job: keep the machine for the next job (reuse, current version) or destroy it.
+    A kept machine leaves its pool (jobs take it first until its paid period ends); the pool
+    refills, and takes it back in while no job is waiting for it.
 
     Acts only on the claim that belongs to ``job`` (a late or repeated report about an older
     job never releases a machine another job holds now); returns whether it acted."""
@@ -128,6 +136,8 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
             job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
         )
         if reuse:
+            if instance.pool_id:
+                request_refill(instance.pool_id)  # a member left its pool: the pool may take it back
             INSTANCE_STATES.move(
                 instance_id,
                 to=InstanceStatus.READY,
@@ -142,6 +152,10 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
                 lease_expires_at=None,
                 last_config=job.config_id,
             )
+            # A job waiting for a machine of this grant gets this one now, in this request
+            # (after the report's commit), not after a worker's scheduling pass.
+            schedule_after_commit()
+            schedule_grant_after_commit(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
         else:
             instance_terminate(
                 instance_id=instance_id,

@@ -4,7 +4,9 @@ the reaper runs it as a safety net. Any number may run at once on any number of 
 
 A submit also tries :func:`schedule_grant_now` in its own request, after its commit: the same
 two steps for the submitted job's grant only, so a job that fits goes to a warm machine without
-waiting for a worker to pick up the pass (the pass is enqueued all the same)."""
+waiting for a worker to pick up the pass (the pass is enqueued all the same). So do a job's end
+that hands its machine back for reuse and a machine becoming ready: a paid machine goes to the
+job waiting for it at once, before that job waits long enough for the cost policy to buy."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import OperationalError
+from django.conf import settings
+from django.db import OperationalError, transaction
 
 from apps.jobs.admission import admit, admit_grant
 from apps.jobs.placement import place
@@ -50,6 +53,13 @@ def schedule_grant_now(*, org_id: Any, machine_type_id: Any) -> int:
     except Exception:
         log.exception("scheduling a submitted job at once failed; the scheduling pass will")
         return 0
+
+
+def schedule_grant_after_commit(*, org_id: Any, machine_type_id: Any) -> None:
+    """:func:`schedule_grant_now` right after the current transaction commits (when
+    ``CATACLOUD_SCHEDULE_ON_SUBMIT`` is on; the enqueued scheduling pass does it otherwise)."""
+    if settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
+        transaction.on_commit(lambda: schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id))
 
 
 # How many of a grant's jobs the fast path takes at once (a submit brings one; a few more that

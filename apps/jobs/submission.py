@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 
 from apps.core.errors import Conflict, InvalidTransition, MissingPrivilege, NotFound
@@ -12,7 +11,7 @@ from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduler import schedule_grant_now
+from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, _check_env, cancelled_by
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
@@ -59,9 +58,7 @@ def job_submit(
             kind="job.queued", org=org, job=job, actor=actor, config=config.name, priority=job.priority
         )
         schedule_after_commit()
-        if settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
-            org_id, mt_id = org.pk, config.machine_type_id
-            transaction.on_commit(lambda: schedule_grant_now(org_id=org_id, machine_type_id=mt_id))
+        schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
     return job
 
 

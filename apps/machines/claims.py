@@ -44,11 +44,14 @@ def _col(model: type[Model], name: str) -> str:
     return connection.ops.quote_name(field.column)
 
 
-# The event each claim appends, in the statement: (Event field, SQL value) pairs.
+# The event each claim appends, in the statement: (Event field, SQL value) pairs. Times are
+# the statement's (clock_timestamp()), not its transaction's start (now()): a placement's
+# transaction may begin before the previous job released the machine it then claims, and the
+# cost attribution orders a machine's claims and releases by these times.
 EVENT_VALUES: tuple[tuple[str, str], ...] = (
     ("org", "u.org_id"),
     ("kind", "%(kind)s"),
-    ("created_at", "now()"),
+    ("created_at", "clock_timestamp()"),
     ("actor", "%(actor)s"),
     ("reason", "''"),
     ("pool_id", "u.pool_id"),
@@ -88,7 +91,8 @@ WITH c AS (
     FOR UPDATE OF m SKIP LOCKED
 ), u AS (
     UPDATE {_INSTANCES} m
-    SET status = 'claimed', claimed_at = now(), status_changed_at = now(), claim_id = %(claim)s,
+    SET status = 'claimed', claimed_at = clock_timestamp(), status_changed_at = clock_timestamp(),
+        claim_id = %(claim)s,
         claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s
     FROM c WHERE m.id = c.id AND m.status = 'ready'
     RETURNING m.*

@@ -203,13 +203,20 @@ def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") 
 
 
 def instance_terminate(
-    *, instance_id: Any, actor: str = "", reason: str = "", cause: str = "machine_terminated"
+    *,
+    instance_id: Any,
+    actor: str = "",
+    reason: str = "",
+    cause: str = "machine_terminated",
+    only_idle: bool = False,
 ) -> MachineInstance:
     """Move a live instance to ``terminating`` and enqueue its destruction after commit.
 
-    Raises InvalidTransition when it is not live. Its pool (if any) refills after commit. A
-    job still on the machine is requeued with ``cause`` once the machine is gone (or when its
-    agent reports it killed), never while it may still run there.
+    Raises InvalidTransition when it is not live (with ``only_idle``: unless it is still ready
+    outside every pool, so a retirement never takes a machine a job or a pool just took). Its
+    pool (if any) refills after commit. A job still on the machine is requeued with ``cause``
+    once the machine is gone (or when its agent reports it killed), never while it may still
+    run there.
     """
     from apps.machines.tasks import terminate_instance_task
 
@@ -219,6 +226,8 @@ def instance_terminate(
         instance = INSTANCE_STATES.move(
             instance_id,
             to=InstanceStatus.TERMINATING,
+            from_=[InstanceStatus.READY] if only_idle else None,
+            where={"pool": None} if only_idle else None,
             actor=actor,
             reason=reason,
             event=event,

@@ -37,6 +37,7 @@ def idle_machines_retire(*, now: datetime) -> int:
         try:
             instance_terminate(
                 instance_id=instance.pk,
+                only_idle=True,  # placement or a pool may have taken it since the read above
                 actor="reaper",
                 reason="outdated machine type version"
                 if outdated

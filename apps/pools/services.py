@@ -10,23 +10,27 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import F
 from django.utils import timezone
 
+from apps.core import hooks
 from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
 from apps.events.services import event_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
-from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType
+from apps.machines.selectors import BOOTING, paid_capacity
 from apps.machines.services import grant_check_privilege, grant_for, grant_lock
 from apps.orgs.models import Organization
 from apps.pools.choices import POOL_ACTIVE, POOL_TRANSITIONS, PoolStatus
 from apps.pools.metrics import CLAIM_LATENCY
 from apps.pools.models import InstancePool
 from apps.pools.refill import clear_mark, request_refill
+from catacloud.policy.pools import refill_plan
 
 
 def pool_validate_sizes(*, target_size: int, min_size: int, max_size: int, max_pool_size: int) -> None:
@@ -278,21 +282,26 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
         fresh = [m for m in unclaimed if not m["outdated"]]
         fresh_ready = [m for m in fresh if m["status"] == InstanceStatus.READY]
         outdated = [m for m in unclaimed if m["outdated"]]
-        # Every machine that costs money counts against max_instances, terminating ones too.
-        org_live = MachineInstance.objects.filter(
-            org_id=pool.org_id, machine_type=mt, status__in=INSTANCE_COUNTED
-        ).count()
-        wanted = max(0, pool.target_size - len(fresh))
-        room_pool = max(0, pool.max_size - len(members))
-        room_quota = max(0, (grant.max_instances if grant else 0) - org_live)
-        count = min(wanted, room_pool, room_quota)
-        limit = ""
-        if count < wanted:
-            limit = (
-                f"pool_at_max_size: {len(members)}/{pool.max_size} members"
-                if room_pool <= room_quota
-                else f"quota_exceeded: max_instances {org_live}/{grant.max_instances if grant else 0}"
-            )
+        # What the org already pays for counts first: idle machines of this type outside
+        # every pool, then machines booting for no job, are taken in before anything is bought.
+        paid = paid_capacity(org_id=pool.org_id, machine_type=mt)
+        outside = paid.idle + paid.booting
+        plan = refill_plan(
+            target=pool.target_size,
+            max_size=pool.max_size,
+            members=len(members),
+            fresh=len(fresh),
+            idle=paid.idle,
+            booting=paid.booting,
+            waiting=hooks.jobs_waiting(org_id=pool.org_id, machine_type_id=mt.pk) if outside else 0,
+            counted=paid.counted,
+            max_instances=grant.max_instances if grant else 0,
+        )
+        wanted, limit = plan.wanted, plan.limit
+        adopted_ready, adopted_booting = _adopt(
+            pool, mt, ready=plan.adopt_ready, booting=plan.adopt_booting, actor=actor
+        )
+        count = plan.buy
         if count:
             # Money: buy only what the org's budgets allow (lock order: grant, pool, budget).
             now = timezone.now()
@@ -307,7 +316,7 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
         if outdated:
             if len(fresh_ready) >= pool.target_size:
                 to_terminate += [m["pk"] for m in outdated]  # replacements are ready: retire the old
-            elif count == 0 and wanted > 0:
+            elif count == 0 and wanted > adopted_ready + adopted_booting:
                 to_terminate.append(outdated[0]["pk"])  # no room to surge: make room, one at a time
         surplus = len(fresh) - pool.target_size
         if surplus > 0:
@@ -337,8 +346,48 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
                 wanted=wanted,
                 requested=count,
             )
-        _sync_status(pool, ready=len(fresh_ready))
+        _sync_status(pool, ready=len(fresh_ready) + adopted_ready)
     return count
+
+
+def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, actor: str) -> tuple[int, int]:
+    """Take ``ready`` idle machines and ``booting`` machines booting for no job, of the pool's
+    org and machine type, outside every pool, into the pool (they cost nothing more). The
+    caller holds the grant's lock, so placement does not claim them meanwhile; rows another
+    transaction holds are skipped. Machines that never ran a job first, then the oldest.
+    Returns how many ready and booting machines it took in."""
+    taken = [0, 0]
+    for i, (statuses, n) in enumerate((([InstanceStatus.READY], ready), (list(BOOTING), booting))):
+        if n <= 0:
+            continue
+        ids = list(
+            MachineInstance.objects.filter(
+                org_id=pool.org_id,
+                machine_type=mt,
+                machine_type_version=mt.version,
+                pool__isnull=True,
+                status__in=statuses,
+            )
+            .order_by(F("last_config").asc(nulls_first=True), "created_at")
+            .select_for_update(skip_locked=True)
+            .values_list("pk", flat=True)[:n]
+        )
+        for instance_id in ids:
+            if MachineInstance.objects.filter(pk=instance_id, pool__isnull=True, status__in=statuses).update(
+                pool=pool
+            ):
+                event_record(
+                    kind="pool.member_adopted",
+                    org=pool.org_id,
+                    pool=pool,
+                    instance=instance_id,
+                    actor=actor,
+                    reason="idle machine of the pool's type taken in"
+                    if statuses == [InstanceStatus.READY]
+                    else "machine booting for no job taken in",
+                )
+                taken[i] += 1
+    return taken[0], taken[1]
 
 
 def _sync_status(pool: InstancePool, *, ready: int) -> None:

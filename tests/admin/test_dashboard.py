@@ -12,6 +12,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.budgets import budget_set, budget_spend
@@ -137,3 +138,25 @@ def test_dashboard_is_for_staff_only(world: World) -> None:
     get_user_model().objects.create_user("plain", password="a-long-plain-password")
     client.login(username="plain", password="a-long-plain-password")
     assert client.get("/admin/dashboard/panel/").status_code == 302
+
+
+def test_dashboard_shows_the_idle_share_of_the_last_hour_and_the_machines_idle_now(
+    world: World, ops: Client
+) -> None:
+    from testkit.builders import idle_machine
+
+    # Given a machine that ran a job for 10 of the last 40 minutes and has been idle since
+    now = timezone.now()
+    machine = idle_machine(world.org, world.machine_type, provisioning_started_at=now - timedelta(minutes=40))
+    for kind, minutes in (("instance.claimed", 40), ("instance.released", 30)):
+        event = event_record(kind=kind, org=world.org, instance=machine, actor="test")
+        Event.objects.filter(pk=event.pk).update(created_at=now - timedelta(minutes=minutes))
+    # When the operator opens the dashboard
+    response = ops.get("/admin/dashboard/")
+    # Then the cost row says what share of the hour's money ran no job, and what idles now
+    (cost,) = response.context["costs"]["rows"]
+    assert cost["idle_now"] == 1
+    # of the 40 minutes it lived (and billed) in the last hour, 30 were idle (the 20 still to
+    # come of its paid hour are not spent yet)
+    assert cost["idle_share"] == pytest.approx(30 / 40, abs=0.01)
+    assert "75% <small>(1 idle now)</small>" in response.content.decode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -52,10 +53,13 @@ def test_a_machine_kept_busy_past_the_hour_bills_the_started_second_hour() -> No
     assert result.machines_created == 1 and result.machine_hours == 2
 
 
-def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills() -> None:
-    result = simulate([TraceJob(100, 60, "unit")], "pool:1", HOURLY)
-    assert result.wait_max == 0
-    assert result.machines_created == 2  # the member, and its replacement
+def test_a_warm_pool_member_takes_the_job_without_waiting_and_refills_within_max_size() -> None:
+    roomy = simulate([TraceJob(100, 60, "unit")], "pool:1", replace(HOURLY, pool_max_size=2))
+    assert roomy.wait_max == 0
+    assert roomy.machines_created == 2  # the member, and its replacement
+    # max_size 1 (pool_create's default: the target): the member a job holds still counts
+    tight = simulate([TraceJob(100, 60, "unit")], "pool:1", HOURLY)
+    assert (tight.wait_max, tight.machines_created) == (0, 1)
 
 
 def test_cost_waits_for_a_paid_machine_instead_of_buying() -> None:
@@ -161,3 +165,55 @@ def test_spend_passes_the_budget_only_by_what_machines_running_when_it_was_reach
     assert result.cost == Decimal(4)  # four started hours of the one machine
     assert result.after_reached == Decimal(3)  # all billed after the budget was reached
     assert result.cost <= result.budget + result.after_reached
+
+
+# ---- paid capacity first, as the scheduler decides ---------------------------------------------
+
+
+def test_with_a_pool_in_front_sequential_jobs_reuse_the_machine_they_left() -> None:
+    # Twelve 1-minute jobs one after another behind a pool of 2 (max_size 3: room for one
+    # replacement while a job holds a member): the first job takes a member, which the pool
+    # replaces; every later job takes the machine the previous one left (idle first)
+    jobs = [TraceJob(600 + 120 * i, 60, "unit") for i in range(12)]
+    result = simulate(jobs, "pool:2:cost", replace(HOURLY, pool_max_size=3), until=2400)
+    assert result.machines_created == 3
+    assert result.wait_max == 0
+
+
+def test_a_short_pool_takes_in_an_idle_machine_instead_of_buying() -> None:
+    # max_size 2: while a job holds a member the pool cannot replace it; when the job ends the
+    # machine leaves the pool (it is used) and the short pool takes it back: nothing is bought
+    jobs = [TraceJob(600 + 120 * i, 60, "unit") for i in range(12)]
+    result = simulate(jobs, "pool:2:cost", HOURLY, until=2400)
+    assert result.machines_created == 2
+
+
+def test_until_done_bills_to_the_last_job_and_calls_the_rest_of_the_hour_tail() -> None:
+    result = simulate([TraceJob(0, 600, "unit")], "cost", HOURLY, until_done=True)
+    # 45 s boot (idle), 600 s job, then the unused rest of the paid hour is tail, not idle
+    assert result.cost == Decimal(1)
+    assert result.shares()["idle"] == pytest.approx(45 / 3600, abs=1e-3)
+    assert result.shares()["tail"] == pytest.approx(1 - 645 / 3600, abs=1e-3)
+    run_out = simulate([TraceJob(0, 600, "unit")], "cost", HOURLY)
+    assert run_out.shares()["idle"] >= 0.75  # kept for reuse until retention, nobody came
+
+
+def test_measured_boot_times_and_the_agents_time_around_a_job_are_replayed() -> None:
+    jobs = [TraceJob(0, 600, "a"), TraceJob(0, 600, "b")]
+    result = simulate(jobs, "speed", replace(HOURLY, boot_samples=(10.0, 70.0), job_overhead=30.0))
+    assert sorted(result.waits) == [10.0, 70.0]  # the n-th machine boots in the n-th sample
+    assert (result.machines_created, result.cost) == (2, Decimal(2))
+    assert result.by_kind["job"] == (Decimal(2 * 630) / 3600).quantize(Decimal("0.000001"))
+
+
+def test_the_busy_window_is_two_hours_of_pushes_each_a_burst_of_jobs() -> None:
+    from catacloud.trace import busy_window
+
+    jobs = busy_window(minutes=120, seed=7)
+    shipped = load_trace(Path(__file__).resolve().parents[2] / "catacloud/data/traces/ci-2h.csv")
+    assert [(round(j.submit, 1), round(j.duration, 1), j.config) for j in jobs] == [
+        (j.submit, j.duration, j.config) for j in shipped
+    ]
+    assert all(0 <= j.submit < 7200 for j in jobs)
+    pushes = {round(j.submit / 10) for j in jobs}  # jobs of one push arrive within seconds
+    assert len(jobs) >= 2 * len(pushes) > 100

@@ -96,17 +96,27 @@ def test_admission() -> None:
 
 
 def test_cost_and_report(tmp_path: Path) -> None:
-    from catacloud.trace import generate
+    from catacloud.trace import busy_window, generate
 
-    result = run_part("cost", jobs=generate(days=1, seed=3), sweep=(45, 300), progress=quiet)
+    result = run_part(
+        "cost",
+        jobs=generate(days=1, seed=3),
+        sweep=(45, 300),
+        replay_jobs=busy_window(minutes=4, seed=3),
+        progress=quiet,
+    )
     sane(result, "cost")
     policies = {r["policy"]: r for r in result.data["policies"]}
     assert {"ephemeral", "speed", "cost", "pool:2"} <= set(policies)
     assert all(r["cost"] >= result.data["lower_bound"] for r in policies.values())
+    # the live replay ran every job and bought nothing a paid machine could have served
+    replay = result.data["replay"]
+    assert replay["live"]["jobs"] == replay["simulated"]["jobs"] == replay["jobs"] > 0
+    assert replay["measured"]["failed"] == 0 and replay["measured"]["needless_purchases"] == 0
     report.save(result, tmp_path)
     path = report.write(report.load_all(tmp_path), tmp_path, report.environment(), {})
     text = path.read_text()
-    assert "## Machine" in text and "cost.png" in text
+    assert "## Machine" in text and "cost.png" in text and "replay.png" in text
     assert (tmp_path / "docs" / "bench" / "cost.png").exists()
 
 

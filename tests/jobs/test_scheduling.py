@@ -121,18 +121,18 @@ def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
 
 
 @pytest.mark.django_db
-def test_placement_prefers_a_warm_pool(world: World) -> None:
+def test_placement_takes_an_idle_machine_before_a_warm_pool_member(world: World) -> None:
     mt, _ = setup_type(world)
     pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1, max_size=2)
     member = idle_machine(world.org, mt, pool=pool)
-    spare = idle_machine(world.org, mt)  # an idle machine exists too, but the pool comes first
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    spare = idle_machine(world.org, mt)  # paid and idle: it goes first, the pool stays warm
+    first, second = (job_submit(org=world.org, config=job_config(world.org, mt, name)) for name in "ab")
     report = schedule()
-    assert (report.admitted, report.assigned) == (1, 1)
-    refresh(job, member, spare)
-    assert (job.status, job.instance_id) == (J.ASSIGNED, member.pk)
-    assert member.status == S.CLAIMED and member.claimed_for == f"job:{job.pk}"
-    assert spare.status == S.READY
+    assert (report.admitted, report.assigned, report.provisioned) == (2, 2, 0)
+    refresh(first, second, member, spare)
+    assert (first.status, first.instance_id) == (J.ASSIGNED, spare.pk)
+    assert (second.status, second.instance_id) == (J.ASSIGNED, member.pk)  # then the pool
+    assert member.status == S.CLAIMED and member.claimed_for == f"job:{second.pk}"
 
 
 @pytest.mark.django_db
@@ -186,7 +186,7 @@ def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: Wo
         started_at=timezone.now(),
         admitted_at=timezone.now(),
     )
-    MachineInstance.objects.filter(pk=busy.pk).update(status=S.CLAIMED)
+    MachineInstance.objects.filter(pk=busy.pk).update(status=S.CLAIMED, claimed_for=f"job:{running.pk}")
     job = job_submit(org=world.org, config=cfg)
     report = schedule()
     assert report.provisioned == 0  # the busy machine is expected free in ~2 minutes
