@@ -32,6 +32,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.models import Job
@@ -54,15 +55,15 @@ MEMBER_STATES = (
 WAITING = (JobStatus.QUEUED, JobStatus.ACQUIRING_RESOURCES, JobStatus.WAITING_FOR_MACHINE)
 # What the "recent failures and requeues" list shows: the events an operator acts on.
 TROUBLE_KINDS = (
-    "job.requeued",
-    "instance.failed",
-    "instance.lost",
-    "instance.interrupted",
-    "pool.member_stuck",
-    "pool.member_lost",
-    "artifact.upload_failed",
-    "budget.exhausted",
-    "resource.failed",
+    EventKind.JOB_REQUEUED,
+    EventKind.INSTANCE_FAILED,
+    EventKind.INSTANCE_LOST,
+    EventKind.INSTANCE_INTERRUPTED,
+    EventKind.POOL_MEMBER_STUCK,
+    EventKind.POOL_MEMBER_LOST,
+    EventKind.ARTIFACT_UPLOAD_FAILED,
+    EventKind.BUDGET_EXHAUSTED,
+    EventKind.RESOURCE_FAILED,
 )
 MAX_POOLS = 100
 MAX_GRANTS = 200
@@ -258,7 +259,7 @@ def _trouble(now: datetime) -> list[dict[str, Any]]:
         Event.objects.filter(created_at__gte=since)
         .filter(
             Q(kind__in=TROUBLE_KINDS)
-            | Q(kind="job.finished", data__status__in=[JobStatus.FAILED, JobStatus.TIMED_OUT])
+            | Q(kind=EventKind.JOB_FINISHED, data__status__in=[JobStatus.FAILED, JobStatus.TIMED_OUT])
         )
         .select_related("org")
         .order_by("-id")[:MAX_TROUBLE]
@@ -266,7 +267,7 @@ def _trouble(now: datetime) -> list[dict[str, Any]]:
     return [
         {
             "at": e.created_at,
-            "kind": e.kind if e.kind != "job.finished" else f"job.{e.data.get('status')}",
+            "kind": e.kind if e.kind != EventKind.JOB_FINISHED else f"job.{e.data.get('status')}",
             "org": e.org.slug if e.org is not None else "",
             "job_id": e.job_id,
             "instance_id": e.instance_id,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from apps.core.errors import Conflict
+from apps.core.errors import Conflict, ErrorCode
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job
@@ -36,9 +37,11 @@ def grant_delete(*, grant: OrgMachineType, actor: str = "") -> None:
         return
     used = in_use_summary(org_id=grant.org_id, machine_type_id=grant.machine_type_id)
     if used:
-        raise Conflict(f"{grant} is still in use ({used}); drain, terminate or cancel first", code="in_use")
+        raise Conflict(
+            f"{grant} is still in use ({used}); drain, terminate or cancel first", code=ErrorCode.IN_USE
+        )
     event_record(
-        kind="org.grant_deleted", org=grant.org_id, actor=actor, machine_type=str(grant.machine_type)
+        kind=EventKind.ORG_GRANT_DELETED, org=grant.org_id, actor=actor, machine_type=str(grant.machine_type)
     )
     OrgMachineType.objects.filter(pk=locked.pk).delete()
 

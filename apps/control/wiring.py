@@ -6,7 +6,6 @@ from typing import Any
 
 from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
-from apps.events.services import event_record
 from apps.jobs.acquisition import wake_waiting
 from apps.jobs.agent import jobs_to_cancel
 from apps.jobs.choices import JobStatus
@@ -37,7 +36,6 @@ def _jobs_waiting(*, org_id: Any, machine_type_id: Any) -> int:
 
 
 def connect_hooks() -> None:
-    hooks.record_event.connect(event_record)
     hooks.machine_available.connect(_schedule_soon)
     hooks.machine_gone.connect(jobs_requeue_for_instance)
     hooks.pool_member_left.connect(request_refill)

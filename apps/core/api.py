@@ -44,16 +44,16 @@ def _messages(value: Any, prefix: str = "") -> list[str]:
     return [f"{prefix}{value}"]
 
 
-_DRF_CODES = {
-    exceptions.NotAuthenticated: "not_authenticated",
-    exceptions.AuthenticationFailed: "authentication_failed",
-    exceptions.PermissionDenied: "permission_denied",
-    exceptions.NotFound: "not_found",
-    exceptions.MethodNotAllowed: "method_not_allowed",
-    exceptions.NotAcceptable: "not_acceptable",
-    exceptions.UnsupportedMediaType: "unsupported_media_type",
-    exceptions.Throttled: "throttled",
-    exceptions.ParseError: "parse_error",
+_DRF_CODES: dict[type[exceptions.APIException], ErrorCode] = {
+    exceptions.NotAuthenticated: ErrorCode.NOT_AUTHENTICATED,
+    exceptions.AuthenticationFailed: ErrorCode.AUTHENTICATION_FAILED,
+    exceptions.PermissionDenied: ErrorCode.PERMISSION_DENIED,
+    exceptions.NotFound: ErrorCode.NOT_FOUND,
+    exceptions.MethodNotAllowed: ErrorCode.METHOD_NOT_ALLOWED,
+    exceptions.NotAcceptable: ErrorCode.NOT_ACCEPTABLE,
+    exceptions.UnsupportedMediaType: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    exceptions.Throttled: ErrorCode.THROTTLED,
+    exceptions.ParseError: ErrorCode.PARSE_ERROR,
 }
 
 
@@ -96,7 +96,7 @@ def _not_json(exc: exceptions.UnsupportedMediaType, context: dict) -> str:
     )
 
 
-def error_response(status_code: int, code: str, detail: str, **extra: Any) -> Response:
+def error_response(status_code: int, code: ErrorCode, detail: str, **extra: Any) -> Response:
     return Response(error_payload(code, detail, **extra), status=status_code)
 
 
@@ -111,12 +111,12 @@ def exception_handler(exc: Exception, context: dict) -> Response:
     if isinstance(exc, IntegrityError):
         # Two requests creating the same name at once: the loser's INSERT hits the unique index.
         if _unique_violation(exc):
-            return error_response(400, "duplicate_name", "an object with this name already exists")
-        return error_response(409, "conflict", "a concurrent change conflicts with this request")
+            return error_response(400, ErrorCode.DUPLICATE_NAME, "an object with this name already exists")
+        return error_response(409, ErrorCode.CONFLICT, "a concurrent change conflicts with this request")
     if isinstance(exc, RequestDataTooBig):
-        return error_response(413, "payload_too_large", "the request body is larger than allowed")
+        return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed")
     if isinstance(exc, RecursionError):
-        return error_response(400, "parse_error", "the request is nested too deeply")
+        return error_response(400, ErrorCode.PARSE_ERROR, "the request is nested too deeply")
     if isinstance(exc, ValidationFailed):
         return error_response(exc.status, exc.code, exc.detail, fields=exc.fields)
     if isinstance(exc, DomainError):
@@ -126,24 +126,26 @@ def exception_handler(exc: Exception, context: dict) -> Response:
     elif isinstance(exc, DjangoPermissionDenied):
         exc = exceptions.PermissionDenied()
     elif isinstance(exc, ProtectedError):
-        return error_response(409, "in_use", "this object is still used by others and cannot be deleted")
+        return error_response(
+            409, ErrorCode.IN_USE, "this object is still used by others and cannot be deleted"
+        )
     elif isinstance(exc, DataError):
         # A value PostgreSQL cannot store or compare (out of range date, offset, number).
-        return error_response(400, "invalid", "a value is out of the range the database accepts")
+        return error_response(400, ErrorCode.INVALID, "a value is out of the range the database accepts")
     if isinstance(exc, exceptions.ValidationError):
         raw = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
         fields = {str(k): _messages(v) for k, v in raw.items()}
         name, messages = next(iter(fields.items()), ("", ["invalid input"]))
         message = messages[0] if messages else "invalid input"
         detail = message if name == "non_field_errors" else f"{name}: {message}"
-        return error_response(400, "invalid", detail, fields=fields)
+        return error_response(400, ErrorCode.INVALID, detail, fields=fields)
     if isinstance(exc, exceptions.UnsupportedMediaType):
-        return error_response(exc.status_code, "unsupported_media_type", _not_json(exc, context))
+        return error_response(exc.status_code, ErrorCode.UNSUPPORTED_MEDIA_TYPE, _not_json(exc, context))
     if isinstance(exc, exceptions.APIException):
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), None)
         if code is None:
             default = exc.default_code if isinstance(exc.default_code, str) else ""
-            code = default if default in ErrorCode._value2member_map_ else ErrorCode.ERROR
+            code = ErrorCode(default) if default in ErrorCode._value2member_map_ else ErrorCode.ERROR
         response = error_response(exc.status_code, code, str(_flatten(exc.detail)))
         if auth_header := getattr(exc, "auth_header", None):
             response["WWW-Authenticate"] = auth_header
@@ -152,4 +154,4 @@ def exception_handler(exc: Exception, context: dict) -> Response:
         return response
     view = context.get("view")
     log.exception("unhandled error in %s", type(view).__name__ if view else "API view")
-    return error_response(status.HTTP_500_INTERNAL_SERVER_ERROR, "server_error", "internal error")
+    return error_response(status.HTTP_500_INTERNAL_SERVER_ERROR, ErrorCode.SERVER_ERROR, "internal error")

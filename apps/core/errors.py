@@ -54,7 +54,7 @@ class ErrorCode(StrEnum):
     ERROR = "error"  # a status with no code of its own
 
 
-def error_payload(code: str, detail: str, **extra: Any) -> dict[str, Any]:
+def error_payload(code: ErrorCode, detail: str, **extra: Any) -> dict[str, Any]:
     """The body of every API error, ``{code, detail, ...}`` (an unregistered code: see
     :func:`apps.core.registry.registered`)."""
     return {"code": str(registered(code, ErrorCode)), "detail": detail, **extra}
@@ -64,13 +64,13 @@ class DomainError(Exception):
     """A rule of the domain said no. ``code`` is machine-readable, ``detail`` a sentence."""
 
     status: ClassVar[int] = 400
-    code: ClassVar[str] = "invalid"
+    code: ErrorCode = ErrorCode.INVALID  # the class's; an instance may name a narrower one
 
-    def __init__(self, detail: str, *, code: str | None = None, **extra: Any) -> None:
+    def __init__(self, detail: str, *, code: ErrorCode | None = None, **extra: Any) -> None:
         super().__init__(detail)
         self.detail = detail
         if code:
-            self.code = registered(code, ErrorCode)  # type: ignore[misc]
+            self.code = registered(code, ErrorCode)
         self.extra = extra
 
 
@@ -78,46 +78,48 @@ class ValidationFailed(DomainError):
     """Input that breaks a rule. ``fields`` maps field names to messages."""
 
     status = 400
-    code = "invalid"
+    code = ErrorCode.INVALID
 
-    def __init__(self, detail: str, *, fields: dict[str, list[str]] | None = None, code: str | None = None):
+    def __init__(
+        self, detail: str, *, fields: dict[str, list[str]] | None = None, code: ErrorCode | None = None
+    ) -> None:
         super().__init__(detail, code=code)
         self.fields = fields or {}
 
 
 class Unauthenticated(DomainError):
     status = 401
-    code = "authentication_failed"
+    code = ErrorCode.AUTHENTICATION_FAILED
 
 
 class LengthRequired(DomainError):
     status = 411
-    code = "length_required"
+    code = ErrorCode.LENGTH_REQUIRED
 
 
 class NotFound(DomainError):
     status = 404
-    code = "not_found"
+    code = ErrorCode.NOT_FOUND
 
 
 class PermissionDenied(DomainError):
     status = 403
-    code = "permission_denied"
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class MissingPrivilege(PermissionDenied):
-    code = "missing_privilege"
+    code = ErrorCode.MISSING_PRIVILEGE
 
 
 class Conflict(DomainError):
     status = 409
-    code = "conflict"
+    code = ErrorCode.CONFLICT
 
 
 class InvalidTransition(Conflict):
     """A compare-and-set state change lost: the row is not in a state that allows it."""
 
-    code = "invalid_state"
+    code = ErrorCode.INVALID_STATE
 
     def __init__(self, entity: str, pk: Any, current: str | None, target: str) -> None:
         where = f"is {current}" if current is not None else "does not exist"
@@ -126,12 +128,12 @@ class InvalidTransition(Conflict):
 
 
 class QuotaExceeded(Conflict):
-    code = "quota_exceeded"
+    code = ErrorCode.QUOTA_EXCEEDED
 
 
 class PoolEmpty(Conflict):
-    code = "pool_empty"
+    code = ErrorCode.POOL_EMPTY
 
 
 class PoolAtMaxSize(Conflict):
-    code = "pool_at_max_size"
+    code = ErrorCode.POOL_AT_MAX_SIZE

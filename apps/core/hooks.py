@@ -46,10 +46,6 @@ class Hook:
 
 # ---- the list ------------------------------------------------------------------------------
 
-record_event = Hook(
-    "record_event",
-    "core.transitions → events: append the event a state change produces, in its transaction.",
-)
 machine_available = Hook(
     "machine_available",
     "machines → jobs: a machine became ready (or free again); the scheduler may place a job.",

@@ -10,15 +10,15 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from apps.core.errors import error_payload
+from apps.core.errors import ErrorCode, error_payload
 
 CODES = {
-    400: ("invalid", "bad request"),
-    403: ("permission_denied", "forbidden"),
-    404: ("not_found", "no such endpoint"),
-    405: ("method_not_allowed", "method not allowed here"),
-    413: ("payload_too_large", "the request body is larger than allowed"),
-    500: ("server_error", "internal error"),
+    400: (ErrorCode.INVALID, "bad request"),
+    403: (ErrorCode.PERMISSION_DENIED, "forbidden"),
+    404: (ErrorCode.NOT_FOUND, "no such endpoint"),
+    405: (ErrorCode.METHOD_NOT_ALLOWED, "method not allowed here"),
+    413: (ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed"),
+    500: (ErrorCode.SERVER_ERROR, "internal error"),
 }
 
 
@@ -51,7 +51,7 @@ class ApiJsonErrorsMiddleware:
             return response
         if response.get("Content-Type", "").startswith("application/json"):
             return response
-        code, detail = CODES.get(response.status_code, ("error", "request failed"))
+        code, detail = CODES.get(response.status_code, (ErrorCode.ERROR, "request failed"))
         json = JsonResponse(error_payload(code, detail), status=response.status_code)
         for header in ("Allow", "Retry-After", "WWW-Authenticate"):
             if header in response:

@@ -10,15 +10,35 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from enum import StrEnum
+from typing import Any, Generic, Protocol, TypeVar
 
 from django.db import models, transaction
 from django.utils import timezone
 
-from apps.core import hooks
 from apps.core.errors import InvalidTransition
 
 Graph = Mapping[str, frozenset[str]]
+K = TypeVar("K", bound=StrEnum)
+K_contra = TypeVar("K_contra", bound=StrEnum, contravariant=True)
+
+
+class Recorder(Protocol[K_contra]):
+    """What records a state change's event in its transaction (``apps.events.services.event_record``:
+    the events app sits above core, so each state machine is handed it where it is built)."""
+
+    def __call__(
+        self,
+        *,
+        kind: K_contra,
+        org: Any = ...,
+        actor: str = ...,
+        reason: str = ...,
+        pool: Any = ...,
+        instance: Any = ...,
+        job: Any = ...,
+        **data: Any,
+    ) -> object: ...
 
 
 def sources_for(graph: Graph, target: str) -> frozenset[str]:
@@ -63,19 +83,38 @@ def transition(
 
 
 @dataclass(frozen=True)
-class StateMachine:
+class StateMachine(Generic[K]):
     """One model's state machine: its graph, the timestamp each state stamps, the event each
     state records, and what entering a state does besides (``on_enter``). Every status
-    change of that model goes through :meth:`move` (or :meth:`try_move`)."""
+    change of that model goes through :meth:`move` (or :meth:`try_move`).
+
+    Event kinds are members of ``kinds`` (the event registry, ``apps.events.kinds.EventKind``):
+    ``<event_prefix>.<state>`` unless ``events`` names another; a state whose kind is not
+    registered fails when the machine is built (at import), not when it is first entered."""
 
     model: type[models.Model]
     graph: Graph
     event_prefix: str
+    kinds: type[K]
+    record: Recorder[K]
     stamps: Mapping[Any, str] = field(default_factory=dict)
     # state -> event kind when it is not ``<event_prefix>.<state>``
-    events: Mapping[Any, str] = field(default_factory=dict)
+    events: Mapping[Any, K] = field(default_factory=dict)
     # state -> called with (row, now) inside the transaction, after the change
     on_enter: Mapping[Any, Callable[[Any, datetime], None]] = field(default_factory=dict)
+    _kind_of: dict[str, K] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        states = set(self.graph) | {t for targets in self.graph.values() for t in targets}
+        object.__setattr__(
+            self,
+            "_kind_of",
+            {s: self.events.get(s) or self.kinds(f"{self.event_prefix}.{s}") for s in sorted(states)},
+        )
+
+    def kind_for(self, state: str) -> K:
+        """The event kind entering ``state`` records (unless a move names another)."""
+        return self._kind_of[state]
 
     def move(
         self,
@@ -85,7 +124,7 @@ class StateMachine:
         from_: Iterable[str] | None = None,
         actor: str = "",
         reason: str = "",
-        event: str | None = None,
+        event: K | None = None,
         now: datetime | None = None,
         event_data: Mapping[str, Any] | None = None,
         where: Mapping[str, Any] | None = None,
@@ -102,8 +141,8 @@ class StateMachine:
         with transaction.atomic():
             transition(self.model, pk, graph=self.graph, to=to, from_=from_, where=where, **changes)
             row = self.model._default_manager.get(pk=pk)
-            hooks.record_event(
-                kind=event or self.events.get(to) or f"{self.event_prefix}.{to}",
+            self.record(
+                kind=event or self._kind_of[to],
                 actor=actor,
                 reason=reason,
                 **row.event_refs(),  # type: ignore[attr-defined]  # every stateful model has it

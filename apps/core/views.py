@@ -7,7 +7,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from apps.core import health, metrics
-from apps.core.errors import error_payload
+from apps.core.errors import ErrorCode, error_payload
 
 
 @require_GET
@@ -39,7 +39,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     if not expected and not settings.CATACLOUD_METRICS_PUBLIC:
         return JsonResponse(
             error_payload(
-                "metrics_closed",
+                ErrorCode.METRICS_CLOSED,
                 "set CATACLOUD_METRICS_TOKEN (or CATACLOUD_METRICS_PUBLIC=true) to serve metrics",
             ),
             status=403,
@@ -48,7 +48,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), expected.encode()):
             return JsonResponse(
-                error_payload("not_authenticated", "metrics need the metrics token"), status=401
+                error_payload(ErrorCode.NOT_AUTHENTICATED, "metrics need the metrics token"), status=401
             )
     body, content_type = metrics.render()
     return HttpResponse(body, content_type=content_type)
@@ -60,7 +60,7 @@ def _wants_json(request: HttpRequest) -> bool:
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if _wants_json(request):
-        return JsonResponse(error_payload("not_found", "no such endpoint"), status=404)
+        return JsonResponse(error_payload(ErrorCode.NOT_FOUND, "no such endpoint"), status=404)
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
@@ -68,7 +68,7 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
 
 def server_error(request: HttpRequest) -> HttpResponse:
     if _wants_json(request):
-        return JsonResponse(error_payload("server_error", "internal error"), status=500)
+        return JsonResponse(error_payload(ErrorCode.SERVER_ERROR, "internal error"), status=500)
     from django.views.defaults import server_error as default
 
     return default(request)

@@ -9,7 +9,7 @@ from apps.events.models import Event
 
 def event_record(
     *,
-    kind: str,
+    kind: EventKind,
     org: Any = None,
     actor: str = "",
     reason: str = "",

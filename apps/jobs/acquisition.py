@@ -19,6 +19,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.broker import enqueue, enqueue_on_commit
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.dispatch import schedule_after_commit
@@ -109,7 +110,7 @@ def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
         resource = ResourceInstance.objects.create(resource_type=rtype, org_id=job.org_id, job=job)
         Job.objects.filter(pk=job.pk).update(pending_reason=f"acquiring resource {rtype.pk}")
         event_record(
-            kind="resource.requested",
+            kind=EventKind.RESOURCE_REQUESTED,
             org=job.org_id,
             job=job,
             actor="acquirer",

@@ -19,6 +19,7 @@ from apps.core.admin import ReadOnlyAdmin, run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.core.errors import NotFound as DomainNotFound
 from apps.core.templatetags.console import between, human_seconds
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import JOB_LIVE, ArtifactStatus
@@ -282,7 +283,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="attempts")
     def attempts(self, obj: Job) -> str:
-        requeues = Event.objects.filter(job_id=obj.pk, kind="job.requeued").order_by("id")
+        requeues = Event.objects.filter(job_id=obj.pk, kind=EventKind.JOB_REQUEUED).order_by("id")
         rows = [
             (
                 timezone.localtime(e.created_at).strftime("%Y-%m-%d %H:%M:%S"),

@@ -13,6 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.acquisition import acquire_after_commit
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
@@ -157,7 +158,7 @@ def _admit_for(org_id: Any, mt_id: Any, limit: int, *, nowait: bool = False) -> 
                 )
             Event.objects.bulk_create(
                 Event(
-                    kind="job.admitted",
+                    kind=EventKind.JOB_ADMITTED,
                     org_id=org_id,
                     job_id=pk,
                     actor="scheduler",

@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.broker import redis_client
-from apps.core.errors import Conflict, NotFound
+from apps.core.errors import Conflict, ErrorCode, NotFound
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
@@ -93,7 +93,9 @@ class LogsView(AgentView):
             pk=job_id, instance=self.instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).first()
         if job is None:
-            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         JobLogChunk.objects.bulk_create(
             [
                 JobLogChunk(
@@ -140,7 +142,9 @@ class MetaView(AgentView):
             pk=job_id, instance=self.instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).first()
         if job is None:
-            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         resource = job.resources.filter(resource_type_id=name, status="held").first()
         if resource is None:
             raise NotFound(f"this job holds no resource {name!r}")

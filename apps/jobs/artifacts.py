@@ -25,7 +25,8 @@ from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.errors import Conflict, LengthRequired, NotFound, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode, LengthRequired, NotFound, ValidationFailed
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job
@@ -125,7 +126,9 @@ def artifact_store(*, job: Job, kind: str, name: str, body: Readable, size: int,
             },
         )
         event_record(
-            kind="checkpoint.saved" if kind == Artifact.KIND_CHECKPOINT else "artifact.stored",
+            kind=EventKind.CHECKPOINT_SAVED
+            if kind == Artifact.KIND_CHECKPOINT
+            else EventKind.ARTIFACT_STORED,
             org=job.org_id,
             job=job,
             actor="agent",
@@ -149,7 +152,7 @@ def artifacts_expire(*, now: Any = None, limit: int = 500) -> int:
         with transaction.atomic():
             Artifact.objects.filter(pk=artifact.pk).update(status=ArtifactStatus.EXPIRED)
             event_record(
-                kind="artifact.expired",
+                kind=EventKind.ARTIFACT_EXPIRED,
                 org=artifact.org_id,
                 job=artifact.job_id,
                 actor="reaper",
@@ -208,7 +211,7 @@ def _upload(view: AgentView, request: Request, job: Job, kind: str, name: str) -
             job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256
         )
     except BadUpload as exc:
-        raise ValidationFailed(str(exc), code="checksum_mismatch") from None
+        raise ValidationFailed(str(exc), code=ErrorCode.CHECKSUM_MISMATCH) from None
     return Response({"name": artifact.name, "size": artifact.size, "sha256": artifact.sha256}, status=201)
 
 
@@ -221,7 +224,9 @@ class ArtifactUploadView(AgentView):
             raise ValidationFailed("not a safe relative file name")
         job = _job_for_upload(self.instance, job_id, live_only=False)
         if job is None:
-            raise Conflict("this job's outputs are no longer accepted from this machine", code="not_assigned")
+            raise Conflict(
+                "this job's outputs are no longer accepted from this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         return _upload(self, request, job, Artifact.KIND_OUTPUT, masked_name(job, clean))
 
 
@@ -231,13 +236,17 @@ class CheckpointView(AgentView):
     def put(self, request: Request, job_id: str) -> Response:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
-            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         return _upload(self, request, job, Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
 
     def get(self, request: Request, job_id: str) -> Any:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
-            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         artifact = Artifact.objects.filter(
             job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
         ).first()
@@ -248,7 +257,7 @@ class CheckpointView(AgentView):
         except FileNotFoundError:
             raise NotFound("the checkpoint is gone from the store") from None
         event_record(
-            kind="checkpoint.restored",
+            kind=EventKind.CHECKPOINT_RESTORED,
             org=job.org_id,
             job=job,
             actor=f"agent:{self.instance.pk}",
@@ -267,7 +276,7 @@ class UploadsDoneView(AgentView):
 
         job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
         if job is None:
-            raise Conflict("this job did not run on this machine", code="not_assigned")
+            raise Conflict("this job did not run on this machine", code=ErrorCode.NOT_ASSIGNED)
         failed = request.data.get("failed") or [] if isinstance(request.data, dict) else []
         with transaction.atomic():
             for item in failed[:1000]:
@@ -289,7 +298,7 @@ class UploadsDoneView(AgentView):
                     },
                 )
                 event_record(
-                    kind="artifact.upload_failed",
+                    kind=EventKind.ARTIFACT_UPLOAD_FAILED,
                     org=job.org_id,
                     job=job,
                     actor="agent",

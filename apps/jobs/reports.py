@@ -9,7 +9,8 @@ from typing import Any
 
 from django.db import transaction
 
-from apps.core.errors import Conflict, InvalidTransition
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
@@ -36,7 +37,7 @@ def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
     )
     if job is None:
         raise Conflict(
-            "this job is not (or no longer) assigned to this machine", code="not_assigned"
+            "this job is not (or no longer) assigned to this machine", code=ErrorCode.NOT_ASSIGNED
         ) from None
     return job
 
@@ -78,7 +79,9 @@ def job_finished(
         if job is not None and job.status in JOB_TERMINAL:
             return job  # a retried report: already recorded
         if job is None or job.status not in (JobStatus.ASSIGNED, JobStatus.RUNNING):
-            raise Conflict("this job is not (or no longer) running on this machine", code="not_assigned")
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
         status = JobStatus.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
         if status == JobStatus.SUCCEEDED and exit_code not in (0, None):
             status = JobStatus.FAILED
@@ -144,7 +147,7 @@ def instance_release(*, instance_id: Any, job: Job) -> bool:
                 from_=[InstanceStatus.CLAIMED],
                 actor="scheduler",
                 reason="kept for reuse while its paid period lasts",
-                event="instance.released",
+                event=EventKind.INSTANCE_RELEASED,
                 pool=None,
                 claim_id=None,
                 claimed_by="",
@@ -213,7 +216,7 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
             to=JobStatus.QUEUED,
             actor=actor,
             reason=reason,
-            event="job.requeued",
+            event=EventKind.JOB_REQUEUED,
             attempt=job.attempt + 1,
             free_requeues=job.free_requeues + (1 if free else 0),
             requeue_reason=cause[:32],
@@ -250,7 +253,7 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
         ):
             job_requeue(job=job, cause="spot_interruption", detail=detail[:200], actor=f"agent:{instance.pk}")
         event_record(
-            kind="instance.interrupted",
+            kind=EventKind.INSTANCE_INTERRUPTED,
             org=instance.org_id,
             instance=instance,
             actor=f"agent:{instance.pk}",

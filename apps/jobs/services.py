@@ -8,8 +8,9 @@ from typing import Any
 
 from django.db import transaction
 
-from apps.core.errors import Conflict, MissingPrivilege, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode, MissingPrivilege, ValidationFailed
 from apps.core.transitions import StateMachine
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
@@ -30,11 +31,11 @@ _STAMPS = {
 
 # Event names users see (job.queued, job.admitted, job.assigned, job.started, job.finished…).
 JOB_EVENTS = {
-    JobStatus.ACQUIRING_RESOURCES: "job.admitted",
-    JobStatus.WAITING_FOR_MACHINE: "job.waiting_for_machine",
-    JobStatus.ASSIGNED: "job.assigned",
-    JobStatus.RUNNING: "job.started",
-    **{s: "job.finished" for s in JOB_TERMINAL},
+    JobStatus.ACQUIRING_RESOURCES: EventKind.JOB_ADMITTED,
+    JobStatus.WAITING_FOR_MACHINE: EventKind.JOB_WAITING_FOR_MACHINE,
+    JobStatus.ASSIGNED: EventKind.JOB_ASSIGNED,
+    JobStatus.RUNNING: EventKind.JOB_STARTED,
+    **{s: EventKind.JOB_FINISHED for s in JOB_TERMINAL},
 }
 
 
@@ -44,7 +45,9 @@ def job_claim_label(job_id: Any) -> str:
 
 
 # Every job status change: JOB_STATES.move(job_id, to=..., ...) or .try_move(...).
-JOB_STATES = StateMachine(Job, JOB_TRANSITIONS, "job", stamps=_STAMPS, events=JOB_EVENTS)
+JOB_STATES = StateMachine(
+    Job, JOB_TRANSITIONS, "job", kinds=EventKind, record=event_record, stamps=_STAMPS, events=JOB_EVENTS
+)
 
 
 # ---- job configurations ---------------------------------------------------------------------
@@ -86,7 +89,7 @@ def cancelled_by(job_id: Any, fallback: str = "") -> str:
     """``cancelled by user:alice``: who asked for the cancel (the ``job.cancel_requested``
     event's actor, without the token prefix), so a job's reason says who did what."""
     actor = (
-        Event.objects.filter(job_id=job_id, kind="job.cancel_requested")
+        Event.objects.filter(job_id=job_id, kind=EventKind.JOB_CANCEL_REQUESTED)
         .order_by("-id")
         .values_list("actor", flat=True)
         .first()
@@ -124,13 +127,13 @@ def job_config_save(
         raise ValidationFailed(
             f"a job configuration named {config.name!r} already exists",
             fields={"name": ["already exists"]},
-            code="duplicate_name",
+            code=ErrorCode.DUPLICATE_NAME,
         )
     config.save()
     if resource_types is not None:
         config.resource_types.set(types)
     event_record(
-        kind="job_config.created" if creating else "job_config.updated",
+        kind=EventKind.JOB_CONFIG_CREATED if creating else EventKind.JOB_CONFIG_UPDATED,
         org=org,
         actor=actor,
         config=str(config.pk),
@@ -143,8 +146,14 @@ def job_config_save(
 def job_config_delete(*, config: JobConfiguration, actor: str = "") -> None:
     """Delete a configuration that no job refers to (409 ``in_use`` otherwise)."""
     if config.jobs.exists():
-        raise Conflict(f"job configuration {config.name} has jobs; it cannot be deleted", code="in_use")
+        raise Conflict(
+            f"job configuration {config.name} has jobs; it cannot be deleted", code=ErrorCode.IN_USE
+        )
     event_record(
-        kind="job_config.deleted", org=config.org_id, actor=actor, config=str(config.pk), name=config.name
+        kind=EventKind.JOB_CONFIG_DELETED,
+        org=config.org_id,
+        actor=actor,
+        config=str(config.pk),
+        name=config.name,
     )
     config.delete()

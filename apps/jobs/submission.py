@@ -6,7 +6,8 @@ from typing import Any
 
 from django.db import transaction
 
-from apps.core.errors import Conflict, InvalidTransition, MissingPrivilege, NotFound
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition, MissingPrivilege, NotFound
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
@@ -39,7 +40,7 @@ def job_submit(
         raise Conflict(
             f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
             "ask an operator for one, or change the configuration's machine type",
-            code="machine_type_not_granted",
+            code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
         )
     merged = {**config.env, **_check_env(env or {})}
     with transaction.atomic():
@@ -55,7 +56,12 @@ def job_submit(
             submitted_by=user if getattr(user, "pk", None) else None,
         )
         event_record(
-            kind="job.queued", org=org, job=job, actor=actor, config=config.name, priority=job.priority
+            kind=EventKind.JOB_QUEUED,
+            org=org,
+            job=job,
+            actor=actor,
+            config=config.name,
+            priority=job.priority,
         )
         schedule_after_commit()
         schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
@@ -77,7 +83,7 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
             # requeue that follows sees cancel_requested and ends the job cancelled.
             Job.objects.filter(pk=job.pk).update(cancel_requested=True)
             event_record(
-                kind="job.cancel_requested",
+                kind=EventKind.JOB_CANCEL_REQUESTED,
                 org=locked.org_id,
                 job=job,
                 actor=actor,

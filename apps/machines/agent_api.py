@@ -24,8 +24,9 @@ from rest_framework.views import APIView
 from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
-from apps.core.errors import Conflict, InvalidTransition, Unauthenticated
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition, Unauthenticated
 from apps.core.throttling import LocalThrottleMixin
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import _after_instance_left, bootstrap_token_instance
@@ -156,7 +157,7 @@ class EnrollView(APIView):
         data.is_valid(raise_exception=True)
         instance_id = bootstrap_token_instance(data.validated_data["bootstrap_token"])
         if instance_id is None:
-            raise Unauthenticated("this bootstrap token is not valid", code="invalid_bootstrap_token")
+            raise Unauthenticated("this bootstrap token is not valid", code=ErrorCode.INVALID_BOOTSTRAP_TOKEN)
         secret = new_token(AGENT_TOKEN_PREFIX)
         with transaction.atomic():
             enrolled = MachineInstance.objects.filter(
@@ -176,12 +177,12 @@ class EnrollView(APIView):
                 )
                 if row is None or row["status"] not in INSTANCE_LIVE:
                     raise Unauthenticated(
-                        "this machine is unknown or has ended", code="invalid_bootstrap_token"
+                        "this machine is unknown or has ended", code=ErrorCode.INVALID_BOOTSTRAP_TOKEN
                     )
-                raise Conflict("this bootstrap token was already used", code="already_enrolled")
+                raise Conflict("this bootstrap token was already used", code=ErrorCode.ALREADY_ENROLLED)
             instance = MachineInstance.objects.get(pk=instance_id)
             event_record(
-                kind="agent.enrolled",
+                kind=EventKind.AGENT_ENROLLED,
                 org=instance.org_id,
                 pool=instance.pool_id,
                 instance=instance,
@@ -219,7 +220,7 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
                 from_=[InstanceStatus.WARMING],
                 actor=f"agent:{instance.pk}",
                 reason="agent handshake",
-                event="pool.member_warmed" if instance.pool_id else "instance.ready",
+                event=EventKind.POOL_MEMBER_WARMED if instance.pool_id else EventKind.INSTANCE_READY,
                 warmed_at=now,
                 now=now,
             )

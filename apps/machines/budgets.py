@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db.models import Q, Sum
 
 from apps.core.errors import ValidationFailed
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, INSTANCE_TERMINAL
 from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType
@@ -222,7 +223,7 @@ def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, acto
     Budget.objects.filter(pk=budget.pk).update(alerted_level=level, alerted_period=current)
     budget.alerted_level, budget.alerted_period = level, current
     event_record(
-        kind="budget.exhausted" if level == 100 else "budget.warning",
+        kind=EventKind.BUDGET_EXHAUSTED if level == 100 else EventKind.BUDGET_WARNING,
         org=budget.org_id,
         actor=actor or "budget",
         reason=budget_sentence(budget, spend),
@@ -266,7 +267,7 @@ def budget_set(
         defaults={"amount": value.quantize(CENT), "alerted_level": 0, "alerted_period": None},
     )
     event_record(
-        kind="budget.created" if created else "budget.updated",
+        kind=EventKind.BUDGET_CREATED if created else EventKind.BUDGET_UPDATED,
         org=budget.org_id,
         actor=actor,
         amount=str(budget.amount),

@@ -24,6 +24,7 @@ from django.db.models.functions import Coalesce
 
 from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
@@ -98,7 +99,7 @@ def terminate_stuck(*, now: datetime) -> int:
         except InvalidTransition:
             continue
         event_record(
-            kind="pool.member_stuck" if row["pool_id"] else "instance.stuck",
+            kind=EventKind.POOL_MEMBER_STUCK if row["pool_id"] else EventKind.INSTANCE_STUCK,
             org=row["org_id"],
             pool=row["pool_id"],
             instance=row["pk"],
@@ -126,7 +127,7 @@ def expire_leases(*, now: datetime) -> int:
         except InvalidTransition:
             continue
         event_record(
-            kind="instance.lease_expired",
+            kind=EventKind.INSTANCE_LEASE_EXPIRED,
             org=row["org_id"],
             pool=row["pool_id"],
             instance=row["pk"],

@@ -23,24 +23,25 @@ from django.conf import settings
 from django.db.models import Q
 
 from apps.core import hooks
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, MachineType
 from catacloud.policy.attribution import JOB, KINDS, MICRO, TAIL, Attribution, Hold, attribute
 from catacloud.policy.billing import Billing
 
-CLAIM_KINDS = ("pool.member_claimed", "instance.claimed")
+CLAIM_KINDS = (EventKind.POOL_MEMBER_CLAIMED, EventKind.INSTANCE_CLAIMED)
 # A hold ends at the first of these after its claim (or when the machine ends).
 HOLD_END_KINDS = (
-    "instance.released",
-    "instance.terminating",
-    "pool.member_terminated",
-    "instance.terminated",
-    "instance.failed",
-    "instance.lost",
-    "pool.member_lost",
+    EventKind.INSTANCE_RELEASED,
+    EventKind.INSTANCE_TERMINATING,
+    EventKind.POOL_MEMBER_TERMINATED,
+    EventKind.INSTANCE_TERMINATED,
+    EventKind.INSTANCE_FAILED,
+    EventKind.INSTANCE_LOST,
+    EventKind.POOL_MEMBER_LOST,
 )
-BORN_IN_POOL = "pool.member_requested"
-LEFT_POOL = "pool.member_released"  # a drain without termination: warm ends, idle begins
+BORN_IN_POOL = EventKind.POOL_MEMBER_REQUESTED
+LEFT_POOL = EventKind.POOL_MEMBER_RELEASED  # a drain without termination: warm ends, idle begins
 _KINDS = (*CLAIM_KINDS, *HOLD_END_KINDS, BORN_IN_POOL, LEFT_POOL)
 
 

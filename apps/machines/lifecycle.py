@@ -19,9 +19,10 @@ from django.utils import timezone
 
 from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
-from apps.core.errors import Conflict, InvalidTransition
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition
 from apps.core.errors import NotFound as DomainNotFound
 from apps.core.selectors import installation_id
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
@@ -99,7 +100,7 @@ def instance_request(
             pool_id=getattr(pool, "pk", pool),
         )
         event_record(
-            kind="pool.member_requested" if instance.pool_id else "instance.requested",
+            kind=EventKind.POOL_MEMBER_REQUESTED if instance.pool_id else EventKind.INSTANCE_REQUESTED,
             org=instance.org_id,
             pool=instance.pool_id,
             instance=instance,
@@ -134,10 +135,6 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
     )
 
 
-def _event_kind(instance: MachineInstance, verb: str) -> str:
-    return f"pool.member_{verb}" if instance.pool_id else f"instance.{verb}"
-
-
 def instance_provision(*, instance_id: Any) -> None:
     """Body of the provision task: create the machine at the provider, record it → warming.
 
@@ -156,7 +153,7 @@ def instance_provision(*, instance_id: Any) -> None:
             to=InstanceStatus.PROVISIONING,
             from_=[InstanceStatus.PENDING],
             actor="provisioner",
-            event=_event_kind(instance, "provisioning"),
+            event=EventKind.POOL_MEMBER_PROVISIONING if instance.pool_id else EventKind.INSTANCE_PROVISIONING,
         )
         if provisioning is None:
             return  # another run moved it first
@@ -176,7 +173,9 @@ def instance_provision(*, instance_id: Any) -> None:
                 to=InstanceStatus.WARMING,
                 from_=[InstanceStatus.PROVISIONING],
                 actor="provisioner",
-                event=_event_kind(instance, "provisioned"),
+                event=EventKind.POOL_MEMBER_PROVISIONED
+                if instance.pool_id
+                else EventKind.INSTANCE_PROVISIONED,
                 provider_id=machine.provider_id,
             )
     if not recorded:
@@ -222,7 +221,7 @@ def instance_terminate(
 
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
-        event = "pool.member_terminated" if row and row["pool_id"] else None
+        event = EventKind.POOL_MEMBER_TERMINATED if row and row["pool_id"] else None
         instance = INSTANCE_STATES.move(
             instance_id,
             to=InstanceStatus.TERMINATING,
@@ -248,13 +247,15 @@ def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str
         if instance is None:
             raise DomainNotFound("instance not found")
         if claim_id is not None and instance.claim_id is not None and str(instance.claim_id) != str(claim_id):
-            raise Conflict("this machine is held by another claim", code="claim_mismatch")
+            raise Conflict("this machine is held by another claim", code=ErrorCode.CLAIM_MISMATCH)
         if instance.status != InstanceStatus.CLAIMED:
             if instance.end_cause == "claim_released":
                 return instance  # a repeated release
             raise InvalidTransition("Instance", instance.pk, instance.status, "released")
         if instance.claimed_for.startswith("job:"):
-            raise Conflict("this machine runs a job; cancel the job to release it", code="held_by_job")
+            raise Conflict(
+                "this machine runs a job; cancel the job to release it", code=ErrorCode.HELD_BY_JOB
+            )
         return instance_terminate(
             instance_id=instance.pk, actor=actor, reason="claim released", cause="claim_released"
         )
@@ -303,7 +304,7 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
             from_=INSTANCE_LIVE,
             actor=actor,
             reason=reason,
-            event="pool.member_lost" if row and row["pool_id"] else None,
+            event=EventKind.POOL_MEMBER_LOST if row and row["pool_id"] else None,
             failure_reason=reason[:2000],
             end_cause="machine_lost",
         )

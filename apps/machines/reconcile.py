@@ -25,10 +25,10 @@ from django.utils import timezone
 
 from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import (
-    _event_kind,
     instance_gone,
     instance_mark_lost,
     owner_labels,
@@ -121,7 +121,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
             continue
         report.orphans_deleted.append(machine.provider_id)
         event_record(
-            kind="reconcile.orphan_deleted",
+            kind=EventKind.RECONCILE_ORPHAN_DELETED,
             actor="reconciler",
             reason="labelled machine with no live row",
             instance=_uuid_or_none(instance_id),
@@ -197,10 +197,10 @@ def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
             from_=[InstanceStatus.PROVISIONING],
             actor="reconciler",
             reason="adopted by label after an interrupted provisioning",
-            event=_event_kind(instance, "provisioned"),
+            event=EventKind.POOL_MEMBER_PROVISIONED if instance.pool_id else EventKind.INSTANCE_PROVISIONED,
         )
         event_record(
-            kind="reconcile.adopted",
+            kind=EventKind.RECONCILE_ADOPTED,
             org=instance.org_id,
             pool=instance.pool_id,
             instance=instance,
@@ -214,7 +214,7 @@ def _not_created(instance_id: str, report: ReconcileReport) -> None:
     from apps.machines.lifecycle import instance_fail
 
     instance_fail(instance_id=instance_id, reason="provisioning never created a machine", actor="reconciler")
-    event_record(kind="reconcile.not_created", instance=instance_id, actor="reconciler")
+    event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor="reconciler")
     report.not_created.append(instance_id)
 
 

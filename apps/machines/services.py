@@ -8,8 +8,9 @@ from typing import Any
 
 from django.db import transaction
 
-from apps.core.errors import MissingPrivilege, NotFound, ValidationFailed
+from apps.core.errors import ErrorCode, MissingPrivilege, NotFound, ValidationFailed
 from apps.core.transitions import StateMachine
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import (
     INSTANCE_TERMINAL,
@@ -43,7 +44,7 @@ def provider_account_upsert(
         account = ProviderAccount(name=name, kind=kind, config=config)
         account.credentials = credentials or {}
         account.save()
-        event_record(kind="provider_account.created", actor="catalog", account=name, provider=kind)
+        event_record(kind=EventKind.PROVIDER_ACCOUNT_CREATED, actor="catalog", account=name, provider=kind)
         return account, True
     if account.kind != kind:
         raise _invalid("kind", f"provider account {name} is {account.kind}; its kind cannot change")
@@ -79,7 +80,7 @@ def provider_account_update(
         account.credentials = credentials
     account.save()
     event_record(
-        kind="provider_account.updated",
+        kind=EventKind.PROVIDER_ACCOUNT_UPDATED,
         actor=actor,
         account=name,
         **({"renamed_from": previous} if previous != name else {}),
@@ -129,7 +130,7 @@ def machine_type_upsert(
         mt = MachineType.objects.create(
             name=name, provider_account=provider_account, required_privilege=required_privilege, **fields
         )
-        event_record(kind="machine_type.created", actor="catalog", machine_type=name)
+        event_record(kind=EventKind.MACHINE_TYPE_CREATED, actor="catalog", machine_type=name)
         return mt, True
     return machine_type_update(
         machine_type=mt, provider_account=provider_account, required_privilege=required_privilege, **fields
@@ -170,7 +171,7 @@ def machine_type_update(
         mt.version += 1
     mt.save()
     event_record(
-        kind="machine_type.updated",
+        kind=EventKind.MACHINE_TYPE_UPDATED,
         actor=actor,
         machine_type=mt.name,
         version=mt.version,
@@ -206,7 +207,11 @@ def grant_upsert(
     if grant is None:
         grant = OrgMachineType.objects.create(org=org, machine_type=machine_type, **quota)
         event_record(
-            kind="org.grant_created", org=org, actor="catalog", machine_type=machine_type.name, **quota
+            kind=EventKind.ORG_GRANT_CREATED,
+            org=org,
+            actor="catalog",
+            machine_type=machine_type.name,
+            **quota,
         )
         return grant, True
     changed = {k: v for k, v in quota.items() if getattr(grant, k) != v}
@@ -215,7 +220,11 @@ def grant_upsert(
             setattr(grant, k, v)
         grant.save()
         event_record(
-            kind="org.grant_updated", org=org, actor="catalog", machine_type=machine_type.name, **changed
+            kind=EventKind.ORG_GRANT_UPDATED,
+            org=org,
+            actor="catalog",
+            machine_type=machine_type.name,
+            **changed,
         )
     return grant, bool(changed)
 
@@ -255,7 +264,7 @@ def grant_for(*, org: Organization, machine_type: MachineType | Any) -> OrgMachi
     )
     if grant is None:
         message = not_granted_message(org=org, machine_type=machine_type)
-        raise NotFound(message, code="machine_type_not_granted")
+        raise NotFound(message, code=ErrorCode.MACHINE_TYPE_NOT_GRANTED)
     return grant
 
 
@@ -294,6 +303,8 @@ INSTANCE_STATES = StateMachine(
     MachineInstance,
     INSTANCE_TRANSITIONS,
     "instance",
+    kinds=EventKind,
+    record=event_record,
     stamps=_STAMPS,
     on_enter={state: _record_billing for state in INSTANCE_TERMINAL},
 )

@@ -8,7 +8,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core.crypto import hash_token, new_token
-from apps.core.errors import NotFound, ValidationFailed
+from apps.core.errors import ErrorCode, NotFound, ValidationFailed
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.orgs.auth import TOKEN_PREFIX
 from apps.orgs.choices import ROLE_RANK, Role
@@ -34,7 +35,7 @@ def membership_set(*, org: Organization, user: User, role: str, actor: str = "")
         membership.save(update_fields=["role"])
         changed = True
     if changed:
-        event_record(kind="org.member_set", org=org, actor=actor, user=user.get_username(), role=role)
+        event_record(kind=EventKind.ORG_MEMBER_SET, org=org, actor=actor, user=user.get_username(), role=role)
     return membership
 
 
@@ -47,7 +48,11 @@ def membership_delete(*, membership: Membership, actor: str = "") -> None:
     )
     Membership.objects.filter(pk=membership.pk).delete()
     event_record(
-        kind="org.member_removed", org=org, actor=actor, user=user.get_username(), tokens_revoked=revoked
+        kind=EventKind.ORG_MEMBER_REMOVED,
+        org=org,
+        actor=actor,
+        user=user.get_username(),
+        tokens_revoked=revoked,
     )
 
 
@@ -74,7 +79,7 @@ def api_token_create(
     """
     membership = Membership.objects.filter(org=org, user=user).first()
     if membership is None:
-        raise NotFound(f"{user.get_username()} is not a member of {org.slug}", code="not_a_member")
+        raise NotFound(f"{user.get_username()} is not a member of {org.slug}", code=ErrorCode.NOT_A_MEMBER)
     if role:
         wanted = _role(role)
         if ROLE_RANK[wanted] > ROLE_RANK[Role(membership.role)]:
@@ -94,7 +99,7 @@ def api_token_create(
         scope=scope,
     )
     event_record(
-        kind="org.token_created", org=org, actor=actor, token=str(token.pk), user=user.get_username()
+        kind=EventKind.ORG_TOKEN_CREATED, org=org, actor=actor, token=str(token.pk), user=user.get_username()
     )
     return token, secret
 
@@ -104,7 +109,7 @@ def api_token_revoke(*, token: ApiToken, actor: str = "") -> bool:
     """Revoke a token. Returns False when it was already revoked (idempotent)."""
     updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
     if updated:
-        event_record(kind="org.token_revoked", org=token.org_id, actor=actor, token=str(token.pk))
+        event_record(kind=EventKind.ORG_TOKEN_REVOKED, org=token.org_id, actor=actor, token=str(token.pk))
     return bool(updated)
 
 
@@ -113,7 +118,7 @@ def privilege_grant(*, org: Organization, name: str, actor: str = "") -> Privile
     privilege, _ = Privilege.objects.get_or_create(name=name)
     if not org.privileges.filter(pk=privilege.pk).exists():
         org.privileges.add(privilege)
-        event_record(kind="org.privilege_granted", org=org, actor=actor, privilege=name)
+        event_record(kind=EventKind.ORG_PRIVILEGE_GRANTED, org=org, actor=actor, privilege=name)
     return privilege
 
 
@@ -125,5 +130,5 @@ def privilege_revoke(*, org: Organization, name: str, actor: str = "") -> bool:
     if privilege is None or not org.privileges.filter(pk=privilege.pk).exists():
         return False
     org.privileges.remove(privilege)
-    event_record(kind="org.privilege_revoked", org=org, actor=actor, privilege=name)
+    event_record(kind=EventKind.ORG_PRIVILEGE_REVOKED, org=org, actor=actor, privilege=name)
     return True

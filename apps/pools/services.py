@@ -14,9 +14,10 @@ from django.db.models import F
 from django.utils import timezone
 
 from apps.core import hooks
-from apps.core.errors import InvalidTransition, NotFound, PoolEmpty, ValidationFailed
+from apps.core.errors import ErrorCode, InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
@@ -46,14 +47,14 @@ def pool_validate_sizes(*, target_size: int, min_size: int, max_size: int, max_p
             "sizes must satisfy min_size <= target_size <= max_size "
             f"(got {min_size}, {target_size}, {max_size})",
             fields={"target_size": ["must lie between min_size and max_size"]},
-            code="invalid_sizes",
+            code=ErrorCode.INVALID_SIZES,
         )
     if max_size > max_pool_size:
         raise ValidationFailed(
             f"max_size {max_size} exceeds the organization's max_pool_size {max_pool_size} "
             "for this machine type",
             fields={"max_size": [f"must be at most {max_pool_size}"]},
-            code="quota_exceeded",
+            code=ErrorCode.QUOTA_EXCEEDED,
         )
 
 
@@ -80,7 +81,7 @@ def pool_create(
         raise ValidationFailed(
             f"a pool named {name!r} already exists",
             fields={"name": ["already exists"]},
-            code="duplicate_name",
+            code=ErrorCode.DUPLICATE_NAME,
         )
     pool = InstancePool.objects.create(
         org=org,
@@ -93,7 +94,7 @@ def pool_create(
         warmup_grace_seconds=warmup_grace_seconds,
     )
     event_record(
-        kind="pool.created",
+        kind=EventKind.POOL_CREATED,
         org=org,
         pool=pool,
         actor=actor,
@@ -104,8 +105,22 @@ def pool_create(
     return pool
 
 
+# The event a refill records when a limit starts holding it back (``limit``'s first word).
+LIMIT_EVENTS = {
+    "pool_at_max_size": EventKind.POOL_AT_MAX_SIZE,
+    "quota_exceeded": EventKind.POOL_QUOTA_EXCEEDED,
+    "budget_exceeded": EventKind.POOL_BUDGET_EXCEEDED,
+}
+
 # Every pool status change: POOL_STATES.move(pool_id, to=..., ...).
-POOL_STATES = StateMachine(InstancePool, POOL_TRANSITIONS, "pool", stamps={PoolStatus.DRAINED: "drained_at"})
+POOL_STATES = StateMachine(
+    InstancePool,
+    POOL_TRANSITIONS,
+    "pool",
+    kinds=EventKind,
+    record=event_record,
+    stamps={PoolStatus.DRAINED: "drained_at"},
+)
 
 
 # ---- claim (the hot path) -------------------------------------------------------------------
@@ -180,7 +195,7 @@ def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> Instanc
         setattr(pool, key, value)
     if changed:
         pool.save()
-        event_record(kind="pool.updated", org=pool.org_id, pool=pool, actor=actor, **changed)
+        event_record(kind=EventKind.POOL_UPDATED, org=pool.org_id, pool=pool, actor=actor, **changed)
         request_refill(pool.pk)
     return pool
 
@@ -217,7 +232,7 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
             elif status != InstanceStatus.CLAIMED:
                 MachineInstance.objects.filter(pk=instance_id).update(pool=None)
                 event_record(
-                    kind="pool.member_released",
+                    kind=EventKind.POOL_MEMBER_RELEASED,
                     org=pool.org_id,
                     pool=pool,
                     instance=instance_id,
@@ -243,7 +258,7 @@ def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
         locked = InstancePool.objects.select_for_update().get(pk=pool.pk)
         if locked.status != PoolStatus.DRAINED:
             raise InvalidTransition("Pool", pool.pk, locked.status, "deleted (drain it first)")
-        event_record(kind="pool.deleted", org=pool.org_id, pool=pool, actor=actor, name=pool.name)
+        event_record(kind=EventKind.POOL_DELETED, org=pool.org_id, pool=pool, actor=actor, name=pool.name)
         locked.delete()
 
 
@@ -338,7 +353,7 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
         # An event when the limit changes, not on every refill while it holds.
         if limit and limit.split(":")[0] != pool.limit_reason.split(":")[0]:
             event_record(
-                kind=f"pool.{limit.split(':')[0]}",
+                kind=LIMIT_EVENTS[limit.split(":")[0]],
                 org=pool.org_id,
                 pool=pool,
                 actor=actor,
@@ -377,7 +392,7 @@ def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, act
                 pool=pool
             ):
                 event_record(
-                    kind="pool.member_adopted",
+                    kind=EventKind.POOL_MEMBER_ADOPTED,
                     org=pool.org_id,
                     pool=pool,
                     instance=instance_id,

@@ -49,8 +49,30 @@ def _readme_section(title: str) -> str:
     return text[start : end if end != -1 else None]
 
 
-def test_every_event_kind_the_code_records_is_registered() -> None:
-    emitted: dict[str, str] = {}
+def _members_used(registry: str) -> dict[str, str]:
+    """``Registry.NAME`` attributes the code reads: {name: file}."""
+    used: dict[str, str] = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and getattr(node.value, "id", "") == registry
+                and not node.attr.startswith("_")
+            ):
+                used[node.attr] = str(path.relative_to(ROOT))
+    return used
+
+
+def test_every_event_kind_the_code_records_is_a_registered_member() -> None:
+    used = _members_used("EventKind")
+    assert len(used) > 40  # the scan sees the code
+    assert {name: f for name, f in used.items() if name not in EventKind.__members__} == {}
+
+
+def test_no_event_kind_is_passed_as_a_string() -> None:
+    """Kinds are ``EventKind`` members at every call (mypy then refuses a wrong name): no
+    ``kind=``/``event=`` string, and no string kind handed to the claim statements."""
+    literals: dict[str, str] = {}
     for path, tree in _sources():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
@@ -61,9 +83,8 @@ def test_every_event_kind_the_code_records_is_registered() -> None:
             for value in values:
                 for kind in _constants(value):
                     if re.fullmatch(r"[a-z_]+\.[a-z_]+", kind):
-                        emitted[kind] = str(path.relative_to(ROOT))
-    assert len(emitted) > 40  # the scan sees the code
-    assert {k: f for k, f in emitted.items() if k not in KINDS} == {}
+                        literals[kind] = str(path.relative_to(ROOT))
+    assert literals == {}
 
 
 @pytest.mark.parametrize("machine", [JOB_STATES, INSTANCE_STATES, POOL_STATES, RESOURCE_STATES])
@@ -84,33 +105,39 @@ def test_readme_lists_every_error_code_and_only_those() -> None:
     assert listed == CODES
 
 
-def test_every_error_code_the_code_uses_is_registered() -> None:
-    used: dict[str, str] = {}
+def test_every_error_code_the_code_uses_is_a_registered_member() -> None:
+    used = _members_used("ErrorCode")
+    assert len(used) > 20  # the scan sees the code
+    assert {name: f for name, f in used.items() if name not in ErrorCode.__members__} == {}
+
+    def subclasses(cls: type) -> list[type]:
+        return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]
+
+    assert {cls.__name__ for cls in subclasses(DomainError) if not isinstance(cls.code, ErrorCode)} == set()
+
+
+def test_no_error_code_is_passed_as_a_string() -> None:
+    """Codes are ``ErrorCode`` members: no ``code=`` string, no string handed to the error
+    builders, no error class whose ``code`` is a string."""
+    literals: dict[str, str] = {}
     for path, tree in _sources():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 for kw in node.keywords:
                     if kw.arg == "code":
                         for code in _constants(kw.value):
-                            used[code] = str(path.relative_to(ROOT))
+                            literals[code] = str(path.relative_to(ROOT))
                 name = getattr(node.func, "id", "")
                 if name in ("error_response", "error_payload") and node.args:
                     arg = node.args[1] if name == "error_response" and len(node.args) > 1 else node.args[0]
                     for code in _constants(arg):
-                        used[code] = str(path.relative_to(ROOT))
+                        literals[code] = str(path.relative_to(ROOT))
             elif isinstance(node, ast.ClassDef):
                 for stmt in node.body:
                     if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "code":
                         for code in _constants(stmt.value):
-                            used[code] = str(path.relative_to(ROOT))
-    assert len(used) > 20
-    wells = {"transient", "permanent"}  # WellError's own retry classes, never an API answer
-    assert {c: f for c, f in used.items() if c not in CODES | wells} == {}
-
-    def subclasses(cls: type) -> list[type]:
-        return [cls, *(s for sub in cls.__subclasses__() for s in subclasses(sub))]
-
-    assert {cls.__name__ for cls in subclasses(DomainError) if cls.code not in CODES} == set()
+                            literals[code] = str(path.relative_to(ROOT))
+    assert literals == {}
 
 
 @pytest.mark.django_db

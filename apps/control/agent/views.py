@@ -28,7 +28,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from apps.control.agent import db, wakeups
 from apps.core.crypto import hash_token
-from apps.core.errors import error_payload
+from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
 from apps.jobs.agent import POLL_KEY, WAKE_KEY, _payload
 from apps.jobs.choices import JobStatus
@@ -57,16 +57,16 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def _error(status: int, code: str, detail: str, **headers: str) -> Answer:
+def _error(status: int, code: ErrorCode, detail: str, **headers: str) -> Answer:
     return Answer(status, error_payload(code, detail), {k.replace("_", "-"): v for k, v in headers.items()})
 
 
-def _unauthenticated(code: str, detail: str) -> Answer:
+def _unauthenticated(code: ErrorCode, detail: str) -> Answer:
     return _error(401, code, detail, WWW_Authenticate="Agent")
 
 
 def method_not_allowed(method: str, allowed: str) -> Answer:
-    return _error(405, "method_not_allowed", f'Method "{method}" not allowed.', Allow=allowed)
+    return _error(405, ErrorCode.METHOD_NOT_ALLOWED, f'Method "{method}" not allowed.', Allow=allowed)
 
 
 class _TokenThrottle(AgentRateThrottle):
@@ -84,20 +84,20 @@ def _token_hash(authorization: str) -> str | Answer:
     """The agent token's hash, or the 401/429 answer (same codes as the DRF agent views)."""
     parts = authorization.split()
     if not parts or parts[0] != "Agent":
-        return _unauthenticated("not_authenticated", "Authentication credentials were not provided.")
+        return _unauthenticated(ErrorCode.NOT_AUTHENTICATED, "Authentication credentials were not provided.")
     if len(parts) != 2 or not parts[1].startswith(f"{AGENT_TOKEN_PREFIX}_"):
-        return _unauthenticated("authentication_failed", "invalid agent token")
+        return _unauthenticated(ErrorCode.AUTHENTICATION_FAILED, "invalid agent token")
     digest = hash_token(parts[1])
     throttle = _TokenThrottle(digest)
     if not throttle.allow_request(None, None):  # type: ignore[arg-type]  # keyed by the token alone
         wait = throttle.wait()
         retry = str(math.ceil(wait)) if wait else "1"
-        return _error(429, "throttled", "Request was throttled.", Retry_After=retry)
+        return _error(429, ErrorCode.THROTTLED, "Request was throttled.", Retry_After=retry)
     return digest
 
 
 def _gone() -> Answer:
-    return _unauthenticated("authentication_failed", "unknown agent token, or the machine has ended")
+    return _unauthenticated(ErrorCode.AUTHENTICATION_FAILED, "unknown agent token, or the machine has ended")
 
 
 # ---- heartbeat ---------------------------------------------------------------------------------
@@ -127,15 +127,15 @@ def _parse_body(body: bytes) -> dict[str, Any] | Answer:
     try:
         parsed = loads(body)  # deeply nested: a ValueError too, before any token is looked up
     except ValueError:
-        return _error(400, "parse_error", "the request body is not valid JSON")
+        return _error(400, ErrorCode.PARSE_ERROR, "the request body is not valid JSON")
     if not isinstance(parsed, dict):
-        return _error(400, "invalid", "the request body must be a JSON object")
+        return _error(400, ErrorCode.INVALID, "the request body must be a JSON object")
     running = parsed.get("running_job")
     if running is not None:
         try:
             uuid.UUID(str(running))
         except ValueError:
-            return _error(400, "invalid", "running_job: must be a valid UUID")
+            return _error(400, ErrorCode.INVALID, "running_job: must be a valid UUID")
     return parsed
 
 

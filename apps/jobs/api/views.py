@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.core.errors import ValidationFailed
+from apps.core.errors import ErrorCode, ValidationFailed
 from apps.jobs.api.serializers import (
     ArtifactSerializer,
     JobConfigurationSerializer,
@@ -105,7 +105,7 @@ def _config_by_id_or_name(*, org: Any, ref: str) -> JobConfiguration:
         raise ValidationFailed(
             f"config: no job configuration with id or name {ref!r}",
             fields={"config": ["does not exist"]},
-            code="unknown_config",
+            code=ErrorCode.UNKNOWN_CONFIG,
         )
     return config
 

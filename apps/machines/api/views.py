@@ -17,7 +17,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import StrictFields
-from apps.core.errors import ValidationFailed
+from apps.core.errors import ErrorCode, ValidationFailed
 from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer, OrgMachineTypeField
 from apps.machines.budgets import budget_set, budget_spends, next_month, period_start
 from apps.machines.choices import InstanceStatus
@@ -179,7 +179,7 @@ class CostViewSet(OrgScopedViewSet):
             raise ValidationFailed(
                 f"to must be after from, at most {MAX_REPORT_DAYS} days later",
                 fields={"to": [f"must be after from, at most {MAX_REPORT_DAYS} days later"]},
-                code="invalid_range",
+                code=ErrorCode.INVALID_RANGE,
             )
         return Response(cost_report(org=self.ctx.org, start=start, end=end, group_by=group_by, now=now))
 
