@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from apps.core import hooks
-from apps.core.broker import enqueue_on_commit
 from apps.jobs.acquisition import wake_waiting
-from apps.jobs.agent import jobs_to_cancel
-from apps.jobs.choices import JobStatus
-from apps.jobs.models import Job
 from apps.jobs.reports import jobs_requeue_for_instance
-from apps.jobs.scheduler import schedule_grant_after_commit
-from apps.jobs.tasks import schedule_task
+from apps.jobs.scheduler import schedule_for_machine
+from apps.jobs.selectors import job_config_names, jobs_waiting
 from apps.pools.refill import request_refill
 
 
-def _schedule_soon(instance: Any = None) -> None:
-    """A machine became ready (or ended): a scheduling pass, and its grant's jobs placed in this
-    request right after the commit (a job waiting for it need not wait for a worker)."""
-    enqueue_on_commit(schedule_task)
-    if instance is not None:
-        schedule_grant_after_commit(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
-
-
-def _job_config_names(job_ids: Any) -> dict[str, str]:
-    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name")
-    return {str(pk): name for pk, name in rows}
-
-
-def _jobs_waiting(*, org_id: Any, machine_type_id: Any) -> int:
-    return Job.objects.filter(
-        org_id=org_id, machine_type_id=machine_type_id, status=JobStatus.WAITING_FOR_MACHINE
-    ).count()
-
-
 def connect_hooks() -> None:
-    hooks.machine_available.connect(_schedule_soon)
+    hooks.machine_available.connect(schedule_for_machine)
     hooks.machine_gone.connect(jobs_requeue_for_instance)
     hooks.pool_member_left.connect(request_refill)
     hooks.resource_slot_freed.connect(wake_waiting)
-    hooks.jobs_to_cancel.connect(jobs_to_cancel)
-    hooks.job_config_names.connect(_job_config_names)
-    hooks.jobs_waiting.connect(_jobs_waiting)
+    hooks.job_config_names.connect(job_config_names)
+    hooks.jobs_waiting.connect(jobs_waiting)

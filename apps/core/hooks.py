@@ -3,39 +3,49 @@
 Apps import only downward (core → events → orgs → machines → pools → resources → jobs →
 control). When a lower layer must trigger a higher one (a machine became ready, so the
 scheduler may place a job), it calls one of the hooks below; the handlers are connected
-explicitly in ``apps/control/apps.py`` (``ControlConfig.ready``), never by signals or by
+explicitly in ``apps/control/wiring.py`` (``ControlConfig.ready``), never by signals or by
 importing upward inside a function.
 
-A hook called before it has a handler raises: a missing connection is a bug, not a no-op.
+Each hook is declared as the signature its callers and its handler share (ids, not models:
+this module imports no domain code), so mypy checks both sides: a call with a wrong argument
+and a handler that does not fit are type errors. A hook called before it has a handler
+raises: a missing connection is a bug, not a no-op. ``tests/core/test_hooks.py`` keeps every
+hook called and handled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from apps.core.ids import InstanceId, MachineTypeId, OrgId, PoolId, ResourceTypeId
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class HookNotConnected(RuntimeError):
     pass
 
 
-class Hook:
-    """One named extension point with exactly one handler (the layer above decides)."""
+class Hook(Generic[P, R]):
+    """One named extension point with exactly one handler (the layer above decides). Made
+    from a stub (``@Hook def name(...) -> R: "doc"``) whose signature it keeps."""
 
-    def __init__(self, name: str, doc: str) -> None:
-        self.name = name
-        self.__doc__ = doc
-        self._handler: Callable[..., Any] | None = None
+    def __init__(self, stub: Callable[P, R]) -> None:
+        self.name = stub.__name__
+        self.__doc__ = stub.__doc__
+        self._handler: Callable[P, R] | None = None
 
-    def connect(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+    def connect(self, handler: Callable[P, R]) -> Callable[P, R]:
         self._handler = handler
         return handler
 
     @property
-    def handler(self) -> Callable[..., Any] | None:
+    def handler(self) -> Callable[P, R] | None:
         return self._handler
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._handler is None:
             raise HookNotConnected(f"hook {self.name!r} has no handler: is apps.control installed?")
         return self._handler(*args, **kwargs)
@@ -46,35 +56,42 @@ class Hook:
 
 # ---- the list ------------------------------------------------------------------------------
 
-machine_available = Hook(
-    "machine_available",
-    "machines → jobs: a machine became ready (or free again); the scheduler may place a job.",
-)
-machine_gone = Hook(
-    "machine_gone",
-    "machines → jobs: a machine ended (terminated, lost); requeue the job it was running, "
-    "called with instance=, cause=, detail=.",
-)
-pool_member_left = Hook(
-    "pool_member_left",
-    "machines → pools: a member left its pool (claimed, ended, warmed); request the pool's refill.",
-)
-resource_slot_freed = Hook(
-    "resource_slot_freed",
-    "resources → jobs: a resource of type_id= was destroyed; jobs waiting for a slot try again.",
-)
-job_config_names = Hook(
-    "job_config_names",
-    "machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids.",
-)
-jobs_waiting = Hook(
-    "jobs_waiting",
-    "pools (refill) → jobs: how many jobs of org_id= and machine_type_id= wait for a machine "
-    "(they take the machines outside pools before a refill may take them in).",
-)
-jobs_to_cancel = Hook(
-    "jobs_to_cancel",
-    "machines (agent heartbeat) → jobs: the ids of jobs on this instance its agent must kill.",
-)
 
-ALL: tuple[Hook, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Hook))
+@Hook
+def machine_available(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:
+    """machines → jobs: a machine of this grant became ready (or ended, so one may be bought);
+    the scheduler may place the grant's waiting jobs."""
+
+
+@Hook
+def machine_gone(*, instance_id: InstanceId, cause: str, detail: str = "") -> int:
+    """machines → jobs: a machine ended (terminated, lost); requeue the jobs it was running with
+    ``cause``. Returns how many."""
+    raise NotImplementedError
+
+
+@Hook
+def pool_member_left(pool_id: PoolId) -> None:
+    """machines → pools: a member left its pool (claimed, ended, warmed); request the pool's refill."""
+
+
+@Hook
+def resource_slot_freed(*, type_id: ResourceTypeId) -> None:
+    """resources → jobs: a resource of this type was destroyed; jobs waiting for a slot try again."""
+
+
+@Hook
+def job_config_names(job_ids: Iterable[str]) -> dict[str, str]:
+    """machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids
+    (strings: the cost attribution's references)."""
+    raise NotImplementedError
+
+
+@Hook
+def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
+    """pools (refill) → jobs: how many jobs of this grant wait for a machine (they take the
+    machines outside pools before a refill may take them in)."""
+    raise NotImplementedError
+
+
+ALL: tuple[Hook[..., Any], ...] = tuple(v for v in list(globals().values()) if isinstance(v, Hook))

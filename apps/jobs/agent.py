@@ -20,7 +20,6 @@ from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.reports import job_finished, job_interrupted, job_started
 from apps.machines.agent_api import AgentView
-from apps.machines.models import MachineInstance
 
 # The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
 WAKE_KEY = "catacloud:wake:{}"
@@ -37,15 +36,6 @@ def wake(instance_id: Any) -> None:
     (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
     with contextlib.suppress(redis.RedisError):
         _redis().publish(WAKE_KEY.format(instance_id), "job")
-
-
-def jobs_to_cancel(*, instance: MachineInstance) -> list[str]:
-    return [
-        str(pk)
-        for pk in Job.objects.filter(
-            instance=instance, cancel_requested=True, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
-        ).values_list("pk", flat=True)
-    ]
 
 
 def _resource_names(job: Job) -> list[str]:

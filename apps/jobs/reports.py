@@ -10,6 +10,7 @@ from typing import Any
 from django.db import transaction
 
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition
+from apps.core.ids import InstanceId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
@@ -233,12 +234,13 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     return job
 
 
-def jobs_requeue_for_instance(*, instance: MachineInstance, cause: str, detail: str = "") -> int:
-    """Requeue the jobs still assigned to or running on ``instance`` (its machine is gone)."""
+def jobs_requeue_for_instance(*, instance_id: InstanceId, cause: str, detail: str = "") -> int:
+    """Requeue the jobs still assigned to or running on this instance (its machine is gone;
+    ``hooks.machine_gone``)."""
     count = 0
     with transaction.atomic():
         for job in Job.objects.select_for_update().filter(
-            instance_id=instance.pk, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
+            instance_id=instance_id, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ):
             job_requeue(job=job, cause=cause, detail=detail, actor="reaper")
             count += 1

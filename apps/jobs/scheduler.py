@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from django.conf import settings
 from django.db import OperationalError, transaction
 
+from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.admission import admit, admit_grant
+from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.placement import place
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def schedule(*, limit: int = 500) -> ScheduleReport:
     return report
 
 
-def schedule_grant_now(*, org_id: Any, machine_type_id: Any) -> int:
+def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     """Admit and place the queued jobs of one grant now, in queue order, if nobody else is
     doing it: a grant another transaction holds (a scheduling pass, a refill, another submit)
     is left to the pass already enqueued instead of waited for, and so is any failure (the job
@@ -55,11 +56,19 @@ def schedule_grant_now(*, org_id: Any, machine_type_id: Any) -> int:
         return 0
 
 
-def schedule_grant_after_commit(*, org_id: Any, machine_type_id: Any) -> None:
+def schedule_grant_after_commit(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:
     """:func:`schedule_grant_now` right after the current transaction commits (when
     ``CATACLOUD_SCHEDULE_ON_SUBMIT`` is on; the enqueued scheduling pass does it otherwise)."""
     if settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
         transaction.on_commit(lambda: schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id))
+
+
+def schedule_for_machine(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:
+    """A machine of this grant became ready or ended (``hooks.machine_available``): a scheduling
+    pass after commit, and the grant's jobs placed in this request right after the commit (a
+    job waiting for the machine need not wait for a worker)."""
+    schedule_after_commit()
+    schedule_grant_after_commit(org_id=org_id, machine_type_id=machine_type_id)
 
 
 # How many of a grant's jobs the fast path takes at once (a submit brings one; a few more that

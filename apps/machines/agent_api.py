@@ -29,7 +29,7 @@ from apps.core.throttling import LocalThrottleMixin
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.machines.lifecycle import _after_instance_left, bootstrap_token_instance
+from apps.machines.lifecycle import bootstrap_token_instance
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
 from apps.machines.tasks import refresh_provider_state_task
@@ -224,19 +224,16 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
                 warmed_at=now,
                 now=now,
             )
-            _after_instance_left(ready)  # pool: re-evaluate status and deficit
-            _instance_ready_hook(ready)
+            if ready.pool_id:
+                hooks.pool_member_left(ready.pool_id)  # the pool re-evaluates its status and deficit
+            # the scheduler may place a waiting job on it
+            hooks.machine_available(org_id=ready.org_id, machine_type_id=ready.machine_type_id)
             # provider_state still says what the create answered ("booting", "initializing"):
             # ask the provider again now that the machine runs (off the request, after commit).
             enqueue_on_commit(refresh_provider_state_task, str(instance.pk))
     except InvalidTransition:
         return False
     return True
-
-
-def _instance_ready_hook(instance: MachineInstance) -> None:
-    """A machine became ready: the scheduler may place a waiting job on it."""
-    hooks.machine_available(instance)
 
 
 def machine_agent_urls() -> list:

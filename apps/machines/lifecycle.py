@@ -195,7 +195,8 @@ def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") 
     )
     if instance is None:
         return
-    _after_instance_left(instance)
+    if instance.pool_id:
+        hooks.pool_member_left(instance.pool_id)  # the pool sees the deficit
 
 
 # ---- terminate -------------------------------------------------------------------------------
@@ -234,7 +235,8 @@ def instance_terminate(
             lease_expires_at=None,
         )
         enqueue_on_commit(terminate_instance_task, str(instance_id))
-    _after_instance_left(instance)
+    if instance.pool_id:
+        hooks.pool_member_left(instance.pool_id)
     return instance
 
 
@@ -286,9 +288,14 @@ def instance_destroy(*, instance_id: Any) -> None:
 def instance_gone(instance: MachineInstance) -> None:
     """The machine no longer exists: a job still on it goes back to the queue (with the
     instance's ``end_cause``), its pool refills and the scheduler may buy a replacement."""
-    _requeue_jobs_of(instance, instance.end_cause or "machine_terminated", instance.failure_reason)
-    _after_instance_left(instance)
-    hooks.machine_available(instance)
+    hooks.machine_gone(
+        instance_id=instance.pk,
+        cause=instance.end_cause or "machine_terminated",
+        detail=instance.failure_reason,
+    )
+    if instance.pool_id:
+        hooks.pool_member_left(instance.pool_id)
+    hooks.machine_available(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
 def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineInstance | None:
@@ -310,11 +317,12 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
         )
         if instance is None:
             return None
-        _requeue_jobs_of(instance, "machine_lost", reason)
+        hooks.machine_gone(instance_id=instance.pk, cause="machine_lost", detail=reason)
         enqueue_on_commit(
             destroy_machine_task, str(instance.provider_account_id), instance.provider_id, str(instance.pk)
         )
-    _after_instance_left(instance)
+    if instance.pool_id:
+        hooks.pool_member_left(instance.pool_id)
     return instance
 
 
@@ -328,16 +336,6 @@ def machine_destroy(*, account_id: Any, provider_id: str, instance_id: str) -> N
     if provider_id:
         with contextlib.suppress(NotFound):
             provider.delete(provider_id)
-
-
-def _requeue_jobs_of(instance: MachineInstance, cause: str, detail: str = "") -> None:
-    hooks.machine_gone(instance=instance, cause=cause, detail=detail)
-
-
-def _after_instance_left(instance: MachineInstance) -> None:
-    """A member left its pool (claimed, ended): refill the pool right after commit."""
-    if instance.pool_id:
-        hooks.pool_member_left(instance.pool_id)
 
 
 def now() -> Any:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import psycopg
 from django.db import connection, transaction
 from psycopg.conninfo import make_conninfo
 
 from apps.core.broker import enqueue
+from apps.core.ids import PoolId
 from apps.core.locks import REFILL_LISTENER
 from apps.machines.claims import REFILL_CHANNEL
 
@@ -53,7 +53,7 @@ WHERE id = ANY(%s::uuid[])
 _SWEEP_SQL = "SELECT id FROM pools_instancepool WHERE refill_requested_at IS NOT NULL LIMIT 500"
 
 
-def request_refill(pool_id: Any) -> None:
+def request_refill(pool_id: PoolId) -> None:
     """Ask for a refill of ``pool_id`` right after the current transaction commits."""
     pool = str(pool_id)
 
@@ -64,7 +64,7 @@ def request_refill(pool_id: Any) -> None:
     transaction.on_commit(mark)
 
 
-def clear_mark(pool_id: Any) -> None:
+def clear_mark(pool_id: PoolId) -> None:
     """The refill starts: a claim committed from now on marks the pool again."""
     with connection.cursor() as cursor:
         cursor.execute(

@@ -29,7 +29,7 @@ from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.retention import idle_machines_retire
 from apps.machines.services import grant_lock
 from apps.pools.services import pool_create
-from testkit.builders import fake_machine_type, idle_machine, job_config, job_row
+from testkit.builders import enrolled_agent, fake_machine_type, idle_machine, job_config, job_row
 from tests.conftest import World
 
 J = JobStatus
@@ -265,7 +265,7 @@ def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World)
     first = idle_machine(world.org, mt)
     schedule()
     job_started(instance=first, job_id=job.pk)
-    jobs_requeue_for_instance(instance=first, cause="machine_lost", detail="agent silent")
+    jobs_requeue_for_instance(instance_id=first.pk, cause="machine_lost", detail="agent silent")
     second = idle_machine(world.org, mt)
     schedule()
     refresh(job)
@@ -291,15 +291,17 @@ def test_cancel_in_each_state(world: World) -> None:
     assert waiting.status == J.WAITING_FOR_MACHINE
     assert job_cancel(job=waiting).status == J.CANCELLED
     OrgMachineType.objects.filter(machine_type=mt).update(max_instances=5)
-    machine = idle_machine(world.org, mt)
+    agent, machine = enrolled_agent(world.org, mt)
+    beat = agent.post("/api/agent/v1/heartbeat", {}, format="json")  # the handshake: ready
+    assert beat.json() == {"cancel": [], "terminate": False}
     running = job_submit(org=world.org, config=cfg)
     schedule()
     job_started(instance=machine, job_id=running.pk)
     cancelled = job_cancel(job=running)
     assert (cancelled.status, cancelled.cancel_requested) == (J.RUNNING, True)
-    from apps.jobs.agent import jobs_to_cancel
-
-    assert jobs_to_cancel(instance=machine) == [str(running.pk)]
+    # the agent's next heartbeat names the job to kill
+    beat = agent.post("/api/agent/v1/heartbeat", {}, format="json")
+    assert beat.json() == {"cancel": [str(running.pk)], "terminate": False}
     # The agent killed it and reports; whatever it says, a requested cancel wins.
     job_finished(instance=machine, job_id=running.pk, outcome="failed", exit_code=-15)
     refresh(running)

@@ -1,0 +1,23 @@
+"""Ids at service boundaries: what a parameter named ``*_id`` holds.
+
+Every primary key is a UUID (a resource type's is its slug). Services, hooks and selectors take
+these, never ``Any``: a caller holding a string (a task's argument, a URL's part) converts it
+where it enters (``UUID(value)``). Aliases, not new types: a model's ``pk`` or ``org_id`` is one.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+from uuid import UUID
+
+OrgId: TypeAlias = UUID
+ProviderAccountId: TypeAlias = UUID
+MachineTypeId: TypeAlias = UUID
+InstanceId: TypeAlias = UUID
+ClaimId: TypeAlias = UUID
+PoolId: TypeAlias = UUID
+JobConfigId: TypeAlias = UUID
+JobId: TypeAlias = UUID
+ArtifactId: TypeAlias = UUID
+ResourceId: TypeAlias = UUID
+ResourceTypeId: TypeAlias = str  # a slug (``api_token``, ``postgres_database``)
