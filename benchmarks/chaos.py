@@ -125,7 +125,7 @@ class Params:
             "CATACLOUD_AGENT_LOST_AFTER": f"{self.lost_after:g}",
             "CATACLOUD_AGENT_POLL_TIMEOUT": "5",
             "CATACLOUD_RECONCILE_GRACE": "10",
-            # The product's own deadlines (README's convergence table), shortened like the
+            # The product's own deadlines (docs/architecture/convergence.md), shortened like the
             # intervals; settings an older build does not know are ignored.
             "CATACLOUD_REDRIVE_AFTER": f"{self.redrive_after:g}",
             "CATACLOUD_BOOT_TIMEOUT": f"{BOOT:g}",

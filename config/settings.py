@@ -1,6 +1,6 @@
 """Settings, all from the environment (twelve-factor).
 
-Every variable is documented in README.md ("Configuration"). Secrets can be given as
+Every variable is documented in docs/operator/configuration.md. Secrets can be given as
 ``NAME`` or as ``NAME_FILE`` pointing at a file (docker/k8s secrets): django-environ's
 FileAwareEnv reads both. Values that would be dangerous are refused at start-up.
 """
@@ -70,7 +70,7 @@ CATACLOUD_BOOTSTRAP_TOKEN_TTL = env.int("CATACLOUD_BOOTSTRAP_TOKEN_TTL", default
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
-# Production behind TLS (README "Security", `manage.py check --deploy` passes with these set).
+# Production behind TLS (docs/security.md, `manage.py check --deploy` passes with these set).
 # Behind a proxy that terminates TLS, trust its X-Forwarded-Proto header (only then).
 if env.bool("DJANGO_SECURE_PROXY_SSL_HEADER", default=False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
@@ -268,7 +268,7 @@ CATACLOUD_CURRENCY = env.str("CATACLOUD_CURRENCY", default="USD")
 CATACLOUD_RETENTION_MARGIN = env.float(
     "CATACLOUD_RETENTION_MARGIN", default=max(120.0, 2 * CATACLOUD_REAPER_INTERVAL)
 )
-# Deadlines (seconds) of the states the reaper converges; README's "Convergence" table.
+# Deadlines (seconds) of the states the reaper converges; the table of docs/architecture/convergence.md.
 # A row moved by a task (pending and provisioning instances, terminating ones, requested and
 # releasing resources, jobs acquiring resources) has that task sent again after this long.
 CATACLOUD_REDRIVE_AFTER = env.float("CATACLOUD_REDRIVE_AFTER", default=60.0)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
 from django.contrib import admin, messages
 from django.http import HttpRequest
 from django.utils.html import format_html
@@ -8,8 +11,13 @@ from apps.core.errors import DomainError
 from apps.core.models import Heartbeat, Installation
 from apps.core.templatetags.console import short_id_html
 
+if TYPE_CHECKING:  # generic in the stubs only
+    ModelAdmin = admin.ModelAdmin[Any]
+else:
+    ModelAdmin = admin.ModelAdmin
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+
+class ReadOnlyAdmin(ModelAdmin):
     """For append-only records: visible, never edited from the console."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -22,7 +30,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class NoLiveDeleteAdmin(admin.ModelAdmin):
+class NoLiveDeleteAdmin(ModelAdmin):
     """Rows that something still drives (a live job, a live machine) cannot be deleted from
     the console: deleting one orphans what it holds (a paid machine, a quota slot). Use the
     model's actions (cancel, terminate), which go through the services; ended rows may be
@@ -30,18 +38,24 @@ class NoLiveDeleteAdmin(admin.ModelAdmin):
 
     live_statuses: frozenset[str] = frozenset()
 
-    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is not None and obj.status in self.live_statuses:
             return False
         return super().has_delete_permission(request, obj)
 
-    def get_actions(self, request: HttpRequest) -> dict:
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         actions = super().get_actions(request)
         actions.pop("delete_selected", None)
         return actions
 
 
-def run_service_action(modeladmin: admin.ModelAdmin, request: HttpRequest, queryset, verb: str, fn) -> None:
+def run_service_action(
+    modeladmin: admin.ModelAdmin[Any],
+    request: HttpRequest,
+    queryset: Iterable[Any],
+    verb: str,
+    fn: Callable[[Any], object],
+) -> None:
     """Call ``fn(obj)`` for each selected row; report successes and refusals to the operator."""
     done, refused = 0, []
     for obj in queryset:

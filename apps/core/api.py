@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
@@ -23,6 +23,12 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from apps.core.errors import DomainError, ErrorCode, ValidationFailed, error_payload
+
+if TYPE_CHECKING:  # generic in the stubs only
+    Serializer = serializers.Serializer[Any]
+else:
+    Serializer = serializers.Serializer
+
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ _DRF_CODES: dict[type[exceptions.APIException], ErrorCode] = {
 }
 
 
-class StrictFields(serializers.Serializer):
+class StrictFields(Serializer):
     """Input that names a field the endpoint does not take, or one only Catacloud sets, is a
     400 naming it: DRF would drop it silently (``POST /jobs/ {"machine_type": …}`` answered
     201 and ran on the configuration's type). ``unknown_field_hints`` adds what to do instead."""
@@ -81,7 +87,7 @@ class StrictFields(serializers.Serializer):
         return super().to_internal_value(data)
 
 
-def _not_json(exc: exceptions.UnsupportedMediaType, context: dict) -> str:
+def _not_json(exc: exceptions.UnsupportedMediaType, context: dict[str, Any]) -> str:
     """What a client sending JSON without saying so needs to hear (curl -d sends
     ``application/x-www-form-urlencoded``; a bare body sends no Content-Type at all)."""
     request, view = context.get("request"), context.get("view")
@@ -106,7 +112,7 @@ def _unique_violation(exc: IntegrityError) -> bool:
     return isinstance(exc.__cause__, pg_errors.UniqueViolation)
 
 
-def exception_handler(exc: Exception, context: dict) -> Response:
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
     set_rollback()  # an error leaves nothing half-written (ATOMIC_REQUESTS or not)
     if isinstance(exc, IntegrityError):
         # Two requests creating the same name at once: the loser's INSERT hits the unique index.

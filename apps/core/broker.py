@@ -4,7 +4,7 @@
 Redis carries messages here, never state that matters: losing any of it only delays work
 until the next poll or reaper tick. So an enqueue after a committed change never fails the
 change: when the broker is down the message is dropped with a warning and the reaper, which
-compares rows with their deadlines, moves the row instead (README: "Convergence").
+compares rows with their deadlines, moves the row instead (docs/architecture/convergence.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import psycopg
 from django.db import connection
 
 
-def fetch_one_prepared(sql: str, params: dict[str, Any] | list[Any]) -> tuple | None:
+def fetch_one_prepared(sql: str, params: dict[str, Any] | list[Any]) -> tuple[Any, ...] | None:
     """Run ``sql`` on Django's connection (in its transaction, if any) as a server-side
     prepared statement and return the first row.
 

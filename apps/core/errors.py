@@ -9,8 +9,8 @@ from apps.core.registry import registered
 
 
 class ErrorCode(StrEnum):
-    """Every ``code`` an API answer may carry (README "Error codes" lists them all, and a test
-    keeps the two equal). Clients match on these; renaming one is a breaking change."""
+    """Every ``code`` an API answer may carry (docs/architecture/events-and-errors.md lists them
+    all, and a test keeps the two equal). Clients match on these; renaming one is a breaking change."""
 
     # 400
     INVALID = "invalid"  # input breaks a rule; ``fields`` says which
@@ -121,7 +121,7 @@ class InvalidTransition(Conflict):
 
     code = ErrorCode.INVALID_STATE
 
-    def __init__(self, entity: str, pk: Any, current: str | None, target: str) -> None:
+    def __init__(self, entity: str, pk: object, current: str | None, target: str) -> None:
         where = f"is {current}" if current is not None else "does not exist"
         super().__init__(f"{entity} {pk} {where}; cannot move it to {target}")
         self.entity, self.pk, self.current, self.target = entity, pk, current, target

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TypeAlias
 from uuid import UUID
 
+from django.db.models import Model
+
 OrgId: TypeAlias = UUID
 ProviderAccountId: TypeAlias = UUID
 MachineTypeId: TypeAlias = UUID
@@ -21,3 +23,7 @@ JobId: TypeAlias = UUID
 ArtifactId: TypeAlias = UUID
 ResourceId: TypeAlias = UUID
 ResourceTypeId: TypeAlias = str  # a slug (``api_token``, ``postgres_database``)
+
+# What an event names (its org, pool, instance, job): the row itself or its id (a string where
+# the id came from outside, e.g. a cloud label).
+RowRef: TypeAlias = Model | UUID | str | None

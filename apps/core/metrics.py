@@ -55,7 +55,7 @@ def render() -> tuple[bytes, str]:
 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # untyped upstream
         body = generate_latest(registry)
     else:
         body = generate_latest(REGISTRY)

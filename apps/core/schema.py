@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from drf_spectacular.openapi import AutoSchema as _AutoSchema
 from rest_framework import serializers
 
+if TYPE_CHECKING:  # generic in the stubs only
+    Serializer = serializers.Serializer[Any]
+else:
+    Serializer = serializers.Serializer
 
-class ErrorSerializer(serializers.Serializer):
+
+class ErrorSerializer(Serializer):
     code = serializers.CharField(help_text="machine-readable, snake_case")
     detail = serializers.CharField(help_text="a human sentence")
     fields = serializers.DictField(  # type: ignore[assignment]  # the error body's field, not Serializer.fields
@@ -33,7 +38,9 @@ class AutoSchema(_AutoSchema):
 
     def _get_response_bodies(self, direction: Literal["request", "response"] = "response") -> dict[str, Any]:
         responses = super()._get_response_bodies(direction)
-        error = self._get_response_for_code(ErrorSerializer, "400", direction=direction)
+        error = self._get_response_for_code(  # type: ignore[no-untyped-call]  # untyped upstream
+            ErrorSerializer, "400", direction=direction
+        )
         for code, description in self.ERRORS.items():
             if code not in responses:
                 responses[code] = {**error, "description": description}

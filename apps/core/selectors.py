@@ -11,7 +11,7 @@ def installation_id() -> str:
     """The label value naming this installation's machines (setting, else the DB singleton)."""
     global _cached
     if settings.CATACLOUD_INSTALLATION:
-        return settings.CATACLOUD_INSTALLATION
+        return str(settings.CATACLOUD_INSTALLATION)
     if _cached is None:
         _cached = str(Installation.objects.get_or_create(id=1)[0].installation_id)
     return _cached

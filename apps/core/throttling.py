@@ -1,6 +1,6 @@
 """The API throttles: fairness only (quotas live in PostgreSQL), so they cost no network round
 trip and cannot fail when Redis does. Each web process counts in its own memory, so the
-effective limit is the configured rate per process (README: Configuration)."""
+effective limit is the configured rate per process (docs/operator/configuration.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class LocalThrottleMixin:
 
     def allow_request(self, request: Any, view: Any) -> bool:
         try:
-            return super().allow_request(request, view)  # type: ignore[misc]
+            return bool(super().allow_request(request, view))  # type: ignore[misc]
         except Exception:  # never let fairness take the API down
             log.exception("throttle failed; letting the request through")
             return True

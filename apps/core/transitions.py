@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
+from uuid import UUID
 
 from django.db import models, transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition
+from apps.core.ids import RowRef
 
 Graph = Mapping[str, frozenset[str]]
 K = TypeVar("K", bound=StrEnum)
@@ -31,12 +33,12 @@ class Recorder(Protocol[K_contra]):
         self,
         *,
         kind: K_contra,
-        org: Any = ...,
+        org: RowRef = ...,
         actor: str = ...,
         reason: str = ...,
-        pool: Any = ...,
-        instance: Any = ...,
-        job: Any = ...,
+        pool: RowRef = ...,
+        instance: RowRef = ...,
+        job: RowRef = ...,
         **data: Any,
     ) -> object: ...
 
@@ -52,7 +54,7 @@ def _has_field(model: type[models.Model], name: str) -> bool:
 
 def transition(
     model: type[models.Model],
-    pk: Any,
+    pk: UUID,
     *,
     graph: Graph,
     to: str,
@@ -118,7 +120,7 @@ class StateMachine(Generic[K]):
 
     def move(
         self,
-        pk: Any,
+        pk: UUID,
         *,
         to: str,
         from_: Iterable[str] | None = None,
@@ -153,7 +155,7 @@ class StateMachine(Generic[K]):
                 entered(row, now)
         return row
 
-    def try_move(self, pk: Any, **kwargs: Any) -> Any | None:
+    def try_move(self, pk: UUID, **kwargs: Any) -> Any | None:
         """:meth:`move`, or None when the row was not in a state that allows it (a lost race:
         the other actor's outcome stands)."""
         try:

@@ -1,8 +1,8 @@
 """Every event kind Catacloud records: the public contract of the event feed.
 
 ``event_record`` refuses a kind not listed here when ``CATACLOUD_STRICT_REGISTRIES`` is on
-(tests, development) and logs it otherwise; README "Events" lists them all, and a test keeps
-this enum, the state machines' generated kinds and README equal.
+(tests, development) and logs it otherwise; docs/architecture/events-and-errors.md lists them
+all, and a test keeps this enum, the state machines' generated kinds and that page equal.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 from typing import Any
+from uuid import UUID
 
+from django.db.models import Model
+
+from apps.core.ids import RowRef
 from apps.core.registry import registered
 from apps.events.kinds import EventKind
 from apps.events.models import Event
@@ -10,12 +14,12 @@ from apps.events.models import Event
 def event_record(
     *,
     kind: EventKind,
-    org: Any = None,
+    org: RowRef = None,
     actor: str = "",
     reason: str = "",
-    pool: Any = None,
-    instance: Any = None,
-    job: Any = None,
+    pool: RowRef = None,
+    instance: RowRef = None,
+    job: RowRef = None,
     **data: Any,
 ) -> Event:
     """Append an event. Call it inside the transaction of the change it records.
@@ -24,8 +28,8 @@ def event_record(
     ``data`` must be JSON-serialisable and must never hold a secret.
     """
 
-    def pk(value: Any) -> Any:
-        return getattr(value, "pk", value)
+    def pk(value: RowRef) -> UUID | str | None:
+        return value.pk if isinstance(value, Model) else value
 
     return Event.objects.create(
         kind=registered(kind, EventKind),

@@ -12,6 +12,7 @@ the reaper destroys resources whose job is gone.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
@@ -19,6 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
@@ -50,7 +52,7 @@ def acquire_after_commit(job_ids: list[Any]) -> None:
         enqueue_on_commit(acquire_resources_task, job_id)
 
 
-def job_acquire_resources(*, job_id: Any) -> str:
+def job_acquire_resources(*, job_id: JobId) -> str:
     """Advance one job's acquisition as far as it can go. Returns what happened:
     ``done`` (all held, waiting for a machine), ``waiting`` (a type is at its limit),
     ``gone`` (the job is no longer acquiring)."""
@@ -198,7 +200,7 @@ def wake_waiting(*, type_id: str) -> None:
             enqueue_on_commit(acquire_resources_task, str(job_id))
 
 
-def resources_safety_net(*, now: Any = None) -> dict[str, int]:
+def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
     """The reaper's pass: release resources whose job is gone or ended, converge the resources
     themselves (apps.resources.lifecycle), and nudge jobs stuck acquiring."""
     from apps.jobs.tasks import acquire_resources_task

@@ -18,6 +18,7 @@ from django.utils.html import format_html, format_html_join
 from apps.core.admin import ReadOnlyAdmin, run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.core.errors import NotFound as DomainNotFound
+from apps.core.ids import ArtifactId, JobId
 from apps.core.templatetags.console import between, human_seconds
 from apps.events.kinds import EventKind
 from apps.events.models import Event
@@ -423,7 +424,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     # ---- writes and downloads --------------------------------------------------------------
 
-    def cancel_view(self, request: HttpRequest, pk: Any) -> HttpResponse:
+    def cancel_view(self, request: HttpRequest, pk: JobId) -> HttpResponse:
         job = get_object_or_404(Job, pk=pk)
         change = reverse("admin:jobs_job_change", args=[job.pk])
         if request.method != "POST":
@@ -437,10 +438,10 @@ class JobAdmin(ReadOnlyAdmin):
             self.message_user(request, f"job {str(job.pk)[:8]}: {done}", messages.SUCCESS)
         return HttpResponseRedirect(change)
 
-    def tail_view(self, request: HttpRequest, pk: Any) -> HttpResponse:
+    def tail_view(self, request: HttpRequest, pk: JobId) -> HttpResponse:
         return HttpResponse(self._log_tail_html(get_object_or_404(Job, pk=pk)))
 
-    def log_view(self, request: HttpRequest, pk: Any) -> HttpResponse:
+    def log_view(self, request: HttpRequest, pk: JobId) -> HttpResponse:
         job = get_object_or_404(Job, pk=pk)
         try:
             attempt = int(request.GET.get("attempt", job.attempt))
@@ -453,7 +454,7 @@ class JobAdmin(ReadOnlyAdmin):
         )
         return HttpResponse(text, content_type="text/plain; charset=utf-8")
 
-    def artifact_view(self, request: HttpRequest, pk: Any, artifact_id: Any) -> HttpResponseBase:
+    def artifact_view(self, request: HttpRequest, pk: JobId, artifact_id: ArtifactId) -> HttpResponseBase:
         artifact = get_object_or_404(
             Artifact, job_id=pk, pk=artifact_id, kind=Artifact.KIND_OUTPUT, status=ArtifactStatus.STORED
         )

@@ -7,12 +7,12 @@ another (BestEffortFIFO)."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition
+from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.acquisition import acquire_after_commit
@@ -50,7 +50,7 @@ def _slots(grant: OrgMachineType, mt: MachineType, running: int) -> int:
     return max(0, slots)
 
 
-def _budget_slots(org_id: Any, mt: MachineType, slots: int, now: datetime) -> tuple[int, str]:
+def _budget_slots(org_id: OrgId, mt: MachineType, slots: int, now: datetime) -> tuple[int, str]:
     """Under a money budget, admit only the jobs that machines already paid for (ready or on
     their way, not yet spoken for by admitted jobs) or machines the budget still allows can
     take; the rest stay queued with the budget's sentence. No budget: ``slots`` unchanged."""
@@ -100,12 +100,12 @@ def admit(*, limit: int = 1000) -> int:
     return total
 
 
-def admit_grant(*, org_id: Any, machine_type_id: Any, limit: int, nowait: bool = False) -> int:
+def admit_grant(*, org_id: OrgId, machine_type_id: MachineTypeId, limit: int, nowait: bool = False) -> int:
     """Admit the queued jobs of one grant that fit (in priority, then FIFO, order)."""
     return _admit_for(org_id, machine_type_id, limit, nowait=nowait)
 
 
-def _admit_for(org_id: Any, mt_id: Any, limit: int, *, nowait: bool = False) -> int:
+def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool = False) -> int:
     now = timezone.now()
     queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED)
     with transaction.atomic():

@@ -15,6 +15,7 @@ from rest_framework.response import Response
 
 from apps.core.broker import redis_client
 from apps.core.errors import Conflict, ErrorCode, NotFound
+from apps.core.ids import InstanceId, JobId
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
@@ -30,7 +31,7 @@ POLL_KEY = "catacloud:poll:{}"
 _redis = redis_client
 
 
-def wake(instance_id: Any) -> None:
+def wake(instance_id: InstanceId) -> None:
     """Wake the agent of ``instance_id`` if it is long-polling (best effort: a poll looks at
     PostgreSQL when it starts and when it times out). Pub/sub: the agent server's listener
     (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
@@ -58,7 +59,7 @@ def _payload(job: Job) -> dict[str, Any]:
 
 
 class StartedView(AgentView):
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: JobId) -> Response:
         job_started(instance=self.instance, job_id=job_id)
         return Response({"ok": True})
 
@@ -76,7 +77,7 @@ class LogsIn(serializers.Serializer):
 
 
 class LogsView(AgentView):
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: JobId) -> Response:
         body = LogsIn(data=request.data)
         body.is_valid(raise_exception=True)
         job = Job.objects.filter(
@@ -110,7 +111,7 @@ class FinishedIn(serializers.Serializer):
 
 
 class FinishedView(AgentView):
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: JobId) -> Response:
         body = FinishedIn(data=request.data)
         body.is_valid(raise_exception=True)
         job = job_finished(
@@ -127,7 +128,7 @@ class FinishedView(AgentView):
 class MetaView(AgentView):
     """Metadata of a resource the running job holds (``catacloud job-meta NAME``)."""
 
-    def get(self, request: Request, job_id: str, name: str) -> Response:
+    def get(self, request: Request, job_id: JobId, name: str) -> Response:
         job = Job.objects.filter(
             pk=job_id, instance=self.instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ).first()

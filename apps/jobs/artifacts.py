@@ -13,8 +13,9 @@ import functools
 import hashlib
 import logging
 import tempfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
@@ -26,6 +27,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.errors import Conflict, ErrorCode, LengthRequired, NotFound, ValidationFailed
+from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
@@ -139,7 +141,7 @@ def artifact_store(*, job: Job, kind: str, name: str, body: Readable, size: int,
     return artifact
 
 
-def artifacts_expire(*, now: Any = None, limit: int = 500) -> int:
+def artifacts_expire(*, now: datetime | None = None, limit: int = 500) -> int:
     """Retention: delete expired outputs and checkpoints from the store and record it."""
     now = now or timezone.now()
     count = 0
@@ -182,7 +184,7 @@ def masked_name(job: Job, name: str) -> str:
     return mask_text(name, secrets.values()) if secrets else name
 
 
-def _job_for_upload(instance: MachineInstance, job_id: Any, *, live_only: bool) -> Job | None:
+def _job_for_upload(instance: MachineInstance, job_id: JobId, *, live_only: bool) -> Job | None:
     """The job may still be uploading if it runs on this machine, or (outputs) if it ended
     and the machine is still held for it (the server waits for uploads-done)."""
     job = Job.objects.select_related("config").filter(pk=job_id, instance=instance).first()
@@ -222,7 +224,7 @@ class ArtifactUploadView(AgentView):
         clean = clean_name(name)
         if clean is None:
             raise ValidationFailed("not a safe relative file name")
-        job = _job_for_upload(self.instance, job_id, live_only=False)
+        job = _job_for_upload(self.instance, UUID(job_id), live_only=False)  # the URL's pattern: a UUID
         if job is None:
             raise Conflict(
                 "this job's outputs are no longer accepted from this machine", code=ErrorCode.NOT_ASSIGNED
@@ -233,7 +235,7 @@ class ArtifactUploadView(AgentView):
 class CheckpointView(AgentView):
     parser_classes: list = []
 
-    def put(self, request: Request, job_id: str) -> Response:
+    def put(self, request: Request, job_id: JobId) -> Response:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
             raise Conflict(
@@ -241,7 +243,7 @@ class CheckpointView(AgentView):
             )
         return _upload(self, request, job, Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
 
-    def get(self, request: Request, job_id: str) -> Any:
+    def get(self, request: Request, job_id: JobId) -> Any:
         job = _job_for_upload(self.instance, job_id, live_only=True)
         if job is None:
             raise Conflict(
@@ -271,7 +273,7 @@ class CheckpointView(AgentView):
 
 
 class UploadsDoneView(AgentView):
-    def post(self, request: Request, job_id: str) -> Response:
+    def post(self, request: Request, job_id: JobId) -> Response:
         from apps.jobs.reports import instance_release
 
         job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()

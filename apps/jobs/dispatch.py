@@ -3,9 +3,8 @@ make things faster (the reaper and the agent's long poll find the same work with
 
 from __future__ import annotations
 
-from typing import Any
-
 from apps.core.broker import enqueue_on_commit
+from apps.core.ids import InstanceId
 
 
 def schedule_after_commit() -> None:
@@ -14,7 +13,7 @@ def schedule_after_commit() -> None:
     enqueue_on_commit(schedule_task)
 
 
-def wake_agent(instance_id: Any) -> None:
+def wake_agent(instance_id: InstanceId) -> None:
     """Tell a long-polling agent to look again (a message, never state: the DB is the truth)."""
     from apps.jobs.agent import wake  # the agent views import the reports, which import this
 

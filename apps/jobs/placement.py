@@ -23,6 +23,7 @@ from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from apps.core.errors import InvalidTransition, PoolEmpty
+from apps.core.ids import OrgId
 from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job
@@ -135,7 +136,7 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
 
 def _provision_or_wait(
     grant: OrgMachineType | None,
-    org_id: Any,
+    org_id: OrgId,
     mt: MachineType,
     pools: list[Any],
     jobs: list[Job],

@@ -5,12 +5,11 @@ its machine went away."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from django.db import transaction
 
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition
-from apps.core.ids import InstanceId
+from apps.core.ids import InstanceId, JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
@@ -26,7 +25,7 @@ from apps.pools.refill import request_refill
 from apps.resources.lifecycle import release_for_job
 
 
-def job_started(*, instance: MachineInstance, job_id: Any) -> Job:
+def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
     """The agent starts the command. The job must still be assigned to this very machine: a
     job is never run by two machines at once, even when a lost agent comes back."""
     job = JOB_STATES.try_move(
@@ -54,7 +53,7 @@ OUTCOMES = {
 def job_finished(
     *,
     instance: MachineInstance,
-    job_id: Any,
+    job_id: JobId,
     outcome: str,
     exit_code: int | None,
     reason: str = "",
@@ -116,7 +115,7 @@ def job_finished(
     return job
 
 
-def instance_release(*, instance_id: Any, job: Job) -> bool:
+def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
     """After a job: keep the machine for the next job (reuse, current version) or destroy it.
     A kept machine leaves its pool (jobs take it first until its paid period ends); the pool
     refills, and takes it back in while no job is waiting for it.

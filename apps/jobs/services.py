@@ -9,6 +9,7 @@ from typing import Any
 from django.db import transaction
 
 from apps.core.errors import Conflict, ErrorCode, MissingPrivilege, ValidationFailed
+from apps.core.ids import JobId
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
 from apps.events.models import Event
@@ -39,7 +40,7 @@ JOB_EVENTS = {
 }
 
 
-def job_claim_label(job_id: Any) -> str:
+def job_claim_label(job_id: JobId) -> str:
     """``claimed_for`` of a machine claimed for a job (who holds it, for ownership checks)."""
     return f"job:{job_id}"
 
@@ -85,7 +86,7 @@ def _check_usable(
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
 
 
-def cancelled_by(job_id: Any, fallback: str = "") -> str:
+def cancelled_by(job_id: JobId, fallback: str = "") -> str:
     """``cancelled by user:alice``: who asked for the cancel (the ``job.cancel_requested``
     event's actor, without the token prefix), so a job's reason says who did what."""
     actor = (

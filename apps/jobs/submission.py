@@ -90,6 +90,7 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
                 instance=locked.instance_id,
             )
             instance_id = locked.instance_id
+            assert instance_id is not None  # not machine_gone
             transaction.on_commit(lambda: wake_agent(instance_id))
         else:
             JOB_STATES.move(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+from uuid import UUID
 
 from celery import Task, shared_task
 
@@ -31,7 +32,7 @@ def schedule_task() -> None:
 @shared_task(bind=True, max_retries=10, acks_late=True)
 def acquire_resources_task(self: Task, job_id: str) -> None:
     try:
-        job_acquire_resources(job_id=job_id)
+        job_acquire_resources(job_id=UUID(job_id))
     except WellError as exc:
         if exc.retryable:
             raise self.retry(countdown=task_backoff(self.request.retries)) from None

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from typing import Any
 
 from django.conf import settings
+
+from apps.core.ids import InstanceId
 
 
 def _mac(key: str, instance_id: str, expires: int) -> str:
@@ -23,7 +24,7 @@ def _mac(key: str, instance_id: str, expires: int) -> str:
     return hmac.new(derived, f"{instance_id}.{expires}".encode(), hashlib.sha256).hexdigest()
 
 
-def token_for(instance_id: Any) -> str:
+def token_for(instance_id: InstanceId) -> str:
     from apps.machines.models import MachineInstance
 
     created = MachineInstance.objects.values_list("created_at", flat=True).get(pk=instance_id)

@@ -27,10 +27,12 @@ from django.conf import settings
 from django.db.models import Q, Sum
 
 from apps.core.errors import ValidationFailed
+from apps.core.ids import OrgId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, INSTANCE_TERMINAL
 from apps.machines.models import Budget, BudgetPeriod, MachineInstance, MachineType
+from apps.orgs.models import Organization
 from catacloud.policy.attribution import first_period_cost
 from catacloud.policy.billing import Billing
 
@@ -176,7 +178,7 @@ def budget_sentence(budget: Budget, spend: Decimal) -> str:
     return f"budget {shown}/{budget.amount.quantize(CENT)} {settings.CATACLOUD_CURRENCY} {when}{scope}"
 
 
-def budget_check(*, org_id: Any, machine_type: MachineType, now: datetime, actor: str = "") -> BudgetCheck:
+def budget_check(*, org_id: OrgId, machine_type: MachineType, now: datetime, actor: str = "") -> BudgetCheck:
     """Lock the org's budgets that cover ``machine_type`` and say how many machines of it may
     be bought now. Call it in the transaction that buys (after the grant's row lock)."""
     budgets = list(
@@ -239,8 +241,8 @@ def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, acto
 
 def budget_set(
     *,
-    org: Any,
-    amount: Any,
+    org: Organization,
+    amount: object,  # what the caller was given: checked here
     period: str = BudgetPeriod.MONTH,
     machine_type: MachineType | None = None,
     actor: str = "",

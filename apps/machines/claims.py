@@ -18,6 +18,7 @@ from django.db.models import Field, Model
 from django.utils import timezone
 
 from apps.core.db import fetch_one_prepared
+from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
@@ -138,7 +139,7 @@ def claim(
     actor: str = "",
     by: str = "",
     for_: str = "",
-    job_id: Any = None,
+    job_id: JobId | None = None,
     lease_seconds: float | None = None,
     **params: Any,
 ) -> tuple[uuid.UUID, MachineInstance | None]:

@@ -26,6 +26,7 @@ from apps.core import hooks
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, MachineType
+from apps.orgs.models import Organization
 from catacloud.policy.attribution import JOB, KINDS, MICRO, TAIL, Attribution, Hold, attribute
 from catacloud.policy.billing import Billing
 
@@ -198,7 +199,7 @@ def kind_totals(*, start: datetime, end: datetime, now: datetime) -> dict[str, d
     return dict(totals)
 
 
-def part_rows(*, org: Any, start: datetime, end: datetime, now: datetime) -> list[PartRow]:
+def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetime) -> list[PartRow]:
     """Every attributed part of the org's machines that starts in [start, end). A part counts
     when it starts (a tail when its machine ended, or now for a live machine)."""
     instances = (
@@ -256,7 +257,9 @@ def _key(row: PartRow, group_by: str) -> str | None:
     return row.kind
 
 
-def cost_report(*, org: Any, start: datetime, end: datetime, group_by: str, now: datetime) -> dict[str, Any]:
+def cost_report(
+    *, org: Organization, start: datetime, end: datetime, group_by: str, now: datetime
+) -> dict[str, Any]:
     """Totals of the org's parts starting in [start, end), grouped, with the kind shares of
     every group (``config`` groups warm, idle and tail, which no configuration ran, under
     ``null``)."""

@@ -21,12 +21,14 @@ from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition
 from apps.core.errors import NotFound as DomainNotFound
+from apps.core.ids import ClaimId, InstanceId, OrgId, PoolId, ProviderAccountId
 from apps.core.selectors import installation_id
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
+from apps.orgs.models import Organization
 from catacloud.providers import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -35,6 +37,7 @@ from catacloud.providers import (
     MachineSpec,
     NotFound,
     Provider,
+    ProviderMachine,
     build_provider,
     get_driver_class,
 )
@@ -68,7 +71,7 @@ def owner_labels() -> dict[str, str]:
 # ---- bootstrap tokens -----------------------------------------------------------------------
 
 
-def bootstrap_token_for(instance_id: Any) -> str:
+def bootstrap_token_for(instance_id: InstanceId) -> str:
     """The single-use, expiring token a machine's agent enrolls with (``bootstrap.py``)."""
     from apps.machines.bootstrap import token_for
 
@@ -86,18 +89,23 @@ def bootstrap_token_instance(token: str) -> str | None:
 
 
 def instance_request(
-    *, org: Any, machine_type: MachineType, pool: Any = None, actor: str = "", reason: str = ""
+    *,
+    org: Organization | OrgId,
+    machine_type: MachineType,
+    pool: PoolId | None = None,
+    actor: str = "",
+    reason: str = "",
 ) -> MachineInstance:
     """Commit a ``pending`` instance and enqueue its provisioning after commit."""
     from apps.machines.tasks import provision_instance_task
 
     with transaction.atomic():
         instance = MachineInstance.objects.create(
-            org_id=getattr(org, "pk", org),
+            org_id=org.pk if isinstance(org, Organization) else org,
             machine_type=machine_type,
             machine_type_version=machine_type.version,
             provider_account_id=machine_type.provider_account_id,
-            pool_id=getattr(pool, "pk", pool),
+            pool_id=pool,
         )
         event_record(
             kind=EventKind.POOL_MEMBER_REQUESTED if instance.pool_id else EventKind.INSTANCE_REQUESTED,
@@ -135,7 +143,7 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
     )
 
 
-def instance_provision(*, instance_id: Any) -> None:
+def instance_provision(*, instance_id: InstanceId) -> None:
     """Body of the provision task: create the machine at the provider, record it → warming.
 
     Provider errors propagate (typed) so the task can retry the retryable ones.
@@ -188,7 +196,7 @@ def instance_provision(*, instance_id: Any) -> None:
         provider.delete(machine.provider_id)
 
 
-def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") -> None:
+def instance_fail(*, instance_id: InstanceId, reason: str, actor: str = "provisioner") -> None:
     """Give up on an instance (provider refused it); its pool sees the deficit."""
     instance = INSTANCE_STATES.try_move(
         instance_id, to=InstanceStatus.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
@@ -204,7 +212,7 @@ def instance_fail(*, instance_id: Any, reason: str, actor: str = "provisioner") 
 
 def instance_terminate(
     *,
-    instance_id: Any,
+    instance_id: InstanceId,
     actor: str = "",
     reason: str = "",
     cause: str = "machine_terminated",
@@ -240,7 +248,9 @@ def instance_terminate(
     return instance
 
 
-def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str = "") -> MachineInstance:
+def instance_release_claim(
+    *, instance_id: InstanceId, claim_id: ClaimId | None = None, actor: str = ""
+) -> MachineInstance:
     """End a claim made through a pool acquire: the machine is terminated (a used machine
     never returns to ``ready``) and its pool refills. Idempotent: releasing a claim already
     released answers the machine as it is. A machine held by a job is the job's to end."""
@@ -263,7 +273,7 @@ def instance_release_claim(*, instance_id: Any, claim_id: Any = None, actor: str
         )
 
 
-def instance_destroy(*, instance_id: Any) -> None:
+def instance_destroy(*, instance_id: InstanceId) -> None:
     """Body of the terminate task: delete the machine at the provider, then → terminated."""
     instance = MachineInstance.objects.select_related("provider_account").filter(pk=instance_id).first()
     if instance is None or instance.status != InstanceStatus.TERMINATING:
@@ -298,7 +308,7 @@ def instance_gone(instance: MachineInstance) -> None:
     hooks.machine_available(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
-def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineInstance | None:
+def instance_mark_lost(*, instance_id: InstanceId, actor: str, reason: str) -> MachineInstance | None:
     """The machine vanished or its agent went silent: → lost, requeue its job, destroy what is
     left of the machine (a silent machine may still be billing), and refill its pool."""
     from apps.machines.tasks import destroy_machine_task
@@ -326,7 +336,7 @@ def instance_mark_lost(*, instance_id: Any, actor: str, reason: str) -> MachineI
     return instance
 
 
-def machine_destroy(*, account_id: Any, provider_id: str, instance_id: str) -> None:
+def machine_destroy(*, account_id: ProviderAccountId, provider_id: str, instance_id: str) -> None:
     """Delete a machine whose row already ended (lost): idempotent, by id or by label."""
     account = ProviderAccount.objects.get(pk=account_id)
     provider = provider_for(account)
@@ -342,7 +352,7 @@ def now() -> Any:
     return timezone.now()
 
 
-def provider_facts(machine: Any) -> dict[str, Any]:
+def provider_facts(machine: ProviderMachine) -> dict[str, Any]:
     """What a provider's answer says about a machine, as instance row fields."""
     return {
         "provider_state": machine.raw_state[:32],
@@ -352,7 +362,7 @@ def provider_facts(machine: Any) -> dict[str, Any]:
     }
 
 
-def instance_refresh_provider_state(*, instance_id: Any) -> bool:
+def instance_refresh_provider_state(*, instance_id: InstanceId) -> bool:
     """Ask the provider about one live machine and record what it says (state, addresses).
     No transaction is open across the cloud call. Returns whether the row was updated."""
     row = (

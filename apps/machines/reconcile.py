@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -37,7 +38,7 @@ from apps.machines.lifecycle import (
 )
 from apps.machines.models import MachineInstance, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
-from catacloud.providers import NotFound, ProviderError, RateLimited
+from catacloud.providers import NotFound, ProviderError, ProviderMachine, RateLimited
 
 log = logging.getLogger(__name__)
 BATCH = 200
@@ -151,7 +152,9 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
             and at_provider is None
         ):
             lost = instance_mark_lost(
-                instance_id=instance_id, actor="reconciler", reason="the machine is gone at the provider"
+                instance_id=uuid.UUID(instance_id),
+                actor="reconciler",
+                reason="the machine is gone at the provider",
             )
             if lost is not None:
                 report.lost.append(instance_id)
@@ -159,7 +162,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
             # Deleted already but the task died before recording it.
             with contextlib.suppress(InvalidTransition), transaction.atomic():
                 ended = INSTANCE_STATES.move(
-                    instance_id,
+                    uuid.UUID(instance_id),
                     to=InstanceStatus.TERMINATED,
                     from_=[InstanceStatus.TERMINATING],
                     actor="reconciler",
@@ -175,15 +178,13 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
 
 
 def _uuid_or_none(value: str) -> str | None:
-    import uuid
-
     try:
         return str(uuid.UUID(value))
     except ValueError:
         return None
 
 
-def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
+def _adopt(instance_id: str, machine: ProviderMachine, report: ReconcileReport) -> None:
     with transaction.atomic():
         updated = MachineInstance.objects.filter(
             pk=instance_id, status=InstanceStatus.PROVISIONING, provider_id=""
@@ -192,7 +193,7 @@ def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
             return
         instance = MachineInstance.objects.get(pk=instance_id)
         INSTANCE_STATES.move(
-            instance_id,
+            instance.pk,
             to=InstanceStatus.WARMING,
             from_=[InstanceStatus.PROVISIONING],
             actor="reconciler",
@@ -213,7 +214,9 @@ def _adopt(instance_id: str, machine: Any, report: ReconcileReport) -> None:
 def _not_created(instance_id: str, report: ReconcileReport) -> None:
     from apps.machines.lifecycle import instance_fail
 
-    instance_fail(instance_id=instance_id, reason="provisioning never created a machine", actor="reconciler")
+    instance_fail(
+        instance_id=uuid.UUID(instance_id), reason="provisioning never created a machine", actor="reconciler"
+    )
     event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor="reconciler")
     report.not_created.append(instance_id)
 

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from django.db.models import Count, Prefetch, Q, QuerySet
 
+from apps.core.ids import OrgId
 from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.orgs.models import Organization
@@ -37,7 +37,7 @@ class PaidCapacity:
     busy: int  # held by jobs: those of reusable jobs come back when the job ends
 
 
-def paid_capacity(*, org_id: Any, machine_type: MachineType) -> PaidCapacity:
+def paid_capacity(*, org_id: OrgId, machine_type: MachineType) -> PaidCapacity:
     """The one view of paid capacity placement and pool refills decide with (one query)."""
     outside, inside = Q(pool__isnull=True), Q(pool__isnull=False)
     ready, booting = Q(status=InstanceStatus.READY), Q(status__in=BOOTING)

@@ -9,6 +9,7 @@ from typing import Any
 from django.db import transaction
 
 from apps.core.errors import ErrorCode, MissingPrivilege, NotFound, ValidationFailed
+from apps.core.ids import MachineTypeId, OrgId
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -229,7 +230,9 @@ def grant_upsert(
     return grant, bool(changed)
 
 
-def grant_lock(*, org_id: Any, machine_type_id: Any, nowait: bool = False) -> OrgMachineType | None:
+def grant_lock(
+    *, org_id: OrgId, machine_type_id: MachineTypeId, nowait: bool = False
+) -> OrgMachineType | None:
     """Lock the grant row of (org, machine type) until the transaction ends, or None.
 
     The first lock in the one lock order (grant, pool, instance, job) that every path buying

@@ -4,6 +4,7 @@ retry only typed transient provider errors with backoff."""
 from __future__ import annotations
 
 import logging
+from uuid import UUID
 
 from celery import Task, shared_task
 
@@ -24,18 +25,18 @@ def task_backoff(retries: int, retry_after: float | None = None) -> float:
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
 def provision_instance_task(self: Task, instance_id: str) -> None:
     try:
-        lifecycle.instance_provision(instance_id=instance_id)
+        lifecycle.instance_provision(instance_id=UUID(instance_id))
     except ProviderError as exc:
         if exc.retryable and self.request.retries < MAX_RETRIES:
             log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
             raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
-        lifecycle.instance_fail(instance_id=instance_id, reason=f"{exc.code}: {exc}")
+        lifecycle.instance_fail(instance_id=UUID(instance_id), reason=f"{exc.code}: {exc}")
 
 
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
 def terminate_instance_task(self: Task, instance_id: str) -> None:
     try:
-        lifecycle.instance_destroy(instance_id=instance_id)
+        lifecycle.instance_destroy(instance_id=UUID(instance_id))
     except ProviderError as exc:
         # Deleting must eventually succeed: retry everything; the reaper retries after that.
         log.warning("terminating %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
@@ -45,7 +46,9 @@ def terminate_instance_task(self: Task, instance_id: str) -> None:
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)
 def destroy_machine_task(self: Task, account_id: str, provider_id: str, instance_id: str) -> None:
     try:
-        lifecycle.machine_destroy(account_id=account_id, provider_id=provider_id, instance_id=instance_id)
+        lifecycle.machine_destroy(
+            account_id=UUID(account_id), provider_id=provider_id, instance_id=instance_id
+        )
     except ProviderError as exc:
         raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
 
@@ -55,6 +58,6 @@ def refresh_provider_state_task(instance_id: str) -> None:
     """Record what the provider says of a machine now (state, addresses). Best effort: the
     reconciler refreshes every live machine at each reaper tick anyway."""
     try:
-        lifecycle.instance_refresh_provider_state(instance_id=instance_id)
+        lifecycle.instance_refresh_provider_state(instance_id=UUID(instance_id))
     except ProviderError as exc:
         log.info("provider state of %s not refreshed: %s", instance_id, exc.code)

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from apps.core import hooks
 from apps.core.errors import ErrorCode, InvalidTransition, NotFound, PoolEmpty, ValidationFailed
+from apps.core.ids import JobId, OrgId, PoolId
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
@@ -134,12 +135,12 @@ class Claim:
 
 def pool_claim(
     *,
-    pool_id: Any,
+    pool_id: PoolId,
     acquired_by: str = "",
     acquired_for: str = "",
     actor: str = "",
-    job_id: Any = None,
-    org_id: Any = None,
+    job_id: JobId | None = None,
+    org_id: OrgId | None = None,
     lease_seconds: float | None = None,
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
@@ -265,7 +266,7 @@ def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
 # ---- refill: converge members to target_size ------------------------------------------------
 
 
-def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
+def pool_refill(*, pool_id: PoolId, actor: str = "refill") -> int:
     """Provision what the pool lacks (up to target_size, never past max_size or the org's
     max_instances), replace outdated members, trim a surplus, and update the pool's status.
     Serialised per pool by a row lock; returns the number of members requested."""
@@ -326,7 +327,7 @@ def pool_refill(*, pool_id: Any, actor: str = "refill") -> int:
                 limit = f"budget_exceeded: {check.reason_after(count)}"
             budget_bought(check, count, now=now, actor=actor)
         for _ in range(count):
-            instance_request(org=pool.org_id, machine_type=mt, pool=pool, actor=actor, reason="refill")
+            instance_request(org=pool.org_id, machine_type=mt, pool=pool.pk, actor=actor, reason="refill")
         to_terminate: list[Any] = []
         if outdated:
             if len(fresh_ready) >= pool.target_size:

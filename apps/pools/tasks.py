@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from uuid import UUID
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
@@ -15,7 +16,7 @@ log = logging.getLogger(__name__)
 def pool_refill_task(pool_id: str) -> None:
     """Converge one pool right after a claim, a termination or a member becoming ready
     (enqueued by the refill listener, apps.pools.refill)."""
-    pool_refill(pool_id=pool_id)
+    pool_refill(pool_id=UUID(pool_id))
 
 
 @worker_ready.connect

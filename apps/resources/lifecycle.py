@@ -3,8 +3,7 @@ reaper's pass that converges what a lost message or a dead worker left behind.""
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -12,13 +11,14 @@ from django.utils import timezone
 
 from apps.core import hooks
 from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.ids import JobId, ResourceId
 from apps.resources.choices import ResourceStatus
 from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import build_well
 
 
-def release_for_job(*, job_id: Any, reason: str) -> int:
+def release_for_job(*, job_id: JobId, reason: str) -> int:
     """Release everything the job holds (it ended, or goes back to the queue)."""
     from apps.resources.tasks import destroy_resource_task
 
@@ -48,7 +48,7 @@ def release_for_job(*, job_id: Any, reason: str) -> int:
     return len(released)
 
 
-def resource_destroy(*, resource_id: Any) -> None:
+def resource_destroy(*, resource_id: ResourceId) -> None:
     """Body of the destroy task: the well destroys it (idempotently), then → destroyed, and
     jobs waiting for a slot of this type are woken."""
     resource = ResourceInstance.objects.select_related("resource_type").filter(pk=resource_id).first()
@@ -70,7 +70,7 @@ def resource_destroy(*, resource_id: Any) -> None:
         hooks.resource_slot_freed(type_id=rtype.pk)
 
 
-def resources_converge(*, now: Any = None) -> dict[str, int]:
+def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
     """The reaper's pass over resources: retry failed destructions, create again what a dead
     worker left ``creating``, and resend the destroy task of everything ``releasing``."""
     from apps.resources.tasks import destroy_resource_task

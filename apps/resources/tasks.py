@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+from uuid import UUID
 
 from celery import Task, shared_task
 
@@ -16,7 +17,7 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
     """Destroying must eventually succeed: retried with backoff (capped at 5 minutes) until it
     does; permanent refusals leave the resource ``failed`` for the reaper to retry."""
     try:
-        resource_destroy(resource_id=resource_id)
+        resource_destroy(resource_id=UUID(resource_id))
     except WellError as exc:
         if exc.retryable:
             log.warning("destroying resource %s: %s (retry %d)", resource_id, exc, self.request.retries + 1)
@@ -24,7 +25,7 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
         from apps.resources.services import RESOURCE_STATES
 
         RESOURCE_STATES.move(
-            resource_id,
+            UUID(resource_id),
             to="failed",
             actor="releaser",
             reason=str(exc)[:500],

@@ -1,6 +1,6 @@
 """Where the client finds its API URL and token.
 
-Precedence, highest first (README, "The command line client"):
+Precedence, highest first (docs/walkthroughs/cli.md):
 
 1. ``--url`` on the command line (the URL only: a token is never a command-line argument,
    where ``ps`` and shell history would show it);

@@ -78,7 +78,9 @@ class Attribution:
         return dict(out)
 
 
-def _segments(runtime_us: int, holds: list[tuple[int, int, str]], warm_until_us: int) -> list[tuple]:
+def _segments(
+    runtime_us: int, holds: list[tuple[int, int, str]], warm_until_us: int
+) -> list[tuple[str, str, int, int]]:
     """Cover [0, runtime) with non-overlapping (kind, ref, start, end) segments."""
     out: list[tuple[str, str, int, int]] = []
 
