@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test lint format bench chaos services-up services-down clean
+.PHONY: dev test lint format docs bench chaos services-up services-down clean
 
 # What running needs (`make dev`): the package, catacloud-agent (agent/pyproject.toml, the
 # server's dependency, installed from this tree) and the embedded services.
@@ -48,6 +48,16 @@ lint: $(TEST_STAMP)
 format: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+## The documentation site from docs/ (mkdocs.yml) into site/; a broken link or anchor fails it.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

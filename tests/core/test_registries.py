@@ -1,6 +1,6 @@
 """The public contracts kept in registries: event kinds (apps.events.kinds.EventKind) and error
 codes (apps.core.errors.ErrorCode). What the code emits, what the registries list and what
-README tells users must be the same sets."""
+the documentation tells users (docs/architecture/events-and-errors.md) must be the same sets."""
 
 from __future__ import annotations
 
@@ -42,11 +42,9 @@ def _constants(node: ast.AST) -> list[str]:
     return []
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
+def _events_page() -> str:
+    """The documentation's page of event kinds and error codes."""
+    return (ROOT / "docs" / "architecture" / "events-and-errors.md").read_text()
 
 
 def _members_used(registry: str) -> dict[str, str]:
@@ -94,13 +92,13 @@ def test_every_state_change_records_a_registered_kind(machine) -> None:
     assert kinds - KINDS == set()
 
 
-def test_readme_lists_every_event_kind_and_only_those() -> None:
-    listed = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", _readme_section("Events and error codes")))
+def test_the_docs_list_every_event_kind_and_only_those() -> None:
+    listed = set(re.findall(r"`([a-z_]+\.[a-z_]+)`", _events_page()))
     assert listed == KINDS
 
 
-def test_readme_lists_every_error_code_and_only_those() -> None:
-    section = _readme_section("Events and error codes")
+def test_the_docs_list_every_error_code_and_only_those() -> None:
+    section = _events_page()
     listed = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M))
     assert listed == CODES
 

@@ -1,8 +1,9 @@
-"""README works as written: its walkthroughs run, as a reader pastes them, in README order, in
-one shell session, against a real stack (gunicorn, a Celery worker and beat, the local
-provider's agents, PostgreSQL, Redis).
+"""README and the documentation work as written: their walkthroughs run, as a reader pastes them,
+in reading order (README's first session, then the pages of docs/ in the order of mkdocs.yml's
+navigation), in one shell session, against a real stack (gunicorn, a Celery worker and beat,
+the local provider's agents, PostgreSQL, Redis).
 
-Every ```` ```sh ```` block in README carries a marker on the line right above it: either
+Every ```` ```sh ```` block in README and in docs/ carries a marker on the line right above it: either
 ``<!-- readme-test: NAME -->`` (it runs) or ``<!-- readme-skip: REASON -->`` (it does not, and
 says why), so a new block cannot go untested by accident. The blocks that run do so one after
 the other in one ``bash -e -o pipefail`` session, as one person's shell, from the clone's
@@ -25,9 +26,12 @@ from typing import Any
 
 import pytest
 import requests
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+# Where README's event kinds and error codes live (tests/core/test_registries.py reads it too).
+EVENTS_PAGE = ROOT / "docs" / "architecture" / "events-and-errors.md"
 DEMO_CATALOG = ROOT / "catacloud" / "data" / "demo.yaml"
 
 SH_BLOCK = re.compile(r"^(?P<indent>[ \t]*)```sh\n(?P<body>.*?)\n(?P=indent)```", re.S | re.M)
@@ -71,15 +75,44 @@ def marked_blocks(text: str) -> list[tuple[str, str, str]]:
     return blocks
 
 
+def reading_order() -> list[Path]:
+    """README, then every page of the documentation in the order of its navigation (mkdocs.yml)."""
+
+    def pages(node: Any) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [page for item in node for page in pages(item)]
+        if isinstance(node, dict):
+            return [page for value in node.values() for page in pages(value)]
+        return []
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [README, *(ROOT / "docs" / page for page in pages(nav))]
+
+
+def all_blocks() -> list[tuple[str, str, str]]:
+    """Every sh block of README and the documentation, in reading order."""
+    return [block for path in reading_order() for block in marked_blocks(path.read_text())]
+
+
 def readme_blocks() -> dict[str, str]:
-    return {name: body for what, name, body in marked_blocks(README.read_text()) if what == "test"}
+    return {name: body for what, name, body in all_blocks() if what == "test"}
 
 
 # ---- static checks (no stack) ----------------------------------------------------------------
 
 
+def test_every_page_is_read_in_order() -> None:
+    order = reading_order()
+    assert order[0] == README and len(order) > 10
+    assert all(path.exists() for path in order)
+    # every page of docs/ has its place in the reading order (mkdocs --strict says so too)
+    assert set((ROOT / "docs").rglob("*.md")) == set(order[1:])
+
+
 def test_every_sh_block_is_run_or_says_why_not() -> None:
-    blocks = marked_blocks(README.read_text())
+    blocks = all_blocks()
     unmarked = [body.splitlines()[0] for what, _, body in blocks if what == "unmarked"]
     assert not unmarked, f"sh blocks with no readme-test / readme-skip marker: {unmarked}"
     assert [name for what, name, _ in blocks if what == "test"] == EXPECTED
@@ -106,7 +139,7 @@ def _unquoted_question_marks(line: str) -> list[str]:
 
 def test_every_url_with_a_query_is_quoted_in_every_shell_block() -> None:
     bad = []
-    for m in SH_BLOCK.finditer(README.read_text()):
+    for m in (m for path in reading_order() for m in SH_BLOCK.finditer(path.read_text())):
         for line in m["body"].splitlines():
             if _unquoted_question_marks(line):
                 bad.append(line.strip())
@@ -348,9 +381,9 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert rows[0] == "submit_time_seconds,duration_seconds,config" and len(rows) >= 3, rows
     assert "ephemeral" in out and "pool:5" in out
 
-    # Every event kind this run wrote is one README names.
-    text = README.read_text()
+    # Every event kind this run wrote is one the documentation names.
+    text = EVENTS_PAGE.read_text()
     unnamed = sorted(
         {k for k in Event.objects.values_list("kind", flat=True).distinct() if f"`{k}`" not in text}
     )
-    assert not unnamed, f"event kinds README does not name: {unnamed}"
+    assert not unnamed, f"event kinds the documentation does not name: {unnamed}"
