@@ -168,7 +168,7 @@ class Load:
         from django.db import close_old_connections, transaction
         from django.utils import timezone
 
-        from apps.jobs.agent import wake
+        from apps.jobs.dispatch import wake_agent
         from apps.jobs.models import Job
 
         interval = 1.0 / self.rate
@@ -188,7 +188,7 @@ class Load:
                             assigned_at=timezone.now(),
                         )
                     self.assigned[str(job.pk)] = time.time()  # committed: the scheduler wakes now
-                    wake(instance)
+                    wake_agent(instance)
                 next_at += interval
                 self.stop.wait(max(0.0, next_at - time.monotonic()))
         finally:

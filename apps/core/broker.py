@@ -15,9 +15,12 @@ import time
 from typing import Any
 
 import redis
+from celery import Task, current_app
 from django.conf import settings
 from django.db import transaction
 from kombu.exceptions import KombuError, OperationalError
+
+from catacloud.agent.backoff import backoff
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +62,33 @@ def mark_broker_down(exc: BaseException) -> None:
     _down_until = time.monotonic() + BROKER_BACKOFF_SECONDS
 
 
-def enqueue(task: Any, *args: Any) -> bool:
-    """Send ``task(*args)`` to the workers, best effort. Returns False when the broker is
-    unreachable (or failed moments ago); the reaper's deadline rules re-drive the row later."""
+def enqueue(task: Task[Any, Any] | str, *args: Any) -> bool:
+    """Send ``task(*args)`` to the workers, best effort. ``task`` is the task or its registered
+    name (``"apps.jobs.tasks.schedule_task"``): a service sends by name, so it never imports the
+    tasks module that imports it. Returns False when the broker is unreachable (or failed
+    moments ago); the reaper's deadline rules re-drive the row later."""
     if broker_down():
         return False
+    name = task if isinstance(task, str) else task.name
     try:
-        task.apply_async(args=args, retry=False)
+        if isinstance(task, str):
+            current_app.send_task(task, args=args, retry=False)
+        else:
+            task.apply_async(args=args, retry=False)
     except BROKER_ERRORS as exc:
         mark_broker_down(exc)
         return False
     except Exception:  # after a commit nothing may fail the request: the reaper re-drives
-        log.exception("could not enqueue %s%r (the reaper will re-drive it)", task.name, args)
+        log.exception("could not enqueue %s%r (the reaper will re-drive it)", name, args)
         return False
     return True
 
 
-def enqueue_on_commit(task: Any, *args: Any) -> None:
+def enqueue_on_commit(task: Task[Any, Any] | str, *args: Any) -> None:
     """:func:`enqueue` right after the current transaction commits (at once outside one)."""
     transaction.on_commit(lambda: enqueue(task, *args))
+
+
+def task_backoff(retries: int, retry_after: float | None = None) -> float:
+    """A Celery task's retry countdown: up to 5 minutes, honouring the provider's hint."""
+    return backoff(retries, base=1.0, cap=300.0, hint=retry_after)

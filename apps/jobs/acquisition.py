@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
 
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from apps.core.broker import enqueue, enqueue_on_commit
 from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
-from apps.jobs.dispatch import schedule_after_commit
+from apps.jobs.dispatch import acquire_after_commit, acquire_now, schedule_after_commit
 from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES
 from apps.resources.choices import ResourceStatus
@@ -42,14 +40,6 @@ OCCUPYING = [
     ResourceStatus.HELD,
     ResourceStatus.RELEASING,
 ]
-
-
-def acquire_after_commit(job_ids: list[Any]) -> None:
-    from apps.jobs.tasks import acquire_resources_task
-
-    ids = [str(j) for j in job_ids]
-    for job_id in ids:
-        enqueue_on_commit(acquire_resources_task, job_id)
 
 
 def job_acquire_resources(*, job_id: JobId) -> str:
@@ -188,23 +178,17 @@ def _fail_job(job: Job, reason: str) -> None:
 
 def wake_waiting(*, type_id: str) -> None:
     """Jobs waiting for a slot of ``type_id`` try again (oldest admitted first)."""
-    from apps.jobs.tasks import acquire_resources_task
-
     waiting = list(
         Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES, config__resource_types=type_id)
         .order_by("-priority", "admitted_at")
         .values_list("pk", flat=True)[:50]
     )
-    if waiting:
-        for job_id in waiting:
-            enqueue_on_commit(acquire_resources_task, str(job_id))
+    acquire_after_commit(waiting)
 
 
 def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
     """The reaper's pass: release resources whose job is gone or ended, converge the resources
     themselves (apps.resources.lifecycle), and nudge jobs stuck acquiring."""
-    from apps.jobs.tasks import acquire_resources_task
-
     now = now or timezone.now()
     orphans = ResourceInstance.objects.filter(
         Q(job__isnull=True) | Q(job__status__in=JOB_TERMINAL),
@@ -219,10 +203,9 @@ def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
             continue
         released += 1
     converged = resources_converge(now=now)
-    acquiring = [
-        str(j)
-        for j in Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
-    ]
+    acquiring = list(
+        Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
+    )
     for job_id in acquiring:
-        enqueue(acquire_resources_task, job_id)
+        acquire_now(job_id)
     return {"released_orphans": released, **converged, "acquiring": len(acquiring)}

@@ -15,8 +15,8 @@ from apps.core.errors import InvalidTransition
 from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
 from apps.events.models import Event
-from apps.jobs.acquisition import acquire_after_commit
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
+from apps.jobs.dispatch import acquire_after_commit
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.budgets import budget_check
 from apps.machines.choices import InstanceStatus

@@ -4,46 +4,29 @@ longer) assigned to it answers 409 and its reports change nothing."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-import redis
 from django.urls import path
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.core.broker import redis_client
 from apps.core.errors import Conflict, ErrorCode, NotFound
-from apps.core.ids import InstanceId, JobId
+from apps.core.ids import JobId
 from apps.jobs.artifacts import artifact_agent_urls, checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.reports import job_finished, job_interrupted, job_started
 from apps.machines.agent_api import AgentView
 
-# The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
-WAKE_KEY = "catacloud:wake:{}"
-# The generation of an instance's current long poll: a newer poll replaces an older one.
-POLL_KEY = "catacloud:poll:{}"
-
-
-_redis = redis_client
-
-
-def wake(instance_id: InstanceId) -> None:
-    """Wake the agent of ``instance_id`` if it is long-polling (best effort: a poll looks at
-    PostgreSQL when it starts and when it times out). Pub/sub: the agent server's listener
-    (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
-    with contextlib.suppress(redis.RedisError):
-        _redis().publish(WAKE_KEY.format(instance_id), "job")
-
 
 def _resource_names(job: Job) -> list[str]:
     return list(job.resources.values_list("resource_type_id", flat=True))
 
 
-def _payload(job: Job) -> dict[str, Any]:
+def job_payload(job: Job) -> dict[str, Any]:
+    """What an agent is handed to run ``job`` (``GET work``): its command, env (secrets on top,
+    their names to mask), timeout, attempt, resources and checkpoint."""
     return {
         "id": str(job.pk),
         "command": job.command,

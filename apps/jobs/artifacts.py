@@ -32,6 +32,7 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job
+from apps.jobs.reports import instance_release
 from apps.jobs.services import job_claim_label
 from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
@@ -274,8 +275,6 @@ class CheckpointView(AgentView):
 
 class UploadsDoneView(AgentView):
     def post(self, request: Request, job_id: JobId) -> Response:
-        from apps.jobs.reports import instance_release
-
         job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
         if job is None:
             raise Conflict("this job did not run on this machine", code=ErrorCode.NOT_ASSIGNED)

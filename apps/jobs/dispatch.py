@@ -1,20 +1,50 @@
-"""After-commit messages of the jobs app: a scheduling pass, an agent's wake-up. Messages only
-make things faster (the reaper and the agent's long poll find the same work without them)."""
+"""Every message the jobs app sends, in one module: its Celery tasks (by name, so no service
+imports ``apps.jobs.tasks``, which imports the services) and an agent's wake-up. Messages only
+make things faster: the reaper and the agent's long poll find the same work without them, so a
+message lost with the broker delays a row, never strands it.
+
+Imports nothing of the jobs app (an import-linter contract keeps it so).
+"""
 
 from __future__ import annotations
 
-from apps.core.broker import enqueue_on_commit
-from apps.core.ids import InstanceId
+import contextlib
+from collections.abc import Iterable
+
+import redis
+
+from apps.core.broker import enqueue, enqueue_on_commit, redis_client
+from apps.core.ids import InstanceId, JobId
+
+# The jobs app's tasks (apps/jobs/tasks.py), by their registered names.
+SCHEDULE_TASK = "apps.jobs.tasks.schedule_task"
+ACQUIRE_RESOURCES_TASK = "apps.jobs.tasks.acquire_resources_task"
+
+# The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
+WAKE_KEY = "catacloud:wake:{}"
+# The generation of an instance's current long poll: a newer poll replaces an older one.
+POLL_KEY = "catacloud:poll:{}"
 
 
 def schedule_after_commit() -> None:
-    from apps.jobs.tasks import schedule_task  # tasks import the scheduler, which imports this
+    """A scheduling pass (admission, then placement) right after the current transaction commits."""
+    enqueue_on_commit(SCHEDULE_TASK)
 
-    enqueue_on_commit(schedule_task)
+
+def acquire_after_commit(job_ids: Iterable[JobId]) -> None:
+    """Each job's resource acquisition right after the current transaction commits."""
+    for job_id in job_ids:
+        enqueue_on_commit(ACQUIRE_RESOURCES_TASK, str(job_id))
+
+
+def acquire_now(job_id: JobId) -> bool:
+    """A job's resource acquisition, sent now (the reaper's nudge). False: the broker is down."""
+    return enqueue(ACQUIRE_RESOURCES_TASK, str(job_id))
 
 
 def wake_agent(instance_id: InstanceId) -> None:
-    """Tell a long-polling agent to look again (a message, never state: the DB is the truth)."""
-    from apps.jobs.agent import wake  # the agent views import the reports, which import this
-
-    wake(instance_id)
+    """Wake the agent of ``instance_id`` if it is long-polling (best effort: a poll looks at
+    PostgreSQL when it starts and when it times out). Pub/sub: the agent server's listener
+    (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
+    with contextlib.suppress(redis.RedisError):
+        redis_client().publish(WAKE_KEY.format(instance_id), "job")

@@ -57,7 +57,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV_PREFIX = "CATACLOUD_"
 
 
-def _check_env(env: Any) -> dict[str, str]:
+def check_env(env: object) -> dict[str, str]:
+    """A job's (or configuration's) env as given: an object of valid, unreserved names to
+    strings, or a 400 naming what is wrong."""
     if not isinstance(env, dict):
         raise ValidationFailed("env must be an object of NAME: value", fields={"env": ["must be an object"]})
     for key, value in env.items():
@@ -114,9 +116,9 @@ def job_config_save(
     config = config or JobConfiguration(org=org)
     for key, value in fields.items():
         setattr(config, key, value)  # secret_env: encrypted by the model's setter
-    config.env = _check_env(config.env)
+    config.env = check_env(config.env)
     if "secret_env" in fields:
-        config.secret_env = _check_env(fields["secret_env"] or {})
+        config.secret_env = check_env(fields["secret_env"] or {})
     types = (
         list(resource_types)
         if resource_types is not None

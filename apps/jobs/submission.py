@@ -13,7 +13,7 @@ from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduler import schedule_grant_after_commit
-from apps.jobs.services import JOB_STATES, _check_env, cancelled_by
+from apps.jobs.services import JOB_STATES, cancelled_by, check_env
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import grant_check_privilege, not_granted_message
@@ -42,7 +42,7 @@ def job_submit(
             "ask an operator for one, or change the configuration's machine type",
             code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
         )
-    merged = {**config.env, **_check_env(env or {})}
+    merged = {**config.env, **check_env(env or {})}
     with transaction.atomic():
         job = Job.objects.create(
             org=org,

@@ -5,9 +5,9 @@ from uuid import UUID
 
 from celery import Task, shared_task
 
+from apps.core.broker import task_backoff
 from apps.jobs.acquisition import job_acquire_resources
 from apps.jobs.scheduler import schedule
-from apps.machines.tasks import task_backoff
 from apps.resources.wells import WellError
 
 log = logging.getLogger(__name__)

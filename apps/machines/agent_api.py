@@ -29,10 +29,9 @@ from apps.core.throttling import LocalThrottleMixin
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.machines.lifecycle import bootstrap_token_instance
+from apps.machines.lifecycle import REFRESH_PROVIDER_STATE_TASK, bootstrap_token_instance
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
-from apps.machines.tasks import refresh_provider_state_task
 
 log = logging.getLogger(__name__)
 AGENT_TOKEN_PREFIX = "ca"
@@ -230,7 +229,7 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
             hooks.machine_available(org_id=ready.org_id, machine_type_id=ready.machine_type_id)
             # provider_state still says what the create answered ("booting", "initializing"):
             # ask the provider again now that the machine runs (off the request, after commit).
-            enqueue_on_commit(refresh_provider_state_task, str(instance.pk))
+            enqueue_on_commit(REFRESH_PROVIDER_STATE_TASK, str(instance.pk))
     except InvalidTransition:
         return False
     return True

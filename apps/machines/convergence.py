@@ -27,7 +27,7 @@ from apps.core.errors import InvalidTransition
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import InstanceStatus
-from apps.machines.lifecycle import instance_terminate
+from apps.machines.lifecycle import PROVISION_TASK, TERMINATE_TASK, instance_terminate
 from apps.machines.models import MachineInstance
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,6 @@ def redrive_provisioning(*, now: datetime) -> int:
     """Pending or provisioning past the re-drive deadline: its task was lost (or is backing
     off); send it again. instance_provision is idempotent (the provider adopts by name or
     client token), so a second copy of a live task does no harm."""
-    from apps.machines.tasks import provision_instance_task
-
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
     ids = MachineInstance.objects.filter(
         status__in=[InstanceStatus.PENDING, InstanceStatus.PROVISIONING],
@@ -58,20 +56,18 @@ def redrive_provisioning(*, now: datetime) -> int:
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
-        count += enqueue(provision_instance_task, str(instance_id))
+        count += enqueue(PROVISION_TASK, str(instance_id))
     return count
 
 
 def redrive_terminating(*, now: datetime) -> int:
-    from apps.machines.tasks import terminate_instance_task
-
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
     ids = MachineInstance.objects.filter(
         status=InstanceStatus.TERMINATING, status_changed_at__lt=cutoff
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
-        count += enqueue(terminate_instance_task, str(instance_id))
+        count += enqueue(TERMINATE_TASK, str(instance_id))
     return count
 
 

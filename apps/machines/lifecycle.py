@@ -45,6 +45,13 @@ from catacloud.providers.base import Bootstrap
 
 log = logging.getLogger(__name__)
 
+# The machines app's tasks (apps/machines/tasks.py), sent by their registered names: the tasks
+# import this module, never the other way round.
+PROVISION_TASK = "apps.machines.tasks.provision_instance_task"
+TERMINATE_TASK = "apps.machines.tasks.terminate_instance_task"
+DESTROY_MACHINE_TASK = "apps.machines.tasks.destroy_machine_task"
+REFRESH_PROVIDER_STATE_TASK = "apps.machines.tasks.refresh_provider_state_task"
+
 # ---- providers ------------------------------------------------------------------------------
 
 _providers: dict[tuple[str, str], Provider] = {}
@@ -97,8 +104,6 @@ def instance_request(
     reason: str = "",
 ) -> MachineInstance:
     """Commit a ``pending`` instance and enqueue its provisioning after commit."""
-    from apps.machines.tasks import provision_instance_task
-
     with transaction.atomic():
         instance = MachineInstance.objects.create(
             org_id=org.pk if isinstance(org, Organization) else org,
@@ -115,7 +120,7 @@ def instance_request(
             actor=actor,
             reason=reason,
         )
-        enqueue_on_commit(provision_instance_task, str(instance.pk))
+        enqueue_on_commit(PROVISION_TASK, str(instance.pk))
     return instance
 
 
@@ -226,8 +231,6 @@ def instance_terminate(
     once the machine is gone (or when its agent reports it killed), never while it may still
     run there.
     """
-    from apps.machines.tasks import terminate_instance_task
-
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         event = EventKind.POOL_MEMBER_TERMINATED if row and row["pool_id"] else None
@@ -242,7 +245,7 @@ def instance_terminate(
             end_cause=cause[:32],
             lease_expires_at=None,
         )
-        enqueue_on_commit(terminate_instance_task, str(instance_id))
+        enqueue_on_commit(TERMINATE_TASK, str(instance_id))
     if instance.pool_id:
         hooks.pool_member_left(instance.pool_id)
     return instance
@@ -311,8 +314,6 @@ def instance_gone(instance: MachineInstance) -> None:
 def instance_mark_lost(*, instance_id: InstanceId, actor: str, reason: str) -> MachineInstance | None:
     """The machine vanished or its agent went silent: → lost, requeue its job, destroy what is
     left of the machine (a silent machine may still be billing), and refill its pool."""
-    from apps.machines.tasks import destroy_machine_task
-
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         instance = INSTANCE_STATES.try_move(
@@ -329,7 +330,7 @@ def instance_mark_lost(*, instance_id: InstanceId, actor: str, reason: str) -> M
             return None
         hooks.machine_gone(instance_id=instance.pk, cause="machine_lost", detail=reason)
         enqueue_on_commit(
-            destroy_machine_task, str(instance.provider_account_id), instance.provider_id, str(instance.pk)
+            DESTROY_MACHINE_TASK, str(instance.provider_account_id), instance.provider_id, str(instance.pk)
         )
     if instance.pool_id:
         hooks.pool_member_left(instance.pool_id)

@@ -30,6 +30,7 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import (
+    TERMINATE_TASK,
     instance_gone,
     instance_mark_lost,
     owner_labels,
@@ -170,9 +171,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                 )
                 instance_gone(ended)
         elif status == InstanceStatus.TERMINATING and at_provider is not None:
-            from apps.machines.tasks import terminate_instance_task
-
-            enqueue(terminate_instance_task, instance_id)
+            enqueue(TERMINATE_TASK, instance_id)
             report.retried_terminations.append(instance_id)
     return report
 

@@ -8,18 +8,13 @@ from uuid import UUID
 
 from celery import Task, shared_task
 
+from apps.core.broker import task_backoff
 from apps.machines import lifecycle
-from catacloud.agent.backoff import backoff
 from catacloud.providers import ProviderError
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8
-
-
-def task_backoff(retries: int, retry_after: float | None = None) -> float:
-    """A Celery task's retry countdown: up to 5 minutes, honouring the provider's hint."""
-    return backoff(retries, base=1.0, cap=300.0, hint=retry_after)
 
 
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)

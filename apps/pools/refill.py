@@ -30,6 +30,10 @@ from apps.core.ids import PoolId
 from apps.core.locks import REFILL_LISTENER
 from apps.machines.claims import REFILL_CHANNEL
 
+# The refill task (apps/pools/tasks.py), sent by its registered name: the tasks import the pool
+# services, which import this module.
+REFILL_TASK = "apps.pools.tasks.pool_refill_task"
+
 log = logging.getLogger(__name__)
 SWEEP_SECONDS = 5.0
 
@@ -90,12 +94,10 @@ def take_and_enqueue(conn: psycopg.Connection, pool_ids: set[str]) -> int:
     """Clear the marks of ``pool_ids`` (each taken by one listener only) and enqueue their
     refills. A mark whose refill could not be sent (the broker is down) is put back, so the
     next sweep sends it once the broker answers. Returns how many were enqueued."""
-    from apps.pools.tasks import pool_refill_task
-
     if not pool_ids:
         return 0
     taken = [str(row[0]) for row in conn.execute(_TAKE_SQL, [sorted(pool_ids)]).fetchall()]
-    unsent = [pool_id for pool_id in taken if not enqueue(pool_refill_task, pool_id)]
+    unsent = [pool_id for pool_id in taken if not enqueue(REFILL_TASK, pool_id)]
     if unsent:
         conn.execute(_PUT_BACK_SQL, [unsent])
     return len(taken) - len(unsent)

@@ -17,11 +17,13 @@ from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
 from apps.resources.wells import build_well
 
+# The resources app's task (apps/resources/tasks.py), sent by its registered name: the task
+# imports this module, never the other way round.
+DESTROY_TASK = "apps.resources.tasks.destroy_resource_task"
+
 
 def release_for_job(*, job_id: JobId, reason: str) -> int:
     """Release everything the job holds (it ended, or goes back to the queue)."""
-    from apps.resources.tasks import destroy_resource_task
-
     ids = list(
         ResourceInstance.objects.filter(
             job_id=job_id,
@@ -44,7 +46,7 @@ def release_for_job(*, job_id: JobId, reason: str) -> int:
             continue
         released.append(str(resource_id))
     for released_id in released:
-        enqueue_on_commit(destroy_resource_task, released_id)
+        enqueue_on_commit(DESTROY_TASK, released_id)
     return len(released)
 
 
@@ -73,8 +75,6 @@ def resource_destroy(*, resource_id: ResourceId) -> None:
 def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
     """The reaper's pass over resources: retry failed destructions, create again what a dead
     worker left ``creating``, and resend the destroy task of everything ``releasing``."""
-    from apps.resources.tasks import destroy_resource_task
-
     now = now or timezone.now()
     retry = list(
         ResourceInstance.objects.filter(status=ResourceStatus.FAILED)
@@ -109,5 +109,5 @@ def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
         )[:500]
     ]
     for releasing_id in releasing:
-        enqueue(destroy_resource_task, releasing_id)
+        enqueue(DESTROY_TASK, releasing_id)
     return {"destroying": len(releasing)}

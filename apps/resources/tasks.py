@@ -5,7 +5,7 @@ from uuid import UUID
 
 from celery import Task, shared_task
 
-from apps.machines.tasks import task_backoff
+from apps.core.broker import task_backoff
 from apps.resources.lifecycle import resource_destroy
 from apps.resources.wells import WellError
 

@@ -16,8 +16,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from apps.core.broker import redis_client
 from apps.core.crypto import hash_token, new_token
-from apps.jobs.agent import POLL_KEY, _redis, wake
+from apps.jobs.dispatch import POLL_KEY, wake_agent
 from apps.machines.models import MachineInstance
 from testkit.builders import bulk_create, job_config, job_row, ready_instance
 from testkit.processes import TESTS, wait_for
@@ -118,7 +119,7 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
         try:
             fleet.start_polls()
             # Each poll announces itself in Redis once it is subscribed and waiting.
-            redis = _redis()
+            redis = redis_client()
             try:
                 wait_for(
                     lambda: sum(redis.exists(POLL_KEY.format(m.pk)) for m, _ in machines) == N,
@@ -149,7 +150,7 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
             machine = machines[N // 4][0]
             config = job_config(tworld.org, tworld.machine_type, "c", "echo hi")
             job = job_row(config, status="assigned", instance=machine, assigned_at=timezone.now())
-            wake(machine.pk)
+            wake_agent(machine.pk)
             wait_for(lambda: N // 4 in fleet.answers, 20, "the assigned machine's poll to answer")
             status, body = fleet.answers[N // 4]
             assert status == 200 and body["job"]["id"] == str(job.pk)

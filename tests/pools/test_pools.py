@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -325,6 +326,18 @@ def test_a_member_deleted_behind_the_pools_back_is_replaced(world: World, fake_t
     assert Event.objects.filter(kind="pool.member_lost", instance_id=gone.pk).exists()
 
 
+class SentTasks:
+    """Stands in for the Celery app where services send tasks by name: hands each refill's
+    pool id to ``send`` (which may raise like a broker that is down)."""
+
+    def __init__(self, name: str, send: Callable[[str], object]) -> None:
+        self.name, self.send = name, send
+
+    def send_task(self, name: str, args: tuple[str, ...], **_: Any) -> None:
+        assert name == self.name
+        self.send(args[0])
+
+
 @pytest.mark.django_db(transaction=True)
 def test_claims_signal_the_refill_in_their_own_statement_and_a_listener_enqueues_it(
     tworld: World, monkeypatch: pytest.MonkeyPatch
@@ -332,8 +345,8 @@ def test_claims_signal_the_refill_in_their_own_statement_and_a_listener_enqueues
     """Not at the next reaper tick, and no broker call on the claim path: a pool created or
     claimed from is marked (with a NOTIFY) in the same round trip; the listener enqueues one
     refill per mark, and a burst of claims before the refill starts costs one mark."""
-    from apps.pools import tasks
-    from apps.pools.refill import listen
+    from apps.core import broker
+    from apps.pools.refill import REFILL_TASK, listen
 
     FakeProvider.reset()
     account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "refill"})
@@ -342,7 +355,7 @@ def test_claims_signal_the_refill_in_their_own_statement_and_a_listener_enqueues
     )
     OrgMachineType.objects.create(org=tworld.org, machine_type=fake_type, max_pool_size=10, max_instances=10)
     enqueued: list[str] = []
-    monkeypatch.setattr(tasks.pool_refill_task, "apply_async", lambda args, **_: enqueued.append(args[0]))
+    monkeypatch.setattr(broker, "current_app", SentTasks(REFILL_TASK, enqueued.append))
 
     def start_listener() -> tuple[threading.Event, threading.Thread]:
         stop = threading.Event()
@@ -397,8 +410,7 @@ def test_a_refill_the_broker_refused_is_sent_once_it_answers_again(
     from kombu.exceptions import OperationalError
 
     from apps.core import broker
-    from apps.pools import tasks
-    from apps.pools.refill import listen
+    from apps.pools.refill import REFILL_TASK, listen
 
     FakeProvider.reset()
     account = ProviderAccount.objects.create(name="fake", kind="fake", config={"account": "outage"})
@@ -412,12 +424,12 @@ def test_a_refill_the_broker_refused_is_sent_once_it_answers_again(
     redis_up = threading.Event()
     enqueued: list[str] = []
 
-    def apply_async(args: list[str], **_: Any) -> None:
+    def send(pool_id: str) -> None:
         if not redis_up.is_set():
             raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-        enqueued.append(args[0])
+        enqueued.append(pool_id)
 
-    monkeypatch.setattr(tasks.pool_refill_task, "apply_async", apply_async)
+    monkeypatch.setattr(broker, "current_app", SentTasks(REFILL_TASK, send))
     monkeypatch.setattr(broker, "BROKER_BACKOFF_SECONDS", 0.5)
     monkeypatch.setattr(broker, "_down_until", 0.0)
     stop = threading.Event()

@@ -46,12 +46,13 @@ def test_a_second_long_poll_of_the_same_agent_replaces_the_first(tworld: World) 
     third.join(0.1)
     assert third.is_alive()
     MachineInstance.objects.all().update(status="terminated")
-    from apps.jobs.agent import POLL_KEY, _redis
+    from apps.core.broker import redis_client
+    from apps.jobs.dispatch import POLL_KEY
 
-    _redis().incr(POLL_KEY.format(MachineInstance.objects.get().pk))  # end the last poll
-    from apps.jobs.agent import wake
+    redis_client().incr(POLL_KEY.format(MachineInstance.objects.get().pk))  # end the last poll
+    from apps.jobs.dispatch import wake_agent
 
-    wake(MachineInstance.objects.get().pk)
+    wake_agent(MachineInstance.objects.get().pk)
     third.join(20)
 
 

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from apps.control.agent.views import Answer, _error, heartbeat_answer, work_answer
+from apps.control.agent.views import Answer, error_answer, heartbeat_answer, work_answer
 from apps.core.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,15 @@ async def _send(send: Send, answer: Answer) -> None:
 def _failed(exc: BaseException) -> Answer:
     """PostgreSQL unreachable or a bug: a JSON 500 like Django's (the agent retries)."""
     log.error("agent API request failed", exc_info=exc)
-    return _error(500, ErrorCode.SERVER_ERROR, "internal error")
+    return error_answer(500, ErrorCode.SERVER_ERROR, "internal error")
 
 
 async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
     body = await _body(receive)
     if body is None:
-        await _send(send, _error(413, ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed"))
+        await _send(
+            send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed")
+        )
         return
     try:
         answer = await heartbeat_answer(_header(scope, b"authorization"), body)

@@ -30,8 +30,9 @@ from apps.control.agent import db, wakeups
 from apps.core.crypto import hash_token
 from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
-from apps.jobs.agent import POLL_KEY, WAKE_KEY, _payload
+from apps.jobs.agent import job_payload
 from apps.jobs.choices import JobStatus
+from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
 from apps.jobs.models import Job
 from apps.machines.agent_api import AGENT_TOKEN_PREFIX, AgentRateThrottle, instance_heartbeat
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
@@ -57,16 +58,17 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def _error(status: int, code: ErrorCode, detail: str, **headers: str) -> Answer:
+def error_answer(status: int, code: ErrorCode, detail: str, **headers: str) -> Answer:
+    """An error ``Answer``: the API's ``{code, detail}`` body, ``headers`` with ``_`` for ``-``."""
     return Answer(status, error_payload(code, detail), {k.replace("_", "-"): v for k, v in headers.items()})
 
 
 def _unauthenticated(code: ErrorCode, detail: str) -> Answer:
-    return _error(401, code, detail, WWW_Authenticate="Agent")
+    return error_answer(401, code, detail, WWW_Authenticate="Agent")
 
 
 def method_not_allowed(method: str, allowed: str) -> Answer:
-    return _error(405, ErrorCode.METHOD_NOT_ALLOWED, f'Method "{method}" not allowed.', Allow=allowed)
+    return error_answer(405, ErrorCode.METHOD_NOT_ALLOWED, f'Method "{method}" not allowed.', Allow=allowed)
 
 
 class _TokenThrottle(AgentRateThrottle):
@@ -92,7 +94,7 @@ def _token_hash(authorization: str) -> str | Answer:
     if not throttle.allow_request(None, None):  # type: ignore[arg-type]  # keyed by the token alone
         wait = throttle.wait()
         retry = str(math.ceil(wait)) if wait else "1"
-        return _error(429, ErrorCode.THROTTLED, "Request was throttled.", Retry_After=retry)
+        return error_answer(429, ErrorCode.THROTTLED, "Request was throttled.", Retry_After=retry)
     return digest
 
 
@@ -127,15 +129,15 @@ def _parse_body(body: bytes) -> dict[str, Any] | Answer:
     try:
         parsed = loads(body)  # deeply nested: a ValueError too, before any token is looked up
     except ValueError:
-        return _error(400, ErrorCode.PARSE_ERROR, "the request body is not valid JSON")
+        return error_answer(400, ErrorCode.PARSE_ERROR, "the request body is not valid JSON")
     if not isinstance(parsed, dict):
-        return _error(400, ErrorCode.INVALID, "the request body must be a JSON object")
+        return error_answer(400, ErrorCode.INVALID, "the request body must be a JSON object")
     running = parsed.get("running_job")
     if running is not None:
         try:
             uuid.UUID(str(running))
         except ValueError:
-            return _error(400, ErrorCode.INVALID, "running_job: must be a valid UUID")
+            return error_answer(400, ErrorCode.INVALID, "running_job: must be a valid UUID")
     return parsed
 
 
@@ -177,7 +179,7 @@ def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
         .order_by("assigned_at")
         .first()
     )
-    return None if job is None else _payload(job)
+    return None if job is None else job_payload(job)
 
 
 async def _look(instance_id: uuid.UUID) -> dict[str, Any] | None:

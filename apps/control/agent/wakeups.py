@@ -1,7 +1,7 @@
 """Wake-ups for long-polling agents over Redis pub/sub (``redis.asyncio``), without a thread,
 a database connection or a Redis connection per waiting agent.
 
-The publisher is :func:`apps.jobs.agent.wake` (after the assignment commits): ``PUBLISH
+The publisher is :func:`apps.jobs.dispatch.wake_agent` (after the assignment commits): ``PUBLISH
 catacloud:wake:<instance>``. A :class:`Wakeups` listener holds one Redis connection subscribed
 to ``catacloud:wake:*`` and sets the in-process events of the polls waiting for that instance.
 
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from apps.jobs.agent import WAKE_KEY
+from apps.jobs.dispatch import WAKE_KEY
 
 log = logging.getLogger(__name__)
 PATTERN = WAKE_KEY.format("*")

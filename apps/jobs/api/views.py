@@ -26,7 +26,7 @@ from apps.jobs.api.serializers import (
 from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
-from apps.jobs.services import _check_env, job_config_delete, job_config_save
+from apps.jobs.services import check_env, job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.costs import job_cost
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
@@ -160,7 +160,7 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
             )
             secret_env = body.validated_data.get("secret_env")
             if secret_env:
-                job.secret_env = _check_env(secret_env)
+                job.secret_env = check_env(secret_env)
                 job.save(update_fields=["secret_env_encrypted"])
         context = self.get_serializer_context()
         return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
