@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import include, path
 
-from apps.control.urls import agent_urls
+from apps.control.agent.urls import agent_urls
 from apps.core.views import healthz, livez, readyz
 
 urlpatterns = [

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from apps.control.urls import agent_urls
+from apps.control.agent.urls import agent_urls
 from apps.control.views import console_login, console_urls
 from apps.core.views import healthz, livez, metrics_view, readyz
 

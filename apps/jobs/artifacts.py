@@ -13,20 +13,17 @@ import functools
 import hashlib
 import logging
 import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
-from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
 from django.http import HttpResponseRedirect, StreamingHttpResponse
 from django.http.response import HttpResponseBase
-from django.urls import path, re_path
 from django.utils import timezone
-from rest_framework.request import Request
-from rest_framework.response import Response
 
-from apps.core.errors import Conflict, ErrorCode, LengthRequired, NotFound, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
 from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -34,7 +31,6 @@ from apps.jobs.choices import JOB_TERMINAL, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job
 from apps.jobs.reports import instance_release
 from apps.jobs.services import job_claim_label
-from apps.machines.agent_api import AgentView
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from catacloud.agent.masking import mask_text
@@ -175,7 +171,7 @@ def checkpoint_info(job: Job) -> dict[str, Any]:
     }
 
 
-# ---- Agent API ---------------------------------------------------------------------------------
+# ---- what the Agent API (apps/control/agent/) calls ---------------------------------------------
 
 
 def masked_name(job: Job, name: str) -> str:
@@ -185,7 +181,7 @@ def masked_name(job: Job, name: str) -> str:
     return mask_text(name, secrets.values()) if secrets else name
 
 
-def _job_for_upload(instance: MachineInstance, job_id: JobId, *, live_only: bool) -> Job | None:
+def job_for_upload(instance: MachineInstance, job_id: JobId, *, live_only: bool) -> Job | None:
     """The job may still be uploading if it runs on this machine, or (outputs) if it ended
     and the machine is still held for it (the server waits for uploads-done)."""
     job = Job.objects.select_related("config").filter(pk=job_id, instance=instance).first()
@@ -201,129 +197,74 @@ def _job_for_upload(instance: MachineInstance, job_id: JobId, *, live_only: bool
     return job if held else None
 
 
-def _upload(view: AgentView, request: Request, job: Job, kind: str, name: str) -> Response:
+def artifact_upload(*, job: Job, kind: str, name: str, body: Readable, size: int, sha256: str) -> Artifact:
+    """An agent's upload for ``job`` (found by :func:`job_for_upload`): stored, or 400
+    ``checksum_mismatch`` when the body is not what its size and SHA-256 announced."""
     try:
-        size = int(request.headers.get("Content-Length", ""))
-    except ValueError:
-        raise LengthRequired("Content-Length is required") from None
-    sha256 = request.headers.get("X-Checksum-Sha256", "")
-    if len(sha256) != 64:
-        raise ValidationFailed("X-Checksum-Sha256 (hex SHA-256 of the body) is required")
-    try:
-        artifact = artifact_store(
-            job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256
-        )
+        return artifact_store(job=job, kind=kind, name=name, body=body, size=size, sha256=sha256)
     except BadUpload as exc:
         raise ValidationFailed(str(exc), code=ErrorCode.CHECKSUM_MISMATCH) from None
-    return Response({"name": artifact.name, "size": artifact.size, "sha256": artifact.sha256}, status=201)
 
 
-class ArtifactUploadView(AgentView):
-    parser_classes: list = []  # the body is the file: read it raw, never parse it
+def checkpoint_restore(*, instance: MachineInstance, job: Job) -> tuple[Artifact, Iterator[bytes]]:
+    """The latest checkpoint of ``job`` for its agent to restore before a requeued attempt
+    starts (404 when it has none or the file is gone), recorded as ``checkpoint.restored``."""
+    artifact = Artifact.objects.filter(
+        job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
+    ).first()
+    if artifact is None:
+        raise NotFound("this job has no checkpoint")
+    try:
+        chunks = get_store().open(artifact.key)
+    except FileNotFoundError:
+        raise NotFound("the checkpoint is gone from the store") from None
+    event_record(
+        kind=EventKind.CHECKPOINT_RESTORED,
+        org=job.org_id,
+        job=job,
+        actor=f"agent:{instance.pk}",
+        attempt=job.attempt,
+        from_attempt=artifact.attempt,
+    )
+    return artifact, chunks
 
-    def put(self, request: Request, job_id: str, name: str) -> Response:
-        clean = clean_name(name)
-        if clean is None:
-            raise ValidationFailed("not a safe relative file name")
-        job = _job_for_upload(self.instance, UUID(job_id), live_only=False)  # the URL's pattern: a UUID
-        if job is None:
-            raise Conflict(
-                "this job's outputs are no longer accepted from this machine", code=ErrorCode.NOT_ASSIGNED
+
+def uploads_done(*, instance: MachineInstance, job_id: JobId, failed: list[Any]) -> None:
+    """The agent finished uploading ``job_id``'s outputs: record the ones it could not upload
+    (``failed``: ``{name, error}`` items, names masked like the job's output) and, the job
+    having ended, release the machine held for them."""
+    job = Job.objects.select_related("config").filter(pk=job_id, instance=instance).first()
+    if job is None:
+        raise Conflict("this job did not run on this machine", code=ErrorCode.NOT_ASSIGNED)
+    with transaction.atomic():
+        for item in failed[:1000]:
+            name = clean_name(str(item.get("name", ""))) if isinstance(item, dict) else None
+            if name is None:
+                continue
+            name = masked_name(job, name)
+            error = masked_name(job, str(item.get("error", ""))[:2000])  # it may quote the name
+            Artifact.objects.update_or_create(
+                job=job,
+                kind=Artifact.KIND_OUTPUT,
+                name=name,
+                defaults={
+                    "org_id": job.org_id,
+                    "status": ArtifactStatus.FAILED,
+                    "error": error,
+                    "key": "",
+                    "attempt": job.attempt,
+                },
             )
-        return _upload(self, request, job, Artifact.KIND_OUTPUT, masked_name(job, clean))
-
-
-class CheckpointView(AgentView):
-    parser_classes: list = []
-
-    def put(self, request: Request, job_id: JobId) -> Response:
-        job = _job_for_upload(self.instance, job_id, live_only=True)
-        if job is None:
-            raise Conflict(
-                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            event_record(
+                kind=EventKind.ARTIFACT_UPLOAD_FAILED,
+                org=job.org_id,
+                job=job,
+                actor="agent",
+                name=name,
+                reason=error,
             )
-        return _upload(self, request, job, Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
-
-    def get(self, request: Request, job_id: JobId) -> Any:
-        job = _job_for_upload(self.instance, job_id, live_only=True)
-        if job is None:
-            raise Conflict(
-                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
-            )
-        artifact = Artifact.objects.filter(
-            job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
-        ).first()
-        if artifact is None:
-            raise NotFound("this job has no checkpoint")
-        try:
-            chunks = get_store().open(artifact.key)
-        except FileNotFoundError:
-            raise NotFound("the checkpoint is gone from the store") from None
-        event_record(
-            kind=EventKind.CHECKPOINT_RESTORED,
-            org=job.org_id,
-            job=job,
-            actor=f"agent:{self.instance.pk}",
-            attempt=job.attempt,
-            from_attempt=artifact.attempt,
-        )
-        response = StreamingHttpResponse(chunks, content_type="application/gzip")
-        response["Content-Length"] = str(artifact.size)
-        response["X-Checksum-Sha256"] = artifact.sha256
-        return response
-
-
-class UploadsDoneView(AgentView):
-    def post(self, request: Request, job_id: JobId) -> Response:
-        job = Job.objects.select_related("config").filter(pk=job_id, instance=self.instance).first()
-        if job is None:
-            raise Conflict("this job did not run on this machine", code=ErrorCode.NOT_ASSIGNED)
-        failed = request.data.get("failed") or [] if isinstance(request.data, dict) else []
-        with transaction.atomic():
-            for item in failed[:1000]:
-                name = clean_name(str(item.get("name", ""))) if isinstance(item, dict) else None
-                if name is None:
-                    continue
-                name = masked_name(job, name)
-                error = masked_name(job, str(item.get("error", ""))[:2000])  # it may quote the name
-                Artifact.objects.update_or_create(
-                    job=job,
-                    kind=Artifact.KIND_OUTPUT,
-                    name=name,
-                    defaults={
-                        "org_id": job.org_id,
-                        "status": ArtifactStatus.FAILED,
-                        "error": error,
-                        "key": "",
-                        "attempt": job.attempt,
-                    },
-                )
-                event_record(
-                    kind=EventKind.ARTIFACT_UPLOAD_FAILED,
-                    org=job.org_id,
-                    job=job,
-                    actor="agent",
-                    name=name,
-                    reason=error,
-                )
-            if job.status in JOB_TERMINAL:
-                instance_release(instance_id=self.instance.pk, job=job)
-        return Response({"ok": True})
-
-
-def artifact_agent_urls() -> list:
-    return [
-        re_path(
-            # a UUID's own shape (36 characters of hex and dashes is not enough: uuid.UUID()
-            # refused it later, a 500); the name is the raw rest of the path (checked once)
-            r"^jobs/(?P<job_id>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
-            r"/artifacts/(?P<name>.+)$",
-            ArtifactUploadView.as_view(),
-            name="agent-job-artifact",
-        ),
-        path("jobs/<uuid:job_id>/checkpoint", CheckpointView.as_view(), name="agent-job-checkpoint"),
-        path("jobs/<uuid:job_id>/uploads-done", UploadsDoneView.as_view(), name="agent-job-uploads-done"),
-    ]
+        if job.status in JOB_TERMINAL:
+            instance_release(instance_id=instance.pk, job=job)
 
 
 def artifact_download(artifact: Artifact) -> HttpResponseBase:

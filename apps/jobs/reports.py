@@ -5,16 +5,18 @@ its machine went away."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from django.db import transaction
 
-from apps.core.errors import Conflict, ErrorCode, InvalidTransition
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound
 from apps.core.ids import InstanceId, JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
-from apps.jobs.models import Job
+from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
 from apps.machines.choices import InstanceStatus
@@ -40,6 +42,46 @@ def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
             "this job is not (or no longer) assigned to this machine", code=ErrorCode.NOT_ASSIGNED
         ) from None
     return job
+
+
+def job_logs_append(*, instance: MachineInstance, job_id: JobId, chunks: Iterable[Mapping[str, Any]]) -> bool:
+    """Store output chunks (``{seq, stream, data}``) of a job running on this machine; a retried
+    report repeats seqs already stored and changes nothing. Returns whether a cancel was asked
+    for (the agent kills the command). 409 ``not_assigned`` for a job not running here."""
+    job = Job.objects.filter(
+        pk=job_id, instance=instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
+    ).first()
+    if job is None:
+        raise Conflict("this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED)
+    JobLogChunk.objects.bulk_create(
+        [
+            JobLogChunk(
+                job=job,
+                attempt=job.attempt,
+                seq=c["seq"],
+                stream=c["stream"],
+                data=c["data"].replace("\x00", "\ufffd"),
+            )
+            for c in chunks
+        ],
+        ignore_conflicts=True,  # a retried POST repeats seqs we already have
+    )
+    return job.cancel_requested
+
+
+def job_resource_metadata(*, instance: MachineInstance, job_id: JobId, name: str) -> dict[str, Any]:
+    """Metadata of the resource ``name`` the job running on this machine holds, its secret
+    included (``catacloud job-meta NAME``: the job is entitled to its token, its DSN; only
+    here, never in the API)."""
+    job = Job.objects.filter(
+        pk=job_id, instance=instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
+    ).first()
+    if job is None:
+        raise Conflict("this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED)
+    resource = job.resources.filter(resource_type_id=name, status="held").first()
+    if resource is None:
+        raise NotFound(f"this job holds no resource {name!r}")
+    return {**resource.metadata, **resource.secret}
 
 
 OUTCOMES = {

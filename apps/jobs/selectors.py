@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from apps.core.ids import MachineTypeId, OrgId
+from apps.jobs.artifacts import checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 
@@ -22,3 +24,20 @@ def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     return Job.objects.filter(
         org_id=org_id, machine_type_id=machine_type_id, status=JobStatus.WAITING_FOR_MACHINE
     ).count()
+
+
+def job_payload(job: Job) -> dict[str, Any]:
+    """What an agent is handed to run ``job`` (``GET work``): its command, env (secrets on top,
+    their names to mask), timeout, attempt, resources and checkpoint."""
+    return {
+        "id": str(job.pk),
+        "command": job.command,
+        # Plain env, then the secret values (the configuration's, then the job's own) on top.
+        "env": {**job.env, **(secret := job.all_secret_env())},
+        # The agent masks these values in the job's output (and its own log).
+        "secret_env_names": sorted(secret),
+        "timeout_seconds": job.timeout_seconds,
+        "attempt": job.attempt,
+        "resources": list(job.resources.values_list("resource_type_id", flat=True)),
+        "checkpoint": checkpoint_info(job),
+    }

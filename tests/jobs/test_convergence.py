@@ -419,7 +419,7 @@ def test_a_repeated_uploads_done_for_an_old_job_does_not_release_the_next_jobs_m
 
 def _agent_token(machine: MachineInstance) -> str:
     from apps.core.crypto import hash_token, new_token
-    from apps.machines.agent_api import AGENT_TOKEN_PREFIX
+    from apps.machines.agents import AGENT_TOKEN_PREFIX
 
     secret = new_token(AGENT_TOKEN_PREFIX)
     MachineInstance.objects.filter(pk=machine.pk).update(agent_token_hash=hash_token(secret))

@@ -21,7 +21,7 @@ from apps.jobs.reports import job_finished, job_started
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_submit
 from apps.machines import claims
-from apps.machines.agent_api import instance_heartbeat
+from apps.machines.agents import instance_heartbeat
 from apps.machines.budgets import budget_set
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_provision

@@ -52,7 +52,7 @@ def test_refill_requests_the_deficit_and_status_follows_readiness(
     provision_all()
     assert MachineInstance.objects.filter(pool=pool, status=S.WARMING).count() == 3
     assert len(FakeProvider.machines_of("pools")) == 3
-    from apps.machines.agent_api import instance_heartbeat
+    from apps.machines.agents import instance_heartbeat
 
     for inst in MachineInstance.objects.filter(pool=pool):
         instance_heartbeat(instance=inst)

@@ -8,7 +8,7 @@ response on the hot path) and the Django async views below (the WSGI web and the
 
 They span machines (the instance, its heartbeat) and jobs (its assignment, its cancellations),
 so they live in the top app. The other agent endpoints stay the apps' DRF views; the agent
-server runs them on its database threads (:func:`apps.control.urls.on_db_threads`).
+server runs them on its database threads (:func:`apps.control.agent.urls.on_db_threads`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from apps.control.agent import db, wakeups
+from apps.control.agent.auth import AgentRateThrottle
 from apps.core.crypto import hash_token
 from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
-from apps.jobs.agent import job_payload
 from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
 from apps.jobs.models import Job
-from apps.machines.agent_api import AGENT_TOKEN_PREFIX, AgentRateThrottle, instance_heartbeat
+from apps.jobs.selectors import job_payload
+from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance
 

@@ -1,0 +1,221 @@
+"""The Agent API's DRF endpoints (everything but the hot heartbeat and long poll, which are
+:mod:`apps.control.agent.views`): thin views that read the request, call one service of
+``machines`` (enrolment) or ``jobs`` (a job's reports, logs, resources, outputs) and answer.
+Every job call is checked against the calling machine by the service: a job that is not (or no
+longer) assigned to it answers 409 and its reports change nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+from uuid import UUID
+
+from django.http import StreamingHttpResponse
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.control.agent.auth import AgentView
+from apps.core.errors import Conflict, ErrorCode, LengthRequired, ValidationFailed
+from apps.core.ids import JobId
+from apps.jobs.artifacts import (
+    artifact_upload,
+    checkpoint_restore,
+    clean_name,
+    job_for_upload,
+    masked_name,
+    uploads_done,
+)
+from apps.jobs.models import Artifact, Job
+from apps.jobs.reports import (
+    job_finished,
+    job_interrupted,
+    job_logs_append,
+    job_resource_metadata,
+    job_started,
+)
+from apps.machines.agents import agent_enroll, agent_settings
+
+# ---- enroll ------------------------------------------------------------------------------------
+
+
+class LimitsIn(serializers.Serializer):
+    cpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    memory_mb = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    pids = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    enforced = serializers.BooleanField(required=False)
+    by = serializers.CharField(max_length=32, required=False, allow_blank=True)
+    detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
+
+
+class IsolationIn(serializers.Serializer):
+    jobs = serializers.CharField(max_length=32, required=False, allow_blank=True)
+    job_uids = serializers.CharField(max_length=64, required=False, allow_blank=True)
+    proc = serializers.CharField(max_length=16, required=False, allow_blank=True)
+
+
+class MachineIn(serializers.Serializer):
+    """How the machine isolates jobs and which limits hold: kept on the instance as reported."""
+
+    isolation = IsolationIn(required=False)
+    limits = LimitsIn(required=False)
+
+
+class EnrollIn(serializers.Serializer):
+    bootstrap_token = serializers.CharField(max_length=200)
+    hostname = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
+    machine = MachineIn(required=False)
+
+
+class EnrollView(APIView):
+    """Exchange the single-use bootstrap token for this instance's agent token."""
+
+    schema = None
+    authentication_classes: list = []
+    permission_classes: list = []
+    throttle_classes: list = []
+
+    def post(self, request: Request) -> Response:
+        data = EnrollIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        instance, secret = agent_enroll(
+            bootstrap_token=data.validated_data["bootstrap_token"],
+            hostname=data.validated_data.get("hostname", ""),
+            agent_version=data.validated_data.get("agent_version", ""),
+            machine=data.validated_data.get("machine") or {},
+        )
+        return Response({"instance_id": str(instance.pk), "agent_token": secret, **agent_settings()})
+
+
+# ---- a job's reports ---------------------------------------------------------------------------
+
+
+class StartedView(AgentView):
+    def post(self, request: Request, job_id: JobId) -> Response:
+        job_started(instance=self.instance, job_id=job_id)
+        return Response({"ok": True})
+
+
+class ChunkIn(serializers.Serializer):
+    seq = serializers.IntegerField(min_value=0)
+    stream = serializers.ChoiceField(choices=["stdout", "stderr"])
+    data = serializers.CharField(  # type: ignore[assignment]  # the chunk's text, not Serializer.data
+        allow_blank=True, trim_whitespace=False, max_length=1_000_000
+    )
+
+
+class LogsIn(serializers.Serializer):
+    chunks = ChunkIn(many=True)
+
+
+class LogsView(AgentView):
+    def post(self, request: Request, job_id: JobId) -> Response:
+        body = LogsIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        cancel = job_logs_append(instance=self.instance, job_id=job_id, chunks=body.validated_data["chunks"])
+        return Response({"cancel": cancel})
+
+
+class FinishedIn(serializers.Serializer):
+    exit_code = serializers.IntegerField(allow_null=True, required=False)
+    uploads_pending = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    outcome = serializers.ChoiceField(choices=["succeeded", "failed", "timed_out", "cancelled"])
+    reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
+
+
+class FinishedView(AgentView):
+    def post(self, request: Request, job_id: JobId) -> Response:
+        body = FinishedIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        job = job_finished(
+            instance=self.instance,
+            job_id=job_id,
+            outcome=body.validated_data["outcome"],
+            exit_code=body.validated_data.get("exit_code"),
+            reason=body.validated_data["reason"],
+            uploads_pending=body.validated_data.get("uploads_pending"),
+        )
+        return Response({"ok": True, "status": job.status})
+
+
+class MetaView(AgentView):
+    """Metadata of a resource the running job holds (``catacloud job-meta NAME``)."""
+
+    def get(self, request: Request, job_id: JobId, name: str) -> Response:
+        metadata = job_resource_metadata(instance=self.instance, job_id=job_id, name=name)
+        return Response({"name": name, "metadata": metadata})
+
+
+class InterruptionIn(serializers.Serializer):
+    kind = serializers.CharField(max_length=32)
+    detail = serializers.CharField(allow_blank=True, required=False, default="", max_length=4000)
+
+
+class InterruptionView(AgentView):
+    def post(self, request: Request) -> Response:
+        body = InterruptionIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        job_interrupted(
+            instance=self.instance, detail=f"{body.validated_data['kind']}: {body.validated_data['detail']}"
+        )
+        return Response({"ok": True})
+
+
+# ---- outputs and checkpoints -------------------------------------------------------------------
+
+
+def _upload(request: Request, job: Job, kind: str, name: str) -> Response:
+    """The raw body as ``job``'s artifact, its size and SHA-256 announced in the headers."""
+    try:
+        size = int(request.headers.get("Content-Length", ""))
+    except ValueError:
+        raise LengthRequired("Content-Length is required") from None
+    sha256 = request.headers.get("X-Checksum-Sha256", "")
+    if len(sha256) != 64:
+        raise ValidationFailed("X-Checksum-Sha256 (hex SHA-256 of the body) is required")
+    artifact = artifact_upload(job=job, kind=kind, name=name, body=request._request, size=size, sha256=sha256)
+    return Response({"name": artifact.name, "size": artifact.size, "sha256": artifact.sha256}, status=201)
+
+
+class ArtifactUploadView(AgentView):
+    parser_classes: list = []  # the body is the file: read it raw, never parse it
+
+    def put(self, request: Request, job_id: str, name: str) -> Response:
+        clean = clean_name(name)
+        if clean is None:
+            raise ValidationFailed("not a safe relative file name")
+        job = job_for_upload(self.instance, UUID(job_id), live_only=False)  # the URL's pattern: a UUID
+        if job is None:
+            raise Conflict(
+                "this job's outputs are no longer accepted from this machine", code=ErrorCode.NOT_ASSIGNED
+            )
+        return _upload(request, job, Artifact.KIND_OUTPUT, masked_name(job, clean))
+
+
+def _running_job(view: AgentView, job_id: JobId) -> Job:
+    job = job_for_upload(view.instance, job_id, live_only=True)
+    if job is None:
+        raise Conflict("this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED)
+    return job
+
+
+class CheckpointView(AgentView):
+    parser_classes: list = []
+
+    def put(self, request: Request, job_id: JobId) -> Response:
+        return _upload(request, _running_job(self, job_id), Artifact.KIND_CHECKPOINT, "checkpoint.tar.gz")
+
+    def get(self, request: Request, job_id: JobId) -> Any:
+        artifact, chunks = checkpoint_restore(instance=self.instance, job=_running_job(self, job_id))
+        response = StreamingHttpResponse(chunks, content_type="application/gzip")
+        response["Content-Length"] = str(artifact.size)
+        response["X-Checksum-Sha256"] = artifact.sha256
+        return response
+
+
+class UploadsDoneView(AgentView):
+    def post(self, request: Request, job_id: JobId) -> Response:
+        failed = request.data.get("failed") or [] if isinstance(request.data, dict) else []
+        uploads_done(instance=self.instance, job_id=job_id, failed=failed)
+        return Response({"ok": True})
