@@ -7,7 +7,7 @@ raise :class:`InvalidTransition`, never overwrite.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -23,6 +23,7 @@ from apps.core.ids import RowRef
 Graph = Mapping[str, frozenset[str]]
 K = TypeVar("K", bound=StrEnum)
 K_contra = TypeVar("K_contra", bound=StrEnum, contravariant=True)
+M = TypeVar("M", bound=models.Model)
 
 
 class Recorder(Protocol[K_contra]):
@@ -43,6 +44,24 @@ class Recorder(Protocol[K_contra]):
     ) -> object: ...
 
 
+@dataclass(frozen=True)
+class NewEvent(Generic[K]):
+    """One event of a bulk move: its kind, who, and what it names (``org``, ``pool``,
+    ``instance``, ``job``; anything else goes to its data)."""
+
+    kind: K
+    actor: str
+    refs: Mapping[str, Any]
+    reason: str = ""
+
+
+class BulkRecorder(Protocol[K]):
+    """What records a bulk move's events in one statement, in its transaction
+    (``apps.events.services.events_record``)."""
+
+    def __call__(self, events: Sequence[NewEvent[K]]) -> object: ...
+
+
 def sources_for(graph: Graph, target: str) -> frozenset[str]:
     """Every state from which ``target`` may be reached in one step."""
     return frozenset(src for src, targets in graph.items() if target in targets)
@@ -50,6 +69,32 @@ def sources_for(graph: Graph, target: str) -> frozenset[str]:
 
 def _has_field(model: type[models.Model], name: str) -> bool:
     return any(f.name == name for f in model._meta.concrete_fields)
+
+
+def _allowed(graph: Graph, to: str, from_: Iterable[str] | None) -> frozenset[str]:
+    allowed = sources_for(graph, to)
+    return allowed if from_ is None else allowed & frozenset(from_)
+
+
+def _compare_and_set(
+    rows: models.QuerySet[Any],
+    *,
+    graph: Graph,
+    to: str,
+    from_: Iterable[str] | None,
+    field: str = "status",
+    where: Mapping[str, Any] | None = None,
+    **changes: Any,
+) -> int:
+    """``UPDATE … SET field = to WHERE <rows> AND field IN (allowed)``: how many rows moved."""
+    model = rows.model
+    now = timezone.now()
+    if field == "status" and _has_field(model, "status_changed_at"):
+        changes.setdefault("status_changed_at", now)
+    if _has_field(model, "updated_at"):  # auto_now holds only for save(), not for update()
+        changes.setdefault("updated_at", now)
+    allowed = _allowed(graph, to, from_)
+    return rows.filter(**{f"{field}__in": allowed}, **(where or {})).update(**{field: to}, **changes)
 
 
 def transition(
@@ -69,41 +114,48 @@ def transition(
     ``where`` adds conditions (e.g. the job is still this machine's). Extra keyword
     arguments are written in the same UPDATE.
     """
-    allowed = sources_for(graph, to)
-    now = timezone.now()
-    if field == "status" and _has_field(model, "status_changed_at"):
-        changes.setdefault("status_changed_at", now)
-    if _has_field(model, "updated_at"):  # auto_now holds only for save(), not for update()
-        changes.setdefault("updated_at", now)
-    if from_ is not None:
-        allowed = allowed & frozenset(from_)
     rows = model._default_manager.filter(pk=pk)
-    updated = rows.filter(**{f"{field}__in": allowed}, **(where or {})).update(**{field: to}, **changes)
+    updated = _compare_and_set(rows, graph=graph, to=to, from_=from_, field=field, where=where, **changes)
     if updated != 1:
         current = rows.values_list(field, flat=True).first()
         raise InvalidTransition(str(model._meta.verbose_name).capitalize(), pk, current, to)
 
 
 @dataclass(frozen=True)
-class StateMachine(Generic[K]):
+class StatementMove(Generic[K]):
+    """A move written into a statement of one's own (:meth:`StateMachine.statement_move`): the
+    claim's single round trip updates the row, inserts its event and signals the refill in one
+    CTE, so it cannot call :meth:`StateMachine.move`; it takes its SQL from here instead."""
+
+    set_sql: str  # the status, its timestamps: ``status = 'claimed', status_changed_at = …``
+    where_sql: str  # the allowed sources: ``status = 'ready'``
+    kind: K  # the event the move records (the statement inserts it)
+
+
+@dataclass(frozen=True)
+class StateMachine(Generic[M, K]):
     """One model's state machine: its graph, the timestamp each state stamps, the event each
     state records, and what entering a state does besides (``on_enter``). Every status
-    change of that model goes through :meth:`move` (or :meth:`try_move`).
+    change of that model goes through it: :meth:`move` (or :meth:`try_move`) for one row,
+    :meth:`move_many` for a batch the caller holds locked (admission), and
+    :meth:`statement_move` for a statement of one's own (the claim); all three check the move
+    against the graph and record the state's registered event.
 
     Event kinds are members of ``kinds`` (the event registry, ``apps.events.kinds.EventKind``):
     ``<event_prefix>.<state>`` unless ``events`` names another; a state whose kind is not
     registered fails when the machine is built (at import), not when it is first entered."""
 
-    model: type[models.Model]
+    model: type[M]
     graph: Graph
     event_prefix: str
     kinds: type[K]
     record: Recorder[K]
+    record_many: BulkRecorder[K]
     stamps: Mapping[Any, str] = field(default_factory=dict)
     # state -> event kind when it is not ``<event_prefix>.<state>``
     events: Mapping[Any, K] = field(default_factory=dict)
     # state -> called with (row, now) inside the transaction, after the change
-    on_enter: Mapping[Any, Callable[[Any, datetime], None]] = field(default_factory=dict)
+    on_enter: Mapping[Any, Callable[[M, datetime], None]] = field(default_factory=dict)
     _kind_of: dict[str, K] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +183,7 @@ class StateMachine(Generic[K]):
         event_data: Mapping[str, Any] | None = None,
         where: Mapping[str, Any] | None = None,
         **changes: Any,
-    ) -> Any:
+    ) -> M:
         """Compare-and-set row ``pk`` to ``to``, stamp the state's timestamp, record its event
         (the model's ``event_refs()`` names the org/pool/instance/job) and run ``on_enter``, in
         one transaction. Returns the row as it is after the change; raises
@@ -155,10 +207,93 @@ class StateMachine(Generic[K]):
                 entered(row, now)
         return row
 
-    def try_move(self, pk: UUID, **kwargs: Any) -> Any | None:
+    def try_move(self, pk: UUID, **kwargs: Any) -> M | None:
         """:meth:`move`, or None when the row was not in a state that allows it (a lost race:
         the other actor's outcome stands)."""
         try:
             return self.move(pk, **kwargs)
         except InvalidTransition:
             return None
+
+    def move_many(
+        self,
+        pks: Sequence[UUID],
+        *,
+        to: str,
+        from_: Iterable[str],
+        refs: Callable[[UUID], Mapping[str, Any]],
+        actor: str = "",
+        event: K | None = None,
+        now: datetime | None = None,
+        **changes: Any,
+    ) -> int:
+        """The bulk move: every row of ``pks`` from ``from_`` to ``to`` in one UPDATE (the same
+        graph check and timestamps as :meth:`move`) and their events in one INSERT (the same
+        kind, ``{"status": to}`` as data; ``refs(pk)`` names what each event names, as the
+        model's ``event_refs()`` would, without loading the rows).
+
+        For a batch the caller holds locked (admission takes its jobs ``FOR UPDATE``): a row
+        that did not move means the lock was not held, so nothing moves at all
+        (:class:`InvalidTransition`). States with an ``on_enter`` step cannot be entered in bulk.
+        Returns how many rows moved (all of them)."""
+        if to in self.on_enter:
+            raise ValueError(f"{self.event_prefix}.{to} runs on_enter: move its rows one at a time")
+        if not pks:
+            return 0
+        now = now or timezone.now()
+        stamp = self.stamps.get(to)
+        if stamp and stamp not in changes:
+            changes[stamp] = now
+        kind = event or self._kind_of[to]
+        with transaction.atomic():
+            rows = self.model._default_manager.filter(pk__in=pks)
+            updated = _compare_and_set(rows, graph=self.graph, to=to, from_=from_, **changes)
+            if updated != len(pks):  # never half a batch
+                raise InvalidTransition(
+                    str(self.model._meta.verbose_name).capitalize(),
+                    f"{len(pks) - updated} of the batch",
+                    "changed",
+                    to,
+                )
+            self.record_many(
+                [NewEvent(kind=kind, actor=actor, refs={**refs(pk), "status": to}) for pk in pks]
+            )
+        return updated
+
+    def statement_move(
+        self,
+        *,
+        to: str,
+        from_: Iterable[str],
+        now_sql: str = "now()",
+        alias: str = "",
+        event: K | None = None,
+    ) -> StatementMove[K]:
+        """The SQL of a move for a statement of one's own: ``SET`` the state, its
+        ``status_changed_at`` and stamp (at ``now_sql``), ``WHERE`` the state is an allowed
+        source, and the event kind to insert. Checked against the graph when called (at
+        import): a move the graph does not allow fails there, not in production."""
+        allowed = sorted(_allowed(self.graph, to, from_))
+        if not allowed:
+            raise ValueError(f"{self.event_prefix}: no allowed move from {sorted(from_)} to {to}")
+
+        def column(name: str) -> str:
+            field = self.model._meta.get_field(name)
+            assert isinstance(field, models.Field) and field.column  # a concrete column
+            return field.column
+
+        quoted = ", ".join(f"'{state}'" for state in allowed)
+        prefix = f"{alias}." if alias else ""
+        sets = [f"{column('status')} = '{to}'"]
+        if _has_field(self.model, "status_changed_at"):
+            sets.append(f"{column('status_changed_at')} = {now_sql}")
+        if _has_field(self.model, "updated_at"):
+            sets.append(f"{column('updated_at')} = {now_sql}")
+        if stamp := self.stamps.get(to):
+            sets.append(f"{column(stamp)} = {now_sql}")
+        where = (
+            f"{prefix}{column('status')} = {quoted}"
+            if len(allowed) == 1
+            else f"{prefix}{column('status')} IN ({quoted})"
+        )
+        return StatementMove(set_sql=", ".join(sets), where_sql=where, kind=event or self._kind_of[to])

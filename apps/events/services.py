@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
@@ -7,6 +8,7 @@ from django.db.models import Model
 
 from apps.core.ids import RowRef
 from apps.core.registry import registered
+from apps.core.transitions import NewEvent
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 
@@ -28,9 +30,6 @@ def event_record(
     ``data`` must be JSON-serialisable and must never hold a secret.
     """
 
-    def pk(value: RowRef) -> UUID | str | None:
-        return value.pk if isinstance(value, Model) else value
-
     return Event.objects.create(
         kind=registered(kind, EventKind),
         org_id=pk(org),
@@ -41,3 +40,30 @@ def event_record(
         job_id=pk(job),
         data=data,
     )
+
+
+REFS = ("org", "pool", "instance", "job")
+
+
+def events_record(events: Sequence[NewEvent[EventKind]]) -> list[Event]:
+    """Append many events in one INSERT (a state machine's bulk move), in the transaction of the
+    change. Each names its ``org``/``pool``/``instance``/``job`` in ``refs``; the rest of
+    ``refs`` is its data (JSON-serialisable, never a secret)."""
+    return Event.objects.bulk_create(
+        Event(
+            kind=registered(event.kind, EventKind),
+            org_id=pk(event.refs.get("org")),
+            actor=event.actor[:200],
+            reason=event.reason,
+            pool_id=pk(event.refs.get("pool")),
+            instance_id=pk(event.refs.get("instance")),
+            job_id=pk(event.refs.get("job")),
+            data={k: v for k, v in event.refs.items() if k not in REFS},
+        )
+        for event in events
+    )
+
+
+def pk(value: RowRef) -> UUID | str | None:
+    """A row's primary key, or the id given."""
+    return value.pk if isinstance(value, Model) else value

@@ -11,13 +11,12 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from apps.core.errors import InvalidTransition
 from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
-from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.dispatch import acquire_after_commit
 from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.services import JOB_STATES
 from apps.machines.budgets import budget_check
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
@@ -136,40 +135,27 @@ def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool 
                     jobconfiguration_id__in={j["config_id"] for j in jobs}
                 ).values_list("jobconfiguration_id", flat=True)
             )
-            # One UPDATE per target state and one INSERT for the batch: these rows are locked
-            # by us, so the compare-and-set cannot lose (the count is checked all the same).
+            # The state machine's bulk move, one per target state: one UPDATE and one INSERT of
+            # job.admitted events each. These rows are locked by us, so the compare-and-set
+            # cannot lose (the count is checked all the same: never half a batch).
             plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
             needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
-            updated = Job.objects.filter(pk__in=plain, status=JobStatus.QUEUED).update(
-                status=JobStatus.WAITING_FOR_MACHINE,
-                admitted_at=now,
-                status_changed_at=now,
-                pending_reason="waiting for a machine",
-            )
-            updated += Job.objects.filter(pk__in=needing, status=JobStatus.QUEUED).update(
-                status=JobStatus.ACQUIRING_RESOURCES,
-                admitted_at=now,
-                status_changed_at=now,
-                pending_reason="acquiring resources",
-            )
-            if updated != len(jobs):  # cannot happen while we hold the row locks; never admit half
-                raise InvalidTransition(
-                    "Job", f"{len(jobs) - updated} of the batch", "changed", JobStatus.ACQUIRING_RESOURCES
-                )
-            Event.objects.bulk_create(
-                Event(
-                    kind=EventKind.JOB_ADMITTED,
-                    org_id=org_id,
-                    job_id=pk,
+            for pks, to, pending in (
+                (plain, JobStatus.WAITING_FOR_MACHINE, "waiting for a machine"),
+                (needing, JobStatus.ACQUIRING_RESOURCES, "acquiring resources"),
+            ):
+                JOB_STATES.move_many(
+                    pks,
+                    to=to,
+                    from_=[JobStatus.QUEUED],
+                    refs=lambda pk: {"org": org_id, "job": pk},
                     actor="scheduler",
-                    data={
-                        "status": JobStatus.ACQUIRING_RESOURCES
-                        if pk in needing
-                        else JobStatus.WAITING_FOR_MACHINE
-                    },
+                    event=EventKind.JOB_ADMITTED,
+                    now=now,
+                    admitted_at=now,
+                    status_changed_at=now,
+                    pending_reason=pending,
                 )
-                for pk in plain + needing
-            )
             if needing:
                 acquire_after_commit(needing)
         reason = _quota_reason(grant, mt, running + len(jobs)) or budget_reason

@@ -39,7 +39,8 @@ JOB_ADMITTED = frozenset(
 )
 _ENDS = {JobStatus.FAILED, JobStatus.CANCELLED}
 JOB_TRANSITIONS: dict[str, frozenset[str]] = {
-    JobStatus.QUEUED: frozenset({JobStatus.ACQUIRING_RESOURCES, *_ENDS}),
+    # Admission: to acquiring_resources, or straight to waiting_for_machine (no resources).
+    JobStatus.QUEUED: frozenset({JobStatus.ACQUIRING_RESOURCES, JobStatus.WAITING_FOR_MACHINE, *_ENDS}),
     # Every admitted state may be requeued (machine lost, resource gone) or ended.
     JobStatus.ACQUIRING_RESOURCES: frozenset({JobStatus.WAITING_FOR_MACHINE, JobStatus.QUEUED, *_ENDS}),
     JobStatus.WAITING_FOR_MACHINE: frozenset({JobStatus.ASSIGNED, JobStatus.QUEUED, *_ENDS}),

@@ -13,7 +13,7 @@ from apps.core.ids import JobId
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
 from apps.events.models import Event
-from apps.events.services import event_record
+from apps.events.services import event_record, events_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineType
@@ -47,7 +47,14 @@ def job_claim_label(job_id: JobId) -> str:
 
 # Every job status change: JOB_STATES.move(job_id, to=..., ...) or .try_move(...).
 JOB_STATES = StateMachine(
-    Job, JOB_TRANSITIONS, "job", kinds=EventKind, record=event_record, stamps=_STAMPS, events=JOB_EVENTS
+    Job,
+    JOB_TRANSITIONS,
+    "job",
+    kinds=EventKind,
+    record=event_record,
+    record_many=events_record,
+    stamps=_STAMPS,
+    events=JOB_EVENTS,
 )
 
 

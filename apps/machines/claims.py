@@ -1,5 +1,9 @@
 """Claiming a ready machine in one statement, shared by pool acquires and job placement.
 
+The move itself (ready → claimed, its timestamps, its event kind) is the instance state
+machine's (``INSTANCE_STATES.statement_move``: the same graph check and registry as every other
+move), written into this statement so the claim stays one round trip.
+
 ``WITH c AS (SELECT … ORDER BY … LIMIT 1 FOR UPDATE SKIP LOCKED) UPDATE … FROM c RETURNING``
 plus the event insert and (pool claims) the refill signal, as a single round trip: no
 broker call on the claim path. Never
@@ -19,9 +23,12 @@ from django.utils import timezone
 
 from apps.core.db import fetch_one_prepared
 from apps.core.ids import JobId
+from apps.core.transitions import StatementMove
 from apps.events.kinds import EventKind
 from apps.events.models import Event
+from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.services import INSTANCE_STATES
 
 _COLUMNS = [f.column for f in MachineInstance._meta.concrete_fields]
 _ATTNAMES = [f.attname for f in MachineInstance._meta.concrete_fields]
@@ -82,9 +89,21 @@ _SIGNAL = f"""
 _SIGNAL_COUNT = ", (SELECT count(*) FROM n)"  # makes the notify CTE run
 
 
-def _sql(candidates: str, event_kind: EventKind, *, signal: bool = False) -> str:
+def _move(event: EventKind) -> StatementMove[EventKind]:
+    """ready → claimed as the instance state machine writes it (its graph, its timestamps at the
+    statement's time, the registered event), for the statement below."""
+    return INSTANCE_STATES.statement_move(
+        to=InstanceStatus.CLAIMED,
+        from_=[InstanceStatus.READY],
+        now_sql="clock_timestamp()",
+        alias="m",
+        event=event,
+    )
+
+
+def _sql(candidates: str, move: StatementMove[EventKind], *, signal: bool = False) -> str:
     event_columns = ", ".join(_col(Event, name) for name, _ in EVENT_VALUES)
-    event_values = ", ".join(value for _, value in EVENT_VALUES).replace("%(kind)s", f"'{event_kind}'")
+    event_values = ", ".join(value for _, value in EVENT_VALUES).replace("%(kind)s", f"'{move.kind}'")
     return f"""
 WITH c AS (
     {candidates}
@@ -92,10 +111,10 @@ WITH c AS (
     FOR UPDATE OF m SKIP LOCKED
 ), u AS (
     UPDATE {_INSTANCES} m
-    SET status = 'claimed', claimed_at = clock_timestamp(), status_changed_at = clock_timestamp(),
+    SET {move.set_sql},
         claim_id = %(claim)s,
         claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s
-    FROM c WHERE m.id = c.id AND m.status = 'ready'
+    FROM c WHERE m.id = c.id AND {move.where_sql}
     RETURNING m.*
 ), e AS (
     INSERT INTO {_EVENTS} ({event_columns})
@@ -117,10 +136,10 @@ _POOL_CANDIDATES = f"""SELECT m.id FROM {_INSTANCES} m
     WHERE m.status = 'ready'
     ORDER BY m.ready_at"""
 # Autocommit (the REST acquire): the statement signals the refill itself.
-POOL_SQL = _sql(_POOL_CANDIDATES, EventKind.POOL_MEMBER_CLAIMED, signal=True)
+POOL_SQL = _sql(_POOL_CANDIDATES, _move(EventKind.POOL_MEMBER_CLAIMED), signal=True)
 # Inside a longer transaction (job placement): no signal here (its row lock would be held
 # until that transaction ends, stalling other claims); the caller signals after commit.
-POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, EventKind.POOL_MEMBER_CLAIMED)
+POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, _move(EventKind.POOL_MEMBER_CLAIMED))
 
 # Job placement on an idle machine kept for reuse: prefer the one that last ran the same
 # configuration (warm caches), then the one that became idle first.
@@ -129,7 +148,7 @@ IDLE_SQL = _sql(
     WHERE m.pool_id IS NULL AND m.status = 'ready' AND m.org_id = %(org)s AND m.machine_type_id = %(mt)s
       AND m.machine_type_version = %(version)s
     ORDER BY (m.last_config_id IS NOT DISTINCT FROM %(config)s) DESC, m.ready_at""",
-    EventKind.INSTANCE_CLAIMED,
+    _move(EventKind.INSTANCE_CLAIMED),
 )
 
 

@@ -12,7 +12,7 @@ from apps.core.errors import ErrorCode, MissingPrivilege, NotFound, ValidationFa
 from apps.core.ids import MachineTypeId, OrgId
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
-from apps.events.services import event_record
+from apps.events.services import event_record, events_record
 from apps.machines.choices import (
     INSTANCE_TERMINAL,
     INSTANCE_TRANSITIONS,
@@ -308,6 +308,7 @@ INSTANCE_STATES = StateMachine(
     "instance",
     kinds=EventKind,
     record=event_record,
+    record_many=events_record,
     stamps=_STAMPS,
     on_enter={state: _record_billing for state in INSTANCE_TERMINAL},
 )

@@ -19,7 +19,7 @@ from apps.core.ids import JobId, OrgId, PoolId
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
-from apps.events.services import event_record
+from apps.events.services import event_record, events_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
@@ -120,6 +120,7 @@ POOL_STATES = StateMachine(
     "pool",
     kinds=EventKind,
     record=event_record,
+    record_many=events_record,
     stamps={PoolStatus.DRAINED: "drained_at"},
 )
 

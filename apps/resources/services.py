@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
-from apps.events.services import event_record
+from apps.events.services import event_record, events_record
 from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
 from apps.resources.models import ResourceInstance
 
@@ -18,5 +18,11 @@ _STAMPS = {
 
 # Every resource status change: RESOURCE_STATES.move(resource_id, to=..., ...).
 RESOURCE_STATES = StateMachine(
-    ResourceInstance, RESOURCE_TRANSITIONS, "resource", kinds=EventKind, record=event_record, stamps=_STAMPS
+    ResourceInstance,
+    RESOURCE_TRANSITIONS,
+    "resource",
+    kinds=EventKind,
+    record=event_record,
+    record_many=events_record,
+    stamps=_STAMPS,
 )

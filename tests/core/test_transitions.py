@@ -178,3 +178,51 @@ def test_racing_transitions_have_one_winner(tworld: World) -> None:
     assert results.count("won") == 1
     assert sorted(results)[:7] == ["lost:claimed"] * 7
     assert Event.objects.filter(kind="instance.claimed", instance_id=instance.pk).count() == 1
+
+
+def test_a_bulk_move_moves_every_row_and_records_each_event(world: World) -> None:
+    jobs = [make_job(world, JobStatus.QUEUED) for _ in range(3)]
+    moved = JOB_STATES.move_many(
+        [j.pk for j in jobs],
+        to=JobStatus.ACQUIRING_RESOURCES,
+        from_=[JobStatus.QUEUED],
+        refs=lambda pk: {"org": world.org.pk, "job": pk},
+        actor="scheduler",
+    )
+    assert moved == 3
+    for job in jobs:
+        job.refresh_from_db()
+        assert job.status == JobStatus.ACQUIRING_RESOURCES and job.admitted_at is not None  # the stamp
+        event = Event.objects.get(job_id=job.pk)
+        assert (event.kind, event.org_id, event.actor) == ("job.admitted", world.org.pk, "scheduler")
+        assert event.data == {"status": JobStatus.ACQUIRING_RESOURCES}
+
+
+def test_a_bulk_move_is_all_or_nothing_and_checks_the_graph(world: World) -> None:
+    queued, running = make_job(world, JobStatus.QUEUED), make_job(world, JobStatus.RUNNING)
+    pks = [queued.pk, running.pk]
+
+    def refs(pk: Any) -> dict[str, Any]:
+        return {"org": world.org.pk, "job": pk}
+
+    with pytest.raises(InvalidTransition):  # one row is not queued: none moves
+        JOB_STATES.move_many(
+            pks, to=JobStatus.ACQUIRING_RESOURCES, from_=[JobStatus.QUEUED, JobStatus.RUNNING], refs=refs
+        )
+    with pytest.raises(InvalidTransition):  # queued -> running is no move of the graph
+        JOB_STATES.move_many([queued.pk], to=JobStatus.RUNNING, from_=[JobStatus.QUEUED], refs=refs)
+    statuses = dict(Job.objects.filter(pk__in=pks).values_list("pk", "status"))
+    assert statuses == {queued.pk: JobStatus.QUEUED, running.pk: JobStatus.RUNNING}
+    assert not Event.objects.filter(job_id__in=pks).exists()
+    with pytest.raises(ValueError, match="on_enter"):  # an ending instance records its billing row by row
+        INSTANCE_STATES.move_many([], to=InstanceStatus.TERMINATED, from_=[InstanceStatus.READY], refs=refs)
+
+
+def test_a_statement_move_is_the_graph_s_and_its_events_the_registry_s() -> None:
+    move = INSTANCE_STATES.statement_move(to=InstanceStatus.CLAIMED, from_=[InstanceStatus.READY], alias="m")
+    assert move.where_sql == "m.status = 'ready'"
+    assert move.set_sql.startswith("status = 'claimed', status_changed_at = now()")
+    assert "claimed_at = now()" in move.set_sql  # the state's stamp
+    assert move.kind == "instance.claimed"
+    with pytest.raises(ValueError, match="no allowed move"):  # terminated never becomes claimed
+        INSTANCE_STATES.statement_move(to=InstanceStatus.CLAIMED, from_=[InstanceStatus.TERMINATED])
