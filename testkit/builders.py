@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from apps.jobs.models import Job, JobConfiguration
     from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
     from apps.pools.models import InstancePool
+    from apps.resources.models import ResourceInstance
 
 
 def provider_account(
@@ -110,6 +111,43 @@ def idle_machine(org: Any, machine_type: MachineType, **fields: Any) -> MachineI
     instance = ready_instance(machine_type, org=org, **{"provider_id": "f-1", **fields})
     instance.save()
     return instance
+
+
+def instance_row(org: Any, machine_type: MachineType, **fields: Any) -> MachineInstance:
+    """A saved machine of ``machine_type`` in the state ``fields`` give (``status``, ``pool``,
+    timestamps), written directly: a row for what a test does to it next."""
+    from apps.machines.models import MachineInstance
+
+    return MachineInstance.objects.create(
+        **{
+            "org": org,
+            "machine_type": machine_type,
+            "provider_account_id": machine_type.provider_account_id,
+            "machine_type_version": machine_type.version,
+            **fields,
+        }
+    )
+
+
+def pool_row(org: Any, machine_type: MachineType, name: str = "p", **fields: Any) -> InstancePool:
+    """A saved pool in the state ``fields`` give, without its members (``pool_create`` would
+    request them)."""
+    from apps.pools.models import InstancePool
+
+    return InstancePool.objects.create(
+        **{"org": org, "name": name, "machine_type": machine_type, "target_size": 1, "max_size": 1, **fields}
+    )
+
+
+def resource_row(
+    org: Any, type_id: str = "token", well: str = "api_token", **fields: Any
+) -> ResourceInstance:
+    """A saved resource of type ``type_id`` (created with ``well`` if missing) in the state
+    ``fields`` give."""
+    from apps.resources.models import ResourceInstance, ResourceType
+
+    rtype, _ = ResourceType.objects.get_or_create(id=type_id, defaults={"well": well})
+    return ResourceInstance.objects.create(resource_type=rtype, org=org, **fields)
 
 
 def ready_members(

@@ -6,9 +6,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from apps.jobs.models import Job, JobConfiguration
-from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
+from testkit.builders import instance_row, job_config, job_row, pool_row
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -21,17 +20,8 @@ def act(client: Client, url: str, action: str, pk: object) -> list[str]:
 
 
 def test_drain_a_pool_from_the_console(world: World, ops: Client) -> None:
-    pool = InstancePool.objects.create(
-        org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=1, status="ready"
-    )
-    member = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        pool=pool,
-        provider_account=world.account,
-        status="ready",
-        ready_at=timezone.now(),
-    )
+    pool = pool_row(world.org, world.machine_type, status="ready")
+    member = instance_row(world.org, world.machine_type, pool=pool, status="ready", ready_at=timezone.now())
     messages = act(ops, "/admin/pools/instancepool/", "drain_terminate", pool.pk)
     assert messages == ["drained (members terminated): 1"]
     pool.refresh_from_db()
@@ -43,16 +33,11 @@ def test_drain_a_pool_from_the_console(world: World, ops: Client) -> None:
 
 
 def test_terminate_an_instance_and_cancel_a_job_from_the_console(world: World, ops: Client) -> None:
-    instance = MachineInstance.objects.create(
-        org=world.org, machine_type=world.machine_type, provider_account=world.account, status="ready"
-    )
+    instance = instance_row(world.org, world.machine_type, status="ready")
     assert act(ops, "/admin/machines/machineinstance/", "terminate", instance.pk) == ["terminating: 1"]
     instance.refresh_from_db()
     assert instance.status == "terminating"
-    config = JobConfiguration.objects.create(
-        org=world.org, name="c", machine_type=world.machine_type, command="x"
-    )
-    job = Job.objects.create(org=world.org, config=config, machine_type=world.machine_type, command="x")
+    job = job_row(job_config(world.org, world.machine_type, "c", "x"))
     assert act(ops, "/admin/jobs/job/", "cancel", job.pk) == ["cancelled or cancel requested: 1"]
     job.refresh_from_db()
     assert job.status == "cancelled"

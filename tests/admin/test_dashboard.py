@@ -12,12 +12,13 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.budgets import budget_set, budget_spend
-from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
+from testkit.builders import instance_row, job_config, job_row, pool_row
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -26,50 +27,43 @@ pytestmark = pytest.mark.django_db
 def busy_fleet(world: World, pools: int = 2) -> None:
     """``pools`` pools with members in several states, queued and finished jobs, a failure."""
     now = timezone.now()
-    config = JobConfiguration.objects.get_or_create(
-        org=world.org, name="build", defaults={"machine_type": world.machine_type, "command": "make"}
-    )[0]
+    config = JobConfiguration.objects.filter(org=world.org, name="build").first() or job_config(
+        world.org, world.machine_type, "build", "make"
+    )
     for p in range(pools):
-        pool = InstancePool.objects.create(
-            org=world.org,
-            name=f"runners-{p}-{InstancePool.objects.count()}",
-            machine_type=world.machine_type,
+        pool = pool_row(
+            world.org,
+            world.machine_type,
+            f"runners-{p}-{InstancePool.objects.count()}",
             target_size=3,
             min_size=1,
             max_size=5,
             status="ready",
         )
         for status in ("ready", "ready", "claimed", "warming"):
-            MachineInstance.objects.create(
-                org=world.org,
-                machine_type=world.machine_type,
-                provider_account=world.account,
+            instance_row(
+                world.org,
+                world.machine_type,
                 pool=pool,
                 status=status,
                 provisioning_started_at=now - timedelta(minutes=20),
             )
     for _ in range(3):
-        Job.objects.create(
-            org=world.org,
-            config=config,
-            machine_type=world.machine_type,
-            command="make",
-            pending_reason="max_concurrent_jobs 10/10",
-        )
+        job_row(config, pending_reason="max_concurrent_jobs 10/10")
     Job.objects.filter(pending_reason="max_concurrent_jobs 10/10").update(
         queued_at=now - timedelta(minutes=7)
     )
     for status in ("succeeded", "succeeded", "failed"):
-        job = Job.objects.create(
-            org=world.org, config=config, machine_type=world.machine_type, command="make", status=status
-        )
+        job = job_row(config, status=status)
         Job.objects.filter(pk=job.pk).update(
             queued_at=now - timedelta(minutes=10),
             started_at=now - timedelta(minutes=9),
             finished_at=now - timedelta(minutes=2),
         )
     job = Job.objects.filter(status="failed").first()
-    event_record(kind="job.requeued", org=world.org, job=job, reason="machine_lost: agent silent for 90s")
+    event_record(
+        kind=EventKind.JOB_REQUEUED, org=world.org, job=job, reason="machine_lost: agent silent for 90s"
+    )
 
 
 def test_dashboard_shows_pools_queue_quotas_machines_failures_and_charts(world: World, ops: Client) -> None:

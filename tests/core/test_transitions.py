@@ -22,40 +22,27 @@ from apps.pools.choices import POOL_TRANSITIONS, PoolStatus
 from apps.pools.models import InstancePool
 from apps.pools.services import POOL_STATES
 from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
-from apps.resources.models import ResourceInstance, ResourceType
+from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
+from testkit.builders import instance_row, job_config, job_row, pool_row, resource_row
 from tests.conftest import World
 
 
 def make_instance(world: World, status: str) -> MachineInstance:
-    return MachineInstance.objects.create(
-        org=world.org, machine_type=world.machine_type, provider_account=world.account, status=status
-    )
+    return instance_row(world.org, world.machine_type, status=status)
 
 
 def make_pool(world: World, status: str) -> InstancePool:
-    return InstancePool.objects.create(
-        org=world.org,
-        name=f"p-{status}",
-        machine_type=world.machine_type,
-        status=status,
-        target_size=1,
-        max_size=1,
-    )
+    return pool_row(world.org, world.machine_type, name=f"p-{status}", status=status)
 
 
 def make_job(world: World, status: str) -> Job:
-    config, _ = JobConfiguration.objects.get_or_create(
-        org=world.org, name="build", defaults={"machine_type": world.machine_type, "command": "true"}
-    )
-    return Job.objects.create(
-        org=world.org, config=config, machine_type=world.machine_type, command="true", status=status
-    )
+    config = JobConfiguration.objects.filter(org=world.org, name="build").first()
+    return job_row(config or job_config(world.org, world.machine_type, "build", "true"), status=status)
 
 
 def make_resource(world: World, status: str) -> ResourceInstance:
-    rt, _ = ResourceType.objects.get_or_create(id="token", defaults={"well": "api_token"})
-    return ResourceInstance.objects.create(resource_type=rt, org=world.org, status=status)
+    return resource_row(world.org, status=status)
 
 
 MACHINES: dict[str, tuple[dict, Callable[[World, str], Any], Callable[..., Any], str]] = {

@@ -44,7 +44,7 @@ from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import build_well
 from testkit.builders import idle_machine, job_config, ready_members
 from tests.conftest import World
-from tests.jobs.test_scheduling import refresh, setup_type
+from tests.jobs.common import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus

@@ -21,9 +21,9 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_create, pool_refill
-from testkit.builders import job_config
+from testkit.builders import instance_row, job_config
 from tests.conftest import World
-from tests.jobs.test_scheduling import refresh, setup_type
+from tests.jobs.common import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -134,23 +134,21 @@ def test_spend_counts_ended_machines_of_this_period_and_live_ones_to_their_paid_
     mt, _ = setup_type(world)  # 0.50 per started hour
     budget = budget_set(org=world.org, amount="100")
     now = timezone.now()
-    common = {"org": world.org, "machine_type": mt, "provider_account": mt.provider_account}
-    MachineInstance.objects.create(
-        **common, status=S.TERMINATED, provisioning_started_at=now, ended_at=now, cost=Decimal("1.5")
+    instance_row(
+        world.org, mt, status=S.TERMINATED, provisioning_started_at=now, ended_at=now, cost=Decimal("1.5")
     )
     # ended last month: not this month's spend
-    MachineInstance.objects.create(
-        **common,
+    instance_row(
+        world.org,
+        mt,
         status=S.TERMINATED,
         provisioning_started_at=now - timedelta(days=40),
         ended_at=now - timedelta(days=40),
         cost=Decimal("7"),
     )
     # live for 61 minutes: two started hours committed
-    MachineInstance.objects.create(
-        **common, status=S.CLAIMED, provisioning_started_at=now - timedelta(minutes=61)
-    )
-    MachineInstance.objects.create(**common, status=S.PENDING)  # requested: its first hour
+    instance_row(world.org, mt, status=S.CLAIMED, provisioning_started_at=now - timedelta(minutes=61))
+    instance_row(world.org, mt, status=S.PENDING)  # requested: its first hour
     assert budget_spend(budget, now=now) == Decimal("1.5") + Decimal("1.00") + Decimal("0.50")
 
 

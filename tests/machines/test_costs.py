@@ -22,10 +22,9 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
-from apps.pools.models import InstancePool
-from testkit.builders import idle_machine, job_config, job_row
+from testkit.builders import idle_machine, instance_row, job_config, job_row, pool_row
 from tests.conftest import World
-from tests.jobs.test_scheduling import refresh
+from tests.jobs.common import refresh
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
@@ -44,14 +43,13 @@ def history(world: World) -> dict:
     mt.price_per_hour = Decimal("0.36")
     mt.save()
     t0 = timezone.now().replace(microsecond=0) - timedelta(hours=3)
-    pool = InstancePool.objects.create(org=world.org, name="ci", machine_type=mt, target_size=1, max_size=1)
+    pool = pool_row(world.org, mt, "ci")
     cfg_a, cfg_b = job_config(world.org, mt, "unit", "x"), job_config(world.org, mt, "lint", "x")
     a = job_row(cfg_a, status="succeeded")
     b = job_row(cfg_b, status="succeeded")
-    m = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=mt,
-        provider_account=world.account,
+    m = instance_row(
+        world.org,
+        mt,
         pool=pool,
         status=S.TERMINATED,
         provisioning_started_at=t0,

@@ -1,0 +1,98 @@
+"""What the agent reports and what follows a job's end: the machine kept or destroyed, the job
+requeued when its machine went away.
+Services are called directly; the fake provider stands in for the cloud."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.core.errors import Conflict
+from apps.events.models import Event
+from apps.jobs.choices import JobStatus
+from apps.jobs.convergence import jobs_time_out
+from apps.jobs.reports import job_finished, job_started, jobs_requeue_for_instance
+from apps.jobs.scheduler import schedule
+from apps.jobs.submission import job_submit
+from apps.machines.choices import InstanceStatus
+from apps.machines.lifecycle import instance_mark_lost
+from apps.machines.models import MachineInstance
+from testkit.builders import idle_machine, job_config
+from tests.conftest import World
+from tests.jobs.common import refresh, setup_type
+
+J = JobStatus
+S = InstanceStatus
+
+
+@pytest.mark.django_db
+def test_finished_reuse_job_keeps_the_machine_and_ephemeral_destroys_it(world: World) -> None:
+    mt, _ = setup_type(world)
+    for reuse, expected in (("reuse", S.READY), ("ephemeral", S.TERMINATING)):
+        machine = idle_machine(world.org, mt)
+        job = job_submit(org=world.org, config=job_config(world.org, mt, reuse, reuse=reuse))
+        schedule()
+        refresh(job)
+        assert job.instance_id == machine.pk
+        job_started(instance=machine, job_id=job.pk)
+        job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
+        refresh(job, machine)
+        assert job.status == J.SUCCEEDED and job.exit_code == 0
+        assert machine.status == expected
+        if expected == S.READY:
+            assert machine.pool_id is None and machine.last_config_id == job.config_id
+            MachineInstance.objects.filter(pk=machine.pk).update(status=S.TERMINATED)
+
+
+@pytest.mark.django_db
+def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) -> None:
+    mt, _ = setup_type(world)
+    job = job_submit(org=world.org, config=job_config(world.org, mt, max_attempts=2))
+    for attempt, expected in ((1, J.QUEUED), (2, J.FAILED)):
+        machine = idle_machine(world.org, mt)
+        schedule()
+        refresh(job)
+        assert job.attempt == attempt and job.instance_id == machine.pk
+        job_started(instance=machine, job_id=job.pk)
+        instance_mark_lost(instance_id=machine.pk, actor="test", reason="agent silent")
+        refresh(job)
+        assert job.status == expected
+    assert job.attempt == 2
+    assert "attempt 2 of 2" in job.failure_reason
+    assert Event.objects.filter(kind="job.requeued", job_id=job.pk).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World) -> None:
+    mt, _ = setup_type(world)
+    job = job_submit(org=world.org, config=job_config(world.org, mt))
+    first = idle_machine(world.org, mt)
+    schedule()
+    job_started(instance=first, job_id=job.pk)
+    jobs_requeue_for_instance(instance_id=first.pk, cause="machine_lost", detail="agent silent")
+    second = idle_machine(world.org, mt)
+    schedule()
+    refresh(job)
+    assert job.instance_id == second.pk
+    with pytest.raises(Conflict):
+        job_started(instance=first, job_id=job.pk)
+    with pytest.raises(Conflict):
+        job_finished(instance=first, job_id=job.pk, outcome="succeeded", exit_code=0)
+    job_started(instance=second, job_id=job.pk)
+    refresh(job)
+    assert job.status == J.RUNNING and job.instance_id == second.pk
+
+
+@pytest.mark.django_db
+def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> None:
+    mt, _ = setup_type(world)
+    machine = idle_machine(world.org, mt)
+    job = job_submit(org=world.org, config=job_config(world.org, mt, timeout_seconds=60))
+    schedule()
+    job_started(instance=machine, job_id=job.pk)
+    jobs_time_out(now=timezone.now() + timedelta(minutes=10))
+    refresh(job, machine)
+    assert job.status == J.TIMED_OUT
+    assert machine.status == S.TERMINATING
