@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 from apps.control.urls import agent_urls
 from apps.control.views import console_urls
 from apps.core.views import healthz, metrics_view
+from apps.github.webhooks import webhook as github_webhook
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
@@ -18,6 +19,7 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("config.api_urls")),
+    path("api/integrations/github/webhook", github_webhook, name="github-webhook"),
     path("api/agent/v1/", include(agent_urls())),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
