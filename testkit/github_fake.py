@@ -73,9 +73,11 @@ def app_keypair() -> tuple[str, str]:
     private = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
-    public = key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
+    public = (
+        key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
     return private, public
 
 
@@ -496,11 +498,16 @@ class FakeGitHub:
             with self.lock:
                 now = time.time()
                 for runner in list(self.runners.values()):
-                    if runner.job_id is not None and now - runner.last_seen > self.lost_after:
-                        job = self.jobs[runner.job_id]
+                    if (
+                        runner.job_id is not None
+                        and runner.session
+                        and now - runner.last_seen > self.lost_after
+                    ):
+                        job = self.jobs.get(runner.job_id)
                         runner.job_id = None
                         self.runners.pop(runner.id, None)
-                        self._complete(job, "failure")  # the runner lost communication
+                        if job is not None and job.status != "completed":
+                            self._complete(job, "failure")  # the runner lost communication
 
     def _complete(self, job: Job, conclusion: str) -> None:
         job.status, job.conclusion, job.completed_at = "completed", conclusion, time.time()
