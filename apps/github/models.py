@@ -25,7 +25,11 @@ class GitHubConnection(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     org = models.OneToOneField("orgs.Organization", on_delete=models.CASCADE, related_name="github")
     app_id = models.PositiveBigIntegerField(help_text="the GitHub App's id")
-    api_url = models.URLField(max_length=300, default=DEFAULT_API_URL)
+    api_url = models.CharField(
+        max_length=300,
+        default=DEFAULT_API_URL,
+        help_text="https://api.github.com, or GitHub Enterprise Server's /api/v3",
+    )
     secrets_encrypted = models.TextField(blank=True, editable=False)
     # Hook deliveries already looked at by the reconciler (GitHub's delivery ids).
     deliveries_checked_at = models.DateTimeField(null=True, blank=True, editable=False)
