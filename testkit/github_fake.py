@@ -298,6 +298,7 @@ class FakeGitHub:
             self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
             self.runner_online_at: dict[str, float] = {}  # runner name -> first session
             self.jit_issued_at: dict[str, float] = {}  # runner name -> generate-jitconfig
+            self.issued_configs: list[str] = []  # every encoded config (tests: never in a log)
             self.max_runners_seen = 0
             self._ids = itertools.count(1000)
 
@@ -752,6 +753,7 @@ class FakeGitHub:
                 "fault": fault,
             }
             encoded = base64.b64encode(json.dumps(config).encode()).decode()
+            self.issued_configs.append(encoded)
             return 201, {"runner": runner.as_json(now, self.offline_after), "encoded_jit_config": encoded}
         if m := re.fullmatch(r"/(\d+)", rest):
             runner = next((r for r in mine if r.id == int(m.group(1))), None)
