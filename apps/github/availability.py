@@ -35,7 +35,7 @@ def installation_unavailable(*, installation_id: Any, reason: str, seconds: floa
 
     now = timezone.now()
     with transaction.atomic():
-        inst = GitHubInstallation.objects.select_for_update().filter(pk=installation_id).first()
+        inst = GitHubInstallation.objects.select_for_update(no_key=True).filter(pk=installation_id).first()
         if inst is None:
             return
         was_available = inst.is_available(now)
@@ -66,7 +66,7 @@ def installation_unavailable(*, installation_id: Any, reason: str, seconds: floa
 
 def installation_available(*, installation_id: Any) -> None:
     with transaction.atomic():
-        inst = GitHubInstallation.objects.select_for_update().filter(pk=installation_id).first()
+        inst = GitHubInstallation.objects.select_for_update(no_key=True).filter(pk=installation_id).first()
         if inst is None or (not inst.failures and inst.unavailable_until is None):
             return
         GitHubInstallation.objects.filter(pk=inst.pk).update(

@@ -331,7 +331,7 @@ class GitHubClient:
         now = timezone.now()
         with transaction.atomic():
             inst = (
-                GitHubInstallation.objects.select_for_update()
+                GitHubInstallation.objects.select_for_update(no_key=True)
                 .only("window_started_at", "window_calls", "calls_total", "rate_remaining", "rate_reset_at")
                 .get(pk=self.installation.pk)
             )

@@ -72,7 +72,7 @@ def workflow_job_apply(
     labels = [str(label) for label in job.get("labels") or []]
     with transaction.atomic():
         record = (
-            WorkflowJob.objects.select_for_update()
+            WorkflowJob.objects.select_for_update(no_key=True)
             .filter(installation=installation, github_id=github_id, run_attempt=run_attempt)
             .first()
         )
@@ -96,7 +96,7 @@ def workflow_job_apply(
                         status=status,
                     )
             except IntegrityError:  # a concurrent delivery created it: apply on top of it
-                record = WorkflowJob.objects.select_for_update().get(
+                record = WorkflowJob.objects.select_for_update(no_key=True).get(
                     installation=installation, github_id=github_id, run_attempt=run_attempt
                 )
             else:
@@ -167,7 +167,7 @@ def _bind(record: WorkflowJob, runner_name: str) -> Runner | None:
     """Our runner named ``runner_name`` took this job: it is no longer supply, and its
     Catacloud job now says which workflow job it runs (costs by repository and workflow)."""
     runner = (
-        Runner.objects.select_for_update(of=("self",))
+        Runner.objects.select_for_update(of=("self",), no_key=True)
         .filter(installation_id=record.installation_id, name=runner_name)
         .order_by("-registered_at")
         .first()
@@ -211,7 +211,7 @@ def class_converge(*, runner_class_id: Any) -> dict[str, int]:
     now = timezone.now()
     with transaction.atomic():
         rc = (
-            RunnerClass.objects.select_for_update(of=("self",))
+            RunnerClass.objects.select_for_update(of=("self",), no_key=True)
             .select_related("org", "job_config")
             .filter(pk=runner_class_id)
             .order_by()

@@ -128,7 +128,7 @@ def connection_set(
     """Create or change the org's GitHub connection. Secrets given replace the stored ones
     (None keeps them; they are required when creating); ``installations`` given replaces the
     list. Returns (connection, changed). Events name what changed, never a value."""
-    conn = GitHubConnection.objects.select_for_update().filter(org=org).first()
+    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
     creating = conn is None
     if creating:
         if app_id is None or not private_key or not webhook_secret:
@@ -221,7 +221,7 @@ def _set_installations(conn: GitHubConnection, wanted: list[tuple[int, str]]) ->
 
 @transaction.atomic
 def connection_delete(*, org: Organization, actor: str = "") -> None:
-    conn = GitHubConnection.objects.select_for_update().filter(org=org).first()
+    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
     if conn is None:
         raise NotFound("this organization has no GitHub connection")
     if Runner.objects.filter(installation__connection=conn, job__status__in=JOB_LIVE).exists():

@@ -146,7 +146,7 @@ def delivery_process(*, guid: str) -> str:
     """Act on a stored delivery once (a delivery being processed elsewhere is skipped)."""
     with transaction.atomic():
         delivery = (
-            WebhookDelivery.objects.select_for_update(skip_locked=True)
+            WebhookDelivery.objects.select_for_update(skip_locked=True, no_key=True)
             .select_related("installation")
             .filter(guid=guid, processed_at__isnull=True)
             .first()
