@@ -476,6 +476,14 @@ class FakeGitHub:
             delivery.duration = time.time() - started
             delivery.delivered_at = started
 
+    def delivery_for(self, job_id: int, action: str) -> Delivery | None:
+        """The first delivery of ``job_id``'s ``action`` (the bench times them)."""
+        with self.lock:
+            for delivery in self.deliveries:
+                if delivery.action == action and json.loads(delivery.body)["workflow_job"]["id"] == job_id:
+                    return delivery
+        return None
+
     def redeliver(self, delivery_id: int) -> None:
         with self.lock:
             original = next(d for d in self.deliveries if d.id == delivery_id)
