@@ -33,14 +33,14 @@ def _ms(values: list[float], q: float) -> float:
     return round(percentile(values, q) * 1000, 1)
 
 
-def _latency(fake: FakeGitHub, t: Any, pool: Any, samples: int, progress: Progress) -> dict[str, Any]:
+def _latency(fake: FakeGitHub, t: Any, samples: int, progress: Progress) -> dict[str, Any]:
     from apps.events.models import Event
     from apps.github.models import Runner, WebhookDelivery
 
     handoff, started, online, ack = [], [], [], []
     calls_before = fake.api_calls()
     for i in range(samples):
-        wait_quiet(pool.pk, 1)
+        wait_for(lambda: _ready(t) >= 1, 90, "a ready machine", 0.05)
         progress(f"ci: latency sample {i + 1}/{samples}")
         job_id = fake.queue_job("bench/app", LABELS, ["true"], name=f"latency-{i}")
         wait_for(lambda j=job_id: fake.job(j).status == "completed", 60, "the workflow job to complete", 0.02)
@@ -161,7 +161,7 @@ def run(*, samples: int = 30, burst: int = 1000, pool_size: int = 10, progress: 
             pool_refill(pool_id=pool.pk)
             progress("ci: warming a pool of 2 local machines")
             wait_quiet(pool.pk, 2)
-            latency = _latency(fake, t, pool, samples, progress)
+            latency = _latency(fake, t, samples, progress)
             from apps.pools.services import pool_update
 
             pool_update(pool=pool, target_size=pool_size, actor="bench")
