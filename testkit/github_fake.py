@@ -550,7 +550,9 @@ class FakeGitHub:
         path, query = parts.path, {k: v[-1] for k, v in parse_qs(parts.query).items()}
         length = int(handler.headers.get("Content-Length") or 0)
         raw = handler.rfile.read(length) if length else b""
-        status, body, headers = 500, {"message": "fake error"}, {}
+        status: int = 500
+        body: Any = {"message": "fake error"}
+        headers: dict[str, str] = {}
         route = re.sub(r"/\d+", "/{id}", path)
         try:
             if path.startswith("/_runner/"):
@@ -657,7 +659,7 @@ class FakeGitHub:
             raise HttpError(404, "Not Found")
         inst_id = self._check_token(auth)
         headers = self._rate_headers(auth)
-        inst = self.installations[inst_id]
+        installation = self.installations[inst_id]
         with self.lock:
             if path == "/installation/repositories" and method == "GET":
                 repos = [
@@ -667,19 +669,19 @@ class FakeGitHub:
                         "name": r.split("/")[1],
                         "owner": {"login": r.split("/")[0]},
                     }
-                    for i, r in enumerate(inst["repositories"])
+                    for i, r in enumerate(installation["repositories"])
                 ]
                 return 200, self._page(query, "repositories", repos), headers
             if m := re.fullmatch(r"/(orgs/([^/]+)|repos/([^/]+/[^/]+))/actions/runners(/.*)?", path):
                 owner = f"org:{m.group(2)}" if m.group(2) else f"repo:{m.group(3)}"
-                if m.group(2) and m.group(2) != inst["account"]:
+                if m.group(2) and m.group(2) != installation["account"]:
                     raise HttpError(404, "Not Found")
-                if m.group(3) and m.group(3) not in inst["repositories"]:
+                if m.group(3) and m.group(3) not in installation["repositories"]:
                     raise HttpError(404, "Not Found")
                 return (*self._runners_api(method, owner, inst_id, m.group(4) or "", query, body), headers)
             if m := re.fullmatch(r"/repos/([^/]+/[^/]+)/actions/(runs|jobs)(/.*)?", path):
                 repo = m.group(1)
-                if repo not in inst["repositories"]:
+                if repo not in installation["repositories"]:
                     raise HttpError(404, "Not Found")
                 return (*self._runs_api(method, repo, m.group(2), m.group(3) or "", query), headers)
         raise HttpError(404, "Not Found")
@@ -764,9 +766,10 @@ class FakeGitHub:
             self.issued_configs.append(encoded)
             return 201, {"runner": runner.as_json(now, self.offline_after), "encoded_jit_config": encoded}
         if m := re.fullmatch(r"/(\d+)", rest):
-            runner = next((r for r in mine if r.id == int(m.group(1))), None)
-            if runner is None:
+            found = next((r for r in mine if r.id == int(m.group(1))), None)
+            if found is None:
                 raise HttpError(404, "Not Found")
+            runner = found
             if method == "GET":
                 return 200, runner.as_json(now, self.offline_after)
             if method == "DELETE":
