@@ -14,16 +14,18 @@ delivery changes nothing) and binds it to the runner of ours that took it (``run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+import redis
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from apps.core.broker import enqueue_on_commit
+from apps.core.broker import enqueue, redis_client
 from apps.events.services import event_record
 from apps.github.availability import NOT_ON_A_MACHINE, hold_reason
 from apps.github.choices import STATUS_RANK, WORKFLOW_JOB_PENDING, WorkflowJobStatus
@@ -182,10 +184,34 @@ def _bind(record: WorkflowJob, runner_name: str) -> Runner | None:
     return runner
 
 
+# A class's convergence is asked for by every delivery that changes its demand; one pending
+# message per class is enough (a burst of 1,000 deliveries must not queue 1,000 convergences in
+# front of the handoffs). The key is a message, not state: the task deletes it when it starts,
+# it expires by itself, and the reaper converges every class each tick whatever happens to it.
+CONVERGE_KEY = "catacloud:github:converge:{}"
+CONVERGE_KEY_TTL = 10
+
+
 def converge_soon(runner_class_id: Any) -> None:
     from apps.github.tasks import converge_task
 
-    enqueue_on_commit(converge_task, str(runner_class_id))
+    key = CONVERGE_KEY.format(runner_class_id)
+
+    def send() -> None:
+        try:
+            first = bool(redis_client().set(key, "1", nx=True, ex=CONVERGE_KEY_TTL))
+        except redis.RedisError:
+            first = True
+        if first:
+            enqueue(converge_task, str(runner_class_id))
+
+    transaction.on_commit(send)
+
+
+def converge_started(runner_class_id: Any) -> None:
+    """The convergence task begins: deliveries from now on ask for another one."""
+    with contextlib.suppress(redis.RedisError):
+        redis_client().delete(CONVERGE_KEY.format(runner_class_id))
 
 
 def _retire_rank(runner: Runner) -> tuple[int, float]:
@@ -206,9 +232,15 @@ def _retire_rank(runner: Runner) -> tuple[int, float]:
 SCHEDULE_EACH_UP_TO = 4
 
 
+# At most this many runner jobs are started by one convergence (one transaction holding the
+# class's lock); a larger deficit is worked off by the next one, sent at once.
+MAX_STARTS = 100
+
+
 def class_converge(*, runner_class_id: Any) -> dict[str, int]:
     """Bring one runner class's live, unbound runners to its number of queued workflow jobs."""
     now = timezone.now()
+    more = False
     with transaction.atomic():
         rc = (
             RunnerClass.objects.select_for_update(of=("self",), no_key=True)
@@ -219,28 +251,30 @@ def class_converge(*, runner_class_id: Any) -> dict[str, int]:
         )
         if rc is None or rc.job_config is None:
             return {"started": 0, "retired": 0}
-        queued = list(
-            WorkflowJob.objects.filter(runner_class=rc, status=WorkflowJobStatus.QUEUED)
-            .select_related("installation")
-            .order_by("seen_at")
+        queued = WorkflowJob.objects.filter(runner_class=rc, status=WorkflowJobStatus.QUEUED)
+        supply = Runner.objects.filter(
+            runner_class=rc,
+            workflow_job__isnull=True,
+            retire_requested_at__isnull=True,
+            job__status__in=JOB_LIVE,
         )
-        supply = list(
-            Runner.objects.filter(
-                runner_class=rc,
-                workflow_job__isnull=True,
-                retire_requested_at__isnull=True,
-                job__status__in=JOB_LIVE,
-            )
-            .select_related("job")
-            .order_by("created_at")
-        )
-        deficit = len(queued) - len(supply)
+        deficit = queued.count() - supply.count()
         started = retired = 0
         if deficit > 0:
-            covered = {r.created_for_id for r in supply}
-            todo = [w for w in queued if w.pk not in covered] + [w for w in queued if w.pk in covered]
-            each = deficit <= SCHEDULE_EACH_UP_TO
-            for record in todo[:deficit]:
+            batch = min(deficit, MAX_STARTS)
+            more = deficit > batch
+            # the jobs no live runner was started for first (their labels name the runner job)
+            todo = list(
+                queued.exclude(pk__in=supply.exclude(created_for=None).values("created_for"))
+                .select_related("installation")
+                .order_by("seen_at")[:batch]
+            )
+            if len(todo) < batch:  # more runners than distinct jobs to start them for: any queued one
+                taken = [w.pk for w in todo]
+                rest = queued.exclude(pk__in=taken).select_related("installation").order_by("seen_at")
+                todo += list(rest[: batch - len(todo)])
+            each = batch <= SCHEDULE_EACH_UP_TO
+            for record in todo:
                 job = job_submit(
                     org=rc.org,
                     config=rc.job_config,
@@ -258,15 +292,17 @@ def class_converge(*, runner_class_id: Any) -> dict[str, int]:
                 org_id, mt_id = rc.org_id, rc.machine_type_id
                 transaction.on_commit(lambda: schedule_grant_now(org_id=org_id, machine_type_id=mt_id))
         elif deficit < 0:
-            for runner in sorted(supply, key=_retire_rank)[:-deficit]:
+            for runner in sorted(supply.select_related("job"), key=_retire_rank)[:-deficit]:
                 if _retire_rank(runner)[0] < 2:
                     job_cancel(job=runner.job, actor="github")  # no runner registered: ends at once
                 else:
                     Runner.objects.filter(pk=runner.pk).update(retire_requested_at=now)
                     retire_soon(runner.pk)
                 retired += 1
+        if more:
+            converge_soon(rc.pk)
     if started or retired:
-        log.info("runner class %s: %d queued, %d started, %d retired", rc, len(queued), started, retired)
+        log.info("runner class %s: deficit %d, %d started, %d retired", rc, deficit, started, retired)
     return {"started": started, "retired": retired}
 
 
