@@ -137,7 +137,7 @@ def _moved(record: WorkflowJob, status: str, job: Mapping[str, Any], source: str
     if status == WorkflowJobStatus.COMPLETED:
         fields["conclusion"] = str(job.get("conclusion") or "")[:32]
         fields["completed_at"] = _when(job.get("completed_at")) or now
-    ours = _bind(record, runner_name) if runner_name else None
+    ours = _bind(record, runner_name, job.get("runner_id")) if runner_name else None
     if ours is not None:
         fields["job"] = ours.job_id
     WorkflowJob.objects.filter(pk=record.pk).update(**fields)
@@ -165,15 +165,17 @@ def _moved(record: WorkflowJob, status: str, job: Mapping[str, Any], source: str
         converge_soon(record.runner_class_id)
 
 
-def _bind(record: WorkflowJob, runner_name: str) -> Runner | None:
-    """Our runner named ``runner_name`` took this job: it is no longer supply, and its
-    Catacloud job now says which workflow job it runs (costs by repository and workflow)."""
-    runner = (
-        Runner.objects.select_for_update(of=("self",), no_key=True)
-        .filter(installation_id=record.installation_id, name=runner_name)
-        .order_by("-registered_at")
-        .first()
+def _bind(record: WorkflowJob, runner_name: str, runner_id: Any) -> Runner | None:
+    """Our runner that took this job is no longer supply, and its Catacloud job now says which
+    workflow job it runs (costs by repository and workflow). Found by GitHub's runner id when
+    the delivery has one: a machine's runners share its name (the next one may be registered
+    before the previous one's ``completed`` arrives), their ids differ."""
+    runners = Runner.objects.select_for_update(of=("self",), no_key=True).filter(
+        installation_id=record.installation_id, name=runner_name
     )
+    if isinstance(runner_id, int):
+        runners = runners.filter(github_runner_id=runner_id)
+    runner = runners.order_by("-registered_at").first()
     if runner is None:
         return None
     if runner.workflow_job_id is None:

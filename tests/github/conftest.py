@@ -86,6 +86,7 @@ def workflow_job(
     installation: int = INSTALLATION,
     run_attempt: int = 1,
     conclusion: str | None = None,
+    runner_id: int | None = None,
 ) -> dict[str, Any]:
     """A ``workflow_job`` delivery's payload, shaped like GitHub's."""
     return {
@@ -100,7 +101,7 @@ def workflow_job(
             "status": action,
             "conclusion": conclusion,
             "runner_name": runner_name,
-            "runner_id": 1 if runner_name else None,
+            "runner_id": runner_id,
             "started_at": "2026-11-25T10:00:00Z",
             "completed_at": "2026-11-25T10:05:00Z" if action == "completed" else None,
         },

@@ -189,8 +189,10 @@ def test_our_runner_taking_another_job_is_bound_to_it_and_demand_balances(gh: Gi
     schedule()
     first.refresh_from_db()
     runner_handoff(job_id=first.pk)
-    ours = Runner.objects.get(job=first).name
-    deliver("workflow_job", workflow_job(2, "in_progress", runner_name=ours))
+    ours = Runner.objects.get(job=first)
+    deliver(
+        "workflow_job", workflow_job(2, "in_progress", runner_name=ours.name, runner_id=ours.github_runner_id)
+    )
     runner = Runner.objects.get(job=first)
     assert runner.workflow_job == WorkflowJob.objects.get(github_id=2)
     first.refresh_from_db()
@@ -228,3 +230,34 @@ def test_a_busy_runner_is_not_deleted(gh: GitHubWorld) -> None:
     job.refresh_from_db()
     assert not job.cancel_requested and job.status == "assigned"
     assert Runner.objects.get(job=job).retire_requested_at is None
+
+
+def test_a_late_completion_binds_the_runner_that_ran_the_job_not_its_machines_next_one(
+    gh: GitHubWorld,
+) -> None:
+    """A machine's runners share its name: the next runner on it may be registered before the
+    previous one's ``completed`` delivery arrives. GitHub's runner id tells them apart (found by
+    the ci benchmark: the next runner was taken for busy, and a surplus then cancelled)."""
+    from apps.jobs.reports import job_finished, job_started
+
+    _, instance = ready_agent(gh)
+    first = queue(gh, 1)
+    schedule()
+    runner_handoff(job_id=first.pk)
+    a = Runner.objects.get(job=first)
+    deliver("workflow_job", workflow_job(1, "in_progress", runner_name=a.name, runner_id=a.github_runner_id))
+    job_started(instance=instance, job_id=first.pk)
+    job_finished(instance=instance, job_id=first.pk, outcome="succeeded", exit_code=0)
+    instance.refresh_from_db()
+    assert instance.status == "ready"  # kept for the class's next runner
+    second = queue(gh, 2)
+    schedule()
+    assert runner_handoff(job_id=second.pk) == "handed off"
+    b = Runner.objects.get(job=second)
+    assert b.name == a.name and b.github_runner_id != a.github_runner_id
+    deliver(
+        "workflow_job",
+        workflow_job(1, "completed", runner_name=a.name, runner_id=a.github_runner_id, conclusion="success"),
+    )
+    assert Runner.objects.get(job=second).workflow_job is None  # still free for job 2
+    assert class_converge(runner_class_id=gh.runner_class.pk) == {"started": 0, "retired": 0}
