@@ -14,18 +14,16 @@ delivery changes nothing) and binds it to the runner of ours that took it (``run
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-import redis
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from apps.core.broker import enqueue, redis_client
+from apps.core.broker import enqueue_on_commit
 from apps.events.services import event_record
 from apps.github.availability import NOT_ON_A_MACHINE, hold_reason
 from apps.github.choices import STATUS_RANK, WORKFLOW_JOB_PENDING, WorkflowJobStatus
@@ -186,34 +184,13 @@ def _bind(record: WorkflowJob, runner_name: str, runner_id: Any) -> Runner | Non
     return runner
 
 
-# A class's convergence is asked for by every delivery that changes its demand; one pending
-# message per class is enough (a burst of 1,000 deliveries must not queue 1,000 convergences in
-# front of the handoffs). The key is a message, not state: the task deletes it when it starts,
-# it expires by itself, and the reaper converges every class each tick whatever happens to it.
-CONVERGE_KEY = "catacloud:github:converge:{}"
-CONVERGE_KEY_TTL = 10
-
-
 def converge_soon(runner_class_id: Any) -> None:
+    """Ask for the class's convergence after commit. Each delivery asks; a convergence is a
+    few counting queries, so a burst's many are cheap, and the reaper converges every class
+    each tick whatever happens to the messages."""
     from apps.github.tasks import converge_task
 
-    key = CONVERGE_KEY.format(runner_class_id)
-
-    def send() -> None:
-        try:
-            first = bool(redis_client().set(key, "1", nx=True, ex=CONVERGE_KEY_TTL))
-        except redis.RedisError:
-            first = True
-        if first:
-            enqueue(converge_task, str(runner_class_id))
-
-    transaction.on_commit(send)
-
-
-def converge_started(runner_class_id: Any) -> None:
-    """The convergence task begins: deliveries from now on ask for another one."""
-    with contextlib.suppress(redis.RedisError):
-        redis_client().delete(CONVERGE_KEY.format(runner_class_id))
+    enqueue_on_commit(converge_task, str(runner_class_id))
 
 
 def _retire_rank(runner: Runner) -> tuple[int, float]:

@@ -142,9 +142,11 @@ def _runners(
                 Runner.objects.filter(pk=runner.pk).update(online_at=now)
                 runner.online_at = now
             continue
+        # A registration of this machine asked for lately may be this very runner, its id not
+        # recorded yet when ``live`` was read: left for a later pass.
         registering = Runner.objects.filter(
             installation=inst, registering_instance=instance_id, registering_at__gt=now - REGISTERING_GRACE
-        ).exclude(github_runner_id=rid)
+        )
         if gh.get("busy") or registering.exists():
             continue
         if client.delete_runner(owner_path=path, runner_id=rid, background=True):

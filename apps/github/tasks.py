@@ -6,7 +6,7 @@ import logging
 
 from celery import shared_task
 
-from apps.github.demand import class_converge, converge_started
+from apps.github.demand import class_converge
 from apps.github.dispatch import runner_handoff, runner_retire
 from apps.github.reconcile import installation_reconcile
 
@@ -27,7 +27,6 @@ def retire_task(job_id: str) -> None:
 
 @shared_task(ignore_result=True)
 def converge_task(runner_class_id: str) -> None:
-    converge_started(runner_class_id)
     class_converge(runner_class_id=runner_class_id)
 
 
