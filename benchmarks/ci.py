@@ -27,6 +27,7 @@ from testkit.github_kit import WEBHOOK_PATH, connect
 from testkit.processes import wait_for
 
 LABELS = ["self-hosted", "catacloud-linux-2cpu"]
+ACTIONS = ("queued", "in_progress", "completed")  # each job's deliveries: every one is acknowledged
 
 
 def _ms(values: list[float], q: float) -> float:
@@ -59,8 +60,8 @@ def _latency(fake: FakeGitHub, t: Any, samples: int, progress: Progress) -> dict
             0.02,
         )
         started.append((start - received).total_seconds())
-        online.append(fake.runner_online_at[fake.job(job_id).runner_name or ""] - sent.delivered_at)
-        ack.append(sent.duration)
+        online.append(fake.runner_online_at[fake.job(job_id).runner_id or 0] - sent.delivered_at)
+        ack += [d.duration for d in (fake.delivery_for(job_id, a) for a in ACTIONS) if d is not None]
     calls = fake.api_calls() - calls_before
     return {
         "handoff_s": handoff,

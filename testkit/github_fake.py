@@ -296,7 +296,7 @@ class FakeGitHub:
             self._rate_used: dict[str, int] = {}
             self._rate_window = time.time()
             self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
-            self.runner_online_at: dict[str, float] = {}  # runner name -> first session
+            self.runner_online_at: dict[int, float] = {}  # runner id -> its session (names repeat)
             self.jit_issued_at: dict[str, float] = {}  # runner name -> generate-jitconfig
             self.issued_configs: list[str] = []  # every encoded config (tests: never in a log)
             self.max_runners_seen = 0
@@ -838,7 +838,7 @@ class FakeGitHub:
                 runner.session = True
                 if runner.online_at is None:
                     runner.online_at = runner.last_seen
-                    self.runner_online_at.setdefault(runner.name, runner.last_seen)
+                    self.runner_online_at[runner.id] = runner.last_seen
                 return 200, {"runner_id": runner.id, "name": runner.name}
             if m.group(2) == "job":
                 deadline = time.time() + min(30.0, float(query.get("wait", 20)))
