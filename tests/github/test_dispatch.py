@@ -185,10 +185,9 @@ def test_our_runner_taking_another_job_is_bound_to_it_and_demand_balances(gh: Gi
     runs job 2; it counts as job 2's, and job 1 still has a runner (the one started for 2)."""
     _, instance = ready_agent(gh)
     first = queue(gh, 1)
+    schedule()  # job 1's runner gets the machine; job 2's waits for one
     second = queue(gh, 2)
-    schedule()
-    first.refresh_from_db()
-    runner_handoff(job_id=first.pk)
+    assert runner_handoff(job_id=first.pk) == "handed off"
     ours = Runner.objects.get(job=first)
     deliver(
         "workflow_job", workflow_job(2, "in_progress", runner_name=ours.name, runner_id=ours.github_runner_id)
