@@ -61,7 +61,17 @@ def _latency(fake: FakeGitHub, t: Any, samples: int, progress: Progress) -> dict
         )
         started.append((start - received).total_seconds())
         online.append(fake.runner_online_at[fake.job(job_id).runner_id or 0] - sent.delivered_at)
-        ack += [d.duration for d in (fake.delivery_for(job_id, a) for a in ACTIONS) if d is not None]
+        sent_all = wait_for(
+            lambda j=job_id: (
+                (ds := [fake.delivery_for(j, a) for a in ACTIONS])
+                and all(d is not None and d.status_code for d in ds)
+                and ds
+            ),
+            30,
+            "the job's three deliveries to be acknowledged",
+            0.02,
+        )
+        ack += [d.duration for d in sent_all]
     calls = fake.api_calls() - calls_before
     return {
         "handoff_s": handoff,
