@@ -7,6 +7,7 @@ from typing import Any
 from apps.core import hooks
 from apps.core.broker import enqueue_on_commit
 from apps.events.services import event_record
+from apps.github.dispatch import runner_handoff_soon
 from apps.jobs.acquisition import wake_waiting
 from apps.jobs.agent import jobs_to_cancel
 from apps.jobs.choices import JobStatus
@@ -25,9 +26,12 @@ def _schedule_soon(instance: Any = None) -> None:
         schedule_grant_after_commit(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
-def _job_config_names(job_ids: Any) -> dict[str, str]:
-    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name")
-    return {str(pk): name for pk, name in rows}
+def _job_cost_keys(job_ids: Any) -> dict[str, dict[str, Any]]:
+    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name", "labels")
+    return {
+        str(pk): {"config": name, "repository": labels.get("repository"), "workflow": labels.get("workflow")}
+        for pk, name, labels in rows
+    }
 
 
 def _jobs_waiting(*, org_id: Any, machine_type_id: Any) -> int:
@@ -43,5 +47,6 @@ def connect_hooks() -> None:
     hooks.pool_member_left.connect(request_refill)
     hooks.resource_slot_freed.connect(wake_waiting)
     hooks.jobs_to_cancel.connect(jobs_to_cancel)
-    hooks.job_config_names.connect(_job_config_names)
+    hooks.job_cost_keys.connect(_job_cost_keys)
     hooks.jobs_waiting.connect(_jobs_waiting)
+    hooks.job_needs_handoff.connect(runner_handoff_soon)

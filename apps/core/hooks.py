@@ -67,9 +67,14 @@ resource_slot_freed = Hook(
     "resource_slot_freed",
     "resources → jobs: a resource of type_id= was destroyed; jobs waiting for a slot try again.",
 )
-job_config_names = Hook(
-    "job_config_names",
-    "machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids.",
+job_cost_keys = Hook(
+    "job_cost_keys",
+    "machines (cost reports) → jobs: {job id: {config, repository, workflow}} for a set of job ids.",
+)
+job_needs_handoff = Hook(
+    "job_needs_handoff",
+    "jobs → github: a job with handoff_by was assigned (after commit, job_id=); its integration "
+    "hands it to the machine's agent (apps.jobs.handoff).",
 )
 jobs_waiting = Hook(
     "jobs_waiting",

@@ -106,7 +106,8 @@ def admit_grant(*, org_id: Any, machine_type_id: Any, limit: int, nowait: bool =
 
 def _admit_for(org_id: Any, mt_id: Any, limit: int, *, nowait: bool = False) -> int:
     now = timezone.now()
-    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED)
+    # Held jobs (apps.jobs.handoff.jobs_hold) keep their hold reason and are not admitted.
+    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED, hold_reason="")
     with transaction.atomic():
         grant = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
         if grant is None:
