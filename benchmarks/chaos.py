@@ -276,9 +276,20 @@ class Soak:
     # redis_outage_empty_pool faults: [fault index, when Redis answered again, when the pool was
     # back at target (None: not yet)]
     pool_watches: list[list[Any]] = field(default_factory=list)
+    # When Redis was down: [start, end (None: still down)]. No task runs then, so what needs one
+    # (jobs, resources, artifacts) gets its deadline counted from when the broker answers again.
+    broker_down: list[list[Any]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def broker_downtime(self, since: float) -> float:
+        """Seconds of broker outage between ``since`` and now (soak time)."""
+        now = self.now()
+        return sum(
+            max(0.0, min(now, end if end is not None else now) - max(since, start))
+            for start, end in self.broker_down
+        )
 
     def violate(self, invariant: str, key: str, detail: str) -> bool:
         with self.lock:
@@ -702,18 +713,28 @@ def _injector(
                     if _redis_restarting(restarts, redis):
                         continue  # already down
                     redis.kill()
-                    restarts.append((now + rng.uniform(1, 4), redis.start))
+                    down = [soak.now(), None]
+                    soak.broker_down.append(down)
+
+                    def redis_back(down: list[Any] = down) -> None:
+                        redis.start()
+                        down[1] = soak.now()
+
+                    redis_back.redis_start = True  # type: ignore[attr-defined]
+                    restarts.append((now + rng.uniform(1, 4), redis_back))
                 elif kind == "redis_outage_empty_pool":
                     if _redis_restarting(restarts, redis):
                         continue
                     redis.kill()
+                    down = [soak.now(), None]
+                    soak.broker_down.append(down)
                     detail = _empty_pool(soak, world, rng)
                     watch = [len(soak.faults), None, None]
                     soak.pool_watches.append(watch)
 
-                    def back(watch: list[Any] = watch) -> None:
+                    def back(watch: list[Any] = watch, down: list[Any] = down) -> None:
                         redis.start()
-                        watch[1] = soak.now()  # Redis answers again: the pool's clock starts
+                        watch[1] = down[1] = soak.now()  # Redis answers again: the pool's clock starts
 
                     back.redis_start = True  # type: ignore[attr-defined]
                     restarts.append((now + rng.uniform(2, 5), back))
@@ -904,6 +925,8 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
         )
 
     def late(kind: str, row_id: Any, state: str, age: float, allowed: float, what: str) -> None:
+        if kind != "instance":  # a task moves it: the broker's downtime does not count
+            allowed += soak.broker_downtime(soak.now() - age)
         if age > allowed + grace:
             bad.add(f"{kind}:{row_id}:{state}")
             soak.violate(

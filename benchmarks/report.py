@@ -30,7 +30,7 @@ NOISE = [
     "fresh number with an old report.",
     "",
 ]
-ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "chaos")
+ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "ci", "chaos")
 
 
 def environment() -> dict[str, str]:
@@ -288,6 +288,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         from benchmarks.fleet import plot as fleet_plot
 
         made.append(fleet_plot(by["fleet"], out))
+    if "ci" in by and by["ci"].data.get("latency"):
+        from benchmarks.ci import plot as ci_plot
+
+        made.append(ci_plot(by["ci"], out))
     if "chaos" in by and by["chaos"].data.get("series"):
         from benchmarks.chaos import plot
 
@@ -376,6 +380,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("budget.png", "cost"),
             ("chaos.png", "chaos"),
             ("fleet.png", "fleet"),
+            ("ci.png", "ci"),
         ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]

@@ -189,6 +189,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
         _manage("migrate", "--noinput", env=env, capture=True)
         _manage("collectstatic", "--noinput", env=env, capture=True)
         _manage("apply", str(DEMO_CATALOG), env=env)
+        github = DevGitHub(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
+        if github is not None:
+            _manage("apply", str(github.catalog), env=env)
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
@@ -197,8 +200,11 @@ def cmd_dev(args: argparse.Namespace) -> int:
             f"--stop-{type(service).__name__.removeprefix('Embedded').lower()}"
             for service in services.started
         ]
+        programs = dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port)
+        if github is not None:
+            programs.append(Program("github", github.command, env, str(ROOT)))
         supervisor = Supervisor(
-            dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port),
+            programs,
             on_orphan=cleanup,  # if this process is SIGKILLed: what its watchdog stops
             state_file=home / DEV_STATE,
         )
@@ -211,6 +217,11 @@ def cmd_dev(args: argparse.Namespace) -> int:
             f"  Flower   http://127.0.0.1:{flower_port}/  "
             f"(basic auth {flower_auth.split(':')[0]} / same password)",
             f"  token    {creds['token']}",
+            *(
+                [f'  GitHub   a fake GitHub at {github.url} (README: "GitHub Actions on Catacloud")']
+                if github is not None
+                else []
+            ),
             f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
             f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
             "  (manage.py then uses these services)",
@@ -362,6 +373,49 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
 
         since = psutil.Process().create_time()
     return time.monotonic() - max(0.0, time.time() - since)
+
+
+class DevGitHub:
+    """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub (testkit/github_fake.py) sending
+    signed deliveries to this web, and the demo org connected to it with one runner class whose
+    runners are the stand-in runner (testkit/github_runner)."""
+
+    def __init__(self, home: Path, port: int) -> None:
+        self.port = int(os.environ.get("GITHUB_FAKE_PORT", "8070"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        key, secret = home / "github-fake-app.pem", home / "github-fake-webhook-secret"
+        if not key.exists():
+            from testkit.github_fake import app_keypair
+
+            key.write_text(app_keypair()[0])
+            key.chmod(0o600)
+        if not secret.exists():
+            import secrets
+
+            secret.write_text(secrets.token_urlsafe(24))
+            secret.chmod(0o600)
+        self.command = [
+            sys.executable, "-m", "testkit.github_fake", "--port", str(self.port), "--app-id", "1",
+            "--public-key-file", str(key), "--webhook-secret-file", str(secret),
+            "--webhook-url", f"http://127.0.0.1:{port}/api/integrations/github/webhook",
+            "--installation", "1", "--account", "demo-org", "--repository", "demo-org/app",
+        ]  # fmt: skip
+        self.catalog = home / "github-dev.yaml"
+        self.catalog.write_text(
+            "organizations:\n"
+            "  - slug: demo\n"
+            "    github:\n"
+            "      app_id: 1\n"
+            f"      api_url: {self.url}\n"
+            f"      private_key: {{file: {key}}}\n"
+            f"      webhook_secret: {{file: {secret}}}\n"
+            "      installations: [{id: 1, account: demo-org}]\n"
+            "      runner_classes:\n"
+            "        - name: linux-2cpu\n"
+            "          labels: [self-hosted, catacloud-linux-2cpu]\n"
+            "          machine_type: local-small\n"
+            f"          runner_dir: {ROOT / 'testkit' / 'github_runner'}\n"
+        )
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from django.urls import re_path
+from django.urls import path, re_path
 from rest_framework.routers import DefaultRouter
 
 from apps.control.api.views import EventViewSet
+from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, WorkflowJobViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import BudgetViewSet, CostViewSet, InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet
@@ -22,6 +23,8 @@ router.register("events", EventViewSet, basename="event")
 router.register("pools", PoolViewSet, basename="pool")
 router.register("resource-types", ResourceTypeViewSet, basename="resource-type")
 router.register("resources", ResourceViewSet, basename="resource")
+router.register("github/runner-classes", RunnerClassViewSet, basename="github-runner-class")
+router.register("github/workflow-jobs", WorkflowJobViewSet, basename="github-workflow-job")
 
 urlpatterns = [
     # GET /jobs/{id}/artifacts/{name}: names may contain "/" and carry no trailing slash.
@@ -30,5 +33,6 @@ urlpatterns = [
         JobViewSet.as_view({"get": "artifact"}),
         name="job-artifact",
     ),
+    path("github/connection/", GitHubConnectionView.as_view(), name="github-connection"),
     *router.urls,
 ]

@@ -104,6 +104,7 @@ INSTALLED_APPS = [
     "apps.jobs",
     "apps.resources",
     "apps.events",
+    "apps.github",
     "apps.control",
 ]
 
@@ -315,6 +316,20 @@ CATACLOUD_PUBLIC_URL = env.str("CATACLOUD_PUBLIC_URL", default="http://127.0.0.1
 # thousands of idle long polls without a thread each. Defaults to the public URL (the WSGI web
 # serves the Agent API too, but each of its long polls holds one of its threads).
 CATACLOUD_AGENT_URL = env.str("CATACLOUD_AGENT_URL", default="") or CATACLOUD_PUBLIC_URL
+
+# ---- GitHub Actions (apps/github) ---------------------------------------------------------------
+# The runner folder a machine's image provides (a runner class may name another one); the
+# default runner command copies it into the job's work folder and runs ./run.sh --jitconfig.
+CATACLOUD_GITHUB_RUNNER_DIR = env.str("CATACLOUD_GITHUB_RUNNER_DIR", default="/opt/actions-runner")
+# Seconds between reconciles of an installation (runners, missed webhooks); at most the
+# reaper interval matters as the reaper's tick sends them.
+CATACLOUD_GITHUB_RECONCILE_INTERVAL = env.float("CATACLOUD_GITHUB_RECONCILE_INTERVAL", default=30.0)
+# GitHub calls per installation per hour Catacloud allows itself (background calls: 80 % of it).
+CATACLOUD_GITHUB_REQUEST_BUDGET = env.int("CATACLOUD_GITHUB_REQUEST_BUDGET", default=3000)
+# Seconds a GitHub call may take.
+CATACLOUD_GITHUB_TIMEOUT = env.float("CATACLOUD_GITHUB_TIMEOUT", default=10.0)
+# The largest webhook delivery accepted (GitHub caps payloads at 25 MB; workflow_job ones are ~10 KB).
+CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES = env.int("CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES", default=1_048_576)
 
 # ---- the agent server (config/agent_asgi.py) ---------------------------------------------------
 # Set by config/agent_asgi.py: this process serves only the Agent API, asynchronously.

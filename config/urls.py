@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 from apps.control.agent.urls import agent_urls
 from apps.control.views import console_login, console_urls
 from apps.core.views import healthz, livez, metrics_view, readyz
+from apps.github.webhooks import webhook as github_webhook
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
@@ -24,6 +25,7 @@ urlpatterns = [
     path("readyz", readyz, name="readyz"),
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("config.api_urls")),
+    path("api/integrations/github/webhook", github_webhook, name="github-webhook"),
     path("api/agent/v1/", include(agent_urls())),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),

@@ -20,6 +20,8 @@ import yaml
 from django.db import transaction
 
 from apps.core.errors import DomainError
+from apps.github.models import GitHubConnection, RunnerClass
+from apps.github.services import CLASS_FIELDS, connection_set, pool_by_name, runner_class_save
 from apps.machines.budgets import budget_set
 from apps.machines.models import Budget, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import grant_upsert, machine_type_upsert, provider_account_upsert
@@ -279,7 +281,9 @@ class _Applier:
 
     def organization(self, node: _Map) -> None:
 
-        self.fields(node, "organization", {"slug"}, {"name", "privileges", "members", "grants", "budgets"})
+        self.fields(
+            node, "organization", {"slug"}, {"name", "privileges", "members", "grants", "budgets", "github"}
+        )
         slug = str(node["slug"])
         org, created = Organization.objects.get_or_create(
             slug=slug, defaults={"name": str(node.get("name", slug))}
@@ -329,6 +333,56 @@ class _Applier:
         for entry in self.items(node, "budgets"):
             changed = self.budget(org, entry) or changed
         self.report.add(f"organization {slug}", changed, created=created)
+        if node.get("github") is not None:
+            self.github(org, self.mapping(node["github"], "github", node, "github"))
+
+    def github(self, org: Any, node: _Map) -> None:
+        """``github: {app_id, private_key: {file|env}, webhook_secret: {file|env}, api_url?,
+        installations: [id | {id, account}], runner_classes: [...]}`` (GitHub Actions)."""
+        self.fields(
+            node,
+            "github",
+            {"app_id", "private_key", "webhook_secret"},
+            {"api_url", "installations", "runner_classes"},
+        )
+        existed = GitHubConnection.objects.filter(org=org).exists()
+        _, changed = self.guard(
+            node,
+            functools.partial(
+                connection_set,
+                org=org,
+                app_id=node["app_id"],
+                api_url=node.get("api_url"),
+                private_key=self.secret_ref(node["private_key"], node, "private_key"),
+                webhook_secret=self.secret_ref(node["webhook_secret"], node, "webhook_secret"),
+                installations=node.get("installations") or [],
+                actor="catalog",
+            ),
+        )
+        self.report.add(f"github connection of {org.slug}", changed, created=not existed)
+        for entry in self.items(node, "runner_classes"):
+            self.fields(entry, "runner class", {"name", "labels", "machine_type"}, set(CLASS_FIELDS))
+            mt = MachineType.objects.filter(name=str(entry["machine_type"])).first()
+            if mt is None:
+                raise self.error(f"unknown machine type {entry['machine_type']!r}", entry, "machine_type")
+            fields = {k: v for k, v in entry.items() if k not in ("machine_type", "pool")}
+            existing = RunnerClass.objects.filter(org=org, name=str(entry["name"])).first()
+            pool = self.guard(entry, functools.partial(pool_by_name, org, entry.get("pool")))
+            _, class_changed = self.guard(
+                entry,
+                functools.partial(
+                    runner_class_save,
+                    org=org,
+                    runner_class=existing,
+                    actor="catalog",
+                    machine_type=mt,
+                    pool=pool,
+                    **fields,
+                ),
+            )
+            self.report.add(
+                f"runner class {org.slug}/{entry['name']}", class_changed, created=existing is None
+            )
 
     def budget(self, org: Any, node: _Map) -> bool:
         """``{amount: 100, period: month | day, machine_type: NAME?}``; unchanged amounts are

@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     NOT_AUTHENTICATED = "not_authenticated"
     AUTHENTICATION_FAILED = "authentication_failed"
     INVALID_BOOTSTRAP_TOKEN = "invalid_bootstrap_token"
+    INVALID_SIGNATURE = "invalid_signature"  # a webhook delivery without a valid signature
     PERMISSION_DENIED = "permission_denied"
     MISSING_PRIVILEGE = "missing_privilege"
     METRICS_CLOSED = "metrics_closed"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from apps.core.ids import InstanceId, MachineTypeId, OrgId, PoolId, ResourceTypeId
+from apps.core.ids import InstanceId, JobId, MachineTypeId, OrgId, PoolId, ResourceTypeId
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -81,10 +81,16 @@ def resource_slot_freed(*, type_id: ResourceTypeId) -> None:
 
 
 @Hook
-def job_config_names(job_ids: Iterable[str]) -> dict[str, str]:
-    """machines (cost reports) → jobs: {job id: its configuration's name} for a set of job ids
-    (strings: the cost attribution's references)."""
+def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
+    """machines (cost reports) → jobs: {job id: {config, repository, workflow}} for a set of job
+    ids (strings: the cost attribution's references)."""
     raise NotImplementedError
+
+
+@Hook
+def job_needs_handoff(*, job_id: JobId) -> None:
+    """jobs → github: a job with ``handoff_by`` was assigned (called after commit); its
+    integration hands it to the machine's agent (apps.jobs.handoff)."""
 
 
 @Hook

@@ -23,6 +23,9 @@ JobId: TypeAlias = UUID
 ArtifactId: TypeAlias = UUID
 ResourceId: TypeAlias = UUID
 ResourceTypeId: TypeAlias = str  # a slug (``api_token``, ``postgres_database``)
+GitHubInstallationId: TypeAlias = UUID  # our row of a GitHub App installation (not GitHub's id)
+RunnerClassId: TypeAlias = UUID
+RunnerId: TypeAlias = UUID  # a GitHub runner's row: the id of the Catacloud job it is
 
 # What an event names (its org, pool, instance, job): the row itself or its id (a string where
 # the id came from outside, e.g. a cloud label).

@@ -106,7 +106,8 @@ def admit_grant(*, org_id: OrgId, machine_type_id: MachineTypeId, limit: int, no
 
 def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool = False) -> int:
     now = timezone.now()
-    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED)
+    # Held jobs (apps.jobs.handoff.jobs_hold) keep their hold reason and are not admitted.
+    queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED, hold_reason="")
     with transaction.atomic():
         grant = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
         if grant is None:

@@ -93,6 +93,18 @@ class Job(SecretEnvMixin, models.Model):
     free_requeues = models.PositiveIntegerField(default=0)
     # When the current status was entered: the reaper's deadlines count from here.
     status_changed_at = models.DateTimeField(default=timezone.now)
+    # Where the job comes from, for reports (costs by repository, workflow): a GitHub runner
+    # job carries {repository, workflow, run_id, job_name, ...}. Never a secret.
+    labels = models.JSONField(default=dict, blank=True)
+    # Not empty: the job stays queued, not admitted, with this as its pending reason (its
+    # integration holds it, e.g. while GitHub is unreachable).
+    hold_reason = models.CharField(max_length=300, blank=True)
+    # Not empty: an integration ("github") hands the job to its machine's agent once it has
+    # added what the job needs (a runner registration); until then the agent does not get it.
+    handoff_by = models.CharField(max_length=32, blank=True)
+    # The machine the integration handed this attempt to (the agent gets the job only when this
+    # is its machine; a requeued attempt on another machine waits for a new handoff).
+    handed_off_to = models.UUIDField(null=True, blank=True)
     submitted_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -22,6 +22,7 @@ from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
+from apps.core import hooks
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.ids import OrgId
 from apps.jobs.choices import JobStatus, Reuse
@@ -130,8 +131,11 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
     )
     MachineInstance.objects.filter(pk=instance.pk).update(last_config=job.config_id)
-    instance_id = instance.pk
-    transaction.on_commit(lambda: wake_agent(instance_id))
+    instance_id, job_id = instance.pk, job.pk
+    if job.handoff_by:  # its integration hands it to the agent (apps.jobs.handoff)
+        transaction.on_commit(lambda: hooks.job_needs_handoff(job_id=job_id))
+    else:
+        transaction.on_commit(lambda: wake_agent(instance_id))
 
 
 def _provision_or_wait(

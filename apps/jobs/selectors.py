@@ -11,11 +11,14 @@ from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 
 
-def job_config_names(job_ids: Iterable[str]) -> dict[str, str]:
-    """{job id: its configuration's name} (``hooks.job_config_names``: cost reports, whose
-    attribution names jobs by their ids as strings)."""
-    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name")
-    return {str(pk): name for pk, name in rows}
+def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
+    """{job id: {config, repository, workflow}}: what cost reports group a job's share by
+    (``hooks.job_cost_keys``; the attribution names jobs by their ids as strings)."""
+    rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name", "labels")
+    return {
+        str(pk): {"config": name, "repository": labels.get("repository"), "workflow": labels.get("workflow")}
+        for pk, name, labels in rows
+    }
 
 
 def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:

@@ -11,6 +11,7 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
+from apps.jobs.handoff import awaits_handoff, job_cancel_before_handoff
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, check_env
@@ -28,8 +29,17 @@ def job_submit(
     env: dict[str, str] | None = None,
     user: Any = None,
     actor: str = "",
+    labels: dict[str, Any] | None = None,
+    handoff_by: str = "",
+    hold_reason: str = "",
+    schedule_now: bool = True,
 ) -> Job:
-    """Queue a run of ``config``. Privileges are checked now (403 missing_privilege)."""
+    """Queue a run of ``config``. Privileges are checked now (403 missing_privilege).
+
+    Integrations (apps.github) also pass ``labels`` (where the job comes from), ``handoff_by``
+    (they hand the job to its machine's agent themselves, see apps.jobs.handoff) and
+    ``hold_reason`` (queued but not admitted until they release it); ``schedule_now`` False
+    leaves the admission to the caller (one pass after a batch of submits)."""
     if config.org_id != org.pk:
         raise NotFound("job configuration not found")
     grant_check_privilege(org=org, machine_type=config.machine_type)
@@ -54,6 +64,10 @@ def job_submit(
             timeout_seconds=config.timeout_seconds,
             max_attempts=config.max_attempts,
             submitted_by=user if getattr(user, "pk", None) else None,
+            labels=labels or {},
+            handoff_by=handoff_by,
+            hold_reason=hold_reason[:300],
+            pending_reason=hold_reason[:300],
         )
         event_record(
             kind=EventKind.JOB_QUEUED,
@@ -64,7 +78,8 @@ def job_submit(
             priority=job.priority,
         )
         schedule_after_commit()
-        schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
+        if schedule_now and not hold_reason:
+            schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
     return job
 
 
@@ -78,7 +93,11 @@ def job_cancel(*, job: Job, actor: str = "") -> Job:
         machine_gone = locked.instance_id is None or (
             MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
         )
-        if locked.status in (JobStatus.ASSIGNED, JobStatus.RUNNING) and not machine_gone:
+        if awaits_handoff(locked):
+            # Its agent has not got it (apps.jobs.handoff): it ends at once and its machine
+            # is released as after any job (kept for reuse or destroyed).
+            job_cancel_before_handoff(job=locked, actor=actor)
+        elif locked.status in (JobStatus.ASSIGNED, JobStatus.RUNNING) and not machine_gone:
             # The agent kills the command and reports; if the machine goes away first, the
             # requeue that follows sees cancel_requested and ends the job cancelled.
             Job.objects.filter(pk=job.pk).update(cancel_requested=True)

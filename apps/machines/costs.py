@@ -160,7 +160,7 @@ def cost_summary(mc: MachineCost) -> dict[str, Any]:
 
 # ---- reports: GET /costs/, export_costs ----------------------------------------------------
 
-GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine")
+GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow")
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,9 @@ class PartRow:
     kind: str
     job_id: str | None
     config: str | None
+    # where the job came from (a GitHub runner job's repository and workflow), else None
+    repository: str | None
+    workflow: str | None
     start: datetime
     end: datetime
     amount: Decimal
@@ -215,7 +218,7 @@ def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetim
         for p in mc.attribution.parts
         if p.kind == JOB and not p.ref.startswith("claim:")
     }
-    configs: dict[str, str] = hooks.job_config_names(job_ids) if job_ids else {}
+    keys: dict[str, dict[str, str | None]] = hooks.job_cost_keys(job_ids) if job_ids else {}
     rows = []
     for mc in costs:
         if mc.start is None:
@@ -226,6 +229,7 @@ def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetim
             if not start <= at < end:
                 continue
             job_id = p.ref if p.kind == JOB and not p.ref.startswith("claim:") else None
+            of_job = keys.get(job_id, {}) if job_id else {}
             rows.append(
                 PartRow(
                     instance_id=inst.pk,
@@ -233,7 +237,9 @@ def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetim
                     pool=inst.pool.name if inst.pool is not None else None,
                     kind=p.kind,
                     job_id=job_id,
-                    config=configs.get(job_id) if job_id else None,
+                    config=of_job.get("config"),
+                    repository=of_job.get("repository"),
+                    workflow=of_job.get("workflow"),
                     start=at,
                     end=mc.start + timedelta(seconds=p.end),
                     amount=p.amount,
@@ -254,6 +260,10 @@ def _key(row: PartRow, group_by: str) -> str | None:
         return row.machine_type
     if group_by == "machine":
         return str(row.instance_id)
+    if group_by == "repository":
+        return row.repository
+    if group_by == "workflow":
+        return row.workflow
     return row.kind
 
 

@@ -534,6 +534,19 @@ def _waited(job: dict) -> float | None:
     return between(job["queued_at"] or job["created_at"], job["started_at"] or job["finished_at"])
 
 
+def _github_rows(labels: dict) -> list[tuple[str, Any]]:
+    """A GitHub Actions runner job: the workflow job it ran (or was started for)."""
+    if "repository" not in labels:
+        return []
+    run = f"run {labels.get('run_id')}" + (
+        f" attempt {labels['run_attempt']}" if labels.get("run_attempt") else ""
+    )
+    return [
+        ("github", f"{labels['repository']} {labels.get('workflow', '')} / {labels.get('job_name', '')}"),
+        ("run", run),
+    ]
+
+
 def print_job_summary(job: dict, out: Any = None) -> None:
     out = out or sys.stdout
     cost = job.get("cost") or {}
@@ -548,6 +561,7 @@ def print_job_summary(job: dict, out: Any = None) -> None:
         ("ran", duration(between(job["started_at"], job["finished_at"])) if job["started_at"] else None),
         ("reason", _reason(job)),
         ("cost", f"{cost['amount']} {cost['currency']}" if cost.get("amount") is not None else None),
+        *_github_rows(job.get("labels") or {}),
     ]
     for key, value in rows:
         if value not in (None, ""):

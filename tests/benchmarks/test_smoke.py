@@ -167,3 +167,13 @@ def test_fleet(tmp_path: Path) -> None:
     assert len(result.data["baseline"]) == 1
     report.save(result, tmp_path)
     assert "fleet.png" in report.plots(report.load_all(tmp_path), tmp_path)
+
+
+def test_ci(tmp_path: Path) -> None:
+    result = run_part("ci", samples=2, burst=4, pool_size=2, progress=quiet)
+    sane(result, "ci")
+    assert len(result.data["latency"]["handoff_s"]) == 2 and result.data["burst"]["jobs"] == 4
+    assert all(x > 0 for x in result.data["latency"]["handoff_s"] + result.data["latency"]["online_s"])
+    assert result.data["burst"]["conclusions"] == {"success": 4}
+    report.save(result, tmp_path)
+    assert "ci.png" in report.plots(report.load_all(tmp_path), tmp_path)

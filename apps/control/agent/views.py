@@ -33,6 +33,7 @@ from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
 from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
+from apps.jobs.handoff import handed_off
 from apps.jobs.models import Job
 from apps.jobs.selectors import job_payload
 from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
@@ -167,15 +168,17 @@ INSTANCE = (
     f"SELECT id FROM {MachineInstance._meta.db_table} "
     f"WHERE agent_token_hash = %s AND agent_token_hash <> '' AND status IN ({LIVE})"
 )
+# A job an integration hands off (apps.jobs.handoff) is given only once handed to this machine.
 HAS_ASSIGNED = (
     f"SELECT EXISTS (SELECT 1 FROM {Job._meta.db_table} "
-    f"WHERE instance_id = %s AND status IN ({_sql_list([JobStatus.ASSIGNED])}))"
+    f"WHERE instance_id = %s AND status IN ({_sql_list([JobStatus.ASSIGNED])}) "
+    "AND (handoff_by = '' OR handed_off_to = instance_id))"
 )
 
 
 def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
     job = (
-        Job.objects.filter(instance_id=instance_id, status=JobStatus.ASSIGNED)
+        Job.objects.filter(handed_off(), instance_id=instance_id, status=JobStatus.ASSIGNED)
         .select_related("config")
         .order_by("assigned_at")
         .first()

@@ -144,6 +144,7 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
             "env",
             "env_hidden",
             "secret_env_keys",
+            "labels",
             "created_at",
             "queued_at",
             "admitted_at",

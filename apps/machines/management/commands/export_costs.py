@@ -30,6 +30,8 @@ COLUMNS = (
     "pool",
     "job",
     "config",
+    "repository",
+    "workflow",
     "live",
 )
 
@@ -86,6 +88,8 @@ class Command(BaseCommand):
                         r.pool or "",
                         r.job_id or "",
                         r.config or "",
+                        r.repository or "",
+                        r.workflow or "",
                         "yes" if r.live else "no",
                     ]
                 )

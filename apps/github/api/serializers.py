@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from rest_framework import serializers
+
+from apps.github.models import GitHubConnection, RunnerClass, WorkflowJob
+from apps.machines.api.serializers import OrgMachineTypeField
+from apps.pools.models import InstancePool
+
+
+class InstallationIn(serializers.Serializer):
+    id = serializers.IntegerField(min_value=1)
+    account = serializers.CharField(max_length=100, required=False, allow_blank=True, default="")
+
+
+class ConnectionIn(serializers.Serializer):
+    """Secrets are write-only: sent to set or replace them, never answered."""
+
+    app_id = serializers.IntegerField(min_value=1, required=False)
+    api_url = serializers.URLField(max_length=300, required=False)
+    private_key = serializers.CharField(
+        write_only=True, required=False, max_length=20000, trim_whitespace=False
+    )
+    webhook_secret = serializers.CharField(write_only=True, required=False, max_length=500)
+    installations = InstallationIn(many=True, required=False)
+
+
+class ConnectionOut(serializers.ModelSerializer):
+    private_key_set = serializers.SerializerMethodField()
+    webhook_secret_set = serializers.SerializerMethodField()
+    webhook_url = serializers.SerializerMethodField(help_text="the Payload URL to give the GitHub App")
+    installations = serializers.SerializerMethodField()
+
+    class Meta:
+        model = GitHubConnection
+        fields = (
+            "app_id",
+            "api_url",
+            "private_key_set",
+            "webhook_secret_set",
+            "webhook_url",
+            "installations",
+            "created_at",
+            "updated_at",
+        )
+
+    def get_private_key_set(self, obj: GitHubConnection) -> bool:
+        return bool(obj.private_key)
+
+    def get_webhook_secret_set(self, obj: GitHubConnection) -> bool:
+        return bool(obj.webhook_secret)
+
+    def get_webhook_url(self, obj: GitHubConnection) -> str:
+        return f"{settings.CATACLOUD_PUBLIC_URL.rstrip('/')}/api/integrations/github/webhook"
+
+    def get_installations(self, obj: GitHubConnection) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": i.installation_id,
+                "account": i.account,
+                "available": i.is_available(),
+                "unavailable_reason": i.unavailable_reason if not i.is_available() else "",
+                "calls_this_hour": i.window_calls,
+                "calls_total": i.calls_total,
+                "rate_remaining": i.rate_remaining,
+                "reconciled_at": i.reconciled_at,
+            }
+            for i in obj.installations.order_by("installation_id")
+        ]
+
+
+class OrgPoolField(serializers.PrimaryKeyRelatedField):
+    def get_queryset(self):
+        org = self.context.get("org")
+        return InstancePool.objects.filter(org=org) if org is not None else InstancePool.objects.none()
+
+
+class RunnerClassSerializer(serializers.ModelSerializer):
+    machine_type = OrgMachineTypeField()
+    pool = OrgPoolField(required=False, allow_null=True)
+    labels = serializers.ListField(child=serializers.CharField(max_length=100), min_length=1, max_length=100)
+    queued = serializers.SerializerMethodField(help_text="workflow jobs of this class waiting for a runner")
+    runners = serializers.SerializerMethodField(help_text="live runners (Catacloud jobs) of this class")
+
+    class Meta:
+        model = RunnerClass
+        fields = (
+            "id",
+            "name",
+            "labels",
+            "machine_type",
+            "pool",
+            "scope",
+            "runner_group_id",
+            "command",
+            "runner_dir",
+            "priority",
+            "timeout_seconds",
+            "max_attempts",
+            "online_timeout_seconds",
+            "idle_timeout_seconds",
+            "job_config",
+            "queued",
+            "runners",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields = ("id", "job_config", "created_at", "updated_at")
+        extra_kwargs = {"command": {"trim_whitespace": False, "max_length": 65536}}
+
+    def get_queued(self, obj: RunnerClass) -> int:
+        return obj.jobs.filter(status="queued").count()
+
+    def get_runners(self, obj: RunnerClass) -> int:
+        from apps.jobs.choices import JOB_LIVE
+
+        return obj.runners.filter(job__status__in=JOB_LIVE).count()
+
+
+class WorkflowJobSerializer(serializers.ModelSerializer):
+    runner_class: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
+    installation = serializers.IntegerField(source="installation.installation_id", read_only=True)
+
+    class Meta:
+        model = WorkflowJob
+        fields = (
+            "id",
+            "installation",
+            "github_id",
+            "run_id",
+            "run_attempt",
+            "repository",
+            "workflow",
+            "name",
+            "labels",
+            "status",
+            "conclusion",
+            "runner_class",
+            "runner_name",
+            "job",
+            "seen_at",
+            "status_changed_at",
+            "started_at",
+            "completed_at",
+        )
+        read_only_fields = fields

@@ -1,0 +1,275 @@
+"""GitHub Actions on Catacloud: an organization's GitHub App connection, its installations,
+runner classes (label sets -> machine type), the webhook deliveries received, the workflow
+jobs seen and the just-in-time runners started for them (each one a Catacloud job)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.core.crypto import decrypt_json, encrypt_json
+from apps.github.choices import RunnerScope, WorkflowJobStatus
+
+DEFAULT_API_URL = "https://api.github.com"
+
+
+class GitHubConnection(models.Model):
+    """One organization's GitHub App: its id, private key and webhook secret (both encrypted at
+    rest, write-only in the API, never shown) and the API base URL (GitHub Enterprise Server)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.OneToOneField("orgs.Organization", on_delete=models.CASCADE, related_name="github")
+    app_id = models.PositiveBigIntegerField(help_text="the GitHub App's id")
+    api_url = models.CharField(
+        max_length=300,
+        default=DEFAULT_API_URL,
+        help_text="https://api.github.com, or GitHub Enterprise Server's /api/v3",
+    )
+    secrets_encrypted = models.TextField(blank=True, editable=False)
+    # Hook deliveries already looked at by the reconciler (GitHub's delivery ids).
+    deliveries_checked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "GitHub connection"
+
+    def __str__(self) -> str:
+        return f"GitHub App {self.app_id} for {self.org}"
+
+    @property
+    def secrets(self) -> dict[str, str]:
+        """{private_key, webhook_secret}: decrypted on use, never logged or returned."""
+        return decrypt_json(self.secrets_encrypted) if self.secrets_encrypted else {}
+
+    @secrets.setter
+    def secrets(self, value: dict[str, str]) -> None:
+        self.secrets_encrypted = encrypt_json(value) if value else ""
+
+    @property
+    def webhook_secret(self) -> str:
+        return self.secrets.get("webhook_secret", "")
+
+    @property
+    def private_key(self) -> str:
+        return self.secrets.get("private_key", "")
+
+    def event_refs(self) -> dict:
+        return {"org": self.org_id}
+
+
+class GitHubInstallation(models.Model):
+    """One installation of the App (on a GitHub organization or user). Holds what the one
+    GitHub client shares across processes: the cached installation token, the rate limit
+    GitHub reported, the per-installation request budget, and whether GitHub is reachable."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    connection = models.ForeignKey(GitHubConnection, on_delete=models.CASCADE, related_name="installations")
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
+    installation_id = models.PositiveBigIntegerField()
+    # The GitHub account it is installed on (organization runners register there); learned
+    # from deliveries when not set.
+    account = models.CharField(max_length=100, blank=True)
+    # The cached installation token (encrypted) and its expiry.
+    token_encrypted = models.TextField(blank=True, editable=False)
+    token_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # x-ratelimit-* of the last answer.
+    rate_remaining = models.IntegerField(null=True, blank=True, editable=False)
+    rate_reset_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Our own request budget: calls in the current hour window.
+    window_started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    window_calls = models.PositiveIntegerField(default=0, editable=False)
+    calls_total = models.PositiveBigIntegerField(default=0, editable=False)
+    # GitHub unreachable or limiting us: no call before this (runner jobs are held meanwhile).
+    unavailable_until = models.DateTimeField(null=True, blank=True, editable=False)
+    unavailable_reason = models.CharField(max_length=300, blank=True, editable=False)
+    failures = models.PositiveIntegerField(default=0, editable=False)
+    # The reconciler: when it last ran (and claimed the installation), and its queued-jobs poll.
+    reconciled_at = models.DateTimeField(null=True, blank=True, editable=False)
+    reconcile_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    next_poll_at = models.DateTimeField(null=True, blank=True, editable=False)
+    poll_interval_seconds = models.FloatField(default=0, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "GitHub installation"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["connection", "installation_id"], name="github_installation_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"installation {self.installation_id}" + (f" ({self.account})" if self.account else "")
+
+    @property
+    def token(self) -> str:
+        return decrypt_json(self.token_encrypted).get("token", "") if self.token_encrypted else ""
+
+    def is_available(self, now: datetime | None = None) -> bool:
+        return self.unavailable_until is None or self.unavailable_until <= (now or timezone.now())
+
+
+class RunnerClass(models.Model):
+    """Workflow jobs whose ``runs-on`` labels this class covers run on ``machine_type``
+    (``[self-hosted, catacloud-linux-2cpu]`` -> local-small), through a job configuration it
+    keeps (``github-<name>``): same admission, quotas, budgets, priorities and reports."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="runner_classes")
+    name = models.SlugField(max_length=48)
+    # Lower-case, sorted, unique: the runner's labels; a job matches when its labels are a
+    # subset that names at least one of the class's own (not only self-hosted, linux, x64...).
+    labels = models.JSONField(default=list)
+    machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="+")
+    pool = models.ForeignKey(
+        "pools.InstancePool", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    scope = models.CharField(max_length=8, choices=RunnerScope.choices, default=RunnerScope.ORG)
+    runner_group_id = models.PositiveBigIntegerField(default=1, help_text="1: the Default group")
+    # Empty: the default (copy runner_dir into the job's work folder, ./run.sh --jitconfig …).
+    command = models.TextField(blank=True)
+    # Empty: CATACLOUD_GITHUB_RUNNER_DIR (the runner folder the machine's image provides).
+    runner_dir = models.CharField(max_length=500, blank=True)
+    priority = models.IntegerField(default=0)
+    timeout_seconds = models.PositiveIntegerField(
+        default=6 * 3600, validators=[MinValueValidator(60), MaxValueValidator(7 * 86400)]
+    )
+    max_attempts = models.PositiveIntegerField(default=3, validators=[MinValueValidator(1)])
+    # A runner that has not come online this long after its handoff: its machine is recycled.
+    online_timeout_seconds = models.PositiveIntegerField(default=180, validators=[MinValueValidator(10)])
+    # A registered runner idle (no job) this long: deleted and its machine released.
+    idle_timeout_seconds = models.PositiveIntegerField(default=300, validators=[MinValueValidator(10)])
+    job_config = models.OneToOneField(
+        "jobs.JobConfiguration", null=True, blank=True, on_delete=models.SET_NULL, related_name="runner_class"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "runner classes"
+        ordering = ["org__slug", "name"]
+        constraints = [models.UniqueConstraint(fields=["org", "name"], name="runner_class_name_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.org}/{self.name} {self.labels}"
+
+
+class WebhookDelivery(models.Model):
+    """A delivery received, keyed by ``X-GitHub-Delivery``: a redelivery of the same one is a
+    no-op. Stored before it is acted on; ``processed_at`` empty means not yet acted on (the
+    reconciler processes what a crash left)."""
+
+    guid = models.CharField(max_length=64, primary_key=True)
+    installation = models.ForeignKey(GitHubInstallation, on_delete=models.CASCADE, related_name="deliveries")
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
+    event = models.CharField(max_length=64)
+    action = models.CharField(max_length=64, blank=True)
+    payload = models.JSONField()
+    received_at = models.DateTimeField(auto_now_add=True)
+    processed_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        verbose_name_plural = "webhook deliveries"
+        ordering = ["-received_at"]
+        indexes = [
+            # the reconciler: WHERE processed_at IS NULL ORDER BY received_at
+            models.Index(fields=["received_at"], name="delivery_unprocessed", condition=Q(processed_at=None))
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event}.{self.action} {self.guid}"
+
+
+class WorkflowJob(models.Model):
+    """A GitHub workflow job that one of the org's runner classes covers, keyed by (job id,
+    run attempt): deliveries and the reconciler's polls move its status forward only."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    installation = models.ForeignKey(GitHubInstallation, on_delete=models.CASCADE, related_name="jobs")
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
+    runner_class = models.ForeignKey(RunnerClass, null=True, on_delete=models.SET_NULL, related_name="jobs")
+    github_id = models.PositiveBigIntegerField()
+    run_attempt = models.PositiveIntegerField(default=1)
+    run_id = models.PositiveBigIntegerField()
+    repository = models.CharField(max_length=200)
+    workflow = models.CharField(max_length=300, blank=True)
+    name = models.CharField(max_length=300, blank=True)
+    labels = models.JSONField(default=list)
+    status = models.CharField(max_length=16, choices=WorkflowJobStatus.choices)
+    conclusion = models.CharField(max_length=32, blank=True)
+    runner_name = models.CharField(max_length=200, blank=True)
+    # The Catacloud job (a runner of ours) that ran it, when one did.
+    job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    seen_at = models.DateTimeField(auto_now_add=True)
+    status_changed_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-seen_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["installation", "github_id", "run_attempt"], name="workflow_job_unique"
+            )
+        ]
+        indexes = [
+            # demand: WHERE runner_class_id = %s AND status = 'queued'
+            models.Index(fields=["runner_class", "status"], name="workflow_job_class_status"),
+        ]
+
+    def __str__(self) -> str:
+        where = f"{self.repository} {self.workflow}/{self.name}"
+        return f"{where} #{self.github_id}.{self.run_attempt} ({self.status})"
+
+    def job_labels(self) -> dict[str, object]:
+        """What a runner job records about the workflow job it serves (costs by repository)."""
+        return {
+            "repository": self.repository,
+            "workflow": self.workflow,
+            "run_id": self.run_id,
+            "run_attempt": self.run_attempt,
+            "job_name": self.name,
+            "github_job_id": self.github_id,
+        }
+
+
+class Runner(models.Model):
+    """A just-in-time runner: one Catacloud job (``job``) that registers one runner with
+    GitHub on its machine and takes one workflow job. ``created_for`` is the workflow job whose
+    queueing started it; ``workflow_job`` the one GitHub actually gave it (any queued job with
+    matching labels), once known."""
+
+    job = models.OneToOneField("jobs.Job", primary_key=True, on_delete=models.CASCADE, related_name="runner")
+    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
+    installation = models.ForeignKey(GitHubInstallation, on_delete=models.CASCADE, related_name="runners")
+    runner_class = models.ForeignKey(RunnerClass, on_delete=models.CASCADE, related_name="runners")
+    created_for = models.ForeignKey(
+        WorkflowJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    workflow_job = models.ForeignKey(
+        WorkflowJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="runners"
+    )
+    # Registration: asked for (the intent, committed before the call), then obtained.
+    name = models.CharField(max_length=100, blank=True)
+    registering_instance = models.UUIDField(null=True, blank=True)
+    registering_at = models.DateTimeField(null=True, blank=True)
+    github_runner_id = models.PositiveBigIntegerField(null=True, blank=True)
+    registered_instance = models.UUIDField(null=True, blank=True)
+    registered_at = models.DateTimeField(null=True, blank=True)
+    online_at = models.DateTimeField(null=True, blank=True)
+    # No longer needed (demand fell): being deleted at GitHub, then its job cancelled.
+    retire_requested_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name or f"runner for job {self.job_id}"

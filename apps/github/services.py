@@ -1,0 +1,362 @@
+"""An organization's GitHub connection and runner classes: the one write path for the API, the
+admin console and the catalog (``manage.py apply``)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+from django.conf import settings
+from django.db import transaction
+
+from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
+from apps.events.kinds import EventKind
+from apps.events.services import event_record
+from apps.github.choices import RunnerScope
+from apps.github.models import DEFAULT_API_URL, GitHubConnection, GitHubInstallation, Runner, RunnerClass
+from apps.jobs.choices import JOB_LIVE, Reuse
+from apps.jobs.models import JobConfiguration
+from apps.jobs.services import job_config_delete, job_config_save
+from apps.machines.models import MachineType
+from apps.orgs.models import Organization
+from apps.pools.models import InstancePool
+
+# The environment variable the runner reads its just-in-time configuration from (the real
+# actions/runner reads ACTIONS_RUNNER_INPUT_<OPTION> for a missing --<option>): a secret of
+# the runner job, masked in its output, erased when the job ends.
+JIT_ENV = "ACTIONS_RUNNER_INPUT_JITCONFIG"
+# The runner command when a class names none: a copy of the runner folder the machine's
+# image provides (read-only there) in the job's own work folder, so nothing is written into
+# the image and every runner starts clean; then one just-in-time run.
+DEFAULT_COMMAND = (
+    'cp -R {runner_dir} "$CATACLOUD_WORK_DIR/actions-runner" && cd "$CATACLOUD_WORK_DIR/actions-runner" '
+    f'&& exec ./run.sh --jitconfig "${JIT_ENV}"'
+)
+# Labels every self-hosted runner may carry: a class must name at least one label besides these,
+# so a job asking only for [self-hosted] (meant for other runners) never matches.
+GENERIC_LABELS = frozenset({"self-hosted", "linux", "windows", "macos", "x64", "arm64", "arm"})
+MAX_LABELS = 100
+
+
+def _invalid(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
+
+
+# ---- label matching ---------------------------------------------------------------------------
+
+
+def normalise_labels(labels: Any, field: str = "labels") -> list[str]:
+    """1-100 labels (GitHub's limit for a runner), lower-case, unique, sorted."""
+    if not isinstance(labels, list | tuple) or not labels:
+        raise _invalid(field, "must be a list of 1 to 100 labels")
+    out = set()
+    for label in labels:
+        if not isinstance(label, str) or not label.strip() or len(label) > 100:
+            raise _invalid(field, "each label is a non-empty string of at most 100 characters")
+        out.add(label.strip().lower())
+    if len(out) > MAX_LABELS:
+        raise _invalid(field, "at most 100 labels")
+    return sorted(out)
+
+
+def class_matches(class_labels: Iterable[str], job_labels: Iterable[str]) -> bool:
+    """GitHub gives a job to a runner whose labels include all of the job's: the class covers a
+    job whose labels are a subset of its own and name at least one that is not generic."""
+    mine = set(class_labels)
+    wanted = {label.lower() for label in job_labels}
+    return bool(wanted) and wanted <= mine and bool(wanted & (mine - GENERIC_LABELS))
+
+
+def match_class(classes: Iterable[RunnerClass], job_labels: Iterable[str]) -> RunnerClass | None:
+    """The class for a job: among those covering it, the one with the fewest labels (the most
+    specific), then by name. None: the job is meant for other runners."""
+    wanted = list(job_labels)
+    covering = [c for c in classes if class_matches(c.labels, wanted)]
+    return min(covering, key=lambda c: (len(c.labels), c.name)) if covering else None
+
+
+# ---- the connection -----------------------------------------------------------------------------
+
+
+def _check_private_key(pem: str) -> None:
+    try:
+        key = load_pem_private_key(pem.encode(), password=None)
+    except (ValueError, TypeError):
+        raise _invalid(
+            "private_key", "not a PEM private key (the .pem file GitHub gave for the App)"
+        ) from None
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise _invalid("private_key", "GitHub App keys are RSA keys")
+
+
+def _check_api_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise _invalid("api_url", "must be an http(s) URL, e.g. https://api.github.com")
+    return url.rstrip("/")
+
+
+def _installation_ids(value: Any) -> list[tuple[int, str]]:
+    if not isinstance(value, list | tuple):
+        raise _invalid("installations", "must be a list of installation ids")
+    out = []
+    for item in value:
+        account = ""
+        if isinstance(item, dict):
+            account = str(item.get("account") or "")
+            item = item.get("id")
+        if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
+            raise _invalid("installations", "each installation id is a positive integer")
+        out.append((item, account))
+    return out
+
+
+@transaction.atomic
+def connection_set(
+    *,
+    org: Organization,
+    app_id: Any = None,
+    api_url: str | None = None,
+    private_key: str | None = None,
+    webhook_secret: str | None = None,
+    installations: Any = None,
+    actor: str = "",
+) -> tuple[GitHubConnection, bool]:
+    """Create or change the org's GitHub connection. Secrets given replace the stored ones
+    (None keeps them; they are required when creating); ``installations`` given replaces the
+    list. Returns (connection, changed). Events name what changed, never a value."""
+    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
+    creating = conn is None
+    if creating:
+        if app_id is None or not private_key or not webhook_secret:
+            raise ValidationFailed(
+                "a new GitHub connection needs app_id, private_key and webhook_secret",
+                fields={
+                    k: ["required"]
+                    for k, v in (
+                        ("app_id", app_id),
+                        ("private_key", private_key),
+                        ("webhook_secret", webhook_secret),
+                    )
+                    if not v
+                },
+            )
+        conn = GitHubConnection(org=org, app_id=0, api_url=DEFAULT_API_URL)
+    assert conn is not None
+    changed: list[str] = []
+    if app_id is not None:
+        if isinstance(app_id, bool) or not isinstance(app_id, int) or app_id <= 0:
+            raise _invalid("app_id", "must be a positive integer")
+        if conn.app_id != app_id:
+            conn.app_id = app_id
+            changed.append("app_id")
+    if api_url is not None:
+        url = _check_api_url(api_url)
+        if conn.api_url != url:
+            conn.api_url = url
+            changed.append("api_url")
+    stored = conn.secrets if not creating else {}
+    secrets = dict(stored)
+    if private_key is not None:
+        _check_private_key(private_key)
+        secrets["private_key"] = private_key
+    if webhook_secret is not None:
+        if len(webhook_secret) < 8:
+            raise _invalid("webhook_secret", "at least 8 characters")
+        secrets["webhook_secret"] = webhook_secret
+    for name in ("private_key", "webhook_secret"):
+        if secrets.get(name) != stored.get(name):
+            changed.append(name)  # named, never shown
+    if secrets != stored:
+        conn.secrets = secrets
+    if changed or creating:
+        conn.save()
+    if installations is not None:
+        changed += _set_installations(conn, _installation_ids(installations))
+    if changed or creating:
+        event_record(
+            kind=EventKind.GITHUB_CONNECTION_CREATED if creating else EventKind.GITHUB_CONNECTION_UPDATED,
+            org=org,
+            actor=actor,
+            app_id=conn.app_id,
+            fields=sorted(set(changed)),
+        )
+    return conn, bool(changed) or creating
+
+
+def _set_installations(conn: GitHubConnection, wanted: list[tuple[int, str]]) -> list[str]:
+    changed = []
+    ids = {i for i, _ in wanted}
+    clash = (
+        GitHubInstallation.objects.filter(installation_id__in=ids, connection__api_url=conn.api_url)
+        .exclude(connection=conn)
+        .values_list("installation_id", flat=True)
+        .first()
+    )
+    if clash is not None:
+        raise Conflict(f"installation {clash} is connected to another organization", code=ErrorCode.IN_USE)
+    existing = {i.installation_id: i for i in conn.installations.all()}
+    for installation_id, account in wanted:
+        row = existing.get(installation_id)
+        if row is None:
+            GitHubInstallation.objects.create(
+                connection=conn, org_id=conn.org_id, installation_id=installation_id, account=account
+            )
+            changed.append("installations")
+        elif account and row.account != account:
+            GitHubInstallation.objects.filter(pk=row.pk).update(account=account)
+            changed.append("installations")
+    for installation_id, row in existing.items():
+        if installation_id in ids:
+            continue
+        if Runner.objects.filter(installation=row, job__status__in=JOB_LIVE).exists():
+            raise Conflict(f"installation {installation_id} still has live runners", code=ErrorCode.IN_USE)
+        row.delete()
+        changed.append("installations")
+    return changed
+
+
+@transaction.atomic
+def connection_delete(*, org: Organization, actor: str = "") -> None:
+    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
+    if conn is None:
+        raise NotFound("this organization has no GitHub connection")
+    if Runner.objects.filter(installation__connection=conn, job__status__in=JOB_LIVE).exists():
+        raise Conflict(
+            "the GitHub connection still has live runners; cancel them first", code=ErrorCode.IN_USE
+        )
+    event_record(kind=EventKind.GITHUB_CONNECTION_DELETED, org=org, actor=actor, app_id=conn.app_id)
+    conn.delete()
+
+
+# ---- runner classes -----------------------------------------------------------------------------
+
+
+def runner_command(runner_class: RunnerClass) -> str:
+    """What the runner job runs: the class's command, or the default one for its runner folder."""
+    if runner_class.command.strip():
+        return runner_class.command
+    folder = runner_class.runner_dir or settings.CATACLOUD_GITHUB_RUNNER_DIR
+    return DEFAULT_COMMAND.format(runner_dir=shlex.quote(folder))
+
+
+CLASS_FIELDS = (
+    "name",
+    "labels",
+    "machine_type",
+    "pool",
+    "scope",
+    "runner_group_id",
+    "command",
+    "runner_dir",
+    "priority",
+    "timeout_seconds",
+    "max_attempts",
+    "online_timeout_seconds",
+    "idle_timeout_seconds",
+)
+
+
+@transaction.atomic
+def runner_class_save(
+    *, org: Organization, runner_class: RunnerClass | None = None, actor: str = "", **fields: Any
+) -> tuple[RunnerClass, bool]:
+    """Create (``runner_class`` None) or change a runner class and the job configuration it
+    keeps (``github-<name>``: machine type, command, timeout, priority, attempts; reuse, so a
+    machine serves the class's next runner while its paid period lasts). Returns (class, changed)."""
+    unknown = set(fields) - set(CLASS_FIELDS)
+    if unknown:
+        raise ValidationFailed(f"unknown fields: {', '.join(sorted(unknown))}")
+    creating = runner_class is None
+    rc = runner_class or RunnerClass(org=org)
+    before = {k: getattr(rc, k) for k in CLASS_FIELDS} if not creating else {}
+    if "labels" in fields:
+        fields["labels"] = normalise_labels(fields["labels"])
+    for key, value in fields.items():
+        setattr(rc, key, value)
+    if not rc.name:
+        raise _invalid("name", "required")
+    if not rc.labels:
+        raise _invalid("labels", "required")
+    if not set(rc.labels) - GENERIC_LABELS:
+        raise _invalid(
+            "labels",
+            f"name a label besides {', '.join(sorted(GENERIC_LABELS))} (e.g. catacloud-linux-2cpu)",
+        )
+    if rc.scope not in RunnerScope.values:
+        raise _invalid("scope", f"one of {', '.join(RunnerScope.values)}")
+    if not isinstance(rc.machine_type, MachineType):
+        raise _invalid("machine_type", "required")
+    if rc.pool is not None and (rc.pool.org_id != org.pk or rc.pool.machine_type_id != rc.machine_type.pk):
+        raise _invalid("pool", "must be a pool of this organization with the class's machine type")
+    clash = RunnerClass.objects.filter(org=org).exclude(pk=rc.pk)
+    if clash.filter(name=rc.name).exists():
+        raise ValidationFailed(
+            f"a runner class named {rc.name!r} already exists",
+            fields={"name": ["already exists"]},
+            code=ErrorCode.DUPLICATE_NAME,
+        )
+    if any(sorted(c.labels) == rc.labels for c in clash):
+        raise ValidationFailed(
+            "another runner class has these labels",
+            fields={"labels": ["already used"]},
+            code=ErrorCode.DUPLICATE_NAME,
+        )
+    after = {k: getattr(rc, k) for k in CLASS_FIELDS}
+    if not creating and after == before:
+        return rc, False
+    config_fields: dict[str, Any] = {
+        "name": f"github-{rc.name}",
+        "machine_type": rc.machine_type,
+        "command": runner_command(rc),
+        "timeout_seconds": rc.timeout_seconds,
+        "priority": rc.priority,
+        "max_attempts": rc.max_attempts,
+        "reuse": Reuse.REUSE,
+    }
+    config = JobConfiguration.objects.filter(pk=rc.job_config_id).first() if rc.job_config_id else None
+    rc.job_config = job_config_save(org=org, config=config, actor=actor, **config_fields)
+    rc.save()
+    event_record(
+        kind=EventKind.GITHUB_RUNNER_CLASS_CREATED if creating else EventKind.GITHUB_RUNNER_CLASS_UPDATED,
+        org=org,
+        actor=actor,
+        runner_class=rc.name,
+        labels=rc.labels,
+        machine_type=rc.machine_type.name,
+        fields=sorted(k for k in CLASS_FIELDS if creating or before.get(k) != after[k]),
+    )
+    return rc, True
+
+
+@transaction.atomic
+def runner_class_delete(*, runner_class: RunnerClass, actor: str = "") -> None:
+    """Delete a class with no live runner (409 ``in_use`` otherwise); its job configuration
+    goes too unless jobs refer to it (their records stay)."""
+    if Runner.objects.filter(runner_class=runner_class, job__status__in=JOB_LIVE).exists():
+        raise Conflict(
+            f"runner class {runner_class.name} has live runners; cancel them first", code=ErrorCode.IN_USE
+        )
+    config = runner_class.job_config
+    event_record(
+        kind=EventKind.GITHUB_RUNNER_CLASS_DELETED,
+        org=runner_class.org_id,
+        actor=actor,
+        runner_class=runner_class.name,
+    )
+    runner_class.delete()
+    if config is not None and not config.jobs.exists():
+        job_config_delete(config=config, actor=actor)
+
+
+def pool_by_name(org: Organization, name: str | None) -> InstancePool | None:
+    if not name:
+        return None
+    pool = InstancePool.objects.filter(org=org, name=name).first()
+    if pool is None:
+        raise _invalid("pool", f"no pool named {name!r}")
+    return pool

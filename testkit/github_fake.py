@@ -1,0 +1,956 @@
+"""A stateful fake of GitHub for GitHub Actions on Catacloud: the REST endpoints Catacloud
+calls, a webhook sender, and the runner side a stand-in runner (``testkit/github_runner``)
+talks to. Standard library plus PyJWT (a dependency of Catacloud), so ``make dev`` can run it
+as a process (``python -m testkit.github_fake``) and tests in a thread::
+
+    fake = FakeGitHub(app_id=1, public_key=pem, webhook_secret="s3cret", webhook_url=url).start()
+    fake.add_installation(42, "acme", ["acme/app"])
+    job_id = fake.queue_job("acme/app", ["self-hosted", "catacloud-linux-2cpu"], ["echo hi"])
+    ...
+    fake.stop()
+
+REST (``fake.url`` is the API base): ``POST /app/installations/{id}/access_tokens`` (the App's
+RS256 JWT checked: issuer, at most 10 minutes, not expired), ``GET /installation/repositories``,
+``POST /orgs/{org}/actions/runners/generate-jitconfig`` and the ``/repos/{o}/{r}`` one (409 on a
+name that exists, 422 without ``runner_group_id`` or without 1-100 labels), runners list / get /
+DELETE (422 while busy), workflow runs (``?status=``), a run's jobs, a job, a run's cancel,
+``GET /app/hook/deliveries`` and ``POST /app/hook/deliveries/{id}/attempts`` (redelivery). Every
+answer carries ``x-ratelimit-*``; faults: a 5xx rate, ``fail_next``, latency, a rate-limit window
+(primary or secondary with ``Retry-After``).
+
+Webhooks: ``workflow_job`` queued / in_progress / completed, signed with ``X-Hub-Signature-256``
+like GitHub, with injectable drops (``lost``: never sent nor listed; ``failed``: listed as a failed
+delivery, redeliverable), duplicates and reordering.
+
+Runners: ``generate-jitconfig`` returns a base64 JSON config naming this fake and a per-runner
+secret. A runner opens a session (online), long-polls for a job and is handed the oldest queued
+job whose labels it has (ANY such job, as GitHub does), reports the job's end and is removed
+(just-in-time: one job). ``runner_faults`` makes the next configs' runners crash, hang or never
+connect. A busy runner silent for ``lost_after`` seconds fails its job; one silent for
+``offline_after`` reads offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import hmac
+import itertools
+import json
+import random
+import re
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import jwt
+
+RUNNER_FAULTS = ("crash", "hang", "never_connect")
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def app_keypair() -> tuple[str, str]:
+    """A fresh RSA key pair for a test App: (private PEM, public PEM)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    public = (
+        key.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    return private, public
+
+
+def sign(secret: str, body: bytes) -> str:
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+@dataclass
+class Job:
+    id: int
+    run_id: int
+    run_attempt: int
+    repository: str
+    installation_id: int
+    workflow: str
+    name: str
+    labels: list[str]
+    steps: list[str]
+    status: str = "queued"
+    conclusion: str | None = None
+    runner_id: int | None = None
+    runner_name: str | None = None
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    completed_at: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "run_id": self.run_id,
+            "run_attempt": self.run_attempt,
+            "workflow_name": self.workflow,
+            "name": self.name,
+            "labels": list(self.labels),
+            "status": self.status,
+            "conclusion": self.conclusion,
+            "runner_id": self.runner_id,
+            "runner_name": self.runner_name,
+            "runner_group_id": 1 if self.runner_id else None,
+            "created_at": _iso(self.created_at),
+            "started_at": _iso(self.started_at or self.created_at),
+            "completed_at": _iso(self.completed_at),
+            "head_sha": "0" * 40,
+            "steps": [],
+        }
+
+
+@dataclass
+class Runner:
+    id: int
+    name: str
+    labels: list[str]
+    group: int
+    installation_id: int
+    owner: str  # "org:acme" or "repo:acme/app"
+    secret: str
+    fault: str | None
+    session: bool = False
+    last_seen: float = 0.0
+    job_id: int | None = None
+    registered_at: float = field(default_factory=time.time)
+    online_at: float | None = None
+
+    def status(self, now: float, offline_after: float) -> str:
+        return "online" if self.session and now - self.last_seen < offline_after else "offline"
+
+    def as_json(self, now: float, offline_after: float) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "os": "Linux",
+            "status": self.status(now, offline_after),
+            "busy": self.job_id is not None,
+            "runner_group_id": self.group,
+            "labels": [{"id": i + 1, "name": label, "type": "custom"} for i, label in enumerate(self.labels)],
+        }
+
+
+@dataclass
+class Delivery:
+    id: int
+    guid: str
+    event: str
+    action: str
+    installation_id: int
+    body: bytes
+    redelivery: bool = False
+    status_code: int = 0
+    delivered_at: float = field(default_factory=time.time)
+    duration: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        ok = 200 <= self.status_code < 300
+        return {
+            "id": self.id,
+            "guid": self.guid,
+            "delivered_at": _iso(self.delivered_at),
+            "redelivery": self.redelivery,
+            "duration": round(self.duration, 3),
+            "status": "OK"
+            if ok
+            else (f"Invalid HTTP Response: {self.status_code}" if self.status_code else "failed"),
+            "status_code": self.status_code,
+            "event": self.event,
+            "action": self.action,
+            "installation_id": self.installation_id,
+            "repository_id": None,
+        }
+
+
+class FakeGitHub:
+    """The fake. Thread-safe; ``calls`` records ``(method, route, status)`` of every REST call."""
+
+    def __init__(
+        self,
+        *,
+        app_id: int = 1,
+        public_key: str | bytes = b"",
+        webhook_secret: str = "",
+        webhook_url: str = "",
+        token_ttl: float = 3600.0,
+        seed: int = 0,
+        port: int = 0,
+        offline_after: float = 30.0,
+        lost_after: float = 60.0,
+    ) -> None:
+        self.app_id = app_id
+        self.public_key = public_key.encode() if isinstance(public_key, str) else public_key
+        self.webhook_secret = webhook_secret
+        self.webhook_url = webhook_url
+        self.token_ttl = token_ttl
+        self.offline_after = offline_after
+        self.lost_after = lost_after
+        self.port = port
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self.reset()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> FakeGitHub:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                fake._handle(self)
+
+            do_POST = do_DELETE = do_PUT = do_PATCH = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._stop.clear()
+        for target, name in (
+            (self._server.serve_forever, "fake-github"),
+            (self._send_loop, "fake-github-webhooks"),
+            (self._sweep_loop, "fake-github-sweeper"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.changed:
+            self.changed.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads = []
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "start() first"
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.installations: dict[int, dict[str, Any]] = {}
+            self.tokens: dict[str, tuple[int, float]] = {}
+            self.runs: dict[int, dict[str, Any]] = {}
+            self.jobs: dict[int, Job] = {}
+            self.runners: dict[int, Runner] = {}
+            self.deliveries: list[Delivery] = []
+            self.calls: list[tuple[str, str, int]] = []
+            self.outbox: deque[tuple[Delivery, bool]] = deque()
+            self.held_back: list[tuple[Delivery, float]] = []
+            self.runner_faults: deque[str] = deque()
+            self.error_rate = 0.0
+            self.latency = 0.0
+            self.drop_rate = 0.0  # failed deliveries (listed, redeliverable)
+            self.lost_rate = 0.0  # never sent nor listed (only polling finds them)
+            self.duplicate_rate = 0.0
+            self.reorder_rate = 0.0
+            self.rate_limited_until = 0.0
+            self.rate_limit_secondary = False
+            self.rate_limit = 5000
+            self._rate_used: dict[str, int] = {}
+            self._rate_window = time.time()
+            self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
+            self.runner_online_at: dict[int, float] = {}  # runner id -> its session (names repeat)
+            self.jit_issued_at: dict[str, float] = {}  # runner name -> generate-jitconfig
+            self.issued_configs: list[str] = []  # every encoded config (tests: never in a log)
+            self.max_runners_seen = 0
+            self._ids = itertools.count(1000)
+
+    # ---- controls (tests, the bench, ``make dev``) ---------------------------------------------
+
+    def add_installation(self, installation_id: int, account: str, repositories: Iterable[str]) -> None:
+        with self.lock:
+            self.installations[installation_id] = {"account": account, "repositories": list(repositories)}
+
+    def queue_job(
+        self,
+        repository: str,
+        labels: list[str],
+        steps: list[str] | None = None,
+        *,
+        workflow: str = "CI",
+        name: str = "build",
+        installation_id: int | None = None,
+    ) -> int:
+        """A workflow run with one queued job (its ``workflow_job.queued`` delivery is sent)."""
+        with self.lock:
+            inst = installation_id or next(
+                i for i, v in self.installations.items() if repository in v["repositories"]
+            )
+            run_id = next(self._ids)
+            job = Job(
+                id=next(self._ids),
+                run_id=run_id,
+                run_attempt=1,
+                repository=repository,
+                installation_id=inst,
+                workflow=workflow,
+                name=name,
+                labels=list(labels),
+                steps=list(steps or ["echo hello from $(uname -n)"]),
+            )
+            self.runs[run_id] = {"id": run_id, "name": workflow, "repository": repository, "run_attempt": 1}
+            self.jobs[job.id] = job
+            self._webhook(job, "queued")
+            self.changed.notify_all()
+            return job.id
+
+    def cancel_job(self, job_id: int) -> None:
+        """Cancel a job: a queued one completes ``cancelled`` at once; a running one when its
+        runner next looks (or at once here, as GitHub ends it)."""
+        with self.lock:
+            job = self.jobs[job_id]
+            if job.status == "completed":
+                return
+            runner = self.runners.get(job.runner_id) if job.runner_id else None
+            self._complete(job, "cancelled")
+            if runner is not None:
+                runner.job_id = None
+                self.runners.pop(runner.id, None)
+
+    def fail_next(self, pattern: str, status: int = 503, times: int = 1) -> None:
+        """The next ``times`` REST calls whose ``METHOD /path`` matches ``pattern`` answer ``status``."""
+        with self.lock:
+            self._fail_next.append((re.compile(pattern), status, times))
+
+    def rate_limit_for(self, seconds: float, *, secondary: bool = False) -> None:
+        """Every REST call answers 403 rate limited for ``seconds``."""
+        with self.lock:
+            self.rate_limited_until = time.time() + seconds
+            self.rate_limit_secondary = secondary
+
+    def job(self, job_id: int) -> Job:
+        with self.lock:
+            return self.jobs[job_id]
+
+    def count(self, method: str, route_prefix: str = "") -> int:
+        with self.lock:
+            return sum(1 for m, r, _ in self.calls if m == method and r.startswith(route_prefix))
+
+    def api_calls(self) -> int:
+        """REST calls Catacloud made (the runner protocol and the controls not counted)."""
+        with self.lock:
+            return sum(1 for _, r, _ in self.calls if not r.startswith("/_"))
+
+    def summary(self) -> dict[str, Any]:
+        with self.lock:
+            now = time.time()
+            return {
+                "jobs": {
+                    s: sum(1 for j in self.jobs.values() if j.status == s)
+                    for s in ("queued", "in_progress", "completed")
+                },
+                "runners": [r.as_json(now, self.offline_after) for r in self.runners.values()],
+                "deliveries": len(self.deliveries),
+                "api_calls": sum(1 for _, r, _ in self.calls if not r.startswith("/_")),
+            }
+
+    # ---- webhooks -------------------------------------------------------------------------------
+
+    def _webhook(self, job: Job, action: str) -> None:
+        """Queue a ``workflow_job`` delivery (the lock is held)."""
+        inst = self.installations.get(job.installation_id, {})
+        owner = job.repository.split("/")[0]
+        payload = {
+            "action": action,
+            "workflow_job": job.as_json(),
+            "repository": {
+                "id": abs(hash(job.repository)) % 10**8,
+                "full_name": job.repository,
+                "name": job.repository.split("/")[1],
+                "owner": {"login": owner},
+            },
+            "organization": {"login": inst.get("account", owner)},
+            "installation": {"id": job.installation_id},
+            "sender": {"login": "octocat"},
+        }
+        delivery = Delivery(
+            next(self._ids),
+            str(uuid.uuid4()),
+            "workflow_job",
+            action,
+            job.installation_id,
+            json.dumps(payload).encode(),
+        )
+        roll = self.rng.random()
+        if roll < self.lost_rate:
+            return  # lost on GitHub's side: never sent, never listed
+        self.deliveries.append(delivery)
+        if roll < self.lost_rate + self.drop_rate:
+            delivery.status_code = 502  # failed: listed, redeliverable
+            return
+        self.outbox.append((delivery, False))
+        if self.rng.random() < self.duplicate_rate:
+            self.outbox.append((delivery, True))
+        self.changed.notify_all()
+
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.changed:
+                now = time.time()
+                due = [d for d, at in self.held_back if at <= now]
+                self.held_back = [(d, at) for d, at in self.held_back if at > now]
+                batch = [(d, False) for d in due]
+                while self.outbox:
+                    batch.append(self.outbox.popleft())
+                if not batch:
+                    self.changed.wait(0.05)
+                    continue
+            for delivery, duplicate in batch:
+                if not duplicate and self.rng.random() < self.reorder_rate and not delivery.redelivery:
+                    with self.lock:
+                        self.held_back.append((delivery, time.time() + 0.3 + self.rng.random()))
+                    continue
+                self._post(delivery)
+
+    def _post(self, delivery: Delivery) -> None:
+        if not self.webhook_url:
+            return
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "GitHub-Hookshot/fake",
+            "X-GitHub-Event": delivery.event,
+            "X-GitHub-Delivery": delivery.guid,
+            "X-GitHub-Hook-ID": "1",
+            "X-GitHub-Hook-Installation-Target-ID": str(self.app_id),
+            "X-GitHub-Hook-Installation-Target-Type": "integration",
+            "X-Hub-Signature-256": sign(self.webhook_secret, delivery.body),
+        }
+        started = time.time()
+        request = urllib.request.Request(self.webhook_url, data=delivery.body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except OSError:
+            status = 0
+        with self.lock:
+            delivery.status_code = status
+            delivery.duration = time.time() - started
+            delivery.delivered_at = started
+
+    def delivery_for(self, job_id: int, action: str) -> Delivery | None:
+        """The first delivery of ``job_id``'s ``action`` (the bench times them)."""
+        with self.lock:
+            for delivery in self.deliveries:
+                if delivery.action == action and json.loads(delivery.body)["workflow_job"]["id"] == job_id:
+                    return delivery
+        return None
+
+    def redeliver(self, delivery_id: int) -> None:
+        with self.lock:
+            original = next(d for d in self.deliveries if d.id == delivery_id)
+            again = Delivery(
+                next(self._ids),
+                original.guid,
+                original.event,
+                original.action,
+                original.installation_id,
+                original.body,
+                redelivery=True,
+            )
+            self.deliveries.append(again)
+            self.outbox.append((again, False))
+            self.changed.notify_all()
+
+    # ---- runners: the sweeper --------------------------------------------------------------------
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            with self.lock:
+                now = time.time()
+                for runner in list(self.runners.values()):
+                    if (
+                        runner.job_id is not None
+                        and runner.session
+                        and now - runner.last_seen > self.lost_after
+                    ):
+                        job = self.jobs.get(runner.job_id)
+                        runner.job_id = None
+                        self.runners.pop(runner.id, None)
+                        if job is not None and job.status != "completed":
+                            self._complete(job, "failure")  # the runner lost communication
+
+    def _complete(self, job: Job, conclusion: str) -> None:
+        job.status, job.conclusion, job.completed_at = "completed", conclusion, time.time()
+        self._webhook(job, "completed")
+
+    def _take(self, runner: Runner) -> Job | None:
+        """The oldest queued job this runner may run: all its labels are the runner's, and its
+        repository is the runner's (or in the runner's organization)."""
+        mine = {label.lower() for label in runner.labels}
+        for job in sorted(self.jobs.values(), key=lambda j: j.id):
+            if job.status != "queued" or job.installation_id != runner.installation_id:
+                continue
+            if not {label.lower() for label in job.labels} <= mine:
+                continue
+            kind, _, owner = runner.owner.partition(":")
+            if kind == "repo" and job.repository != owner:
+                continue
+            if kind == "org" and job.repository.split("/")[0] != owner:
+                continue
+            job.status, job.started_at = "in_progress", time.time()
+            job.runner_id, job.runner_name = runner.id, runner.name
+            runner.job_id = job.id
+            self._webhook(job, "in_progress")
+            return job
+        return None
+
+    # ---- HTTP --------------------------------------------------------------------------------------
+
+    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        parts = urlsplit(handler.path)
+        path, query = parts.path, {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        length = int(handler.headers.get("Content-Length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        status: int = 500
+        body: Any = {"message": "fake error"}
+        headers: dict[str, str] = {}
+        route = re.sub(r"/\d+", "/{id}", path)
+        try:
+            if path.startswith("/_runner/"):
+                status, body = self._runner_api(handler, path, query, raw)
+            elif path.startswith("/_fake/"):
+                status, body = self._controls(handler.command, path, raw)
+            else:
+                status, body, headers = self._rest(handler, path, query, raw)
+        except HttpError as err:
+            status, body, headers = err.status, {"message": err.message}, err.headers
+        except Exception as exc:  # a bug in the fake: say so
+            status, body = 500, {"message": f"fake: {type(exc).__name__}: {exc}"}
+        with self.lock:
+            self.calls.append((handler.command, route, status))
+        data = b"" if status == 204 or body is None else json.dumps(body).encode()
+        handler.send_response(status)
+        for name, value in headers.items():
+            handler.send_header(name, value)
+        if data:
+            handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        if data:
+            handler.wfile.write(data)
+
+    def _rate_headers(self, key: str) -> dict[str, str]:
+        now = time.time()
+        with self.lock:
+            if now - self._rate_window >= 3600:
+                self._rate_window, self._rate_used = now, {}
+            used = self._rate_used[key] = self._rate_used.get(key, 0) + 1
+        return {
+            "x-ratelimit-limit": str(self.rate_limit),
+            "x-ratelimit-remaining": str(max(0, self.rate_limit - used)),
+            "x-ratelimit-used": str(used),
+            "x-ratelimit-reset": str(int(self._rate_window + 3600)),
+            "x-ratelimit-resource": "core",
+        }
+
+    def _rest(
+        self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, str], raw: bytes
+    ) -> tuple[int, Any, dict[str, str]]:
+        method = handler.command
+        if self.latency:
+            time.sleep(self.latency)
+        auth = handler.headers.get("Authorization", "")
+        now = time.time()
+        if now < self.rate_limited_until:
+            if self.rate_limit_secondary:
+                raise HttpError(
+                    403,
+                    "You have exceeded a secondary rate limit",
+                    {"retry-after": str(int(self.rate_limited_until - now) + 1)},
+                )
+            raise HttpError(
+                403,
+                "API rate limit exceeded",
+                {
+                    "x-ratelimit-limit": str(self.rate_limit),
+                    "x-ratelimit-remaining": "0",
+                    "x-ratelimit-reset": str(int(self.rate_limited_until) + 1),
+                },
+            )
+        with self.lock:
+            for i, (pattern, status, times) in enumerate(self._fail_next):
+                if pattern.search(f"{method} {path}"):
+                    self._fail_next[i] = (pattern, status, times - 1)
+                    if times - 1 <= 0:
+                        self._fail_next.pop(i)
+                    raise HttpError(status, "injected failure")
+            injected = self.error_rate and self.rng.random() < self.error_rate
+        if injected:
+            raise HttpError(self.rng.choice([500, 502, 503]), "injected server error")
+        body = json.loads(raw) if raw else {}
+        if path.startswith("/app"):
+            self._check_jwt(auth)
+            headers: dict[str, str] = {}
+            if m := re.fullmatch(r"/app/installations/(\d+)/access_tokens", path):
+                if method != "POST":
+                    raise HttpError(404, "Not Found")
+                inst = int(m.group(1))
+                if inst not in self.installations:
+                    raise HttpError(404, "Not Found")
+                token = "ghs_" + secrets.token_urlsafe(24)
+                expires = now + self.token_ttl
+                with self.lock:
+                    self.tokens[token] = (inst, expires)
+                return (
+                    201,
+                    {"token": token, "expires_at": _iso(expires), "permissions": {"administration": "write"}},
+                    headers,
+                )
+            if path == "/app/hook/deliveries" and method == "GET":
+                with self.lock:
+                    items = [d.as_json() for d in sorted(self.deliveries, key=lambda d: -d.id)]
+                per_page = int(query.get("per_page", 30))
+                return 200, items[:per_page], headers
+            if (m := re.fullmatch(r"/app/hook/deliveries/(\d+)/attempts", path)) and method == "POST":
+                try:
+                    self.redeliver(int(m.group(1)))
+                except StopIteration:
+                    raise HttpError(404, "Not Found") from None
+                return 202, {}, headers
+            raise HttpError(404, "Not Found")
+        inst_id = self._check_token(auth)
+        headers = self._rate_headers(auth)
+        installation = self.installations[inst_id]
+        with self.lock:
+            if path == "/installation/repositories" and method == "GET":
+                repos = [
+                    {
+                        "id": i + 1,
+                        "full_name": r,
+                        "name": r.split("/")[1],
+                        "owner": {"login": r.split("/")[0]},
+                    }
+                    for i, r in enumerate(installation["repositories"])
+                ]
+                return 200, self._page(query, "repositories", repos), headers
+            if m := re.fullmatch(r"/(orgs/([^/]+)|repos/([^/]+/[^/]+))/actions/runners(/.*)?", path):
+                owner = f"org:{m.group(2)}" if m.group(2) else f"repo:{m.group(3)}"
+                if m.group(2) and m.group(2) != installation["account"]:
+                    raise HttpError(404, "Not Found")
+                if m.group(3) and m.group(3) not in installation["repositories"]:
+                    raise HttpError(404, "Not Found")
+                return (*self._runners_api(method, owner, inst_id, m.group(4) or "", query, body), headers)
+            if m := re.fullmatch(r"/repos/([^/]+/[^/]+)/actions/(runs|jobs)(/.*)?", path):
+                repo = m.group(1)
+                if repo not in installation["repositories"]:
+                    raise HttpError(404, "Not Found")
+                return (*self._runs_api(method, repo, m.group(2), m.group(3) or "", query), headers)
+        raise HttpError(404, "Not Found")
+
+    def _check_jwt(self, auth: str) -> None:
+        if not auth.startswith("Bearer "):
+            raise HttpError(401, "A JSON web token could not be decoded")
+        try:
+            claims = jwt.decode(
+                auth[7:],
+                self.public_key,
+                algorithms=["RS256"],
+                options={"require": ["iat", "exp", "iss"]},
+                leeway=5,
+            )
+        except jwt.PyJWTError as exc:
+            raise HttpError(401, f"A JSON web token could not be decoded ({type(exc).__name__})") from None
+        if str(claims["iss"]) != str(self.app_id):
+            raise HttpError(401, "Integration not found")
+        if claims["exp"] - claims["iat"] > 600:
+            raise HttpError(401, "'Expiration time' claim ('exp') is too far in the future")
+
+    def _check_token(self, auth: str) -> int:
+        token = auth.removeprefix("Bearer ").removeprefix("token ")
+        with self.lock:
+            found = self.tokens.get(token)
+        if found is None or found[1] < time.time():
+            raise HttpError(401, "Bad credentials")
+        return found[0]
+
+    @staticmethod
+    def _page(query: dict[str, str], key: str, items: list[Any]) -> dict[str, Any]:
+        per_page = max(1, min(100, int(query.get("per_page", 30))))
+        page = max(1, int(query.get("page", 1)))
+        return {"total_count": len(items), key: items[(page - 1) * per_page : page * per_page]}
+
+    def _runners_api(
+        self, method: str, owner: str, inst_id: int, rest: str, query: dict[str, str], body: dict[str, Any]
+    ) -> tuple[int, Any]:
+        now = time.time()
+        mine = [r for r in self.runners.values() if r.owner == owner]
+        if rest == "" and method == "GET":
+            if "name" in query:
+                mine = [r for r in mine if r.name == query["name"]]
+            return 200, self._page(
+                query,
+                "runners",
+                [r.as_json(now, self.offline_after) for r in sorted(mine, key=lambda r: r.id)],
+            )
+        if rest == "/generate-jitconfig" and method == "POST":
+            name, labels, group = body.get("name"), body.get("labels"), body.get("runner_group_id")
+            if group is None:
+                raise HttpError(422, "Invalid request: object is missing required key: runner_group_id")
+            if not isinstance(labels, list) or not 1 <= len(labels) <= 100:
+                raise HttpError(422, "Invalid request: labels must have between 1 and 100 items")
+            if not isinstance(name, str) or not name:
+                raise HttpError(422, "Invalid request: name is required")
+            if any(r.name == name for r in mine):
+                raise HttpError(409, "Already exists - A runner with the name already exists.")
+            fault = self.runner_faults.popleft() if self.runner_faults else None
+            runner = Runner(
+                next(self._ids),
+                name,
+                [str(x) for x in labels],
+                int(group),
+                inst_id,
+                owner,
+                secrets.token_urlsafe(24),
+                fault,
+            )
+            self.runners[runner.id] = runner
+            self.jit_issued_at[name] = now
+            self.max_runners_seen = max(self.max_runners_seen, len(self.runners))
+            config = {
+                "url": self.url,
+                "runner_id": runner.id,
+                "name": name,
+                "secret": runner.secret,
+                "fault": fault,
+            }
+            encoded = base64.b64encode(json.dumps(config).encode()).decode()
+            self.issued_configs.append(encoded)
+            return 201, {"runner": runner.as_json(now, self.offline_after), "encoded_jit_config": encoded}
+        if m := re.fullmatch(r"/(\d+)", rest):
+            found = next((r for r in mine if r.id == int(m.group(1))), None)
+            if found is None:
+                raise HttpError(404, "Not Found")
+            runner = found
+            if method == "GET":
+                return 200, runner.as_json(now, self.offline_after)
+            if method == "DELETE":
+                if runner.job_id is not None:
+                    raise HttpError(422, f'Bad request - Runner "{runner.name}" is still running a job"')
+                self.runners.pop(runner.id, None)
+                self.changed.notify_all()
+                return 204, None
+        raise HttpError(404, "Not Found")
+
+    def _runs_api(
+        self, method: str, repo: str, kind: str, rest: str, query: dict[str, str]
+    ) -> tuple[int, Any]:
+        jobs = [j for j in self.jobs.values() if j.repository == repo]
+        if kind == "jobs":
+            m = re.fullmatch(r"/(\d+)", rest)
+            job = self.jobs.get(int(m.group(1))) if m else None
+            if job is None or job.repository != repo or method != "GET":
+                raise HttpError(404, "Not Found")
+            return 200, job.as_json()
+        if rest == "" and method == "GET":
+            runs = []
+            for run in sorted(self.runs.values(), key=lambda r: -r["id"]):
+                if run["repository"] != repo:
+                    continue
+                states = {j.status for j in jobs if j.run_id == run["id"]}
+                status = (
+                    "completed"
+                    if states == {"completed"}
+                    else ("queued" if states <= {"queued"} else "in_progress")
+                )
+                if query.get("status") in (None, status):
+                    runs.append(
+                        {
+                            "id": run["id"],
+                            "name": run["name"],
+                            "status": status,
+                            "run_attempt": run["run_attempt"],
+                        }
+                    )
+            return 200, self._page(query, "workflow_runs", runs)
+        if (m := re.fullmatch(r"/(\d+)/jobs", rest)) and method == "GET":
+            of_run = [j.as_json() for j in sorted(jobs, key=lambda j: j.id) if j.run_id == int(m.group(1))]
+            return 200, self._page(query, "jobs", of_run)
+        if (m := re.fullmatch(r"/(\d+)/cancel", rest)) and method == "POST":
+            for job in jobs:
+                if job.run_id == int(m.group(1)):
+                    self.cancel_job(job.id)
+            return 202, {}
+        raise HttpError(404, "Not Found")
+
+    # ---- the runner side (the stand-in runner's protocol) ------------------------------------------
+
+    def _runner_api(
+        self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, str], raw: bytes
+    ) -> tuple[int, Any]:
+        m = re.fullmatch(r"/_runner/(\d+)/(session|job|jobs/(\d+)/complete)", path)
+        if m is None:
+            raise HttpError(404, "Not Found")
+        with self.changed:
+            runner = self.runners.get(int(m.group(1)))
+            if runner is None or handler.headers.get("Authorization") != f"RunnerSecret {runner.secret}":
+                raise HttpError(404, "runner not registered (removed)")
+            runner.last_seen = time.time()
+            if m.group(2) == "session":
+                runner.session = True
+                if runner.online_at is None:
+                    runner.online_at = runner.last_seen
+                    self.runner_online_at[runner.id] = runner.last_seen
+                return 200, {"runner_id": runner.id, "name": runner.name}
+            if m.group(2) == "job":
+                deadline = time.time() + min(30.0, float(query.get("wait", 20)))
+                while True:
+                    if runner.id not in self.runners:
+                        raise HttpError(404, "runner removed")
+                    job = self._take(runner) if runner.job_id is None else None
+                    if job is not None:
+                        return 200, {
+                            "job": {
+                                "id": job.id,
+                                "name": job.name,
+                                "repository": job.repository,
+                                "steps": job.steps,
+                            }
+                        }
+                    remaining = deadline - time.time()
+                    if remaining <= 0 or self._stop.is_set():
+                        runner.last_seen = time.time()
+                        return 204, None
+                    self.changed.wait(min(remaining, 1.0))
+                    runner.last_seen = time.time()
+            job = self.jobs.get(int(m.group(3)))
+            if job is None or runner.job_id != job.id:
+                return 409, {"message": "not this runner's job"}
+            conclusion = (json.loads(raw) if raw else {}).get("conclusion", "success")
+            runner.job_id = None
+            self.runners.pop(runner.id, None)  # just-in-time: one job, then removed
+            if job.status != "completed":
+                self._complete(job, str(conclusion))
+            return 200, {"ok": True}
+
+    # ---- controls over HTTP (make dev, another process) --------------------------------------------
+
+    def _controls(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+        body = json.loads(raw) if raw else {}
+        if path == "/_fake/jobs" and method == "POST":
+            job_id = self.queue_job(
+                body["repository"],
+                list(body.get("labels") or ["self-hosted"]),
+                list(body.get("steps") or []) or None,
+                workflow=str(body.get("workflow", "CI")),
+                name=str(body.get("name", "build")),
+            )
+            return 201, self.jobs[job_id].as_json()
+        if (m := re.fullmatch(r"/_fake/jobs/(\d+)", path)) and method == "GET":
+            with self.lock:
+                job = self.jobs.get(int(m.group(1)))
+                if job is None:
+                    raise HttpError(404, "Not Found")
+                return 200, job.as_json()
+        if (m := re.fullmatch(r"/_fake/jobs/(\d+)/cancel", path)) and method == "POST":
+            self.cancel_job(int(m.group(1)))
+            return 202, {}
+        if path == "/_fake/state" and method == "GET":
+            return 200, self.summary()
+        if path == "/_fake/faults" and method == "POST":
+            with self.lock:
+                for key in (
+                    "error_rate",
+                    "latency",
+                    "drop_rate",
+                    "lost_rate",
+                    "duplicate_rate",
+                    "reorder_rate",
+                ):
+                    if key in body:
+                        setattr(self, key, float(body[key]))
+                self.runner_faults.extend(str(f) for f in body.get("runner_faults", []) if f in RUNNER_FAULTS)
+            if "rate_limit_seconds" in body:
+                self.rate_limit_for(float(body["rate_limit_seconds"]), secondary=bool(body.get("secondary")))
+            return 200, {"ok": True}
+        raise HttpError(404, "Not Found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the fake until interrupted (``make dev`` runs it this way when asked to)."""
+    parser = argparse.ArgumentParser(prog="python -m testkit.github_fake", description=__doc__)
+    parser.add_argument("--port", type=int, default=8070)
+    parser.add_argument("--app-id", type=int, default=1)
+    parser.add_argument("--public-key-file", required=True, help="the App's public (or private) key, PEM")
+    parser.add_argument("--webhook-secret-file", required=True)
+    parser.add_argument("--webhook-url", required=True)
+    parser.add_argument("--installation", type=int, default=1, help="installation id")
+    parser.add_argument("--account", default="demo-org")
+    parser.add_argument("--repository", action="append", default=[], help="owner/name (repeatable)")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    from cryptography.hazmat.primitives import serialization
+
+    pem = Path(args.public_key_file).read_bytes()
+    if b"PRIVATE" in pem:
+        key = serialization.load_pem_private_key(pem, password=None)
+        pem = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    fake = FakeGitHub(
+        app_id=args.app_id,
+        public_key=pem,
+        webhook_secret=Path(args.webhook_secret_file).read_text().strip(),
+        webhook_url=args.webhook_url,
+        port=args.port,
+    )
+    fake.add_installation(args.installation, args.account, args.repository or [f"{args.account}/app"])
+    fake.start()
+    print(f"fake GitHub at {fake.url} (controls: POST {fake.url}/_fake/jobs)", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+    fake.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

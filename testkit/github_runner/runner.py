@@ -1,0 +1,124 @@
+"""A stand-in for GitHub's actions/runner, for the fake GitHub (testkit/github_fake.py).
+
+Standard library only (it runs inside a job, which sees the venv's python3 and its own work
+folder, not the project checkout). Like the real runner in just-in-time mode: it takes its
+configuration from ``--jitconfig`` (or ``ACTIONS_RUNNER_INPUT_JITCONFIG``), connects, waits for
+one job, runs its steps as shell commands in ``_work`` under the current folder, reports the
+result and exits 0. The configuration may ask it to misbehave: ``crash`` (exit 3 right after
+taking a job), ``hang`` (take a job and never report), ``never_connect`` (never go online).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def call(
+    config: dict[str, Any], method: str, path: str, body: Any = None, timeout: float = 40
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        config["url"] + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"RunnerSecret {config['secret']}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def run_steps(job: dict[str, Any]) -> str:
+    work = os.path.join(os.getcwd(), "_work", str(job["id"]))
+    os.makedirs(work, exist_ok=True)
+    for number, step in enumerate(job.get("steps") or [], start=1):
+        say(f"step {number}: {step}")
+        code = subprocess.call(["/bin/sh", "-c", step], cwd=work)
+        if code != 0:
+            say(f"step {number} failed with exit code {code}")
+            return "failure"
+    return "success"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run.sh")
+    parser.add_argument("--jitconfig", default=os.environ.get("ACTIONS_RUNNER_INPUT_JITCONFIG", ""))
+    args = parser.parse_args(argv)
+    if not args.jitconfig:
+        say("no --jitconfig given (nor ACTIONS_RUNNER_INPUT_JITCONFIG)")
+        return 2
+    config = json.loads(base64.b64decode(args.jitconfig))
+    fault = config.get("fault")
+    if fault == "never_connect":
+        say("configured never to connect; waiting")
+        while True:
+            time.sleep(3600)
+    for attempt in range(30):
+        try:
+            status, _ = call(config, "POST", f"/_runner/{config['runner_id']}/session", {})
+        except OSError as exc:
+            say(f"cannot reach GitHub ({exc}); retrying")
+            time.sleep(min(5, 0.5 * (attempt + 1)))
+            continue
+        if status == 200:
+            break
+        say(f"session refused (HTTP {status}): the registration was removed")
+        return 1
+    else:
+        return 1
+    say(f"Connected to GitHub as {config['name']}; listening for jobs")
+    while True:
+        try:
+            status, body = call(config, "GET", f"/_runner/{config['runner_id']}/job?wait=20")
+        except OSError as exc:
+            say(f"poll failed ({exc}); retrying")
+            time.sleep(1)
+            continue
+        if status == 200 and body and body.get("job"):
+            job = body["job"]
+            break
+        if status == 404:
+            say("this runner was removed; exiting")
+            return 0
+    say(f"Running job: {job['name']} ({job['repository']})")
+    if fault == "crash":
+        say("crashing as configured")
+        os._exit(3)
+    if fault == "hang":
+        say("hanging as configured")
+        while True:
+            time.sleep(3600)
+    conclusion = run_steps(job)
+    for _ in range(10):
+        try:
+            status, _ = call(
+                config,
+                "POST",
+                f"/_runner/{config['runner_id']}/jobs/{job['id']}/complete",
+                {"conclusion": conclusion},
+            )
+            break
+        except OSError:
+            time.sleep(1)
+    say(f"Job {job['name']} completed with result: {conclusion}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The reconciler's rules, one by one, against the fake GitHub: runners whose machine is gone,
+runners that never came online, idle runners, missed webhooks found by polling (with backoff),
+failed deliveries redelivered; and the reaper's GitHub rules (stored but unprocessed
+deliveries, lost handoffs)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from apps.events.models import Event
+from apps.github.client import GitHubClient
+from apps.github.convergence import github_converge
+from apps.github.demand import class_converge
+from apps.github.dispatch import runner_handoff, runner_name
+from apps.github.models import GitHubInstallation, Runner, WebhookDelivery, WorkflowJob
+from apps.github.reconcile import installation_reconcile
+from apps.jobs.models import Job
+from apps.jobs.scheduler import schedule
+from apps.machines.models import MachineInstance
+from tests.github.conftest import GitHubWorld, deliver, workflow_job
+from tests.github.test_dispatch import queue, ready_agent
+
+pytestmark = pytest.mark.django_db
+
+
+def reconcile(gh: GitHubWorld) -> dict[str, int]:
+    GitHubInstallation.objects.update(next_poll_at=None)  # poll now, whatever the backoff says
+    return installation_reconcile(installation_id=gh.installation.pk)
+
+
+def register(gh: GitHubWorld, name: str) -> int:
+    client = GitHubClient(GitHubInstallation.objects.get(pk=gh.installation.pk))
+    return client.generate_jitconfig(
+        owner_path="/orgs/acme", name=name, labels=["x"], runner_group_id=1
+    ).runner_id
+
+
+def handed_off(gh: GitHubWorld) -> tuple[Job, MachineInstance, Runner]:
+    _, instance = ready_agent(gh)
+    job = queue(gh, 1)
+    schedule()
+    assert runner_handoff(job_id=job.pk) == "handed off"
+    return Job.objects.get(pk=job.pk), instance, Runner.objects.get(job=job)
+
+
+def test_runners_whose_machine_is_gone_are_deleted_and_nobody_elses(gh: GitHubWorld) -> None:
+    _, gone = ready_agent(gh)
+    MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
+    register(gh, runner_name(gone.pk))
+    register(gh, runner_name(uuid.uuid4()))  # another Catacloud installation's machine
+    register(gh, "a-hand-made-runner")
+    busy_instance = ready_agent(gh)[1]
+    busy = register(gh, runner_name(busy_instance.pk))
+    with gh.fake.lock:
+        gh.fake.runners[busy].job_id = 1
+    report = reconcile(gh)
+    assert report["runners_deleted"] == 1
+    names = sorted(r["name"] for r in gh.fake.summary()["runners"])
+    assert runner_name(gone.pk) not in names and len(names) == 3
+    assert Event.objects.filter(kind="github.runner_deleted", instance_id=gone.pk).exists()
+
+
+def test_a_live_runners_registration_is_kept(gh: GitHubWorld) -> None:
+    _, _, runner = handed_off(gh)
+    assert reconcile(gh).get("runners_deleted") == 0
+    assert [r["id"] for r in gh.fake.summary()["runners"]] == [runner.github_runner_id]
+
+
+def test_a_runner_that_never_came_online_has_its_machine_recycled(gh: GitHubWorld) -> None:
+    job, instance, runner = handed_off(gh)
+    assert reconcile(gh)["runners_recycled"] == 0  # within its deadline
+    Runner.objects.filter(pk=runner.pk).update(
+        registered_at=timezone.now() - timedelta(seconds=gh.runner_class.online_timeout_seconds + 1)
+    )
+    assert reconcile(gh)["runners_recycled"] == 1
+    instance.refresh_from_db()
+    assert instance.status in ("terminating", "terminated") and instance.end_cause == "runner_offline"
+    assert Event.objects.filter(kind="github.runner_recycled", job_id=job.pk).exists()
+
+
+def test_an_online_runner_is_not_recycled_and_an_idle_one_is_retired(gh: GitHubWorld) -> None:
+    job, instance, runner = handed_off(gh)
+    Runner.objects.filter(pk=runner.pk).update(registered_at=timezone.now() - timedelta(hours=1))
+    with gh.fake.lock:  # the runner connected
+        fake_runner = gh.fake.runners[runner.github_runner_id]
+        fake_runner.session, fake_runner.last_seen = True, __import__("time").time()
+    report = reconcile(gh)
+    assert report["runners_recycled"] == 0 and report["runners_idle_retired"] == 0
+    assert Runner.objects.get(pk=runner.pk).online_at is not None
+    Runner.objects.filter(pk=runner.pk).update(
+        online_at=timezone.now() - timedelta(seconds=gh.runner_class.idle_timeout_seconds + 1)
+    )
+    assert reconcile(gh)["runners_idle_retired"] == 1
+    assert Runner.objects.get(pk=runner.pk).retire_requested_at is not None
+
+
+def test_a_lost_queued_webhook_is_found_by_polling(gh: GitHubWorld) -> None:
+    gh.fake.lost_rate = 1.0  # GitHub never sends it
+    github_id = gh.fake.queue_job("acme/lib", list(gh.runner_class.labels), ["true"], workflow="Nightly")
+    assert not WorkflowJob.objects.exists()
+    assert reconcile(gh)["missed_jobs_found"] == 1
+    record = WorkflowJob.objects.get()
+    assert (record.github_id, record.repository, record.workflow, record.status) == (
+        github_id,
+        "acme/lib",
+        "Nightly",
+        "queued",
+    )
+    class_converge(runner_class_id=gh.runner_class.pk)
+    assert Job.objects.get().labels["repository"] == "acme/lib"
+
+
+def test_a_lost_completion_is_found_and_the_runner_retired(gh: GitHubWorld) -> None:
+    github_id = gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    deliver(
+        "workflow_job",
+        {**workflow_job(github_id, "queued"), "workflow_job": gh.fake.job(github_id).as_json()},
+    )
+    class_converge(runner_class_id=gh.runner_class.pk)
+    gh.fake.lost_rate = 1.0
+    gh.fake.cancel_job(github_id)  # its completed delivery is lost
+    WorkflowJob.objects.update(status_changed_at=timezone.now() - timedelta(minutes=5))
+    report = reconcile(gh)
+    assert report["jobs_looked_up"] == 1 and report["missed_jobs_found"] == 1
+    assert WorkflowJob.objects.get().status == "completed"
+    class_converge(runner_class_id=gh.runner_class.pk)
+    assert Job.objects.get().status == "cancelled"
+
+
+def test_polling_backs_off_while_it_finds_nothing(gh: GitHubWorld) -> None:
+    intervals = []
+    for _ in range(3):
+        reconcile(gh)
+        intervals.append(GitHubInstallation.objects.get().poll_interval_seconds)
+    assert intervals == [60.0, 120.0, 240.0]
+    gh.fake.lost_rate = 1.0
+    gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    reconcile(gh)
+    assert GitHubInstallation.objects.get().poll_interval_seconds == 30.0
+    before = gh.fake.api_calls()
+    installation_reconcile(installation_id=gh.installation.pk)  # not due: no poll calls
+    assert gh.fake.count("GET", "/installation/repositories") == 4  # one per poll, none now
+    assert gh.fake.api_calls() - before == 1  # the runners list only
+
+
+def test_failed_deliveries_are_redelivered_once(gh: GitHubWorld) -> None:
+    gh.fake.drop_rate = 1.0  # GitHub could not deliver: listed as failed
+    gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    delivered = gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    stored_guid = gh.fake.deliveries[-1].guid  # this one reached us another way
+    WebhookDelivery.objects.create(
+        guid=stored_guid, installation=gh.installation, org=gh.world.org, event="workflow_job", payload={}
+    )
+    assert reconcile(gh)["redelivered"] == 1
+    assert gh.fake.count("POST", "/app/hook/deliveries/") == 1
+    assert Event.objects.filter(kind="github.redelivered").count() == 1
+    assert reconcile(gh).get("redelivered", 0) == 0  # checked once per interval
+    assert delivered
+
+
+def test_the_reaper_acts_on_stored_unprocessed_deliveries_and_redrives_lost_handoffs(gh: GitHubWorld) -> None:
+    from apps.github.webhooks import delivery_process
+
+    payload: dict[str, Any] = workflow_job(9, "queued")
+    WebhookDelivery.objects.create(
+        guid="crashed-before-acting",
+        installation=gh.installation,
+        org=gh.world.org,
+        event="workflow_job",
+        action="queued",
+        payload=payload,
+    )
+    WebhookDelivery.objects.update(received_at=timezone.now() - timedelta(minutes=1))
+    report = github_converge(now=timezone.now())
+    assert report["github_deliveries_processed"] == 1 and report["github_runners_started"] == 1
+    assert WorkflowJob.objects.get().github_id == 9
+    assert delivery_process(guid="crashed-before-acting") == "done"  # once only
+    ready_agent(gh)
+    schedule()
+    Job.objects.update(status_changed_at=timezone.now() - timedelta(minutes=1))
+    assert github_converge(now=timezone.now())["github_handoffs_redriven"] == 1
