@@ -15,10 +15,10 @@ from django.http import HttpRequest
 from django.utils.html import format_html_join
 
 from apps.control.dashboard import grant_usage, grants_with_usage
-from apps.control.services import grant_delete, in_use_summary, org_in_use
+from apps.control.services import grant_delete, grant_upsert, in_use_summary, org_in_use
 from apps.core.errors import DomainError
 from apps.machines.models import OrgMachineType
-from apps.machines.services import grant_check_privilege, grant_upsert
+from apps.machines.services import grant_check_privilege
 from apps.orgs.admin import OrganizationAdmin as OrgsOrganizationAdmin
 from apps.orgs.models import Organization
 

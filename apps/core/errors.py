@@ -87,6 +87,11 @@ class ValidationFailed(DomainError):
         super().__init__(detail, code=code)
         self.fields = fields or {}
 
+    @classmethod
+    def field(cls, name: str, message: str) -> ValidationFailed:
+        """``name: message``, naming the one field that is wrong."""
+        return cls(f"{name}: {message}", fields={name: [message]})
+
 
 class Unauthenticated(DomainError):
     status = 401

@@ -17,7 +17,6 @@ from apps.machines.choices import (
     INSTANCE_TERMINAL,
     INSTANCE_TRANSITIONS,
     InstanceStatus,
-    Policy,
     ProviderKind,
 )
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
@@ -26,7 +25,7 @@ from catacloud.policy.billing import Billing
 
 
 def _invalid(field: str, message: str) -> ValidationFailed:
-    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
+    return ValidationFailed.field(field, message)
 
 
 # ---- catalog --------------------------------------------------------------------------------
@@ -187,47 +186,6 @@ def grant_check_privilege(*, org: Organization, machine_type: MachineType) -> No
             f"machine type {machine_type.name} requires privilege {machine_type.required_privilege}, "
             f"which {org.slug} lacks"
         )
-
-
-@transaction.atomic
-def grant_upsert(
-    *, org: Organization, machine_type: MachineType, **quota: Any
-) -> tuple[OrgMachineType, bool]:
-    """Grant ``machine_type`` to ``org`` with the given quotas (create or update)."""
-    unknown = set(quota) - set(OrgMachineType.QUOTA_FIELDS)
-    if unknown:
-        raise _invalid(sorted(unknown)[0], "unknown quota field")
-    for key, value in quota.items():
-        if key == "policy":
-            if value not in Policy.values:
-                raise _invalid("policy", f"must be one of {', '.join(Policy.values)}")
-        elif value is not None and (not isinstance(value, int) or value < 0):
-            raise _invalid(key, "must be a whole number of at least 0")
-    grant_check_privilege(org=org, machine_type=machine_type)
-    grant = grant_lock(org_id=org.pk, machine_type_id=machine_type.pk)
-    if grant is None:
-        grant = OrgMachineType.objects.create(org=org, machine_type=machine_type, **quota)
-        event_record(
-            kind=EventKind.ORG_GRANT_CREATED,
-            org=org,
-            actor="catalog",
-            machine_type=machine_type.name,
-            **quota,
-        )
-        return grant, True
-    changed = {k: v for k, v in quota.items() if getattr(grant, k) != v}
-    if changed:
-        for k, v in changed.items():
-            setattr(grant, k, v)
-        grant.save()
-        event_record(
-            kind=EventKind.ORG_GRANT_UPDATED,
-            org=org,
-            actor="catalog",
-            machine_type=machine_type.name,
-            **changed,
-        )
-    return grant, bool(changed)
 
 
 def grant_lock(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from apps.control.services import grant_upsert
 from apps.core.errors import MissingPrivilege, ValidationFailed
-from apps.machines.services import grant_upsert, machine_type_upsert, provider_account_upsert
+from apps.machines.services import machine_type_upsert, provider_account_upsert
 from apps.orgs.models import Privilege
 from apps.pools.services import pool_create
 from tests.conftest import World
