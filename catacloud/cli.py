@@ -400,9 +400,17 @@ class DevGitHub:
             "--webhook-url", f"http://127.0.0.1:{port}/api/integrations/github/webhook",
             "--installation", "1", "--account", "demo-org", "--repository", "demo-org/app",
         ]  # fmt: skip
+        import yaml
+
+        from testkit.github_kit import RUNNER_MOUNT
+
+        # The demo's local account, its machines showing the stand-in runner at /opt/actions-runner.
+        accounts = yaml.safe_load(DEMO_CATALOG.read_text())["provider_accounts"]
+        local = next(a for a in accounts if a["name"] == "local")
+        local["config"] = {**(local.get("config") or {}), "mounts": [RUNNER_MOUNT]}
         self.catalog = home / "github-dev.yaml"
         self.catalog.write_text(
-            "organizations:\n"
+            yaml.safe_dump({"provider_accounts": [local]}, sort_keys=False) + "organizations:\n"
             "  - slug: demo\n"
             "    github:\n"
             "      app_id: 1\n"
@@ -414,7 +422,6 @@ class DevGitHub:
             "        - name: linux-2cpu\n"
             "          labels: [self-hosted, catacloud-linux-2cpu]\n"
             "          machine_type: local-small\n"
-            f"          runner_dir: {ROOT / 'testkit' / 'github_runner'}\n"
         )
 
 

@@ -12,11 +12,22 @@ from typing import Any
 
 from testkit.github_fake import FakeGitHub
 
-# The stand-in runner's folder: what a machine's image provides at /opt/actions-runner. Local
-# machines see the host's folders today; once they are sandboxes, the local provider account's
-# ``mounts`` exposes this folder there instead and classes keep the default runner_dir.
+# The stand-in runner's folder: what a machine's image provides at /opt/actions-runner. A local
+# machine is a sandbox that sees none of this checkout: its provider account's ``mounts`` shows
+# the folder there, read-only, and classes keep the default runner_dir.
 RUNNER_DIR = Path(__file__).resolve().parent / "github_runner"
+RUNNER_TARGET = "/opt/actions-runner"
+RUNNER_MOUNT = {"source": str(RUNNER_DIR), "target": RUNNER_TARGET}
 WEBHOOK_PATH = "/api/integrations/github/webhook"
+
+
+def expose_runner(account: Any) -> None:
+    """Show the stand-in runner at /opt/actions-runner in every machine of a local ``account``."""
+    if account.kind != "local":
+        return
+    mounts = [m for m in account.config.get("mounts") or [] if m.get("target") != RUNNER_TARGET]
+    account.config["mounts"] = [*mounts, RUNNER_MOUNT]
+    account.save(update_fields=["config"])
 
 
 def connect(
@@ -27,10 +38,11 @@ def connect(
     installation_id: int,
     account: str,
     classes: Iterable[Mapping[str, Any]],
-    runner_dir: str = str(RUNNER_DIR),
+    runner_dir: str = RUNNER_TARGET,
 ) -> list[Any]:
     """Connect ``org`` to ``fake`` (its App id and webhook secret) and save ``classes``
-    (``{name, labels, machine_type, pool?, ...}``) running the stand-in runner. Returns them."""
+    (``{name, labels, machine_type, pool?, ...}``) running the stand-in runner, shown in the
+    local machines of their machine types (``expose_runner``). Returns them."""
     from apps.github.services import connection_set, runner_class_save
 
     connection_set(
@@ -46,4 +58,5 @@ def connect(
     for spec in classes:
         rc, _ = runner_class_save(org=org, actor="testkit", **{"runner_dir": runner_dir, **spec})
         saved.append(rc)
+        expose_runner(rc.machine_type.provider_account)
     return saved

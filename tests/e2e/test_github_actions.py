@@ -73,7 +73,9 @@ def test_workflow_jobs_run_on_catacloud_machines(github: GitHubStack) -> None:
     stack.wait(lambda: github.all_completed(ids), 120, "every workflow job to complete")
     assert {fake.job(i).conclusion for i in ids} == {"success"}
     ran_on = {fake.job(i).runner_name for i in ids}
-    assert all(name and name.startswith("catacloud-") for name in ran_on) and len(ran_on) == 4
+    assert all(name and name.startswith("catacloud-") for name in ran_on)
+    # a just-in-time runner for each job; a machine whose paid hour goes on may serve several
+    assert len({fake.job(i).runner_id for i in ids}) == 4 and 1 <= len(ran_on) <= 4
     stack.wait(
         lambda: Job.objects.filter(runner__isnull=False).exclude(status="succeeded").count() == 0,
         60,
