@@ -25,9 +25,13 @@ def livez(request: HttpRequest) -> JsonResponse:
 
 @require_GET
 def readyz(request: HttpRequest) -> JsonResponse:
-    """Readiness: database, broker, a worker and beat all up; 503 until then."""
+    """Readiness: database, broker, a worker and beat all up; 503 until then. A 503 here is an
+    answer, not a server error: Django's request log (ERROR for every 5xx) leaves it out, or a
+    start polled each second would print a line per second."""
     code, body = health.readiness()
-    return JsonResponse(body, status=code)
+    response = JsonResponse(body, status=code)
+    response._has_been_logged = True  # type: ignore[attr-defined]  # see django.utils.log.log_response
+    return response
 
 
 @require_GET
