@@ -23,7 +23,7 @@ from typing import Any
 from benchmarks.harness import Figure, PartResult, Progress, percentile, say, tenant
 from benchmarks.stack import live_stack, wait_quiet
 from testkit.github_fake import FakeGitHub, app_keypair
-from testkit.github_kit import WEBHOOK_PATH, connect
+from testkit.github_kit import WEBHOOK_PATH, connect, expose_runner
 from testkit.processes import wait_for
 
 LABELS = ["self-hosted", "catacloud-linux-2cpu"]
@@ -158,6 +158,7 @@ def run(*, samples: int = 30, burst: int = 1000, pool_size: int = 10, progress: 
                 max_pool_size=pool_size,
                 max_concurrent_jobs=pool_size,
             )
+            expose_runner(t.machine_type.provider_account)  # before the pool's first machine starts
             pool = pool_create(
                 org=t.org, name="ci", machine_type=t.machine_type, target_size=2, max_size=pool_size
             )

@@ -22,12 +22,14 @@ WEBHOOK_PATH = "/api/integrations/github/webhook"
 
 
 def expose_runner(account: Any) -> None:
-    """Show the stand-in runner at /opt/actions-runner in every machine of a local ``account``."""
+    """Show the stand-in runner at /opt/actions-runner in every machine of a local ``account``
+    started from now on (like an image: a machine already running never sees it, so call this
+    before a pool of the account warms)."""
     if account.kind != "local":
         return
     mounts = [m for m in account.config.get("mounts") or [] if m.get("target") != RUNNER_TARGET]
     account.config["mounts"] = [*mounts, RUNNER_MOUNT]
-    account.save(update_fields=["config"])
+    account.save(update_fields=["config", "updated_at"])
 
 
 def connect(

@@ -9,6 +9,8 @@ deleted at once. Tasks call these functions; every one of them is safe to run tw
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -58,10 +60,17 @@ _providers: dict[tuple[str, str], Provider] = {}
 
 
 def provider_for(account: ProviderAccount) -> Provider:
-    """The driver for ``account`` (cached per process until the account changes)."""
-    key = (str(account.pk), account.updated_at.isoformat() if account.updated_at else "")
+    """The driver for ``account`` (cached per process until the account changes). Keyed by
+    what the driver is built from, not ``updated_at``: a change saved without touching it
+    (``update_fields``, a queryset update) must still reach the next machine."""
+    built_from = json.dumps(
+        [account.kind, account.name, account.config, account.credentials_encrypted], default=str
+    )
+    key = (str(account.pk), hashlib.sha256(built_from.encode()).hexdigest())
     provider = _providers.get(key)
     if provider is None:
+        for old in [k for k in _providers if k[0] == key[0]]:  # the account's outdated driver
+            del _providers[old]
         config = dict(account.config)
         if get_driver_class(account.kind).needs_state_dir:
             config.setdefault("state_dir", str(Path(settings.CATACLOUD_HOME) / "machines" / account.name))

@@ -18,7 +18,7 @@ from apps.github.models import WorkflowJob
 from apps.jobs.models import Job, JobLogChunk
 from apps.pools.services import pool_create, pool_refill
 from testkit.github_fake import FakeGitHub, app_keypair
-from testkit.github_kit import WEBHOOK_PATH, connect
+from testkit.github_kit import WEBHOOK_PATH, connect, expose_runner
 from tests.e2e.conftest import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -46,6 +46,8 @@ def github(stack: Stack) -> Iterator[GitHubStack]:
     ).start()
     fake.add_installation(5, "acme", ["acme/app", "acme/web"])
     world = stack.world
+    # The runner folder is part of the machines' "image": shown before the pool's first machine starts.
+    expose_runner(world.account)
     pool = pool_create(
         org=world.org, name="ci-small", machine_type=world.machine_type, target_size=2, max_size=6
     )

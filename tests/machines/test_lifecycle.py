@@ -104,6 +104,26 @@ def test_provision_creates_a_labelled_server_and_the_instance_warms(
     assert len(fake_hetzner.servers) == 1
 
 
+def test_a_worker_builds_machines_from_the_account_config_however_it_was_changed(
+    world: World, tmp_path: Any
+) -> None:
+    """A worker keeps one driver per account; a change to the account's config (a mount added
+    to show a runner folder in every machine) reaches the next machine it starts, also when the
+    change was saved without touching ``updated_at`` (``update_fields``, a queryset update)."""
+    from apps.machines.models import ProviderAccount
+
+    def driver() -> Any:  # what a worker builds machines with: the account as stored now
+        return lifecycle.provider_for(ProviderAccount.objects.get(pk=world.account.pk))
+
+    assert driver().mounts == []
+    account = ProviderAccount.objects.get(pk=world.account.pk)
+    account.config["mounts"] = [{"source": str(tmp_path), "target": "/opt/actions-runner"}]
+    account.save(update_fields=["config"])
+    assert [m.target for m in driver().mounts] == ["/opt/actions-runner"]
+    ProviderAccount.objects.filter(pk=account.pk).update(config={**account.config, "mounts": []})
+    assert driver().mounts == []
+
+
 def test_worker_killed_after_create_before_record_is_adopted(
     world: World, hetzner: MachineType, fake_hetzner: FakeHetzner
 ) -> None:
