@@ -5,10 +5,11 @@ from __future__ import annotations
 from django.urls import path, re_path
 from rest_framework.routers import DefaultRouter
 
+from apps.billing.api.views import BudgetViewSet, CostViewSet
 from apps.control.api.views import EventViewSet
 from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, WorkflowJobViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
-from apps.machines.api.views import BudgetViewSet, CostViewSet, InstanceViewSet, MachineTypeViewSet
+from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
 from apps.pools.api.views import PoolViewSet
 from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 

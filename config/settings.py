@@ -105,6 +105,7 @@ INSTALLED_APPS = [
     "apps.resources",
     "apps.events",
     "apps.github",
+    "apps.billing",
     "apps.control",
 ]
 

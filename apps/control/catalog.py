@@ -19,11 +19,11 @@ from typing import Any
 import yaml
 from django.db import transaction
 
+from apps.billing.budgets import budget_set
 from apps.control.services import grant_upsert
 from apps.core.errors import DomainError
 from apps.github.models import GitHubConnection, RunnerClass
 from apps.github.services import CLASS_FIELDS, connection_set, pool_by_name, runner_class_save
-from apps.machines.budgets import budget_set
 from apps.machines.models import Budget, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import machine_type_upsert, provider_account_upsert
 from apps.orgs.models import Organization, Privilege

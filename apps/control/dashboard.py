@@ -32,13 +32,14 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, TruncMinute
 from django.utils import timezone
 
+from apps.billing.budgets import spend_grouped
+from apps.billing.costs import kind_totals
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.models import Job
-from apps.machines.budgets import period_start, spend_grouped
+from apps.machines.budgets import period_start
 from apps.machines.choices import INSTANCE_COUNTED, INSTANCE_LIVE, InstanceStatus
-from apps.machines.costs import kind_totals
 from apps.machines.models import Budget, MachineInstance, OrgMachineType
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool

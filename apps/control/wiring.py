@@ -7,7 +7,7 @@ from apps.github.dispatch import runner_handoff_soon
 from apps.jobs.acquisition import wake_waiting
 from apps.jobs.reports import jobs_requeue_for_instance
 from apps.jobs.scheduler import schedule_for_machine
-from apps.jobs.selectors import job_cost_keys, jobs_waiting
+from apps.jobs.selectors import jobs_waiting
 from apps.pools.refill import request_refill
 
 
@@ -16,6 +16,5 @@ def connect_hooks() -> None:
     hooks.machine_gone.connect(jobs_requeue_for_instance)
     hooks.pool_member_left.connect(request_refill)
     hooks.resource_slot_freed.connect(wake_waiting)
-    hooks.job_cost_keys.connect(job_cost_keys)
     hooks.job_needs_handoff.connect(runner_handoff_soon)
     hooks.jobs_waiting.connect(jobs_waiting)

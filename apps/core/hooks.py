@@ -15,7 +15,7 @@ hook called and handled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
 
 from apps.core.ids import InstanceId, JobId, MachineTypeId, OrgId, PoolId, ResourceTypeId
@@ -78,13 +78,6 @@ def pool_member_left(pool_id: PoolId) -> None:
 @Hook
 def resource_slot_freed(*, type_id: ResourceTypeId) -> None:
     """resources → jobs: a resource of this type was destroyed; jobs waiting for a slot try again."""
-
-
-@Hook
-def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
-    """machines (cost reports) → jobs: {job id: {config, repository, workflow}} for a set of job
-    ids (strings: the cost attribution's references)."""
-    raise NotImplementedError
 
 
 @Hook

@@ -13,7 +13,7 @@ from apps.jobs.models import Job
 
 def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
     """{job id: {config, repository, workflow}}: what cost reports group a job's share by
-    (``hooks.job_cost_keys``; the attribution names jobs by their ids as strings)."""
+    (the cost reports of ``apps.billing``; the attribution names jobs by their ids as strings)."""
     rows = Job.objects.filter(pk__in=job_ids).values_list("pk", "config__name", "labels")
     return {
         str(pk): {"config": name, "repository": labels.get("repository"), "workflow": labels.get("workflow")}

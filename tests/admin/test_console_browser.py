@@ -19,9 +19,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+from apps.billing.budgets import budget_set
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
-from apps.machines.budgets import budget_set
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
 from tests.admin import test_console_pages as console_pages

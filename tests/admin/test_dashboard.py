@@ -12,11 +12,12 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from apps.billing.budgets import budget_set
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.machines.budgets import budget_set, budget_spend
+from apps.machines.budgets import budget_spend
 from apps.pools.models import InstancePool
 from testkit.builders import instance_row, job_config, job_row, pool_row
 from tests.conftest import World

@@ -136,10 +136,10 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
     rate-limit window, a runner that crashes, one that never connects, an agent and a worker
     killed, three jobs cancelled: every job completes, nothing stays registered or claimed,
     runners never exceed queued jobs plus pool targets, quotas and the budget hold."""
+    from apps.billing.budgets import budget_set
     from apps.github.models import Runner
     from apps.github.services import runner_class_save
     from apps.jobs.choices import JOB_LIVE
-    from apps.machines.budgets import budget_set
     from apps.machines.choices import INSTANCE_COUNTED
     from apps.machines.models import MachineInstance, OrgMachineType
     from apps.pools.models import InstancePool

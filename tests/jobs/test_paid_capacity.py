@@ -15,6 +15,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
+from apps.billing.budgets import budget_set
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 from apps.jobs.reports import job_finished, job_started
@@ -22,7 +23,6 @@ from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_submit
 from apps.machines import claims
 from apps.machines.agents import instance_heartbeat
-from apps.machines.budgets import budget_set
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_provision
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType

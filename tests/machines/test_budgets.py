@@ -10,13 +10,14 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
+from apps.billing.budgets import budget_set
 from apps.events.models import Event
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
 from apps.jobs.reports import job_finished, job_started
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_submit
-from apps.machines.budgets import budget_check, budget_set, budget_spend
+from apps.machines.budgets import budget_check, budget_spend
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool

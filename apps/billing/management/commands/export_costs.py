@@ -14,8 +14,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
+from apps.billing.costs import part_rows
 from apps.machines.budgets import next_month, period_start
-from apps.machines.costs import part_rows
 from apps.orgs.models import Organization
 
 COLUMNS = (
