@@ -340,15 +340,14 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize(("mode", "status"), [("own", 0), ("shared", -signal.SIGINT)])
-def test_ctrl_c_in_a_terminal_ends_make_dev_with_status_0(tmp_path: Path, mode: str, status: int) -> None:
-    """Ctrl-C reached `make` too, which died of SIGINT (status 130) whatever the supervisor
-    did. Run under make in a real terminal (a pty): the dev runner takes the terminal's
-    foreground for itself, so make sees a clean exit; without that (control case) make dies."""
+def _make_dev_ctrl_c(tmp_path: Path, mode: str) -> int | None:
+    """Run `make dev` (a script that stops on SIGINT) in a real terminal (a pty), press Ctrl-C
+    once it is ready; make's exit status (None: still running after 20 s)."""
     import fcntl
     import pty
     import termios
 
+    tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "stop.py"
     script.write_text(CTRL_C)
     (tmp_path / "Makefile").write_text(f"dev:\n\t@{sys.executable} {script} {mode}\n")
@@ -372,8 +371,30 @@ def test_ctrl_c_in_a_terminal_ends_make_dev_with_status_0(tmp_path: Path, mode: 
         while b"ready" not in seen:
             seen += os.read(master, 1024)
         os.write(master, b"\x03")  # what the terminal sends for Ctrl-C
-        assert make.wait(20) == status
+        try:
+            return make.wait(20)
+        except subprocess.TimeoutExpired:
+            return None
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
         os.close(master)
+
+
+def test_ctrl_c_in_a_terminal_ends_make_dev_with_status_0(tmp_path: Path) -> None:
+    """Ctrl-C reached `make` too, which died of SIGINT (status 130) whatever the supervisor
+    did. Under make in a real terminal, the dev runner takes the terminal's foreground for
+    itself, so make sees a clean exit."""
+    assert _make_dev_ctrl_c(tmp_path, "own") == 0
+
+
+def test_without_taking_the_terminal_make_dies_of_ctrl_c(tmp_path: Path) -> None:
+    """The control case: without taking the terminal, make dies of the SIGINT (what users saw).
+    On a heavily loaded host make has once been seen to exit 0 here, so the control asks for
+    the death in one of three tries: it shows the harness can see the bug."""
+    statuses = []
+    for attempt in range(3):
+        statuses.append(_make_dev_ctrl_c(tmp_path / str(attempt), "shared"))
+        if statuses[-1] == -signal.SIGINT:
+            break
+    assert -signal.SIGINT in statuses, statuses
