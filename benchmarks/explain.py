@@ -41,20 +41,30 @@ query) ~11% and the claim ~11%; the rest is gunicorn's request parsing, Django's
 middleware, DRF's dispatch and rendering, i.e. the framework the issue asked to keep."""
 
 SUBMIT = """\
-**Warm submit -> running, broken down (target 50 ms, met).** p50 46 ms in this run (62 ms in
-this session's first run, 68 ms and 105 ms in earlier ones). queued -> admitted 4 ms and
-admitted -> assigned 10 ms: the submit admits and places its grant's jobs in its own request,
-right after its commit, when no other transaction holds the grant (`FOR UPDATE NOWAIT`; else,
-and as a safety net, the scheduling pass it enqueued does it), so the job no longer waits for
-the scheduler task's trip through Redis to a worker (15-20 ms before). assigned -> started
-24 ms is the agent being woken from its long poll through Redis by the agent server (as under
-`make dev`; the bench stack's agents talked to gunicorn before, 32-40 ms), answering the poll
-with the job, and the agent's `started` report. What is left is two HTTP round trips and two
-Python processes waking up on a 2-core machine that also runs the web, the worker, beat and
-PostgreSQL; letting the work answer itself move the job to `running` would save one round
-trip but would call a job running that its agent may never have received, so `started` stays
-the agent's word. Cold here means provisioning a local agent process; on a cloud the boot adds
-30-60 s, so the warm/cold ratio on real providers is far larger."""
+**Warm submit -> running, broken down (target 50 ms, met).** p50 29 and 35 ms in two runs of 30
+warm jobs each on an otherwise idle host (load average about 1 on 2 cores, the stack included).
+Runs of 12 jobs, as this part used to take, read 51-59 ms for the same code: the first jobs of a
+fresh stack pay for its warm-up (each ephemeral job meets a newly booted pool member and
+gunicorn's threads open their connections), and with 12 samples they set the median; 30 show the
+steady state. queued -> admitted and admitted -> assigned: the submit admits and places its
+grant's jobs in its own request, right after its commit, when no other transaction holds the
+grant (`FOR UPDATE NOWAIT`; else, and as a safety net, the scheduling pass it enqueued does it);
+placement tries an idle paid machine before a pool member (paid capacity first). assigned ->
+started (about 20 ms) is the agent being woken from its long poll through Redis by the agent
+server, the poll answered with the job, and the agent's `started` report: two HTTP round trips
+and two Python processes waking on a 2-core machine that also runs the web, the worker, beat and
+PostgreSQL. `started` stays the agent's word (a job is never called running that its agent may
+not have received).
+
+**The sandbox's cost per job start.** `running` is reported before the command is spawned, so
+the sandbox is not in submit -> running; it is in started -> finished of the warm `true` jobs
+and in the two job-start rows: `true` as a job uid, spawn to exit, interleaved. Starting a job
+in its bubblewrap sandbox (own uid, user/PID/IPC/UTS namespaces, read-only root, private
+/tmp) takes p50 9-12 ms; the uid-only supervisor every job went through before (a Python
+process that dropped privileges, and the fallback where bubblewrap cannot run) took 38-48 ms.
+The sandbox made job starts about 4x cheaper, because it replaced a Python interpreter's start
+with a small C program's. Cold here means provisioning a local agent process; on a cloud the
+boot adds 30-60 s, so the warm/cold ratio on real providers is far larger."""
 
 REPLENISH = """\
 The claim's after-commit refill task reaches the provision task in well under a second: the

@@ -123,7 +123,7 @@ def _retire_idle(t: Any) -> None:
             instance_terminate(instance_id=pk, actor="bench", reason="cold sample")
 
 
-def run(*, warm: int = 12, cold: int = 4, pool_size: int = 2, progress: Progress = say) -> PartResult:
+def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress = say) -> PartResult:
     from apps.pools.services import pool_create, pool_refill
 
     result = PartResult(part="submit", title="Submit to running (warm pool vs cold provisioning)")
