@@ -5,7 +5,10 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
+from apps.github.choices import WorkflowJobStatus
 from apps.github.models import GitHubConnection, RunnerClass, WorkflowJob
+from apps.github.services import CLASS_FIELDS
+from apps.jobs.choices import JOB_LIVE
 from apps.machines.api.serializers import OrgMachineTypeField
 from apps.pools.models import InstancePool
 
@@ -86,36 +89,14 @@ class RunnerClassSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = RunnerClass
-        fields = (
-            "id",
-            "name",
-            "labels",
-            "machine_type",
-            "pool",
-            "scope",
-            "runner_group_id",
-            "command",
-            "runner_dir",
-            "priority",
-            "timeout_seconds",
-            "max_attempts",
-            "online_timeout_seconds",
-            "idle_timeout_seconds",
-            "job_config",
-            "queued",
-            "runners",
-            "created_at",
-            "updated_at",
-        )
+        fields = ("id", *CLASS_FIELDS, "job_config", "queued", "runners", "created_at", "updated_at")
         read_only_fields = ("id", "job_config", "created_at", "updated_at")
         extra_kwargs = {"command": {"trim_whitespace": False, "max_length": 65536}}
 
     def get_queued(self, obj: RunnerClass) -> int:
-        return obj.jobs.filter(status="queued").count()
+        return obj.jobs.filter(status=WorkflowJobStatus.QUEUED).count()
 
     def get_runners(self, obj: RunnerClass) -> int:
-        from apps.jobs.choices import JOB_LIVE
-
         return obj.runners.filter(job__status__in=JOB_LIVE).count()
 
 
