@@ -25,6 +25,7 @@ import requests
 
 from catacloud.agent import AGENT_API_PREFIX
 from catacloud.agent.backoff import backoff
+from catacloud.agent.netns import Allow
 
 log = logging.getLogger("catacloud.agent")
 
@@ -114,6 +115,7 @@ class Job:
     checkpoint_available: bool = False
     checkpoint_interval: int | None = None
     secret_env_names: tuple[str, ...] = ()  # their values are masked in the job's output
+    network_allow: tuple[Allow, ...] = ()  # reachable besides the internet (the machine type's)
 
     @property
     def secret_values(self) -> list[str]:
@@ -132,7 +134,19 @@ class Job:
             checkpoint_available=bool(checkpoint.get("available")),
             checkpoint_interval=int(interval) if interval else None,
             secret_env_names=tuple(str(n) for n in data.get("secret_env_names") or ()),
+            network_allow=_allow_list((data.get("network") or {}).get("allow")),
         )
+
+
+def _allow_list(entries: Any) -> tuple[Allow, ...]:
+    """The job's allow list; an entry this agent cannot read is left out (never a wider rule)."""
+    allows = []
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            allows.append(Allow.parse(entry))
+        except ValueError as exc:
+            log.warning("ignoring a network allow entry: %s", exc)
+    return tuple(allows)
 
 
 def sha256_of(fh: IO[bytes], size: int) -> str:

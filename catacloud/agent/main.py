@@ -62,6 +62,7 @@ from catacloud.agent.files import (
 )
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
+from catacloud.agent.netns import Egress, egress_problem, find_pasta, host_addresses
 from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
 from catacloud.agent.sandbox import (
     DEFAULT_JOB_UIDS,
@@ -78,6 +79,7 @@ from catacloud.agent.sandbox import (
     make_undumpable,
     passable,
     probe,
+    probe_network,
 )
 
 log = logging.getLogger("catacloud.agent")
@@ -118,6 +120,7 @@ class Agent:
         limits_file: str | None = None,
         sandbox: bool = True,
         shared_dirs: tuple[str, ...] = (),
+        network: bool = True,
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
@@ -127,6 +130,7 @@ class Agent:
         self.job_uids = UidAllocator(job_uids) if job_uids is not None else None
         self.limits_file = limits_file
         self.sandbox = sandbox
+        self.network = network  # False: jobs get a namespace with a loopback only
         self.shared_dirs = shared_dirs
         self.launcher: Launcher = UidLauncher()
         self.state_file = state_file
@@ -260,13 +264,32 @@ class Agent:
         try:
             if uid is not None:
                 os.chown(folder, uid, uid)
-            why = probe(launcher, JobPlace(work_dir=folder, socket_path="", uid=uid, gid=uid))
+            place = JobPlace(work_dir=folder, socket_path="", uid=uid, gid=uid)
+            why = probe(launcher, place)
+            if why is None:
+                launcher.egress = self._choose_egress(launcher, place)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if why is not None:
             log.warning("jobs run unsandboxed (their own uid only): bubblewrap failed here: %s", why)
             return UidLauncher()
         return launcher
+
+    def _choose_egress(self, launcher: BubblewrapLauncher, place: JobPlace) -> Egress:
+        """The internet through pasta when this host can (tried for real), else no network."""
+        problem = egress_problem() if self.network else "turned off (--network none)"
+        if problem is None:
+            launcher.egress = Egress(
+                "pasta",
+                pasta=find_pasta() or "pasta",
+                detail="the internet through pasta; loopback, private, link-local and this host refused",
+                host_addresses=host_addresses(),
+            )
+            problem = probe_network(launcher, place)
+        if problem is not None:
+            log.warning("jobs get no network (a loopback only): %s", problem)
+            return Egress("none", detail=f"no network: {problem}")
+        return launcher.egress
 
     def machine_report(self) -> dict[str, Any]:
         """What this machine tells the control plane at enrollment: how jobs are isolated and
@@ -596,7 +619,9 @@ class Agent:
             checkpointer.start()
             log.info("job %s: running in %s", job.id, work_dir)
             try:
-                place = JobPlace(work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid)
+                place = JobPlace(
+                    work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=job.network_allow
+                )
                 socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
                 result = run_job_process(
                     job.command,
@@ -915,6 +940,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         limits_file=args.limits_file,
         sandbox=not args.no_sandbox,
         shared_dirs=tuple(args.shared_dir or ()),
+        network=args.network != "none",
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -964,6 +990,14 @@ def add_agent_commands(subparsers: Any) -> None:
         "--no-sandbox",
         action="store_true",
         help="run jobs without a bubblewrap sandbox (still as their own uid, never root)",
+    )
+    agent.add_argument(
+        "--network",
+        choices=["internet", "none"],
+        default="internet",
+        help="what a sandboxed job's network reaches: the internet through pasta (default; "
+        "loopback, private, link-local ranges and this host refused unless the machine type "
+        "allows them), or nothing but its own loopback",
     )
     agent.add_argument(
         "--shared-dir",

@@ -453,9 +453,20 @@ def run_job_process(
             **launch.popen_kwargs(),
         )
     except OSError as exc:
+        if launch.network is not None:
+            launch.network.close()
         return JobResult(None, FAILED, f"could not start the command: {exc}")
     finally:
         launch.close()
+    if launch.network is not None:  # the command waits until its network namespace is ready
+        why: str | None = "agent error"
+        try:
+            why = launch.network.run()
+        finally:
+            if why is not None:  # ended before the release end closes: that would let it start
+                launch.network.abort(proc)
+        if why is not None:
+            return JobResult(None, FAILED, f"could not set up the job's network: {why}")
     assert proc.stdout is not None and proc.stderr is not None
     masker = OutputMasker(mask, streamer.feed, streamer.end_stream)  # both streams as one sequence
     readers = [
@@ -470,6 +481,9 @@ def run_job_process(
     except BaseException:
         tree.kill(proc, grace=0.5)  # never leave a job running behind an agent error
         raise
+    finally:
+        if launch.network is not None:
+            launch.network.finish()
     returncode = proc.returncode
     # Whatever the job left running in the background goes with it (and releases our pipes).
     tree.kill(None, grace=min(1.0, kill_grace))

@@ -32,12 +32,16 @@ import json
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from catacloud.agent.netns import Allow, Egress, Policy, read_child_pid, resolv_conf, stop_pasta
 
 log = logging.getLogger("catacloud.agent")
 
@@ -191,8 +195,66 @@ def passwd_entries(uid: int, gid: int, home: str) -> tuple[bytes, bytes]:
 
 
 @dataclass
+class NetworkSetup:
+    """The agent's ends of a sandbox blocked until its network is ready (``--info-fd`` tells the
+    sandbox's first process, ``--block-fd`` holds the command until written to), and the job's
+    pasta once it runs."""
+
+    egress: Egress
+    policy: Policy
+    info: int  # read: bubblewrap's JSON with "child-pid"
+    release: int  # write one byte: the command may start
+    uid: int | None
+    gid: int | None
+    state_dir: str  # where pasta's pid file goes: the agent's, hidden from the job
+    _folder: str = ""
+    _child: int | None = None  # the sandbox's first process (in this agent's PID namespace)
+
+    def run(self) -> str | None:
+        """Set the job's namespace up and release the command; else why not (then the caller
+        must end the sandbox: closing ``release`` unwritten lets the command start)."""
+        pid = self._child = read_child_pid(self.info)
+        if pid is None:
+            return "the sandbox ended before its network was set up"
+        self._folder = tempfile.mkdtemp(prefix=".net-", dir=self.state_dir)
+        if self.uid is not None:
+            os.chown(self._folder, self.uid, self.gid if self.gid is not None else self.uid)
+        why = self.egress.attach(self.pid_file(), pid=pid, uid=self.uid, gid=self.gid, policy=self.policy)
+        if why is None:
+            os.write(self.release, b"1")
+        return why
+
+    def pid_file(self) -> str:
+        return os.path.join(self._folder, "pasta.pid")
+
+    def close(self) -> None:
+        for fd in (self.info, self.release):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def abort(self, proc: subprocess.Popen[bytes]) -> None:
+        """End a sandbox still blocked before its command, before ``release`` closes (closing it
+        unwritten would let the command start): its first process does not die with bubblewrap
+        until it is released."""
+        for pid in (self._child, proc.pid):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        self.finish()
+
+    def finish(self) -> None:
+        """After the job: its pasta ends (it would hold the namespace for ever), its file goes."""
+        self.close()
+        if self._folder:
+            stop_pasta(self.pid_file())
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+@dataclass
 class Launch:
-    """How to start one job: ``subprocess.Popen(argv, env=env, pass_fds=fds, user=, group=)``.
+    """How to start one job: ``subprocess.Popen(argv, env=env, pass_fds=fds, user=, group=)``,
+    then ``network.run()`` when there is one (the command waits for it).
 
     ``close()`` after the start closes the anonymous files the launcher inherited."""
 
@@ -202,6 +264,7 @@ class Launch:
     user: int | None = None
     group: int | None = None
     socket_env: str = ""  # CATACLOUD_AGENT_SOCKET as the job sees it
+    network: NetworkSetup | None = None
 
     def popen_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"env": self.env, "pass_fds": self.fds}
@@ -217,12 +280,14 @@ class Launch:
 
 @dataclass(frozen=True)
 class JobPlace:
-    """What one job may see: its work folder (writable) and the agent's socket."""
+    """What one job may see: its work folder (writable) and the agent's socket; and what it may
+    reach on the network besides the internet (its machine type's ``network.allow``)."""
 
     work_dir: str
     socket_path: str
     uid: int | None  # the host uid it runs as (root agent), or None: the agent's own, in a namespace
     gid: int | None
+    allow: tuple[Allow, ...] = ()
 
 
 @dataclass
@@ -238,16 +303,36 @@ class BubblewrapLauncher:
     # refuses a nested one (inside a local machine's sandbox): the job sees its machine's processes,
     # never the host's, and still signals only its own.
     proc: str = "mount"
+    # The job's network namespace gets the internet through this (catacloud/agent/netns.py);
+    # "none" (or no pasta on this host): a loopback and nothing else. Never the host's network.
+    egress: Egress = field(default_factory=lambda: Egress("none", detail="not set up"))
     kind: str = field(default="bubblewrap", init=False)
 
     def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
         uid = place.uid if place.uid is not None else os.geteuid()
         gid = place.gid if place.gid is not None else os.getegid()
-        args = self._options(env, place)
         passwd, group = passwd_entries(uid, gid, place.work_dir)
-        fds = (memfd(passwd), memfd(group))
+        fds = [memfd(passwd), memfd(group)]
+        if self.egress.mode == "pasta":
+            fds.append(memfd(resolv_conf()))
+        args = self._options(env, place, resolver=fds[2] if len(fds) > 2 else None)
         args += ["--perms", "0644", "--ro-bind-data", str(fds[0]), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", str(fds[1]), "/etc/group"]
+        network: NetworkSetup | None = None
+        if self.egress.mode == "pasta":
+            info_read, info_write = os.pipe()
+            release_read, release_write = os.pipe()
+            fds += [info_write, release_read]
+            args += ["--info-fd", str(info_write), "--block-fd", str(release_read)]
+            network = NetworkSetup(
+                self.egress,
+                self.egress.policy(place.allow),
+                info_read,
+                release_write,
+                place.uid,
+                place.gid,
+                state_dir=os.path.dirname(os.path.abspath(place.work_dir)),
+            )
         args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
         return Launch(
             argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", command],
@@ -256,15 +341,17 @@ class BubblewrapLauncher:
             user=place.uid,
             group=place.gid,
             socket_env=SANDBOX_SOCKET,
+            network=network,
         )
 
-    def _options(self, env: Mapping[str, str], place: JobPlace) -> list[str]:
+    def _options(self, env: Mapping[str, str], place: JobPlace, resolver: int | None = None) -> list[str]:
         args = [
             "--unshare-user",
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
             "--unshare-cgroup-try",
+            "--unshare-net",
             "--disable-userns",
             "--hostname",
             self.hostname,
@@ -289,12 +376,12 @@ class BubblewrapLauncher:
             args += ["--tmpfs", folder]
         created: set[str] = set(hidden)
 
-        def bind(kind: str, source: str, target: str) -> None:
+        def bind(kind: str, source: str, target: str, perms: str = "") -> None:
             for parent in _ancestors(target):
                 if _under(parent, hidden) and parent not in created:
                     args.extend(["--perms", "0755", "--dir", parent])
                     created.add(parent)
-            args.extend([kind, source, target])
+            args.extend([*(["--perms", perms] if perms else []), kind, source, target])
 
         for path in self.visible:
             if _under(path, hidden) and passable(path, place.uid):
@@ -304,6 +391,8 @@ class BubblewrapLauncher:
         bind("--bind", place.work_dir, place.work_dir)
         if place.socket_path:
             bind("--bind", place.socket_path, SANDBOX_SOCKET)
+        if resolver is not None:  # the job's DNS goes to its own namespace's resolver address
+            bind("--ro-bind-data", str(resolver), _resolv_conf_path(), perms="0644")
         for folder in hidden:  # what hides the agent's folders and the homes is not a scratch space
             if folder not in ("/tmp", "/var/tmp", "/dev/shm"):
                 args += ["--remount-ro", folder]
@@ -313,7 +402,14 @@ class BubblewrapLauncher:
         return args
 
     def describe(self) -> dict[str, Any]:
-        return {"jobs": self.kind, "bwrap": self.bwrap, "proc": self.proc}
+        return {"jobs": self.kind, "bwrap": self.bwrap, "proc": self.proc, **self.egress.describe()}
+
+
+def _resolv_conf_path() -> str:
+    """Where the job's resolver file goes: ``/etc/resolv.conf``, or where that link leads (a
+    link into ``/run``, as systemd-resolved makes it, would dangle in the sandbox's own ``/run``)."""
+    path = "/etc/resolv.conf"
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 # The supervisor of UidLauncher: a child subreaper whose parent-death signal is tied to the agent
@@ -421,7 +517,8 @@ class UidLauncher:
         )
 
     def describe(self) -> dict[str, Any]:
-        return {"jobs": self.kind}
+        # No sandbox, no namespace: such a job shares the machine's network (SECURITY.md).
+        return {"jobs": self.kind, "network": "host", "network_detail": "no sandbox: the machine's network"}
 
 
 Launcher = BubblewrapLauncher | UidLauncher
@@ -439,24 +536,46 @@ def probe(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
     return why
 
 
+def probe_network(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
+    """Give a sandbox the job network for real; ``None`` when it works, else why not."""
+    if launcher.egress.mode != "pasta":
+        return None
+    return _try(launcher, place)
+
+
 def _try(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
     launch = launcher.launch("true", {}, place)
     try:
-        result = subprocess.run(
+        proc = subprocess.Popen(
             launch.argv,
             cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            timeout=30,
             **launch.popen_kwargs(),
         )
-    except (OSError, subprocess.SubprocessError) as exc:
+    except OSError as exc:
+        if launch.network is not None:
+            launch.network.close()
         return str(exc)
     finally:
         launch.close()
-    if result.returncode != 0:
-        return result.stderr.decode(errors="replace").strip() or f"exit code {result.returncode}"
+    try:
+        if launch.network is not None:
+            why = launch.network.run()
+            if why is not None:
+                launch.network.abort(proc)
+                return why
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return "the sandbox did not start within 30 s"
+    finally:
+        if launch.network is not None:
+            launch.network.finish()
+    if proc.returncode != 0:
+        return stderr.decode(errors="replace").strip() or f"exit code {proc.returncode}"
     return None
 
 

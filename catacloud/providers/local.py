@@ -73,6 +73,7 @@ from catacloud.providers.machine_sandbox import (
     own_slot,
     remove_cgroup,
     secrets_to_hide,
+    tun_device,
 )
 
 # Sleep, then replace ourselves with the real command (same pid, same process group).
@@ -245,6 +246,7 @@ class LocalProvider(Provider):
                 machine_dir=str(folder),
                 mounts=self.mounts,
                 hide=secrets_to_hide([str(self.state_dir)]),
+                tun=tun_device(self.state_dir),
             )
             argv = sandbox.argv(argv)
             if cgroup is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,7 @@ class MachineSandbox:
     mounts: Sequence[Mount] = ()
     hide: Sequence[str] = ()  # host folders that must stay invisible even under a mount
     as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+    tun: str | None = None  # a tun device every uid may open: pasta gives jobs the internet with it
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", self.hostname]
@@ -123,6 +125,8 @@ class MachineSandbox:
             elif os.path.isdir(folder):
                 args += ["--ro-bind", folder, folder]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/var"]
+        if self.tun is not None:
+            args += ["--perms", "0755", "--dir", "/dev/net", "--dev-bind", self.tun, "/dev/net/tun"]
         args += ["--perms", "1777", "--dir", "/var/tmp"]
         made = {"/tmp", "/run", "/var", *SYSTEM_FOLDERS}
         binds = [(p, p, False) for p in runtime_paths()]
@@ -317,6 +321,41 @@ def _stale(path: Path) -> bool:
         return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["create_time"])) > 0.05
     except (psutil.Error, ValueError, TypeError):
         return True
+
+
+TUN_MAJOR, TUN_MINOR = 10, 200
+
+
+def tun_device(folder: Path) -> str | None:
+    """A tun device node every uid may open, for the machines' job networks (catacloud/agent/
+    netns.py: pasta opens ``/dev/net/tun`` as the job's uid): the host's when it is open to all
+    (the udev default), else, as root, a node of our own in ``folder`` (the host's is left as it
+    is); ``None`` when neither works (jobs then get no network, and say why)."""
+    host = "/dev/net/tun"
+    with contextlib.suppress(OSError):
+        if os.stat(host).st_mode & 0o006 == 0o006:
+            return host
+    if os.geteuid() != 0:
+        return None
+    node = folder / "tun"
+    try:
+        st = os.stat(node)
+        if not (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(TUN_MAJOR, TUN_MINOR)):
+            node.unlink()
+            raise FileNotFoundError
+    except FileNotFoundError:
+        try:
+            os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(TUN_MAJOR, TUN_MINOR))
+        except FileExistsError:
+            pass  # another worker made it meanwhile
+        except OSError:
+            return None
+    try:
+        os.chmod(node, 0o666)
+        os.close(os.open(node, os.O_RDWR))  # a file system mounted nodev refuses it here
+    except OSError:
+        return None
+    return str(node)
 
 
 def secrets_to_hide(extra: Iterable[str] = ()) -> list[str]:

@@ -187,6 +187,7 @@ class FakeAgentAPI(_FakeBase):
         attempt: int = 1,
         checkpoint: dict[str, Any] | None = None,
         secret_env_names: list[str] | None = None,
+        network: dict[str, Any] | None = None,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -201,6 +202,8 @@ class FakeAgentAPI(_FakeBase):
             job["checkpoint"] = checkpoint
         if secret_env_names is not None:
             job["secret_env_names"] = secret_env_names
+        if network is not None:
+            job["network"] = network
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

@@ -1,0 +1,451 @@
+"""A job's network: a namespace of its own that reaches the internet and nothing else.
+
+Every sandboxed job starts in a new network namespace (bubblewrap's ``--unshare-net``), blocked
+before its command runs (``--block-fd``) until the agent has set the namespace up:
+
+1. **Rules first.** A small helper (this file, run as a script with ``python -I -S``, as the
+   job's uid, which owns the job's user namespace) joins the job's user and network namespaces
+   and loads an nftables table through ``libnftables``: traffic to the host's loopback, private
+   ranges (RFC 1918, CGNAT, ULA), link-local (``169.254.0.0/16``: the cloud metadata address),
+   multicast, reserved ranges and every address of the host is refused at once (a TCP reset or
+   an ICMP "administratively prohibited": a connection error, never a hang), unless the machine
+   type's ``network.allow`` names the destination. The job's own processes hold no capability
+   in that namespace, so they cannot change the rules.
+2. **Then the internet.** ``pasta`` (Debian's ``passt`` package: user-mode networking made for
+   rootless containers, the one Podman uses) joins the namespace from outside and gives it a
+   tap interface with the host's addresses and routes; it relays the job's TCP, UDP and ICMP
+   through ordinary sockets of its own (opened as the job's uid). It maps nothing of the host's
+   loopback (``--no-map-gw``, no port forwarding) except the loopback ports an allow entry
+   names (``127.0.0.1:PORT``: forwarded with ``-T PORT``). DNS goes to :data:`DNS_ADDRESS`,
+   which pasta forwards to the host's resolver; the job's ``/etc/resolv.conf`` names it.
+3. Then the agent unblocks the sandbox and the command starts.
+
+Abstract unix sockets and ``/proc/net`` belong to a network namespace, so they are the job's
+own. The job still talks to its agent through its unix socket (a file, bound into the sandbox).
+When ``pasta`` or ``libnftables`` is missing (or this host refuses them), jobs get a namespace
+with a loopback and nothing else: no network rather than the host's (:func:`probe_egress` says
+why; the machine reports it at enrollment).
+
+This module is also the helper's script: it imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import ipaddress
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Where a job's DNS queries go: pasta forwards them to the host's resolver (its replies come back
+# from this address, so the job's resolv.conf names it). Link-local: never a real destination.
+DNS_ADDRESS = "169.254.1.53"
+# Refused to every job unless its machine type allows the destination. IPv4-mapped IPv6 (::ffff:
+# 0:0/96) is refused whole: a job reaches IPv4 through IPv4.
+DENIED_NETWORKS = (
+    "0.0.0.0/8",  # "this network"
+    "10.0.0.0/8",  # RFC 1918
+    "100.64.0.0/10",  # carrier-grade NAT
+    "127.0.0.0/8",  # loopback (the host's, through a relay)
+    "169.254.0.0/16",  # link-local: cloud metadata (169.254.169.254), the VPC resolver
+    "172.16.0.0/12",  # RFC 1918
+    "192.0.0.0/24",  # IETF protocol assignments
+    "192.168.0.0/16",  # RFC 1918
+    "198.18.0.0/15",  # benchmarking
+    "224.0.0.0/3",  # multicast, reserved, broadcast
+    "::/127",  # unspecified, loopback
+    "::ffff:0:0/96",  # IPv4-mapped
+    "64:ff9b:1::/48",  # local-use NAT64
+    "fc00::/7",  # unique local
+    "fe80::/10",  # link-local
+    "ff00::/8",  # multicast
+)
+SETUP_TIMEOUT_SECONDS = 10.0
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class Allow:
+    """One ``network.allow`` entry: an address or network, and a port (``None``: every port).
+
+    Written ``10.0.0.5:3128``, ``10.0.0.0/24``, ``10.0.0.5``, ``[fd00::5]:3128``, ``fd00::/64``;
+    the host's loopback only with a port (``127.0.0.1:8765``, ``localhost:8765``, ``[::1]:8765``).
+    Names other than ``localhost`` are refused: a rule holds for an address, not for whatever a
+    name resolves to tomorrow."""
+
+    network: Network
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, text: object) -> Allow:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{text!r}: expected an address, ADDRESS:PORT or a network (CIDR)")
+        raw = text.strip()
+        host, port = raw, None
+        if raw.startswith("["):  # [v6]:port
+            end = raw.find("]")
+            if end < 0 or not raw[end + 1 :].startswith(":"):
+                raise ValueError(f"{raw!r}: write an IPv6 address with a port as [ADDRESS]:PORT")
+            host, port = raw[1:end], _port(raw, raw[end + 2 :])
+        elif raw.count(":") == 1:  # v4:port or name:port
+            host, text_port = raw.split(":")
+            port = _port(raw, text_port)
+        if host.lower() == "localhost":
+            host = "127.0.0.1"
+        try:
+            network = ipaddress.ip_network(host, strict=True)
+        except ValueError as exc:
+            if any(c.isalpha() for c in host) and "/" not in host and ":" not in host:
+                raise ValueError(f"{raw!r}: name an address or a network, not a host name") from None
+            raise ValueError(f"{raw!r}: {exc}") from None
+        if network.is_loopback and port is None:
+            raise ValueError(f"{raw!r}: the host's loopback is allowed one port at a time (ADDRESS:PORT)")
+        if network.is_loopback and network.num_addresses != 1:
+            raise ValueError(f"{raw!r}: name one loopback address with a port, not a network")
+        return cls(network, port)
+
+    @property
+    def loopback(self) -> bool:
+        return self.network.is_loopback
+
+    def __str__(self) -> str:
+        address = str(self.network.network_address) if self.network.num_addresses == 1 else str(self.network)
+        if self.port is None:
+            return address
+        return f"[{address}]:{self.port}" if self.network.version == 6 else f"{address}:{self.port}"
+
+
+def _port(raw: str, text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"{raw!r}: the port must be a number from 1 to 65535")
+    return int(text)
+
+
+def parse_allow(entries: object) -> list[Allow]:
+    """The allow list of a machine type's ``network``; ``ValueError`` names the first bad entry."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list | tuple):
+        raise ValueError("network.allow must be a list of addresses (ADDRESS, ADDRESS:PORT or a network)")
+    allows = [Allow.parse(entry) for entry in entries]
+    return sorted(set(allows), key=str)
+
+
+def normalize_network(value: object) -> dict[str, Any]:
+    """A machine type's ``network`` as stored: ``{"allow": [...]}`` with every entry in one spelling."""
+    if value in (None, "", {}):
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError('network must be an object, for example {"allow": ["10.0.0.5:3128"]}')
+    unknown = sorted(set(value) - {"allow"})
+    if unknown:
+        raise ValueError(f"network: unknown key {unknown[0]!r} (known: allow)")
+    allows = parse_allow(value.get("allow"))
+    return {"allow": [str(a) for a in allows]} if allows else {}
+
+
+# -- the ruleset ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one job may reach besides the internet."""
+
+    allow: tuple[Allow, ...] = ()
+    host_addresses: tuple[str, ...] = ()  # every address of this host: refused like loopback
+
+    @property
+    def forwarded_ports(self) -> list[int]:
+        """The host loopback ports forwarded into the job's namespace."""
+        return sorted({a.port for a in self.allow if a.loopback and a.port is not None})
+
+    def ruleset(self) -> str:
+        """The job namespace's nftables table (``nft -f`` syntax)."""
+        v4 = [n for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 4]
+        v6 = [n for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 6]
+        for address in self.host_addresses:
+            ip = ipaddress.ip_address(address.split("%")[0])
+            if not any(ip in ipaddress.ip_network(n) for n in DENIED_NETWORKS):
+                (v4 if ip.version == 4 else v6).append(str(ip))
+        lines = [
+            "table inet catacloud_job {",
+            _set("denied4", "ipv4_addr", v4),
+            _set("denied6", "ipv6_addr", v6),
+            "  chain output {",
+            "    type filter hook output priority filter; policy accept;",
+            '    oifname "lo" accept',  # the namespace's own loopback (and the forwarded ports)
+            f"    ip daddr {DNS_ADDRESS} meta l4proto {{ tcp, udp }} th dport 53 accept",
+        ]
+        for allow in self.allow:
+            if allow.loopback:
+                continue  # reached through pasta's forward on the namespace's own loopback
+            family = "ip" if allow.network.version == 4 else "ip6"
+            port = f" meta l4proto {{ tcp, udp }} th dport {allow.port}" if allow.port else ""
+            lines.append(f"    {family} daddr {allow.network}{port} accept")
+        for family, name in (("ip", "denied4"), ("ip6", "denied6")):
+            lines.append(f"    {family} daddr @{name} meta l4proto tcp reject with tcp reset")
+            lines.append(f"    {family} daddr @{name} reject with icmpx type admin-prohibited")
+        lines += ["  }", "}", ""]
+        return "\n".join(lines)
+
+
+def _set(name: str, kind: str, elements: list[str]) -> str:
+    listed = ", ".join(elements)
+    return f"  set {name} {{ type {kind}; flags interval; auto-merge; elements = {{ {listed} }} }}"
+
+
+def host_addresses() -> tuple[str, ...]:
+    """Every address of this host's interfaces (what a relay from the host would reach)."""
+    import socket
+
+    try:
+        import psutil
+    except ImportError:  # the helper's bare interpreter never asks
+        return ()
+    found = set()
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6):
+                found.add(address.address.split("%")[0])
+    return tuple(sorted(found))
+
+
+def resolv_conf() -> bytes:
+    """The job's ``/etc/resolv.conf``."""
+    return f"# the job's resolver: pasta forwards it to the host's\nnameserver {DNS_ADDRESS}\n".encode()
+
+
+# -- setting a job's namespace up --------------------------------------------------------------
+
+
+@dataclass
+class Egress:
+    """How this machine gives jobs the internet: ``pasta`` (with the rules), or ``none``."""
+
+    mode: str  # "pasta" | "none"
+    pasta: str = ""
+    detail: str = ""
+    host_addresses: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self) -> dict[str, Any]:
+        return {"network": self.mode, "network_detail": self.detail}
+
+    def policy(self, allow: Iterable[Allow]) -> Policy:
+        return Policy(allow=tuple(allow), host_addresses=self.host_addresses)
+
+    def attach(
+        self, pid_file: str, *, pid: int, uid: int | None, gid: int | None, policy: Policy
+    ) -> str | None:
+        """Rules, then pasta, for the sandbox whose first process is ``pid``; ``None`` when the
+        job's namespace is ready (pasta's pid is then in ``pid_file``), else what went wrong (the
+        job must not start then).
+
+        The helper starts as this agent (a job uid may not reach the agent's Python), takes the
+        job's uid (which owns the job's user namespace, the one its network namespace belongs
+        to), loads the rules in a child that joins both, then becomes pasta."""
+        if self.mode != "pasta":
+            return None  # a namespace with a loopback only
+        ids = [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
+        forwards = ",".join(str(p) for p in policy.forwarded_ports) or "none"
+        argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "attach", str(pid), *ids, pid_file]
+        argv += [self.pasta, "--config-net", "--quiet", "--no-map-gw", "--tcp-ports", "none"]
+        argv += ["--udp-ports", "none", "--tcp-ns", forwards, "--udp-ns", "none"]
+        argv += ["--dns-forward", DNS_ADDRESS]
+        try:
+            helper = subprocess.run(
+                argv,
+                input=policy.ruleset().encode(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=SETUP_TIMEOUT_SECONDS,
+                close_fds=True,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            )
+        except subprocess.TimeoutExpired:
+            return "the job's network took too long to set up"
+        if helper.returncode != 0:
+            return _last_line(helper.stderr)
+        return None
+
+
+def stop_pasta(pid_file: str) -> None:
+    """End the pasta of one job (it outlives the job's processes: it holds their namespace)."""
+    import signal
+
+    try:
+        with open(pid_file) as fh:
+            pid = int(fh.read().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            if not fh.read().strip().startswith(("pasta", "passt")):
+                return  # gone, and the number reused
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return
+
+
+def _last_line(data: bytes) -> str:
+    lines = [line for line in data.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no message"
+
+
+def find_pasta() -> str | None:
+    """The ``pasta`` binary (Debian's ``passt`` package)."""
+    return shutil.which("pasta", path="/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
+
+
+INSTALL_HINT = "install Debian's passt and nftables packages (apt install passt nftables)"
+
+
+def egress_problem() -> str | None:
+    """Why this host cannot give jobs the internet through pasta (``None``: it can, as far as
+    the binaries go; :func:`catacloud.agent.sandbox.probe_network` tries it for real)."""
+    missing = []
+    if find_pasta() is None:
+        missing.append("pasta")
+    if _libnftables() is None:
+        missing.append("libnftables")
+    if missing:
+        return f"{' and '.join(missing)} not found: {INSTALL_HINT}"
+    if not _tun_usable():
+        return (
+            "/dev/net/tun cannot be opened by job uids (pasta needs it): "
+            "make it readable and writable by all (chmod 0666 /dev/net/tun, the udev default)"
+        )
+    return None
+
+
+def _tun_usable() -> bool:
+    try:
+        st = os.stat("/dev/net/tun")
+    except OSError:
+        return False
+    if st.st_mode & 0o006 == 0o006:
+        return True  # every job uid may open it
+    return os.geteuid() != 0 and os.access("/dev/net/tun", os.R_OK | os.W_OK)  # jobs run as this uid
+
+
+def _libnftables() -> str | None:
+    return ctypes.util.find_library("nftables")
+
+
+# -- the helper (run as a script) ----------------------------------------------------------------
+
+_NS_GET_USERNS = 0xB701
+
+
+def _setns(fd: int, kind: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, kind) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot join the job's {what} namespace: {os.strerror(errno)}")
+
+
+def load_rules(net: int, user: int, ruleset: str, lib: Any) -> None:
+    """Join the network namespace ``net`` (through ``user``, the user namespace that owns it)
+    and load ``ruleset`` there with ``lib`` (libnftables)."""
+    _setns(user, _CLONE_NEWUSER, "user")
+    _setns(net, _CLONE_NEWNET, "network")
+    lib.nft_ctx_new.restype = ctypes.c_void_p
+    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+    lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    ctx = lib.nft_ctx_new(0)
+    if not ctx:
+        raise OSError("libnftables: cannot create a context")
+    lib.nft_ctx_buffer_error(ctx)
+    if lib.nft_run_cmd_from_buffer(ctx, ruleset.encode()) != 0:
+        message = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace").strip()
+        raise OSError(f"nftables refused the job's rules: {message or 'no message'}")
+
+
+def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: list[str]) -> int:
+    import fcntl
+
+    ruleset = sys.stdin.read()
+    lib = ctypes.CDLL(_libnftables() or "libnftables.so.1")  # before the uid change: may be private
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid, -1)
+        os.setresuid(uid, uid, uid)
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    # The sandbox's first process may already sit in a nested user namespace (bubblewrap's
+    # --disable-userns): the one that owns the network namespace is what pasta and the rules need.
+    user = fcntl.ioctl(net, _NS_GET_USERNS)
+    child = os.fork()
+    if child == 0:  # the rules, from a process that joins the job's namespaces for good
+        code = 0
+        try:
+            load_rules(net, user, ruleset, lib)
+        except OSError as exc:
+            print(exc.strerror if exc.strerror and len(exc.args) > 1 else str(exc), file=sys.stderr)
+            code = 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    if os.waitpid(child, 0)[1] != 0:
+        return 1
+    os.set_inheritable(net, True)
+    os.set_inheritable(user, True)
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; pasta refuses to start so
+    # pasta connects the namespace, writes its pid and goes to the background: this exit says ready
+    os.execv(
+        pasta[0],
+        [*pasta, "--pid", pid_file, "--userns", f"/proc/self/fd/{user}", "--netns", f"/proc/self/fd/{net}"],
+    )
+    return 1  # not reached
+
+
+def _main(argv: Sequence[str]) -> int:
+    if len(argv) < 6 or argv[0] != "attach" or not argv[1].isdigit():
+        print(
+            "usage: netns.py attach PID UID|- GID|- PID_FILE PASTA [ARGS...]  (rules on stdin)",
+            file=sys.stderr,
+        )
+        return 2
+    uid = int(argv[2]) if argv[2] != "-" else None
+    gid = int(argv[3]) if argv[3] != "-" else None
+    try:
+        return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]))
+    except OSError as exc:
+        print(f"cannot set the job's network up: {exc}", file=sys.stderr)
+        return 1
+
+
+def read_child_pid(fd: int, timeout: float = SETUP_TIMEOUT_SECONDS) -> int | None:
+    """The sandbox's first process, from bubblewrap's ``--info-fd`` (``None``: it ended first)."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        data += chunk
+        try:
+            return int(json.loads(data)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            continue  # not all of it yet
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
