@@ -154,6 +154,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     agent_port = int(os.environ.get("AGENT_PORT", str(port + 1)))
     home = embedded.catacloud_home()
     home.mkdir(parents=True, exist_ok=True)
+    _local_network_note(home)
     lock = _dev_lock(home)  # held until this process ends, however it ends
     if lock is None:
         return 1
@@ -362,6 +363,20 @@ def _local_sandbox_problem() -> str | None:
     )
 
 
+def _local_network_note(home: Path) -> None:
+    """Jobs on local machines reach the internet through pasta and nothing else; where this host
+    cannot, they get no network at all (never the host's): say so, and how to fix it."""
+    from catacloud.providers.local import sandbox_default
+    from catacloud.providers.machine_sandbox import network_problem
+
+    if not sandbox_default():
+        return
+    (home / "machines").mkdir(exist_ok=True)
+    why = network_problem(home / "machines")
+    if why is not None:
+        print(f"catacloud: jobs on local machines get no network (a loopback only): {why}", flush=True)
+
+
 def dev_started_at(environ: Mapping[str, str]) -> float:
     """When the user started waiting, on the monotonic clock: `make dev` passes the time it
     started (``CATACLOUD_DEV_STARTED``, before its bootstrap: the venv, pip), else this
@@ -405,12 +420,17 @@ class DevGitHub:
         from testkit.github_kit import RUNNER_MOUNT
 
         # The demo's local account, its machines showing the stand-in runner at /opt/actions-runner.
-        accounts = yaml.safe_load(DEMO_CATALOG.read_text())["provider_accounts"]
-        local = next(a for a in accounts if a["name"] == "local")
+        demo = yaml.safe_load(DEMO_CATALOG.read_text())
+        local = next(a for a in demo["provider_accounts"] if a["name"] == "local")
         local["config"] = {**(local.get("config") or {}), "mounts": [RUNNER_MOUNT]}
+        # Its jobs reach the fake GitHub on this host's loopback through the machine type's
+        # allow list, as an operator's cache would be reached; nothing else of the host.
+        small = next(t for t in demo["machine_types"] if t["name"] == "local-small")
+        small["network"] = {"allow": [f"127.0.0.1:{self.port}"]}
         self.catalog = home / "github-dev.yaml"
         self.catalog.write_text(
-            yaml.safe_dump({"provider_accounts": [local]}, sort_keys=False) + "organizations:\n"
+            yaml.safe_dump({"provider_accounts": [local], "machine_types": [small]}, sort_keys=False)
+            + "organizations:\n"
             "  - slug: demo\n"
             "    github:\n"
             "      app_id: 1\n"

@@ -32,6 +32,21 @@ def expose_runner(account: Any) -> None:
     account.save(update_fields=["config", "updated_at"])
 
 
+def allow_loopback(machine_type: Any, url: str) -> None:
+    """Let jobs of ``machine_type`` reach the service at ``url`` on this host's loopback (the fake
+    GitHub the stand-in runner talks to), through the machine type's ``network.allow`` as an
+    operator's cache would be: a job's network reaches nothing else of the host."""
+    from urllib.parse import urlsplit
+
+    from apps.machines.services import machine_type_update
+
+    entry = f"127.0.0.1:{urlsplit(url).port}"
+    allow = list((machine_type.network or {}).get("allow") or [])
+    if entry not in allow:
+        machine_type_update(machine_type=machine_type, actor="testkit", network={"allow": [*allow, entry]})
+        machine_type.refresh_from_db()
+
+
 def connect(
     org: Any,
     fake: FakeGitHub,
@@ -61,4 +76,5 @@ def connect(
         rc, _ = runner_class_save(org=org, actor="testkit", **{"runner_dir": runner_dir, **spec})
         saved.append(rc)
         expose_runner(rc.machine_type.provider_account)
+        allow_loopback(rc.machine_type, fake.url)
     return saved

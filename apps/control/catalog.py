@@ -224,6 +224,8 @@ class _Applier:
             "billing_increment_seconds",
             "min_billed_seconds",
             "required_privilege",
+            "disk_gb",
+            "network",
         }
         self.fields(
             node, "machine type", {"name", "provider_account", "server_type", "cpus", "memory_mb"}, optional

@@ -43,4 +43,8 @@ def job_payload(job: Job) -> dict[str, Any]:
         "attempt": job.attempt,
         "resources": list(job.resources.values_list("resource_type_id", flat=True)),
         "checkpoint": checkpoint_info(job),
+        # What the job may reach besides the internet, and the disk it may fill: its machine
+        # type's (catacloud/agent/netns.py, catacloud/agent/disk.py).
+        "network": job.machine_type.network or {},
+        "disk_limit_bytes": job.machine_type.disk_gb * 10**9 if job.machine_type.disk_gb else None,
     }

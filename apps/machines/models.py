@@ -3,6 +3,7 @@ from __future__ import annotations
 import uuid
 from decimal import Decimal
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
@@ -10,6 +11,15 @@ from django.utils import timezone
 
 from apps.core.crypto import decrypt_json, encrypt_json
 from apps.machines.choices import InstanceStatus, Policy, ProviderKind
+from catacloud.agent.netns import normalize_network
+
+
+def validate_network(value: object) -> None:
+    """A machine type's ``network`` (catacloud/agent/netns.py reads it on the machine)."""
+    try:
+        normalize_network(value)
+    except ValueError as exc:
+        raise ValidationError(str(exc), code="invalid_network") from None
 
 
 class ProviderAccount(models.Model):
@@ -76,6 +86,18 @@ class MachineType(models.Model):
     min_billed_seconds = models.PositiveIntegerField(default=0, help_text="EC2: 60")
     required_privilege = models.ForeignKey(
         "orgs.Privilege", null=True, blank=True, on_delete=models.PROTECT, related_name="machine_types"
+    )
+    disk_gb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="GB a job may fill (local machines enforce it); empty: no limit",
+    )
+    network = models.JSONField(
+        default=dict,
+        blank=True,
+        validators=[validate_network],
+        help_text='besides the internet, what jobs may reach: {"allow": ["10.0.0.5:3128"]}',
     )
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

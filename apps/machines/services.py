@@ -21,6 +21,7 @@ from apps.machines.choices import (
 )
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import Organization, Privilege
+from catacloud.agent.netns import normalize_network
 from catacloud.policy.billing import Billing
 
 
@@ -101,6 +102,17 @@ def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
         not isinstance(out["billing_increment_seconds"], int) or out["billing_increment_seconds"] < 1
     ):
         raise _invalid("billing_increment_seconds", "must be a whole number of at least 1")
+    if (
+        "disk_gb" in out
+        and out["disk_gb"] is not None
+        and (not isinstance(out["disk_gb"], int) or isinstance(out["disk_gb"], bool) or out["disk_gb"] < 1)
+    ):
+        raise _invalid("disk_gb", "must be a whole number of at least 1 (GB), or empty for no limit")
+    if "network" in out:
+        try:
+            out["network"] = normalize_network(out["network"])
+        except ValueError as exc:
+            raise _invalid("network", str(exc)) from None
     if "price_per_hour" in out:
         try:
             price = Decimal(str(out["price_per_hour"]))

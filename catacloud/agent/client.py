@@ -116,6 +116,7 @@ class Job:
     checkpoint_interval: int | None = None
     secret_env_names: tuple[str, ...] = ()  # their values are masked in the job's output
     network_allow: tuple[Allow, ...] = ()  # reachable besides the internet (the machine type's)
+    disk_limit_bytes: int | None = None  # the disk it may fill (the machine type's disk_gb)
 
     @property
     def secret_values(self) -> list[str]:
@@ -135,6 +136,7 @@ class Job:
             checkpoint_interval=int(interval) if interval else None,
             secret_env_names=tuple(str(n) for n in data.get("secret_env_names") or ()),
             network_allow=_allow_list((data.get("network") or {}).get("allow")),
+            disk_limit_bytes=int(data["disk_limit_bytes"]) if data.get("disk_limit_bytes") else None,
         )
 
 

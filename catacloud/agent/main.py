@@ -46,6 +46,7 @@ from catacloud.agent.client import (
     redact,
     register_secret,
 )
+from catacloud.agent.disk import DiskWatch
 from catacloud.agent.files import (
     CHECKPOINT_ENV,
     MAX_ARTIFACT_BYTES,
@@ -121,6 +122,7 @@ class Agent:
         sandbox: bool = True,
         shared_dirs: tuple[str, ...] = (),
         network: bool = True,
+        disk_reserve_bytes: int = 0,
     ) -> None:
         self.client = client
         self.bootstrap_token = bootstrap_token
@@ -131,6 +133,7 @@ class Agent:
         self.limits_file = limits_file
         self.sandbox = sandbox
         self.network = network  # False: jobs get a namespace with a loopback only
+        self.disk_reserve_bytes = disk_reserve_bytes  # a job ends before the disk's free space does
         self.shared_dirs = shared_dirs
         self.launcher: Launcher = UidLauncher()
         self.state_file = state_file
@@ -632,6 +635,7 @@ class Agent:
                     cancel=cancel,
                     streamer=streamer,
                     mask=job.secret_values,
+                    watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
                 )
             finally:
                 self.meta.revoke()
@@ -804,6 +808,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be a number of at least 0")
+    return value
+
+
 def _move_env_token_to_a_file(args: argparse.Namespace) -> None:
     """A bootstrap token given in the environment stays readable in ``/proc/<pid>/environ``
     for the process's whole life, whatever ``os.environ`` says later. Write it to a 0600 file
@@ -941,6 +952,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         sandbox=not args.no_sandbox,
         shared_dirs=tuple(args.shared_dir or ()),
         network=args.network != "none",
+        disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -998,6 +1010,14 @@ def add_agent_commands(subparsers: Any) -> None:
         help="what a sandboxed job's network reaches: the internet through pasta (default; "
         "loopback, private, link-local ranges and this host refused unless the machine type "
         "allows them), or nothing but its own loopback",
+    )
+    agent.add_argument(
+        "--disk-reserve-gb",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="GB",
+        help="end a job (disk_limit_exceeded) once the free space of the disk it writes to drops "
+        "below this (default 1)",
     )
     agent.add_argument(
         "--shared-dir",

@@ -303,7 +303,10 @@ def _last_line(data: bytes) -> str:
 
 
 def find_pasta() -> str | None:
-    """The ``pasta`` binary (Debian's ``passt`` package)."""
+    """The ``pasta`` binary (Debian's ``passt`` package), or the one ``CATACLOUD_PASTA`` names."""
+    chosen = os.environ.get("CATACLOUD_PASTA")
+    if chosen:
+        return chosen if os.access(chosen, os.X_OK) else None
     return shutil.which("pasta", path="/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
 
 
@@ -316,7 +319,7 @@ def egress_problem() -> str | None:
     missing = []
     if find_pasta() is None:
         missing.append("pasta")
-    if _libnftables() is None:
+    if libnftables() is None:
         missing.append("libnftables")
     if missing:
         return f"{' and '.join(missing)} not found: {INSTALL_HINT}"
@@ -338,7 +341,7 @@ def _tun_usable() -> bool:
     return os.geteuid() != 0 and os.access("/dev/net/tun", os.R_OK | os.W_OK)  # jobs run as this uid
 
 
-def _libnftables() -> str | None:
+def libnftables() -> str | None:
     return ctypes.util.find_library("nftables")
 
 
@@ -378,7 +381,7 @@ def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: li
     import fcntl
 
     ruleset = sys.stdin.read()
-    lib = ctypes.CDLL(_libnftables() or "libnftables.so.1")  # before the uid change: may be private
+    lib = ctypes.CDLL(libnftables() or "libnftables.so.1")  # before the uid change: may be private
     if uid is not None:
         os.setgroups([])
         os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid, -1)

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import psutil
 
@@ -40,6 +40,12 @@ TIMED_OUT = "timed_out"
 CANCELLED = "cancelled"
 
 KILL_GRACE_SECONDS = 3.0
+
+
+class Watch(Protocol):
+    """Checked while a job runs (the disk watchdog): a reason to end it, or ``None``."""
+
+    def __call__(self, *, force: bool = False) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -388,17 +394,21 @@ def _supervise(
     cancel: Cancellation,
     kill_grace: float,
     poll_interval: float,
+    watch: Watch | None = None,
 ) -> tuple[str, str] | None:
-    """Wait for the job to end; on timeout or cancellation kill its tree and say why."""
+    """Wait for the job to end; on timeout, cancellation or a ``watch`` that answers a reason
+    (the disk watchdog) kill its tree and say why."""
     started = time.monotonic()
     deadline = started + timeout_seconds if timeout_seconds and timeout_seconds > 0 else None
     next_snapshot = started
     while True:
         try:
             proc.wait(timeout=poll_interval)
-            return None
         except subprocess.TimeoutExpired:
             pass
+        else:  # ended: what it left on the disk still counts
+            why = watch(force=True) if watch is not None else None
+            return (FAILED, why) if why is not None else None
         now = time.monotonic()
         if now >= next_snapshot:
             tree.snapshot()
@@ -408,6 +418,8 @@ def _supervise(
             stopped = (CANCELLED, cancel.reason or "cancelled")
         elif deadline is not None and now >= deadline:
             stopped = (TIMED_OUT, f"timed out after {timeout_seconds:g} s")
+        elif watch is not None and (why := watch()) is not None:
+            stopped = (FAILED, why)
         if stopped is not None:
             log.info("stopping job process tree (%s)", stopped[1])
             tree.kill(proc, kill_grace)
@@ -427,6 +439,7 @@ def run_job_process(
     kill_grace: float = KILL_GRACE_SECONDS,
     poll_interval: float = 0.1,
     mask: Iterable[str] = (),
+    watch: Watch | None = None,
 ) -> JobResult:
     """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
 
@@ -477,7 +490,7 @@ def run_job_process(
         reader.start()
     tree = ProcessTree(proc.pid)
     try:
-        stopped = _supervise(proc, tree, timeout_seconds, cancel, kill_grace, poll_interval)
+        stopped = _supervise(proc, tree, timeout_seconds, cancel, kill_grace, poll_interval, watch)
     except BaseException:
         tree.kill(proc, grace=0.5)  # never leave a job running behind an agent error
         raise

@@ -189,6 +189,14 @@ class AwsProvider(Provider):
                 {"ResourceType": "instance", "Tags": tags},
                 {"ResourceType": "volume", "Tags": tags},
             ],
+            # The instance metadata service answers only IMDSv2 (a session token from a PUT) and
+            # only one hop away: the agent reaches it, a container behind a bridge does not. Jobs
+            # never do: their network namespace refuses link-local (catacloud/agent/netns.py).
+            "MetadataOptions": {
+                "HttpTokens": "required",
+                "HttpPutResponseHopLimit": 1,
+                "HttpEndpoint": "enabled",
+            },
         }
         if user_data := spec.cloud_init:
             params["UserData"] = user_data  # boto3 base64-encodes it

@@ -18,6 +18,11 @@ Config:
   ``boot_delay_seconds`` (float, default 0): the command starts only after this delay, so
       warming is visible. Until ``created_at + delay`` the machine reports ``booting``
       (PROVISIONING).
+  ``disk_reserve_gb`` (float, default 2): free space the state folder's disk keeps for the
+      control plane (``$CATACLOUD_HOME``, PostgreSQL, Redis): no new machine starts below it
+      (``InsufficientCapacity``, saying so), and a machine's agent ends a job that brings the
+      free space below it (``disk_limit_exceeded``), as it ends one that outgrows its machine
+      type's ``disk_gb``.
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -53,7 +59,9 @@ import psutil
 
 from catacloud.agent.sandbox import bwrap_path
 from catacloud.providers.base import (
+    LABEL_INSTALLATION,
     LABEL_INSTANCE,
+    InsufficientCapacity,
     MachineSpec,
     MachineState,
     NotFound,
@@ -82,8 +90,9 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # psutil derives start times from boot time + clock ticks; allow for float noise only.
 _START_TIME_TOLERANCE = 0.05
 # The only variables of the control plane's environment a local agent inherits.
-AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH"})
+AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "CATACLOUD_PASTA"})
 BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
+DEFAULT_DISK_RESERVE_GB = 2.0
 _RECORD_KEYS = frozenset(
     {"instance_id", "name", "pid", "create_time", "labels", "created_at", "ready_at", "log_path"}
 )
@@ -123,6 +132,12 @@ class LocalProvider(Provider):
         self.boot_delay = float(self.config.get("boot_delay_seconds", 0) or 0)
         self.stop_timeout = float(self.config.get("stop_timeout_seconds", 5))
         self.keep_logs = bool(self.config.get("keep_logs", False))
+        try:
+            self.disk_reserve_gb = float(self.config.get("disk_reserve_gb", DEFAULT_DISK_RESERVE_GB))
+        except (TypeError, ValueError):
+            raise Permanent("disk_reserve_gb must be a number of GB") from None
+        if self.disk_reserve_gb < 0:
+            raise Permanent("disk_reserve_gb must be >= 0")
         if self.boot_delay < 0 or self.stop_timeout < 0:
             raise Permanent("boot_delay_seconds and stop_timeout_seconds must be >= 0")
         sandbox = self.config.get("sandbox")
@@ -143,6 +158,7 @@ class LocalProvider(Provider):
             record = self._read(spec.instance_id)
             if record is not None and self._process(record) is not None:
                 return self._machine(record)  # adopt: idempotent create
+            self._check_disk()
             record = self._start(spec)
             self._write(record)
         return self._machine(record)
@@ -179,11 +195,25 @@ class LocalProvider(Provider):
             if current is not None and current["pid"] == record["pid"]:
                 self._record_path(provider_id).unlink(missing_ok=True)
                 shutil.rmtree(self.state_dir / provider_id, ignore_errors=True)
-                remove_cgroup(f"cc-{provider_id}")
+                remove_cgroup(record.get("cgroup_folders") or [])
                 if "slot" in record:
                     free_slot(record["slot"], provider_id)
                 if not self.keep_logs:
                     Path(record["log_path"]).unlink(missing_ok=True)
+
+    def _check_disk(self) -> None:
+        """No new machine while the disk the control plane lives on is below its reserve."""
+        reserve = int(self.disk_reserve_gb * 10**9)
+        if not reserve:
+            return
+        st = os.statvfs(self.state_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < reserve:
+            raise InsufficientCapacity(
+                f"this host's disk has {free / 10**9:.1f} GB free, below the {self.disk_reserve_gb:g} GB "
+                f"kept for the control plane ({self.state_dir}, PostgreSQL, Redis): no new local machine "
+                "until space is freed (or lower the local provider account's disk_reserve_gb)"
+            )
 
     # ---- processes ----------------------------------------------------------------------------
 
@@ -215,8 +245,14 @@ class LocalProvider(Provider):
         cgroup: Cgroup | None = None
         if self.sandbox:  # the machine's size, whatever it runs
             cgroup, limits = Cgroup.create(
-                f"cc-{spec.instance_id}", cpus=spec.cpus, memory_mb=spec.memory_mb, pids=self.pids_max
+                f"cc-{spec.instance_id}",
+                installation=self._installation(spec),
+                cpus=spec.cpus,
+                memory_mb=spec.memory_mb,
+                pids=self.pids_max,
             )
+            if cgroup is not None:
+                record["cgroup_folders"] = cgroup.folders
         else:
             limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
         (folder / "limits.json").write_text(json.dumps(limits))
@@ -229,6 +265,7 @@ class LocalProvider(Provider):
                 record["slot"] = slot
                 argv += ["--job-uids", str(uids)]
             argv += ["--limits-file", inside(LIMITS_FILE)]
+            argv += ["--disk-reserve-gb", f"{self.disk_reserve_gb:g}"]
             for mount in self.mounts:
                 if mount.writable:
                     argv += ["--shared-dir", mount.target if self.sandbox else mount.source]
@@ -289,6 +326,14 @@ class LocalProvider(Provider):
                 {"instance_id": spec.instance_id, "pid": proc.pid, "create_time": record["create_time"]},
             )
         return record
+
+    def _installation(self, spec: MachineSpec) -> str:
+        """What names this installation's cgroup: its label, else (a bare provider, as in
+        tests) its state folder."""
+        label = spec.labels.get(LABEL_INSTALLATION)
+        if label:
+            return str(label)
+        return "home-" + hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:12]
 
     @staticmethod
     def _process(record: Mapping[str, Any]) -> psutil.Process | None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import psutil
 
+from catacloud.agent.netns import INSTALL_HINT, find_pasta, libnftables
 from catacloud.agent.sandbox import JOB_UID_BASE, UidRange, bwrap_path
 
 # Where a machine finds its own folder (bootstrap token, enrollment, work, limits), as on a cloud
@@ -168,27 +169,66 @@ class MachineSandbox:
 # -- resource limits ---------------------------------------------------------------------------
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+V1_CONTROLLERS = ("cpu", "memory", "pids")
+PERIOD_US = 100_000
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (the host's, or fewer where it is confined)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def own_cgroup(controller: str | None = None) -> str:
+    """This process's cgroup path (v2: ``controller`` None; v1: that controller's hierarchy)."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return "/"
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if (controller is None and controllers == "") or (
+            controller is not None and controller in controllers.split(",")
+        ):
+            return path or "/"
+    return "/"
+
+
 @dataclass
 class Cgroup:
-    """One machine's cgroup (v2, else v1 per controller), when the host lets us make one."""
+    """One machine's cgroup (v2, else v1 per controller), when the host lets us make one.
+
+    Machines live under their installation's own cgroup, ``catacloud-<installation>``, made
+    inside the control plane's own cgroup (its delegated subtree, where a service manager gives
+    it one), so two installations on a host never share a parent. The installation's cgroup
+    caps all its machines together at this host's CPUs and yields to the control plane under
+    contention (half the default CPU weight); each machine gets at most its machine type's
+    CPUs, memory and processes."""
 
     name: str
+    parent: str = "catacloud"  # the installation's cgroup (a folder name)
     procs: list[str] = field(default_factory=list)  # cgroup.procs files the machine joins
     folders: list[str] = field(default_factory=list)
+    where: str = ""  # the machine's cgroup path, as reported
 
     @classmethod
     def create(
-        cls, name: str, *, cpus: int, memory_mb: int, pids: int
+        cls, name: str, *, installation: str, cpus: int, memory_mb: int, pids: int
     ) -> tuple[Cgroup | None, dict[str, Any]]:
         """The cgroup and the limits record the agent reports (``enforced`` says whether they hold)."""
+        total = host_cpus()
+        cpus = max(1, min(cpus, total))
         limits: dict[str, Any] = {"cpus": cpus, "memory_mb": memory_mb, "pids": pids}
-        group = cls(name)
+        group = cls(name, parent=installation_cgroup(installation))
         try:
-            if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-                group._make_v2(cpus, memory_mb, pids)
+            if os.path.exists(f"{CGROUP_ROOT}/cgroup.controllers"):
+                group._make_v2(cpus, memory_mb, pids, total)
                 how = "cgroup v2"
-            elif os.path.isdir("/sys/fs/cgroup/memory"):
-                group._make_v1(cpus, memory_mb, pids)
+            elif os.path.isdir(f"{CGROUP_ROOT}/memory"):
+                group._make_v1(cpus, memory_mb, pids, total)
                 how = "cgroup v1"
             else:
                 raise OSError("no cgroup file system at /sys/fs/cgroup")
@@ -202,41 +242,62 @@ class Cgroup:
                 "enforced": False,
                 "detail": f"not enforced: cannot create a cgroup: {reason}",
             }
-        return group, {**limits, "enforced": True, "detail": f"enforced by {how}"}
+        detail = (
+            f"enforced by {how} at {group.where}; the installation's machines share at most "
+            f"{total} CPUs (this host's)"
+        )
+        return group, {
+            **limits,
+            "enforced": True,
+            "host_cpus": total,
+            "cgroup": group.where,
+            "detail": detail,
+        }
 
-    def _folder(self, root: str) -> str:
-        parent = os.path.join(root, "catacloud")
+    def _make(self, root: str, own: str) -> tuple[str, str]:
+        """The installation's folder (made if missing) and this machine's, under ``root/own``."""
+        parent = os.path.join(root + own.rstrip("/"), self.parent)
         os.makedirs(parent, exist_ok=True)
         folder = os.path.join(parent, self.name)
         os.makedirs(folder, exist_ok=True)
         self.folders.append(folder)
-        return folder
+        self.where = f"{own.rstrip('/')}/{self.parent}/{self.name}"
+        return parent, folder
 
-    def _make_v2(self, cpus: int, memory_mb: int, pids: int) -> None:
-        root = "/sys/fs/cgroup"
-        for level in (root, os.path.join(root, "catacloud")):
-            os.makedirs(level, exist_ok=True)
-            with open(os.path.join(level, "cgroup.subtree_control"), "w") as fh:
-                fh.write("+cpu +memory +pids")
-        folder = self._folder(root)
-        _write(folder, "cpu.max", f"{cpus * 100000} 100000")
+    def _make_v2(self, cpus: int, memory_mb: int, pids: int, total: int) -> None:
+        own = own_cgroup()
+        base = CGROUP_ROOT + own.rstrip("/")
+        # Controllers reach a child only through every level's subtree_control; a non-root
+        # cgroup that holds processes refuses (EBUSY): then its manager must delegate us a leaf.
+        _write(base, "cgroup.subtree_control", "+cpu +memory +pids")
+        parent, folder = self._make(CGROUP_ROOT, own)
+        _write(parent, "cgroup.subtree_control", "+cpu +memory +pids")
+        _write(parent, "cpu.max", f"{total * PERIOD_US} {PERIOD_US}")
+        with contextlib.suppress(OSError):
+            _write(parent, "cpu.weight", "50")
+        _write(folder, "cpu.max", f"{cpus * PERIOD_US} {PERIOD_US}")
         _write(folder, "memory.max", str(memory_mb * 2**20))
         _write(folder, "pids.max", str(pids))
         self.procs = [os.path.join(folder, "cgroup.procs")]
 
-    def _make_v1(self, cpus: int, memory_mb: int, pids: int) -> None:
-        cpu = self._folder("/sys/fs/cgroup/cpu")
-        _write(cpu, "cpu.cfs_period_us", "100000")
-        _write(cpu, "cpu.cfs_quota_us", str(cpus * 100000))
-        memory = self._folder("/sys/fs/cgroup/memory")
+    def _make_v1(self, cpus: int, memory_mb: int, pids: int, total: int) -> None:
+        cpu_parent, cpu = self._make(f"{CGROUP_ROOT}/cpu", own_cgroup("cpu"))
+        _write(cpu_parent, "cpu.cfs_period_us", str(PERIOD_US))
+        _write(cpu_parent, "cpu.cfs_quota_us", str(total * PERIOD_US))
+        with contextlib.suppress(OSError):
+            _write(cpu_parent, "cpu.shares", "512")
+        _write(cpu, "cpu.cfs_period_us", str(PERIOD_US))
+        _write(cpu, "cpu.cfs_quota_us", str(cpus * PERIOD_US))
+        _, memory = self._make(f"{CGROUP_ROOT}/memory", own_cgroup("memory"))
         _write(memory, "memory.limit_in_bytes", str(memory_mb * 2**20))
         with contextlib.suppress(OSError):  # not every kernel accounts swap
             _write(memory, "memory.memsw.limit_in_bytes", str(memory_mb * 2**20))
         folders = [cpu, memory]
-        if os.path.isdir("/sys/fs/cgroup/pids"):
-            task = self._folder("/sys/fs/cgroup/pids")
+        if os.path.isdir(f"{CGROUP_ROOT}/pids"):
+            _, task = self._make(f"{CGROUP_ROOT}/pids", own_cgroup("pids"))
             _write(task, "pids.max", str(pids))
             folders.append(task)
+        self.where = f"{own_cgroup('cpu').rstrip('/')}/{self.parent}/{self.name}"
         self.procs = [os.path.join(f, "cgroup.procs") for f in folders]
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
@@ -253,10 +314,15 @@ class Cgroup:
                 os.rmdir(folder)
 
 
-def remove_cgroup(name: str) -> None:
-    """Remove a machine's cgroup folders (after its processes are gone), whichever version."""
-    roots = ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in ("cpu", "memory", "pids")]
-    Cgroup(name, folders=[os.path.join(r, "catacloud", name) for r in roots]).remove()
+def installation_cgroup(installation: str) -> str:
+    """The folder name of an installation's cgroup: ``catacloud-<installation>``."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in installation)[:64] or "default"
+    return f"catacloud-{safe}"
+
+
+def remove_cgroup(folders: Sequence[str]) -> None:
+    """Remove a machine's cgroup folders (after its processes are gone), as its record lists them."""
+    Cgroup("", folders=list(folders)).remove()
 
 
 def _write(folder: str, name: str, value: str) -> None:
@@ -356,6 +422,20 @@ def tun_device(folder: Path) -> str | None:
     except OSError:
         return None
     return str(node)
+
+
+def network_problem(folder: Path) -> str | None:
+    """Why jobs on this host's local machines would get no network (``None``: they get the
+    internet through pasta, and nothing else)."""
+    missing = [name for name, found in (("pasta", find_pasta()), ("libnftables", libnftables())) if not found]
+    if missing:
+        return f"{' and '.join(missing)} not found: {INSTALL_HINT}"
+    if tun_device(folder) is None:
+        return (
+            "/dev/net/tun cannot be opened by every uid, and only root may make a node of its own: "
+            "sudo chmod 0666 /dev/net/tun (the udev default)"
+        )
+    return None
 
 
 def secrets_to_hide(extra: Iterable[str] = ()) -> list[str]:

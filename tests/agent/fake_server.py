@@ -188,6 +188,7 @@ class FakeAgentAPI(_FakeBase):
         checkpoint: dict[str, Any] | None = None,
         secret_env_names: list[str] | None = None,
         network: dict[str, Any] | None = None,
+        disk_limit_bytes: int | None = None,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -204,6 +205,8 @@ class FakeAgentAPI(_FakeBase):
             job["secret_env_names"] = secret_env_names
         if network is not None:
             job["network"] = network
+        if disk_limit_bytes is not None:
+            job["disk_limit_bytes"] = disk_limit_bytes
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from catacloud.agent.sandbox import bwrap_path
-from catacloud.providers.machine_sandbox import MachineSandbox, Mount
+from catacloud.providers.machine_sandbox import MachineSandbox, Mount, tun_device
 from tests.agent.fake_server import FakeAgentAPI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,11 @@ def machine_argv(command: list[str], machine_dir: Path, *, shared: list[Path]) -
     machine_dir.chmod(0o711)
     mounts = [Mount(str(p), str(p), writable=True) for p in shared]
     return MachineSandbox(
-        bwrap=bwrap, hostname=socket.gethostname(), machine_dir=str(machine_dir), mounts=mounts
+        bwrap=bwrap,
+        hostname=socket.gethostname(),
+        machine_dir=str(machine_dir),
+        mounts=mounts,
+        tun=tun_device(machine_dir),  # as the local provider gives its machines
     ).argv(command)
 
 

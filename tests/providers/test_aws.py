@@ -189,6 +189,9 @@ def test_create_launches_a_tagged_instance_with_user_data(
     volumes = ec2.describe_volumes(Filters=[{"Name": f"tag:{LABEL_INSTANCE}", "Values": [spec.instance_id]}])
     assert len(volumes["Volumes"]) == 1
     assert "InstanceLifecycle" not in instance  # on-demand
+    # The metadata service: IMDSv2 only, one hop (a job's namespace never reaches it anyway).
+    assert instance["MetadataOptions"]["HttpTokens"] == "required"
+    assert instance["MetadataOptions"]["HttpPutResponseHopLimit"] == 1
 
 
 def test_spot_specs_request_one_time_spot(

@@ -179,7 +179,7 @@ HAS_ASSIGNED = (
 def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
     job = (
         Job.objects.filter(handed_off(), instance_id=instance_id, status=JobStatus.ASSIGNED)
-        .select_related("config")
+        .select_related("config", "machine_type")
         .order_by("assigned_at")
         .first()
     )

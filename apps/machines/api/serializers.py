@@ -79,6 +79,8 @@ class MachineTypeSerializer(serializers.ModelSerializer):
             "billing_increment_seconds",
             "min_billed_seconds",
             "required_privilege",
+            "disk_gb",
+            "network",
             "version",
             "quota",
             "usable",

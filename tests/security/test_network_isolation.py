@@ -1,0 +1,372 @@
+"""Boundary: a job reaches the internet and nothing else, and cannot fill the host's disk.
+
+Two local machines of two organizations run on this host as `make dev` runs them (each a
+sandbox, its agent enrolled with a fake Agent API of its own). The destinations a job tries are
+this host's loopback and a network namespace of the test's own (tests/security/netlab.py): a
+public address (the internet, for a job), a private one and a link-local one.
+
+Shown on main before the job network namespace: the demo org's job read another org's job's
+secret over 127.0.0.1 and an abstract unix socket; a job reached private and link-local
+addresses (on EC2, the metadata service and its instance profile's credentials); /proc/net
+listed every socket of the host; a job could fill the disk the control plane lives on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from catacloud.agent.netns import host_addresses
+from catacloud.providers.base import LABEL_INSTALLATION, Bootstrap, InsufficientCapacity, MachineSpec
+from catacloud.providers.local import LocalProvider
+from catacloud.providers.machine_sandbox import network_problem
+from tests.agent.fake_server import FakeAgentAPI
+from tests.security import netlab
+from tests.security.netlab import LINK_LOCAL, PRIVATE, PUBLIC, probe_command, tries
+
+pytestmark = pytest.mark.skipif(
+    network_problem(Path("/tmp")) is not None, reason=f"no job network here: {network_problem(Path('/tmp'))}"
+)
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[netlab.Lab]:
+    why = netlab.available()
+    if why is not None:
+        pytest.skip(why)
+    started = netlab.Lab.start()
+    yield started
+    started.stop()
+
+
+class Machines:
+    """Two organizations' machines on this host, and a way to start more."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.provider = LocalProvider(
+            config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
+        )
+        self.apis: list[FakeAgentAPI] = []
+        self.ids: list[str] = []
+
+    def start(self, org: str, env: dict[str, str] | None = None) -> FakeAgentAPI:
+        api = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5).start()
+        self.apis.append(api)
+        instance_id = str(uuid.uuid4())
+        spec = MachineSpec(
+            instance_id=instance_id,
+            labels={"catacloud/org": org},
+            server_type="local",
+            image="local",
+            cpus=1,
+            memory_mb=1024,
+            bootstrap=Bootstrap(agent_url=api.url, token=api.bootstrap_token),
+            env=env or {},
+        )
+        self.provider.create(spec)
+        self.ids.append(instance_id)
+        api.wait_for(lambda: api.calls("POST", "heartbeat"), timeout=30, what=f"machine {org} to enroll")
+        return api
+
+    def stop(self) -> None:
+        for instance_id in self.ids:
+            self.provider.delete(instance_id)
+        for api in self.apis:
+            api.stop()
+
+
+@pytest.fixture(scope="module")
+def machines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[FakeAgentAPI, FakeAgentAPI, Machines]]:
+    group = Machines(tmp_path_factory.mktemp("network") / "machines")
+    try:
+        api_a = group.start("org-a")
+        api_b = group.start("org-b")
+        yield api_a, api_b, group
+    finally:
+        group.stop()
+
+
+def run(api: FakeAgentAPI, command: str, **payload: Any) -> tuple[dict[str, Any], str]:
+    job = api.assign(command, timeout_seconds=120, **payload)
+    finished = api.wait_finished(job, timeout=120)
+    api.wait_uploads_done(job, timeout=60)
+    return finished, api.output(job, "stdout") + api.output(job, "stderr")
+
+
+class Service:
+    """A TCP service on this host's loopback that answers a secret (the control plane, say)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.secret = f"host-secret-{secrets.token_hex(6)}"
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.sendall(f"{self.secret}\n".encode())
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def service() -> Iterator[Service]:
+    svc = Service()
+    yield svc
+    svc.close()
+
+
+def refused(result: tuple[str, float]) -> bool:
+    """A connection error at once (never a hang, never a timeout)."""
+    name, took = result
+    return name in ("ConnectionRefusedError", "PermissionError", "OSError") and took < 5
+
+
+# ---- neighbours ---------------------------------------------------------------------------------
+
+VICTIM = r"""
+import os, socket, sys, threading
+secret = os.environ["SECRET"]
+def serve(sock):
+    while True:
+        conn, _ = sock.accept()
+        conn.sendall((secret + "\n").encode())
+        conn.close()
+tcp = socket.socket(); tcp.bind(("127.0.0.1", 0)); tcp.listen(8)
+unix = socket.socket(socket.AF_UNIX); unix.bind("\0" + os.environ["ABSTRACT"]); unix.listen(8)
+for s in (tcp, unix):
+    threading.Thread(target=serve, args=(s,), daemon=True).start()
+for family, address in ((socket.AF_INET, tcp.getsockname()), (socket.AF_UNIX, "\0" + os.environ["ABSTRACT"])):
+    c = socket.socket(family); c.connect(address); print("SELF", c.makefile().readline().strip(), flush=True)
+print(f"PORT={tcp.getsockname()[1]}", flush=True)
+threading.Event().wait()
+"""
+
+ATTACK_ABSTRACT = r"""
+import socket, sys
+c = socket.socket(socket.AF_UNIX)
+try:
+    c.connect("\0" + sys.argv[1]); print("ABSTRACT", c.makefile().readline().strip())
+except OSError as exc:
+    print("ABSTRACT", type(exc).__name__)
+"""
+
+
+def test_a_job_reaches_no_other_jobs_service_on_loopback_nor_abstract_sockets(
+    machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines],
+) -> None:
+    api_a, api_b, _ = machines
+    secret = f"victim-secret-{secrets.token_hex(6)}"
+    abstract = f"cc-victim-{secrets.token_hex(4)}"
+    victim = api_b.assign(
+        f"python3 -c {shlex.quote(VICTIM)}", env={"SECRET": secret, "ABSTRACT": abstract}, timeout_seconds=120
+    )
+    try:
+        output = api_b.wait_output(victim, "PORT=", timeout=30)
+        assert output.count(f"SELF {secret}") == 2  # its own services answer it
+        port = int(output.split("PORT=")[1].split()[0])
+
+        finished, seen = run(
+            api_a,
+            probe_command(f"127.0.0.1:{port}") + f"; python3 -c {shlex.quote(ATTACK_ABSTRACT)} {abstract}",
+        )
+    finally:
+        api_b.cancel(victim)
+    assert finished["outcome"] == "succeeded", seen
+    assert secret not in seen
+    assert refused(tries(seen)[f"127.0.0.1:{port}"])
+    assert "ABSTRACT ConnectionRefusedError" in seen
+
+
+# ---- the internet, and nothing private ------------------------------------------------------------
+
+
+def test_a_job_reaches_the_internet_and_not_the_hosts_loopback_lan_or_metadata(
+    lab: netlab.Lab, machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines], service: Service
+) -> None:
+    api_a, _, _ = machines
+    host_ip = next(a for a in host_addresses() if ":" not in a and not a.startswith("127."))
+    everywhere = Service("0.0.0.0")  # a control plane listening on every address of the host
+    try:
+        targets = {
+            "internet": f"{PUBLIC}:8080",
+            "lan": f"{PRIVATE}:8080",
+            "metadata range": f"{LINK_LOCAL}:8080",
+            "host loopback": f"127.0.0.1:{service.port}",
+            "agent API": f"127.0.0.1:{api_a.url.rsplit(':', 1)[1]}",
+            "host address": f"{host_ip}:{everywhere.port}",
+        }
+        finished, seen = run(api_a, probe_command(*targets.values()))
+    finally:
+        everywhere.close()
+    assert finished["outcome"] == "succeeded", seen
+    results = tries(seen)
+    assert results[targets["internet"]][0] == f"LAB:{PUBLIC}:8080", seen
+    for name, target in targets.items():
+        if name != "internet":
+            assert refused(results[target]), f"{name} {target}: {results[target]}"
+    assert service.secret not in seen and everywhere.secret not in seen
+
+
+def test_the_machine_types_allow_list_opens_only_what_it_names(
+    lab: netlab.Lab, machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines], service: Service
+) -> None:
+    api_a, _, _ = machines
+    other = Service()
+    try:
+        allowed = [f"{PRIVATE}:8080", f"127.0.0.1:{service.port}"]
+        targets = [*allowed, f"{PRIVATE}:8081", f"{LINK_LOCAL}:8080", f"127.0.0.1:{other.port}"]
+        finished, seen = run(api_a, probe_command(*targets), network={"allow": allowed})
+    finally:
+        other.close()
+    assert finished["outcome"] == "succeeded", seen
+    results = tries(seen)
+    assert results[f"{PRIVATE}:8080"][0] == f"LAB:{PRIVATE}:8080"
+    assert results[f"127.0.0.1:{service.port}"][0] == service.secret  # an operator's cache, say
+    for target in targets[2:]:
+        assert refused(results[target]), f"{target}: {results[target]}"
+    assert other.secret not in seen
+
+
+def test_proc_net_lists_only_the_jobs_own_sockets(
+    machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines], service: Service, tmp_path: Path
+) -> None:
+    api_a, _, _ = machines
+    path = tmp_path / f"cc-host-{secrets.token_hex(4)}.sock"
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(path))
+    unix.listen(1)
+    try:
+        finished, seen = run(api_a, "cat /proc/net/tcp /proc/net/tcp6 /proc/net/unix")
+    finally:
+        unix.close()
+    assert finished["outcome"] == "succeeded", seen
+    assert f":{service.port:04X} " not in seen  # the host's listening port
+    assert str(path) not in seen and "catacloud" not in seen  # nor its sockets' paths
+
+
+def test_without_pasta_a_job_gets_no_network_rather_than_the_hosts(
+    lab: netlab.Lab, machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines], service: Service
+) -> None:
+    _, _, group = machines
+    api = group.start("org-c", env={"CATACLOUD_PASTA": "/nonexistent/pasta"})
+    report = api.calls("POST", "enroll")[0].body["machine"]["isolation"]
+    assert report["network"] == "none" and "pasta" in report["network_detail"]
+    finished, seen = run(
+        api,
+        "ip -o addr | awk '{print \"IF\", $2}'; "
+        + probe_command(f"{PUBLIC}:8080", f"127.0.0.1:{service.port}"),
+    )
+    assert finished["outcome"] == "succeeded", seen
+    assert {line.split()[1] for line in seen.splitlines() if line.startswith("IF ")} == {"lo"}
+    results = tries(seen)
+    assert not results[f"{PUBLIC}:8080"][0].startswith("LAB")
+    assert results[f"127.0.0.1:{service.port}"][0] != service.secret
+
+
+# ---- disk -------------------------------------------------------------------------------------------
+
+
+def test_a_job_that_outgrows_its_disk_ends_with_disk_limit_exceeded_and_leaves_nothing(
+    machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines],
+) -> None:
+    api_a, _, group = machines
+    finished, seen = run(
+        api_a,
+        "dd if=/dev/zero of=big bs=1M count=300 status=none; echo wrote; sleep 20; echo survived",
+        disk_limit_bytes=50 * 10**6,
+    )
+    assert finished["outcome"] == "failed", seen
+    assert finished["reason"].startswith("disk_limit_exceeded:") and "disk_gb" in finished["reason"]
+    assert "survived" not in seen
+    # A job that writes it all at once and ends is caught at its end.
+    finished, seen = run(api_a, "dd if=/dev/zero of=big bs=1M count=120 status=none", disk_limit_bytes=10**8)
+    assert finished["outcome"] == "failed" and finished["reason"].startswith("disk_limit_exceeded:"), seen
+    # The machine is clean for the next job: no job folder is left behind.
+    machine = group.state_dir / group.ids[0] / "work"
+    api_a.wait_for(
+        lambda: not [p for p in machine.iterdir() if p.name.startswith(("job-", ".net-"))],
+        timeout=10,
+        what="the job folders to go",
+    )
+    finished, seen = run(api_a, "echo fine", disk_limit_bytes=50 * 10**6)
+    assert finished["outcome"] == "succeeded", seen
+
+
+def test_no_local_machine_starts_below_the_disk_reserve(tmp_path: Path) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    provider = LocalProvider(
+        config={"state_dir": str(tmp_path / "m"), "disk_reserve_gb": (free + 10**12) / 10**9}, credentials={}
+    )
+    spec = MachineSpec(
+        instance_id=str(uuid.uuid4()), labels={}, server_type="local", image="local", command=("sleep", "60")
+    )
+    with pytest.raises(InsufficientCapacity, match="kept for the control plane"):
+        provider.create(spec)
+    assert provider.list({}) == []
+
+
+# ---- CPU and cgroups ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroup limits need root (or a delegated cgroup)")
+def test_machine_cgroups_live_under_their_installations_own_and_never_exceed_the_host(
+    tmp_path: Path,
+) -> None:
+    from catacloud.providers.machine_sandbox import host_cpus
+
+    made: list[tuple[LocalProvider, str]] = []
+    limits = {}
+    try:
+        for installation in ("inst-a", "inst-b"):
+            provider = LocalProvider(config={"state_dir": str(tmp_path / installation)}, credentials={})
+            spec = MachineSpec(
+                instance_id=str(uuid.uuid4()),
+                labels={LABEL_INSTALLATION: installation},
+                server_type="local",
+                image="local",
+                cpus=64,
+                memory_mb=256,
+                command=("sleep", "60"),
+            )
+            provider.create(spec)
+            made.append((provider, spec.instance_id))
+            limits[installation] = json.loads(
+                (tmp_path / installation / spec.instance_id / "limits.json").read_text()
+            )
+        for installation, record in limits.items():
+            assert record["enforced"] is True, record
+            assert f"/catacloud-{installation}/cc-" in record["cgroup"]
+            assert record["cpus"] == host_cpus() < 64  # a machine never gets more than the host
+        parents = {r["cgroup"].rsplit("/", 1)[0] for r in limits.values()}
+        assert len(parents) == 2  # two installations never share a parent
+    finally:
+        for provider, instance_id in made:
+            provider.delete(instance_id)
+    for record in limits.values():  # gone with their machines
+        assert not any(Path(root + record["cgroup"]).exists() for root in _cgroup_roots())
+
+
+def _cgroup_roots() -> list[str]:
+    return ["/sys/fs/cgroup"] + [f"/sys/fs/cgroup/{c}" for c in ("cpu", "memory", "pids")]
