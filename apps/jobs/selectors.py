@@ -9,6 +9,7 @@ from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
+from apps.resources.selectors import resource_endpoints
 
 
 def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
@@ -29,6 +30,13 @@ def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     ).count()
 
 
+def job_network(job: Job) -> dict[str, Any]:
+    """What a job may reach besides the internet: its machine type's allow list and where the
+    resources it holds live."""
+    allow = [*(job.machine_type.network or {}).get("allow", []), *resource_endpoints(job_id=job.pk)]
+    return {"allow": sorted(set(allow))} if allow else {}
+
+
 def job_payload(job: Job) -> dict[str, Any]:
     """What an agent is handed to run ``job`` (``GET work``): its command, env (secrets on top,
     their names to mask), timeout, attempt, resources and checkpoint."""
@@ -45,6 +53,6 @@ def job_payload(job: Job) -> dict[str, Any]:
         "checkpoint": checkpoint_info(job),
         # What the job may reach besides the internet, and the disk it may fill: its machine
         # type's (catacloud/agent/netns.py, catacloud/agent/disk.py).
-        "network": job.machine_type.network or {},
+        "network": job_network(job),
         "disk_limit_bytes": job.machine_type.disk_gb * 10**9 if job.machine_type.disk_gb else None,
     }

@@ -78,7 +78,9 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
     )
     document: dict[str, Any] = {
         "package_update": True,
-        "packages": ["python3-venv"],
+        # passt (pasta) and nftables: each job's network reaches the internet and nothing else
+        # (catacloud/agent/netns.py); without them jobs get no network at all.
+        "packages": ["python3-venv", "passt", "nftables"],
         "write_files": [
             {
                 "path": TOKEN_FILE,

@@ -30,6 +30,12 @@ def test_unknown_provider_kind_is_refused() -> None:
         ("memory_mb", -5),
         ("billing_increment_seconds", 0),
         ("gpus", -1),
+        ("disk_gb", 0),
+        ("network", {"allow": ["cache.internal:3128"]}),
+        ("network", {"allow": ["127.0.0.1"]}),
+        ("network", {"allow": ["10.0.0.5:70000"]}),
+        ("network", {"allow": "10.0.0.5:3128"}),
+        ("network", {"deny": ["10.0.0.5"]}),
     ],
 )
 def test_machine_type_values_are_checked(world: World, field: str, value: object) -> None:
@@ -79,3 +85,35 @@ def test_a_valid_pool_starts_warming_with_an_event(world: World) -> None:
     pool = pool_create(org=world.org, name="ci", machine_type=world.machine_type, target_size=3, max_size=5)
     assert (pool.status, pool.min_size, pool.target_size, pool.max_size) == ("warming", 0, 3, 5)
     assert Event.objects.filter(kind="pool.created", pool_id=pool.pk).exists()
+
+
+def test_a_bad_network_allow_entry_is_refused_by_name(world: World) -> None:
+    with pytest.raises(ValidationFailed) as exc:
+        machine_type_upsert(
+            name="lan",
+            provider_account=world.account,
+            server_type="cx22",
+            cpus=2,
+            memory_mb=2048,
+            network={"allow": ["10.0.0.5:3128", "cache.internal:3128"]},
+        )
+    assert exc.value.status == 400 and exc.value.code == "invalid"
+    assert "cache.internal:3128" in exc.value.fields["network"][0]
+    assert "not a host name" in exc.value.fields["network"][0]
+
+
+def test_network_allow_entries_are_kept_in_one_spelling(world: World) -> None:
+    mt, _ = machine_type_upsert(
+        name="lan",
+        provider_account=world.account,
+        server_type="cx22",
+        cpus=2,
+        memory_mb=2048,
+        disk_gb=20,
+        network={"allow": ["localhost:8765", "10.0.0.0/24", "10.0.0.5:3128", "10.0.0.5:3128"]},
+    )
+    assert mt.network == {"allow": ["10.0.0.0/24", "10.0.0.5:3128", "127.0.0.1:8765"]}
+    assert mt.disk_gb == 20
+    same = {"allow": ["10.0.0.5:3128", "10.0.0.0/24", "127.0.0.1:8765"]}
+    _, changed = machine_type_upsert(name="lan", provider_account=world.account, network=same)
+    assert not changed  # the same list, written another way, is no change
