@@ -94,7 +94,7 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
         "--timeout-graceful-shutdown",
         "3",
         "--no-access-log",
-        # a header timeout and a per-client connection cap (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
+        # a header timeout and connection budgets (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
         "--http",
         AGENT_HTTP_PROTOCOL,
     ]

@@ -1,7 +1,10 @@
 """Boundary: one agent cannot tie up the API for everyone.
 
 Shown on main: one agent token holding 200 long polls stalled the whole API (``/healthz``
-timed out, ``GET /jobs/`` took 37.6 s): there was no per-agent limit.
+timed out, ``GET /jobs/`` took 37.6 s): there was no per-agent limit. Later: one job holding
+100 connections to the agent server used up its address's cap (100 per peer address), so
+another organization's agent on the same host had its connections reset: its ``echo hi`` took
+57 s instead of 2.5 s and its log came out empty (the agent gave up on it before its deadline).
 """
 
 from __future__ import annotations
@@ -87,11 +90,12 @@ def _closed_by_server(sock: Any, within: float) -> bool:
 
 @pytest.mark.e2e
 @pytest.mark.django_db(transaction=True)
-def test_the_agent_server_closes_idle_and_slow_header_connections_and_caps_each_client(
+def test_the_agent_server_closes_idle_and_slow_header_connections_and_bounds_unauthenticated_ones(
     tworld: World, tmp_path: Any
 ) -> None:
     """300 connections that sent nothing, or their header a byte at a time, stayed open for a
-    whole 45 s probe: no header timeout and no limit per client."""
+    whole 45 s probe: no header timeout and no limit. Now a header is due within the timeout,
+    and past the unauthenticated budget of an address its oldest connections make room."""
     import http.client
     import socket
     import time
@@ -99,7 +103,7 @@ def test_the_agent_server_closes_idle_and_slow_header_connections_and_caps_each_
 
     from testkit.processes import TESTS
 
-    env = {"CATACLOUD_AGENT_HEADER_TIMEOUT": "2", "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT": "20"}
+    env = {"CATACLOUD_AGENT_HEADER_TIMEOUT": "4", "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": "20"}
     with TESTS.agent_server(tmp_path, **env) as (url, _):
         port = urlsplit(url).port
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
@@ -110,9 +114,12 @@ def test_the_agent_server_closes_idle_and_slow_header_connections_and_caps_each_
             for _ in range(3):  # a header trickling in does not keep it open
                 time.sleep(0.3)
                 slow.sendall(b"X")
-            refused = sum(_closed_by_server(s, 0.1) for s in extra)
-            assert refused == 6, "connections beyond the cap of 20 are closed at once"
-            assert all(_closed_by_server(s, 10) for s in idle), "idle connections outlived the timeout"
+            shed = [_closed_by_server(s, 0.05) for s in idle]
+            assert shed == [True] * 6 + [False] * 4, "the 6 oldest make room for the newest"
+            assert not any(_closed_by_server(s, 0.05) for s in extra)
+            assert all(_closed_by_server(s, 10) for s in idle[6:] + extra), (
+                "idle connections outlived the timeout"
+            )
             assert _closed_by_server(slow, 10), "a slow header outlived the timeout"
             # ... and once they are gone, the same client is served as before
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -122,3 +129,124 @@ def test_the_agent_server_closes_idle_and_slow_header_connections_and_caps_each_
         finally:
             for s in [*idle, slow, *extra]:
                 s.close()
+
+
+# ---- per machine, not per address ---------------------------------------------------------------
+
+
+def _machine(org: Any, machine_type: Any, name: str) -> tuple[MachineInstance, str]:
+    """A ready machine of ``org`` and its agent token (as enrolment leaves them)."""
+    from apps.core.crypto import hash_token, new_token
+    from testkit.builders import ready_instance
+
+    token = new_token("ca")
+    instance = ready_instance(machine_type, org=org, provider_id=name, agent_token_hash=hash_token(token))
+    instance.save()
+    return instance, token
+
+
+def _status_line(sock: Any, within: float) -> bytes:
+    """The first line the server answered on ``sock`` (b"" when it closed without answering,
+    b"waiting" when nothing came within ``within`` seconds)."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            more = sock.recv(4096)
+            if not more:
+                break
+            data += more
+    except TimeoutError:
+        return data.split(b"\r\n", 1)[0] if data else b"waiting"
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _still_open(sock: Any) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_flood_of_connections_from_one_address_never_stops_another_machines_agent(
+    tworld: World, tmp_path: Any
+) -> None:
+    """One client (machine A's job, say) opens 1,000 connections from the address machine B
+    (another organization) also uses: idle ones, half-sent headers and A's own long polls. B
+    heartbeats and polls as ever; A gets 429 ``too_many_connections`` beyond its own budget;
+    the junk holds no more than the unauthenticated budget."""
+    import http.client
+    import json
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from testkit.processes import TESTS, wait_for
+
+    _, token_a = _machine(tworld.org, tworld.machine_type, "a")
+    _, token_b = _machine(tworld.other_org, tworld.machine_type, "b")
+    per_machine, per_address = 16, 200
+    env = {
+        "CATACLOUD_AGENT_HEADER_TIMEOUT": "120",  # junk stays unless the budget closes it
+        "CATACLOUD_AGENT_POLL_TIMEOUT": "60",
+        "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE": str(per_machine),
+        "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": str(per_address),
+    }
+    with TESTS.agent_server(tmp_path, **env) as (url, _):
+        port = urlsplit(url).port
+        junk: list[socket.socket] = []
+        polls_a: list[socket.socket] = []
+        poll_a = (
+            f"GET /api/agent/v1/work?wait=60 HTTP/1.1\r\nHost: x\r\nAuthorization: Agent {token_a}\r\n\r\n"
+        )
+        try:
+            for i in range(1000):
+                sock = socket.create_connection(("127.0.0.1", port))
+                if i % 25 == 0:  # 40 of A's long polls, among the rest
+                    sock.sendall(poll_a.encode())
+                    polls_a.append(sock)
+                    continue
+                if i % 4 == 1:  # a header that never ends
+                    sock.sendall(b"GET /api/agent/v1/work HTTP/1.1\r\nHost: x\r\nAuthoriz")
+                junk.append(sock)
+
+            # B, on the same address, is served as ever
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            started = time.monotonic()
+            conn.request(
+                "POST", "/api/agent/v1/heartbeat", body=b"{}", headers={"Authorization": f"Agent {token_b}"}
+            )
+            beat = conn.getresponse()
+            assert beat.status == 200, beat.read()
+            beat.read()
+            conn.request("GET", "/api/agent/v1/work?wait=1", headers={"Authorization": f"Agent {token_b}"})
+            poll = conn.getresponse()
+            assert poll.status == 204
+            poll.read()
+            assert time.monotonic() - started < 10
+            conn.close()
+
+            # A's polls beyond its budget are refused, with a code and Retry-After, and closed
+            answers = [_status_line(s, 10) for s in polls_a]
+            refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+            assert len(refused) == len(polls_a) - per_machine, [a.split(b"\r\n", 1)[0] for a in answers]
+            head, body = refused[0].split(b"\r\n\r\n", 1)
+            assert b"retry-after: 1" in head.lower()
+            assert json.loads(body)["code"] == "too_many_connections"
+
+            # the junk holds no more than its budget: the rest was closed to make room
+            wait_for(
+                lambda: sum(_still_open(s) for s in junk) <= per_address,
+                10,
+                "the server to close the junk beyond its budget",
+            )
+        finally:
+            for sock in [*junk, *polls_a]:
+                sock.close()
