@@ -250,3 +250,65 @@ def test_a_flood_of_connections_from_one_address_never_stops_another_machines_ag
         finally:
             for sock in [*junk, *polls_a]:
                 sock.close()
+
+
+# ---- a machine's log is never lost to a refusing server --------------------------------------------
+
+
+def test_output_the_server_refused_until_the_deadline_is_still_delivered_in_order() -> None:
+    """The agent server refused every log post (connections reset) for most of the time the
+    agent gives a job's output before its report: the agent gave up before its deadline (its
+    next retry fell past it) and the job's log came out empty. Now the last try comes at the
+    deadline, from the spool, with every chunk in order."""
+    import time
+
+    from catacloud.agent.runner import LogStreamer
+
+    back_at = [float("inf")]
+    posts: list[tuple[float, list[dict[str, Any]]]] = []
+
+    def send(chunks: list[dict[str, Any]]) -> bool:
+        posts.append((time.monotonic(), [dict(c) for c in chunks]))
+        if time.monotonic() < back_at[0]:
+            raise ConnectionResetError("connection reset by peer")
+        return False
+
+    # retries 0.5, 1, 2, 4 s apart, then every 4 s: tries at 0, 0.5, 1.5, 3.5 and 7.5 s fail,
+    # the next would come at 11.5 s, past the deadline at 10 s; the server is back at 8.5 s
+    streamer = LogStreamer(send, flush_interval=0.01, retry_base=0.5, retry_cap=4.0)
+    streamer.start()
+    lines = [f"line {i}\n" for i in range(200)]
+    for line in lines:
+        streamer.feed("stdout", line.encode())
+    streamer.end_stream("stdout")
+    streamer.end_stream("stderr")
+    back_at[0] = time.monotonic() + 8.5
+
+    assert streamer.close(timeout=10.0), "the job's output was dropped before its deadline"
+    delivered = {c["seq"]: c for at, post in posts if at >= back_at[0] for c in post}
+    assert sorted(delivered) == list(range(len(delivered)))
+    assert "".join(delivered[seq]["data"] for seq in sorted(delivered)) == "".join(lines)
+
+
+def test_a_refused_log_post_is_retried_after_retry_after_and_the_log_is_complete(
+    api: Any, start_agent: Any
+) -> None:
+    """The agent server answers a machine's log posts 429 ``too_many_connections`` with
+    ``Retry-After`` (and drops one): the agent waits as asked, sends the same chunks again, and
+    the job's report comes only once its whole output is in."""
+    refusal = (429, {"code": "too_many_connections", "detail": "..."}, {"Retry-After": "2"})
+    api.answers["jobs/spooled/logs"] = [refusal, "drop", refusal, refusal]
+    start_agent()
+    api.wait_for(lambda: api.calls("GET", "work"), what="a poll")
+    api.assign("for i in $(seq 1 50); do echo line-$i; sleep 0.02; done", job_id="spooled")
+
+    assert api.wait_finished("spooled", timeout=30)["outcome"] == "succeeded"
+    assert api.output("spooled") == "".join(f"line-{i}\n" for i in range(1, 51))
+    posts = api.calls("POST", "jobs/spooled/logs")
+    refused_at = [posts[i].at for i in (0, 2, 3)]
+    after = [posts[i + 1].at for i in (0, 2, 3)]
+    assert all(b - a >= 1.95 for a, b in zip(refused_at, after, strict=True)), "sooner than asked"
+    first = posts[0].body["chunks"]
+    assert posts[1].body["chunks"][: len(first)] == first, "the same chunks again, the same seqs"
+    last_chunk_at = max(at for _, at in api.logs["spooled"].values())
+    assert api.finished["spooled"][1] >= last_chunk_at, "reported before its output was in"
