@@ -145,22 +145,33 @@ def _machine(org: Any, machine_type: Any, name: str) -> tuple[MachineInstance, s
     return instance, token
 
 
-def _status_line(sock: Any, within: float) -> bytes:
-    """The first line the server answered on ``sock`` (b"" when it closed without answering,
-    b"waiting" when nothing came within ``within`` seconds)."""
+def _answer(sock: Any, within: float) -> bytes:
+    """The whole answer the server sent on ``sock`` (head and body; b"" when it closed without
+    answering, b"waiting" when nothing came within ``within`` seconds)."""
     sock.settimeout(within)
     data = b""
     try:
-        while b"\r\n\r\n" not in data:
+        while True:
+            head, end, body = data.partition(b"\r\n\r\n")
+            if end:
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.lower().split(b"\r\n")
+                        if line.startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                if len(body) >= length:
+                    return data
             more = sock.recv(4096)
             if not more:
-                break
+                return data
             data += more
     except TimeoutError:
-        return data.split(b"\r\n", 1)[0] if data else b"waiting"
+        return data or b"waiting"
     except ConnectionResetError:
-        pass
-    return data
+        return data
 
 
 def _still_open(sock: Any) -> bool:
@@ -179,9 +190,10 @@ def test_a_flood_of_connections_from_one_address_never_stops_another_machines_ag
     tworld: World, tmp_path: Any
 ) -> None:
     """One client (machine A's job, say) opens 1,000 connections from the address machine B
-    (another organization) also uses: idle ones, half-sent headers and A's own long polls. B
-    heartbeats and polls as ever; A gets 429 ``too_many_connections`` beyond its own budget;
-    the junk holds no more than the unauthenticated budget."""
+    (another organization) also uses: long polls with A's own token, then idle ones and
+    half-sent headers. A gets 429 ``too_many_connections`` beyond its own budget; B heartbeats
+    and polls as ever; the junk holds no more than the unauthenticated budget, and never
+    pushes out a connection A holds."""
     import http.client
     import json
     import socket
@@ -207,13 +219,16 @@ def test_a_flood_of_connections_from_one_address_never_stops_another_machines_ag
             f"GET /api/agent/v1/work?wait=60 HTTP/1.1\r\nHost: x\r\nAuthorization: Agent {token_a}\r\n\r\n"
         )
         try:
-            for i in range(1000):
+            # A's agent token in 40 long polls (each newer one ends the one before with 204)
+            polls_a = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+            for sock in polls_a:
+                sock.sendall(poll_a.encode())
+            answers = [_answer(s, 3) for s in polls_a]  # (A's newest poll still waits)
+
+            # then 960 connections that never authenticate: idle, or a header that never ends
+            for i in range(960):
                 sock = socket.create_connection(("127.0.0.1", port))
-                if i % 25 == 0:  # 40 of A's long polls, among the rest
-                    sock.sendall(poll_a.encode())
-                    polls_a.append(sock)
-                    continue
-                if i % 4 == 1:  # a header that never ends
+                if i % 4 == 1:
                     sock.sendall(b"GET /api/agent/v1/work HTTP/1.1\r\nHost: x\r\nAuthoriz")
                 junk.append(sock)
 
@@ -233,20 +248,25 @@ def test_a_flood_of_connections_from_one_address_never_stops_another_machines_ag
             assert time.monotonic() - started < 10
             conn.close()
 
-            # A's polls beyond its budget are refused, with a code and Retry-After, and closed
-            answers = [_status_line(s, 10) for s in polls_a]
+            # A's first 16 connections are its own, the other 24 were refused with a code and
+            # Retry-After, and closed
             refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
             assert len(refused) == len(polls_a) - per_machine, [a.split(b"\r\n", 1)[0] for a in answers]
             head, body = refused[0].split(b"\r\n\r\n", 1)
             assert b"retry-after: 1" in head.lower()
             assert json.loads(body)["code"] == "too_many_connections"
+            held_by_a = [
+                s for s, a in zip(polls_a, answers, strict=True) if not a.startswith(b"HTTP/1.1 429")
+            ]
 
-            # the junk holds no more than its budget: the rest was closed to make room
+            # the junk holds no more than its budget: its oldest were closed to make room, and
+            # never a connection a machine holds
             wait_for(
                 lambda: sum(_still_open(s) for s in junk) <= per_address,
                 10,
                 "the server to close the junk beyond its budget",
             )
+            assert all(_still_open(s) for s in held_by_a)
         finally:
             for sock in [*junk, *polls_a]:
                 sock.close()
