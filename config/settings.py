@@ -250,14 +250,14 @@ CATACLOUD_AGENT_MAX_UNAUTHENTICATED = env.int("CATACLOUD_AGENT_MAX_UNAUTHENTICAT
 CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS = env.int(
     "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS", default=512
 )
-_AGENT_LIMITS = {
+_agent_limits = {
     "CATACLOUD_AGENT_HEADER_TIMEOUT": CATACLOUD_AGENT_HEADER_TIMEOUT,
     "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE": CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE,
     "CATACLOUD_AGENT_MAX_UNAUTHENTICATED": CATACLOUD_AGENT_MAX_UNAUTHENTICATED,
     "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS,
 }
-if any(value < 0 for value in _AGENT_LIMITS.values()):
-    raise ImproperlyConfigured(f"{', '.join(_AGENT_LIMITS)} must be >= 0")
+if any(value < 0 for value in _agent_limits.values()):
+    raise ImproperlyConfigured(f"{', '.join(_agent_limits)} must be >= 0")
 if "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT" in os.environ:
     # a cap per address starved every machine behind one NAT address: the budgets are per machine now
     raise ImproperlyConfigured(
