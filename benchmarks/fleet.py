@@ -132,8 +132,13 @@ def _gunicorn(tmp: Path, name: str, threads: int, **env: str) -> Iterator[Server
 
 @contextlib.contextmanager
 def _agent_server(tmp: Path, workers: int, **env: str) -> Iterator[Server]:
-    # thousands of simulated agents share one address (loopback): no per-client cap here
-    env = {"CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT": "0", **env}
+    # thousands of simulated agents connect at once from one address (loopback): no budget for
+    # connections not yet authenticated here (each machine's own budget still holds)
+    env = {
+        "CATACLOUD_AGENT_MAX_UNAUTHENTICATED": "0",
+        "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": "0",
+        **env,
+    }
     with BENCH.agent_server(tmp, probe="/healthz", workers=workers, **env) as (url, proc):
         yield Server("agent-api", proc, url)
 

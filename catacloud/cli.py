@@ -94,7 +94,7 @@ def agent_server_command(*, host: str, port: int, workers: int = 1) -> list[str]
         "--timeout-graceful-shutdown",
         "3",
         "--no-access-log",
-        # a header timeout and a per-client connection cap (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
+        # a header timeout and connection budgets (CATACLOUD_AGENT_HEADER_TIMEOUT, ...)
         "--http",
         AGENT_HTTP_PROTOCOL,
     ]
@@ -213,7 +213,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         lines = [
             f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
             f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-            f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: the detail)",
+            f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: details for staff)",
             f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
             f"  Flower   http://127.0.0.1:{flower_port}/  "
             f"(basic auth {flower_auth.split(':')[0]} / same password)",

@@ -43,9 +43,11 @@ class AgentServer(ASGIHandler):
 from django.conf import settings  # noqa: E402
 
 from apps.control.agent import db, wakeups  # noqa: E402
+from apps.control.agent.admission import limited  # noqa: E402
 from apps.control.agent.asgi import hot_route  # noqa: E402
 
-application = hot_route(AgentServer())
+# Each machine within its connection budget (apps.control.agent.limits), then the hot route.
+application = limited(hot_route(AgentServer()))
 
 # Django closes stale connections at each request's start and end on a thread of the request's
 # own (held for as long as the request lasts, i.e. for a whole long poll). Here connections

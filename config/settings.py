@@ -238,15 +238,32 @@ CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.
 CATACLOUD_AGENT_POLL_TIMEOUT = env.float("CATACLOUD_AGENT_POLL_TIMEOUT", default=20.0)
 # The agent server closes a connection whose request header is not complete this many
 # seconds after it connected (or after the first byte of its next request); 0: no limit.
-CATACLOUD_AGENT_HEADER_TIMEOUT = env.float("CATACLOUD_AGENT_HEADER_TIMEOUT", default=10.0)
-# ... and refuses more than this many open connections from one address per process (0: no
-# limit; behind a proxy every agent has the proxy's address).
-CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT = env.int(
-    "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT", default=100
+CATACLOUD_AGENT_HEADER_TIMEOUT = env.float("CATACLOUD_AGENT_HEADER_TIMEOUT", default=5.0)
+# Connection budgets of the agent server, per process (apps/control/agent/limits.py; 0: no limit):
+# connections one machine (one agent token) may hold; its next request is answered 429 ...
+CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE = env.int(
+    "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE", default=16
 )
-if CATACLOUD_AGENT_HEADER_TIMEOUT < 0 or CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT < 0:
+# ... connections no machine has claimed yet (no header yet, no or an unknown token), in all and
+# from one address: past either, the oldest of them is closed to make room for the new one.
+CATACLOUD_AGENT_MAX_UNAUTHENTICATED = env.int("CATACLOUD_AGENT_MAX_UNAUTHENTICATED", default=2048)
+CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS = env.int(
+    "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS", default=512
+)
+_agent_limits = {
+    "CATACLOUD_AGENT_HEADER_TIMEOUT": CATACLOUD_AGENT_HEADER_TIMEOUT,
+    "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE": CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE,
+    "CATACLOUD_AGENT_MAX_UNAUTHENTICATED": CATACLOUD_AGENT_MAX_UNAUTHENTICATED,
+    "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS,
+}
+if any(value < 0 for value in _agent_limits.values()):
+    raise ImproperlyConfigured(f"{', '.join(_agent_limits)} must be >= 0")
+if "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT" in os.environ:
+    # a cap per address starved every machine behind one NAT address: the budgets are per machine now
     raise ImproperlyConfigured(
-        "CATACLOUD_AGENT_HEADER_TIMEOUT and CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT must be >= 0"
+        "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT is gone: the agent server limits each machine "
+        "(CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE) and unauthenticated connections "
+        "(CATACLOUD_AGENT_MAX_UNAUTHENTICATED, CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS)"
     )
 # Requests per agent (per machine): heartbeats, log posts every 0.5 s, one upload per output.
 CATACLOUD_AGENT_RATE = env.str("CATACLOUD_AGENT_RATE", default="1200/min")

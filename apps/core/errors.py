@@ -51,6 +51,7 @@ class ErrorCode(StrEnum):
     ALREADY_ENROLLED = "already_enrolled"
     # 429 / 500 / any other status
     THROTTLED = "throttled"
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the agent server: one machine's budget
     SERVER_ERROR = "server_error"
     ERROR = "error"  # a status with no code of its own
 

@@ -2,8 +2,9 @@
 
 Three answers (the Kubernetes convention): ``/livez`` (this process answers: restart it if
 not; no dependency is asked), ``/readyz`` (every part is up: database, broker, a worker and
-beat; 503 until then: wait on it before sending work) and ``/healthz`` (the detail, 200 while
-the API can serve, ``degraded`` when workers or beat are missing).
+beat; 503 until then: wait on it before sending work) and ``/healthz`` (200 while the API can
+serve, ``degraded`` when workers or beat are missing). Everyone gets an answer's ``status``;
+its ``checks`` only come with the metrics token or a staff session (apps.core.views).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -10,10 +11,28 @@ from apps.core import health, metrics
 from apps.core.errors import ErrorCode, error_payload
 
 
+def _health_answer(request: HttpRequest, code: int, body: dict[str, Any]) -> JsonResponse:
+    """A health answer: its ``status`` for everyone; the ``checks`` (which part is down, how
+    long each took, how many workers) only with the metrics token (``Authorization: Bearer``)
+    or a staff session. A wrong token is a 401, not a silently shorter answer."""
+    given = request.headers.get("Authorization", "")
+    if given:
+        expected = settings.CATACLOUD_METRICS_TOKEN
+        token = given.removeprefix("Bearer ").strip()
+        if not expected or not hmac.compare_digest(token.encode(), expected.encode()):
+            return JsonResponse(
+                error_payload(ErrorCode.NOT_AUTHENTICATED, "health details need the metrics token"),
+                status=401,
+            )
+    elif not getattr(getattr(request, "user", None), "is_staff", False):
+        body = {"status": body["status"]}
+    return JsonResponse(body, status=code)
+
+
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
     code, body = health.health()
-    return JsonResponse(body, status=code)
+    return _health_answer(request, code, body)
 
 
 @require_GET
@@ -29,7 +48,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
     answer, not a server error: Django's request log (ERROR for every 5xx) leaves it out, or a
     start polled each second would print a line per second."""
     code, body = health.readiness()
-    response = JsonResponse(body, status=code)
+    response = _health_answer(request, code, body)
     response._has_been_logged = True  # type: ignore[attr-defined]  # see django.utils.log.log_response
     return response
 

@@ -67,10 +67,13 @@ class RedactingFormatter(logging.Formatter):
 class AgentAPIError(Exception):
     """The Agent API refused a call, or could not be reached in time."""
 
-    def __init__(self, message: str, *, status: int | None = None, code: str = "") -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, code: str = "", retry_after: float | None = None
+    ) -> None:
         super().__init__(redact(message))
         self.status = status
         self.code = code
+        self.retry_after = retry_after  # seconds the server asked to wait (Retry-After), if it did
 
 
 class Unauthorized(AgentAPIError):
@@ -195,6 +198,15 @@ class LimitedReader:
             yield block
 
 
+def _retry_after(response: requests.Response) -> float | None:
+    """A 429's or 503's ``Retry-After`` in seconds (the delta form; a date is ignored)."""
+    try:
+        seconds = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 86400 else None
+
+
 def _code(response: requests.Response) -> str:
     try:
         body = response.json()
@@ -237,9 +249,10 @@ class AgentClient:
             self._local.session = session
         return session
 
-    def backoff(self, attempt: int) -> float:
-        """Delay before retry number ``attempt`` (0-based): exponential, capped, with jitter."""
-        return backoff(attempt, base=self.backoff_base, cap=self.backoff_cap, jitter=(0.75, 1.0))
+    def backoff(self, attempt: int, hint: float | None = None) -> float:
+        """Delay before retry number ``attempt`` (0-based): exponential, capped, with jitter;
+        never sooner than ``hint`` (the server's Retry-After)."""
+        return backoff(attempt, base=self.backoff_base, cap=self.backoff_cap, hint=hint, jitter=(0.75, 1.0))
 
     def request(
         self,
@@ -270,6 +283,8 @@ class AgentClient:
         while True:
             if interrupt is not None and interrupt.is_set():
                 raise Interrupted(f"{method} {path}: the agent is stopping")
+            hint: float | None = None
+            status: int | None = None
             try:
                 response = self._session().request(
                     method,
@@ -288,11 +303,17 @@ class AgentClient:
                     )
                 if response.status_code < 500 and response.status_code != 429:
                     return response
-                problem = f"HTTP {response.status_code}"
-            delay = self.backoff(attempt)
+                status = response.status_code
+                problem = f"HTTP {status}"
+                hint = _retry_after(response)
+            delay = self.backoff(attempt, hint=hint)
             attempt += 1
             if deadline is not None and time.monotonic() + delay > deadline:
-                raise Unavailable(f"{method} {path} failed after {attempt} attempts: {problem}")
+                raise Unavailable(
+                    f"{method} {path} failed after {attempt} attempts: {problem}",
+                    status=status,
+                    retry_after=hint,
+                )
             log.warning("%s %s: %s; retrying in %.1f s", method, path, redact(problem), delay)
             if interrupt is not None:
                 if interrupt.wait(delay):

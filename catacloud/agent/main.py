@@ -652,7 +652,9 @@ class Agent:
             if work_dir is not None:
                 shutil.rmtree(work_dir, ignore_errors=True)
             return
-        retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else 60.0
+        # The job's output first, retried from the streamer's spool for as long as the report
+        # itself would be (then the report goes anyway: the outcome matters more).
+        retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS
         if not streamer.close(timeout=retry_for):
             log.warning("job %s: some output could not be delivered", job.id)
         log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)

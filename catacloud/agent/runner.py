@@ -87,11 +87,18 @@ class Cancellation:
 class LogStreamer:
     """Collects a job's stdout and stderr in arrival order and ships them while it runs.
 
-    ``send(chunks)`` posts chunks and answers whether the job was cancelled; it raises on failure.
-    Each chunk gets its sequence number once, so a retried post repeats the same numbers and the
-    server drops what it already has. Output is flushed at least every ``flush_interval`` seconds,
-    and at once when ``flush_bytes`` are waiting. When ``max_buffered`` bytes are waiting (server
-    unreachable) the readers block, and so does the job when its pipe fills.
+    ``send(chunks)`` posts chunks and answers whether the job was cancelled; it raises on failure
+    (an exception's ``retry_after`` is the server's Retry-After). Each chunk gets its sequence
+    number once, so a retried post repeats the same numbers and the server drops what it
+    already has. Output is flushed at least every ``flush_interval`` seconds, and at once when
+    ``flush_bytes`` are waiting.
+
+    Output the server did not take (refused, dropped, unreachable) is never dropped while the
+    job's report waits: it stays here, in order, and is posted again with backoff (never
+    sooner than a Retry-After) until the server takes it or :meth:`close`'s deadline, which
+    gets one last try. The spool is memory, bounded: ``max_buffered`` characters waiting
+    (16 Mi) plus one post being retried (``max_post_chars``); when it is full the readers
+    block, and so does the job when its pipe fills: output is delayed, not lost.
     """
 
     def __init__(
@@ -106,6 +113,7 @@ class LogStreamer:
         max_buffered: int = 16 * 1024 * 1024,
         retry_base: float = 0.5,
         retry_cap: float = 10.0,
+        last_try: float = 20.0,
     ) -> None:
         self._send = send
         self._on_cancel = on_cancel
@@ -116,6 +124,7 @@ class LogStreamer:
         self.max_buffered = max_buffered
         self.retry_base = retry_base
         self.retry_cap = retry_cap
+        self.last_try = last_try  # longer than a post may take (the client's request timeout)
         self._cond = threading.Condition()
         self._decoders = {
             stream: codecs.getincrementaldecoder("utf-8")(errors="replace") for stream in ("stdout", "stderr")
@@ -130,6 +139,7 @@ class LogStreamer:
         self._discard = False
         self._failures = 0
         self._retry_at = 0.0
+        self._not_before = 0.0  # the server's Retry-After, which not even close() hurries
         self.sent_chunks = 0
         self._thread = threading.Thread(target=self._run, name="log-flusher", daemon=True)
 
@@ -207,15 +217,16 @@ class LogStreamer:
             with self._cond:
                 while True:
                     now = time.monotonic()
-                    if self._closing and now > self._close_deadline:
-                        self._discard = True
-                        self._cond.notify_all()
                     if self._discard:
                         return
                     if self._closing and not self._pending and not self._unacked:
                         return
                     if self._due(now):
-                        break
+                        break  # past close's deadline too: the retry due at it is the last try
+                    if self._closing and now > self._close_deadline:
+                        self._discard = True
+                        self._cond.notify_all()
+                        return
                     if now < self._retry_at:
                         wait: float | None = self._retry_at - now
                     elif self._pending:
@@ -245,20 +256,31 @@ class LogStreamer:
         try:
             cancel = self._send(wire)
         except Exception as exc:
+            hint = getattr(exc, "retry_after", None)
             with self._cond:
-                delay = backoff(self._failures, base=self.retry_base, cap=self.retry_cap, jitter=(1.0, 1.0))
+                delay = backoff(
+                    self._failures, base=self.retry_base, cap=self.retry_cap, hint=hint, jitter=(1.0, 1.0)
+                )
                 self._failures += 1
-                self._retry_at = time.monotonic() + delay
-                give_up = self._closing and self._retry_at > self._close_deadline
-            log.warning("could not ship job output (%s); retrying in %.1f s", redact(str(exc)), delay)
-            if give_up:
-                with self._cond:
+                now = time.monotonic()
+                self._retry_at = now + delay
+                self._not_before = now + hint if hint else 0.0
+                give_up = self._closing and now >= self._close_deadline
+                if self._closing:
+                    # not given up early: the last try comes at the deadline, whatever the backoff
+                    self._retry_at = min(self._retry_at, self._close_deadline)
+                    delay = self._retry_at - now
+                if give_up:
                     self._discard = True
                     self._cond.notify_all()
+            if give_up:
+                log.warning("could not ship job output (%s); giving up", redact(str(exc)))
+            else:
+                log.warning("could not ship job output (%s); retrying in %.1f s", redact(str(exc)), delay)
             return
         with self._cond:
             self._failures = 0
-            self._retry_at = 0.0
+            self._retry_at = self._not_before = 0.0
             acked = {c["seq"] for c in batch}
             self._unacked = [c for c in self._unacked if c["seq"] not in acked]
             self.sent_chunks += len(batch)
@@ -266,14 +288,18 @@ class LogStreamer:
             self._on_cancel()
 
     def close(self, timeout: float) -> bool:
-        """Ship what is left (retrying up to ``timeout`` s); ``True`` if everything was acknowledged."""
+        """Ship what is left, retrying up to ``timeout`` s (the last try starts then, and gets
+        ``last_try`` s to end); ``True`` if everything was acknowledged. 0: ship nothing more."""
         with self._cond:
             self._closing = True
             self._close_deadline = time.monotonic() + timeout
-            self._retry_at = 0.0
+            # what is left goes now, unless the server asked for a pause (Retry-After)
+            self._retry_at = min(self._not_before, self._close_deadline)
+            if timeout <= 0:
+                self._discard = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout + 1.0)
+        if self._thread.is_alive() and timeout > 0:
+            self._thread.join(timeout + self.last_try)
         with self._cond:
             delivered = not self._pending and not self._unacked
             self._discard = True

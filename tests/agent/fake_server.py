@@ -102,6 +102,7 @@ class _FakeBase:
         body: Any = None,
         text: str | None = None,
         raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if raw is not None:
             data, kind = raw, "application/gzip"
@@ -114,6 +115,8 @@ class _FakeBase:
         handler.send_response(status)
         handler.send_header("Content-Type", kind)
         handler.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            handler.send_header(name, value)
         handler.end_headers()
         if data:
             handler.wfile.write(data)
@@ -163,8 +166,9 @@ class FakeAgentAPI(_FakeBase):
         self.meta: dict[tuple[str, str], dict[str, Any]] = {}
         self.interruptions: list[dict[str, Any]] = []
         self.fail_next: dict[str, int] = {}  # path -> how many 503s to answer first
-        # path -> the next answers, in order: (status, JSON body), or None for the normal answer
-        self.answers: dict[str, list[tuple[int, dict[str, Any]] | None]] = {}
+        # path -> the next answers, in order: (status, JSON body[, headers]), "drop" (the
+        # connection closed, no answer) or None for the normal answer
+        self.answers: dict[str, list[Any]] = {}
         self.uploads_done: dict[str, tuple[dict[str, Any], float]] = {}
         self.artifacts: dict[str, dict[str, bytes]] = {}  # job id -> name -> content (once each)
         self.artifact_puts: dict[str, list[str]] = {}  # job id -> names, one per accepted PUT
@@ -255,8 +259,12 @@ class FakeAgentAPI(_FakeBase):
             answer = scripted.pop(0) if scripted else None
         if failures:
             return self._reply(handler, 503, {"code": "unavailable"})
+        if answer == "drop":
+            handler.close_connection = True
+            return None
         if answer is not None:
-            return self._reply(handler, *answer)
+            status, body, *headers = answer
+            return self._reply(handler, status, body, headers=headers[0] if headers else None)
         if not path.startswith(PREFIX):
             return self._reply(handler, 404, {"code": "not_found"})
         if rel == "enroll" and handler.command == "POST":

@@ -1,13 +1,26 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.test import Client, override_settings
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("metrics_token")]
+TOKEN = "health-test-token"
+
+
+@pytest.fixture
+def metrics_token(settings: Any) -> None:
+    """The details (``checks``) come with the metrics token (tests/security/test_health_answers.py)."""
+    settings.CATACLOUD_METRICS_TOKEN = TOKEN
+
+
+def _get(path: str) -> Any:
+    return Client().get(path, HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
 
 
 def test_healthz_reports_database_and_broker() -> None:
-    response = Client().get("/healthz")
+    response = _get("/healthz")
     assert response.status_code == 200
     checks = response.json()["checks"]
     assert checks["database"]["ok"] is True
@@ -17,7 +30,7 @@ def test_healthz_reports_database_and_broker() -> None:
 
 @override_settings(CELERY_BROKER_URL="redis://127.0.0.1:1/0")
 def test_healthz_is_503_when_the_broker_is_down() -> None:
-    response = Client().get("/healthz")
+    response = _get("/healthz")
     assert response.status_code == 503
     body = response.json()
     assert body["status"] == "unhealthy"
@@ -40,7 +53,7 @@ def test_liveness_and_readiness_answer_apart_without_a_worker_or_beat(
     cache.set("health:workers", [], 5)  # no worker answered a ping
     live = Client().get("/livez")
     assert live.status_code == 200 and live.json() == {"status": "alive"}
-    ready = Client().get("/readyz")
+    ready = _get("/readyz")
     assert ready.status_code == 503
     # an answer, not a server error: `make dev` polls it each second while it starts
     assert not [r for r in caplog.records if r.name == "django.request"]
@@ -51,11 +64,11 @@ def test_liveness_and_readiness_answer_apart_without_a_worker_or_beat(
 
     Heartbeat.objects.create(name="beat", seen_at=timezone.now())
     cache.set("health:workers", ["w1@host"], 5)
-    ready = Client().get("/readyz")
+    ready = _get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
 @override_settings(CELERY_BROKER_URL="redis://127.0.0.1:1/0")
 def test_a_process_whose_broker_is_down_is_alive_but_not_ready() -> None:
     assert Client().get("/livez").status_code == 200
-    assert Client().get("/readyz").status_code == 503
+    assert _get("/readyz").status_code == 503

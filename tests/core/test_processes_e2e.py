@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import Client
@@ -16,16 +17,18 @@ from tests.conftest import World
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e]
 
 
-def test_beat_schedules_work_that_a_worker_runs_and_healthz_sees_both(tmp_path: Path) -> None:
+def test_beat_schedules_work_that_a_worker_runs_and_healthz_sees_both(tmp_path: Path, settings: Any) -> None:
+    settings.CATACLOUD_METRICS_TOKEN = "e2e-token"  # the details (checks) come with it
+    scraper = Client(HTTP_AUTHORIZATION="Bearer e2e-token")
     purge_redis()
-    before = Client().get("/healthz").json()["checks"]
+    before = scraper.get("/healthz").json()["checks"]
     assert before["beat"]["ok"] is False
     with TESTS.celery_worker(tmp_path), TESTS.celery_beat(tmp_path) as beat:
         wait_for(lambda: Heartbeat.objects.filter(name="beat").exists(), 40, "beat's heartbeat task to run")
         from django.core.cache import cache
 
         cache.delete("health:workers")
-        body = Client().get("/healthz").json()
+        body = scraper.get("/healthz").json()
         assert body["status"] == "ok", body
         assert body["checks"]["workers"]["count"] >= 1
         assert body["checks"]["beat"]["ok"] is True

@@ -1,17 +1,20 @@
-"""The agent server's HTTP protocol: uvicorn's httptools protocol with two limits it lacks.
+"""The agent server's HTTP protocol: uvicorn's httptools protocol with the limits it lacks.
 
-- **Header timeout** (``CATACLOUD_AGENT_HEADER_TIMEOUT``, default 10 s): a connection must
+- **Header timeout** (``CATACLOUD_AGENT_HEADER_TIMEOUT``, default 5 s): a connection must
   deliver a request's whole header within this of connecting, and of the first byte of each
   next request on a kept-alive connection; otherwise it is closed. An idle connection that
   never sends, or one that sends its header a byte at a time, no longer stays open for ever
-  (between requests, uvicorn's keep-alive timeout applies as before).
+  (between requests, uvicorn's keep-alive timeout applies as before). An agent sends its
+  header the moment it has connected: a few round trips are plenty.
+- **Connection budgets** (:mod:`apps.control.agent.limits`): each connection is unauthenticated
+  until one of its requests carries a live machine's agent token, then that machine's. A
+  machine holds at most ``CATACLOUD_AGENT_MAX_CONNECTIONS_PER_MACHINE``; unauthenticated
+  connections share their own budget, whose oldest connection is closed to make room for a new
+  one. This protocol tells the ledger when a connection opens, carries a request and closes,
+  and hands the connection to the application in the scope (``extensions``).
 - **Shutdown**: a long poll still waiting (``GET work``, nothing sent yet) is cut at once
   instead of being waited for (agents poll again): a stop no longer ends with uvicorn's
   "Cancel N running task(s), timeout graceful shutdown exceeded".
-- **Connections per client** (``CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT``, default 100, 0 =
-  no limit): a peer address that already holds this many connections to this process has its
-  next one closed at once. An agent holds a few (heartbeat, poll, log and upload posts); behind
-  a proxy every agent comes from the proxy's address: raise it or set 0 there.
 
 ``catacloud agent-server`` and ``make dev`` run uvicorn with ``--http
 apps.control.agent.protocol:AgentHttpProtocol``.
@@ -20,45 +23,37 @@ apps.control.agent.protocol:AgentHttpProtocol``.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections import Counter
 
+from django.conf import settings
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-log = logging.getLogger(__name__)
+# Imported by uvicorn before the application, so before Django is set up: the ledger needs no
+# model (settings are read at each connection).
+from apps.control.agent.limits import CONNECTION, LEDGER, Connection
+
 POLL_PATH = "/api/agent/v1/work"
-_per_client: Counter[str] = Counter()  # open connections by peer address, in this process
-_refusals_logged: set[str] = set()
-
-
-def _limits() -> tuple[float, int]:
-    from django.conf import settings
-
-    return settings.CATACLOUD_AGENT_HEADER_TIMEOUT, settings.CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT
 
 
 class AgentHttpProtocol(HttpToolsProtocol):
-    _peer: str | None = None
+    _conn: Connection | None = None
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        header_timeout, per_client = _limits()
-        peer = self.client[0] if self.client else None
-        if peer is not None and per_client and _per_client[peer] >= per_client:
-            if peer not in _refusals_logged:  # once per address, not once per connection
-                _refusals_logged.add(peer)
-                log.warning("agent server: %s holds %d connections; closing new ones", peer, per_client)
-            transport.close()
-            return
-        if peer is not None:
-            self._peer = peer
-            _per_client[peer] += 1
-        self._arm(header_timeout)
+        self._conn = Connection(self.client[0] if self.client else "", self._shed)
+        LEDGER.opened(self._conn)
+        self._arm()
 
-    def _arm(self, seconds: float | None = None) -> None:
+    def _shed(self) -> None:
+        """The ledger made room for a newer connection: close this one (no answer: an idle one
+        asked nothing, and one with a request in flight never showed a machine's token)."""
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _arm(self) -> None:
         if self._header_timer is None and not self.transport.is_closing():
-            timeout = _limits()[0] if seconds is None else seconds
+            timeout = float(settings.CATACLOUD_AGENT_HEADER_TIMEOUT)
             if timeout > 0:
                 self._header_timer = self.loop.call_later(timeout, self._too_slow)
 
@@ -75,10 +70,18 @@ class AgentHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._arm()  # a kept-alive connection's next request: its header is due now
         super().on_message_begin()
+        self.scope["extensions"] = {CONNECTION: self._conn}  # type: ignore[dict-item]  # ours, not a dict
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        if self._conn is not None:
+            self._conn.busy = True
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        if self._conn is not None:
+            self._conn.busy = False
+        super().on_response_complete()
 
     def shutdown(self) -> None:
         cycle = self.cycle
@@ -97,10 +100,7 @@ class AgentHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._peer is not None:
-            _per_client[self._peer] -= 1
-            if _per_client[self._peer] <= 0:
-                del _per_client[self._peer]
-                _refusals_logged.discard(self._peer)
-            self._peer = None
+        if self._conn is not None:
+            LEDGER.closed(self._conn)
+            self._conn = None
         super().connection_lost(exc)

@@ -112,7 +112,9 @@ def test_500_idle_polls_hold_no_thread_and_no_connection_and_the_apis_still_answ
         "CATACLOUD_AGENT_POLL_TIMEOUT": "120",
         "CATACLOUD_AGENT_DB_THREADS": str(DB_THREADS),
         "CATACLOUD_AGENT_DB_CONNECTIONS": str(DB_CONNECTIONS),
-        "CATACLOUD_AGENT_MAX_CONNECTIONS_PER_CLIENT": "0",  # 500 agents on one address (loopback)
+        # 500 agents connect at once from one address (loopback)
+        "CATACLOUD_AGENT_MAX_UNAUTHENTICATED": "0",
+        "CATACLOUD_AGENT_MAX_UNAUTHENTICATED_PER_ADDRESS": "0",
     }
     with TESTS.agent_server(tmp_path, **env) as (url, server):
         fleet = Fleet(url, [token for _, token in machines])
