@@ -63,43 +63,39 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
 
 
 def sandbox_starts(samples: int = 60) -> dict[str, list[float]]:
-    """Spawn-to-exit of ``true`` through each launcher, as the agent starts a job (interleaved)."""
+    """Spawn-to-exit of ``true`` through each launcher, as the agent starts a job (interleaved),
+    measured inside a local machine's sandbox (where `make dev`'s jobs start: its tun device, its
+    capabilities): the uid-only supervisor, the bubblewrap sandbox with a network namespace and
+    no egress (a loopback only), and the same with the job network (rules, then pasta)."""
+    import json
     import os
     import shutil
     import subprocess
+    import sys
     import tempfile
-    import time
+    from pathlib import Path
 
-    from catacloud.agent.sandbox import BubblewrapLauncher, JobPlace, UidLauncher, bwrap_path, probe
+    from catacloud.agent.sandbox import bwrap_path
+    from catacloud.providers.machine_sandbox import MachineSandbox, Mount, tun_device
 
-    uid = 2_000_000_000 + 99 if os.geteuid() == 0 else None
-    folder = tempfile.mkdtemp(prefix="catacloud-bench-")
-    os.chmod(folder, 0o711)
-    work = os.path.join(folder, "job")
-    os.mkdir(work, 0o700)
-    if uid is not None:
-        os.chown(work, uid, uid)
-    place = JobPlace(work_dir=work, socket_path="", uid=uid, gid=uid)
     bwrap = bwrap_path()
-    launchers: dict[str, Any] = {"uid-only supervisor (before)": UidLauncher()}
-    if bwrap is not None:
-        sandbox = BubblewrapLauncher(bwrap=bwrap, hostname="bench", hidden=[folder])
-        if probe(sandbox, place) is None:
-            launchers["bubblewrap sandbox (now)"] = sandbox
-    times: dict[str, list[float]] = {name: [] for name in launchers}
+    if bwrap is None:
+        return {}
+    machine = tempfile.mkdtemp(prefix="catacloud-bench-machine-")
+    os.chmod(machine, 0o711)
+    here = str(Path(__file__).resolve().parent)
+    argv = MachineSandbox(
+        bwrap=bwrap,
+        hostname="bench",
+        machine_dir=machine,
+        mounts=[Mount(here, here)],
+        tun=tun_device(Path(machine)),
+    ).argv([sys.executable, os.path.join(here, "job_starts.py"), str(samples)])
     try:
-        for _ in range(samples):
-            for name, launcher in launchers.items():
-                launch = launcher.launch("true", {"PATH": "/usr/bin:/bin"}, place)
-                began = time.perf_counter()
-                try:
-                    subprocess.run(launch.argv, cwd="/", check=True, **launch.popen_kwargs())
-                finally:
-                    launch.close()
-                times[name].append(time.perf_counter() - began)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True).stdout
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return times
+        shutil.rmtree(machine, ignore_errors=True)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _no_live_machines(t: Any) -> bool:

@@ -342,7 +342,15 @@ def _tun_usable() -> bool:
 
 
 def libnftables() -> str | None:
-    return ctypes.util.find_library("nftables")
+    """libnftables' name if it loads here (Debian's ``libnftables1``, with ``nftables``)."""
+    for name in ("libnftables.so.1", ctypes.util.find_library("nftables")):
+        if name:
+            try:
+                ctypes.CDLL(name)
+            except OSError:
+                continue
+            return name
+    return None
 
 
 # -- the helper (run as a script) ----------------------------------------------------------------
@@ -381,7 +389,10 @@ def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: li
     import fcntl
 
     ruleset = sys.stdin.read()
-    lib = ctypes.CDLL(libnftables() or "libnftables.so.1")  # before the uid change: may be private
+    try:  # before the uid change (the library's folder may be private); by its soname: quick
+        lib = ctypes.CDLL("libnftables.so.1")
+    except OSError:
+        lib = ctypes.CDLL(libnftables() or "libnftables.so")  # find_library runs ldconfig: slow
     if uid is not None:
         os.setgroups([])
         os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid, -1)

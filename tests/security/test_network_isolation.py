@@ -19,6 +19,7 @@ import secrets
 import shlex
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,6 +284,52 @@ def test_without_pasta_a_job_gets_no_network_rather_than_the_hosts(
     results = tries(seen)
     assert not results[f"{PUBLIC}:8080"][0].startswith("LAB")
     assert results[f"127.0.0.1:{service.port}"][0] != service.secret
+
+
+FLOOD = r"""
+import socket, sys, time
+held, reached = [], set()
+targets = [(h, int(p)) for h, p in (t.rsplit(":", 1) for t in sys.argv[1:])]
+targets += [(h, port) for h in {h for h, _ in targets} for port in range(1, 1025)]
+for host, port in targets:
+    for _ in range(1000 if port > 1024 else 1):
+        s = socket.socket(); s.settimeout(0.5)
+        try:
+            s.connect((host, port))
+        except OSError:
+            s.close()
+            break
+        held.append(s); reached.add(f"{host}:{port}")
+print("FLOOD held", len(held), "reached", sorted(reached), flush=True)
+time.sleep(15)
+"""
+
+
+def test_a_job_flooding_every_port_it_can_reach_slows_no_other_organizations_job(
+    machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines],
+) -> None:
+    """1,000 connections to every port the job can reach (the agent APIs, the host's address,
+    ports 1-1024): it reaches none of them, and the other organization's job runs as before."""
+    api_a, api_b, _ = machines
+    host_ip = next(a for a in host_addresses() if ":" not in a and not a.startswith("127."))
+    work = "for i in $(seq 300); do echo line-$i; done"
+    started = time.monotonic()
+    assert run(api_b, work)[0]["outcome"] == "succeeded"
+    usual = time.monotonic() - started
+    ports = [api.url.rsplit(":", 1)[1] for api in (api_a, api_b)]
+    targets = [f"{h}:{p}" for h in ("127.0.0.1", host_ip) for p in ports]
+    flood = api_a.assign(f"python3 -c {shlex.quote(FLOOD)} " + " ".join(targets), timeout_seconds=120)
+    api_a.wait_output(flood, "FLOOD held", timeout=60)
+    started = time.monotonic()
+    finished, seen = run(api_b, work)
+    took = time.monotonic() - started
+    assert finished["outcome"] == "succeeded", seen
+    assert [line for line in seen.splitlines() if line.startswith("line-")] == [
+        f"line-{i}" for i in range(1, 301)
+    ]  # its log complete, in order
+    assert took < usual + 10, f"{took:.1f} s under the flood, {usual:.1f} s before"
+    assert "FLOOD held 0 reached []" in api_a.output(flood, "stdout")
+    api_a.cancel(flood)
 
 
 # ---- disk -------------------------------------------------------------------------------------------
