@@ -28,12 +28,13 @@ from typing import Any
 import pytest
 
 from catacloud.agent.netns import host_addresses
-from catacloud.providers.base import LABEL_INSTALLATION, Bootstrap, InsufficientCapacity, MachineSpec
+from catacloud.providers.base import LABEL_INSTALLATION, InsufficientCapacity, MachineSpec
 from catacloud.providers.local import LocalProvider
 from catacloud.providers.machine_sandbox import network_problem
 from tests.agent.fake_server import FakeAgentAPI
 from tests.security import netlab
 from tests.security.netlab import LINK_LOCAL, PRIVATE, PUBLIC, probe_command, tries
+from tests.security.test_sandbox_escape import start_machine
 
 pytestmark = pytest.mark.skipif(
     network_problem(Path("/tmp")) is not None, reason=f"no job network here: {network_problem(Path('/tmp'))}"
@@ -64,20 +65,7 @@ class Machines:
     def start(self, org: str, env: dict[str, str] | None = None) -> FakeAgentAPI:
         api = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5).start()
         self.apis.append(api)
-        instance_id = str(uuid.uuid4())
-        spec = MachineSpec(
-            instance_id=instance_id,
-            labels={"catacloud/org": org},
-            server_type="local",
-            image="local",
-            cpus=1,
-            memory_mb=1024,
-            bootstrap=Bootstrap(agent_url=api.url, token=api.bootstrap_token),
-            env=env or {},
-        )
-        self.provider.create(spec)
-        self.ids.append(instance_id)
-        api.wait_for(lambda: api.calls("POST", "heartbeat"), timeout=30, what=f"machine {org} to enroll")
+        self.ids.append(start_machine(self.provider, api, org, env=env))
         return api
 
     def stop(self) -> None:

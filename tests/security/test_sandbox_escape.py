@@ -88,7 +88,9 @@ def one(output: str, key: str) -> str:
     return found[0]
 
 
-def start_machine(provider: LocalProvider, api: FakeAgentAPI, org: str) -> str:
+def start_machine(
+    provider: LocalProvider, api: FakeAgentAPI, org: str, env: dict[str, str] | None = None
+) -> str:
     instance_id = str(uuid.uuid4())
     spec = MachineSpec(
         instance_id=instance_id,
@@ -98,6 +100,7 @@ def start_machine(provider: LocalProvider, api: FakeAgentAPI, org: str) -> str:
         cpus=1,
         memory_mb=1024,
         bootstrap=Bootstrap(agent_url=api.url, token=api.bootstrap_token),
+        env=env or {},
     )
     provider.create(spec)
     api.wait_for(lambda: api.calls("POST", "heartbeat"), timeout=20, what=f"machine {org} to enroll")

@@ -46,12 +46,16 @@ class LimitsIn(serializers.Serializer):
     enforced = serializers.BooleanField(required=False)
     by = serializers.CharField(max_length=32, required=False, allow_blank=True)
     detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
+    host_cpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    cgroup = serializers.CharField(max_length=300, required=False, allow_blank=True)
 
 
 class IsolationIn(serializers.Serializer):
     jobs = serializers.CharField(max_length=32, required=False, allow_blank=True)
     job_uids = serializers.CharField(max_length=64, required=False, allow_blank=True)
     proc = serializers.CharField(max_length=16, required=False, allow_blank=True)
+    network = serializers.CharField(max_length=16, required=False, allow_blank=True)
+    network_detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
 
 
 class MachineIn(serializers.Serializer):
