@@ -297,9 +297,10 @@ def stop_local_machines(
     state_dir: Path | str, *, stop_timeout: float | None = None, ignore_errors: bool = False
 ) -> None:
     """Never leave agent processes behind: delete every machine the local provider runs under
-    ``state_dir``, each even if another fails; then raise the first failure, unless
+    ``state_dir``, each even if another fails, then end any process still carrying the mark of
+    a machine there (one whose record is gone); then raise the first failure, unless
     ``ignore_errors`` (a benchmark's cleanup must not hide what ended it)."""
-    from catacloud.providers.local import LocalProvider
+    from catacloud.providers.local import LocalProvider, end_processes, machine_processes
 
     config: dict[str, Any] = {"state_dir": str(state_dir)}
     if stop_timeout is not None:
@@ -311,5 +312,6 @@ def stop_local_machines(
             provider.delete(machine.provider_id)
         except Exception as exc:
             errors.append(exc)
+    end_processes([p for procs in machine_processes(state_dir).values() for p in procs])
     if errors and not ignore_errors:
         raise errors[0]

@@ -52,7 +52,8 @@ class Stack:
     def agent_process(self, instance_id: str) -> psutil.Process:
         for process in self.machine_processes(instance_id):
             with contextlib.suppress(psutil.Error):
-                if process.name() != "bwrap" and "catacloud.agent" in " ".join(process.cmdline()):
+                # (its keeper, a shell, and bubblewrap hold its command line too)
+                if process.name() not in ("bwrap", "sh") and "catacloud.agent" in " ".join(process.cmdline()):
                     return process
         raise AssertionError(f"no agent process for {instance_id}")
 
