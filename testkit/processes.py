@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -315,3 +315,67 @@ def stop_local_machines(
     end_processes([p for procs in machine_processes(state_dir).values() for p in procs])
     if errors and not ignore_errors:
         raise errors[0]
+
+
+# ---- nothing left behind ------------------------------------------------------------------------
+
+# Every process a test session starts from the tests' environment carries this variable (set in
+# the pytest process before any test runs, so workers, web, agent servers, fakes, embedded
+# services and agents inherit it). A local machine's environment is scrubbed instead: its sandbox
+# carries the machine's mark, ``CATACLOUD_LOCAL_MACHINE=<its folder>``, under the session's
+# temporary folders.
+SESSION_ENV = "CATACLOUD_TEST_SESSION"
+# Folders besides pytest's temporary ones where a test keeps local machines (a `make dev` home
+# outside pytest's 0700 folders, which the embedded PostgreSQL's user could not pass).
+MACHINE_ROOTS: list[Path] = []
+
+
+def session_processes(session: str, roots: Sequence[Path]) -> list[Any]:
+    """The processes of this host that test session ``session`` started and that still run:
+    those carrying ``SESSION_ENV=session`` and local machines whose folder is under ``roots``.
+    Not this process (nor its ancestors, which do not carry it)."""
+    import psutil
+
+    from catacloud.providers.local import MACHINE_ENV
+
+    bases = [os.path.abspath(r).rstrip("/") + "/" for r in roots]
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            env = proc.environ()
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        machine = env.get(MACHINE_ENV, "")
+        if env.get(SESSION_ENV) == session or any(machine.startswith(b) for b in bases):
+            found.append(proc)
+    return found
+
+
+def describe(proc: Any) -> str:
+    """``pid N (name): command line`` of a psutil process, as far as it can still be read."""
+    import psutil
+
+    try:
+        return f"pid {proc.pid} ({proc.name()}): {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid} (gone)"
+
+
+def leftovers_after(session: str, roots: Sequence[Path], grace: float = 5.0) -> list[str]:
+    """What the session left running, once each had ``grace`` seconds to end on its own (a
+    process being stopped right now is not a leftover); those are then killed, so a failed run
+    still leaves nothing behind. Returns their descriptions (empty: nothing was left)."""
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while (left := session_processes(session, roots)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = [describe(proc) for proc in left]
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return described

@@ -1,4 +1,7 @@
-"""Shared fixtures. Every test that needs data gets a world with an org and an outsider."""
+"""Shared fixtures. Every test that needs data gets a world with an org and an outsider.
+
+(The run leaves nothing behind: ``testkit.leftovers``, loaded by pyproject.toml's addopts,
+fails it when a process it started still runs at its end.)"""
 
 from __future__ import annotations
 

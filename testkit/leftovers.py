@@ -1,0 +1,42 @@
+"""A pytest plugin: the test run leaves nothing behind.
+
+Every process the run starts carries ``CATACLOUD_TEST_SESSION=<this run>`` in its environment
+(set here before any test runs, and inherited: workers, web, agent servers, agents, fakes,
+embedded PostgreSQL and Redis); a local machine, whose environment is scrubbed, carries its
+own mark naming its folder under the run's temporary folders. At the end of the run, what
+still runs of those (each gets a few seconds to end first) is named, killed, and fails the run.
+
+Loaded with ``-p testkit.leftovers`` (pyproject.toml's ``addopts``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from testkit.processes import MACHINE_ROOTS, SESSION_ENV, leftovers_after
+
+LEFTOVERS = pytest.StashKey[list[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SESSION_ENV] = uuid.uuid4().hex  # before any test starts a process
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's tmp_path plugin
+    roots = [factory.getbasetemp(), *MACHINE_ROOTS] if factory is not None else [*MACHINE_ROOTS]
+    left = leftovers_after(os.environ[SESSION_ENV], roots)
+    session.config.stash[LEFTOVERS] = left
+    if left and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    left = config.stash.get(LEFTOVERS, [])
+    if left:
+        terminalreporter.section("processes the tests left running (killed now; the run fails)", red=True)
+        for line in left:
+            terminalreporter.line(line, red=True)
