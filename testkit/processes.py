@@ -323,35 +323,44 @@ def stop_local_machines(
 # the pytest process before any test runs, so workers, web, agent servers, fakes, embedded
 # services and agents inherit it). A local machine's environment is scrubbed instead: its sandbox
 # carries the machine's mark, ``CATACLOUD_LOCAL_MACHINE=<its folder>``, under the session's
-# temporary folders.
+# folders. Redis (and PostgreSQL's children) write over their environment with their process
+# title: they are known by their working folder (their data) in the session's folders.
 SESSION_ENV = "CATACLOUD_TEST_SESSION"
-# Folders besides pytest's temporary ones where a test keeps local machines (a `make dev` home
-# outside pytest's 0700 folders, which the embedded PostgreSQL's user could not pass).
-MACHINE_ROOTS: list[Path] = []
+# The session's folders besides pytest's temporary ones: where a test keeps what it runs outside
+# pytest's 0700 folders (a `make dev` home, an embedded PostgreSQL's data: its server runs as a
+# user of its own when the tests run as root).
+WATCHED_FOLDERS: list[Path] = []
 
 
-def session_processes(session: str, roots: Sequence[Path]) -> list[Any]:
+def session_processes(session: str, folders: Sequence[Path], since: float) -> list[Any]:
     """The processes of this host that test session ``session`` started and that still run:
-    those carrying ``SESSION_ENV=session`` and local machines whose folder is under ``roots``.
-    Not this process (nor its ancestors, which do not carry it)."""
+    those carrying ``SESSION_ENV=session``, and those started since ``since`` (a psutil
+    ``create_time``) that are a local machine whose folder, or whose working folder, is in
+    ``folders``. Not this
+    process (nor its ancestors, which do not carry it)."""
     import psutil
 
     from catacloud.providers.local import MACHINE_ENV
 
-    bases = [os.path.abspath(r).rstrip("/") + "/" for r in roots]
+    bases = [os.path.abspath(f).rstrip("/") + "/" for f in folders]
+
+    def inside(path: str) -> bool:
+        return any((path.rstrip("/") + "/").startswith(base) for base in bases)
+
     found = []
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
         try:
-            env = proc.environ()
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
+            env = proc.environ()
+            marked = env.get(SESSION_ENV) == session
+            placed = inside(env.get(MACHINE_ENV, "//")) or inside(proc.cwd())
+            if marked or (placed and proc.create_time() >= since):
+                found.append(proc)
         except psutil.Error:
             continue
-        machine = env.get(MACHINE_ENV, "")
-        if env.get(SESSION_ENV) == session or any(machine.startswith(b) for b in bases):
-            found.append(proc)
     return found
 
 
@@ -365,14 +374,14 @@ def describe(proc: Any) -> str:
         return f"pid {proc.pid} (gone)"
 
 
-def leftovers_after(session: str, roots: Sequence[Path], grace: float = 5.0) -> list[str]:
+def leftovers_after(session: str, folders: Sequence[Path], since: float, grace: float = 5.0) -> list[str]:
     """What the session left running, once each had ``grace`` seconds to end on its own (a
     process being stopped right now is not a leftover); those are then killed, so a failed run
     still leaves nothing behind. Returns their descriptions (empty: nothing was left)."""
     import psutil
 
     deadline = time.monotonic() + grace
-    while (left := session_processes(session, roots)) and time.monotonic() < deadline:
+    while (left := session_processes(session, folders, since)) and time.monotonic() < deadline:
         time.sleep(0.1)
     described = [describe(proc) for proc in left]
     for proc in left:

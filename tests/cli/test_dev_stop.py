@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from testkit.processes import MACHINE_ROOTS, ROOT, free_port, wait_for
+from testkit.processes import ROOT, WATCHED_FOLDERS, free_port, wait_for
 
 
 def machine_processes(home: Path, agent_port: int) -> list[str]:
@@ -109,7 +109,7 @@ def home() -> Iterator[Path]:
     """A `make dev` home outside pytest's folders, which are closed to the embedded PostgreSQL's
     user (it runs as its own user when the tests run as root)."""
     path = Path(tempfile.mkdtemp(prefix="catacloud-test-dev-"))
-    MACHINE_ROOTS.append(path)  # the run's leftover check looks at its machines too
+    WATCHED_FOLDERS.append(path)  # the run's leftover check looks at its machines and services too
     try:
         yield path
     finally:
