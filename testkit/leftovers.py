@@ -8,7 +8,8 @@ folder: both in the run's folders (pytest's temporary ones and ``WATCHED_FOLDERS
 of the run, what still runs of those (each gets a few seconds to end first) is named, killed,
 and fails the run.
 
-Loaded with ``-p testkit.leftovers`` (pyproject.toml's ``addopts``).
+The tests' ``conftest.py`` takes its hooks (a ``-p testkit.leftovers`` would need ``testkit`` on
+the path before pytest reads the conftest); another run loads it with ``-p testkit.leftovers``.
 """
 
 from __future__ import annotations
