@@ -140,7 +140,9 @@ def dev_programs(
 
 def cmd_dev(args: argparse.Namespace) -> int:
     """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
-    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0."""
+    restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0, and
+    so does SIGTERM or SIGHUP (a closed terminal). Every stop ends the local machines of the
+    home, whether or not PostgreSQL and Redis still run."""
     from catacloud import embedded
     from catacloud.supervisor import Supervisor
 
@@ -183,8 +185,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
         if supervisor is None:
             raise KeyboardInterrupt  # still setting up: unwind to the clean-up below
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: a closed terminal
+    previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals}
     give_back_terminal = _own_terminal()
+    _watch_hangup(stopping)
     try:
         print("catacloud: migrating the database…", flush=True)
         _manage("migrate", "--noinput", env=env, capture=True)
@@ -243,7 +247,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         return 0  # Ctrl-C while setting up (a manage.py step dies of it too): a clean stop
     finally:
         stopping.set()
-        print("catacloud: stopping the local machines and the embedded services…", flush=True)
+        _say("catacloud: stopping the local machines and the embedded services…")
         _stop_local_machines(home)
         services.stop()
         give_back_terminal()
@@ -294,16 +298,52 @@ def _dev_lock(home: Path) -> IO[str] | None:
     return fh
 
 
+def _say(text: str) -> None:
+    """Print a line; a closed terminal (EIO) or pipe must not stop a stop half way."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, flush=True)
+
+
+# Left in the process group the dev runner leaves (`make`'s, the one a shell, a script or a
+# service manager signals): hands SIGINT, SIGTERM and SIGHUP on to the dev runner, and ends with
+# it (its stdin is a pipe only the dev runner holds).
+RELAY = """
+import os, signal, sys
+runner = int(sys.argv[1])
+def relay(signum, frame):
+    try:
+        os.kill(runner, signum)
+    finally:
+        os._exit(0)
+for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, relay)
+while os.read(0, 512):
+    pass
+"""
+
+
+_relays: list[subprocess.Popen[bytes]] = []
+
+
 def _own_terminal() -> Callable[[], None]:
     """Make this process the terminal's foreground process group, so that Ctrl-C reaches it
     alone: `make` (which started it) would otherwise get SIGINT too, die of it and exit 130
-    whatever we do. Returns what gives the terminal back. Does nothing without a terminal or
-    in the background."""
+    whatever we do. Signals sent to the group it leaves (``kill -TERM -- -PGID``, the SIGHUP a
+    shell sends its jobs when its terminal closes) still reach it, through a small relay
+    process left in that group. Returns what gives the terminal back. Does nothing without a
+    terminal or in the background."""
     try:
         fd = sys.stdin.fileno()
         if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
             return lambda: None
         before = os.getpgrp()
+        relay = subprocess.Popen(
+            [sys.executable, "-c", RELAY, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _relays.append(relay)  # held: its stdin pipe closes (and the relay ends) with this process
         os.setpgid(0, 0)
         quiet = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may set it
         try:
@@ -324,6 +364,35 @@ def _own_terminal() -> Callable[[], None]:
     return give_back
 
 
+def _watch_hangup(stopping: threading.Event) -> None:
+    """When the terminal on stdin hangs up (its window closed, its ssh connection lost), send
+    ourselves SIGHUP: the shell's SIGHUP goes to its jobs' process groups and to the session
+    leader, which this process may not be in (it left `make`'s group for the terminal's
+    foreground, see :func:`_own_terminal`; `make` itself may lead the session)."""
+    import select
+
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd):
+            return
+    except (OSError, ValueError):
+        return
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, 0)  # no event asked: poll still says POLLHUP, POLLERR, POLLNVAL
+        while True:
+            try:
+                if poller.poll():
+                    break
+            except InterruptedError:
+                continue
+        if not stopping.is_set():  # (once stopped, the default SIGHUP would end us with 129)
+            os.kill(os.getpid(), signal.SIGHUP)
+
+    threading.Thread(target=watch, name="hangup", daemon=True).start()
+
+
 def cmd_dev_cleanup(args: argparse.Namespace) -> int:
     """What a `make dev` watchdog runs when its supervisor died: stop the local machines of
     ``--home`` and the embedded services that run had started."""
@@ -337,7 +406,7 @@ def cmd_dev_cleanup(args: argparse.Namespace) -> int:
         embedded.EmbeddedPostgres(home).stop()
     with contextlib.suppress(FileNotFoundError):
         (home / DEV_STATE).unlink()
-    print("catacloud: stopped what the dead `make dev` left (machines, services)", flush=True)
+    _say("catacloud: stopped what the dead `make dev` left (machines, services)")
     return 0
 
 
@@ -465,22 +534,28 @@ def _announce_when_healthy(supervisor: object, url: str, lines: list[str], start
 
 
 def _stop_local_machines(home: Path) -> None:
-    """Ctrl-C stops everything: also the local machines (agent processes) of this home. Their
-    rows become lost at the next start and the pools replace them."""
-    from catacloud.providers.local import LocalProvider
-
-    root = home / "machines"
-    if not root.is_dir():
-        return
+    """Every stop ends the local machines of this home (their rows become lost at the next
+    start and the pools replace them). First each recorded machine is asked to stop (its agent
+    gets SIGTERM, then after 2 s everything left SIGKILL), then every process still carrying the
+    mark of a machine of this home is SIGKILLed: found by the mark, not by the records, which
+    may be gone meanwhile (`make clean` deleting $CATACLOUD_HOME). Needs neither PostgreSQL
+    nor Redis."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=16) as pool:  # each may wait its stop timeout: at once
+    from catacloud.providers.local import LocalProvider, end_processes, machine_processes
+
+    root = home / "machines"
+    with contextlib.suppress(OSError), ThreadPoolExecutor(max_workers=16) as pool:
+        # each may wait its stop timeout: all at once
         for state_dir in sorted(p for p in root.iterdir() if p.is_dir()):
             provider = LocalProvider(
                 config={"state_dir": str(state_dir), "stop_timeout_seconds": 2}, credentials={}
             )
             for machine in provider.list({}):
                 pool.submit(provider.delete, machine.provider_id)
+    left = end_processes([p for procs in machine_processes(root).values() for p in procs])
+    if left:
+        _say(f"catacloud: could not end {len(left)} local machine process(es): pids {[p.pid for p in left]}")
 
 
 DESCRIPTION = (

@@ -12,7 +12,8 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
   its start, with a log line saying so;
 - ``stop()`` (or SIGINT/SIGTERM/SIGHUP when ``run`` is in the main thread) sends each program's
   ``stop_signal`` (SIGTERM unless it says otherwise) to its process group, waits up to
-  ``stop_timeout`` seconds, then SIGKILLs what is left;
+  ``stop_timeout`` seconds, then SIGKILLs what is left; output that can no longer be written
+  (a closed terminal: EIO) is dropped, never the stop;
 - **nothing outlives it**, not even when it is SIGKILLed (the OOM killer, a CI timeout, a
   closed terminal): a small watchdog process in a session of its own holds the read end of a
   pipe only the supervisor writes to, and learns from it every program's process group. When
@@ -104,14 +105,17 @@ class Supervisor:
 
     def log(self, message: str, name: str = "catacloud") -> None:
         stamp = time.strftime("%H:%M:%S")
-        with self._write_lock:
-            self.out.write(f"{stamp} {name.ljust(self._width)} | {message}\n")
-            self.out.flush()
+        self._write(f"{stamp} {name.ljust(self._width)} | {message}\n")
 
     def announce(self, text: str) -> None:
         """Write ``text`` as it is (no prefix), between the programs' lines."""
-        with self._write_lock:
-            self.out.write(text if text.endswith("\n") else text + "\n")
+        self._write(text if text.endswith("\n") else text + "\n")
+
+    def _write(self, text: str) -> None:
+        # A closed terminal answers EIO, a closed pipe EPIPE: the output is lost, but stopping
+        # (and the programs' pipes, still drained) must go on.
+        with self._write_lock, contextlib.suppress(OSError, ValueError):
+            self.out.write(text)
             self.out.flush()
 
     def _pump(self, name: str, stream: IO[bytes]) -> None:
@@ -302,7 +306,8 @@ def watchdog(lines: IO[str], on_orphan: Sequence[str], grace: float = 5.0) -> in
         if line[:1] in "+-" and line[1:].isdigit():
             (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
     stamp = time.strftime("%H:%M:%S")
-    print(f"{stamp} watchdog | the supervisor died: stopping {len(groups)} program(s)", flush=True)
+    with contextlib.suppress(OSError, ValueError):  # its terminal may be gone (EIO)
+        print(f"{stamp} watchdog | the supervisor died: stopping {len(groups)} program(s)", flush=True)
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)

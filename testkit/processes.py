@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -297,9 +297,10 @@ def stop_local_machines(
     state_dir: Path | str, *, stop_timeout: float | None = None, ignore_errors: bool = False
 ) -> None:
     """Never leave agent processes behind: delete every machine the local provider runs under
-    ``state_dir``, each even if another fails; then raise the first failure, unless
+    ``state_dir``, each even if another fails, then end any process still carrying the mark of
+    a machine there (one whose record is gone); then raise the first failure, unless
     ``ignore_errors`` (a benchmark's cleanup must not hide what ended it)."""
-    from catacloud.providers.local import LocalProvider
+    from catacloud.providers.local import LocalProvider, end_processes, machine_processes
 
     config: dict[str, Any] = {"state_dir": str(state_dir)}
     if stop_timeout is not None:
@@ -311,5 +312,79 @@ def stop_local_machines(
             provider.delete(machine.provider_id)
         except Exception as exc:
             errors.append(exc)
+    end_processes([p for procs in machine_processes(state_dir).values() for p in procs])
     if errors and not ignore_errors:
         raise errors[0]
+
+
+# ---- nothing left behind ------------------------------------------------------------------------
+
+# Every process a test session starts from the tests' environment carries this variable (set in
+# the pytest process before any test runs, so workers, web, agent servers, fakes, embedded
+# services and agents inherit it). A local machine's environment is scrubbed instead: its sandbox
+# carries the machine's mark, ``CATACLOUD_LOCAL_MACHINE=<its folder>``, under the session's
+# folders. Redis (and PostgreSQL's children) write over their environment with their process
+# title: they are known by their working folder (their data) in the session's folders.
+SESSION_ENV = "CATACLOUD_TEST_SESSION"
+# The session's folders besides pytest's temporary ones: where a test keeps what it runs outside
+# pytest's 0700 folders (a `make dev` home, an embedded PostgreSQL's data: its server runs as a
+# user of its own when the tests run as root).
+WATCHED_FOLDERS: list[Path] = []
+
+
+def session_processes(session: str, folders: Sequence[Path], since: float) -> list[Any]:
+    """The processes of this host that test session ``session`` started and that still run:
+    those carrying ``SESSION_ENV=session``, and those started since ``since`` (a psutil
+    ``create_time``) that are a local machine whose folder, or whose working folder, is in
+    ``folders``. Not this
+    process (nor its ancestors, which do not carry it)."""
+    import psutil
+
+    from catacloud.providers.local import MACHINE_ENV
+
+    bases = [os.path.abspath(f).rstrip("/") + "/" for f in folders]
+
+    def inside(path: str) -> bool:
+        return any((path.rstrip("/") + "/").startswith(base) for base in bases)
+
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+            marked = env.get(SESSION_ENV) == session
+            placed = inside(env.get(MACHINE_ENV, "//")) or inside(proc.cwd())
+            if marked or (placed and proc.create_time() >= since):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def describe(proc: Any) -> str:
+    """``pid N (name): command line`` of a psutil process, as far as it can still be read."""
+    import psutil
+
+    try:
+        return f"pid {proc.pid} ({proc.name()}): {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid} (gone)"
+
+
+def leftovers_after(session: str, folders: Sequence[Path], since: float, grace: float = 5.0) -> list[str]:
+    """What the session left running, once each had ``grace`` seconds to end on its own (a
+    process being stopped right now is not a leftover); those are then killed, so a failed run
+    still leaves nothing behind. Returns their descriptions (empty: nothing was left)."""
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while (left := session_processes(session, folders, since)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = [describe(proc) for proc in left]
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return described

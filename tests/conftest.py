@@ -1,4 +1,7 @@
-"""Shared fixtures. Every test that needs data gets a world with an org and an outsider."""
+"""Shared fixtures. Every test that needs data gets a world with an org and an outsider.
+
+The run leaves nothing behind: the hooks of ``testkit.leftovers`` fail it when a process it
+started still runs at its end, naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from testkit.leftovers import pytest_configure, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
 
 # Django-free test folders (tests/agent, tests/providers) can run with `-p no:django`:
 # nothing Django is imported until a fixture needs it.

@@ -17,6 +17,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -40,6 +41,7 @@ from apps.machines.lifecycle import (
 from apps.machines.models import MachineInstance, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import NotFound, ProviderError, ProviderMachine, RateLimited
+from catacloud.providers.local import LocalProvider, end_processes, machine_processes
 
 log = logging.getLogger(__name__)
 BATCH = 200
@@ -234,3 +236,32 @@ def reconcile_local_machines() -> list[ReconcileReport]:
     one and waits out the heartbeat deadline."""
     accounts = ProviderAccount.objects.filter(kind="local", instances__status__in=INSTANCE_LIVE).distinct()
     return [reconcile_account(account=a) for a in accounts]
+
+
+def end_local_leftovers(machines_root: Path) -> list[str]:
+    """At start (``make dev``, before any worker runs): end the processes of local machines
+    under ``machines_root`` (``$CATACLOUD_HOME/machines``) that no live row owns, found by their
+    mark whether or not a record still names them (the rows of machines whose record says they
+    are gone were marked lost by :func:`reconcile_local_machines`; their processes go now).
+    Returns the instance ids ended."""
+    found = machine_processes(machines_root)
+    ids = set()
+    for folder in found:
+        with contextlib.suppress(ValueError):
+            ids.add(str(uuid.UUID(Path(folder).name)))
+    live = {
+        str(pk)
+        for pk in MachineInstance.objects.filter(pk__in=ids, status__in=INSTANCE_LIVE).values_list(
+            "pk", flat=True
+        )
+    }
+    ended = []
+    for folder, processes in sorted(found.items()):
+        instance_id = Path(folder).name
+        if instance_id in live:
+            continue  # its agent may still come back to this control plane
+        config = {"state_dir": str(Path(folder).parent), "stop_timeout_seconds": 2}
+        LocalProvider(config=config, credentials={}).delete(instance_id)  # its record, cgroup, uids
+        end_processes(processes)  # a machine with no record left
+        ended.append(instance_id)
+    return ended

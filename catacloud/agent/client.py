@@ -6,6 +6,9 @@ their SHA-256 in ``X-Checksum-Sha256``, retried a bounded number of times.
 Every call except ``enroll`` sends ``Authorization: Agent <agent_token>``. Connection errors,
 429 and 5xx answers are retried; any other answer is returned to the caller, except 401 which
 raises :class:`Unauthorized` (the agent's credentials are no longer valid: it must stop).
+
+:meth:`AgentClient.unreachable_for` says how long no call has reached the control plane (an
+answer other than 429 or 5xx): a local agent ends itself when that outlasts its limit.
 """
 
 from __future__ import annotations
@@ -234,6 +237,16 @@ class AgentClient:
         self.backoff_cap = backoff_cap
         self._token: str | None = None
         self._local = threading.local()
+        self._last_contact = time.monotonic()  # the client's creation counts as the first
+
+    def unreachable_for(self) -> float:
+        """Seconds since a call last reached the control plane (an answer other than 429 or 5xx)."""
+        return time.monotonic() - self._last_contact
+
+    def _answered(self, response: requests.Response) -> requests.Response:
+        if response.status_code < 500 and response.status_code != 429:
+            self._last_contact = time.monotonic()
+        return response
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -286,13 +299,15 @@ class AgentClient:
             hint: float | None = None
             status: int | None = None
             try:
-                response = self._session().request(
-                    method,
-                    url,
-                    json=body,
-                    params=params,
-                    headers=headers,
-                    timeout=timeout or self.request_timeout,
+                response = self._answered(
+                    self._session().request(
+                        method,
+                        url,
+                        json=body,
+                        params=params,
+                        headers=headers,
+                        timeout=timeout or self.request_timeout,
+                    )
                 )
             except requests.RequestException as exc:
                 problem = f"{type(exc).__name__}: {exc}"
@@ -537,8 +552,8 @@ class AgentClient:
                     }
                     # (an empty body as bytes: requests would send a 0-length stream chunked)
                     body: LimitedReader | bytes = LimitedReader(fh, size) if size else b""
-                    response = self._session().put(
-                        url, data=body, headers=headers, timeout=self.request_timeout
+                    response = self._answered(
+                        self._session().put(url, data=body, headers=headers, timeout=self.request_timeout)
                     )
             except requests.RequestException as exc:
                 problem = f"{type(exc).__name__}: {exc}"
@@ -599,6 +614,7 @@ class AgentClient:
                 timeout=self.request_timeout,
                 stream=True,
             ) as response:
+                self._answered(response)
                 if response.status_code == 401:
                     raise Unauthorized(f"GET {path}: 401 {_code(response) or 'unauthorized'}", status=401)
                 if response.status_code == 404:

@@ -1,6 +1,7 @@
 """The ``catacloud agent``, ``catacloud job-meta`` and ``catacloud checkpoint`` commands.
 
-Threads: the main thread enrolls, then waits for a reason to stop (signal, ``terminate``, a 401);
+Threads: the main thread enrolls, then waits for a reason to stop (signal, ``terminate``, a 401,
+with ``--exit-when-unreachable`` a control plane silent for too long);
 a heartbeat thread; a work thread that long-polls and runs one job at a time (restore its
 checkpoint, run it, report it, upload its outputs); the job socket server (job-meta and
 checkpoint requests); with ``interval_seconds``, a checkpointer thread per job; and, with
@@ -42,6 +43,7 @@ from catacloud.agent.client import (
     Job,
     RedactingFormatter,
     Unauthorized,
+    Unavailable,
     forget_secret,
     redact,
     register_secret,
@@ -89,6 +91,8 @@ BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
 REASON_CANCELLED = "cancelled by the control plane"
 REASON_TERMINATING = "machine terminating"
 REASON_AGENT_STOPPED = "agent stopped"
+# The exit status of an agent that gave up on an unreachable control plane.
+EXIT_UNREACHABLE = 3
 FINISHED_RETRY_SECONDS = 300.0
 STOPPING_RETRY_SECONDS = 10.0
 RESTORE_ATTEMPTS = 3
@@ -123,8 +127,11 @@ class Agent:
         shared_dirs: tuple[str, ...] = (),
         network: bool = True,
         disk_reserve_bytes: int = 0,
+        unreachable_limit: float | None = None,
     ) -> None:
         self.client = client
+        # Seconds without reaching the control plane after which this agent ends (None: never).
+        self.unreachable_limit = unreachable_limit
         self.bootstrap_token = bootstrap_token
         self.bootstrap_token_file = bootstrap_token_file
         # Root: each job runs as the next uid of this range. None: as this agent's own uid
@@ -170,6 +177,20 @@ class Agent:
             current = self._current
         if current is not None:
             current.cancel.cancel(job_reason)
+
+    def _give_up_if_unreachable(self) -> None:
+        """With an unreachable limit: stop (exit status 3, nothing reported: nobody would hear
+        it) once no call has reached the control plane for that long."""
+        silent = self.client.unreachable_for()
+        if self.unreachable_limit is None or silent < self.unreachable_limit:
+            return
+        log.error(
+            "the control plane at %s has not answered for %.0f s (limit %g s); the agent stops",
+            self.client.base_url,
+            silent,
+            self.unreachable_limit,
+        )
+        self.request_stop(REASON_AGENT_STOPPED, EXIT_UNREACHABLE, report=False)
 
     def fatal(self, message: str) -> None:
         """An unrecoverable error (e.g. a revoked agent token): log it clearly and stop."""
@@ -328,11 +349,25 @@ class Agent:
                     hostname=self.hostname,
                     agent_version=__version__,
                     machine=self.machine_report(),
+                    retry_for=self.unreachable_limit or 600.0,
                     interrupt=self.stopping,
                 )
             except Interrupted:
                 self.meta.close()
                 return self.exit_code
+            except Unavailable as exc:
+                self.meta.close()
+                if self.unreachable_limit is None:
+                    log.error("could not enroll with %s: %s", self.client.base_url, exc)
+                    return 1
+                log.error(
+                    "the control plane at %s did not answer within %g s (the unreachable limit); "
+                    "the agent stops: %s",
+                    self.client.base_url,
+                    self.unreachable_limit,
+                    exc,
+                )
+                return EXIT_UNREACHABLE
             except AgentAPIError as exc:
                 log.error("could not enroll with %s: %s", self.client.base_url, exc)
                 self.meta.close()
@@ -352,7 +387,8 @@ class Agent:
         )
         self.meta.start()
         try:
-            self._heartbeat_once(retry_for=60.0)  # the handshake: enroll + heartbeat = ready
+            # the handshake: enroll + heartbeat = ready
+            self._heartbeat_once(retry_for=min(60.0, self.unreachable_limit or 60.0))
             threads = [
                 threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
                 threading.Thread(target=self._work_loop, name="work", daemon=True),
@@ -362,7 +398,7 @@ class Agent:
             if self.imds_url:
                 SpotWatcher(self.imds_url, self._report_interruption, stop=self.stopping).start()
             while not self.stopping.wait(0.5):
-                pass
+                self._give_up_if_unreachable()
             self._wait_idle(timeout=30.0)
         finally:
             self.meta.close()
@@ -955,6 +991,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         shared_dirs=tuple(args.shared_dir or ()),
         network=args.network != "none",
         disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
+        unreachable_limit=args.exit_when_unreachable,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -1045,6 +1082,13 @@ def add_agent_commands(subparsers: Any) -> None:
         type=_positive_float,
         metavar="SECONDS",
         help="override the heartbeat interval the control plane sets",
+    )
+    agent.add_argument(
+        "--exit-when-unreachable",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="stop (exit status 3) once no call has reached the control plane for this long "
+        "(default: keep trying; local machines get 600 s, their provider's unreachable_limit_seconds)",
     )
     agent.add_argument(
         "--imds-url", metavar="URL", help="watch for spot interruptions (on AWS: http://169.254.169.254)"

@@ -25,6 +25,10 @@ Config:
       type's ``disk_gb``.
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
+  ``unreachable_limit_seconds`` (float, default ``CATACLOUD_LOCAL_UNREACHABLE_LIMIT`` or 600; 0:
+      never): an agent that has not reached its control plane for this long ends itself, and
+      with it its machine (``catacloud agent --exit-when-unreachable``). A local machine has no
+      purpose without its stack; a cloud machine's agent keeps trying (the reconciler reaps it).
 
 The control plane's environment never reaches a machine: only ``AGENT_ENV_ALLOWED`` plus
 ``spec.local_env``, and the bootstrap token in it is handed over as a 0600 file in the machine's
@@ -35,6 +39,19 @@ The provider id is the instance id. Processes start in their own session
 (``start_new_session=True``), so restarting the Celery worker does not kill machines. The
 recorded start time guards against pid reuse: a record whose pid now belongs to another process
 reports ``exited`` (GONE) and is never signalled.
+
+**A machine dies with the process its record names.** A sandboxed machine's recorded process
+is a small shell (the machine's keeper) that starts its bubblewrap sandbox and waits for it; the
+sandbox runs with ``--die-with-parent``, so each process of the chain (the outer bubblewrap, its
+first process inside, the agent) is SIGKILLed when the one above it ends, and the agent's jobs
+die with the agent (their own sandboxes do the same). Ending the keeper by any signal, or any
+process of the chain, ends everything below it. The sandbox's parent is the keeper, not the
+Celery worker that started it: a worker that restarts leaves its machines running.
+
+Every machine's processes on this host carry ``CATACLOUD_LOCAL_MACHINE=<its folder>`` in their
+environment (the keeper, bubblewrap; not the agent inside the sandbox), so
+:func:`machine_processes` finds a machine's processes even when its record is gone (a deleted
+``$CATACLOUD_HOME``) or names a process that no longer runs.
 """
 
 from __future__ import annotations
@@ -93,6 +110,15 @@ _START_TIME_TOLERANCE = 0.05
 AGENT_ENV_ALLOWED = frozenset({"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "CATACLOUD_PASTA"})
 BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
 DEFAULT_DISK_RESERVE_GB = 2.0
+# The mark of a machine's processes on this host: the machine's folder (absolute).
+MACHINE_ENV = "CATACLOUD_LOCAL_MACHINE"
+# The default of ``unreachable_limit_seconds``, from the control plane's environment.
+UNREACHABLE_ENV = "CATACLOUD_LOCAL_UNREACHABLE_LIMIT"
+DEFAULT_UNREACHABLE_LIMIT = 600.0
+# The keeper: run the sandbox as a child (not exec: bubblewrap's parent must be a process that
+# stays, and is the one the record names) and exit as it did. Any signal that ends the keeper
+# ends the sandbox (--die-with-parent).
+KEEPER = '"$@"; exit $?'
 _RECORD_KEYS = frozenset(
     {"instance_id", "name", "pid", "create_time", "labels", "created_at", "ready_at", "log_path"}
 )
@@ -106,6 +132,12 @@ LIMITS_FILE = f"{MACHINE_DIR}/limits.json"
 def sandbox_default() -> bool:
     """``CATACLOUD_LOCAL_SANDBOX=off`` (or ``0``, ``false``, ``no``) opts out, for hosts that cannot."""
     return os.environ.get("CATACLOUD_LOCAL_SANDBOX", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def unreachable_limit_default() -> float:
+    """``CATACLOUD_LOCAL_UNREACHABLE_LIMIT`` (seconds; 0: never), else 10 minutes."""
+    raw = os.environ.get(UNREACHABLE_ENV, "").strip()
+    return float(raw) if raw else DEFAULT_UNREACHABLE_LIMIT
 
 
 # Popen objects of machines this process started: polling them reaps exited children and
@@ -127,19 +159,26 @@ class LocalProvider(Provider):
         super().__init__(config=config, credentials=credentials)
         if not self.config.get("state_dir"):
             raise Permanent("local provider needs config 'state_dir'")
-        self.state_dir = Path(self.config["state_dir"])
+        self.state_dir = Path(self.config["state_dir"]).absolute()  # machines' marks name it
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.boot_delay = float(self.config.get("boot_delay_seconds", 0) or 0)
         self.stop_timeout = float(self.config.get("stop_timeout_seconds", 5))
         self.keep_logs = bool(self.config.get("keep_logs", False))
+        try:
+            limit = self.config.get("unreachable_limit_seconds")
+            self.unreachable_limit = unreachable_limit_default() if limit is None else float(limit)
+        except (TypeError, ValueError) as exc:
+            raise Permanent(f"local provider: unreachable limit: {exc}") from exc
         try:
             self.disk_reserve_gb = float(self.config.get("disk_reserve_gb", DEFAULT_DISK_RESERVE_GB))
         except (TypeError, ValueError):
             raise Permanent("disk_reserve_gb must be a number of GB") from None
         if self.disk_reserve_gb < 0:
             raise Permanent("disk_reserve_gb must be >= 0")
-        if self.boot_delay < 0 or self.stop_timeout < 0:
-            raise Permanent("boot_delay_seconds and stop_timeout_seconds must be >= 0")
+        if self.boot_delay < 0 or self.stop_timeout < 0 or self.unreachable_limit < 0:
+            raise Permanent(
+                "boot_delay_seconds, stop_timeout_seconds and unreachable_limit_seconds must be >= 0"
+            )
         sandbox = self.config.get("sandbox")
         self.sandbox = sandbox_default() if sandbox is None else bool(sandbox)
         try:
@@ -189,10 +228,13 @@ class LocalProvider(Provider):
             return
         proc = self._process(record)
         if proc is not None:
-            self._stop(proc)
+            self._stop(proc, sandboxed=bool(record.get("sandbox")))
         with self._locked():
             current = self._read(provider_id)
             if current is not None and current["pid"] == record["pid"]:
+                # What its record does not reach (a chain an older version left broken): by its mark.
+                for leftover in machine_processes(self.state_dir / provider_id).values():
+                    end_processes(leftover)
                 self._record_path(provider_id).unlink(missing_ok=True)
                 shutil.rmtree(self.state_dir / provider_id, ignore_errors=True)
                 remove_cgroup(record.get("cgroup_folders") or [])
@@ -225,6 +267,7 @@ class LocalProvider(Provider):
         env.update(spec.local_env)
         token = env.pop(BOOTSTRAP_ENV, None)
         folder = self.state_dir / spec.instance_id
+        env[MACHINE_ENV] = os.path.abspath(folder)
         if folder.exists():
             shutil.rmtree(folder)  # a machine that died: its successor starts clean
         folder.mkdir(mode=0o711)
@@ -258,6 +301,8 @@ class LocalProvider(Provider):
         (folder / "limits.json").write_text(json.dumps(limits))
         if is_agent:
             argv += ["--state-file", inside(STATE_FILE)]
+            if self.unreachable_limit > 0:
+                argv += ["--exit-when-unreachable", f"{self.unreachable_limit:g}"]
             if self.sandbox:  # unsandboxed, the agent makes one under /tmp, where job uids can pass
                 argv += ["--work-dir", WORK_DIR]
             if os.geteuid() == 0:
@@ -284,8 +329,9 @@ class LocalProvider(Provider):
                 mounts=self.mounts,
                 hide=secrets_to_hide([str(self.state_dir)]),
                 tun=tun_device(self.state_dir),
+                unset_env=[MACHINE_ENV],  # a mark for this host, not a thing the machine needs
             )
-            argv = sandbox.argv(argv)
+            argv = ["/bin/sh", "-c", KEEPER, "catacloud-machine", *sandbox.argv(argv)]
             if cgroup is not None:
                 argv = cgroup.wrap(argv)
         log_path = self.state_dir / f"{spec.instance_id}.log"
@@ -346,14 +392,14 @@ class LocalProvider(Provider):
             return None
         return proc if _running(proc) else None
 
-    def _stop(self, proc: psutil.Process) -> None:
+    def _stop(self, proc: psutil.Process, *, sandboxed: bool) -> None:
         """SIGTERM the agent (and what it started), wait up to ``stop_timeout``, then SIGKILL
-        everything left. A sandbox's bubblewrap processes get no SIGTERM: they end when the agent
-        does, and the first of them ends the machine's every process when it dies."""
+        everything left. A sandbox's keeper and bubblewrap processes get no SIGTERM: they end
+        when the agent does (and the end of any of them ends everything below it)."""
         tree = _tree(proc)
         for member in tree:
             with contextlib.suppress(psutil.Error):
-                if member.name() != "bwrap" or member.pid == proc.pid and not self._sandboxed(proc):
+                if member.name() != "bwrap" and not (sandboxed and member.pid == proc.pid):
                     member.send_signal(signal.SIGTERM)
         _wait_gone(proc, self.stop_timeout)
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -362,13 +408,6 @@ class LocalProvider(Provider):
             with contextlib.suppress(psutil.Error):
                 member.send_signal(signal.SIGKILL)  # psutil refuses a reused pid
         _wait_gone(proc, 1.0)
-
-    @staticmethod
-    def _sandboxed(proc: psutil.Process) -> bool:
-        try:
-            return proc.name() == "bwrap"
-        except psutil.Error:
-            return False
 
     def _machine(self, record: Mapping[str, Any]) -> ProviderMachine:
         if self._process(record) is None:
@@ -422,6 +461,37 @@ class LocalProvider(Provider):
                 yield
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def machine_processes(root: Path | str) -> dict[str, list[psutil.Process]]:
+    """The processes of this host's local machines whose folder is ``root`` or under it (one
+    machine's folder, a state dir, a ``$CATACLOUD_HOME/machines``), by machine folder. Found by
+    their mark (:data:`MACHINE_ENV`), not by records: a machine whose record was deleted, or
+    names a process that is gone, is found all the same."""
+    base = os.path.abspath(root).rstrip("/")
+    found: dict[str, list[psutil.Process]] = {}
+    for proc in psutil.process_iter():
+        try:
+            folder = proc.environ().get(MACHINE_ENV)
+        except psutil.Error:
+            continue  # gone, a kernel thread, or not ours to read
+        if folder and (folder == base or folder.startswith(base + "/")):
+            found.setdefault(folder, []).append(proc)
+    return found
+
+
+def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """SIGKILL ``procs`` (a machine's sandbox takes down everything in it); those still running
+    after ``timeout`` seconds are returned."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()  # psutil refuses a pid that another process took meanwhile
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if _running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
 
 
 def _tree(proc: psutil.Process) -> list[psutil.Process]:

@@ -111,9 +111,13 @@ class MachineSandbox:
     hide: Sequence[str] = ()  # host folders that must stay invisible even under a mount
     as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
     tun: str | None = None  # a tun device every uid may open: pasta gives jobs the internet with it
+    unset_env: Sequence[str] = ()  # variables of bubblewrap's own environment the command does not get
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", self.hostname]
+        # The sandbox ends with the process that started it: SIGKILL to each of its processes in
+        # turn (bubblewrap, its first process inside, the command), whatever ended the parent.
+        args += ["--die-with-parent", *(a for name in self.unset_env for a in ("--unsetenv", name))]
         if self.as_root:
             args += ["--cap-drop", "ALL"]
             for cap in AGENT_CAPABILITIES:

@@ -371,6 +371,27 @@ def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
     assert wait_gone([pid]) == []
 
 
+def test_an_agent_whose_control_plane_is_gone_for_its_limit_ends_itself_and_its_job(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """A local machine whose stack went away kept retrying for ever. With an unreachable limit
+    the agent stops once nothing has reached the control plane for that long (503s do not
+    count: a stack whose database is gone), taking its running job and its sandbox with it."""
+    agent = start_agent("--exit-when-unreachable", "2")
+    job = api.assign("echo pid=$$; exec sleep 1000")
+    [pid] = host_pids(agent, int(values(api.wait_output(job, "pid="), "pid")[0]))
+    with api.cond:  # every call from now on fails, then nothing answers at all
+        api.fail_next.update({path: 10**6 for path in ("heartbeat", "work", f"jobs/{job}/logs")})
+    api.stop()
+    went = time.monotonic()
+
+    assert agent.wait(20) == 3
+    assert 2 <= time.monotonic() - went < 15
+    assert "has not answered for" in agent.log() and "(limit 2 s)" in agent.log()
+    assert wait_gone([pid]) == []  # its job
+    assert job not in api.finished  # nobody was there to hear it
+
+
 # -- in-process units ---------------------------------------------------------------------------
 
 

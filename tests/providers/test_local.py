@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from catacloud.providers import LABEL_INSTALLATION, LABEL_POOL, MachineSpec, MachineState, NotFound, Permanent
+from catacloud.providers.base import Bootstrap
 from catacloud.providers.local import LocalProvider
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,8 +244,10 @@ def test_a_reused_pid_is_neither_trusted_nor_signalled(provider: LocalProvider, 
         assert provider.get(spec.instance_id).state is MachineState.GONE
         provider.delete(spec.instance_id)
         assert decoy.poll() is None  # the unrelated process was not killed
+        assert wait_for(lambda: is_dead(real_pid))  # the machine was: found by its mark
     finally:
-        os.killpg(real_pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(real_pid, signal.SIGKILL)
         decoy.kill()
         decoy.wait()
 
@@ -303,3 +307,79 @@ def test_a_machine_gets_its_machine_types_memory_and_process_limits(state_dir: P
         assert limits["enforced"] is True and limits["memory_mb"] == 64 and limits["pids"] == 40
     finally:
         provider.delete(spec.instance_id)
+
+
+# -- a machine lives and dies as one ------------------------------------------------------------
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: a control plane that is gone."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent_spec() -> MachineSpec:
+    """A real agent whose control plane does not answer (it retries enrolling meanwhile)."""
+    return MachineSpec(
+        instance_id=str(uuid.uuid4()),
+        labels={LABEL_INSTALLATION: "test"},
+        server_type="local",
+        image="local",
+        bootstrap=Bootstrap(agent_url=f"http://127.0.0.1:{closed_port()}", token="bootstrap-test-token"),
+    )
+
+
+def machine_tree(state_dir: Path, instance_id: str) -> list[psutil.Process]:
+    top = psutil.Process(record_of(state_dir, instance_id)["pid"])
+    return [top, *top.children(recursive=True)]
+
+
+def the_agent(tree: list[psutil.Process]) -> psutil.Process | None:
+    for proc in tree:
+        if proc.name() not in ("bwrap", "sh") and "catacloud.agent" in " ".join(proc.cmdline()):
+            return proc
+    return None
+
+
+@pytest.mark.parametrize("victim", ["the outer sandbox", "the recorded process"])
+def test_killing_the_top_of_a_machine_ends_its_agent(
+    provider: LocalProvider, state_dir: Path, victim: str
+) -> None:
+    """Killing a machine's outer bwrap left the inner bwrap and the agent running, re-parented
+    to init, out of every record's reach. Each process of the chain now dies with the one above
+    it, so killing the sandbox, or the one process the provider records, ends the machine."""
+    spec = agent_spec()
+    provider.create(spec)
+    assert wait_for(lambda: the_agent(machine_tree(state_dir, spec.instance_id)) is not None, 15)
+    tree = machine_tree(state_dir, spec.instance_id)
+    agent = the_agent(tree)
+    assert agent is not None
+    if victim == "the outer sandbox":
+        target = next(p for p in tree if p.name() == "bwrap")
+    else:
+        target = psutil.Process(record_of(state_dir, spec.instance_id)["pid"])
+
+    target.kill()
+
+    assert wait_for(lambda: is_dead(agent.pid), 5), f"the agent outlived {victim}"
+    assert wait_for(lambda: all(is_dead(p.pid) for p in tree), 5)
+    assert provider.get(spec.instance_id).state is MachineState.GONE
+
+
+def test_a_local_agent_whose_control_plane_never_answers_ends_its_machine(state_dir: Path) -> None:
+    """A local machine has no purpose without its stack: past the account's unreachable limit
+    its agent ends itself, and the machine (keeper, sandbox, agent) is gone."""
+    provider = LocalProvider(
+        config={"state_dir": str(state_dir), "unreachable_limit_seconds": 2}, credentials={}
+    )
+    spec = agent_spec()
+    provider.create(spec)
+    tree = machine_tree(state_dir, spec.instance_id)
+
+    assert wait_for(lambda: provider.get(spec.instance_id).state is MachineState.GONE, 20)
+    assert wait_for(lambda: all(is_dead(p.pid) for p in tree), 5)
+    log = (state_dir / f"{spec.instance_id}.log").read_text()
+    assert "did not answer within 2 s (the unreachable limit)" in log, log

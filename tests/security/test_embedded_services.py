@@ -17,6 +17,7 @@ import pytest
 from django.db import connection
 
 from catacloud.embedded import EmbeddedPostgres
+from testkit.processes import WATCHED_FOLDERS
 
 
 def no_password_dsn(port: int, db: str = "postgres") -> str:
@@ -34,6 +35,7 @@ def test_the_running_embedded_server_needs_its_password() -> None:
 def home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="catacloud-pg-test-"))
     path.chmod(0o755)  # the server runs as its own system user when we are root
+    WATCHED_FOLDERS.append(path)  # the run's leftover check looks at its servers too
     yield path
     EmbeddedPostgres(path).stop()
     shutil.rmtree(path, ignore_errors=True)

@@ -123,7 +123,7 @@ def test_a_local_machine_gets_neither_the_control_planes_env_nor_its_token_in_en
         image="",
         location="",
         cpus=1,
-        memory_mb=1,
+        memory_mb=256,  # (1 MB: the cgroup's OOM killer took its outer bubblewrap, and now the machine)
         gpus=0,
         spot=False,
         user_data="",

@@ -28,6 +28,7 @@ import pytest
 
 from catacloud.providers.base import Bootstrap, MachineSpec
 from catacloud.providers.local import LocalProvider
+from testkit.processes import SESSION_ENV
 from tests.agent.fake_server import FakeAgentAPI
 from tests.agent.harness import values
 
@@ -291,7 +292,8 @@ def non_root_machine(api: FakeAgentAPI, machine_dir: Path) -> subprocess.Popen[b
         "--clear-groups",
         "--inh-caps=-all",
     ]
-    return subprocess.Popen([*host, "--", *user, "--", *machine.argv(agent)], env={"PATH": "/usr/bin:/bin"})
+    env = {"PATH": "/usr/bin:/bin", SESSION_ENV: os.environ.get(SESSION_ENV, "")}  # (the run's mark)
+    return subprocess.Popen([*host, "--", *user, "--", *machine.argv(agent)], env=env)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to play a user")
@@ -327,7 +329,9 @@ def test_a_job_of_a_control_plane_run_by_a_user_reaches_nothing_outside_its_mach
         api.wait_for(lambda: len(api.calls("POST", "heartbeat")) > beats + 2, what="the agent alive")
     finally:
         machine.terminate()
-        subprocess.run(["pkill", "-f", f"--url {api.url}"], check=False)
+        # (without "--", pkill read the pattern as an option and ended nothing: the user's machine
+        # sandbox, whose death signal its root parent may not send, and its agent outlived the run)
+        subprocess.run(["pkill", "-KILL", "-f", "--", f"--url {api.url}"], check=False)
         machine.wait(10)
     assert canary not in output, "the job read the user's own file"
     assert api.agent_token not in output, "the job read the agent's token"

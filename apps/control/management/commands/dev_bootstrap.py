@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 
 from apps.core.crypto import hash_token
-from apps.machines.reconcile import reconcile_local_machines
+from apps.machines.reconcile import end_local_leftovers, reconcile_local_machines
 from apps.orgs.models import ApiToken, Organization
 from apps.orgs.services import api_token_create
 
@@ -26,7 +26,8 @@ def _private_file(path: Path, make: Callable[[], str]) -> str:
 class Command(BaseCommand):
     help = (
         "Development only: ensure the demo admin user and a demo API token (printed as JSON); mark "
-        "local machines that did not outlive the previous run lost."
+        "local machines that did not outlive the previous run lost, and end the processes of this "
+        "home's local machines that no live row owns."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -57,5 +58,11 @@ class Command(BaseCommand):
         if ghosts:
             self.stderr.write(
                 f"catacloud: {ghosts} local machine(s) of the previous run are gone: marked lost"
+            )
+        ended = end_local_leftovers(home / "machines")
+        if ended:
+            self.stderr.write(
+                f"catacloud: ended {len(ended)} leftover local machine(s) that no live row owns: "
+                + ", ".join(ended)
             )
         self.stdout.write(json.dumps({"username": user.get_username(), "password": password, "token": token}))
