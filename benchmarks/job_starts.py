@@ -7,11 +7,22 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+# A job that reads everything a TCP server sends and prints MB/s (through pasta's forward of an
+# allowed loopback port: the path an operator's cache on the host takes).
+READ = (
+    "import socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
+    "n = 0; t = time.perf_counter()\n"
+    "while True:\n    b = s.recv(1 << 20)\n    n += len(b)\n    if not b: break\n"
+    "print('MBPS', n / (time.perf_counter() - t) / 1e6, n)"
+)
 
-def measure(samples: int) -> None:
-    """Spawn-to-exit of ``true`` through each launcher, interleaved: prints JSON."""
+
+def measure(samples: int, throughput_port: int = 0) -> None:
+    """Spawn-to-exit of ``true`` through each launcher, interleaved; then, with a port, what a
+    job reads through the job network from a server on the host's loopback. Prints JSON."""
     import json
     import os
+    import shlex
     import subprocess
     import tempfile
     import time
@@ -59,8 +70,38 @@ def measure(samples: int) -> None:
             times[name].append(time.perf_counter() - began)
             if launch.network is not None:
                 launch.network.finish()
-    print(json.dumps(times))
+    result: dict[str, Any] = {"starts": times}
+    networked = launchers.get("bubblewrap sandbox + job network (rules, pasta)")
+    if throughput_port and networked is not None:
+        from catacloud.agent.netns import Allow
+
+        allowed = JobPlace(
+            work_dir=work,
+            socket_path="",
+            uid=uid,
+            gid=uid,
+            allow=(Allow.parse(f"127.0.0.1:{throughput_port}"),),
+        )
+        rates = []
+        for _ in range(3):
+            launch = networked.launch(f"python3 -c {shlex.quote(READ)} {throughput_port}", {}, allowed)
+            try:
+                proc = subprocess.Popen(
+                    launch.argv, cwd="/", stdout=subprocess.PIPE, text=True, **launch.popen_kwargs()
+                )
+            finally:
+                launch.close()
+            assert launch.network is not None
+            why = launch.network.run()
+            if why is not None:
+                launch.network.abort(proc)
+                raise RuntimeError(why)
+            out, _ = proc.communicate()
+            launch.network.finish()
+            rates += [float(line.split()[1]) for line in out.splitlines() if line.startswith("MBPS")]
+        result["loopback_mb_per_s"] = rates
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    measure(int(sys.argv[1]))
+    measure(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)

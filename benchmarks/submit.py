@@ -62,17 +62,21 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
     return (started[0] - started[1]).total_seconds()
 
 
-def sandbox_starts(samples: int = 60) -> dict[str, list[float]]:
+def sandbox_starts(samples: int = 60, stream_mb: int = 512) -> dict[str, Any]:
     """Spawn-to-exit of ``true`` through each launcher, as the agent starts a job (interleaved),
     measured inside a local machine's sandbox (where `make dev`'s jobs start: its tun device, its
     capabilities): the uid-only supervisor, the bubblewrap sandbox with a network namespace and
-    no egress (a loopback only), and the same with the job network (rules, then pasta)."""
+    no egress (a loopback only), and the same with the job network (rules, then pasta). Then
+    pasta's throughput: a job reads ``stream_mb`` MB from a server on this host's loopback
+    through an allowed port (``{"starts": {...}, "loopback_mb_per_s": [...]}``)."""
     import json
     import os
     import shutil
+    import socket
     import subprocess
     import sys
     import tempfile
+    import threading
     from pathlib import Path
 
     from catacloud.agent.sandbox import bwrap_path
@@ -80,7 +84,23 @@ def sandbox_starts(samples: int = 60) -> dict[str, list[float]]:
 
     bwrap = bwrap_path()
     if bwrap is None:
-        return {}
+        return {"starts": {}}
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    block = b"\0" * (1 << 20)
+
+    def stream() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                for _ in range(stream_mb):
+                    conn.sendall(block)
+
+    threading.Thread(target=stream, daemon=True).start()
     machine = tempfile.mkdtemp(prefix="catacloud-bench-machine-")
     os.chmod(machine, 0o711)
     here = str(Path(__file__).resolve().parent)
@@ -90,12 +110,14 @@ def sandbox_starts(samples: int = 60) -> dict[str, list[float]]:
         machine_dir=machine,
         mounts=[Mount(here, here)],
         tun=tun_device(Path(machine)),
-    ).argv([sys.executable, os.path.join(here, "job_starts.py"), str(samples)])
+    ).argv([sys.executable, os.path.join(here, "job_starts.py"), str(samples), str(server.getsockname()[1])])
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True).stdout
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True).stdout
     finally:
+        server.close()
         shutil.rmtree(machine, ignore_errors=True)
-    return json.loads(out.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
 
 
 def _no_live_machines(t: Any) -> bool:
@@ -147,8 +169,10 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
             wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine", 0.02)
             progress(f"submit: cold job {i + 1}/{cold}")
             cold_s.append(_one(tc, cfg_c))
-    progress("submit: the sandbox's cost per job start")
-    starts = sandbox_starts()
+    progress("submit: the sandbox's and the job network's cost per job start; pasta's throughput")
+    measured = sandbox_starts()
+    starts = measured["starts"]
+    throughput = measured.get("loopback_mb_per_s") or []
     w50, w95 = percentile(warm_s, 50), percentile(warm_s, 95)
     c50, c95 = percentile(cold_s, 50), percentile(cold_s, 95)
     result.data = {
@@ -157,6 +181,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         "pool_size": pool_size,
         "warm_stages_s": stages,
         "job_start_s": starts,
+        "loopback_mb_per_s": throughput,
     }
     result.figures += [
         Figure(
@@ -208,6 +233,20 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
                 note=f"`true` as a job uid, spawn to exit, {len(values)} interleaved runs",
             )
             for name, values in starts.items()
+        ),
+        *(
+            [
+                Figure(
+                    "job network: a job reads from the host's loopback (allowed port), median",
+                    round(median(throughput)),
+                    "MB/s",
+                    "",
+                    f"{min(throughput):.0f}-{max(throughput):.0f} MB/s in {len(throughput)} runs",
+                    note="512 MB through pasta's forward of an allowed loopback port",
+                )
+            ]
+            if throughput
+            else []
         ),
         Figure(
             "warm: submit -> running p95",

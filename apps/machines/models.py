@@ -10,6 +10,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.errors import ErrorCode
 from apps.machines.choices import InstanceStatus, Policy, ProviderKind
 from catacloud.agent.netns import normalize_network
 
@@ -19,7 +20,7 @@ def validate_network(value: object) -> None:
     try:
         normalize_network(value)
     except ValueError as exc:
-        raise ValidationError(str(exc), code="invalid_network") from None
+        raise ValidationError(str(exc), code=ErrorCode.INVALID) from None
 
 
 class ProviderAccount(models.Model):

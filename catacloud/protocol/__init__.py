@@ -1,0 +1,245 @@
+"""The agent protocol: what the control plane sends an agent and what the agent reports back.
+
+One module, framework-free, that both sides import: the server builds its answers from these
+structures (``apps/jobs/selectors.py``, ``apps/control/agent``) and reads the agent's reports
+with them; the agent (``catacloud/agent``) parses and writes the same ones. It ships with the
+agent's own distribution (``agent/pyproject.toml``), so it imports nothing but the standard
+library.
+
+**Versions.** :data:`VERSION` grows when a field's meaning changes or a required one is added.
+A new optional field does not bump it: a reader ignores fields it does not know, and a missing
+optional field takes its default, so an agent one version behind the control plane (or ahead of
+it) still works. An agent reports its version at enrollment; the control plane refuses one
+older than :data:`OLDEST_AGENT` with 426 ``agent_upgrade_required`` and a message that says to
+upgrade. Agents from before versions were reported count as version 1.
+
+The structures are frozen dataclasses with ``to_json()`` / ``from_json()``; closed sets (a job's
+outcome, an output stream, the agent's own error codes) are :class:`enum.StrEnum` members,
+whose values are what travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+# 1: before versions were reported. 2: the job's network and disk limit, the machine's network
+# report, versions reported at enrollment.
+VERSION = 2
+OLDEST_AGENT = 1
+
+
+class Outcome(enum.StrEnum):
+    """How a job's command ended, as the agent reports it (``finished``)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+
+class Stream(enum.StrEnum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+class AgentError(enum.StrEnum):
+    """Codes of the agent's own answers (to a job over its socket: ``job-meta``, ``checkpoint``)
+    and the server's codes the agent acts on."""
+
+    JOB_NOT_RUNNING = "job_not_running"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    INVALID_JOB_TOKEN = "invalid_job_token"
+    NOT_FOUND = "not_found"
+    UPSTREAM_ERROR = "upstream_error"
+    UPGRADE_REQUIRED = "agent_upgrade_required"
+
+
+T = TypeVar("T", bound="Message")
+
+
+class Message:
+    """A protocol structure: a frozen dataclass read from and written to JSON objects."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: _dump(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls: type[T], data: Any) -> T:
+        """Read ``data``: unknown fields are ignored, missing ones take their default; a missing
+        required field or a value of the wrong kind raises ``ValueError``."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+        hints = get_type_hints(cls)
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if field.name in data and data[field.name] is not None:
+                try:
+                    values[field.name] = _load(hints[field.name], data[field.name])
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{cls.__name__}.{field.name}: {exc}") from None
+            elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                if field.name in data:  # null where a value is needed
+                    raise ValueError(f"{cls.__name__}.{field.name}: must not be null")
+                raise ValueError(f"{cls.__name__}: {field.name} is missing")
+        return cls(**values)
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_json()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_dump(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _dump(v) for k, v in value.items()}
+    return value
+
+
+def _load(hint: Any, value: Any) -> Any:
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        kinds = [a for a in get_args(hint) if a is not type(None)]
+        return _load(kinds[0], value)
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return hint.from_json(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        return tuple(_load(get_args(hint)[0], v) for v in value)
+    if origin in (dict, Mapping, typing.Mapping):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        key, item = get_args(hint)
+        return {_load(key, k): _load(item, v) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise TypeError(f"expected a number, got {value!r}")
+        return hint(value)
+    if hint is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise TypeError(f"expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+# ---- the control plane to the agent --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint(Message):
+    available: bool = False  # a checkpoint of an earlier attempt waits to be restored
+    interval_seconds: int | None = None  # save it this often while the job runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Network(Message):
+    """What a job may reach besides the internet (``catacloud/agent/netns.py`` reads entries)."""
+
+    allow: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPayload(Message):
+    """One assignment (``GET work`` answers ``{"job": JobPayload}``)."""
+
+    id: str
+    command: str
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # secret values on top
+    secret_env_names: tuple[str, ...] = ()  # the agent masks their values in the job's output
+    timeout_seconds: int = 0
+    attempt: int = 1
+    resources: tuple[str, ...] = ()  # resource type ids the job holds (``catacloud job-meta``)
+    checkpoint: Checkpoint = Checkpoint()
+    network: Network = Network()
+    disk_limit_bytes: int | None = None  # the machine type's disk_gb; None: no limit of its own
+
+    @property
+    def secret_values(self) -> list[str]:
+        return [self.env[name] for name in self.secret_env_names if self.env.get(name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnrollAnswer(Message):
+    instance_id: str
+    agent_token: str
+    heartbeat_interval: float
+    poll_timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatAnswer(Message):
+    cancel: tuple[str, ...] = ()  # jobs to end now
+    terminate: bool = False  # the machine is being terminated: stop
+
+
+# ---- the agent to the control plane ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation(Message):
+    """How the machine isolates its jobs (kept on the instance as reported)."""
+
+    jobs: str = ""  # "bubblewrap" | "uid"
+    job_uids: str = ""
+    proc: str = ""
+    bwrap: str = ""
+    network: str = ""  # "pasta" | "none" | "host"
+    network_detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits(Message):
+    """Which resource limits hold on the machine."""
+
+    cpus: int | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
+    enforced: bool = False
+    detail: str = ""
+    host_cpus: int | None = None
+    cgroup: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineReport(Message):
+    isolation: Isolation = Isolation()
+    limits: Limits = Limits()
+
+
+@dataclasses.dataclass(frozen=True)
+class Enroll(Message):
+    bootstrap_token: str
+    hostname: str = ""
+    agent_version: str = ""
+    protocol: int = 1  # agents from before versions were reported send none
+    machine: MachineReport = MachineReport()
+
+
+@dataclasses.dataclass(frozen=True)
+class LogChunk(Message):
+    seq: int
+    stream: Stream
+    data: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished(Message):
+    outcome: Outcome
+    exit_code: int | None = None
+    reason: str = ""
+    uploads_pending: int = 0
