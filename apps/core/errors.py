@@ -49,6 +49,8 @@ class ErrorCode(StrEnum):
     JOB_NOT_RUNNING = "job_not_running"
     NOT_ASSIGNED = "not_assigned"
     ALREADY_ENROLLED = "already_enrolled"
+    # 426
+    AGENT_UPGRADE_REQUIRED = "agent_upgrade_required"  # an agent older than the protocol allows
     # 429 / 500 / any other status
     THROTTLED = "throttled"
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the agent server: one machine's budget
@@ -102,6 +104,13 @@ class Unauthenticated(DomainError):
 class LengthRequired(DomainError):
     status = 411
     code = ErrorCode.LENGTH_REQUIRED
+
+
+class UpgradeRequired(DomainError):
+    """An agent speaks a protocol older than this control plane accepts (catacloud.protocol)."""
+
+    status = 426
+    code = ErrorCode.AGENT_UPGRADE_REQUIRED
 
 
 class NotFound(DomainError):

@@ -34,6 +34,7 @@ from apps.jobs.services import job_claim_label
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from catacloud.agent.masking import mask_text
+from catacloud.protocol import Checkpoint
 from catacloud.storage import LocalStore, Readable, S3Store, Store, bad_segment
 
 log = logging.getLogger(__name__)
@@ -162,13 +163,13 @@ def artifacts_expire(*, now: datetime | None = None, limit: int = 500) -> int:
     return count
 
 
-def checkpoint_info(job: Job) -> dict[str, Any]:
-    return {
-        "available": Artifact.objects.filter(
+def checkpoint_info(job: Job) -> Checkpoint:
+    return Checkpoint(
+        available=Artifact.objects.filter(
             job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
         ).exists(),
-        "interval_seconds": job.config.checkpoint_interval_seconds,
-    }
+        interval_seconds=job.config.checkpoint_interval_seconds,
+    )
 
 
 # ---- what the Agent API (apps/control/agent/) calls ---------------------------------------------

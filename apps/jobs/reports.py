@@ -24,7 +24,9 @@ from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
 from apps.pools.refill import request_refill
+from apps.resources.choices import ResourceStatus
 from apps.resources.lifecycle import release_for_job
+from catacloud.protocol import Outcome
 
 
 def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
@@ -78,17 +80,18 @@ def job_resource_metadata(*, instance: MachineInstance, job_id: JobId, name: str
     ).first()
     if job is None:
         raise Conflict("this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED)
-    resource = job.resources.filter(resource_type_id=name, status="held").first()
+    resource = job.resources.filter(resource_type_id=name, status=ResourceStatus.HELD).first()
     if resource is None:
         raise NotFound(f"this job holds no resource {name!r}")
     return {**resource.metadata, **resource.secret}
 
 
+# How a job ends, as its agent reports it (the protocol's Outcome), and the status it gets.
 OUTCOMES = {
-    "succeeded": JobStatus.SUCCEEDED,
-    "failed": JobStatus.FAILED,
-    "timed_out": JobStatus.TIMED_OUT,
-    "cancelled": JobStatus.CANCELLED,
+    Outcome.SUCCEEDED: JobStatus.SUCCEEDED,
+    Outcome.FAILED: JobStatus.FAILED,
+    Outcome.TIMED_OUT: JobStatus.TIMED_OUT,
+    Outcome.CANCELLED: JobStatus.CANCELLED,
 }
 
 
@@ -96,7 +99,7 @@ def job_finished(
     *,
     instance: MachineInstance,
     job_id: JobId,
-    outcome: str,
+    outcome: Outcome,
     exit_code: int | None,
     reason: str = "",
     uploads_pending: int | None = None,

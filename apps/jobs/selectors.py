@@ -9,7 +9,8 @@ from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
-from apps.resources.selectors import resource_endpoints
+from apps.resources.selectors import job_resources
+from catacloud.protocol import JobPayload, Network
 
 
 def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
@@ -30,29 +31,24 @@ def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     ).count()
 
 
-def job_network(job: Job) -> dict[str, Any]:
-    """What a job may reach besides the internet: its machine type's allow list and where the
-    resources it holds live."""
-    allow = [*(job.machine_type.network or {}).get("allow", []), *resource_endpoints(job_id=job.pk)]
-    return {"allow": sorted(set(allow))} if allow else {}
-
-
 def job_payload(job: Job) -> dict[str, Any]:
-    """What an agent is handed to run ``job`` (``GET work``): its command, env (secrets on top,
-    their names to mask), timeout, attempt, resources and checkpoint."""
-    return {
-        "id": str(job.pk),
-        "command": job.command,
-        # Plain env, then the secret values (the configuration's, then the job's own) on top.
-        "env": {**job.env, **(secret := job.all_secret_env())},
-        # The agent masks these values in the job's output (and its own log).
-        "secret_env_names": sorted(secret),
-        "timeout_seconds": job.timeout_seconds,
-        "attempt": job.attempt,
-        "resources": list(job.resources.values_list("resource_type_id", flat=True)),
-        "checkpoint": checkpoint_info(job),
-        # What the job may reach besides the internet, and the disk it may fill: its machine
-        # type's (catacloud/agent/netns.py, catacloud/agent/disk.py).
-        "network": job_network(job),
-        "disk_limit_bytes": job.machine_type.disk_gb * 10**9 if job.machine_type.disk_gb else None,
-    }
+    """What an agent is handed to run ``job`` (``GET work``): catacloud.protocol's JobPayload."""
+    secret = job.all_secret_env()
+    resource_types, endpoints = job_resources(job_id=job.pk)
+    mt = job.machine_type
+    return JobPayload(
+        id=str(job.pk),
+        command=job.command,
+        # Plain env, then the secret values (the configuration's, then the job's own) on top;
+        # the agent masks their values in the job's output (and its own log).
+        env={**job.env, **secret},
+        secret_env_names=tuple(sorted(secret)),
+        timeout_seconds=job.timeout_seconds,
+        attempt=job.attempt,
+        resources=tuple(resource_types),
+        checkpoint=checkpoint_info(job),
+        # What the job may reach besides the internet (its machine type's allow list, and where
+        # the resources it holds live) and the disk it may fill (catacloud/agent/netns.py, disk.py).
+        network=Network(allow=tuple(sorted({*(mt.network or {}).get("allow", []), *endpoints}))),
+        disk_limit_bytes=mt.disk_gb * 10**9 if mt.disk_gb else None,
+    ).to_json()

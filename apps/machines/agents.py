@@ -24,6 +24,7 @@ from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import REFRESH_PROVIDER_STATE_TASK, bootstrap_token_instance
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
+from catacloud.protocol import MachineReport
 
 AGENT_TOKEN_PREFIX = "ca"
 
@@ -38,7 +39,7 @@ def instance_for_agent_token(token: str) -> MachineInstance | None:
 
 
 def agent_enroll(
-    *, bootstrap_token: str, hostname: str = "", agent_version: str = "", machine: dict[str, Any]
+    *, bootstrap_token: str, hostname: str = "", agent_version: str = "", machine: MachineReport
 ) -> tuple[MachineInstance, str]:
     """Exchange a machine's single-use bootstrap token for its agent token (returned once, stored
     hashed), recording how the machine isolates jobs (``machine``: the agent's report). 401
@@ -87,9 +88,10 @@ def agent_settings() -> dict[str, float]:
     }
 
 
-def _isolation(machine: dict[str, Any]) -> dict[str, Any]:
-    """The instance's ``isolation``: the agent's report flattened (jobs, job uids, limits)."""
-    return {**machine.get("isolation", {}), "limits": dict(machine.get("limits", {}))}
+def _isolation(machine: MachineReport) -> dict[str, Any]:
+    """The instance's ``isolation``: the agent's report flattened (jobs, job uids, its network,
+    limits)."""
+    return {**machine.isolation.to_json(), "limits": machine.limits.to_json()}
 
 
 def instance_heartbeat(*, instance: MachineInstance) -> bool:

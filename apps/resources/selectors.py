@@ -12,19 +12,23 @@ from apps.resources.models import ResourceInstance
 from catacloud.agent.netns import Allow
 
 
-def resource_endpoints(*, job_id: JobId) -> list[str]:
-    """Where the resources a job holds live (``host:port`` of a database, the API a token is
-    for), as network allow entries: a job reaches what it holds even where its machine type's
-    network refuses private or loopback addresses (a scratch database on the operator's LAN,
-    the API on `make dev`'s loopback). Only addresses are allowed; a host name is left to the
-    machine type's allow list (a rule holds for an address, not for what a name resolves to)."""
-    entries: list[str] = []
-    held = ResourceInstance.objects.filter(
-        job_id=job_id, status__in=(ResourceStatus.READY, ResourceStatus.HELD)
-    ).values_list("metadata", flat=True)
-    for metadata in held:
-        entries += _endpoints(metadata or {})
-    return sorted(set(entries))
+def job_resources(*, job_id: JobId) -> tuple[list[str], list[str]]:
+    """The resource types a job holds, and where those resources live (``host:port`` of a
+    database, the API a token is for) as network allow entries, in one query: a job reaches
+    what it holds even where its machine type's network refuses private or loopback addresses
+    (a scratch database on the operator's LAN, the API on `make dev`'s loopback). Only
+    addresses are allowed; a host name is left to the machine type's allow list (a rule holds
+    for an address, not for what a name resolves to)."""
+    types: list[str] = []
+    entries: set[str] = set()
+    rows = ResourceInstance.objects.filter(job_id=job_id).values_list(
+        "resource_type_id", "status", "metadata"
+    )
+    for type_id, status, metadata in rows:
+        types.append(type_id)
+        if status in (ResourceStatus.READY, ResourceStatus.HELD):
+            entries.update(_endpoints(metadata or {}))
+    return types, sorted(entries)
 
 
 def _endpoints(metadata: dict[str, Any]) -> list[str]:

@@ -7,8 +7,9 @@ the job over a private Unix socket, and watches for spot interruption notices.
 
 It ships as its own distribution, ``catacloud-agent`` (``agent/pyproject.toml``: this package and
 ``requests`` and ``psutil``, nothing of the server), which is all a cloud machine installs. It
-imports nothing from the rest of ``catacloud``: on a machine, ``catacloud`` is a namespace package
-holding only ``catacloud.agent``.
+imports nothing from the rest of ``catacloud`` but the protocol it speaks with the control plane
+(``catacloud.protocol``, shipped with it): on a machine, ``catacloud`` is a namespace package
+holding only those two.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 from urllib.parse import quote
 
@@ -29,6 +28,17 @@ import requests
 from catacloud.agent import AGENT_API_PREFIX
 from catacloud.agent.backoff import backoff
 from catacloud.agent.netns import Allow
+from catacloud.protocol import VERSION as PROTOCOL_VERSION
+from catacloud.protocol import (
+    AgentError,
+    Enroll,
+    EnrollAnswer,
+    Finished,
+    HeartbeatAnswer,
+    JobPayload,
+    MachineReport,
+    Outcome,
+)
 
 log = logging.getLogger("catacloud.agent")
 
@@ -99,57 +109,16 @@ class EnrollError(AgentAPIError):
     """Enrollment was refused (invalid or already used bootstrap token)."""
 
 
-@dataclass(frozen=True)
-class Enrollment:
-    """What ``enroll`` answers: this machine's identity and credentials, and the timing to use."""
-
-    instance_id: str
-    agent_token: str
-    heartbeat_interval: float
-    poll_timeout: float
+# What ``enroll`` answers (the machine's identity and credentials, the timing to use) and one
+# assignment from ``GET work``: the protocol's own structures (catacloud/protocol).
+Enrollment = EnrollAnswer
+Job = JobPayload
 
 
-@dataclass(frozen=True)
-class Job:
-    """One assignment from ``GET work``."""
-
-    id: str
-    command: str
-    env: dict[str, str]
-    timeout_seconds: int
-    attempt: int
-    checkpoint_available: bool = False
-    checkpoint_interval: int | None = None
-    secret_env_names: tuple[str, ...] = ()  # their values are masked in the job's output
-    network_allow: tuple[Allow, ...] = ()  # reachable besides the internet (the machine type's)
-    disk_limit_bytes: int | None = None  # the disk it may fill (the machine type's disk_gb)
-
-    @property
-    def secret_values(self) -> list[str]:
-        return [self.env[name] for name in self.secret_env_names if self.env.get(name)]
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Job:
-        checkpoint = data.get("checkpoint") or {}  # missing: an older control plane
-        interval = checkpoint.get("interval_seconds")
-        return cls(
-            id=str(data["id"]),
-            command=str(data["command"]),
-            env={str(k): str(v) for k, v in (data.get("env") or {}).items()},
-            timeout_seconds=int(data.get("timeout_seconds") or 0),
-            attempt=int(data.get("attempt") or 0),
-            checkpoint_available=bool(checkpoint.get("available")),
-            checkpoint_interval=int(interval) if interval else None,
-            secret_env_names=tuple(str(n) for n in data.get("secret_env_names") or ()),
-            network_allow=_allow_list((data.get("network") or {}).get("allow")),
-            disk_limit_bytes=int(data["disk_limit_bytes"]) if data.get("disk_limit_bytes") else None,
-        )
-
-
-def _allow_list(entries: Any) -> tuple[Allow, ...]:
-    """The job's allow list; an entry this agent cannot read is left out (never a wider rule)."""
+def allow_list(entries: Iterable[str]) -> tuple[Allow, ...]:
+    """A job's allow list; an entry this agent cannot read is left out (never a wider rule)."""
     allows = []
-    for entry in entries if isinstance(entries, list) else []:
+    for entry in entries:
         try:
             allows.append(Allow.parse(entry))
         except ValueError as exc:
@@ -211,11 +180,19 @@ def _retry_after(response: requests.Response) -> float | None:
 
 
 def _code(response: requests.Response) -> str:
+    return _field(response, "code")
+
+
+def _detail(response: requests.Response) -> str:
+    return _field(response, "detail")
+
+
+def _field(response: requests.Response, name: str) -> str:
     try:
         body = response.json()
     except ValueError:
         return ""
-    return str(body.get("code", "")) if isinstance(body, dict) else ""
+    return str(body.get(name, "")) if isinstance(body, dict) else ""
 
 
 class AgentClient:
@@ -362,20 +339,20 @@ class AgentClient:
         bootstrap_token: str,
         hostname: str,
         agent_version: str,
-        machine: dict[str, Any] | None = None,
+        machine: MachineReport | None = None,
         retry_for: float | None = 600.0,
         interrupt: threading.Event | None = None,
     ) -> Enrollment:
         """Exchange the single-use bootstrap token for this machine's agent token; ``machine``
         says how this machine isolates jobs and which resource limits hold."""
         register_secret(bootstrap_token)
-        body: dict[str, Any] = {
-            "bootstrap_token": bootstrap_token,
-            "hostname": hostname,
-            "agent_version": agent_version,
-        }
-        if machine is not None:
-            body["machine"] = machine
+        body = Enroll(
+            bootstrap_token=bootstrap_token,
+            hostname=hostname,
+            agent_version=agent_version,
+            protocol=PROTOCOL_VERSION,
+            machine=machine or MachineReport(),
+        ).to_json()
         response = self.request(
             "POST",
             "enroll",
@@ -398,17 +375,17 @@ class AgentClient:
                 status=409,
                 code=code,
             )
-        self._expect_ok(response, "enroll")
-        data = self._json(response, "enroll")
-        try:
-            enrollment = Enrollment(
-                instance_id=str(data["instance_id"]),
-                agent_token=str(data["agent_token"]),
-                heartbeat_interval=float(data["heartbeat_interval"]),
-                poll_timeout=float(data["poll_timeout"]),
+        if response.status_code == 426:
+            raise EnrollError(
+                f"enrollment refused: {_detail(response) or 'this agent is too old for the control plane'}",
+                status=426,
+                code=code,
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AgentAPIError(f"enroll: malformed answer ({type(exc).__name__}: {exc})") from exc
+        self._expect_ok(response, "enroll")
+        try:
+            enrollment = EnrollAnswer.from_json(self._json(response, "enroll"))
+        except ValueError as exc:
+            raise AgentAPIError(f"enroll: malformed answer ({exc})") from exc
         self.set_token(enrollment.agent_token)
         return enrollment
 
@@ -424,9 +401,11 @@ class AgentClient:
             "POST", "heartbeat", body={"running_job": running_job}, retry_for=retry_for, interrupt=interrupt
         )
         self._expect_ok(response, "heartbeat")
-        data = self._json(response, "heartbeat")
-        cancel = [str(job_id) for job_id in data.get("cancel") or []]
-        return cancel, bool(data.get("terminate"))
+        try:
+            answer = HeartbeatAnswer.from_json(self._json(response, "heartbeat"))
+        except ValueError as exc:
+            raise AgentAPIError(f"heartbeat: malformed answer ({exc})") from exc
+        return list(answer.cancel), answer.terminate
 
     def poll_work(self, wait: float, *, interrupt: threading.Event | None = None) -> Job | None:
         """Long-poll for an assignment; ``None`` when nothing came within ``wait`` seconds."""
@@ -445,9 +424,9 @@ class AgentClient:
         if not job:
             return None
         try:
-            return Job.from_json(job)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AgentAPIError(f"work: malformed job ({type(exc).__name__}: {exc})") from exc
+            return JobPayload.from_json(job)
+        except ValueError as exc:
+            raise AgentAPIError(f"work: malformed job ({exc})") from exc
 
     def job_started(self, job_id: str, *, interrupt: threading.Event | None = None) -> bool:
         """Claim the start of a job; ``False`` (409) means it is no longer this machine's."""
@@ -470,7 +449,7 @@ class AgentClient:
         job_id: str,
         *,
         exit_code: int | None,
-        outcome: str,
+        outcome: Outcome,
         reason: str,
         uploads_pending: int = 0,
         retry_for: float = 300.0,
@@ -483,12 +462,9 @@ class AgentClient:
         response = self.request(
             "POST",
             f"jobs/{quote(job_id, safe='')}/finished",
-            body={
-                "exit_code": exit_code,
-                "outcome": outcome,
-                "reason": reason,
-                "uploads_pending": uploads_pending,
-            },
+            body=Finished(
+                outcome=outcome, exit_code=exit_code, reason=reason, uploads_pending=uploads_pending
+            ).to_json(),
             retry_for=retry_for,
         )
         self._expect_ok(response, "finished")
@@ -563,7 +539,7 @@ class AgentClient:
                 raise Unauthorized(f"PUT {path}: 401 {code or 'unauthorized'}", status=401)
             if response.status_code == 409:
                 raise Gone(f"PUT {path}: HTTP 409 {code}".rstrip(), status=409, code=code)
-            if response.status_code == 400 and code == "checksum_mismatch":
+            if response.status_code == 400 and code == AgentError.CHECKSUM_MISMATCH:
                 problem = "the control plane saw a different checksum"
                 continue
             if response.status_code >= 500 or response.status_code == 429:

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from catacloud.agent.client import AgentAPIError, Gone, Unauthorized, redact
+from catacloud.protocol import AgentError
 
 log = logging.getLogger("catacloud.agent")
 
@@ -252,10 +253,10 @@ class Checkpointer:
         with self._lock:
             if self.gone:
                 raise CheckpointError(
-                    "the job is no longer this machine's", status=409, code="job_not_running"
+                    "the job is no longer this machine's", status=409, code=AgentError.JOB_NOT_RUNNING
                 )
             if self._closed.is_set():
-                raise CheckpointError("the job has ended", status=409, code="job_not_running")
+                raise CheckpointError("the job has ended", status=409, code=AgentError.JOB_NOT_RUNNING)
             print_ = fingerprint(self.directory)
             if only_if_changed and print_ == self._saved:
                 log.debug("job %s: checkpoint unchanged; not saving (%s)", self.job_id, why)
@@ -284,7 +285,7 @@ class Checkpointer:
                     raise CheckpointError(
                         "the control plane refused it: the job is no longer this machine's",
                         status=409,
-                        code="job_not_running",
+                        code=AgentError.JOB_NOT_RUNNING,
                     ) from exc
                 except Unauthorized:
                     raise

@@ -44,6 +44,7 @@ from catacloud.agent.client import (
     RedactingFormatter,
     Unauthorized,
     Unavailable,
+    allow_list,
     forget_secret,
     redact,
     register_secret,
@@ -84,6 +85,7 @@ from catacloud.agent.sandbox import (
     probe,
     probe_network,
 )
+from catacloud.protocol import AgentError, Isolation, Limits, MachineReport, Outcome
 
 log = logging.getLogger("catacloud.agent")
 
@@ -315,7 +317,7 @@ class Agent:
             return Egress("none", detail=f"no network: {problem}")
         return launcher.egress
 
-    def machine_report(self) -> dict[str, Any]:
+    def machine_report(self) -> MachineReport:
         """What this machine tells the control plane at enrollment: how jobs are isolated and
         which resource limits hold."""
         isolation = self.launcher.describe()
@@ -329,7 +331,7 @@ class Agent:
             log.warning(
                 "resource limits are not enforced on this machine: %s", limits.get("detail", "unknown")
             )
-        return {"isolation": isolation, "limits": limits}
+        return MachineReport(isolation=Isolation.from_json(isolation), limits=Limits.from_json(limits))
 
     def run(self) -> int:
         """Prepare the jobs' place, enroll (or reuse a saved enrollment), start the threads, wait
@@ -538,7 +540,7 @@ class Agent:
             self.client.job_finished(
                 job.id,
                 exit_code=None,
-                outcome="failed",
+                outcome=Outcome.FAILED,
                 reason=f"agent error: {type(exc).__name__}",
                 retry_for=STOPPING_RETRY_SECONDS,
             )
@@ -637,7 +639,7 @@ class Agent:
                 _give(folder, uid)
         except OSError as exc:
             output_dir = None
-            result = JobResult(None, "failed", f"could not create the working directory: {exc}")
+            result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
             assert self.work_root is not None
             checkpointer = Checkpointer(
@@ -645,9 +647,9 @@ class Agent:
                 checkpoint_dir,
                 lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
                 tmp_dir=self.work_root,
-                interval=job.checkpoint_interval,
+                interval=job.checkpoint.interval_seconds,
             )
-            if job.checkpoint_available and not cancel.is_set():
+            if job.checkpoint.available and not cancel.is_set():
                 self._restore_checkpoint(job, checkpoint_dir, cancel)
                 _give(checkpoint_dir, uid)
                 checkpointer.mark_saved()
@@ -659,7 +661,11 @@ class Agent:
             log.info("job %s: running in %s", job.id, work_dir)
             try:
                 place = JobPlace(
-                    work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=job.network_allow
+                    work_dir=work_dir,
+                    socket_path=self.meta.path,
+                    uid=uid,
+                    gid=uid,
+                    allow=allow_list(job.network.allow),
                 )
                 socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
                 result = run_job_process(
@@ -769,17 +775,17 @@ class Agent:
             current = self._current
         checkpointer = current.checkpointer if current and current.job.id == job_id else None
         if checkpointer is None:
-            return 409, {"code": "job_not_running", "detail": "the job is no longer running"}
+            return 409, {"code": AgentError.JOB_NOT_RUNNING, "detail": "the job is no longer running"}
         try:
             answer = checkpointer.save("requested by the job", only_if_changed=False)
         except CheckpointError as exc:
             return exc.status, {"code": exc.code, "detail": f"checkpoint not saved: {exc}"}
         except Unauthorized as exc:
             self.fatal(f"the control plane rejected this agent's credentials ({exc})")
-            return 502, {"code": "checkpoint_failed", "detail": "the agent lost its credentials"}
+            return 502, {"code": AgentError.CHECKPOINT_FAILED, "detail": "the agent lost its credentials"}
         except Exception as exc:
             log.exception("job %s: checkpoint failed", job_id)
-            return 500, {"code": "checkpoint_failed", "detail": f"agent error: {type(exc).__name__}"}
+            return 500, {"code": AgentError.CHECKPOINT_FAILED, "detail": f"agent error: {type(exc).__name__}"}
         answer = answer or {}
         return 200, {"size": answer.get("size"), "sha256": answer.get("sha256")}
 

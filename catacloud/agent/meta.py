@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from catacloud.agent.client import AgentAPIError, redact
+from catacloud.protocol import AgentError
 
 log = logging.getLogger("catacloud.agent")
 
@@ -95,7 +96,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _INVALID_TOKEN = {
-    "code": "invalid_job_token",
+    "code": AgentError.INVALID_JOB_TOKEN,
     "detail": "CATACLOUD_JOB_TOKEN is missing, wrong, or its job is no longer running",
 }
 
@@ -170,7 +171,7 @@ class MetaServer:
     def handle_post(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
         """Answer one ``POST`` (only ``/v1/checkpoint``): (HTTP status, JSON body)."""
         if path.split("?", 1)[0] != CHECKPOINT_PATH or self._checkpoint is None:
-            return 404, {"code": "not_found", "detail": f"use POST {CHECKPOINT_PATH}"}
+            return 404, {"code": AgentError.NOT_FOUND, "detail": f"use POST {CHECKPOINT_PATH}"}
         grant = self._authorize(authorization)
         if grant is None:
             return 401, _INVALID_TOKEN
@@ -179,7 +180,7 @@ class MetaServer:
     def handle(self, path: str, authorization: str) -> tuple[int, dict[str, Any]]:
         """Answer one ``GET``: (HTTP status, JSON body)."""
         if not path.startswith(PATH_PREFIX) or len(path) == len(PATH_PREFIX):
-            return 404, {"code": "not_found", "detail": "use GET /v1/meta/NAME"}
+            return 404, {"code": AgentError.NOT_FOUND, "detail": "use GET /v1/meta/NAME"}
         name = unquote(path[len(PATH_PREFIX) :].split("?", 1)[0])
         grant = self._authorize(authorization)
         if grant is None:
@@ -188,12 +189,15 @@ class MetaServer:
             status, body = self._fetch(grant.job_id, name)
         except AgentAPIError as exc:
             log.warning("job-meta %r: the Agent API failed: %s", name, exc)
-            return 502, {"code": "upstream_error", "detail": "the control plane could not be reached"}
+            return 502, {
+                "code": AgentError.UPSTREAM_ERROR,
+                "detail": "the control plane could not be reached",
+            }
         if status == 200:
             return 200, body
         if status == 404:
-            return 404, {"code": "not_found", "detail": f"this job has no resource named {name!r}"}
-        return 502, {"code": "upstream_error", "detail": f"the control plane answered HTTP {status}"}
+            return 404, {"code": AgentError.NOT_FOUND, "detail": f"this job has no resource named {name!r}"}
+        return 502, {"code": AgentError.UPSTREAM_ERROR, "detail": f"the control plane answered HTTP {status}"}
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

@@ -31,13 +31,11 @@ from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
 from catacloud.agent.masking import OutputMasker
 from catacloud.agent.sandbox import JobPlace, Launcher
+from catacloud.protocol import Outcome
 
 log = logging.getLogger("catacloud.agent")
 
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-TIMED_OUT = "timed_out"
-CANCELLED = "cancelled"
+SUCCEEDED, FAILED, TIMED_OUT, CANCELLED = Outcome  # how a job ends: the protocol's one enum
 
 KILL_GRACE_SECONDS = 3.0
 
@@ -53,7 +51,7 @@ class JobResult:
     """What ``finished`` reports."""
 
     exit_code: int | None
-    outcome: str
+    outcome: Outcome
     reason: str
 
 
@@ -421,7 +419,7 @@ def _supervise(
     kill_grace: float,
     poll_interval: float,
     watch: Watch | None = None,
-) -> tuple[str, str] | None:
+) -> tuple[Outcome, str] | None:
     """Wait for the job to end; on timeout, cancellation or a ``watch`` that answers a reason
     (the disk watchdog) kill its tree and say why."""
     started = time.monotonic()
@@ -439,7 +437,7 @@ def _supervise(
         if now >= next_snapshot:
             tree.snapshot()
             next_snapshot = now + 0.5
-        stopped: tuple[str, str] | None = None
+        stopped: tuple[Outcome, str] | None = None
         if cancel.is_set():
             stopped = (CANCELLED, cancel.reason or "cancelled")
         elif deadline is not None and now >= deadline:

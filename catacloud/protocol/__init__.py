@@ -210,6 +210,7 @@ class Limits(Message):
     memory_mb: int | None = None
     pids: int | None = None
     enforced: bool = False
+    by: str = ""  # "machine": a cloud machine's own size, which its provider enforces
     detail: str = ""
     host_cpus: int | None = None
     cgroup: str = ""

@@ -21,6 +21,7 @@ from catacloud.agent.client import AgentAPIError, RedactingFormatter, redact, re
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, job_meta_command
 from catacloud.agent.runner import LogStreamer
 from catacloud.agent.sandbox import DEFAULT_JOB_UIDS, SANDBOX_SOCKET
+from catacloud.protocol import VERSION as PROTOCOL_VERSION
 from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
 from tests.agent.harness import (
     PY,
@@ -49,6 +50,7 @@ def test_enroll_is_followed_at_once_by_a_heartbeat_then_periodic_ones(
         "bootstrap_token": api.bootstrap_token,
         "hostname": socket.gethostname(),
         "agent_version": __version__,
+        "protocol": PROTOCOL_VERSION,  # the control plane refuses an agent too old for it
     }
     # How this machine isolates its jobs, told at enrollment: a sandbox each, a uid of their own.
     assert machine["isolation"]["jobs"] == "bubblewrap"

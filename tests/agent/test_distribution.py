@@ -44,8 +44,10 @@ def test_the_agent_imports_only_itself_the_stdlib_and_its_three_dependencies() -
                 continue
             for name in names:
                 top = name.split(".")[0]
-                if top == "catacloud":
-                    assert name.startswith("catacloud.agent"), f"{source.name} imports {name}"
+                if top == "catacloud":  # itself, and the protocol it ships with
+                    assert name.startswith(("catacloud.agent", "catacloud.protocol")), (
+                        f"{source.name} imports {name}"
+                    )
                 elif top not in sys.stdlib_module_names:
                     assert top in allowed, f"{source.name} imports {name}"
 
@@ -80,7 +82,8 @@ def test_the_agent_wheel_holds_the_agent_and_its_command(tmp_path: Path) -> None
     (wheel,) = tmp_path.glob("catacloud_agent-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     code = [n for n in names if not n.startswith("catacloud_agent-")]
-    assert code and all(n.startswith("catacloud/agent/") for n in code), code
+    assert code and all(n.startswith(("catacloud/agent/", "catacloud/protocol/")) for n in code), code
+    assert "catacloud/protocol/__init__.py" in names  # what it speaks with the control plane
     assert "catacloud/__init__.py" not in names  # a namespace: the server package owns it
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "catacloud = catacloud.agent.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

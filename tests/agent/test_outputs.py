@@ -322,11 +322,11 @@ def test_output_listing_naming_and_fingerprints(tmp_path: Path) -> None:
     assert fingerprint(str(tmp_path)) == before
     (tmp_path / "top").write_text("22")
     assert fingerprint(str(tmp_path)) != before
-    assert Job.from_json({"id": "j", "command": "true"}).checkpoint_available is False
+    assert Job.from_json({"id": "j", "command": "true"}).checkpoint.available is False
     job = Job.from_json(
         {"id": "j", "command": "x", "checkpoint": {"available": True, "interval_seconds": 30}}
     )
-    assert (job.checkpoint_available, job.checkpoint_interval) == (True, 30)
+    assert (job.checkpoint.available, job.checkpoint.interval_seconds) == (True, 30)
 
 
 def test_catacloud_checkpoint_outside_a_job_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:

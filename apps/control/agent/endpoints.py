@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.control.agent.auth import AgentView
-from apps.core.errors import Conflict, ErrorCode, LengthRequired, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode, LengthRequired, UpgradeRequired, ValidationFailed
 from apps.core.ids import JobId
 from apps.jobs.artifacts import (
     artifact_upload,
@@ -35,41 +35,20 @@ from apps.jobs.reports import (
     job_started,
 )
 from apps.machines.agents import agent_enroll, agent_settings
+from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, Outcome, Stream
+from catacloud.protocol import VERSION as PROTOCOL_VERSION
 
 # ---- enroll ------------------------------------------------------------------------------------
 
 
-class LimitsIn(serializers.Serializer):
-    cpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    memory_mb = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    pids = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    enforced = serializers.BooleanField(required=False)
-    by = serializers.CharField(max_length=32, required=False, allow_blank=True)
-    detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
-    host_cpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    cgroup = serializers.CharField(max_length=300, required=False, allow_blank=True)
-
-
-class IsolationIn(serializers.Serializer):
-    jobs = serializers.CharField(max_length=32, required=False, allow_blank=True)
-    job_uids = serializers.CharField(max_length=64, required=False, allow_blank=True)
-    proc = serializers.CharField(max_length=16, required=False, allow_blank=True)
-    network = serializers.CharField(max_length=16, required=False, allow_blank=True)
-    network_detail = serializers.CharField(max_length=300, required=False, allow_blank=True)
-
-
-class MachineIn(serializers.Serializer):
-    """How the machine isolates jobs and which limits hold: kept on the instance as reported."""
-
-    isolation = IsolationIn(required=False)
-    limits = LimitsIn(required=False)
-
-
 class EnrollIn(serializers.Serializer):
+    """The bounds of what an enrollment may carry; its shape is catacloud.protocol's Enroll."""
+
     bootstrap_token = serializers.CharField(max_length=200)
     hostname = serializers.CharField(max_length=200, required=False, allow_blank=True)
     agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
-    machine = MachineIn(required=False)
+    protocol = serializers.IntegerField(min_value=0, required=False)
+    machine = serializers.JSONField(required=False)
 
 
 class EnrollView(APIView):
@@ -83,13 +62,24 @@ class EnrollView(APIView):
     def post(self, request: Request) -> Response:
         data = EnrollIn(data=request.data)
         data.is_valid(raise_exception=True)
+        try:
+            enroll = Enroll.from_json(data.validated_data)
+        except ValueError as exc:
+            raise ValidationFailed(f"machine: {exc}") from None
+        if enroll.protocol < OLDEST_AGENT:
+            raise UpgradeRequired(
+                f"this agent speaks protocol {enroll.protocol}; this control plane needs "
+                f"{OLDEST_AGENT} or later (it speaks {PROTOCOL_VERSION}): upgrade catacloud-agent "
+                "on the machine image (pip install --upgrade catacloud-agent)"
+            )
         instance, secret = agent_enroll(
-            bootstrap_token=data.validated_data["bootstrap_token"],
-            hostname=data.validated_data.get("hostname", ""),
-            agent_version=data.validated_data.get("agent_version", ""),
-            machine=data.validated_data.get("machine") or {},
+            bootstrap_token=enroll.bootstrap_token,
+            hostname=enroll.hostname,
+            agent_version=enroll.agent_version,
+            machine=enroll.machine,
         )
-        return Response({"instance_id": str(instance.pk), "agent_token": secret, **agent_settings()})
+        answer = EnrollAnswer(instance_id=str(instance.pk), agent_token=secret, **agent_settings())
+        return Response(answer.to_json())
 
 
 # ---- a job's reports ---------------------------------------------------------------------------
@@ -103,7 +93,7 @@ class StartedView(AgentView):
 
 class ChunkIn(serializers.Serializer):
     seq = serializers.IntegerField(min_value=0)
-    stream = serializers.ChoiceField(choices=["stdout", "stderr"])
+    stream = serializers.ChoiceField(choices=[s.value for s in Stream])
     data = serializers.CharField(  # type: ignore[assignment]  # the chunk's text, not Serializer.data
         allow_blank=True, trim_whitespace=False, max_length=1_000_000
     )
@@ -124,7 +114,7 @@ class LogsView(AgentView):
 class FinishedIn(serializers.Serializer):
     exit_code = serializers.IntegerField(allow_null=True, required=False)
     uploads_pending = serializers.IntegerField(min_value=0, required=False, allow_null=True)
-    outcome = serializers.ChoiceField(choices=["succeeded", "failed", "timed_out", "cancelled"])
+    outcome = serializers.ChoiceField(choices=[o.value for o in Outcome])
     reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
 
 
@@ -135,7 +125,7 @@ class FinishedView(AgentView):
         job = job_finished(
             instance=self.instance,
             job_id=job_id,
-            outcome=body.validated_data["outcome"],
+            outcome=Outcome(body.validated_data["outcome"]),
             exit_code=body.validated_data.get("exit_code"),
             reason=body.validated_data["reason"],
             uploads_pending=body.validated_data.get("uploads_pending"),

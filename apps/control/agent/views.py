@@ -39,6 +39,7 @@ from apps.jobs.selectors import job_payload
 from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance
+from catacloud.protocol import HeartbeatAnswer
 
 
 def _sql_list(values: Iterable[object]) -> str:
@@ -158,7 +159,7 @@ async def heartbeat_answer(authorization: str, body: bytes) -> Answer:
     if status == InstanceStatus.WARMING and await db.run(_handshake, instance_id):
         status = InstanceStatus.READY
     terminate = status == InstanceStatus.TERMINATING
-    return Answer(200, {"cancel": [str(pk) for pk in cancel], "terminate": terminate})
+    return Answer(200, HeartbeatAnswer(cancel=tuple(str(pk) for pk in cancel), terminate=terminate).to_json())
 
 
 # ---- work (long poll) --------------------------------------------------------------------------
