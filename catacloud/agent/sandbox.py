@@ -31,6 +31,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -47,6 +48,9 @@ log = logging.getLogger("catacloud.agent")
 
 # Where a sandboxed job finds the agent's socket (``CATACLOUD_AGENT_SOCKET``).
 SANDBOX_SOCKET = "/run/catacloud/agent.sock"
+# The job's environment as shell exports, read by the shell that becomes the job.
+SANDBOX_ENV = "/run/catacloud/job.env"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Far above any account a distribution creates (useradd stops at 60000, systemd's container
 # ranges at 1879048191), below 2^31 (tools that read uids as signed ints).
 JOB_UID_BASE = 2_000_000_000
@@ -146,6 +150,18 @@ def memfd(data: bytes, name: str = "catacloud") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def env_script(env: Mapping[str, str]) -> bytes:
+    """``env`` as ``export NAME='value'`` lines for ``/bin/sh`` (any value, quoted); a name a
+    shell cannot take is left out (the control plane admits none)."""
+    lines = []
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            log.warning("leaving out the job's env variable %r: not a valid name", name)
+            continue
+        lines.append(f"export {name}=" + "'" + value.replace("'", "'\\''") + "'\n")
+    return "".join(lines).encode()
 
 
 def blocked_folder(folder: str, uid: int) -> str | None:
@@ -315,7 +331,8 @@ class BubblewrapLauncher:
         fds = [memfd(passwd), memfd(group)]
         if self.egress.mode == "pasta":
             fds.append(memfd(resolv_conf()))
-        args = self._options(env, place, resolver=fds[2] if len(fds) > 2 else None)
+        fds.append(memfd(env_script(env)))
+        args = self._options(place, env_file=fds[-1], resolver=fds[2] if len(fds) > 3 else None)
         args += ["--perms", "0644", "--ro-bind-data", str(fds[0]), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", str(fds[1]), "/etc/group"]
         network: NetworkSetup | None = None
@@ -334,8 +351,11 @@ class BubblewrapLauncher:
                 state_dir=os.path.dirname(os.path.abspath(place.work_dir)),
             )
         args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
+        # The job's env is applied by the shell that becomes the job (never in bubblewrap's
+        # arguments, which it caps at 9000, nor in its own environment).
+        start = f'. {SANDBOX_ENV} && exec /bin/sh -c "$1"'
         return Launch(
-            argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", command],
+            argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", start, "sh", command],
             env=dict(LAUNCH_ENV),
             fds=(*fds, args_fd),
             user=place.uid,
@@ -344,7 +364,7 @@ class BubblewrapLauncher:
             network=network,
         )
 
-    def _options(self, env: Mapping[str, str], place: JobPlace, resolver: int | None = None) -> list[str]:
+    def _options(self, place: JobPlace, *, env_file: int, resolver: int | None = None) -> list[str]:
         args = [
             "--unshare-user",
             "--unshare-pid",
@@ -393,12 +413,11 @@ class BubblewrapLauncher:
             bind("--bind", place.socket_path, SANDBOX_SOCKET)
         if resolver is not None:  # the job's DNS goes to its own namespace's resolver address
             bind("--ro-bind-data", str(resolver), _resolv_conf_path(), perms="0644")
+        bind("--ro-bind-data", str(env_file), SANDBOX_ENV, perms="0400")
         for folder in hidden:  # what hides the agent's folders and the homes is not a scratch space
             if folder not in ("/tmp", "/var/tmp", "/dev/shm"):
                 args += ["--remount-ro", folder]
         args += ["--chdir", place.work_dir, "--clearenv"]
-        for key, value in env.items():
-            args += ["--setenv", key, value]
         return args
 
     def describe(self) -> dict[str, Any]:

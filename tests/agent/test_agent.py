@@ -169,6 +169,21 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
     assert Path(values(output, "wd")[0]).name.endswith("-2")
 
 
+def test_a_job_with_thousands_of_env_variables_gets_each_exactly(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """The env reaches the job through a file its own shell reads, never bubblewrap's arguments
+    (capped at 9000: a job with 5,000 variables used to fail to start)."""
+    start_agent()
+    env = {f"V{i}": f"value {i} with 'quotes' and $dollars" for i in range(5000)}
+    env["MULTI"] = "line one\nline 'two'"
+    job = api.assign('env | grep -c "^V[0-9]*="; printf "%s|" "$V4999" "$MULTI"', env=env)
+    assert api.wait_finished(job, timeout=30)["outcome"] == "succeeded", api.output(job)
+    count, values_seen = api.output(job, "stdout").split("\n", 1)
+    assert count == "5000"
+    assert values_seen == "value 4999 with 'quotes' and $dollars|line one\nline 'two'|"
+
+
 def test_a_job_the_server_took_back_is_not_run(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
 ) -> None:
