@@ -431,86 +431,9 @@ def _resolv_conf_path() -> str:
     return os.path.realpath(path) if os.path.islink(path) else path
 
 
-# The supervisor of UidLauncher: a child subreaper whose parent-death signal is tied to the agent
-# (when the agent dies, even by SIGKILL, it SIGKILLs every descendant of the job); it reads the
-# job from an anonymous file, forbids new privileges, and starts /bin/sh as the job's uid with
-# the job's environment (applied by that exec, after the uid change). When the shell exits it
-# ends what the shell left behind (SIGTERM, a second, SIGKILL) and exits as the shell did.
-SHIM = """
-import ctypes, json, os, signal, subprocess, sys, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-def descendants():
-    import psutil  # only when the job ends: starting the job stays quick
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-def running(p):
-    import psutil
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-def reap():
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-def end_all(signum, grace):
-    deadline = time.monotonic() + grace
-    sent = set()
-    while time.monotonic() < deadline + 5:  # a zombie whose parent never reaps it: give up
-        procs = [p for p in descendants() if running(p)]
-        if not procs:
-            return
-        kill = time.monotonic() >= deadline
-        for p in procs:
-            if kill or p.pid not in sent:  # SIGTERM once each, then SIGKILL after the grace
-                try:
-                    p.send_signal(signal.SIGKILL if kill else signum)
-                except Exception:  # psutil.Error: it is gone
-                    pass
-                sent.add(p.pid)
-        reap()
-        time.sleep(0.02)
-AGENT = int(sys.argv[1])
-dying = []
-def agent_died(*_):
-    # The death signal comes each time a thread of the agent exits (we are re-parented to
-    # another of its threads): act only once the agent process itself is gone, and only once.
-    if dying or os.getppid() == AGENT:
-        return
-    dying.append(True)
-    end_all(signal.SIGKILL, 0)
-    os._exit(137)
-signal.signal(signal.SIGUSR1, agent_died)
-libc.prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
-agent_died()  # the agent may have died before we asked to be told
-with os.fdopen(int(sys.argv[2]), "rb") as fh:
-    job = json.loads(fh.read())
-libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binary gives the job more
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, lambda *_: None)  # the job's group gets them; a handler resets on exec
-drop = {} if job["uid"] is None else {"user": job["uid"], "group": job["gid"], "extra_groups": []}
-child = subprocess.Popen(["/bin/sh", "-c", job["command"]], env=job["env"], cwd=job["cwd"], **drop)
-while True:
-    try:
-        pid, status = os.wait()
-    except ChildProcessError:
-        status = 0
-        break
-    if pid == child.pid:
-        break
-end_all(signal.SIGTERM, 1.0)
-code = os.waitstatus_to_exitcode(status)
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
+# The supervisor of UidLauncher: catacloud/agent/supervise.py, run by path (no import: it starts
+# before anything of the job, with the launch environment only).
+SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
 
 
 @dataclass
@@ -529,7 +452,7 @@ class UidLauncher:
         }
         fd = memfd(json.dumps(job).encode())
         return Launch(
-            argv=[sys.executable, "-I", "-c", SHIM, str(os.getpid()), str(fd)],
+            argv=[sys.executable, "-I", SUPERVISOR, str(os.getpid()), str(fd)],
             env=dict(LAUNCH_ENV),
             fds=(fd,),
             socket_env=place.socket_path,
