@@ -13,18 +13,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import socket
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -37,8 +33,6 @@ from catacloud.agent.backoff import heartbeat_delay
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
-    Enrollment,
-    Gone,
     Interrupted,
     Job,
     RedactingFormatter,
@@ -50,42 +44,37 @@ from catacloud.agent.client import (
     register_secret,
 )
 from catacloud.agent.disk import DiskWatch
+from catacloud.agent.enrolment import load_enrollment, machine_report, save_enrollment
 from catacloud.agent.files import (
     CHECKPOINT_ENV,
-    MAX_ARTIFACT_BYTES,
     OUTPUT_ENV,
     Checkpointer,
     CheckpointError,
-    OutputFile,
     checkpoint_command,
-    clear_dir,
-    display_name,
-    extract_archive,
     list_outputs,
-    url_quote_name,
 )
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
-from catacloud.agent.netns import Egress, egress_problem, find_pasta, host_addresses
+from catacloud.agent.outputs import (
+    FINISHED_RETRY_SECONDS,
+    STOPPING_RETRY_SECONDS,
+    restore_checkpoint,
+    upload_outputs,
+)
 from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
 from catacloud.agent.sandbox import (
     DEFAULT_JOB_UIDS,
     SANDBOX_SOCKET,
-    BubblewrapLauncher,
     JobPlace,
     Launcher,
     UidAllocator,
     UidLauncher,
     UidRange,
-    blocked_folder,
-    bwrap_path,
     can_switch_to,
     make_undumpable,
-    passable,
-    probe,
-    probe_network,
 )
-from catacloud.protocol import AgentError, Isolation, Limits, MachineReport, Outcome
+from catacloud.agent.workplace import choose_launcher, give, prepare_site
+from catacloud.protocol import AgentError, Outcome
 
 log = logging.getLogger("catacloud.agent")
 
@@ -95,9 +84,6 @@ REASON_TERMINATING = "machine terminating"
 REASON_AGENT_STOPPED = "agent stopped"
 # The exit status of an agent that gave up on an unreachable control plane.
 EXIT_UNREACHABLE = 3
-FINISHED_RETRY_SECONDS = 300.0
-STOPPING_RETRY_SECONDS = 10.0
-RESTORE_ATTEMPTS = 3
 
 
 @dataclass
@@ -201,137 +187,27 @@ class Agent:
 
     # -- main -------------------------------------------------------------------------------
 
-    def _saved_enrollment(self) -> Enrollment | None:
-        """The enrollment a previous run of this agent saved (restart after a crash or reboot:
-        the bootstrap token is single-use, so a restarted agent must not enroll again)."""
-        if not self.state_file or not os.path.exists(self.state_file):
-            return None
-        try:
-            with open(self.state_file) as fh:
-                data = json.load(fh)
-            enrollment = Enrollment(
-                instance_id=str(data["instance_id"]),
-                agent_token=str(data["agent_token"]),
-                heartbeat_interval=float(data["heartbeat_interval"]),
-                poll_timeout=float(data["poll_timeout"]),
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            log.warning("ignoring an unreadable state file %s", self.state_file)
-            return None
-        register_secret(enrollment.agent_token)
-        self.client.set_token(enrollment.agent_token)
-        return enrollment
-
-    def _save_enrollment(self, enrollment: Enrollment) -> None:
-        if not self.state_file:
-            return
-        folder = os.path.dirname(os.path.abspath(self.state_file))
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        fd = os.open(self.state_file + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(dataclasses.asdict(enrollment), fh)
-        os.replace(self.state_file + ".tmp", self.state_file)
-
     def _prepare(self) -> str | None:
         """The work root, the job socket and the way jobs start; why not, when that fails."""
-        if self.work_root is None:
-            self.work_root = tempfile.mkdtemp(prefix="catacloud-work-")
-        else:
-            os.makedirs(self.work_root, mode=0o700, exist_ok=True)
         sample_uid = self.job_uids.uids.start if self.job_uids is not None else None
-        if sample_uid is not None:
-            # Jobs pass through (to their own 0700 folder, the socket) but cannot list the others.
-            os.chmod(self.work_root, 0o711)
-            blocked = blocked_folder(self.work_root, sample_uid)
-            if blocked is not None:
-                return (
-                    f"job uids cannot pass {blocked} on the way to the work folder {self.work_root}; "
-                    "choose another --work-dir (or --state-file folder)"
-                )
-        self.job_bin = _write_job_bin(self.work_root)
-        socket_dir = os.path.join(self.work_root, ".agent")
-        os.makedirs(socket_dir, exist_ok=True)
-        os.chmod(socket_dir, 0o711 if sample_uid is not None else 0o700)
-        self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now, directory=socket_dir)
-        self.launcher = self._choose_launcher()
-        if not passable(sys.executable, sample_uid):
-            log.warning(
-                "jobs cannot run `catacloud` (job-meta, checkpoint): job uids cannot reach %s; "
-                "install the agent in a folder every user can read",
-                sys.executable,
-            )
-        return None
-
-    def _choose_launcher(self) -> Launcher:
-        """A bubblewrap sandbox per job when one starts here, else the uid-only supervisor."""
-        assert self.work_root is not None
-        bwrap = bwrap_path() if self.sandbox else None
-        if bwrap is None:
-            if self.sandbox:
-                log.warning("jobs run unsandboxed (their own uid only): bubblewrap (bwrap) is not installed")
-            return UidLauncher()
+        site = prepare_site(self.work_root, sample_uid)
+        if isinstance(site, str):
+            return site
+        self.work_root, self.job_bin = site.work_root, site.job_bin
+        self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now, directory=site.socket_dir)
         state_dirs = [
             os.path.dirname(os.path.abspath(p)) for p in (self.state_file, self.bootstrap_token_file) if p
         ]
-        visible = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix), self.job_bin or ""}
-        with contextlib.suppress(ImportError):
-            import catacloud.agent
-
-            visible.add(os.path.dirname(os.path.dirname(os.path.realpath(catacloud.agent.__file__))))
-        launcher = BubblewrapLauncher(
-            bwrap=bwrap,
+        self.launcher = choose_launcher(
+            site,
+            sandbox=self.sandbox,
+            network=self.network,
             hostname=self.hostname,
-            hidden=sorted({*state_dirs, self.work_root}),
-            visible=sorted(p for p in visible if p),
+            hidden=state_dirs,
             shared=self.shared_dirs,
+            sample_uid=sample_uid,
         )
-        uid = self.job_uids.uids.start if self.job_uids is not None else None
-        folder = tempfile.mkdtemp(prefix=".probe-", dir=self.work_root)
-        try:
-            if uid is not None:
-                os.chown(folder, uid, uid)
-            place = JobPlace(work_dir=folder, socket_path="", uid=uid, gid=uid)
-            why = probe(launcher, place)
-            if why is None:
-                launcher.egress = self._choose_egress(launcher, place)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        if why is not None:
-            log.warning("jobs run unsandboxed (their own uid only): bubblewrap failed here: %s", why)
-            return UidLauncher()
-        return launcher
-
-    def _choose_egress(self, launcher: BubblewrapLauncher, place: JobPlace) -> Egress:
-        """The internet through pasta when this host can (tried for real), else no network."""
-        problem = egress_problem() if self.network else "turned off (--network none)"
-        if problem is None:
-            launcher.egress = Egress(
-                "pasta",
-                pasta=find_pasta() or "pasta",
-                detail="the internet through pasta; loopback, private, link-local and this host refused",
-                host_addresses=host_addresses(),
-            )
-            problem = probe_network(launcher, place)
-        if problem is not None:
-            log.warning("jobs get no network (a loopback only): %s", problem)
-            return Egress("none", detail=f"no network: {problem}")
-        return launcher.egress
-
-    def machine_report(self) -> MachineReport:
-        """What this machine tells the control plane at enrollment: how jobs are isolated and
-        which resource limits hold."""
-        isolation = self.launcher.describe()
-        isolation["job_uids"] = (
-            str(self.job_uids.uids) if self.job_uids else "the agent's own, in a user namespace"
-        )
-        if isolation["jobs"] == "uid" and self.job_uids is None:
-            isolation["job_uids"] = "the agent's own"
-        limits = read_limits(self.limits_file)
-        if not limits.get("enforced", False):
-            log.warning(
-                "resource limits are not enforced on this machine: %s", limits.get("detail", "unknown")
-            )
-        return MachineReport(isolation=Isolation.from_json(isolation), limits=Limits.from_json(limits))
+        return None
 
     def run(self) -> int:
         """Prepare the jobs' place, enroll (or reuse a saved enrollment), start the threads, wait
@@ -341,7 +217,10 @@ class Agent:
             log.error("%s", problem)
             return 2
         assert self.meta is not None
-        enrollment = self._saved_enrollment()
+        enrollment = load_enrollment(self.state_file)
+        if enrollment is not None:
+            register_secret(enrollment.agent_token)
+            self.client.set_token(enrollment.agent_token)
         if enrollment is not None:
             log.info("reusing the saved enrollment of instance %s", enrollment.instance_id)
         else:
@@ -350,7 +229,9 @@ class Agent:
                     bootstrap_token=self.bootstrap_token,
                     hostname=self.hostname,
                     agent_version=__version__,
-                    machine=self.machine_report(),
+                    machine=machine_report(
+                        self.launcher, self.job_uids.uids if self.job_uids else None, self.limits_file
+                    ),
                     retry_for=self.unreachable_limit or 600.0,
                     interrupt=self.stopping,
                 )
@@ -374,7 +255,7 @@ class Agent:
                 log.error("could not enroll with %s: %s", self.client.base_url, exc)
                 self.meta.close()
                 return 1
-            self._save_enrollment(enrollment)
+            save_enrollment(self.state_file, enrollment)
         self.bootstrap_token = ""
         if self.bootstrap_token_file:  # used once: it is no longer anywhere on this machine
             with contextlib.suppress(OSError):
@@ -555,7 +436,7 @@ class Agent:
         if os.path.lexists(path):
             shutil.rmtree(path, ignore_errors=True)
         os.mkdir(path, 0o700)
-        _give(path, uid)
+        give(path, uid)
         return path
 
     def _job_env(self, job: Job, work_dir: str, token: str, socket_path: str) -> dict[str, str]:
@@ -598,18 +479,8 @@ class Agent:
             raise
 
     def _run_job(self, job: Job) -> None:
-        assert self.meta is not None
-        log.info("job %s (attempt %d) assigned", job.id, job.attempt)
-        try:
-            if not self.client.job_started(job.id, interrupt=self.stopping):
-                log.info("job %s is no longer this machine's (409); not running it", job.id)
-                return
-        except Interrupted:
-            return
-        except AgentAPIError as exc:
-            if isinstance(exc, Unauthorized):
-                raise
-            log.warning("job %s: could not confirm its start (%s); not running it", job.id, exc)
+        """Claim the job's start, run it in its folder, report it, upload its outputs."""
+        if not self._claim_start(job):
             return
         cancel = Cancellation()
         token = secrets.token_urlsafe(32)
@@ -627,67 +498,95 @@ class Agent:
             on_cancel=lambda: self._cancel_job(job.id, REASON_CANCELLED),
         )
         streamer.start()
-        output_dir: str | None = None
         work_dir: str | None = None
         uid = self.job_uids.take() if self.job_uids is not None else None
         try:
             work_dir = self._job_dir(job, uid)
-            output_dir = os.path.join(work_dir, "output")
-            checkpoint_dir = os.path.join(work_dir, "checkpoint")
-            for folder in (output_dir, checkpoint_dir):
-                os.mkdir(folder, 0o700)
-                _give(folder, uid)
+            for folder in ("output", "checkpoint"):
+                os.mkdir(os.path.join(work_dir, folder), 0o700)
+                give(os.path.join(work_dir, folder), uid)
         except OSError as exc:
-            output_dir = None
             result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
-            assert self.work_root is not None
-            checkpointer = Checkpointer(
-                job.id,
-                checkpoint_dir,
-                lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
-                tmp_dir=self.work_root,
-                interval=job.checkpoint.interval_seconds,
-            )
-            if job.checkpoint.available and not cancel.is_set():
-                self._restore_checkpoint(job, checkpoint_dir, cancel)
-                _give(checkpoint_dir, uid)
-                checkpointer.mark_saved()
-            self.meta.grant(job.id, token, uid=uid)
-            with self._lock:
-                if self._current is not None:
-                    self._current.checkpointer = checkpointer
-            checkpointer.start()
-            log.info("job %s: running in %s", job.id, work_dir)
             try:
-                place = JobPlace(
-                    work_dir=work_dir,
-                    socket_path=self.meta.path,
-                    uid=uid,
-                    gid=uid,
-                    allow=allow_list(job.network.allow),
-                )
-                socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
-                result = run_job_process(
-                    job.command,
-                    env=self._job_env(job, work_dir, token, socket_env),
-                    place=place,
-                    launcher=self.launcher,
-                    timeout_seconds=job.timeout_seconds,
-                    cancel=cancel,
-                    streamer=streamer,
-                    mask=job.secret_values,
-                    watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
-                )
+                result = self._execute(job, work_dir, uid, token, cancel, streamer)
             finally:
-                self.meta.revoke()
                 forget_secret(token)
                 for value in job.secret_values:
                     forget_secret(value)
-                with self._lock:
-                    if self._current is not None:
-                        self._current.checkpointer = None
-                checkpointer.close()
+        self._report(job, result, streamer, work_dir)
+
+    def _claim_start(self, job: Job) -> bool:
+        """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""
+        log.info("job %s (attempt %d) assigned", job.id, job.attempt)
+        try:
+            if not self.client.job_started(job.id, interrupt=self.stopping):
+                log.info("job %s is no longer this machine's (409); not running it", job.id)
+                return False
+        except Interrupted:
+            return False
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("job %s: could not confirm its start (%s); not running it", job.id, exc)
+            return False
+        return True
+
+    def _execute(
+        self,
+        job: Job,
+        work_dir: str,
+        uid: int | None,
+        token: str,
+        cancel: Cancellation,
+        streamer: LogStreamer,
+    ) -> JobResult:
+        """Restore the job's checkpoint, then run its command with the checkpointer and the job
+        socket serving it, to its end."""
+        assert self.meta is not None and self.work_root is not None
+        checkpoint_dir = os.path.join(work_dir, "checkpoint")
+        checkpointer = Checkpointer(
+            job.id,
+            checkpoint_dir,
+            lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
+            tmp_dir=self.work_root,
+            interval=job.checkpoint.interval_seconds,
+        )
+        if job.checkpoint.available and not cancel.is_set():
+            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=self.work_root)
+            give(checkpoint_dir, uid)
+            checkpointer.mark_saved()
+        self.meta.grant(job.id, token, uid=uid)
+        with self._lock:
+            if self._current is not None:
+                self._current.checkpointer = checkpointer
+        checkpointer.start()
+        log.info("job %s: running in %s", job.id, work_dir)
+        try:
+            allow = allow_list(job.network.allow)
+            place = JobPlace(work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow)
+            socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
+            return run_job_process(
+                job.command,
+                env=self._job_env(job, work_dir, token, socket_env),
+                place=place,
+                launcher=self.launcher,
+                timeout_seconds=job.timeout_seconds,
+                cancel=cancel,
+                streamer=streamer,
+                mask=job.secret_values,
+                watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
+            )
+        finally:
+            self.meta.revoke()
+            with self._lock:
+                if self._current is not None:
+                    self._current.checkpointer = None
+            checkpointer.close()
+
+    def _report(self, job: Job, result: JobResult, streamer: LogStreamer, work_dir: str | None) -> None:
+        """Deliver the job's output, report its outcome, upload its output files, remove its
+        folder (the next job, maybe of another uid, finds nothing of this one)."""
         if self.stopping.is_set() and not self._report_on_stop:
             streamer.close(timeout=0.0)
             log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
@@ -700,7 +599,7 @@ class Agent:
         if not streamer.close(timeout=retry_for):
             log.warning("job %s: some output could not be delivered", job.id)
         log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
-        outputs = list_outputs(output_dir) if output_dir else []
+        outputs = list_outputs(os.path.join(work_dir, "output")) if work_dir is not None else []
         try:
             self.client.job_finished(
                 job.id,
@@ -708,7 +607,7 @@ class Agent:
                 outcome=result.outcome,
                 reason=result.reason,
                 uploads_pending=len(outputs),
-                retry_for=STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS,
+                retry_for=retry_for,
             )
         except Unauthorized:
             raise
@@ -717,57 +616,12 @@ class Agent:
         with self._lock:
             self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
         try:
-            self._upload_outputs(job, outputs)
+            upload_outputs(self.client, job, outputs, stopping=self.stopping)
         finally:
-            if work_dir is not None:  # the next job (maybe another uid) finds nothing of this one
+            if work_dir is not None:
                 shutil.rmtree(work_dir, ignore_errors=True)
 
     # -- checkpoints and outputs ------------------------------------------------------------
-
-    def _restore_checkpoint(self, job: Job, directory: str, cancel: Cancellation) -> None:
-        """Fetch the job's last checkpoint into ``directory`` before its command starts.
-
-        Failures are retried a few times, then the job starts anyway (it sees what it finds)."""
-        assert self.work_root is not None
-        try:
-            fd, archive = tempfile.mkstemp(prefix=".catacloud-restore-", suffix=".tar.gz", dir=self.work_root)
-            os.close(fd)
-        except OSError as exc:
-            log.error("job %s: cannot restore its checkpoint (%s); starting it without", job.id, exc)
-            return
-        try:
-            for attempt in range(RESTORE_ATTEMPTS):
-                if attempt:
-                    clear_dir(directory)
-                    if cancel.wait(self.client.backoff(attempt - 1)):
-                        return
-                try:
-                    if not self.client.get_checkpoint(job.id, archive):
-                        log.info("job %s: no checkpoint to restore", job.id)
-                        return
-                    skipped = extract_archive(archive, directory)
-                except Unauthorized:
-                    raise
-                except (AgentAPIError, OSError, tarfile.TarError, EOFError) as exc:
-                    log.warning(
-                        "job %s: restoring the checkpoint failed (attempt %d of %d): %s",
-                        job.id,
-                        attempt + 1,
-                        RESTORE_ATTEMPTS,
-                        " ".join(redact(str(exc)).split()),  # tarfile's errors span lines
-                    )
-                    continue
-                log.info(
-                    "job %s: checkpoint restored (%d bytes%s)",
-                    job.id,
-                    os.path.getsize(archive),
-                    f", {len(skipped)} unsafe entries skipped" if skipped else "",
-                )
-                return
-            log.error("job %s: could not restore its checkpoint; starting it without", job.id)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(archive)
 
     def _checkpoint_now(self, job_id: str) -> tuple[int, dict[str, Any]]:
         """``catacloud checkpoint`` from the job: save, and answer once stored."""
@@ -788,58 +642,6 @@ class Agent:
             return 500, {"code": AgentError.CHECKPOINT_FAILED, "detail": f"agent error: {type(exc).__name__}"}
         answer = answer or {}
         return 200, {"size": answer.get("size"), "sha256": answer.get("sha256")}
-
-    def _upload_outputs(self, job: Job, outputs: list[OutputFile]) -> None:
-        """Upload the job's output files one by one, then always post ``uploads-done``."""
-        failed: list[dict[str, str]] = []
-        stopping_deadline: float | None = None
-        try:
-            for index, output in enumerate(outputs):
-                if self.stopping.is_set() and stopping_deadline is None:
-                    stopping_deadline = time.monotonic() + STOPPING_RETRY_SECONDS
-                name = display_name(output.name)
-                if stopping_deadline is not None and time.monotonic() > stopping_deadline:
-                    failed.extend(
-                        {"name": display_name(o.name), "error": "the agent stopped"} for o in outputs[index:]
-                    )
-                    break
-                try:
-                    size = os.lstat(output.path).st_size
-                    if size > MAX_ARTIFACT_BYTES:
-                        raise ValueError(f"larger than 5 GiB ({size} bytes); not uploaded")
-                    answer = self.client.put_artifact(
-                        job.id, url_quote_name(output.name), output.path, deadline=stopping_deadline
-                    )
-                except Unauthorized:
-                    raise
-                except Gone as exc:
-                    log.warning("job %s: the control plane takes no more outputs (%s)", job.id, exc)
-                    failed.extend(
-                        {"name": display_name(o.name), "error": "refused by the control plane (409)"}
-                        for o in outputs[index:]
-                    )
-                    break
-                except (AgentAPIError, OSError, ValueError) as exc:
-                    log.warning("job %s: output %r not uploaded: %s", job.id, name, redact(str(exc)))
-                    failed.append({"name": name, "error": redact(str(exc))})
-                    continue
-                log.info("job %s: output %r uploaded (%s bytes)", job.id, name, answer.get("size"))
-        finally:
-            try:
-                self.client.uploads_done(
-                    job.id,
-                    failed,
-                    retry_for=STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS,
-                )
-            except Unauthorized:
-                raise
-            except AgentAPIError as exc:
-                log.error("job %s: could not report the end of its uploads: %s", job.id, exc)
-            else:
-                if outputs:
-                    log.info(
-                        "job %s: %d of %d outputs uploaded", job.id, len(outputs) - len(failed), len(outputs)
-                    )
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -896,50 +698,6 @@ def _setup_logging(level: str) -> None:
         logger.propagate = False
     logging.getLogger("catacloud.agent").setLevel(level)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
-
-
-def _give(path: str, uid: int | None) -> None:
-    """Make ``path`` (and what is under it) ``uid``'s, without following links; None: keep."""
-    if uid is None:
-        return
-    os.lchown(path, uid, uid)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, uid)
-
-
-def read_limits(path: str | None) -> dict[str, Any]:
-    """The resource limits this machine runs under: what its host wrote to ``path`` (a local
-    machine: cpus, memory, pids from its machine type, and whether a cgroup enforces them), else
-    this machine's own size (a cloud machine: the provider enforces it)."""
-    if path:
-        try:
-            with open(path) as fh:
-                limits = json.load(fh)
-            if isinstance(limits, dict):
-                return limits
-        except (OSError, ValueError) as exc:
-            return {"enforced": False, "detail": f"cannot read {path}: {exc}"}
-    memory_mb = None
-    with contextlib.suppress(OSError, ValueError):
-        memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-    return {"enforced": True, "by": "machine", "cpus": os.cpu_count(), "memory_mb": memory_mb}
-
-
-def _write_job_bin(work_root: str) -> str:
-    """A ``bin`` folder for jobs' PATH holding ``catacloud``, a wrapper that runs this agent's
-    Python (``catacloud job-meta``, ``catacloud checkpoint``). Jobs must find it even where no
-    ``catacloud`` console script sits next to the Python (``python -m catacloud.agent``, a
-    Python whose folder the job user cannot read). Owned by the agent; jobs may only run it."""
-    bin_dir = os.path.join(work_root, "bin")
-    os.makedirs(bin_dir, exist_ok=True)
-    os.chmod(bin_dir, 0o755)
-    path = os.path.join(bin_dir, "catacloud")
-    with open(path + ".tmp", "w") as fh:
-        fh.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m catacloud.agent "$@"\n')
-    os.chmod(path + ".tmp", 0o755)
-    os.replace(path + ".tmp", path)
-    return bin_dir
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -1020,13 +778,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return checkpoint_command(timeout=args.timeout)
 
 
-def add_agent_commands(subparsers: Any) -> None:
-    """Register ``agent``, ``job-meta`` and ``checkpoint`` on an ``add_subparsers()`` object."""
-    agent = subparsers.add_parser(
-        "agent",
-        help="run the machine agent (enroll, heartbeat, run jobs)",
-        description="Run the Catacloud agent on this machine until the control plane terminates it.",
-    )
+def _agent_options(agent: argparse.ArgumentParser) -> None:
+    """The options of ``catacloud agent``."""
     agent.add_argument("--url", required=True, help="control plane base URL, e.g. https://catacloud.example")
     source = agent.add_mutually_exclusive_group()
     source.add_argument(
@@ -1105,6 +858,16 @@ def add_agent_commands(subparsers: Any) -> None:
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
     )
+
+
+def add_agent_commands(subparsers: Any) -> None:
+    """Register ``agent``, ``job-meta`` and ``checkpoint`` on an ``add_subparsers()`` object."""
+    agent = subparsers.add_parser(
+        "agent",
+        help="run the machine agent (enroll, heartbeat, run jobs)",
+        description="Run the Catacloud agent on this machine until the control plane terminates it.",
+    )
+    _agent_options(agent)
     agent.set_defaults(func=cmd_agent)
 
     meta = subparsers.add_parser(
