@@ -8,8 +8,11 @@ COPY catacloud ./catacloud
 COPY apps ./apps
 COPY config ./config
 COPY manage.py ./
-# catacloud-agent first: the server package depends on it (built from the same tree).
-RUN pip install ./agent . && useradd --system --uid 1000 catacloud \
+# catacloud-agent first: the server package depends on it (built from the same tree). Its wheel
+# also goes to /app/dist: the Agent API serves it to cloud machines, whose user data installs it
+# pinned by sha256 (CATACLOUD_AGENT_WHEEL, apps/machines/agent_dist.py).
+ENV CATACLOUD_AGENT_WHEEL=/app/dist
+RUN pip wheel --no-deps -w /app/dist ./agent && pip install ./agent . && useradd --system --uid 1000 catacloud \
     && mkdir -p /var/lib/catacloud && chown catacloud /var/lib/catacloud  # the volume starts owned by it
 USER catacloud
 EXPOSE 8000 8001

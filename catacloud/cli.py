@@ -223,7 +223,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
             f"(basic auth {flower_auth.split(':')[0]} / same password)",
             f"  token    {creds['token']}",
             *(
-                [f'  GitHub   a fake GitHub at {github.url} (README: "GitHub Actions on Catacloud")']
+                [f"  GitHub   a fake GitHub at {github.url} (docs/walkthroughs/github-actions.md)"]
                 if github is not None
                 else []
             ),
@@ -461,8 +461,9 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
 
 class DevGitHub:
     """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub (testkit/github_fake.py) sending
-    signed deliveries to this web, and the demo org connected to it with one runner class whose
-    runners are the stand-in runner (testkit/github_runner)."""
+    signed deliveries to this web, the demo org connected to it, and the local machines showing
+    the stand-in runner (testkit/github_runner) at /opt/actions-runner. The runner class is the
+    reader's to create (docs/walkthroughs/github-actions.md), as with a real GitHub."""
 
     def __init__(self, home: Path, port: int) -> None:
         self.port = int(os.environ.get("GITHUB_FAKE_PORT", "8070"))
@@ -507,10 +508,6 @@ class DevGitHub:
             f"      private_key: {{file: {key}}}\n"
             f"      webhook_secret: {{file: {secret}}}\n"
             "      installations: [{id: 1, account: demo-org}]\n"
-            "      runner_classes:\n"
-            "        - name: linux-2cpu\n"
-            "          labels: [self-hosted, catacloud-linux-2cpu]\n"
-            "          machine_type: local-small\n"
         )
 
 

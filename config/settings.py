@@ -231,6 +231,9 @@ CELERY_BEAT_SCHEDULE = {
 CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
 # What cloud machines pip-install to get the agent (a version pin, a wheel URL, a git URL…).
 CATACLOUD_AGENT_PACKAGE = env.str("CATACLOUD_AGENT_PACKAGE", default="catacloud-agent")
+# A built catacloud-agent wheel (or a folder holding one) the Agent API serves at
+# /api/agent/v1/dist/<file>; set, user data installs it pinned by sha256 (apps/machines/agent_dist.py).
+CATACLOUD_AGENT_WHEEL = env.str("CATACLOUD_AGENT_WHEEL", default="")
 # Agent heartbeats: how often agents beat, and how long a silence makes an instance lost.
 CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default=5.0)
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)

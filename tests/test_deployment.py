@@ -47,6 +47,9 @@ def test_every_app_service_shares_one_configuration() -> None:
 def test_the_image_installs_the_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install ./agent ." in dockerfile  # the agent distribution, then the server
+    # the agent wheel the Agent API serves to cloud machines (tests/deploy/test_agent_wheel.py)
+    assert "pip wheel --no-deps -w /app/dist ./agent" in dockerfile
+    assert "CATACLOUD_AGENT_WHEEL=/app/dist" in dockerfile
     assert "USER catacloud" in dockerfile
 
 
@@ -61,3 +64,15 @@ def test_web_and_worker_share_one_metrics_directory_made_fresh_before_they_start
     assert mounts["web"] == mounts["worker"]
     migrate = " ".join(services["migrate"]["command"])
     assert 'mkdir -p "$$PROMETHEUS_MULTIPROC_DIR"' in migrate and "*.db" in migrate
+
+
+def test_tls_in_front_routes_machines_to_the_agent_server_and_the_rest_to_the_web() -> None:
+    """The guide's proxy (compose profile ``tls``, deploy/Caddyfile): machines reach the agent
+    server (and the agent wheel) through it, people and scrapers the web."""
+    proxy = _compose()["services"]["proxy"]
+    assert proxy["profiles"] == ["tls"] and "443:443" in proxy["ports"]
+    assert "./deploy/Caddyfile:/etc/caddy/Caddyfile:ro" in proxy["volumes"]
+    caddy = (ROOT / "deploy" / "Caddyfile").read_text()
+    agent = caddy.index("handle /api/agent/*")
+    assert caddy.index("reverse_proxy agent-api:8001", agent) < caddy.index("reverse_proxy web:8000")
+    assert "flower" not in caddy.lower()  # Flower stays on the host

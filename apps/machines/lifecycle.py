@@ -27,6 +27,7 @@ from apps.core.ids import ClaimId, InstanceId, OrgId, PoolId, ProviderAccountId
 from apps.core.selectors import installation_id
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
+from apps.machines.agent_dist import agent_package
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
@@ -153,7 +154,7 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
         memory_mb=mt.memory_mb,
         gpus=mt.gpus,
         spot=mt.spot,
-        bootstrap=Bootstrap(agent_url=url, token=token, package=settings.CATACLOUD_AGENT_PACKAGE),
+        bootstrap=Bootstrap(agent_url=url, token=token, package=agent_package(url)),
     )
 
 

@@ -1,7 +1,9 @@
 """The reconciler: compare one provider account's machines with the database, both ways.
 
 - a machine carrying this installation's label with no live row, older than the grace
-  period → deleted (``reconcile.orphan_deleted``);
+  period → deleted (``reconcile.orphan_deleted``); so is a second machine carrying the label of
+  a live row that records another machine (a create re-driven after the cloud forgot the first
+  one's idempotency key, as after a database restore): one machine a row;
 - a row stuck in ``provisioning`` with no provider id (the worker died between the cloud's
   create and our record) → adopted by its instance label (→ warming), or failed when no
   machine exists (``reconcile.adopted`` / ``reconcile.not_created``);
@@ -18,7 +20,6 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -81,10 +82,12 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         report.error = f"{exc.code}: {exc}"
         log.warning("reconcile %s: cannot list machines: %s", account.name, exc.code)
         return report
-    by_instance: dict[str, Any] = {}
+    # The machines carrying each instance label; a live row owns the one it records (or, while it
+    # records none, the one it may adopt).
+    labelled: dict[str, list[ProviderMachine]] = {}
     for machine in machines:
         if machine.instance_id:
-            by_instance[machine.instance_id] = machine
+            labelled.setdefault(machine.instance_id, []).append(machine)
 
     live_rows = {
         str(row["id"]): row
@@ -102,16 +105,26 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         )
     }
 
+    by_instance: dict[str, ProviderMachine] = {}
+    unowned: list[tuple[str, ProviderMachine]] = []
+    for instance_id, found in labelled.items():
+        row = live_rows.get(instance_id)
+        recorded = row["provider_id"] if row is not None else ""
+        owned = next((m for m in found if m.provider_id == recorded), None) if recorded else found[0]
+        if row is not None and owned is not None:
+            by_instance[instance_id] = owned
+        unowned += [(instance_id, m) for m in found if row is None or (recorded and m is not owned)]
+
     # 1. Cloud → database: machines nobody owns.
-    for instance_id, machine in list(by_instance.items())[: BATCH * 5]:
-        if instance_id in live_rows or len(report.orphans_deleted) >= BATCH:
-            continue
+    for instance_id, machine in unowned[: BATCH * 5]:
+        if len(report.orphans_deleted) >= BATCH:
+            break
         created = machine.created_at
         if created is not None and now - created < grace:
             continue  # possibly a creation still being recorded
         if created is None:
-            row = MachineInstance.objects.filter(pk=instance_id).values("created_at").first()
-            if row is not None and now - row["created_at"] < grace:
+            made = MachineInstance.objects.filter(pk=instance_id).values("created_at").first()
+            if made is not None and now - made["created_at"] < grace:
                 continue
         try:
             provider.delete(machine.provider_id)
@@ -127,7 +140,9 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         event_record(
             kind=EventKind.RECONCILE_ORPHAN_DELETED,
             actor="reconciler",
-            reason="labelled machine with no live row",
+            reason="labelled machine with no live row"
+            if instance_id not in live_rows
+            else "a second machine for a row that records another",
             instance=_uuid_or_none(instance_id),
             provider_id=machine.provider_id,
             account=account.name,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db
 def test_demo_catalog_seeds_the_documented_demo_and_reapplying_is_a_noop() -> None:
     out = StringIO()
     call_command("apply", str(DEMO_CATALOG), stdout=out)
-    assert "3 created" in out.getvalue()
+    assert "5 created" in out.getvalue()
     grant = OrgMachineType.objects.get(org__slug="demo", machine_type__name="local-small")
     assert (grant.max_pool_size, grant.max_instances, grant.max_concurrent_jobs) == (10, 20, 10)
     mt = grant.machine_type
@@ -32,7 +32,7 @@ def test_demo_catalog_seeds_the_documented_demo_and_reapplying_is_a_noop() -> No
 
     again = StringIO()
     call_command("apply", str(DEMO_CATALOG), stdout=again)
-    assert "0 created, 0 updated, 3 unchanged" in again.getvalue()
+    assert "0 created, 0 updated, 5 unchanged" in again.getvalue()
     assert MachineType.objects.get(name="local-small").version == 1
 
 

@@ -10,6 +10,7 @@ from django.urls import URLPattern, path, re_path
 
 from apps.control.agent import db, endpoints
 from apps.control.agent.views import heartbeat, work
+from apps.machines.agent_dist import agent_wheel_view
 
 
 def agent_urls() -> list[URLPattern]:
@@ -17,6 +18,7 @@ def agent_urls() -> list[URLPattern]:
     agent server runs on its database threads (see :func:`on_db_threads`)."""
     rest = [
         path("enroll", endpoints.EnrollView.as_view(), name="agent-enroll"),
+        path("dist/<str:filename>", agent_wheel_view, name="agent-wheel"),
         path("jobs/<uuid:job_id>/started", endpoints.StartedView.as_view(), name="agent-job-started"),
         path("jobs/<uuid:job_id>/logs", endpoints.LogsView.as_view(), name="agent-job-logs"),
         path("jobs/<uuid:job_id>/finished", endpoints.FinishedView.as_view(), name="agent-job-finished"),

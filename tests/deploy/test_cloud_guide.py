@@ -1,0 +1,108 @@
+"""The deployment guide's cloud steps, against the fake Hetzner API (the real hcloud client):
+its catalog applies as shipped, a machine it buys is a labelled server whose user data installs
+the agent from the control plane, and each refusal the guide's table lists ends the machine with
+the ``failure_reason`` it names. The AWS catalog applies as shipped too (moto's EC2 is driven by
+tests/machines/test_restore.py and tests/machines/test_lifecycle.py)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery.exceptions import Retry
+from django.core.management import call_command
+
+from apps.machines import lifecycle
+from apps.machines.models import MachineType, ProviderAccount
+from apps.machines.tasks import provision_instance_task
+from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, LABEL_POOL
+from tests.fakes.hetzner_api import FakeHetzner
+
+pytestmark = pytest.mark.django_db
+ROOT = Path(__file__).resolve().parents[2]
+CATALOGS = ROOT / "deploy" / "catalog"
+GUIDE = ROOT / "docs" / "operator" / "deployment.md"
+TOKEN = "guide-hetzner-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeHetzner]:
+    server = FakeHetzner(token=TOKEN, action_polls=1).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hetzner(fake: FakeHetzner, monkeypatch: pytest.MonkeyPatch) -> MachineType:
+    """deploy/catalog/hetzner.yaml as an operator applies it, its account pointed at the fake."""
+    fake.reset()
+    monkeypatch.setenv("HCLOUD_TOKEN", TOKEN)
+    call_command("apply", str(CATALOGS / "hetzner.yaml"), verbosity=0)
+    account = ProviderAccount.objects.get(name="hetzner")
+    account.config = {**account.config, "api_endpoint": fake.url, "poll_interval": 0.001, "timeout": 2}
+    account.config |= {"retry_backoff": 0.001, "retry_max_delay": 0.01, "retry_attempts": 1}
+    account.save()
+    return MachineType.objects.get(name="hz-cx22")
+
+
+def test_the_aws_catalog_applies_as_shipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    call_command("apply", str(CATALOGS / "aws.yaml"), verbosity=0)
+    spot = MachineType.objects.get(name="aws-m7i-large-spot")
+    assert spot.spot and spot.billing_increment_seconds == 1 and spot.min_billed_seconds == 60
+    assert ProviderAccount.objects.get(name="aws").credentials["access_key_id"] == "AKIAEXAMPLE"
+
+
+def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_from_the_control_plane(
+    hetzner: MachineType,
+    fake: FakeHetzner,
+    settings: object,
+    tmp_path: Path,
+) -> None:
+    wheel = tmp_path / "catacloud_agent-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"a wheel")
+    settings.CATACLOUD_AGENT_WHEEL = str(tmp_path)  # type: ignore[attr-defined]  # what the image sets
+    settings.CATACLOUD_AGENT_URL = "https://catacloud.example.com"  # type: ignore[attr-defined]
+    member = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
+    provision_instance_task(str(member.pk))
+
+    member.refresh_from_db()
+    assert member.status == "warming" and member.provider_id
+    server = fake.servers[int(member.provider_id)]
+    assert server["name"] == f"cc-{member.pk}" and server["server_type"]["name"] == "cx22"
+    assert server["labels"][LABEL_INSTANCE] == str(member.pk) and server["labels"][LABEL_POOL] == "none"
+    assert server["labels"][LABEL_INSTALLATION] == lifecycle.owner_labels()[LABEL_INSTALLATION]
+    user_data = fake.user_data[int(member.provider_id)]
+    assert re.search(
+        r"https://catacloud\.example\.com/api/agent/v1/dist/catacloud_agent-0\.1\.0-py3-none-any\.whl#sha256=[0-9a-f]{64}",
+        user_data,
+    ), user_data
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("resource_limit_exceeded", "quota_exceeded:"), ("unauthorized", "permanent:")],
+)
+def test_a_refusing_cloud_fails_the_machine_with_the_reason_the_guide_names(
+    hetzner: MachineType, fake: FakeHetzner, fault: str, reason: str
+) -> None:
+    assert f"`{reason}" in GUIDE.read_text()
+    instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
+    fake.fail_next("POST /servers", fault, times=5)
+    provision_instance_task(str(instance.pk))
+    instance.refresh_from_db()
+    assert instance.status == "failed" and instance.failure_reason.startswith(reason), instance.failure_reason
+    assert fake.servers == {}  # nothing bought, nothing to leak
+
+
+def test_no_capacity_is_retried_with_backoff(hetzner: MachineType, fake: FakeHetzner) -> None:
+    assert "`insufficient_capacity:`" in GUIDE.read_text()
+    instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
+    fake.fail_next("POST /servers", "resource_unavailable", times=5)
+    with pytest.raises(Retry):
+        provision_instance_task.apply(args=[str(instance.pk)], throw=True)
+    instance.refresh_from_db()
+    assert instance.status == "provisioning"  # waiting for the next try, not failed
