@@ -10,6 +10,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.db.models import Q, Sum
 
+from apps.core.actors import Actor
 from apps.core.errors import ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -60,7 +61,7 @@ def budget_set(
     amount: object,  # what the caller was given: checked here
     period: str = BudgetPeriod.MONTH,
     machine_type: MachineType | None = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
 ) -> Budget:
     """Create or change a budget; it counts from the next check (the next scheduler tick or
     refill). Thresholds are announced again against the new amount."""

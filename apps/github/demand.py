@@ -23,6 +23,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
 from apps.core.ids import RunnerClassId
 from apps.events.kinds import EventKind
@@ -106,7 +107,7 @@ def workflow_job_apply(
                 event_record(
                     kind=EventKind.GITHUB_JOB_QUEUED,
                     org=installation.org_id,
-                    actor=f"github:{source}",
+                    actor=Actor.github(source),
                     repository=record.repository,
                     workflow=record.workflow,
                     job_name=record.name,
@@ -152,7 +153,7 @@ def _moved(record: WorkflowJob, status: str, job: Mapping[str, Any], source: str
             kind=kind,
             org=record.org_id,
             job=ours.job_id if ours else None,
-            actor=f"github:{source}",
+            actor=Actor.github(source),
             repository=record.repository,
             workflow=record.workflow,
             job_name=record.name,
@@ -258,7 +259,7 @@ def class_converge(*, runner_class_id: RunnerClassId) -> dict[str, int]:
                 job = job_submit(
                     org=rc.org,
                     config=rc.job_config,
-                    actor="github",
+                    actor=Actor.GITHUB,
                     labels=record.job_labels(),
                     handoff_by="github",
                     hold_reason=hold_reason(record.installation),
@@ -274,7 +275,7 @@ def class_converge(*, runner_class_id: RunnerClassId) -> dict[str, int]:
         elif deficit < 0:
             for runner in sorted(supply.select_related("job"), key=_retire_rank)[:-deficit]:
                 if _retire_rank(runner)[0] < 2:
-                    job_cancel(job=runner.job, actor="github")  # no runner registered: ends at once
+                    job_cancel(job=runner.job, actor=Actor.GITHUB)  # no runner registered: ends at once
                 else:
                     Runner.objects.filter(pk=runner.pk).update(retire_requested_at=now)
                     retire_soon(runner.pk)

@@ -16,7 +16,9 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.core.ids import InstanceId, JobId, RunnerId
 from apps.events.kinds import EventKind
@@ -106,9 +108,9 @@ def runner_handoff(*, job_id: JobId) -> str:
         job_handoff_failed(
             job_id=job.pk,
             instance_id=instance_id,
-            cause="github_unavailable",
+            cause=Cause.GITHUB_UNAVAILABLE,
             detail=exc.detail,
-            actor="github",
+            actor=Actor.GITHUB,
             hold_reason=hold_reason(inst) or f"GitHub unavailable: {exc.detail}"[:300],
         )
         return "github unavailable"
@@ -117,9 +119,9 @@ def runner_handoff(*, job_id: JobId) -> str:
             if job_handoff_failed(
                 job_id=job.pk,
                 instance_id=instance_id,
-                cause="github_refused",
+                cause=Cause.GITHUB_REFUSED,
                 detail=f"GitHub refused the runner registration: {exc.detail}",
-                actor="github",
+                actor=Actor.GITHUB,
                 permanent=True,
             ):
                 event_record(
@@ -127,7 +129,7 @@ def runner_handoff(*, job_id: JobId) -> str:
                     org=job.org_id,
                     job=job,
                     instance=instance_id,
-                    actor="github",
+                    actor=Actor.GITHUB,
                     reason=exc.detail[:500],
                     runner_class=rc.name,
                 )
@@ -137,7 +139,7 @@ def runner_handoff(*, job_id: JobId) -> str:
             job_id=job.pk,
             instance_id=instance_id,
             secret_env={JIT_ENV: created.encoded_jit_config},
-            actor="github",
+            actor=Actor.GITHUB,
         )
         if handed:
             Runner.objects.filter(pk=runner.pk).update(
@@ -152,7 +154,7 @@ def runner_handoff(*, job_id: JobId) -> str:
                 org=job.org_id,
                 job=job,
                 instance=instance_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 runner=created.name,
                 runner_id=created.runner_id,
                 runner_class=rc.name,
@@ -217,13 +219,13 @@ def runner_retire(*, job_id: JobId) -> str:
                 org=job.org_id,
                 job=job,
                 instance=job.instance_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 runner=runner.name,
                 runner_id=runner.github_runner_id,
                 reason="no queued job needs it",
             )
     with contextlib.suppress(InvalidTransition):  # it ended meanwhile: nothing left to stop
-        job_cancel(job=job, actor="github")
+        job_cancel(job=job, actor=Actor.GITHUB)
     return "retired"
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q
 
+from apps.core.actors import Actor
 from apps.core.ids import OrgId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -143,7 +144,9 @@ def budget_sentence(budget: Budget, spend: Decimal) -> str:
     return f"budget {shown}/{budget.amount.quantize(CENT)} {settings.CATACLOUD_CURRENCY} {when}{scope}"
 
 
-def budget_check(*, org_id: OrgId, machine_type: MachineType, now: datetime, actor: str = "") -> BudgetCheck:
+def budget_check(
+    *, org_id: OrgId, machine_type: MachineType, now: datetime, actor: Actor = Actor.UNNAMED
+) -> BudgetCheck:
     """Lock the org's budgets that cover ``machine_type`` and say how many machines of it may
     be bought now. Call it in the transaction that buys (after the grant's row lock)."""
     budgets = list(
@@ -169,13 +172,13 @@ def budget_check(*, org_id: OrgId, machine_type: MachineType, now: datetime, act
     return best
 
 
-def budget_bought(check: BudgetCheck, bought: int, *, now: datetime, actor: str = "") -> None:
+def budget_bought(check: BudgetCheck, bought: int, *, now: datetime, actor: Actor = Actor.UNNAMED) -> None:
     """After buying ``bought`` machines under ``check``: announce a threshold they crossed."""
     if check.budget is not None and bought:
         _alert(check.budget, spend=check.spend + bought * check.price, refused=False, now=now, actor=actor)
 
 
-def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, actor: str) -> None:
+def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, actor: Actor) -> None:
     """``budget.warning`` at 80 %, ``budget.exhausted`` at 100 % (or when it refuses a
     machine), once per period and threshold."""
     current: date = period_start(budget.period, now).date()
@@ -192,7 +195,7 @@ def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, acto
     event_record(
         kind=EventKind.BUDGET_EXHAUSTED if level == 100 else EventKind.BUDGET_WARNING,
         org=budget.org_id,
-        actor=actor or "budget",
+        actor=actor or Actor.BUDGET,
         reason=budget_sentence(budget, spend),
         budget=str(budget.pk),
         percent=level,

@@ -25,6 +25,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
 from apps.events.kinds import EventKind
@@ -126,7 +127,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         report.orphans_deleted.append(machine.provider_id)
         event_record(
             kind=EventKind.RECONCILE_ORPHAN_DELETED,
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             reason="labelled machine with no live row",
             instance=_uuid_or_none(instance_id),
             provider_id=machine.provider_id,
@@ -156,7 +157,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         ):
             lost = instance_mark_lost(
                 instance_id=uuid.UUID(instance_id),
-                actor="reconciler",
+                actor=Actor.RECONCILER,
                 reason="the machine is gone at the provider",
             )
             if lost is not None:
@@ -168,7 +169,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                     uuid.UUID(instance_id),
                     to=InstanceStatus.TERMINATED,
                     from_=[InstanceStatus.TERMINATING],
-                    actor="reconciler",
+                    actor=Actor.RECONCILER,
                     reason="machine already gone",
                 )
                 instance_gone(ended)
@@ -197,7 +198,7 @@ def _adopt(instance_id: str, machine: ProviderMachine, report: ReconcileReport) 
             instance.pk,
             to=InstanceStatus.WARMING,
             from_=[InstanceStatus.PROVISIONING],
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             reason="adopted by label after an interrupted provisioning",
             event=EventKind.POOL_MEMBER_PROVISIONED if instance.pool_id else EventKind.INSTANCE_PROVISIONED,
         )
@@ -206,7 +207,7 @@ def _adopt(instance_id: str, machine: ProviderMachine, report: ReconcileReport) 
             org=instance.org_id,
             pool=instance.pool_id,
             instance=instance,
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             provider_id=machine.provider_id,
         )
     report.adopted.append(instance_id)
@@ -216,9 +217,11 @@ def _not_created(instance_id: str, report: ReconcileReport) -> None:
     from apps.machines.lifecycle import instance_fail
 
     instance_fail(
-        instance_id=uuid.UUID(instance_id), reason="provisioning never created a machine", actor="reconciler"
+        instance_id=uuid.UUID(instance_id),
+        reason="provisioning never created a machine",
+        actor=Actor.RECONCILER,
     )
-    event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor="reconciler")
+    event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor=Actor.RECONCILER)
     report.not_created.append(instance_id)
 
 

@@ -5,6 +5,7 @@ from django.contrib import admin
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 
+from apps.core.actors import Actor
 from apps.core.admin import run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.machines.models import MachineInstance
@@ -118,7 +119,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
         self, request: HttpRequest, obj: InstancePool, form: forms.ModelForm, change: bool
     ) -> None:
         """Through the services, so the console validates sizes and quotas like the API."""
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         if change:
             fields = ("target_size", "min_size", "max_size", "warmup_grace_seconds", "description")
             pool_update(pool=obj, actor=actor, **{k: form.cleaned_data[k] for k in fields})
@@ -142,7 +143,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected pools and terminate their members")
     def drain_terminate(self, request: HttpRequest, queryset: QuerySet[InstancePool]) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self,
             request,
@@ -153,7 +154,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected pools, releasing members as idle machines")
     def drain_release(self, request: HttpRequest, queryset: QuerySet[InstancePool]) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self,
             request,

@@ -155,3 +155,39 @@ def test_an_unregistered_error_code_is_refused_in_strict_mode() -> None:
         DomainError("no", code="oops")
     body = error_payload("pool_empty", "no ready member")
     assert body == {"code": "pool_empty", "detail": "no ready member"}
+
+
+def _keyword_literals(*names: str) -> dict[str, str]:
+    """String constants given as one of the keyword arguments ``names`` anywhere in apps/, and
+    f-strings given there: {text: file}."""
+    found: dict[str, str] = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg in names:
+                        for text in _constants(kw.value):
+                            found[text] = str(path.relative_to(ROOT))
+                        if isinstance(kw.value, ast.JoinedStr):
+                            found[ast.unparse(kw.value)] = str(path.relative_to(ROOT))
+    return found
+
+
+def test_every_cause_is_a_member_never_free_text() -> None:
+    """Why a machine ended and why a job was requeued (stored, shown, compared): Cause members,
+    never strings; every member fits the 32 characters the columns hold."""
+    from apps.core.causes import Cause
+
+    assert _keyword_literals("cause", "end_cause", "requeue_reason") == {}
+    assert max(len(c.value) for c in Cause) <= 32
+
+
+def test_every_actor_is_made_by_the_actor_type() -> None:
+    """Who did something renders one way everywhere: Actor's names and constructors, never a
+    string or an f-string at a call (there were about 100 such sites in some 20 spellings)."""
+    assert _keyword_literals("actor") == {}
+    assert {
+        name: f
+        for name, f in _members_used("Actor").items()
+        if not hasattr(__import__("apps.core.actors", fromlist=["Actor"]).Actor, name)
+    } == {}
