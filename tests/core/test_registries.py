@@ -186,8 +186,6 @@ def test_every_actor_is_made_by_the_actor_type() -> None:
     """Who did something renders one way everywhere: Actor's names and constructors, never a
     string or an f-string at a call (there were about 100 such sites in some 20 spellings)."""
     assert _keyword_literals("actor") == {}
-    assert {
-        name: f
-        for name, f in _members_used("Actor").items()
-        if not hasattr(__import__("apps.core.actors", fromlist=["Actor"]).Actor, name)
-    } == {}
+    from apps.core.actors import Actor
+
+    assert {name: f for name, f in _members_used("Actor").items() if not hasattr(Actor, name)} == {}
