@@ -228,7 +228,7 @@ def _poll(inst: GitHubInstallation, client: GitHubClient, now: datetime) -> dict
                 _, outcome = workflow_job_apply(
                     installation=inst, job=job, status=None, repository=full, source="poll"
                 )
-                found += outcome in ("created", "moved")
+                found += outcome.found
     stale = WorkflowJob.objects.filter(
         installation=inst,
         status__in=[WorkflowJobStatus.QUEUED, WorkflowJobStatus.WAITING, WorkflowJobStatus.IN_PROGRESS],
@@ -243,7 +243,7 @@ def _poll(inst: GitHubInstallation, client: GitHubClient, now: datetime) -> dict
         _, outcome = workflow_job_apply(
             installation=inst, job=job, status=None, repository=record.repository, source="poll"
         )
-        found += outcome in ("created", "moved")
+        found += outcome.found
     base = interval()
     current = inst.poll_interval_seconds or base
     next_interval = base if found else min(MAX_POLL_INTERVAL, current * 2)

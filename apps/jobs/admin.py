@@ -24,7 +24,7 @@ from apps.core.templatetags.console import between, human_seconds
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.artifacts import artifact_download
-from apps.jobs.choices import JOB_LIVE, ArtifactStatus
+from apps.jobs.choices import JOB_LIVE, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel
@@ -375,10 +375,12 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="files")
     def artifact_links(self, obj: Job) -> str:
-        rows = Artifact.objects.filter(job=obj).exclude(status="expired").order_by("kind", "name")
+        rows = (
+            Artifact.objects.filter(job=obj).exclude(status=ArtifactStatus.EXPIRED).order_by("kind", "name")
+        )
         items = []
         for a in rows:
-            if a.status == "stored" and a.kind == Artifact.KIND_OUTPUT:
+            if a.status == ArtifactStatus.STORED and a.kind == Artifact.KIND_OUTPUT:
                 link = format_html(
                     '<a href="{}">{}</a>', reverse("admin:jobs_job_artifact", args=[obj.pk, a.pk]), a.name
                 )
@@ -435,7 +437,9 @@ class JobAdmin(ReadOnlyAdmin):
         except DomainError as exc:
             self.message_user(request, f"not cancelled: {exc.detail}", messages.WARNING)
         else:
-            done = "cancelled" if job.status == "cancelled" else "cancel requested: the agent stops it"
+            done = (
+                "cancelled" if job.status == JobStatus.CANCELLED else "cancel requested: the agent stops it"
+            )
             self.message_user(request, f"job {str(job.pk)[:8]}: {done}", messages.SUCCESS)
         return HttpResponseRedirect(change)
 

@@ -90,7 +90,7 @@ def job_cancel(*, job: Job, actor: Actor = Actor.UNNAMED) -> Job:
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.status not in JOB_LIVE:
-            raise InvalidTransition("Job", job.pk, locked.status, "cancelled")
+            raise InvalidTransition("Job", job.pk, locked.status, JobStatus.CANCELLED)
         machine_gone = locked.instance_id is None or (
             MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
         )

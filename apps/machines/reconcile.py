@@ -30,7 +30,7 @@ from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, ProviderKind
 from apps.machines.lifecycle import (
     TERMINATE_TASK,
     instance_gone,
@@ -237,7 +237,9 @@ def reconcile_local_machines() -> list[ReconcileReport]:
     """At start (``make dev``): the local provider knows which of its machines still run, so
     rows whose machine died with the previous run become ``lost`` now, before a job is placed on
     one and waits out the heartbeat deadline."""
-    accounts = ProviderAccount.objects.filter(kind="local", instances__status__in=INSTANCE_LIVE).distinct()
+    accounts = ProviderAccount.objects.filter(
+        kind=ProviderKind.LOCAL, instances__status__in=INSTANCE_LIVE
+    ).distinct()
     return [reconcile_account(account=a) for a in accounts]
 
 

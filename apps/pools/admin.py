@@ -8,8 +8,10 @@ from django.http import HttpRequest
 from apps.core.actors import Actor
 from apps.core.admin import run_service_action, short_id_link
 from apps.core.errors import DomainError
+from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.machines.services import grant_for
+from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_create, pool_drain, pool_update, pool_validate_sizes
 
@@ -107,7 +109,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
         return obj.n_ready  # type: ignore[attr-defined]  # annotated by get_queryset
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[InstancePool]:
-        ready = Count("members", filter=Q(members__status="ready"))
+        ready = Count("members", filter=Q(members__status=InstanceStatus.READY))
         return super().get_queryset(request).select_related("org", "machine_type").annotate(n_ready=ready)
 
     def get_readonly_fields(self, request: HttpRequest, obj: InstancePool | None = None) -> tuple:
@@ -139,7 +141,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
         obj._state.adding = False
 
     def has_delete_permission(self, request: HttpRequest, obj: InstancePool | None = None) -> bool:
-        return obj is None or obj.status == "drained"  # only a drained pool is deleted
+        return obj is None or obj.status == PoolStatus.DRAINED  # only a drained pool is deleted
 
     @admin.action(description="Drain selected pools and terminate their members")
     def drain_terminate(self, request: HttpRequest, queryset: QuerySet[InstancePool]) -> None:

@@ -13,7 +13,7 @@ from django.db.models import Count, F, Q
 
 from apps.core.actors import Actor
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.pools.choices import POOL_ACTIVE
+from apps.pools.choices import POOL_ACTIVE, PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_refill, pool_update
 
@@ -59,7 +59,7 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
     for row in rows:
         result.pools += 1
         converged = row["fresh"] == row["target_size"] and not row["stale"]
-        status_right = (row["ready"] >= row["target_size"]) == (row["status"] == "ready")
+        status_right = (row["ready"] >= row["target_size"]) == (row["status"] == PoolStatus.READY)
         if converged and status_right:
             continue
         if result.refilled >= batch:

@@ -189,3 +189,53 @@ def test_every_actor_is_made_by_the_actor_type() -> None:
     from apps.core.actors import Actor
 
     assert {name: f for name, f in _members_used("Actor").items() if not hasattr(Actor, name)} == {}
+
+
+def _status_values() -> set[str]:
+    from apps.github.choices import WorkflowJobStatus
+    from apps.jobs.choices import ArtifactStatus, JobStatus
+    from apps.machines.choices import InstanceStatus
+    from apps.pools.choices import PoolStatus
+    from apps.resources.choices import ResourceStatus
+
+    enums = (JobStatus, InstanceStatus, PoolStatus, ResourceStatus, ArtifactStatus, WorkflowJobStatus)
+    return {str(member.value) for enum in enums for member in enum}
+
+
+def _is_status(node: ast.AST) -> bool:
+    """``x.status``, ``row["status"]``, ``x.end_state`` and the like."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "status" or node.attr.endswith("_status")
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("status")
+    return False
+
+
+def test_statuses_are_compared_and_set_through_their_enums() -> None:
+    """A status is written ``JobStatus.READY``, never ``"ready"``: in a comparison with a
+    status, a ``status=``/``status__in=`` filter or a state machine's ``to=``."""
+    values = _status_values()
+    found: dict[str, str] = {}
+    for path, tree in _sources():
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(_is_status(n) for n in [node.left, *node.comparators]):
+                for side in [node.left, *node.comparators]:
+                    elements = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                    for element in elements:
+                        for text in _constants(element):
+                            if text in values:
+                                found[f"{where}:{node.lineno} {text}"] = where
+            elif isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg and (kw.arg == "to" or kw.arg.endswith(("status", "status__in"))):
+                        value = kw.value
+                        elements = (
+                            value.elts if isinstance(value, ast.Tuple | ast.List | ast.Set) else [value]
+                        )
+                        for element in elements:
+                            for text in _constants(element):
+                                if text in values:
+                                    found[f"{where}:{node.lineno} {text}"] = where
+    assert found == {}
