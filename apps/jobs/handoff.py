@@ -34,19 +34,27 @@ from apps.jobs.reports import instance_release
 from apps.jobs.services import JOB_STATES
 from apps.resources.lifecycle import release_for_job
 
+# The rule, once: a job may be given to its agent when no integration hands it off, or once it
+# was handed to the machine it is assigned to. Its ORM, Python and SQL forms are built from these
+# names (tests/jobs/test_handoff_rule.py checks they agree).
+_BY, _TO, _ON = "handoff_by", "handed_off_to", "instance_id"
+HANDED_OFF_SQL = f"({_BY} = '' OR {_TO} = {_ON})"
+
 
 def handed_off() -> Q:
     """The jobs an agent may be given: no handoff needed, or handed to the job's own machine."""
-    return Q(handoff_by="") | Q(handed_off_to=F("instance_id"))
+    return Q(**{_BY: ""}) | Q(**{_TO: F(_ON)})
+
+
+def is_handed_off(job: Job) -> bool:
+    """:func:`handed_off` of one row in memory (SQL's NULL never equals: neither does None here)."""
+    to, on = getattr(job, _TO), getattr(job, _ON)
+    return getattr(job, _BY) == "" or (to is not None and to == on)
 
 
 def awaits_handoff(job: Job) -> bool:
     """Assigned to a machine whose agent has not been given it yet (nor may be)."""
-    return (
-        job.status == JobStatus.ASSIGNED
-        and bool(job.handoff_by)
-        and (job.handed_off_to is None or job.handed_off_to != job.instance_id)
-    )
+    return job.status == JobStatus.ASSIGNED and not is_handed_off(job)
 
 
 def _locked_awaiting(job_id: JobId, instance_id: InstanceId) -> Job | None:
