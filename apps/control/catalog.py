@@ -215,22 +215,9 @@ class _Applier:
 
     def machine_type(self, node: _Map) -> None:
 
-        optional = {
-            "description",
-            "location",
-            "image",
-            "gpus",
-            "spot",
-            "price_per_hour",
-            "billing_increment_seconds",
-            "min_billed_seconds",
-            "required_privilege",
-            "disk_gb",
-            "network",
-        }
-        self.fields(
-            node, "machine type", {"name", "provider_account", "server_type", "cpus", "memory_mb"}, optional
-        )
+        required = {"name", "provider_account", *MachineType.REQUIRED_FIELDS}
+        optional = set(MachineType.SETTABLE_FIELDS) - required
+        self.fields(node, "machine type", required, optional)
         account = ProviderAccount.objects.filter(name=str(node["provider_account"])).first()
         if account is None:
             raise self.error(

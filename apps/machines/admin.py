@@ -100,6 +100,7 @@ class MachineTypeAdmin(admin.ModelAdmin):
     )
     list_filter = ("provider_account", "spot", "required_privilege")
     search_fields = ("name", "server_type", "image", "description")
+    fields = ("name", "provider_account", *MachineType.SETTABLE_FIELDS, "version", "created_at", "updated_at")
     readonly_fields = ("version", "created_at", "updated_at")
 
     def save_model(self, request: HttpRequest, obj: MachineType, form: forms.ModelForm, change: bool) -> None:
