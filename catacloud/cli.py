@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -194,7 +195,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         _manage("migrate", "--noinput", env=env, capture=True)
         _manage("collectstatic", "--noinput", env=env, capture=True)
         _manage("apply", str(DEMO_CATALOG), env=env)
-        github = DevGitHub(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
+        github = DevGitHub.prepare(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
         if github is not None:
             _manage("apply", str(github.catalog), env=env)
         creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
@@ -459,56 +460,29 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
     return time.monotonic() - max(0.0, time.time() - since)
 
 
+@dataclass(frozen=True)
 class DevGitHub:
-    """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub (testkit/github_fake.py) sending
-    signed deliveries to this web, the demo org connected to it, and the local machines showing
-    the stand-in runner (testkit/github_runner) at /opt/actions-runner. The runner class is the
-    reader's to create (docs/walkthroughs/github-actions.md), as with a real GitHub."""
+    """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub sending signed deliveries to this
+    web, and the demo org connected to it. The test kit prepares it (``python -m
+    testkit.dev_github``, by name: product code imports nothing of the test kit) and answers
+    where it listens, the catalog to apply and the command that runs it."""
 
-    def __init__(self, home: Path, port: int) -> None:
-        self.port = int(os.environ.get("GITHUB_FAKE_PORT", "8070"))
-        self.url = f"http://127.0.0.1:{self.port}"
-        key, secret = home / "github-fake-app.pem", home / "github-fake-webhook-secret"
-        if not key.exists():
-            from testkit.github_fake import app_keypair
+    url: str
+    catalog: Path
+    command: list[str]
 
-            key.write_text(app_keypair()[0])
-            key.chmod(0o600)
-        if not secret.exists():
-            import secrets
-
-            secret.write_text(secrets.token_urlsafe(24))
-            secret.chmod(0o600)
-        self.command = [
-            sys.executable, "-m", "testkit.github_fake", "--port", str(self.port), "--app-id", "1",
-            "--public-key-file", str(key), "--webhook-secret-file", str(secret),
-            "--webhook-url", f"http://127.0.0.1:{port}/api/integrations/github/webhook",
-            "--installation", "1", "--account", "demo-org", "--repository", "demo-org/app",
-        ]  # fmt: skip
-        import yaml
-
-        from testkit.github_kit import RUNNER_MOUNT
-
-        # The demo's local account, its machines showing the stand-in runner at /opt/actions-runner.
-        demo = yaml.safe_load(DEMO_CATALOG.read_text())
-        local = next(a for a in demo["provider_accounts"] if a["name"] == "local")
-        local["config"] = {**(local.get("config") or {}), "mounts": [RUNNER_MOUNT]}
-        # Its jobs reach the fake GitHub on this host's loopback through the machine type's
-        # allow list, as an operator's cache would be reached; nothing else of the host.
-        small = next(t for t in demo["machine_types"] if t["name"] == "local-small")
-        small["network"] = {"allow": [f"127.0.0.1:{self.port}"]}
-        self.catalog = home / "github-dev.yaml"
-        self.catalog.write_text(
-            yaml.safe_dump({"provider_accounts": [local], "machine_types": [small]}, sort_keys=False)
-            + "organizations:\n"
-            "  - slug: demo\n"
-            "    github:\n"
-            "      app_id: 1\n"
-            f"      api_url: {self.url}\n"
-            f"      private_key: {{file: {key}}}\n"
-            f"      webhook_secret: {{file: {secret}}}\n"
-            "      installations: [{id: 1, account: demo-org}]\n"
-        )
+    @classmethod
+    def prepare(cls, home: Path, port: int) -> DevGitHub:
+        fake_port = os.environ.get("GITHUB_FAKE_PORT", "8070")
+        answer = subprocess.run(
+            [sys.executable, "-m", "testkit.dev_github", str(home), str(port), fake_port],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        data = json.loads(answer)
+        return cls(url=data["url"], catalog=Path(data["catalog"]), command=data["command"])
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from apps.core.actors import Actor
 from testkit.github_fake import FakeGitHub
 
 # The stand-in runner's folder: what a machine's image provides at /opt/actions-runner. A local
@@ -43,7 +44,9 @@ def allow_loopback(machine_type: Any, url: str) -> None:
     entry = f"127.0.0.1:{urlsplit(url).port}"
     allow = list((machine_type.network or {}).get("allow") or [])
     if entry not in allow:
-        machine_type_update(machine_type=machine_type, actor="testkit", network={"allow": [*allow, entry]})
+        machine_type_update(
+            machine_type=machine_type, actor=Actor.TESTKIT, network={"allow": [*allow, entry]}
+        )
         machine_type.refresh_from_db()
 
 
@@ -69,11 +72,11 @@ def connect(
         private_key=private_key,
         webhook_secret=fake.webhook_secret,
         installations=[{"id": installation_id, "account": account}],
-        actor="testkit",
+        actor=Actor.TESTKIT,
     )
     saved = []
     for spec in classes:
-        rc, _ = runner_class_save(org=org, actor="testkit", **{"runner_dir": runner_dir, **spec})
+        rc, _ = runner_class_save(org=org, actor=Actor.TESTKIT, **{"runner_dir": runner_dir, **spec})
         saved.append(rc)
         expose_runner(rc.machine_type.provider_account)
         allow_loopback(rc.machine_type, fake.url)

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from apps.billing.budgets import budget_set
 from apps.billing.costs import cost_report
+from apps.core.actors import Actor
 from apps.machines.budgets import budget_spend
 from apps.machines.models import Budget
 from apps.orgs.models import Organization
@@ -49,7 +50,7 @@ class BudgetAdmin(admin.ModelAdmin):
             amount=obj.amount,
             period=obj.period,
             machine_type=obj.machine_type,
-            actor=f"admin:{request.user}",
+            actor=Actor.admin(request.user.get_username()),
         )
         obj.pk = saved.pk
 

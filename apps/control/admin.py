@@ -16,6 +16,7 @@ from django.utils.html import format_html_join
 
 from apps.control.dashboard import grant_usage, grants_with_usage
 from apps.control.services import grant_delete, grant_upsert, in_use_summary, org_in_use
+from apps.core.actors import Actor
 from apps.core.errors import DomainError
 from apps.machines.models import OrgMachineType
 from apps.machines.services import grant_check_privilege
@@ -94,8 +95,8 @@ class GrantInline(admin.TabularInline):
         return usage_chips(obj)
 
 
-def _actor(request: HttpRequest) -> str:
-    return f"admin:{request.user.get_username()}"
+def _actor(request: HttpRequest) -> Actor:
+    return Actor.admin(request.user.get_username())
 
 
 def grant_formset_save(request: HttpRequest, formset: BaseInlineFormSet) -> None:

@@ -21,6 +21,7 @@ from django.db import transaction
 
 from apps.billing.budgets import budget_set
 from apps.control.services import grant_upsert
+from apps.core.actors import Actor
 from apps.core.errors import DomainError
 from apps.github.models import GitHubConnection, RunnerClass
 from apps.github.services import CLASS_FIELDS, connection_set, pool_by_name, runner_class_save
@@ -214,22 +215,9 @@ class _Applier:
 
     def machine_type(self, node: _Map) -> None:
 
-        optional = {
-            "description",
-            "location",
-            "image",
-            "gpus",
-            "spot",
-            "price_per_hour",
-            "billing_increment_seconds",
-            "min_billed_seconds",
-            "required_privilege",
-            "disk_gb",
-            "network",
-        }
-        self.fields(
-            node, "machine type", {"name", "provider_account", "server_type", "cpus", "memory_mb"}, optional
-        )
+        required = {"name", "provider_account", *MachineType.REQUIRED_FIELDS}
+        optional = set(MachineType.SETTABLE_FIELDS) - required
+        self.fields(node, "machine type", required, optional)
         account = ProviderAccount.objects.filter(name=str(node["provider_account"])).first()
         if account is None:
             raise self.error(
@@ -305,7 +293,7 @@ class _Applier:
                     f"unknown privilege {name!r} (declare it under privileges)", node, "privileges"
                 )
             if not org.privileges.filter(name=str(name)).exists():
-                privilege_grant(org=org, name=str(name), actor="catalog")
+                privilege_grant(org=org, name=str(name), actor=Actor.CATALOG)
                 changed = True
         for member in self.items(node, "members"):
             self.fields(member, "member", {"username", "role"}, set())
@@ -314,7 +302,7 @@ class _Applier:
             self.guard(
                 member,
                 functools.partial(
-                    membership_set, org=org, user=user, role=str(member["role"]), actor="catalog"
+                    membership_set, org=org, user=user, role=str(member["role"]), actor=Actor.CATALOG
                 ),
             )
             changed = changed or before != member["role"]
@@ -359,7 +347,7 @@ class _Applier:
                 private_key=self.secret_ref(node["private_key"], node, "private_key"),
                 webhook_secret=self.secret_ref(node["webhook_secret"], node, "webhook_secret"),
                 installations=node.get("installations") or [],
-                actor="catalog",
+                actor=Actor.CATALOG,
             ),
         )
         self.report.add(f"github connection of {org.slug}", changed, created=not existed)
@@ -377,7 +365,7 @@ class _Applier:
                     runner_class_save,
                     org=org,
                     runner_class=existing,
-                    actor="catalog",
+                    actor=Actor.CATALOG,
                     machine_type=mt,
                     pool=pool,
                     **fields,
@@ -408,7 +396,7 @@ class _Applier:
         self.guard(
             node,
             lambda: budget_set(
-                org=org, amount=node["amount"], period=period, machine_type=mt, actor="catalog"
+                org=org, amount=node["amount"], period=period, machine_type=mt, actor=Actor.CATALOG
             ),
         )
         return True

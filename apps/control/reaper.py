@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.locks import REAPER, try_advisory_lock
 from apps.github.convergence import github_converge
 from apps.jobs.acquisition import resources_safety_net
@@ -102,7 +103,7 @@ def _mark_silent_lost(now: datetime) -> int:
     for instance_id in silent:
         if instance_mark_lost(
             instance_id=instance_id,
-            actor="reaper",
+            actor=Actor.REAPER,
             reason=f"agent silent for more than {settings.CATACLOUD_AGENT_LOST_AFTER:.0f}s",
         ):
             count += 1

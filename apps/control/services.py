@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -41,7 +42,7 @@ def grant_upsert(
         event_record(
             kind=EventKind.ORG_GRANT_CREATED,
             org=org,
-            actor="catalog",
+            actor=Actor.CATALOG,
             machine_type=machine_type.name,
             **quota,
         )
@@ -54,7 +55,7 @@ def grant_upsert(
         event_record(
             kind=EventKind.ORG_GRANT_UPDATED,
             org=org,
-            actor="catalog",
+            actor=Actor.CATALOG,
             machine_type=machine_type.name,
             **changed,
         )
@@ -73,7 +74,7 @@ def in_use_summary(**scope: object) -> str:
 
 
 @transaction.atomic
-def grant_delete(*, grant: OrgMachineType, actor: str = "") -> None:
+def grant_delete(*, grant: OrgMachineType, actor: Actor = Actor.UNNAMED) -> None:
     """Take a machine type away from an org: refused (409 ``in_use``) while the org still has
     live machines, undrained pools or live jobs of it (drain, terminate or cancel first)."""
     locked = grant_lock(org_id=grant.org_id, machine_type_id=grant.machine_type_id)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from apps.core.causes import Cause
 from apps.core.ids import InstanceId, JobId, MachineTypeId, OrgId, PoolId, ResourceTypeId
 
 P = ParamSpec("P")
@@ -64,7 +65,7 @@ def machine_available(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:
 
 
 @Hook
-def machine_gone(*, instance_id: InstanceId, cause: str, detail: str = "") -> int:
+def machine_gone(*, instance_id: InstanceId, cause: Cause, detail: str = "") -> int:
     """machines → jobs: a machine ended (terminated, lost); requeue the jobs it was running with
     ``cause``. Returns how many."""
     raise NotImplementedError

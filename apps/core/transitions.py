@@ -17,6 +17,7 @@ from uuid import UUID
 from django.db import models, transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition
 from apps.core.ids import RowRef
 
@@ -35,7 +36,7 @@ class Recorder(Protocol[K_contra]):
         *,
         kind: K_contra,
         org: RowRef = ...,
-        actor: str = ...,
+        actor: Actor = ...,
         reason: str = ...,
         pool: RowRef = ...,
         instance: RowRef = ...,
@@ -50,7 +51,7 @@ class NewEvent(Generic[K]):
     ``instance``, ``job``; anything else goes to its data)."""
 
     kind: K
-    actor: str
+    actor: Actor
     refs: Mapping[str, Any]
     reason: str = ""
 
@@ -176,7 +177,7 @@ class StateMachine(Generic[M, K]):
         *,
         to: str,
         from_: Iterable[str] | None = None,
-        actor: str = "",
+        actor: Actor = Actor.UNNAMED,
         reason: str = "",
         event: K | None = None,
         now: datetime | None = None,
@@ -222,7 +223,7 @@ class StateMachine(Generic[M, K]):
         to: str,
         from_: Iterable[str],
         refs: Callable[[UUID], Mapping[str, Any]],
-        actor: str = "",
+        actor: Actor = Actor.UNNAMED,
         event: K | None = None,
         now: datetime | None = None,
         **changes: Any,

@@ -6,6 +6,7 @@ from uuid import UUID
 
 from django.db.models import Model
 
+from apps.core.actors import Actor
 from apps.core.ids import RowRef
 from apps.core.registry import registered
 from apps.core.transitions import NewEvent
@@ -17,7 +18,7 @@ def event_record(
     *,
     kind: EventKind,
     org: RowRef = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     reason: str = "",
     pool: RowRef = None,
     instance: RowRef = None,

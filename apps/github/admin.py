@@ -11,6 +11,7 @@ from django.contrib import admin
 from django.db import transaction
 from django.http import HttpRequest
 
+from apps.core.actors import Actor
 from apps.core.admin import ReadOnlyAdmin, neutral_bool
 from apps.core.errors import DomainError
 from apps.github.models import GitHubConnection, Runner, RunnerClass, WebhookDelivery, WorkflowJob
@@ -21,7 +22,7 @@ class _ThroughService(forms.ModelForm):
     """A form whose clean() saves through the service (inside its own savepoint), so a refusal
     shows on the form and nothing is half-written; the admin's save then has nothing to do."""
 
-    actor = "admin"
+    actor = Actor.ADMIN
     saved: Any = None
 
     def save_through_service(self) -> Any:  # pragma: no cover - each form defines it
@@ -109,7 +110,7 @@ class GitHubConnectionAdmin(admin.ModelAdmin):
 
     def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
         form = super().get_form(request, obj, change=change, **kwargs)
-        form.actor = f"admin:{request.user.get_username()}"  # type: ignore[attr-defined]
+        form.actor = Actor.admin(request.user.get_username())  # type: ignore[attr-defined]
         return form
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:

@@ -13,6 +13,7 @@ from celery import current_app
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.ids import GitHubInstallationId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -63,7 +64,7 @@ def installation_unavailable(
             event_record(
                 kind=EventKind.GITHUB_UNAVAILABLE,
                 org=inst.org_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 reason=reason[:500],
                 installation=inst.installation_id,
                 until=until.isoformat(),
@@ -71,7 +72,7 @@ def installation_unavailable(
         held = Runner.objects.filter(installation=inst, job__status__in=NOT_ON_A_MACHINE).values_list(
             "job_id", flat=True
         )
-        jobs_hold(job_ids=list(held), reason=f"GitHub unavailable: {reason}", actor="github")
+        jobs_hold(job_ids=list(held), reason=f"GitHub unavailable: {reason}", actor=Actor.GITHUB)
     _probe_at(inst.pk, (until - now).total_seconds())
 
 
@@ -87,7 +88,7 @@ def installation_available(*, installation_id: GitHubInstallationId) -> None:
             event_record(
                 kind=EventKind.GITHUB_AVAILABLE,
                 org=inst.org_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 installation=inst.installation_id,
             )
         held = Runner.objects.filter(installation=inst, job__status=JobStatus.QUEUED).values_list(

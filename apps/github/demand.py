@@ -23,12 +23,13 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
 from apps.core.ids import RunnerClassId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.github.availability import NOT_ON_A_MACHINE, hold_reason
-from apps.github.choices import STATUS_RANK, WORKFLOW_JOB_PENDING, WorkflowJobStatus
+from apps.github.choices import STATUS_RANK, WORKFLOW_JOB_PENDING, Applied, WorkflowJobStatus
 from apps.github.dispatch import retire_soon
 from apps.github.messages import CONVERGE_TASK
 from apps.github.models import GitHubInstallation, Runner, RunnerClass, WorkflowJob
@@ -61,17 +62,17 @@ def workflow_job_apply(
     status: str | None,
     repository: str,
     source: str,
-) -> tuple[WorkflowJob | None, str]:
+) -> tuple[WorkflowJob | None, Applied]:
     """Record what GitHub says about one workflow job (a ``workflow_job`` delivery's
     ``workflow_job``, or a job the reconciler polled). Returns (record, outcome); the record is
     None for a job no runner class of the org covers (it is meant for other runners)."""
     status = _status(status or job.get("status"))
     if status is None:
-        return None, "unknown status"
+        return None, Applied.UNKNOWN_STATUS
     try:
         github_id, run_attempt, run_id = int(job["id"]), int(job.get("run_attempt") or 1), int(job["run_id"])
     except (KeyError, TypeError, ValueError):
-        return None, "not a workflow job"
+        return None, Applied.NOT_A_WORKFLOW_JOB
     labels = [str(label) for label in job.get("labels") or []]
     with transaction.atomic():
         record = (
@@ -82,7 +83,7 @@ def workflow_job_apply(
         if record is None:
             runner_class = match_class(RunnerClass.objects.filter(org_id=installation.org_id), labels)
             if runner_class is None:
-                return None, "no runner class covers these labels"
+                return None, Applied.NOT_COVERED
             try:
                 with transaction.atomic():
                     record = WorkflowJob.objects.create(
@@ -106,7 +107,7 @@ def workflow_job_apply(
                 event_record(
                     kind=EventKind.GITHUB_JOB_QUEUED,
                     org=installation.org_id,
-                    actor=f"github:{source}",
+                    actor=Actor.github(source),
                     repository=record.repository,
                     workflow=record.workflow,
                     job_name=record.name,
@@ -116,14 +117,14 @@ def workflow_job_apply(
                     status=status,
                 )
                 _moved(record, status, job, source, created=True)
-                return record, "created"
+                return record, Applied.CREATED
         old, new = STATUS_RANK[record.status], STATUS_RANK[status]  # type: ignore[index]
         lateral = old == new and record.status in WORKFLOW_JOB_PENDING and status != record.status
         if new < old or (new == old and not lateral):
-            return record, "stale"  # a duplicate, or older than what we know: never back
+            return record, Applied.STALE  # a duplicate, or older than what we know: never back
         record.status = status
         _moved(record, status, job, source, created=False)
-        return record, "moved"
+        return record, Applied.MOVED
 
 
 def _moved(record: WorkflowJob, status: str, job: Mapping[str, Any], source: str, *, created: bool) -> None:
@@ -152,7 +153,7 @@ def _moved(record: WorkflowJob, status: str, job: Mapping[str, Any], source: str
             kind=kind,
             org=record.org_id,
             job=ours.job_id if ours else None,
-            actor=f"github:{source}",
+            actor=Actor.github(source),
             repository=record.repository,
             workflow=record.workflow,
             job_name=record.name,
@@ -258,7 +259,7 @@ def class_converge(*, runner_class_id: RunnerClassId) -> dict[str, int]:
                 job = job_submit(
                     org=rc.org,
                     config=rc.job_config,
-                    actor="github",
+                    actor=Actor.GITHUB,
                     labels=record.job_labels(),
                     handoff_by="github",
                     hold_reason=hold_reason(record.installation),
@@ -274,7 +275,7 @@ def class_converge(*, runner_class_id: RunnerClassId) -> dict[str, int]:
         elif deficit < 0:
             for runner in sorted(supply.select_related("job"), key=_retire_rank)[:-deficit]:
                 if _retire_rank(runner)[0] < 2:
-                    job_cancel(job=runner.job, actor="github")  # no runner registered: ends at once
+                    job_cancel(job=runner.job, actor=Actor.GITHUB)  # no runner registered: ends at once
                 else:
                     Runner.objects.filter(pk=runner.pk).update(retire_requested_at=now)
                     retire_soon(runner.pk)

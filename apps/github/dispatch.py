@@ -16,13 +16,15 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.core.ids import InstanceId, JobId, RunnerId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.github.availability import hold_reason
-from apps.github.choices import RunnerScope
+from apps.github.choices import Handoff, RunnerScope
 from apps.github.client import (
     GitHubClient,
     GitHubConflict,
@@ -82,17 +84,17 @@ def _load(job_id: JobId) -> Runner | None:
     )
 
 
-def runner_handoff(*, job_id: JobId) -> str:
+def runner_handoff(*, job_id: JobId) -> Handoff:
     """Register a just-in-time runner for the machine the job is assigned to and hand its
     configuration to the agent. Idempotent: a job already handed off (or no longer assigned)
     is left alone; a registration left by a crash is deleted and made again."""
     runner = _load(job_id)
     if runner is None or not awaits_handoff(runner.job):
-        return "nothing to do"
+        return Handoff.NOTHING_TO_DO
     job, inst, rc = runner.job, runner.installation, runner.runner_class
     instance_id = job.instance_id
     if instance_id is None:  # awaits_handoff: assigned, so on a machine
-        return "nothing to do"
+        return Handoff.NOTHING_TO_DO
     name = runner_name(instance_id)
     Runner.objects.filter(pk=runner.pk).update(
         name=name, registering_instance=instance_id, registering_at=timezone.now()
@@ -106,20 +108,20 @@ def runner_handoff(*, job_id: JobId) -> str:
         job_handoff_failed(
             job_id=job.pk,
             instance_id=instance_id,
-            cause="github_unavailable",
+            cause=Cause.GITHUB_UNAVAILABLE,
             detail=exc.detail,
-            actor="github",
+            actor=Actor.GITHUB,
             hold_reason=hold_reason(inst) or f"GitHub unavailable: {exc.detail}"[:300],
         )
-        return "github unavailable"
+        return Handoff.GITHUB_UNAVAILABLE
     except GitHubRefused as exc:
         with transaction.atomic():
             if job_handoff_failed(
                 job_id=job.pk,
                 instance_id=instance_id,
-                cause="github_refused",
+                cause=Cause.GITHUB_REFUSED,
                 detail=f"GitHub refused the runner registration: {exc.detail}",
-                actor="github",
+                actor=Actor.GITHUB,
                 permanent=True,
             ):
                 event_record(
@@ -127,17 +129,17 @@ def runner_handoff(*, job_id: JobId) -> str:
                     org=job.org_id,
                     job=job,
                     instance=instance_id,
-                    actor="github",
+                    actor=Actor.GITHUB,
                     reason=exc.detail[:500],
                     runner_class=rc.name,
                 )
-        return "refused"
+        return Handoff.REFUSED
     with transaction.atomic():
         handed = job_handed_off(
             job_id=job.pk,
             instance_id=instance_id,
             secret_env={JIT_ENV: created.encoded_jit_config},
-            actor="github",
+            actor=Actor.GITHUB,
         )
         if handed:
             Runner.objects.filter(pk=runner.pk).update(
@@ -152,7 +154,7 @@ def runner_handoff(*, job_id: JobId) -> str:
                 org=job.org_id,
                 job=job,
                 instance=instance_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 runner=created.name,
                 runner_id=created.runner_id,
                 runner_class=rc.name,
@@ -160,8 +162,8 @@ def runner_handoff(*, job_id: JobId) -> str:
             )
     if not handed:  # the job moved on while we asked: the registration is nobody's
         _delete_quietly(client, path, created.runner_id)
-        return "job moved on"
-    return "handed off"
+        return Handoff.JOB_MOVED_ON
+    return Handoff.HANDED_OFF
 
 
 def _register(
@@ -194,13 +196,13 @@ def _delete_quietly(client: GitHubClient, path: str, runner_id: int) -> None:
         log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
 
 
-def runner_retire(*, job_id: JobId) -> str:
+def runner_retire(*, job_id: JobId) -> Handoff:
     """A runner no longer needed (demand fell, or idle past its deadline): delete its
     registration at GitHub (refused while it runs a job: then it stays, bound to that job),
     then cancel its Catacloud job (the agent stops it; the machine follows retention)."""
     runner = _load(job_id)
     if runner is None or runner.job.status not in JOB_LIVE or runner.workflow_job_id:
-        return "nothing to do"
+        return Handoff.NOTHING_TO_DO
     job = runner.job
     if runner.github_runner_id and not awaits_handoff(job) and job.handed_off_to:
         client = GitHubClient(runner.installation)
@@ -208,23 +210,23 @@ def runner_retire(*, job_id: JobId) -> str:
             client.delete_runner(owner_path=owner_path(runner), runner_id=runner.github_runner_id)
         except GitHubUnprocessable:  # busy: GitHub gave it a job; the job's delivery binds it
             Runner.objects.filter(pk=runner.pk).update(retire_requested_at=None)
-            return "busy"
+            return Handoff.BUSY
         except (GitHubUnavailable, GitHubRateLimited):
-            return "github unavailable"  # retire_requested_at stays: the reconciler retries
+            return Handoff.GITHUB_UNAVAILABLE  # retire_requested_at stays: the reconciler retries
         with transaction.atomic():
             event_record(
                 kind=EventKind.GITHUB_RUNNER_DELETED,
                 org=job.org_id,
                 job=job,
                 instance=job.instance_id,
-                actor="github",
+                actor=Actor.GITHUB,
                 runner=runner.name,
                 runner_id=runner.github_runner_id,
                 reason="no queued job needs it",
             )
     with contextlib.suppress(InvalidTransition):  # it ended meanwhile: nothing left to stop
-        job_cancel(job=job, actor="github")
-    return "retired"
+        job_cancel(job=job, actor=Actor.GITHUB)
+    return Handoff.RETIRED
 
 
 def retire_soon(runner_pk: RunnerId) -> None:

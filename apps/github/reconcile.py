@@ -26,7 +26,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.core.ids import GitHubInstallationId
 from apps.events.kinds import EventKind
@@ -159,7 +161,7 @@ def _runners(
                     kind=EventKind.GITHUB_RUNNER_DELETED,
                     org=inst.org_id,
                     instance=instance_id,
-                    actor="github:reconciler",
+                    actor=Actor.GITHUB_RECONCILER,
                     runner=gh.get("name"),
                     runner_id=rid,
                     reason="no live runner job holds it (its machine or job is gone)",
@@ -194,7 +196,7 @@ def _recycle(runner: Runner, now: datetime) -> int:
             org=runner.org_id,
             job=runner.job_id,
             instance=instance_id,
-            actor="github:reconciler",
+            actor=Actor.GITHUB_RECONCILER,
             runner=runner.name,
             reason=f"not online {runner.runner_class.online_timeout_seconds}s after its handoff",
         )
@@ -203,9 +205,9 @@ def _recycle(runner: Runner, now: datetime) -> int:
         with contextlib.suppress(InvalidTransition):
             instance_terminate(
                 instance_id=instance_id,
-                actor="github:reconciler",
+                actor=Actor.GITHUB_RECONCILER,
                 reason="its GitHub runner never came online",
-                cause="runner_offline",
+                cause=Cause.RUNNER_OFFLINE,
             )
             return 1
     return 0
@@ -226,7 +228,7 @@ def _poll(inst: GitHubInstallation, client: GitHubClient, now: datetime) -> dict
                 _, outcome = workflow_job_apply(
                     installation=inst, job=job, status=None, repository=full, source="poll"
                 )
-                found += outcome in ("created", "moved")
+                found += outcome.found
     stale = WorkflowJob.objects.filter(
         installation=inst,
         status__in=[WorkflowJobStatus.QUEUED, WorkflowJobStatus.WAITING, WorkflowJobStatus.IN_PROGRESS],
@@ -241,7 +243,7 @@ def _poll(inst: GitHubInstallation, client: GitHubClient, now: datetime) -> dict
         _, outcome = workflow_job_apply(
             installation=inst, job=job, status=None, repository=record.repository, source="poll"
         )
-        found += outcome in ("created", "moved")
+        found += outcome.found
     base = interval()
     current = inst.poll_interval_seconds or base
     next_interval = base if found else min(MAX_POLL_INTERVAL, current * 2)
@@ -291,7 +293,7 @@ def _redeliver(inst: GitHubInstallation, client: GitHubClient, now: datetime) ->
             event_record(
                 kind=EventKind.GITHUB_REDELIVERED,
                 org=inst.org_id,
-                actor="github:reconciler",
+                actor=Actor.GITHUB_RECONCILER,
                 delivery=guid,
                 event=delivery.get("event"),
                 action=delivery.get("action"),

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from django.conf import settings
 from django.db import transaction
 
+from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -124,7 +125,7 @@ def connection_set(
     private_key: str | None = None,
     webhook_secret: str | None = None,
     installations: Any = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
 ) -> tuple[GitHubConnection, bool]:
     """Create or change the org's GitHub connection. Secrets given replace the stored ones
     (None keeps them; they are required when creating); ``installations`` given replaces the
@@ -221,7 +222,7 @@ def _set_installations(conn: GitHubConnection, wanted: list[tuple[int, str]]) ->
 
 
 @transaction.atomic
-def connection_delete(*, org: Organization, actor: str = "") -> None:
+def connection_delete(*, org: Organization, actor: Actor = Actor.UNNAMED) -> None:
     conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
     if conn is None:
         raise NotFound("this organization has no GitHub connection")
@@ -263,7 +264,7 @@ CLASS_FIELDS = (
 
 @transaction.atomic
 def runner_class_save(
-    *, org: Organization, runner_class: RunnerClass | None = None, actor: str = "", **fields: Any
+    *, org: Organization, runner_class: RunnerClass | None = None, actor: Actor = Actor.UNNAMED, **fields: Any
 ) -> tuple[RunnerClass, bool]:
     """Create (``runner_class`` None) or change a runner class and the job configuration it
     keeps (``github-<name>``: machine type, command, timeout, priority, attempts; reuse, so a
@@ -334,7 +335,7 @@ def runner_class_save(
 
 
 @transaction.atomic
-def runner_class_delete(*, runner_class: RunnerClass, actor: str = "") -> None:
+def runner_class_delete(*, runner_class: RunnerClass, actor: Actor = Actor.UNNAMED) -> None:
     """Delete a class with no live runner (409 ``in_use`` otherwise); its job configuration
     goes too unless jobs refer to it (their records stay)."""
     if Runner.objects.filter(runner_class=runner_class, job__status__in=JOB_LIVE).exists():

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.ids import JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -59,7 +60,7 @@ def job_acquire_resources(*, job_id: JobId) -> str:
             resource.refresh_from_db()
         if resource.status == ResourceStatus.READY:
             RESOURCE_STATES.move(
-                resource.pk, to=ResourceStatus.HELD, from_=[ResourceStatus.READY], actor="acquirer"
+                resource.pk, to=ResourceStatus.HELD, from_=[ResourceStatus.READY], actor=Actor.ACQUIRER
             )
         elif resource.status != ResourceStatus.HELD:
             return "waiting"  # failed or being created elsewhere: the next pass retries
@@ -68,7 +69,7 @@ def job_acquire_resources(*, job_id: JobId) -> str:
             job.pk,
             to=JobStatus.WAITING_FOR_MACHINE,
             from_=[JobStatus.ACQUIRING_RESOURCES],
-            actor="acquirer",
+            actor=Actor.ACQUIRER,
             pending_reason="waiting for a machine",
             event_data={"resources": needed},
         )
@@ -105,7 +106,7 @@ def _reserve(job: Job, type_id: str) -> ResourceInstance | None:
             kind=EventKind.RESOURCE_REQUESTED,
             org=job.org_id,
             job=job,
-            actor="acquirer",
+            actor=Actor.ACQUIRER,
             resource=str(resource.pk),
             resource_type=rtype.pk,
         )
@@ -116,7 +117,7 @@ def _create(resource: ResourceInstance, job: Job) -> None:
     """Create it with its well, outside any transaction; record the result in a new one."""
     if (
         RESOURCE_STATES.try_move(
-            resource.pk, to=ResourceStatus.CREATING, from_=[ResourceStatus.REQUESTED], actor="acquirer"
+            resource.pk, to=ResourceStatus.CREATING, from_=[ResourceStatus.REQUESTED], actor=Actor.ACQUIRER
         )
         is None
     ):
@@ -132,14 +133,14 @@ def _create(resource: ResourceInstance, job: Job) -> None:
                 resource.pk,
                 to=ResourceStatus.REQUESTED,
                 from_=[ResourceStatus.CREATING],
-                actor="acquirer",
+                actor=Actor.ACQUIRER,
                 reason=str(exc),
             )
             raise
         RESOURCE_STATES.move(
             resource.pk,
             to=ResourceStatus.FAILED,
-            actor="acquirer",
+            actor=Actor.ACQUIRER,
             reason=str(exc)[:500],
             failure_reason=str(exc)[:2000],
         )
@@ -152,7 +153,7 @@ def _create(resource: ResourceInstance, job: Job) -> None:
         row.save(update_fields=["external_id", "metadata", "secret_encrypted"])
         if row.status == ResourceStatus.CREATING:
             RESOURCE_STATES.move(
-                resource.pk, to=ResourceStatus.READY, from_=[ResourceStatus.CREATING], actor="acquirer"
+                resource.pk, to=ResourceStatus.READY, from_=[ResourceStatus.CREATING], actor=Actor.ACQUIRER
             )
             return
     # Released (or re-driven) while we were creating: the release's destroy may have run
@@ -168,7 +169,7 @@ def _create(resource: ResourceInstance, job: Job) -> None:
 def _fail_job(job: Job, reason: str) -> None:
     with transaction.atomic():
         failed = JOB_STATES.try_move(
-            job.pk, to=JobStatus.FAILED, actor="acquirer", reason=reason, failure_reason=reason
+            job.pk, to=JobStatus.FAILED, actor=Actor.ACQUIRER, reason=reason, failure_reason=reason
         )
         if failed is None:
             return
@@ -197,7 +198,7 @@ def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
     released = 0
     for resource_id in orphans:
         releasing = RESOURCE_STATES.try_move(
-            resource_id, to=ResourceStatus.RELEASING, actor="reaper", reason="job is gone"
+            resource_id, to=ResourceStatus.RELEASING, actor=Actor.REAPER, reason="job is gone"
         )
         if releasing is None:
             continue

@@ -15,6 +15,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from apps.core.actors import Actor
 from apps.core.admin import ReadOnlyAdmin, run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.core.errors import NotFound as DomainNotFound
@@ -23,7 +24,7 @@ from apps.core.templatetags.console import between, human_seconds
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.artifacts import artifact_download
-from apps.jobs.choices import JOB_LIVE, ArtifactStatus
+from apps.jobs.choices import JOB_LIVE, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel
@@ -107,7 +108,7 @@ class JobConfigurationAdmin(admin.ModelAdmin):
         saved = job_config_save(
             org=obj.org,
             config=obj if change else None,
-            actor=f"admin:{request.user.get_username()}",
+            actor=Actor.admin(request.user.get_username()),
             resource_types=data.get("resource_types") or [],
             **{k: v for k, v in data.items() if k not in ("org", "resource_types")},
         )
@@ -118,7 +119,7 @@ class JobConfigurationAdmin(admin.ModelAdmin):
         pass  # resource types were set by job_config_save
 
     def delete_model(self, request: HttpRequest, obj: JobConfiguration) -> None:
-        job_config_delete(config=obj, actor=f"admin:{request.user.get_username()}")
+        job_config_delete(config=obj, actor=Actor.admin(request.user.get_username()))
 
     def delete_view(self, request: HttpRequest, object_id: str, extra_context: Any = None) -> HttpResponse:
         obj = self.get_object(request, object_id)
@@ -374,10 +375,12 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="files")
     def artifact_links(self, obj: Job) -> str:
-        rows = Artifact.objects.filter(job=obj).exclude(status="expired").order_by("kind", "name")
+        rows = (
+            Artifact.objects.filter(job=obj).exclude(status=ArtifactStatus.EXPIRED).order_by("kind", "name")
+        )
         items = []
         for a in rows:
-            if a.status == "stored" and a.kind == Artifact.KIND_OUTPUT:
+            if a.status == ArtifactStatus.STORED and a.kind == Artifact.KIND_OUTPUT:
                 link = format_html(
                     '<a href="{}">{}</a>', reverse("admin:jobs_job_artifact", args=[obj.pk, a.pk]), a.name
                 )
@@ -430,11 +433,13 @@ class JobAdmin(ReadOnlyAdmin):
         if request.method != "POST":
             return HttpResponseRedirect(change)
         try:
-            job = job_cancel(job=job, actor=f"admin:{request.user.get_username()}")
+            job = job_cancel(job=job, actor=Actor.admin(request.user.get_username()))
         except DomainError as exc:
             self.message_user(request, f"not cancelled: {exc.detail}", messages.WARNING)
         else:
-            done = "cancelled" if job.status == "cancelled" else "cancel requested: the agent stops it"
+            done = (
+                "cancelled" if job.status == JobStatus.CANCELLED else "cancel requested: the agent stops it"
+            )
             self.message_user(request, f"job {str(job.pk)[:8]}: {done}", messages.SUCCESS)
         return HttpResponseRedirect(change)
 
@@ -465,7 +470,7 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Cancel selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self, request, queryset, "cancelled or cancel requested", lambda j: job_cancel(job=j, actor=actor)
         )

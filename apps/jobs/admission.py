@@ -11,6 +11,7 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
@@ -53,7 +54,7 @@ def _budget_slots(org_id: OrgId, mt: MachineType, slots: int, now: datetime) -> 
     """Under a money budget, admit only the jobs that machines already paid for (ready or on
     their way, not yet spoken for by admitted jobs) or machines the budget still allows can
     take; the rest stay queued with the budget's sentence. No budget: ``slots`` unchanged."""
-    check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+    check = budget_check(org_id=org_id, machine_type=mt, now=now, actor=Actor.SCHEDULER)
     if check.allowed is None:
         return slots, ""
     paid_free = MachineInstance.objects.filter(
@@ -150,7 +151,7 @@ def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool 
                     to=to,
                     from_=[JobStatus.QUEUED],
                     refs=lambda pk: {"org": org_id, "job": pk},
-                    actor="scheduler",
+                    actor=Actor.SCHEDULER,
                     event=EventKind.JOB_ADMITTED,
                     now=now,
                     admitted_at=now,

@@ -23,6 +23,7 @@ from django.http import HttpResponseRedirect, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
 from apps.core.ids import JobId
 from apps.events.kinds import EventKind
@@ -131,7 +132,7 @@ def artifact_store(*, job: Job, kind: str, name: str, body: Readable, size: int,
             else EventKind.ARTIFACT_STORED,
             org=job.org_id,
             job=job,
-            actor="agent",
+            actor=Actor.AGENT,
             name=name,
             size=size,
             attempt=job.attempt,
@@ -155,7 +156,7 @@ def artifacts_expire(*, now: datetime | None = None, limit: int = 500) -> int:
                 kind=EventKind.ARTIFACT_EXPIRED,
                 org=artifact.org_id,
                 job=artifact.job_id,
-                actor="reaper",
+                actor=Actor.REAPER,
                 name=artifact.name,
                 kind_=artifact.kind,
             )
@@ -223,7 +224,7 @@ def checkpoint_restore(*, instance: MachineInstance, job: Job) -> tuple[Artifact
         kind=EventKind.CHECKPOINT_RESTORED,
         org=job.org_id,
         job=job,
-        actor=f"agent:{instance.pk}",
+        actor=Actor.agent(instance.pk),
         attempt=job.attempt,
         from_attempt=artifact.attempt,
     )
@@ -260,7 +261,7 @@ def uploads_done(*, instance: MachineInstance, job_id: JobId, failed: list[Any])
                 kind=EventKind.ARTIFACT_UPLOAD_FAILED,
                 org=job.org_id,
                 job=job,
-                actor="agent",
+                actor=Actor.AGENT,
                 name=name,
                 reason=error,
             )

@@ -22,6 +22,8 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
+from apps.core.actors import Actor
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
 from apps.jobs.models import Job
@@ -65,7 +67,12 @@ def requeue_jobs_on_gone_machines() -> int:
             )
             if job is None:
                 continue
-            job_requeue(job=job, cause=cause or "machine_lost", detail=(detail or "")[:200], actor="reaper")
+            job_requeue(
+                job=job,
+                cause=Cause.of(cause, Cause.MACHINE_LOST),
+                detail=(detail or "")[:200],
+                actor=Actor.REAPER,
+            )
         count += 1
     return count
 
@@ -88,17 +95,17 @@ def requeue_unstarted(*, now: datetime) -> int:
                 continue
             job_requeue(
                 job=job,
-                cause="not_started",
+                cause=Cause.NOT_STARTED,
                 detail=f"its machine did not start it within {settings.CATACLOUD_ASSIGN_TIMEOUT:.0f}s",
-                actor="reaper",
+                actor=Actor.REAPER,
             )
             if instance_id:
                 with contextlib.suppress(InvalidTransition):
                     instance_terminate(
                         instance_id=instance_id,
-                        actor="reaper",
+                        actor=Actor.REAPER,
                         reason="did not start its assigned job",
-                        cause="not_started",
+                        cause=Cause.NOT_STARTED,
                     )
         count += 1
     return count
@@ -129,9 +136,9 @@ def release_finished_claims(*, now: datetime) -> int:
             with contextlib.suppress(InvalidTransition):
                 instance_terminate(
                     instance_id=instance_id,
-                    actor="reaper",
+                    actor=Actor.REAPER,
                     reason="claimed for a job that no longer exists",
-                    cause="claim_released",
+                    cause=Cause.CLAIM_RELEASED,
                 )
                 count += 1
         elif job.status in JOB_TERMINAL and (job.finished_at is None or job.finished_at < upload_cutoff):
@@ -153,7 +160,7 @@ def jobs_time_out(*, now: datetime) -> int:
                 job.pk,
                 to=JobStatus.TIMED_OUT,
                 from_=[JobStatus.RUNNING],
-                actor="reaper",
+                actor=Actor.REAPER,
                 reason="timeout passed without a report from the agent",
             )
             if moved is None:
@@ -161,6 +168,8 @@ def jobs_time_out(*, now: datetime) -> int:
             release_for_job(job_id=job.pk, reason="job timed out")
             if job.instance_id:
                 with contextlib.suppress(InvalidTransition):
-                    instance_terminate(instance_id=job.instance_id, actor="reaper", reason="job timed out")
+                    instance_terminate(
+                        instance_id=job.instance_id, actor=Actor.REAPER, reason="job timed out"
+                    )
         count += 1
     return count

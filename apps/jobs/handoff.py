@@ -21,6 +21,8 @@ from typing import Any
 from django.db import transaction
 from django.db.models import F, Q
 
+from apps.core.actors import Actor
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.core.ids import InstanceId, JobId
 from apps.events.kinds import EventKind
@@ -32,19 +34,27 @@ from apps.jobs.reports import instance_release
 from apps.jobs.services import JOB_STATES
 from apps.resources.lifecycle import release_for_job
 
+# The rule, once: a job may be given to its agent when no integration hands it off, or once it
+# was handed to the machine it is assigned to. Its ORM, Python and SQL forms are built from these
+# names (tests/jobs/test_handoff_rule.py checks they agree).
+_BY, _TO, _ON = "handoff_by", "handed_off_to", "instance_id"
+HANDED_OFF_SQL = f"({_BY} = '' OR {_TO} = {_ON})"
+
 
 def handed_off() -> Q:
     """The jobs an agent may be given: no handoff needed, or handed to the job's own machine."""
-    return Q(handoff_by="") | Q(handed_off_to=F("instance_id"))
+    return Q(**{_BY: ""}) | Q(**{_TO: F(_ON)})
+
+
+def is_handed_off(job: Job) -> bool:
+    """:func:`handed_off` of one row in memory (SQL's NULL never equals: neither does None here)."""
+    to, on = getattr(job, _TO), getattr(job, _ON)
+    return getattr(job, _BY) == "" or (to is not None and to == on)
 
 
 def awaits_handoff(job: Job) -> bool:
     """Assigned to a machine whose agent has not been given it yet (nor may be)."""
-    return (
-        job.status == JobStatus.ASSIGNED
-        and bool(job.handoff_by)
-        and (job.handed_off_to is None or job.handed_off_to != job.instance_id)
-    )
+    return job.status == JobStatus.ASSIGNED and not is_handed_off(job)
 
 
 def _locked_awaiting(job_id: JobId, instance_id: InstanceId) -> Job | None:
@@ -54,7 +64,9 @@ def _locked_awaiting(job_id: JobId, instance_id: InstanceId) -> Job | None:
     return job
 
 
-def job_handed_off(*, job_id: JobId, instance_id: InstanceId, secret_env: dict[str, str], actor: str) -> bool:
+def job_handed_off(
+    *, job_id: JobId, instance_id: InstanceId, secret_env: dict[str, str], actor: Actor
+) -> bool:
     """Give the job (still assigned to ``instance_id``, not yet handed off) to its agent, with
     ``secret_env`` added to its secret env. False when the job moved on meanwhile (cancelled,
     requeued, another machine): the caller then undoes what it created for it."""
@@ -83,9 +95,9 @@ def job_handoff_failed(
     *,
     job_id: JobId,
     instance_id: InstanceId,
-    cause: str,
+    cause: Cause,
     detail: str,
-    actor: str,
+    actor: Actor,
     permanent: bool = False,
     hold_reason: str = "",
 ) -> bool:
@@ -114,7 +126,7 @@ def job_handoff_failed(
                 reason=f"{cause}: {detail}"[:2000],
                 event=EventKind.JOB_REQUEUED,
                 instance=None,
-                requeue_reason=cause[:32],
+                requeue_reason=cause,
                 hold_reason=hold_reason[:300],
                 pending_reason=(hold_reason or f"requeued ({cause})")[:300],
                 admitted_at=None,
@@ -128,7 +140,7 @@ def job_handoff_failed(
     return True
 
 
-def job_cancel_before_handoff(*, job: Job, actor: str) -> Job:
+def job_cancel_before_handoff(*, job: Job, actor: Actor) -> Job:
     """Cancel an assigned job its agent never got: it ends at once, its machine is released.
     The caller holds the job's row lock."""
     instance_id = job.instance_id
@@ -147,7 +159,7 @@ def job_cancel_before_handoff(*, job: Job, actor: str) -> Job:
     return ended
 
 
-def jobs_hold(*, job_ids: Iterable[Any], reason: str, actor: str) -> int:
+def jobs_hold(*, job_ids: Iterable[Any], reason: str, actor: Actor) -> int:
     """Hold these jobs in the queue with ``reason`` (their pending reason): queued ones stay
     there; admitted ones not yet on a machine go back to it (their resources released), so
     nothing is claimed or bought for them. Jobs on a machine are left alone."""
@@ -171,7 +183,7 @@ def jobs_hold(*, job_ids: Iterable[Any], reason: str, actor: str) -> int:
                     hold_reason=reason,
                     pending_reason=reason,
                     admitted_at=None,
-                    event_data={"cause": "held", "counts": False},
+                    event_data={"cause": Cause.HELD, "counts": False},
                 )
             except InvalidTransition:
                 continue  # placed meanwhile: its handoff will find out

@@ -23,6 +23,7 @@ from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from apps.core import hooks
+from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.ids import OrgId
 from apps.jobs.choices import JobStatus, Reuse
@@ -93,7 +94,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
         if source == placement.IDLE:
             _, instance = claims.claim(
                 claims.IDLE_SQL,
-                actor="scheduler",
+                actor=Actor.SCHEDULER,
                 by="scheduler",
                 for_=who,
                 job_id=job.pk,
@@ -111,7 +112,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
                     pool_id=pool_id,
                     acquired_by="scheduler",
                     acquired_for=who,
-                    actor="scheduler",
+                    actor=Actor.SCHEDULER,
                     job_id=job.pk,
                 ).instance
             except (PoolEmpty, InvalidTransition):
@@ -124,7 +125,7 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
         job.pk,
         to=JobStatus.ASSIGNED,
         from_=[JobStatus.WAITING_FOR_MACHINE],
-        actor="scheduler",
+        actor=Actor.SCHEDULER,
         instance=instance,
         pending_reason="",
         assigned_at=now,
@@ -171,13 +172,13 @@ def _provision_or_wait(
     budget_reason = ""
     if n:
         # Money: buy only what the org's budgets allow (machines already paid still run jobs).
-        check = budget_check(org_id=org_id, machine_type=mt, now=now, actor="scheduler")
+        check = budget_check(org_id=org_id, machine_type=mt, now=now, actor=Actor.SCHEDULER)
         if check.cap(n) < n:
             n = check.cap(n)
             budget_reason = check.reason_after(n)
-        budget_bought(check, n, now=now, actor="scheduler")
+        budget_bought(check, n, now=now, actor=Actor.SCHEDULER)
     for _ in range(n):
-        instance_request(org=org_id, machine_type=mt, actor="scheduler", reason="a job is waiting")
+        instance_request(org=org_id, machine_type=mt, actor=Actor.SCHEDULER, reason="a job is waiting")
     reason = placement.pending_reason(
         waiting=len(jobs),
         bought=n,

@@ -10,6 +10,8 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core.actors import Actor
+from apps.core.causes import FREE_REQUEUE_CAUSES, Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound
 from apps.core.ids import InstanceId, JobId
 from apps.events.kinds import EventKind
@@ -36,7 +38,7 @@ def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
         job_id,
         to=JobStatus.RUNNING,
         from_=[JobStatus.ASSIGNED],
-        actor=f"agent:{instance.pk}",
+        actor=Actor.agent(instance.pk),
         where={"instance": instance},
     )
     if job is None:
@@ -137,14 +139,14 @@ def job_finished(
         if stopped and machine and machine["status"] != InstanceStatus.CLAIMED:
             return job_requeue(
                 job=job,
-                cause=machine["end_cause"] or "machine_terminated",
+                cause=Cause.of(machine["end_cause"], Cause.MACHINE_TERMINATED),
                 detail=reason,
-                actor=f"agent:{instance.pk}",
+                actor=Actor.agent(instance.pk),
             )
         job = JOB_STATES.move(
             job.pk,
             to=status,
-            actor=f"agent:{instance.pk}",
+            actor=Actor.agent(instance.pk),
             reason=reason,
             exit_code=exit_code,
             failure_reason=_final_reason(job, status, reason),
@@ -190,7 +192,7 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
                 instance_id,
                 to=InstanceStatus.READY,
                 from_=[InstanceStatus.CLAIMED],
-                actor="scheduler",
+                actor=Actor.SCHEDULER,
                 reason="kept for reuse while its paid period lasts",
                 event=EventKind.INSTANCE_RELEASED,
                 pool=None,
@@ -207,11 +209,11 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
         else:
             instance_terminate(
                 instance_id=instance_id,
-                actor="scheduler",
+                actor=Actor.SCHEDULER,
                 reason="ephemeral job finished"
                 if job.config.reuse == Reuse.EPHEMERAL
                 else "outdated machine type version",
-                cause="job_finished",
+                cause=Cause.JOB_FINISHED,
             )
     return True
 
@@ -226,11 +228,7 @@ def _final_reason(job: Job, status: str, reported: str) -> str:
     return reported
 
 
-# Requeues the operator caused: they do not use up the job's max_attempts.
-FREE_REQUEUE_CAUSES = frozenset({"machine_terminated", "pool_drained"})
-
-
-def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
+def job_requeue(*, job: Job, cause: Cause, actor: Actor, detail: str = "") -> Job:
     """Back to ``queued`` with ``attempt + 1`` and ``requeue_reason = cause`` (machine_lost,
     machine_terminated, pool_drained, not_started, spot_interruption). Requeues the operator
     caused (terminate, drain) are free; the others count against ``max_attempts``, and when
@@ -253,7 +251,7 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
             actor=actor,
             reason=f"{reason}; no attempts left ({used}/{job.max_attempts})",
             failure_reason=f"{reason} (attempt {used} of {job.max_attempts})",
-            requeue_reason=cause[:32],
+            requeue_reason=cause,
         )
     else:
         job = JOB_STATES.move(
@@ -264,7 +262,7 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
             event=EventKind.JOB_REQUEUED,
             attempt=job.attempt + 1,
             free_requeues=job.free_requeues + (1 if free else 0),
-            requeue_reason=cause[:32],
+            requeue_reason=cause,
             instance=None,
             pending_reason=f"requeued ({reason})"[:300],
             admitted_at=None,
@@ -278,7 +276,7 @@ def job_requeue(*, job: Job, cause: str, actor: str, detail: str = "") -> Job:
     return job
 
 
-def jobs_requeue_for_instance(*, instance_id: InstanceId, cause: str, detail: str = "") -> int:
+def jobs_requeue_for_instance(*, instance_id: InstanceId, cause: Cause, detail: str = "") -> int:
     """Requeue the jobs still assigned to or running on this instance (its machine is gone;
     ``hooks.machine_gone``)."""
     count = 0
@@ -286,7 +284,7 @@ def jobs_requeue_for_instance(*, instance_id: InstanceId, cause: str, detail: st
         for job in Job.objects.select_for_update().filter(
             instance_id=instance_id, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ):
-            job_requeue(job=job, cause=cause, detail=detail, actor="reaper")
+            job_requeue(job=job, cause=cause, detail=detail, actor=Actor.REAPER)
             count += 1
     return count
 
@@ -297,18 +295,20 @@ def job_interrupted(*, instance: MachineInstance, detail: str) -> None:
         for job in Job.objects.select_for_update().filter(
             instance=instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING]
         ):
-            job_requeue(job=job, cause="spot_interruption", detail=detail[:200], actor=f"agent:{instance.pk}")
+            job_requeue(
+                job=job, cause=Cause.SPOT_INTERRUPTION, detail=detail[:200], actor=Actor.agent(instance.pk)
+            )
         event_record(
             kind=EventKind.INSTANCE_INTERRUPTED,
             org=instance.org_id,
             instance=instance,
-            actor=f"agent:{instance.pk}",
+            actor=Actor.agent(instance.pk),
             reason=detail[:500],
         )
         with contextlib.suppress(InvalidTransition):
             instance_terminate(
                 instance_id=instance.pk,
-                actor=f"agent:{instance.pk}",
+                actor=Actor.agent(instance.pk),
                 reason="spot interruption",
-                cause="spot_interruption",
+                cause=Cause.SPOT_INTERRUPTION,
             )

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, MissingPrivilege, ValidationFailed
 from apps.core.ids import JobId
 from apps.core.transitions import StateMachine
@@ -113,7 +114,7 @@ def job_config_save(
     *,
     org: Organization,
     config: JobConfiguration | None = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     resource_types: Iterable[ResourceType] | None = None,
     **fields: Any,
 ) -> JobConfiguration:
@@ -153,7 +154,7 @@ def job_config_save(
 
 
 @transaction.atomic
-def job_config_delete(*, config: JobConfiguration, actor: str = "") -> None:
+def job_config_delete(*, config: JobConfiguration, actor: Actor = Actor.UNNAMED) -> None:
     """Delete a configuration that no job refers to (409 ``in_use`` otherwise)."""
     if config.jobs.exists():
         raise Conflict(

@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, MissingPrivilege, NotFound
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -28,7 +29,7 @@ def job_submit(
     config: JobConfiguration,
     env: dict[str, str] | None = None,
     user: Any = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     labels: dict[str, Any] | None = None,
     handoff_by: str = "",
     hold_reason: str = "",
@@ -83,13 +84,13 @@ def job_submit(
     return job
 
 
-def job_cancel(*, job: Job, actor: str = "") -> Job:
+def job_cancel(*, job: Job, actor: Actor = Actor.UNNAMED) -> Job:
     """Cancel in any live state: before a machine it ends at once (releasing what it holds);
     on a machine the agent kills the command and reports ``cancelled`` within seconds."""
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.status not in JOB_LIVE:
-            raise InvalidTransition("Job", job.pk, locked.status, "cancelled")
+            raise InvalidTransition("Job", job.pk, locked.status, JobStatus.CANCELLED)
         machine_gone = locked.instance_id is None or (
             MachineInstance.objects.filter(pk=locked.instance_id, status__in=INSTANCE_TERMINAL).exists()
         )

@@ -10,6 +10,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
+from apps.core.actors import Actor
 from apps.core.admin import NoLiveDeleteAdmin, neutral_bool, run_service_action, short_id_link
 from apps.core.templatetags.console import between, human_seconds
 from apps.machines.choices import INSTANCE_LIVE
@@ -69,7 +70,7 @@ class ProviderAccountAdmin(admin.ModelAdmin):
         """Through the services: a rename changes this row (its machines keep pointing at it),
         never creates a second account."""
         credentials = form.cleaned_data.get("new_credentials")
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         if change:
             account, _ = provider_account_update(
                 account=obj, name=obj.name, config=obj.config, credentials=credentials, actor=actor
@@ -99,6 +100,7 @@ class MachineTypeAdmin(admin.ModelAdmin):
     )
     list_filter = ("provider_account", "spot", "required_privilege")
     search_fields = ("name", "server_type", "image", "description")
+    fields = ("name", "provider_account", *MachineType.SETTABLE_FIELDS, "version", "created_at", "updated_at")
     readonly_fields = ("version", "created_at", "updated_at")
 
     def save_model(self, request: HttpRequest, obj: MachineType, form: forms.ModelForm, change: bool) -> None:
@@ -108,7 +110,7 @@ class MachineTypeAdmin(admin.ModelAdmin):
         if change:
             saved, _ = machine_type_update(
                 machine_type=obj,
-                actor=f"admin:{request.user.get_username()}",
+                actor=Actor.admin(request.user.get_username()),
                 name=obj.name,
                 provider_account=obj.provider_account,
                 **fields,
@@ -235,7 +237,7 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
 
     @admin.action(description="Terminate selected instances (destroy the machines)")
     def terminate(self, request: HttpRequest, queryset) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self,
             request,

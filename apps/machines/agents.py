@@ -15,6 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core import hooks
+from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, Unauthenticated
@@ -72,7 +73,7 @@ def agent_enroll(
             org=instance.org_id,
             pool=instance.pool_id,
             instance=instance,
-            actor=f"agent:{instance.pk}",
+            actor=Actor.agent(instance.pk),
             hostname=hostname,
             agent_version=agent_version,
             isolation=instance.isolation,
@@ -106,7 +107,7 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
                 instance.pk,
                 to=InstanceStatus.READY,
                 from_=[InstanceStatus.WARMING],
-                actor=f"agent:{instance.pk}",
+                actor=Actor.agent(instance.pk),
                 reason="agent handshake",
                 event=EventKind.POOL_MEMBER_WARMED if instance.pool_id else EventKind.INSTANCE_READY,
                 warmed_at=now,

@@ -17,7 +17,7 @@ refused) are recorded once per period and threshold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -26,6 +26,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q
 
+from apps.core.actors import Actor
 from apps.core.ids import OrgId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -59,22 +60,38 @@ def budget_spend(budget: Budget, *, now: datetime) -> Decimal:
     return budget_spends([budget], now=now)[budget.pk]
 
 
-def budget_spends(budgets: Sequence[Budget], *, now: datetime) -> dict[Any, Decimal]:
-    """Each budget's spend in one query, however many budgets (a list page): machines that
-    ended in the period count what they cost; live ones what they have cost so far, or their
-    first paid period when they are not started yet."""
-    if not budgets:
-        return {}
-    since = {budget.pk: period_start(budget.period, now) for budget in budgets}
-    rows = MachineInstance.objects.filter(org_id__in={budget.org_id for budget in budgets}).filter(
-        Q(status__in=INSTANCE_TERMINAL, provisioning_started_at__gte=min(since.values()))
+@dataclass(frozen=True)
+class MachineSpend:
+    """What one machine counts against budgets and cost figures."""
+
+    org_id: Any
+    org_slug: str
+    machine_type_id: Any
+    machine_type_name: str
+    started: datetime | None
+    amount: Decimal
+
+
+def machine_spends(
+    *, since: datetime, now: datetime, org_ids: Iterable[Any] | None = None
+) -> list[MachineSpend]:
+    """Every machine that counts since ``since``, in one query (of ``org_ids``' orgs, or all):
+    machines that ended count what they cost; live ones what they have cost so far, or their
+    first paid period when they are not started yet. The one rule budgets and cost figures
+    (apps/billing) read."""
+    rows = MachineInstance.objects.order_by().filter(
+        Q(status__in=INSTANCE_TERMINAL, provisioning_started_at__gte=since)
         | Q(status__in=INSTANCE_LIVE)
-        & (Q(provisioning_started_at__gte=min(since.values())) | Q(provisioning_started_at__isnull=True))
+        & (Q(provisioning_started_at__gte=since) | Q(provisioning_started_at__isnull=True))
     )
-    machines = []  # (org, machine type, started, amount)
+    if org_ids is not None:
+        rows = rows.filter(org_id__in=set(org_ids))
+    spends = []
     for row in rows.values(
         "org_id",
+        "org__slug",
         "machine_type_id",
+        "machine_type__name",
         "status",
         "cost",
         "provisioning_started_at",
@@ -97,15 +114,33 @@ def budget_spends(budgets: Sequence[Budget], *, now: datetime) -> dict[Any, Deci
                 if started is None
                 else billing.cost((now - started).total_seconds())
             )
-        machines.append((row["org_id"], row["machine_type_id"], started, amount))
+        spends.append(
+            MachineSpend(
+                row["org_id"],
+                row["org__slug"],
+                row["machine_type_id"],
+                row["machine_type__name"],
+                started,
+                amount,
+            )
+        )
+    return spends
+
+
+def budget_spends(budgets: Sequence[Budget], *, now: datetime) -> dict[Any, Decimal]:
+    """Each budget's spend in one query, however many budgets (a list page)."""
+    if not budgets:
+        return {}
+    since = {budget.pk: period_start(budget.period, now) for budget in budgets}
+    machines = machine_spends(since=min(since.values()), now=now, org_ids={b.org_id for b in budgets})
     return {
         budget.pk: sum(
             (
-                amount
-                for org_id, mt_id, started, amount in machines
-                if org_id == budget.org_id
-                and (budget.machine_type_id is None or mt_id == budget.machine_type_id)
-                and (started is None or started >= since[budget.pk])
+                m.amount
+                for m in machines
+                if m.org_id == budget.org_id
+                and (budget.machine_type_id is None or m.machine_type_id == budget.machine_type_id)
+                and (m.started is None or m.started >= since[budget.pk])
             ),
             Decimal(0),
         )
@@ -143,7 +178,9 @@ def budget_sentence(budget: Budget, spend: Decimal) -> str:
     return f"budget {shown}/{budget.amount.quantize(CENT)} {settings.CATACLOUD_CURRENCY} {when}{scope}"
 
 
-def budget_check(*, org_id: OrgId, machine_type: MachineType, now: datetime, actor: str = "") -> BudgetCheck:
+def budget_check(
+    *, org_id: OrgId, machine_type: MachineType, now: datetime, actor: Actor = Actor.UNNAMED
+) -> BudgetCheck:
     """Lock the org's budgets that cover ``machine_type`` and say how many machines of it may
     be bought now. Call it in the transaction that buys (after the grant's row lock)."""
     budgets = list(
@@ -169,13 +206,13 @@ def budget_check(*, org_id: OrgId, machine_type: MachineType, now: datetime, act
     return best
 
 
-def budget_bought(check: BudgetCheck, bought: int, *, now: datetime, actor: str = "") -> None:
+def budget_bought(check: BudgetCheck, bought: int, *, now: datetime, actor: Actor = Actor.UNNAMED) -> None:
     """After buying ``bought`` machines under ``check``: announce a threshold they crossed."""
     if check.budget is not None and bought:
         _alert(check.budget, spend=check.spend + bought * check.price, refused=False, now=now, actor=actor)
 
 
-def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, actor: str) -> None:
+def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, actor: Actor) -> None:
     """``budget.warning`` at 80 %, ``budget.exhausted`` at 100 % (or when it refuses a
     machine), once per period and threshold."""
     current: date = period_start(budget.period, now).date()
@@ -192,7 +229,7 @@ def _alert(budget: Budget, *, spend: Decimal, refused: bool, now: datetime, acto
     event_record(
         kind=EventKind.BUDGET_EXHAUSTED if level == 100 else EventKind.BUDGET_WARNING,
         org=budget.org_id,
-        actor=actor or "budget",
+        actor=actor or Actor.BUDGET,
         reason=budget_sentence(budget, spend),
         budget=str(budget.pk),
         percent=level,

@@ -21,6 +21,7 @@ from django.db import connection
 from django.db.models import Field, Model
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.db import fetch_one_prepared
 from apps.core.ids import JobId
 from apps.core.transitions import StatementMove
@@ -155,7 +156,7 @@ IDLE_SQL = _sql(
 def claim(
     sql: str,
     *,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     by: str = "",
     for_: str = "",
     job_id: JobId | None = None,

@@ -22,7 +22,9 @@ from django.conf import settings
 from django.db.models import F
 from django.db.models.functions import Coalesce
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue
+from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -91,7 +93,9 @@ def terminate_stuck(*, now: datetime) -> int:
             continue
         reason = f"not ready within {grace:.0f}s"
         try:
-            instance_terminate(instance_id=row["pk"], actor="reaper", reason=reason, cause="boot_timeout")
+            instance_terminate(
+                instance_id=row["pk"], actor=Actor.REAPER, reason=reason, cause=Cause.BOOT_TIMEOUT
+            )
         except InvalidTransition:
             continue
         event_record(
@@ -99,7 +103,7 @@ def terminate_stuck(*, now: datetime) -> int:
             org=row["org_id"],
             pool=row["pool_id"],
             instance=row["pk"],
-            actor="reaper",
+            actor=Actor.REAPER,
             reason=reason,
         )
         count += 1
@@ -118,7 +122,10 @@ def expire_leases(*, now: datetime) -> int:
     for row in rows:
         try:
             instance_terminate(
-                instance_id=row["pk"], actor="reaper", reason="claim lease expired", cause="lease_expired"
+                instance_id=row["pk"],
+                actor=Actor.REAPER,
+                reason="claim lease expired",
+                cause=Cause.LEASE_EXPIRED,
             )
         except InvalidTransition:
             continue
@@ -127,7 +134,7 @@ def expire_leases(*, now: datetime) -> int:
             org=row["org_id"],
             pool=row["pool_id"],
             instance=row["pk"],
-            actor="reaper",
+            actor=Actor.REAPER,
             claim_id=str(row["claim_id"]),
             acquired_by=row["claimed_by"],
         )

@@ -20,7 +20,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core import hooks
+from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
+from apps.core.causes import Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition
 from apps.core.errors import NotFound as DomainNotFound
 from apps.core.ids import ClaimId, InstanceId, OrgId, PoolId, ProviderAccountId
@@ -110,7 +112,7 @@ def instance_request(
     org: Organization | OrgId,
     machine_type: MachineType,
     pool: PoolId | None = None,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     reason: str = "",
 ) -> MachineInstance:
     """Commit a ``pending`` instance and enqueue its provisioning after commit."""
@@ -175,7 +177,7 @@ def instance_provision(*, instance_id: InstanceId) -> None:
             instance.pk,
             to=InstanceStatus.PROVISIONING,
             from_=[InstanceStatus.PENDING],
-            actor="provisioner",
+            actor=Actor.PROVISIONER,
             event=EventKind.POOL_MEMBER_PROVISIONING if instance.pool_id else EventKind.INSTANCE_PROVISIONING,
         )
         if provisioning is None:
@@ -195,7 +197,7 @@ def instance_provision(*, instance_id: InstanceId) -> None:
                 instance.pk,
                 to=InstanceStatus.WARMING,
                 from_=[InstanceStatus.PROVISIONING],
-                actor="provisioner",
+                actor=Actor.PROVISIONER,
                 event=EventKind.POOL_MEMBER_PROVISIONED
                 if instance.pool_id
                 else EventKind.INSTANCE_PROVISIONED,
@@ -211,7 +213,7 @@ def instance_provision(*, instance_id: InstanceId) -> None:
         provider.delete(machine.provider_id)
 
 
-def instance_fail(*, instance_id: InstanceId, reason: str, actor: str = "provisioner") -> None:
+def instance_fail(*, instance_id: InstanceId, reason: str, actor: Actor = Actor.PROVISIONER) -> None:
     """Give up on an instance (provider refused it); its pool sees the deficit."""
     instance = INSTANCE_STATES.try_move(
         instance_id, to=InstanceStatus.FAILED, actor=actor, reason=reason, failure_reason=reason[:2000]
@@ -228,9 +230,9 @@ def instance_fail(*, instance_id: InstanceId, reason: str, actor: str = "provisi
 def instance_terminate(
     *,
     instance_id: InstanceId,
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     reason: str = "",
-    cause: str = "machine_terminated",
+    cause: Cause = Cause.MACHINE_TERMINATED,
     only_idle: bool = False,
 ) -> MachineInstance:
     """Move a live instance to ``terminating`` and enqueue its destruction after commit.
@@ -252,7 +254,7 @@ def instance_terminate(
             actor=actor,
             reason=reason,
             event=event,
-            end_cause=cause[:32],
+            end_cause=cause,
             lease_expires_at=None,
         )
         enqueue_on_commit(TERMINATE_TASK, str(instance_id))
@@ -262,7 +264,7 @@ def instance_terminate(
 
 
 def instance_release_claim(
-    *, instance_id: InstanceId, claim_id: ClaimId | None = None, actor: str = ""
+    *, instance_id: InstanceId, claim_id: ClaimId | None = None, actor: Actor = Actor.UNNAMED
 ) -> MachineInstance:
     """End a claim made through a pool acquire: the machine is terminated (a used machine
     never returns to ``ready``) and its pool refills. Idempotent: releasing a claim already
@@ -274,7 +276,7 @@ def instance_release_claim(
         if claim_id is not None and instance.claim_id is not None and str(instance.claim_id) != str(claim_id):
             raise Conflict("this machine is held by another claim", code=ErrorCode.CLAIM_MISMATCH)
         if instance.status != InstanceStatus.CLAIMED:
-            if instance.end_cause == "claim_released":
+            if instance.end_cause == Cause.CLAIM_RELEASED:
                 return instance  # a repeated release
             raise InvalidTransition("Instance", instance.pk, instance.status, "released")
         if instance.claimed_for.startswith("job:"):
@@ -282,7 +284,7 @@ def instance_release_claim(
                 "this machine runs a job; cancel the job to release it", code=ErrorCode.HELD_BY_JOB
             )
         return instance_terminate(
-            instance_id=instance.pk, actor=actor, reason="claim released", cause="claim_released"
+            instance_id=instance.pk, actor=actor, reason="claim released", cause=Cause.CLAIM_RELEASED
         )
 
 
@@ -301,7 +303,10 @@ def instance_destroy(*, instance_id: InstanceId) -> None:
             provider.delete(provider_id)
     with transaction.atomic():
         ended = INSTANCE_STATES.try_move(
-            instance.pk, to=InstanceStatus.TERMINATED, from_=[InstanceStatus.TERMINATING], actor="terminator"
+            instance.pk,
+            to=InstanceStatus.TERMINATED,
+            from_=[InstanceStatus.TERMINATING],
+            actor=Actor.TERMINATOR,
         )
         if ended is None:
             return
@@ -313,7 +318,7 @@ def instance_gone(instance: MachineInstance) -> None:
     instance's ``end_cause``), its pool refills and the scheduler may buy a replacement."""
     hooks.machine_gone(
         instance_id=instance.pk,
-        cause=instance.end_cause or "machine_terminated",
+        cause=Cause.of(instance.end_cause, Cause.MACHINE_TERMINATED),
         detail=instance.failure_reason,
     )
     if instance.pool_id:
@@ -321,7 +326,7 @@ def instance_gone(instance: MachineInstance) -> None:
     hooks.machine_available(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
-def instance_mark_lost(*, instance_id: InstanceId, actor: str, reason: str) -> MachineInstance | None:
+def instance_mark_lost(*, instance_id: InstanceId, actor: Actor, reason: str) -> MachineInstance | None:
     """The machine vanished or its agent went silent: → lost, requeue its job, destroy what is
     left of the machine (a silent machine may still be billing), and refill its pool."""
     with transaction.atomic():
@@ -334,11 +339,11 @@ def instance_mark_lost(*, instance_id: InstanceId, actor: str, reason: str) -> M
             reason=reason,
             event=EventKind.POOL_MEMBER_LOST if row and row["pool_id"] else None,
             failure_reason=reason[:2000],
-            end_cause="machine_lost",
+            end_cause=Cause.MACHINE_LOST,
         )
         if instance is None:
             return None
-        hooks.machine_gone(instance_id=instance.pk, cause="machine_lost", detail=reason)
+        hooks.machine_gone(instance_id=instance.pk, cause=Cause.MACHINE_LOST, detail=reason)
         enqueue_on_commit(
             DESTROY_MACHINE_TASK, str(instance.provider_account_id), instance.provider_id, str(instance.pk)
         )

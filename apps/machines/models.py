@@ -53,7 +53,26 @@ class ProviderAccount(models.Model):
 class MachineType(models.Model):
     """What to create: the provider, size, image, and what it costs."""
 
-    # Fields whose change makes existing machines outdated (pool drift).
+    # What an operator sets on a machine type (the catalog, the admin, the API shows them), besides
+    # its name and provider account; the ones a catalog entry must give; and (below) the ones
+    # whose change makes existing machines outdated (pool drift).
+    SETTABLE_FIELDS = (
+        "description",
+        "server_type",
+        "location",
+        "image",
+        "cpus",
+        "memory_mb",
+        "gpus",
+        "spot",
+        "price_per_hour",
+        "billing_increment_seconds",
+        "min_billed_seconds",
+        "required_privilege",
+        "disk_gb",
+        "network",
+    )
+    REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
         "provider_account_id",
         "server_type",

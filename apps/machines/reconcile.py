@@ -26,11 +26,12 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.broker import enqueue
 from apps.core.errors import InvalidTransition
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, ProviderKind
 from apps.machines.lifecycle import (
     TERMINATE_TASK,
     instance_gone,
@@ -139,7 +140,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         report.orphans_deleted.append(machine.provider_id)
         event_record(
             kind=EventKind.RECONCILE_ORPHAN_DELETED,
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             reason="labelled machine with no live row"
             if instance_id not in live_rows
             else "a second machine for a row that records another",
@@ -171,7 +172,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
         ):
             lost = instance_mark_lost(
                 instance_id=uuid.UUID(instance_id),
-                actor="reconciler",
+                actor=Actor.RECONCILER,
                 reason="the machine is gone at the provider",
             )
             if lost is not None:
@@ -183,7 +184,7 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
                     uuid.UUID(instance_id),
                     to=InstanceStatus.TERMINATED,
                     from_=[InstanceStatus.TERMINATING],
-                    actor="reconciler",
+                    actor=Actor.RECONCILER,
                     reason="machine already gone",
                 )
                 instance_gone(ended)
@@ -212,7 +213,7 @@ def _adopt(instance_id: str, machine: ProviderMachine, report: ReconcileReport) 
             instance.pk,
             to=InstanceStatus.WARMING,
             from_=[InstanceStatus.PROVISIONING],
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             reason="adopted by label after an interrupted provisioning",
             event=EventKind.POOL_MEMBER_PROVISIONED if instance.pool_id else EventKind.INSTANCE_PROVISIONED,
         )
@@ -221,7 +222,7 @@ def _adopt(instance_id: str, machine: ProviderMachine, report: ReconcileReport) 
             org=instance.org_id,
             pool=instance.pool_id,
             instance=instance,
-            actor="reconciler",
+            actor=Actor.RECONCILER,
             provider_id=machine.provider_id,
         )
     report.adopted.append(instance_id)
@@ -231,9 +232,11 @@ def _not_created(instance_id: str, report: ReconcileReport) -> None:
     from apps.machines.lifecycle import instance_fail
 
     instance_fail(
-        instance_id=uuid.UUID(instance_id), reason="provisioning never created a machine", actor="reconciler"
+        instance_id=uuid.UUID(instance_id),
+        reason="provisioning never created a machine",
+        actor=Actor.RECONCILER,
     )
-    event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor="reconciler")
+    event_record(kind=EventKind.RECONCILE_NOT_CREATED, instance=instance_id, actor=Actor.RECONCILER)
     report.not_created.append(instance_id)
 
 
@@ -249,7 +252,9 @@ def reconcile_local_machines() -> list[ReconcileReport]:
     """At start (``make dev``): the local provider knows which of its machines still run, so
     rows whose machine died with the previous run become ``lost`` now, before a job is placed on
     one and waits out the heartbeat deadline."""
-    accounts = ProviderAccount.objects.filter(kind="local", instances__status__in=INSTANCE_LIVE).distinct()
+    accounts = ProviderAccount.objects.filter(
+        kind=ProviderKind.LOCAL, instances__status__in=INSTANCE_LIVE
+    ).distinct()
     return [reconcile_account(account=a) for a in accounts]
 
 

@@ -6,6 +6,7 @@ from datetime import datetime
 
 from django.conf import settings
 
+from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
@@ -38,7 +39,7 @@ def idle_machines_retire(*, now: datetime) -> int:
             instance_terminate(
                 instance_id=instance.pk,
                 only_idle=True,  # placement or a pool may have taken it since the read above
-                actor="reaper",
+                actor=Actor.REAPER,
                 reason="outdated machine type version"
                 if outdated
                 else f"idle at the end of its paid period ({left:.0f}s left)",

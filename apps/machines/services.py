@@ -8,6 +8,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core.actors import Actor
 from apps.core.errors import ErrorCode, MissingPrivilege, NotFound, ValidationFailed
 from apps.core.ids import MachineTypeId, OrgId
 from apps.core.transitions import StateMachine
@@ -45,7 +46,9 @@ def provider_account_upsert(
         account = ProviderAccount(name=name, kind=kind, config=config)
         account.credentials = credentials or {}
         account.save()
-        event_record(kind=EventKind.PROVIDER_ACCOUNT_CREATED, actor="catalog", account=name, provider=kind)
+        event_record(
+            kind=EventKind.PROVIDER_ACCOUNT_CREATED, actor=Actor.CATALOG, account=name, provider=kind
+        )
         return account, True
     if account.kind != kind:
         raise _invalid("kind", f"provider account {name} is {account.kind}; its kind cannot change")
@@ -59,7 +62,7 @@ def provider_account_update(
     name: str,
     config: dict[str, Any] | None = None,
     credentials: dict[str, str] | None = None,
-    actor: str = "catalog",
+    actor: Actor = Actor.CATALOG,
 ) -> tuple[ProviderAccount, bool]:
     """Change an account in place: its name (machines keep pointing at the same row), its
     config, its credentials (None keeps them). The kind never changes. Returns (account, changed)."""
@@ -142,7 +145,7 @@ def machine_type_upsert(
         mt = MachineType.objects.create(
             name=name, provider_account=provider_account, required_privilege=required_privilege, **fields
         )
-        event_record(kind=EventKind.MACHINE_TYPE_CREATED, actor="catalog", machine_type=name)
+        event_record(kind=EventKind.MACHINE_TYPE_CREATED, actor=Actor.CATALOG, machine_type=name)
         return mt, True
     return machine_type_update(
         machine_type=mt, provider_account=provider_account, required_privilege=required_privilege, **fields
@@ -151,7 +154,7 @@ def machine_type_upsert(
 
 @transaction.atomic
 def machine_type_update(
-    *, machine_type: MachineType, actor: str = "catalog", **fields: Any
+    *, machine_type: MachineType, actor: Actor = Actor.CATALOG, **fields: Any
 ) -> tuple[MachineType, bool]:
     """Change a machine type in place (its name too). The one place ``version`` grows: a
     change to how machines are built (``BUILD_FIELDS``) makes existing machines outdated."""

@@ -8,6 +8,7 @@ from django.db.models import Count, QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest
 
+from apps.core.actors import Actor
 from apps.core.admin import run_service_action
 from apps.orgs.models import ApiToken, Membership, Organization, Privilege
 from apps.orgs.services import (
@@ -28,7 +29,7 @@ class MembershipInline(admin.TabularInline):
 
 def membership_formset_save(request: HttpRequest, formset: BaseInlineFormSet) -> None:
     """Membership rows through ``membership_set`` / ``membership_delete`` (events, token revocation)."""
-    actor = f"admin:{request.user.get_username()}"
+    actor = Actor.admin(request.user.get_username())
     formset.save(commit=False)  # fills new/changed/deleted objects; nothing is written here
     for membership in formset.deleted_objects:
         membership_delete(membership=membership, actor=actor)
@@ -63,7 +64,7 @@ class OrganizationAdmin(admin.ModelAdmin):
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         """Privileges through ``privilege_grant`` / ``privilege_revoke`` (events), then the inlines."""
         org = form.instance
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         wanted = {p.name for p in form.cleaned_data.get("privileges", [])}
         current = set(org.privileges.values_list("name", flat=True))
         for name in sorted(wanted - current):
@@ -100,17 +101,17 @@ class MembershipAdmin(admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: Membership, form: forms.ModelForm, change: bool) -> None:
         saved = membership_set(
-            org=obj.org, user=obj.user, role=obj.role, actor=f"admin:{request.user.get_username()}"
+            org=obj.org, user=obj.user, role=obj.role, actor=Actor.admin(request.user.get_username())
         )
         obj.pk = saved.pk
         obj._state.adding = False
 
     def delete_model(self, request: HttpRequest, obj: Membership) -> None:
-        membership_delete(membership=obj, actor=f"admin:{request.user.get_username()}")
+        membership_delete(membership=obj, actor=Actor.admin(request.user.get_username()))
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Membership]) -> None:
         for membership in queryset.select_related("org", "user"):
-            membership_delete(membership=membership, actor=f"admin:{request.user.get_username()}")
+            membership_delete(membership=membership, actor=Actor.admin(request.user.get_username()))
 
 
 class ApiTokenForm(forms.ModelForm):
@@ -152,7 +153,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             name=obj.name,
             role=obj.role,
             expires_at=obj.expires_at,
-            actor=f"admin:{request.user.get_username()}",
+            actor=Actor.admin(request.user.get_username()),
         )
         obj.__dict__.update({k: v for k, v in token.__dict__.items() if not k.startswith("_")})
         self.message_user(request, f"New token (shown once, copy it now): {secret}", messages.WARNING)
@@ -164,5 +165,5 @@ class ApiTokenAdmin(admin.ModelAdmin):
             request,
             queryset,
             "revoked",
-            lambda t: api_token_revoke(token=t, actor=f"admin:{request.user.get_username()}"),
+            lambda t: api_token_revoke(token=t, actor=Actor.admin(request.user.get_username())),
         )

@@ -7,6 +7,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import ErrorCode, NotFound, ValidationFailed
 from apps.events.kinds import EventKind
@@ -26,7 +27,7 @@ def _role(role: str) -> Role:
 
 
 @transaction.atomic
-def membership_set(*, org: Organization, user: User, role: str, actor: str = "") -> Membership:
+def membership_set(*, org: Organization, user: User, role: str, actor: Actor = Actor.UNNAMED) -> Membership:
     """Give ``user`` the ``role`` in ``org`` (creating the membership if needed)."""
     role = _role(role)
     membership, changed = Membership.objects.get_or_create(org=org, user=user, defaults={"role": role})
@@ -40,7 +41,7 @@ def membership_set(*, org: Organization, user: User, role: str, actor: str = "")
 
 
 @transaction.atomic
-def membership_delete(*, membership: Membership, actor: str = "") -> None:
+def membership_delete(*, membership: Membership, actor: Actor = Actor.UNNAMED) -> None:
     """Remove a user from an org; the user's tokens in that org stop working with it."""
     org, user = membership.org, membership.user
     revoked = ApiToken.objects.filter(org=org, user=user, revoked_at__isnull=True).update(
@@ -70,7 +71,7 @@ def api_token_create(
     role: str = "",
     expires_at: datetime | None = None,
     scope: str = "",
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
 ) -> tuple[ApiToken, str]:
     """Mint a token for ``user`` in ``org``. Returns the row and the secret, shown only once.
 
@@ -105,7 +106,7 @@ def api_token_create(
 
 
 @transaction.atomic
-def api_token_revoke(*, token: ApiToken, actor: str = "") -> bool:
+def api_token_revoke(*, token: ApiToken, actor: Actor = Actor.UNNAMED) -> bool:
     """Revoke a token. Returns False when it was already revoked (idempotent)."""
     updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
     if updated:
@@ -114,7 +115,7 @@ def api_token_revoke(*, token: ApiToken, actor: str = "") -> bool:
 
 
 @transaction.atomic
-def privilege_grant(*, org: Organization, name: str, actor: str = "") -> Privilege:
+def privilege_grant(*, org: Organization, name: str, actor: Actor = Actor.UNNAMED) -> Privilege:
     privilege, _ = Privilege.objects.get_or_create(name=name)
     if not org.privileges.filter(pk=privilege.pk).exists():
         org.privileges.add(privilege)
@@ -123,7 +124,7 @@ def privilege_grant(*, org: Organization, name: str, actor: str = "") -> Privile
 
 
 @transaction.atomic
-def privilege_revoke(*, org: Organization, name: str, actor: str = "") -> bool:
+def privilege_revoke(*, org: Organization, name: str, actor: Actor = Actor.UNNAMED) -> bool:
     """Take a privilege away (machines and jobs already admitted keep running). Returns False
     when the org did not have it."""
     privilege = Privilege.objects.filter(name=name).first()

@@ -5,10 +5,13 @@ from django.contrib import admin
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 
+from apps.core.actors import Actor
 from apps.core.admin import run_service_action, short_id_link
 from apps.core.errors import DomainError
+from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.machines.services import grant_for
+from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_create, pool_drain, pool_update, pool_validate_sizes
 
@@ -106,7 +109,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
         return obj.n_ready  # type: ignore[attr-defined]  # annotated by get_queryset
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[InstancePool]:
-        ready = Count("members", filter=Q(members__status="ready"))
+        ready = Count("members", filter=Q(members__status=InstanceStatus.READY))
         return super().get_queryset(request).select_related("org", "machine_type").annotate(n_ready=ready)
 
     def get_readonly_fields(self, request: HttpRequest, obj: InstancePool | None = None) -> tuple:
@@ -118,7 +121,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
         self, request: HttpRequest, obj: InstancePool, form: forms.ModelForm, change: bool
     ) -> None:
         """Through the services, so the console validates sizes and quotas like the API."""
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         if change:
             fields = ("target_size", "min_size", "max_size", "warmup_grace_seconds", "description")
             pool_update(pool=obj, actor=actor, **{k: form.cleaned_data[k] for k in fields})
@@ -138,11 +141,11 @@ class InstancePoolAdmin(admin.ModelAdmin):
         obj._state.adding = False
 
     def has_delete_permission(self, request: HttpRequest, obj: InstancePool | None = None) -> bool:
-        return obj is None or obj.status == "drained"  # only a drained pool is deleted
+        return obj is None or obj.status == PoolStatus.DRAINED  # only a drained pool is deleted
 
     @admin.action(description="Drain selected pools and terminate their members")
     def drain_terminate(self, request: HttpRequest, queryset: QuerySet[InstancePool]) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self,
             request,
@@ -153,7 +156,7 @@ class InstancePoolAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain selected pools, releasing members as idle machines")
     def drain_release(self, request: HttpRequest, queryset: QuerySet[InstancePool]) -> None:
-        actor = f"admin:{request.user.get_username()}"
+        actor = Actor.admin(request.user.get_username())
         run_service_action(
             self,
             request,

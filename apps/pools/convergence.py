@@ -11,8 +11,9 @@ from zoneinfo import ZoneInfo
 from croniter import croniter
 from django.db.models import Count, F, Q
 
+from apps.core.actors import Actor
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
-from apps.pools.choices import POOL_ACTIVE
+from apps.pools.choices import POOL_ACTIVE, PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
 from apps.pools.services import pool_refill, pool_update
 
@@ -58,12 +59,12 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
     for row in rows:
         result.pools += 1
         converged = row["fresh"] == row["target_size"] and not row["stale"]
-        status_right = (row["ready"] >= row["target_size"]) == (row["status"] == "ready")
+        status_right = (row["ready"] >= row["target_size"]) == (row["status"] == PoolStatus.READY)
         if converged and status_right:
             continue
         if result.refilled >= batch:
             break
-        result.requested += pool_refill(pool_id=row["pk"], actor="reaper")
+        result.requested += pool_refill(pool_id=row["pk"], actor=Actor.REAPER)
         result.refilled += 1
 
     return result
@@ -102,7 +103,7 @@ def apply_schedules(*, now: datetime) -> int:
         InstancePool.objects.filter(pk=pool.pk).update(schedule_applied_at=when)
         if target != pool.target_size:
             try:
-                pool_update(pool=pool, target_size=target, actor=f"schedule:{schedule.name or schedule.pk}")
+                pool_update(pool=pool, target_size=target, actor=Actor.schedule(schedule.name or schedule.pk))
             except Exception as exc:
                 log.warning("pool %s: schedule not applied: %s", pool.pk, exc)
                 continue

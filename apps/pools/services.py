@@ -14,6 +14,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from apps.core import hooks
+from apps.core.actors import Actor
+from apps.core.causes import Cause
 from apps.core.errors import ErrorCode, InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.ids import JobId, OrgId, PoolId
 from apps.core.locks import POOL_REFILL
@@ -70,7 +72,7 @@ def pool_create(
     max_size: int | None = None,
     warmup_grace_seconds: int = 600,
     description: str = "",
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
 ) -> InstancePool:
     grant = grant_for(org=org, machine_type=machine_type)
     grant_check_privilege(org=org, machine_type=machine_type)
@@ -139,7 +141,7 @@ def pool_claim(
     pool_id: PoolId,
     acquired_by: str = "",
     acquired_for: str = "",
-    actor: str = "",
+    actor: Actor = Actor.UNNAMED,
     job_id: JobId | None = None,
     org_id: OrgId | None = None,
     lease_seconds: float | None = None,
@@ -184,7 +186,7 @@ def pool_claim(
 
 
 @transaction.atomic
-def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> InstancePool:
+def pool_update(*, pool: InstancePool, actor: Actor = Actor.UNNAMED, **sizes: Any) -> InstancePool:
     """Change sizes (and description); the reaper and the refill converge to them."""
     pool = InstancePool.objects.select_for_update().get(pk=pool.pk)
     if pool.status not in POOL_ACTIVE:
@@ -202,7 +204,7 @@ def pool_update(*, pool: InstancePool, actor: str = "", **sizes: Any) -> Instanc
     return pool
 
 
-def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") -> int:
+def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: Actor = Actor.UNNAMED) -> int:
     """Stop keeping machines: no new members, acquires refused. With ``terminate_members``
     every live member is terminated; without, unclaimed members are released as idle
     machines that the reaper destroys at the end of their paid period. Returns the number
@@ -226,7 +228,7 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
             if terminate_members:
                 try:
                     instance_terminate(
-                        instance_id=instance_id, actor=actor, reason="pool drained", cause="pool_drained"
+                        instance_id=instance_id, actor=actor, reason="pool drained", cause=Cause.POOL_DRAINED
                     )
                     terminated += 1
                 except InvalidTransition:
@@ -247,7 +249,7 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: str = "") 
     return terminated
 
 
-def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
+def pool_delete(*, pool: InstancePool, actor: Actor = Actor.UNNAMED) -> None:
     status = InstancePool.objects.filter(pk=pool.pk).values_list("status", flat=True).first()
     if status != PoolStatus.DRAINED:
         raise InvalidTransition("Pool", pool.pk, status, "deleted (drain it first)")
@@ -267,7 +269,7 @@ def pool_delete(*, pool: InstancePool, actor: str = "") -> None:
 # ---- refill: converge members to target_size ------------------------------------------------
 
 
-def pool_refill(*, pool_id: PoolId, actor: str = "refill") -> int:
+def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
     """Provision what the pool lacks (up to target_size, never past max_size or the org's
     max_instances), replace outdated members, trim a surplus, and update the pool's status.
     Serialised per pool by a row lock; returns the number of members requested."""
@@ -367,7 +369,7 @@ def pool_refill(*, pool_id: PoolId, actor: str = "refill") -> int:
     return count
 
 
-def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, actor: str) -> tuple[int, int]:
+def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, actor: Actor) -> tuple[int, int]:
     """Take ``ready`` idle machines and ``booting`` machines booting for no job, of the pool's
     org and machine type, outside every pool, into the pool (they cost nothing more). The
     caller holds the grant's lock, so placement does not claim them meanwhile; rows another
@@ -410,11 +412,11 @@ def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, act
 def _sync_status(pool: InstancePool, *, ready: int) -> None:
     """warming → ready when target_size members are ready; ready ⇄ replenishing."""
     if ready >= pool.target_size and pool.status != PoolStatus.READY:
-        POOL_STATES.move(pool.pk, to=PoolStatus.READY, actor="refill", event_data={"ready": ready})
+        POOL_STATES.move(pool.pk, to=PoolStatus.READY, actor=Actor.REFILL, event_data={"ready": ready})
     elif ready < pool.target_size and pool.status == PoolStatus.READY:
         POOL_STATES.move(
             pool.pk,
             to=PoolStatus.REPLENISHING,
-            actor="refill",
+            actor=Actor.REFILL,
             event_data={"ready": ready, "target_size": pool.target_size},
         )

@@ -10,6 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.core import hooks
+from apps.core.actors import Actor
 from apps.core.broker import enqueue, enqueue_on_commit
 from apps.core.ids import JobId, ResourceId
 from apps.resources.choices import ResourceStatus
@@ -39,7 +40,7 @@ def release_for_job(*, job_id: JobId, reason: str) -> int:
     for resource_id in ids:
         if (
             RESOURCE_STATES.try_move(
-                resource_id, to=ResourceStatus.RELEASING, actor="releaser", reason=reason
+                resource_id, to=ResourceStatus.RELEASING, actor=Actor.RELEASER, reason=reason
             )
             is None
         ):
@@ -64,7 +65,7 @@ def resource_destroy(*, resource_id: ResourceId) -> None:
     )
     with transaction.atomic():
         destroyed = RESOURCE_STATES.try_move(
-            resource.pk, to=ResourceStatus.DESTROYED, from_=[ResourceStatus.RELEASING], actor="releaser"
+            resource.pk, to=ResourceStatus.DESTROYED, from_=[ResourceStatus.RELEASING], actor=Actor.RELEASER
         )
         if destroyed is None:
             return
@@ -86,7 +87,7 @@ def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
             resource_id,
             to=ResourceStatus.RELEASING,
             from_=[ResourceStatus.FAILED],
-            actor="reaper",
+            actor=Actor.REAPER,
             reason="retrying destruction",
         )
     # Creating past its deadline: the worker died mid-create (a redelivered task sees
@@ -99,7 +100,7 @@ def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
             resource_id,
             to=ResourceStatus.REQUESTED,
             from_=[ResourceStatus.CREATING],
-            actor="reaper",
+            actor=Actor.REAPER,
             reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
         )
     releasing = [

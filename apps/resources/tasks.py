@@ -5,7 +5,9 @@ from uuid import UUID
 
 from celery import Task, shared_task
 
+from apps.core.actors import Actor
 from apps.core.broker import task_backoff
+from apps.resources.choices import ResourceStatus
 from apps.resources.lifecycle import resource_destroy
 from apps.resources.wells import WellError
 
@@ -26,8 +28,8 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
 
         RESOURCE_STATES.move(
             UUID(resource_id),
-            to="failed",
-            actor="releaser",
+            to=ResourceStatus.FAILED,
+            actor=Actor.RELEASER,
             reason=str(exc)[:500],
             failure_reason=str(exc)[:2000],
         )

@@ -155,3 +155,87 @@ def test_an_unregistered_error_code_is_refused_in_strict_mode() -> None:
         DomainError("no", code="oops")
     body = error_payload("pool_empty", "no ready member")
     assert body == {"code": "pool_empty", "detail": "no ready member"}
+
+
+def _keyword_literals(*names: str) -> dict[str, str]:
+    """String constants given as one of the keyword arguments ``names`` anywhere in apps/, and
+    f-strings given there: {text: file}."""
+    found: dict[str, str] = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg in names:
+                        for text in _constants(kw.value):
+                            found[text] = str(path.relative_to(ROOT))
+                        if isinstance(kw.value, ast.JoinedStr):
+                            found[ast.unparse(kw.value)] = str(path.relative_to(ROOT))
+    return found
+
+
+def test_every_cause_is_a_member_never_free_text() -> None:
+    """Why a machine ended and why a job was requeued (stored, shown, compared): Cause members,
+    never strings; every member fits the 32 characters the columns hold."""
+    from apps.core.causes import Cause
+
+    assert _keyword_literals("cause", "end_cause", "requeue_reason") == {}
+    assert max(len(c.value) for c in Cause) <= 32
+
+
+def test_every_actor_is_made_by_the_actor_type() -> None:
+    """Who did something renders one way everywhere: Actor's names and constructors, never a
+    string or an f-string at a call (there were about 100 such sites in some 20 spellings)."""
+    assert _keyword_literals("actor") == {}
+    from apps.core.actors import Actor
+
+    assert {name: f for name, f in _members_used("Actor").items() if not hasattr(Actor, name)} == {}
+
+
+def _status_values() -> set[str]:
+    from apps.github.choices import WorkflowJobStatus
+    from apps.jobs.choices import ArtifactStatus, JobStatus
+    from apps.machines.choices import InstanceStatus
+    from apps.pools.choices import PoolStatus
+    from apps.resources.choices import ResourceStatus
+
+    enums = (JobStatus, InstanceStatus, PoolStatus, ResourceStatus, ArtifactStatus, WorkflowJobStatus)
+    return {str(member.value) for enum in enums for member in enum}
+
+
+def _is_status(node: ast.AST) -> bool:
+    """``x.status``, ``row["status"]``, ``x.end_state`` and the like."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "status" or node.attr.endswith("_status")
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.endswith("status")
+    return False
+
+
+def test_statuses_are_compared_and_set_through_their_enums() -> None:
+    """A status is written ``JobStatus.READY``, never ``"ready"``: in a comparison with a
+    status, a ``status=``/``status__in=`` filter or a state machine's ``to=``."""
+    values = _status_values()
+    found: dict[str, str] = {}
+    for path, tree in _sources():
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(_is_status(n) for n in [node.left, *node.comparators]):
+                for side in [node.left, *node.comparators]:
+                    elements = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                    for element in elements:
+                        for text in _constants(element):
+                            if text in values:
+                                found[f"{where}:{node.lineno} {text}"] = where
+            elif isinstance(node, ast.Call):
+                for kw in node.keywords:
+                    if kw.arg and (kw.arg == "to" or kw.arg.endswith(("status", "status__in"))):
+                        value = kw.value
+                        elements = (
+                            value.elts if isinstance(value, ast.Tuple | ast.List | ast.Set) else [value]
+                        )
+                        for element in elements:
+                            for text in _constants(element):
+                                if text in values:
+                                    found[f"{where}:{node.lineno} {text}"] = where
+    assert found == {}

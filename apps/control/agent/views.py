@@ -33,7 +33,7 @@ from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
 from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
-from apps.jobs.handoff import handed_off
+from apps.jobs.handoff import HANDED_OFF_SQL, handed_off
 from apps.jobs.models import Job
 from apps.jobs.selectors import job_payload
 from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
@@ -173,7 +173,7 @@ INSTANCE = (
 HAS_ASSIGNED = (
     f"SELECT EXISTS (SELECT 1 FROM {Job._meta.db_table} "
     f"WHERE instance_id = %s AND status IN ({_sql_list([JobStatus.ASSIGNED])}) "
-    "AND (handoff_by = '' OR handed_off_to = instance_id))"
+    f"AND {HANDED_OFF_SQL})"
 )
 
 

@@ -12,6 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from apps.core.actors import Actor
 from apps.core.errors import NotFound
 from apps.github.api.serializers import (
     ConnectionIn,
@@ -41,8 +42,8 @@ class GitHubConnectionView(APIView):
     def required_role(self, request: Request) -> str:
         return Role.VIEWER if request.method in ("GET", "HEAD", "OPTIONS") else Role.ADMIN
 
-    def _actor(self, request: Request) -> str:
-        return f"user:{request.user.get_username()}"
+    def _actor(self, request: Request) -> Actor:
+        return Actor.user(request.user.get_username())
 
     @extend_schema(responses={200: ConnectionOut})
     def get(self, request: Request) -> Response:

@@ -63,28 +63,7 @@ class MachineTypeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = MachineType
-        fields = (
-            "id",
-            "name",
-            "description",
-            "provider",
-            "server_type",
-            "location",
-            "image",
-            "cpus",
-            "memory_mb",
-            "gpus",
-            "spot",
-            "price_per_hour",
-            "billing_increment_seconds",
-            "min_billed_seconds",
-            "required_privilege",
-            "disk_gb",
-            "network",
-            "version",
-            "quota",
-            "usable",
-        )
+        fields = ("id", "name", "provider", *MachineType.SETTABLE_FIELDS, "version", "quota", "usable")
         read_only_fields = fields
 
     @extend_schema_field(QuotaSerializer)

@@ -13,6 +13,7 @@ from rest_framework import exceptions, permissions, viewsets
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
+from apps.core.actors import Actor
 from apps.orgs.choices import ROLE_RANK, Role
 from apps.orgs.models import ApiToken, Membership, Organization
 
@@ -169,7 +170,6 @@ class OrgScopedViewSet(viewsets.GenericViewSet):
                 context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
         return context
 
-    def actor(self) -> str:
+    def actor(self) -> Actor:
         token = self.ctx.token
-        who = self.request.user.get_username()
-        return f"user:{who}" + (f" token:{token.prefix}" if token else "")
+        return Actor.user(self.request.user.get_username(), token.prefix if token else None)

@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from apps.core.api import StrictFields
 from apps.machines.api.serializers import InstanceSerializer, OrgMachineTypeField
-from apps.machines.choices import INSTANCE_TERMINAL
+from apps.machines.choices import INSTANCE_TERMINAL, InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool, PoolSchedule
@@ -104,14 +104,14 @@ class PoolSerializer(StrictFields, serializers.ModelSerializer):
         ``warming`` if it never was ready)."""
         if obj.status not in (PoolStatus.READY, PoolStatus.REPLENISHING):
             return obj.status
-        ready = sum(1 for m in self._members(obj) if m.status == "ready" and not m.outdated)
+        ready = sum(1 for m in self._members(obj) if m.status == InstanceStatus.READY and not m.outdated)
         return PoolStatus.READY if ready >= obj.target_size else PoolStatus.REPLENISHING
 
     def get_member_count(self, obj: InstancePool) -> int:
         return len(self._members(obj))
 
     def get_ready_count(self, obj: InstancePool) -> int:
-        return sum(1 for m in self._members(obj) if m.status == "ready")
+        return sum(1 for m in self._members(obj) if m.status == InstanceStatus.READY)
 
     @extend_schema_field(serializers.DictField(child=serializers.IntegerField()))
     def get_counts(self, obj: InstancePool) -> dict[str, int]:

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.orgs.api.base import JOB_SCOPE
 from apps.orgs.models import ApiToken, Membership
 from apps.orgs.services import api_token_create, api_token_revoke, membership_set, user_get_or_create
@@ -28,7 +29,7 @@ class ApiTokenWell(Well):
         if user is None or not Membership.objects.filter(org_id=job.org_id, user=user).exists():
             user = user_get_or_create(username=f"{SERVICE_USER}-{job.org.slug}")
             if not Membership.objects.filter(org_id=job.org_id, user=user).exists():
-                membership_set(org=job.org, user=user, role="viewer", actor="api_token well")
+                membership_set(org=job.org, user=user, role="viewer", actor=Actor.API_TOKEN_WELL)
         lifetime = timedelta(seconds=job.timeout_seconds + int(self.config.get("extra_seconds", 3600)))
         token, secret = api_token_create(
             org=job.org,
@@ -37,7 +38,7 @@ class ApiTokenWell(Well):
             role="viewer",
             expires_at=timezone.now() + lifetime,
             scope=f"{JOB_SCOPE}{job.pk}",
-            actor="api_token well",
+            actor=Actor.API_TOKEN_WELL,
         )
         metadata = {"api_url": settings.CATACLOUD_PUBLIC_URL.rstrip("/") + "/api/v1", "job_id": str(job.pk)}
         return Created(external_id=str(token.pk), metadata=metadata, secret={"token": secret})
@@ -49,4 +50,4 @@ class ApiTokenWell(Well):
         with contextlib.suppress(ValueError):
             match |= Q(pk=uuid.UUID(external_id))
         for token in ApiToken.objects.filter(match, revoked_at__isnull=True):
-            api_token_revoke(token=token, actor="api_token well")
+            api_token_revoke(token=token, actor=Actor.API_TOKEN_WELL)

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 
+from apps.core.actors import Actor
 from apps.core.crypto import hash_token
 from apps.machines.reconcile import end_local_leftovers, reconcile_local_machines
 from apps.orgs.models import ApiToken, Organization
@@ -51,7 +52,7 @@ class Command(BaseCommand):
             else False
         )
         if not live:
-            _, token = api_token_create(org=org, user=user, name="make dev demo token", actor="make dev")
+            _, token = api_token_create(org=org, user=user, name="make dev demo token", actor=Actor.MAKE_DEV)
             token_file.write_text(token)
             token_file.chmod(0o600)
         ghosts = sum(len(report.lost) for report in reconcile_local_machines())

@@ -5,6 +5,7 @@ from datetime import timedelta
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
+from apps.core.actors import Actor
 from apps.core.errors import DomainError
 from apps.orgs.choices import Role
 from apps.orgs.models import Membership, Organization
@@ -33,7 +34,7 @@ class Command(BaseCommand):
         user = user_get_or_create(username=str(options["user"]))
         role = str(options["role"] or "")
         if not Membership.objects.filter(org=org, user=user).exists():
-            membership_set(org=org, user=user, role=role or Role.MEMBER, actor="manage.py")
+            membership_set(org=org, user=user, role=role or Role.MEMBER, actor=Actor.MANAGE)
         expires = options["expires_in_days"]
         if expires is not None and expires < 1:  # type: ignore[operator]
             raise CommandError("--expires-in-days must be at least 1")
@@ -44,7 +45,7 @@ class Command(BaseCommand):
                 name=str(options["name"]),
                 role=role,
                 expires_at=timezone.now() + timedelta(days=expires) if expires else None,  # type: ignore[arg-type]
-                actor="manage.py",
+                actor=Actor.MANAGE,
             )
         except DomainError as exc:
             raise CommandError(exc.detail) from None

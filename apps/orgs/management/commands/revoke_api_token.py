@@ -4,6 +4,7 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from apps.core.actors import Actor
 from apps.core.crypto import hash_token
 from apps.orgs.models import ApiToken
 from apps.orgs.services import api_token_revoke
@@ -38,5 +39,5 @@ class Command(BaseCommand):
         if not found:
             raise CommandError("no live token matches")
         for token in found:
-            api_token_revoke(token=token, actor="manage.py")
+            api_token_revoke(token=token, actor=Actor.MANAGE)
         self.stdout.write(f"revoked {len(found)} token(s)")
