@@ -286,3 +286,43 @@ def test_a_short_id_in_a_path_says_the_api_takes_the_full_id(world: World) -> No
     assert world.client("outsider").get(f"/api/v1/jobs/{short}/").json()["detail"] == (
         f"no job's id starts with {short} (the API takes a job's full id)"
     )
+
+
+def test_an_env_too_large_is_refused_at_submission_naming_the_limit(world: World) -> None:
+    """5,000 env keys were accepted (201) and the job then failed in its sandbox (bwrap: Exceeded
+    maximum number of arguments): configurations and submissions are checked when they arrive."""
+    admin, member = world.client("admin"), world.client("member")
+    body = {"name": "big", "machine_type": "small", "command": "true"}
+    many = {f"K{i}": "v" for i in range(5000)}
+    limit = "at most 256 variables and 131,072 bytes (128 KiB) of names and values"
+    answer = admin.post("/api/v1/job-configs/", {**body, "env": many}, format="json")
+    assert answer.status_code == 400 and answer.json()["code"] == "env_too_large"
+    assert answer.json()["detail"] == (
+        f"env: 5000 variables (28,890 bytes); a job configuration's env and secret_env together take {limit}"
+    )
+    half = {f"K{i}": "v" for i in range(200)}
+    secrets = {f"S{i}": "v" for i in range(100)}
+    together = admin.post("/api/v1/job-configs/", {**body, "env": half, "secret_env": secrets}, format="json")
+    assert together.status_code == 400 and together.json()["code"] == "env_too_large"
+    long = {f"K{i}": "x" * 30_000 for i in range(5)}
+    bytes_ = admin.post("/api/v1/job-configs/", {**body, "env": long}, format="json")
+    assert bytes_.status_code == 400 and "150,010 bytes" in bytes_.json()["detail"]
+    assert not JobConfiguration.objects.exists()
+
+    made = admin.post("/api/v1/job-configs/", {**body, "env": half}, format="json")
+    assert made.status_code == 201, made.json()
+    patched = admin.patch(f"/api/v1/job-configs/{made.json()['id']}/", {"env": many}, format="json")
+    assert patched.status_code == 400 and patched.json()["code"] == "env_too_large"
+    submitted = member.post("/api/v1/jobs/", {"config": "big", "env": many}, format="json")
+    assert submitted.status_code == 400 and submitted.json()["code"] == "env_too_large"
+    assert submitted.json()["detail"].startswith("env: 5000 variables")
+    assert submitted.json()["detail"].endswith(f"a job's env and secret_env together take {limit}")
+    merged = member.post(
+        "/api/v1/jobs/", {"config": "big", "env": {"EXTRA": "1"}, "secret_env": secrets}, format="json"
+    )
+    assert merged.status_code == 400 and merged.json()["detail"].startswith("env: 301 variables")
+    assert not Job.objects.exists()
+    fits = member.post(
+        "/api/v1/jobs/", {"config": "big", "env": {f"J{i}": "v" for i in range(56)}}, format="json"
+    )
+    assert fits.status_code == 201, fits.json()
