@@ -559,10 +559,10 @@ def _stop_local_machines(home: Path) -> None:
 
 
 DESCRIPTION = (
-    "Catacloud: the client of the REST API (jobs, configs, pools, artifacts, auth), the dev runner "
-    "and embedded services (dev, services), the simulator (simulate) and, on machines, the agent "
-    "(agent, job-meta, checkpoint). Global flags (--url, --profile, --json) go before or after "
-    "the command."
+    "Catacloud: the client of the REST API (jobs, configs, pools, instances, artifacts, auth), "
+    "then the server's commands: the dev runner and embedded services (dev, services), the "
+    "simulator (simulate) and, on machines, the agent (agent, job-meta, checkpoint). Global "
+    "flags (--url, --profile, --json) go before or after the command."
 )
 
 
@@ -574,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"catacloud {client_version()}")
     add_global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    from catacloud.client.commands import add_client_commands
+
+    # The client first (what most users run), then the server's commands.
+    add_client_commands(sub)  # `catacloud jobs|configs|pools|instances|artifacts|auth …`
 
     services = sub.add_parser("services", help="embedded PostgreSQL and Redis under $CATACLOUD_HOME")
     services.add_argument("action", choices=["up", "down", "run"])
@@ -583,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="run the whole system on the embedded services (make dev)")
     dev.set_defaults(func=cmd_dev)
-    cleanup = sub.add_parser("dev-cleanup", help=argparse.SUPPRESS)
+    cleanup = sub.add_parser("dev-cleanup")  # no help: not listed (a dev watchdog runs it)
     cleanup.add_argument("--home", required=True)
     cleanup.add_argument("--stop-postgres", action="store_true")
     cleanup.add_argument("--stop-redis", action="store_true")
@@ -595,9 +599,6 @@ def build_parser() -> argparse.ArgumentParser:
     from catacloud.simulate import add_simulate_command
 
     add_simulate_command(sub)
-    from catacloud.client.commands import add_client_commands
-
-    add_client_commands(sub)  # `catacloud jobs|configs|pools|artifacts|auth …`: the REST API's client
     return parser
 
 

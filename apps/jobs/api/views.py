@@ -182,6 +182,12 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         query.is_valid(raise_exception=True)
         after = query.validated_data["after"]
         attempt = query.validated_data.get("attempt", job.attempt)
+        if attempt > job.attempt:  # an attempt that never started has no output, ever
+            plural = "" if job.attempt == 1 else "s"
+            raise ValidationFailed.field(
+                "attempt",
+                f"job {job.pk} has had {job.attempt} attempt{plural}; attempt takes 1 to {job.attempt}",
+            )
         chunks = list(
             JobLogChunk.objects.filter(job=job, attempt=attempt, seq__gt=after)
             .order_by("seq")
