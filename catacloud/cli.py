@@ -138,6 +138,21 @@ def dev_programs(
     ]
 
 
+def dev_env(base: Mapping[str, str], *, port: int, agent_port: int, metrics_dir: Path) -> dict[str, str]:
+    """The environment of `make dev`'s programs: ``base`` (the user's environment and the
+    embedded services') with development defaults the user may override. ``/metrics`` is open
+    (CATACLOUD_METRICS_PUBLIC): on this loopback-only server, what the docs show works."""
+    return {
+        **base,
+        "DJANGO_DEBUG": base.get("DJANGO_DEBUG", "1"),
+        "CATACLOUD_PUBLIC_URL": base.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
+        "CATACLOUD_METRICS_PUBLIC": base.get("CATACLOUD_METRICS_PUBLIC", "true"),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "CATACLOUD_AGENT_URL": base.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
     restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0, and
@@ -166,15 +181,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     metrics_dir = home / "prometheus"
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
-    env = {
-        **os.environ,
-        **services.env,
-        "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
-        "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "CATACLOUD_AGENT_URL": os.environ.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = dev_env({**os.environ, **services.env}, port=port, agent_port=agent_port, metrics_dir=metrics_dir)
     supervisor: Supervisor | None = None
     stopping = threading.Event()
 
