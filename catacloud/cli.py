@@ -139,6 +139,21 @@ def dev_programs(
     ]
 
 
+def dev_env(base: Mapping[str, str], *, port: int, agent_port: int, metrics_dir: Path) -> dict[str, str]:
+    """The environment of `make dev`'s programs: ``base`` (the user's environment and the
+    embedded services') with development defaults the user may override. ``/metrics`` is open
+    (CATACLOUD_METRICS_PUBLIC): on this loopback-only server, what the docs show works."""
+    return {
+        **base,
+        "DJANGO_DEBUG": base.get("DJANGO_DEBUG", "1"),
+        "CATACLOUD_PUBLIC_URL": base.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
+        "CATACLOUD_METRICS_PUBLIC": base.get("CATACLOUD_METRICS_PUBLIC", "true"),
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "CATACLOUD_AGENT_URL": base.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     """`make dev`: services, migrations, demo data, then web + worker + beat + Flower, each
     restarted when it dies (see catacloud.supervisor); Ctrl-C stops everything and exits 0, and
@@ -167,15 +182,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     metrics_dir = home / "prometheus"
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
-    env = {
-        **os.environ,
-        **services.env,
-        "DJANGO_DEBUG": os.environ.get("DJANGO_DEBUG", "1"),
-        "CATACLOUD_PUBLIC_URL": os.environ.get("CATACLOUD_PUBLIC_URL", f"http://127.0.0.1:{port}"),
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "CATACLOUD_AGENT_URL": os.environ.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = dev_env({**os.environ, **services.env}, port=port, agent_port=agent_port, metrics_dir=metrics_dir)
     supervisor: Supervisor | None = None
     stopping = threading.Event()
 
@@ -530,10 +537,10 @@ def _stop_local_machines(home: Path) -> None:
 
 
 DESCRIPTION = (
-    "Catacloud: the client of the REST API (jobs, configs, pools, artifacts, auth), the dev runner "
-    "and embedded services (dev, services), the simulator (simulate) and, on machines, the agent "
-    "(agent, job-meta, checkpoint). Global flags (--url, --profile, --json) go before or after "
-    "the command."
+    "Catacloud: the client of the REST API (jobs, configs, pools, instances, artifacts, auth), "
+    "then the server's commands: the dev runner and embedded services (dev, services), the "
+    "simulator (simulate) and, on machines, the agent (agent, job-meta, checkpoint). Global "
+    "flags (--url, --profile, --json) go before or after the command."
 )
 
 
@@ -545,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"catacloud {client_version()}")
     add_global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    from catacloud.client.commands import add_client_commands
+
+    # The client first (what most users run), then the server's commands.
+    add_client_commands(sub)  # `catacloud jobs|configs|pools|instances|artifacts|auth …`
 
     services = sub.add_parser("services", help="embedded PostgreSQL and Redis under $CATACLOUD_HOME")
     services.add_argument("action", choices=["up", "down", "run"])
@@ -554,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="run the whole system on the embedded services (make dev)")
     dev.set_defaults(func=cmd_dev)
-    cleanup = sub.add_parser("dev-cleanup", help=argparse.SUPPRESS)
+    cleanup = sub.add_parser("dev-cleanup")  # no help: not listed (a dev watchdog runs it)
     cleanup.add_argument("--home", required=True)
     cleanup.add_argument("--stop-postgres", action="store_true")
     cleanup.add_argument("--stop-redis", action="store_true")
@@ -566,9 +577,6 @@ def build_parser() -> argparse.ArgumentParser:
     from catacloud.simulate import add_simulate_command
 
     add_simulate_command(sub)
-    from catacloud.client.commands import add_client_commands
-
-    add_client_commands(sub)  # `catacloud jobs|configs|pools|artifacts|auth …`: the REST API's client
     return parser
 
 

@@ -11,9 +11,11 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
   doubling up to ``max_restart_delay`` while it keeps dying within ``stable_after`` seconds of
   its start, with a log line saying so;
 - ``stop()`` (or SIGINT/SIGTERM/SIGHUP when ``run`` is in the main thread) sends each program's
-  ``stop_signal`` (SIGTERM unless it says otherwise) to its process group, waits up to
-  ``stop_timeout`` seconds, then SIGKILLs what is left; output that can no longer be written
-  (a closed terminal: EIO) is dropped, never the stop;
+  ``stop_signal`` (SIGTERM unless it says otherwise) to the program itself, not to its process
+  group: it stops its own children in order (a Celery worker finishes the tasks in flight, then
+  ends its pool; a pool child signalled directly died under its task). It waits up to
+  ``stop_timeout`` seconds, then SIGKILLs what is left of each group; output that can no
+  longer be written (a closed terminal: EIO) is dropped, never the stop;
 - **nothing outlives it**, not even when it is SIGKILLed (the OOM killer, a CI timeout, a
   closed terminal): a small watchdog process in a session of its own holds the read end of a
   pipe only the supervisor writes to, and learns from it every program's process group. When
@@ -240,7 +242,7 @@ class Supervisor:
             self.log(f"stopping {', '.join(c.program.name for c in live)}")
         for child in live:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.popen.pid, child.program.stop_signal)  # type: ignore[union-attr]
+                os.kill(child.popen.pid, child.program.stop_signal)  # type: ignore[union-attr]  # not its group
         deadline = time.monotonic() + self.stop_timeout
         for child in live:
             try:

@@ -115,6 +115,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    "apps.core.middleware.ApiTrailingSlashMiddleware",  # before CommonMiddleware's APPEND_SLASH
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -378,11 +379,13 @@ REST_FRAMEWORK = {
         "drf_orjson_renderer.renderers.ORJSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    # limit, offset, ordering and filter values that make no sense are a 400 naming what would
+    # (DRF and django-filter ignore them, or answer "Select a valid choice").
+    "DEFAULT_PAGINATION_CLASS": "apps.core.listing.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": [
-        "django_filters.rest_framework.DjangoFilterBackend",
-        "rest_framework.filters.OrderingFilter",
+        "apps.core.listing.FilterBackend",
+        "apps.core.listing.OrderingFilter",
     ],
     "DEFAULT_PARSER_CLASSES": [
         "apps.core.parsers.SafeJSONParser",

@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
+from django.contrib.admin import AdminSite
+from django.http import HttpRequest
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from apps.control.agent.urls import agent_urls
@@ -15,8 +20,33 @@ admin.site.index_title = "Fleet, pools, jobs and resources"
 # The lists need the width on a laptop (1366 px): the filters stay on the right, the models are
 # one click away on the index ("Home") and the dashboard is in the header.
 admin.site.enable_nav_sidebar = False
+# No "View site": the console is the site ("/" leads to it).
+admin.site.site_url = None
+# The home page lists what operators look at first: the fleet, then money, then the rest.
+CONSOLE_APPS = (
+    "jobs",
+    "machines",
+    "pools",
+    "resources",
+    "billing",
+    "github",
+    "events",
+    "orgs",
+    "control",
+    "core",
+)
+
+
+def _console_app_list(request: HttpRequest, app_label: str | None = None) -> list[dict[str, Any]]:
+    apps = AdminSite.get_app_list(admin.site, request, app_label)
+    order = {label: i for i, label in enumerate(CONSOLE_APPS)}
+    return sorted(apps, key=lambda app: order.get(app["app_label"], len(order)))  # auth last
+
+
+admin.site.get_app_list = _console_app_list  # type: ignore[method-assign]
 
 urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),  # the console
     path("admin/dashboard/", include(console_urls())),
     path("admin/login/", console_login, name="console-login"),  # lands on the dashboard
     path("admin/", admin.site.urls),

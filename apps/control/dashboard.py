@@ -262,6 +262,7 @@ def _trouble(now: datetime) -> list[dict[str, Any]]:
             Q(kind__in=TROUBLE_KINDS)
             | Q(kind=EventKind.JOB_FINISHED, data__status__in=[JobStatus.FAILED, JobStatus.TIMED_OUT])
         )
+        .exclude(data__contains={"restart": True})  # local machines that ended with the previous `make dev`
         .select_related("org")
         .order_by("-id")[:MAX_TROUBLE]
     )
@@ -284,7 +285,9 @@ def _series(now: datetime) -> dict[str, Any]:
     wait (queued → started) of the jobs that started, mean and longest."""
     since = (now - WINDOW).replace(second=0, microsecond=0)
     minutes = [since + timedelta(minutes=i) for i in range(61)]
-    finished: defaultdict[datetime, dict[str, int]] = defaultdict(lambda: {"succeeded": 0, "failed": 0})
+    finished: defaultdict[datetime, dict[str, int]] = defaultdict(
+        lambda: {"succeeded": 0, "failed": 0, "cancelled": 0}
+    )
     for minute, status, n in (
         Job.objects.filter(finished_at__gte=since)
         .annotate(m=TruncMinute("finished_at"))
@@ -292,7 +295,9 @@ def _series(now: datetime) -> dict[str, Any]:
         .annotate(n=Count("id"))
         .order_by()
     ):
-        finished[minute]["succeeded" if status == JobStatus.SUCCEEDED else "failed"] += n
+        # a cancel is someone's decision, not a failure (failed and timed out are)
+        outcome = status if status in (JobStatus.SUCCEEDED, JobStatus.CANCELLED) else "failed"
+        finished[minute][outcome] += n
     submitted = dict(
         Job.objects.filter(created_at__gte=since)
         .annotate(m=TruncMinute("created_at"))
@@ -313,6 +318,7 @@ def _series(now: datetime) -> dict[str, Any]:
         "minutes": minutes,
         "succeeded": [finished[m]["succeeded"] for m in minutes],
         "failed": [finished[m]["failed"] for m in minutes],
+        "cancelled": [finished[m]["cancelled"] for m in minutes],
         "submitted": [submitted.get(m, 0) for m in minutes],
         "wait_mean": [waits.get(m, (0.0, 0.0))[0] for m in minutes],
         "wait_max": [waits.get(m, (0.0, 0.0))[1] for m in minutes],

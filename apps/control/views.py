@@ -33,7 +33,11 @@ def _context(request: HttpRequest) -> dict:
     minutes = series["minutes"]
     snap["throughput_svg"] = minute_chart(
         minutes,
-        [("succeeded", "#2e7d32", series["succeeded"]), ("failed", "#c62828", series["failed"])],
+        [
+            ("succeeded", "#2e7d32", series["succeeded"]),
+            ("failed", "#c62828", series["failed"]),
+            ("cancelled", "#9e9e9e", series["cancelled"]),
+        ],
         line=("submitted", "#1565c0", series["submitted"]),
         label="jobs finished per minute (bars) and submitted (line), last hour",
     )
@@ -45,8 +49,10 @@ def _context(request: HttpRequest) -> dict:
         label="wait from queued to started, per minute of start, last hour",
     )
     snap["totals"] = {
-        "finished": sum(series["succeeded"]) + sum(series["failed"]),
-        "failed": sum(series["failed"]),
+        "finished": sum(series["succeeded"]) + sum(series["failed"]) + sum(series["cancelled"]),
+        "succeeded": sum(series["succeeded"]),
+        "failed": sum(series["failed"]),  # failed or timed out
+        "cancelled": sum(series["cancelled"]),
         "submitted": sum(series["submitted"]),
     }
     snap["state_colours"] = [(s, STATE_COLOURS[s]) for s in MEMBER_STATES]

@@ -23,6 +23,7 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from apps.core.errors import DomainError, ErrorCode, ValidationFailed, error_payload
+from apps.core.middleware import too_large_detail
 
 if TYPE_CHECKING:  # generic in the stubs only
     Serializer = serializers.Serializer[Any]
@@ -120,7 +121,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
             return error_response(400, ErrorCode.DUPLICATE_NAME, "an object with this name already exists")
         return error_response(409, ErrorCode.CONFLICT, "a concurrent change conflicts with this request")
     if isinstance(exc, RequestDataTooBig):
-        return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed")
+        return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, too_large_detail())
     if isinstance(exc, RecursionError):
         return error_response(400, ErrorCode.PARSE_ERROR, "the request is nested too deeply")
     if isinstance(exc, ValidationFailed):

@@ -20,6 +20,7 @@ class ErrorCode(StrEnum):
     INVALID_RANGE = "invalid_range"  # a time range that ends before it starts
     CHECKSUM_MISMATCH = "checksum_mismatch"  # an uploaded artifact's sha256 differs
     UNKNOWN_CONFIG = "unknown_config"  # a job submitted with no such configuration id or name
+    ENV_TOO_LARGE = "env_too_large"  # a job's env and secret_env past their limits
     # 401 / 403
     NOT_AUTHENTICATED = "not_authenticated"
     AUTHENTICATION_FAILED = "authentication_failed"

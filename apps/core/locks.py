@@ -11,7 +11,7 @@ REAPER = 0x0CA7_0001
 SCHEDULER_TICK = 0x0CA7_0002
 # One refill listener in the cluster (apps.pools.refill).
 REFILL_LISTENER = 0x0CA7_0003
-# pg_advisory_xact_lock(POOL_REFILL, hashtext(pool id)): one refill of a pool at a time,
+# pg_advisory_xact_lock(POOL_REFILL, hashtext(pool id)): one refill (or drain) of a pool at a time,
 # without holding the pool row (claims update it to signal the next refill).
 POOL_REFILL = 0x0CA7
 

@@ -1,5 +1,6 @@
 """Every answer under ``/api/`` is JSON ``{code, detail}``, also the ones Django makes itself
-(an unknown path or method in DEBUG, an oversized body), never an HTML page."""
+(an unknown path or method in DEBUG, an oversized body), never an HTML page. A path without its
+trailing slash answers like the path with it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import is_valid_path
 
 from apps.core.errors import ErrorCode, error_payload
 
@@ -22,9 +25,40 @@ CODES = {
 }
 
 
+def body_limit_detail(limit: int) -> str:
+    """``the request body may have at most 2,621,440 bytes (2.5 MiB)``: a 413 names its limit."""
+    if limit >= 1024 * 1024:
+        size = f"{limit / (1024 * 1024):.1f}".removesuffix(".0") + " MiB"
+    else:
+        size = f"{limit // 1024} KiB"
+    return f"the request body may have at most {limit:,} bytes ({size})"
+
+
+def too_large_detail() -> str:
+    """The 413 of the web API: Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``."""
+    return body_limit_detail(settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0)
+
+
 def too_large() -> JsonResponse:
-    code, detail = CODES[413]
-    return JsonResponse(error_payload(code, detail), status=413)
+    return JsonResponse(error_payload(ErrorCode.PAYLOAD_TOO_LARGE, too_large_detail()), status=413)
+
+
+class ApiTrailingSlashMiddleware:
+    """``/api/v1/jobs`` answers as ``/api/v1/jobs/``, whatever the method. Django's APPEND_SLASH
+    answered a GET with a bare 301 and a POST with a 500 (DEBUG) or a redirect that turned it
+    into a GET. The path is rewritten only when it resolves with the slash and not without."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> Any:
+        path = request.path_info
+        if path.startswith("/api/") and not path.endswith("/"):
+            urlconf = getattr(request, "urlconf", None)
+            if not is_valid_path(path, urlconf) and is_valid_path(f"{path}/", urlconf):
+                request.path_info = f"{path}/"
+                request.path = f"{request.path}/"
+        return self.get_response(request)
 
 
 class ApiJsonErrorsMiddleware:

@@ -44,6 +44,30 @@ def loads(raw: bytes | str) -> Any:
     return data
 
 
+# json's messages (``Expecting ',' delimiter: line 1 column 9 (char 8)``) in plain words.
+_JSON_FAULTS = {
+    "Expecting value": "expecting a value",
+    "Expecting property name enclosed in double quotes": "expecting a property name in double quotes",
+    "Expecting ',' delimiter": "expecting a comma",
+    "Expecting ':' delimiter": "expecting a colon",
+    "Extra data": "unexpected text after the document",
+    "Unterminated string starting at": "a string that is never closed, starting",
+    "Invalid control character at": "a control character (a raw newline or tab) inside a string",
+    "Invalid \\escape": "an invalid backslash escape",
+}
+NOT_JSON = "the request body is not valid JSON"
+
+
+def json_fault(exc: BaseException | None) -> str:
+    """``the request body is not valid JSON: expecting a comma at line 1, column 9``."""
+    if isinstance(exc, json.JSONDecodeError):
+        fault = _JSON_FAULTS.get(exc.msg) or exc.msg[:1].lower() + exc.msg[1:]
+        return f"{NOT_JSON}: {fault} at line {exc.lineno}, column {exc.colno}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"{NOT_JSON}: it is not UTF-8 text"
+    return f"{NOT_JSON}: {exc}" if exc else NOT_JSON
+
+
 class SafeJSONParser(JSONParser):
     def parse(
         self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
@@ -51,9 +75,11 @@ class SafeJSONParser(JSONParser):
         try:
             data = super().parse(stream, media_type, parser_context)
         except RecursionError:
-            raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels") from None
+            raise ParseError(f"{NOT_JSON}: it is nested deeper than {MAX_DEPTH} levels") from None
+        except ParseError as exc:  # DRF's "JSON parse error - <json's message>"
+            raise ParseError(json_fault(exc.__context__)) from None
         if _too_deep(data, MAX_DEPTH):
-            raise ParseError(f"JSON parse error - nested deeper than {MAX_DEPTH} levels")
+            raise ParseError(f"{NOT_JSON}: it is nested deeper than {MAX_DEPTH} levels")
         return data
 
 

@@ -86,6 +86,31 @@ def check_env(env: object) -> dict[str, str]:
     return dict(env)
 
 
+# What a job's environment may hold: env and secret_env together (a name in both counts once),
+# names and values in UTF-8. Far above what jobs use, far below what starts a process (Linux:
+# 128 KiB per variable, about 2 MiB in all; bubblewrap: 9,000 arguments).
+ENV_MAX_VARIABLES = 256
+ENV_MAX_BYTES = 128 * 1024
+
+
+def check_env_size(env: dict[str, str], secret_env: dict[str, str], *, owner: str) -> None:
+    """A 400 ``env_too_large`` naming the limits when ``env`` and ``secret_env`` together pass
+    them: such a job could not even be started on its machine."""
+    merged = {**env, **secret_env}
+    size = sum(len(name.encode()) + len(value.encode()) for name, value in merged.items())
+    if len(merged) <= ENV_MAX_VARIABLES and size <= ENV_MAX_BYTES:
+        return
+    limit = (
+        f"at most {ENV_MAX_VARIABLES} variables and {ENV_MAX_BYTES:,} bytes "
+        f"({ENV_MAX_BYTES // 1024} KiB) of names and values"
+    )
+    raise ValidationFailed(
+        f"env: {len(merged)} variables ({size:,} bytes); {owner}'s env and secret_env together take {limit}",
+        fields={"env": [f"env and secret_env together take {limit}"]},
+        code=ErrorCode.ENV_TOO_LARGE,
+    )
+
+
 def _check_usable(
     *, org: Organization, machine_type: MachineType, resource_types: Iterable[ResourceType]
 ) -> None:
@@ -127,6 +152,7 @@ def job_config_save(
     config.env = check_env(config.env)
     if "secret_env" in fields:
         config.secret_env = check_env(fields["secret_env"] or {})
+    check_env_size(config.env, config.secret_env, owner="a job configuration")
     types = (
         list(resource_types)
         if resource_types is not None

@@ -15,7 +15,7 @@ from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.handoff import awaits_handoff, job_cancel_before_handoff
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduler import schedule_grant_after_commit
-from apps.jobs.services import JOB_STATES, cancelled_by, check_env
+from apps.jobs.services import JOB_STATES, cancelled_by, check_env, check_env_size
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import grant_check_privilege, not_granted_message
@@ -28,6 +28,7 @@ def job_submit(
     org: Organization,
     config: JobConfiguration,
     env: dict[str, str] | None = None,
+    secret_env: dict[str, str] | None = None,
     user: Any = None,
     actor: Actor = Actor.UNNAMED,
     labels: dict[str, Any] | None = None,
@@ -54,6 +55,8 @@ def job_submit(
             code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
         )
     merged = {**config.env, **check_env(env or {})}
+    secret = check_env(secret_env or {})
+    check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
     with transaction.atomic():
         job = Job.objects.create(
             org=org,
@@ -70,6 +73,9 @@ def job_submit(
             hold_reason=hold_reason[:300],
             pending_reason=hold_reason[:300],
         )
+        if secret:  # in the job's transaction: there before any agent can see the job
+            job.secret_env = secret
+            job.save(update_fields=["secret_env_encrypted"])
         event_record(
             kind=EventKind.JOB_QUEUED,
             org=org,

@@ -326,9 +326,12 @@ def instance_gone(instance: MachineInstance) -> None:
     hooks.machine_available(org_id=instance.org_id, machine_type_id=instance.machine_type_id)
 
 
-def instance_mark_lost(*, instance_id: InstanceId, actor: Actor, reason: str) -> MachineInstance | None:
+def instance_mark_lost(
+    *, instance_id: InstanceId, actor: Actor, reason: str, restart: bool = False
+) -> MachineInstance | None:
     """The machine vanished or its agent went silent: → lost, requeue its job, destroy what is
-    left of the machine (a silent machine may still be billing), and refill its pool."""
+    left of the machine (a silent machine may still be billing), and refill its pool.
+    ``restart``: it ended with the previous run of the control plane (its event says so)."""
     with transaction.atomic():
         row = MachineInstance.objects.filter(pk=instance_id).values("pool_id").first()
         instance = INSTANCE_STATES.try_move(
@@ -338,6 +341,7 @@ def instance_mark_lost(*, instance_id: InstanceId, actor: Actor, reason: str) ->
             actor=actor,
             reason=reason,
             event=EventKind.POOL_MEMBER_LOST if row and row["pool_id"] else None,
+            event_data={"restart": True} if restart else None,
             failure_reason=reason[:2000],
             end_cause=Cause.MACHINE_LOST,
         )

@@ -69,7 +69,11 @@ class ReconcileReport:
         )
 
 
-def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None = None) -> ReconcileReport:
+def reconcile_account(
+    *, account: ProviderAccount, grace_seconds: float | None = None, restart: bool = False
+) -> ReconcileReport:
+    """``restart``: the machines missing ended with the previous run of the control plane
+    (local machines stop with `make dev`), which is not a failure."""
     grace = timedelta(seconds=settings.CATACLOUD_RECONCILE_GRACE if grace_seconds is None else grace_seconds)
     report = ReconcileReport(account=account.name)
     provider = provider_for(account)
@@ -173,7 +177,8 @@ def reconcile_account(*, account: ProviderAccount, grace_seconds: float | None =
             lost = instance_mark_lost(
                 instance_id=uuid.UUID(instance_id),
                 actor=Actor.RECONCILER,
-                reason="the machine is gone at the provider",
+                reason=RESTART_LOST if restart else "the machine is gone at the provider",
+                restart=restart,
             )
             if lost is not None:
                 report.lost.append(instance_id)
@@ -248,14 +253,18 @@ def reconcile_all(*, grace_seconds: float | None = None) -> list[ReconcileReport
     return [reconcile_account(account=a, grace_seconds=grace_seconds) for a in accounts]
 
 
+RESTART_LOST = "its local machine ended with the previous `make dev`"
+
+
 def reconcile_local_machines() -> list[ReconcileReport]:
     """At start (``make dev``): the local provider knows which of its machines still run, so
     rows whose machine died with the previous run become ``lost`` now, before a job is placed on
-    one and waits out the heartbeat deadline."""
+    one and waits out the heartbeat deadline. What a restart does, not a failure: their events
+    say so (``restart: true``) and the dashboard's failures leave them out."""
     accounts = ProviderAccount.objects.filter(
         kind=ProviderKind.LOCAL, instances__status__in=INSTANCE_LIVE
     ).distinct()
-    return [reconcile_account(account=a) for a in accounts]
+    return [reconcile_account(account=a, restart=True) for a in accounts]
 
 
 def end_local_leftovers(machines_root: Path) -> list[str]:

@@ -210,7 +210,12 @@ def pool_drain(*, pool: InstancePool, terminate_members: bool, actor: Actor = Ac
     machines that the reaper destroys at the end of their paid period. Returns the number
     of members terminated."""
     with transaction.atomic():
-        # Lock order as in a claim (member, then pool row): members first.
+        # Lock order as in a refill (grant, then the pool's refill lock), then as in a claim
+        # (member, then pool row). The refill lock makes a refill in flight finish first (its
+        # members are drained with the others) or find the pool draining: a drained pool never
+        # gets a member again.
+        grant_lock(org_id=pool.org_id, machine_type_id=pool.machine_type_id)
+        _refill_lock(pool.pk)
         list(MachineInstance.objects.select_for_update().filter(pool=pool, status__in=INSTANCE_LIVE))
         POOL_STATES.move(
             pool.pk,
@@ -282,8 +287,8 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
         # machine type: other pools' refills, job placement), then the pool's refill lock (an
         # advisory lock, not the pool row, which claims update to signal refills).
         grant = grant_lock(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"])
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [POOL_REFILL, str(pool_id)])
+        _refill_lock(pool_id)
+        # Read after the lock: a drain (which takes it too) has either not started or committed.
         pool = InstancePool.objects.select_related("machine_type").filter(pk=pool_id).first()
         if pool is None or pool.status not in POOL_ACTIVE:
             return 0
@@ -367,6 +372,12 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
             )
         _sync_status(pool, ready=len(fresh_ready) + adopted_ready)
     return count
+
+
+def _refill_lock(pool_id: PoolId) -> None:
+    """The pool's refill lock until the transaction ends: one refill or drain of it at a time."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [POOL_REFILL, str(pool_id)])
 
 
 def _adopt(pool: InstancePool, mt: MachineType, *, ready: int, booting: int, actor: Actor) -> tuple[int, int]:

@@ -86,6 +86,9 @@ class Api:
     def post(self, path: str, body: Any = None) -> Any:
         return self.request("POST", path, json=body if body is not None else {})
 
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
     def download(self, path: str) -> tuple[requests.Response, Iterator[bytes]]:
         """A streamed GET (redirects to a presigned URL are followed; ``requests`` drops the
         Authorization header when the redirect leaves the API's host)."""

@@ -1,4 +1,4 @@
-"""``catacloud jobs|configs|pools|artifacts|auth …``: the client commands on the REST API.
+"""``catacloud jobs|configs|pools|instances|artifacts|auth …``: the client commands on the REST API.
 
 Every command takes ``--url``, ``--profile`` and ``--json``, before or after the subcommand
 (see :mod:`catacloud.client.config` for where the URL and token come from). Objects are named
@@ -30,6 +30,7 @@ from catacloud.client.config import (
     ConfigError,
     normalize_url,
     print_warnings,
+    remove_login,
     resolve,
     save_login,
 )
@@ -49,6 +50,20 @@ JOB_STATUSES = (
     "cancelled",
     "timed_out",
 )
+# A machine's states (the API's InstanceStatus).
+INSTANCE_STATUSES = (
+    "pending",
+    "provisioning",
+    "warming",
+    "ready",
+    "claimed",
+    "terminating",
+    "terminated",
+    "failed",
+    "lost",
+)
+# The 401s Catacloud answers (ErrorCode): another server's 401 is not about our token.
+TOKEN_REFUSED = frozenset({"not_authenticated", "authentication_failed"})
 MIN_PREFIX = 4  # hex digits of a short id, like git's shortest abbreviation
 POLL_SECONDS = 1.0
 RETRIES_WHILE_WAITING = 10  # consecutive transient errors tolerated by --wait / -f
@@ -62,7 +77,7 @@ class UsageError(Exception):
 
 
 def add_client_commands(subparsers: Any) -> None:
-    """Register ``jobs``, ``configs``, ``pools``, ``artifacts`` and ``auth`` on an
+    """Register ``jobs``, ``configs``, ``pools``, ``instances``, ``artifacts`` and ``auth`` on an
     ``add_subparsers()`` object (whose parser carries the global flags too)."""
     common = argparse.ArgumentParser(add_help=False)
     add_global_flags(common, top=False)
@@ -107,7 +122,7 @@ def add_client_commands(subparsers: Any) -> None:
     p = command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost, then its events")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
-    configs = group("configs", "list and create job configurations")
+    configs = group("configs", "list, create and delete job configurations")
     command(configs, "ls", cmd_configs_ls, "list job configurations")
     p = command(configs, "create", cmd_configs_create, "create a job configuration (admin)")
     p.add_argument("name", metavar="NAME", help="its name, e.g. unit-tests")
@@ -125,8 +140,10 @@ def add_client_commands(subparsers: Any) -> None:
         metavar="TYPE",
         help="a resource type it needs (repeatable)",
     )
+    p = command(configs, "delete", cmd_configs_delete, "delete a job configuration no job uses (admin)")
+    p.add_argument("config", metavar="CONFIG", help="its name or id")
 
-    pools = group("pools", "list and create warm pools, acquire and release their machines")
+    pools = group("pools", "list, create, drain and delete warm pools; acquire and release their machines")
     command(pools, "ls", cmd_pools_ls, "list pools with their members by state")
     p = command(pools, "create", cmd_pools_create, "create a warm pool (admin)")
     p.add_argument("name", metavar="NAME", help="its name, e.g. ci")
@@ -144,6 +161,32 @@ def add_client_commands(subparsers: Any) -> None:
     p = command(pools, "release", cmd_pools_release, "hand back an acquired machine (it is terminated)")
     p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
     p.add_argument("--claim", metavar="CLAIM_ID", help="release only if this claim still holds it")
+    p = command(pools, "drain", cmd_pools_drain, "stop keeping machines: no new member, no acquire (admin)")
+    p.add_argument("pool", metavar="POOL", help="pool name or id")
+    p.add_argument(
+        "--terminate-members",
+        action="store_true",
+        help="destroy its members now (else the unclaimed ones are released and end with their paid period)",
+    )
+    p = command(pools, "delete", cmd_pools_delete, "delete a drained pool (admin)")
+    p.add_argument("pool", metavar="POOL", help="pool name or id")
+
+    instances = group("instances", "list, show and terminate machines")
+    p = command(instances, "ls", cmd_instances_ls, "list machines, newest first")
+    p.add_argument(
+        "--status",
+        action="append",
+        default=[],
+        choices=INSTANCE_STATUSES,
+        metavar="STATUS",
+        help="only these statuses (repeatable): " + ", ".join(INSTANCE_STATUSES),
+    )
+    p.add_argument("--pool", metavar="POOL", help="only members of this pool (name or id)")
+    p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    p = command(instances, "show", cmd_instances_show, "one machine: status, pool, provider, address, cost")
+    p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
+    p = command(instances, "terminate", cmd_instances_terminate, "destroy a machine at its provider (admin)")
+    p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
 
     artifacts = group("artifacts", "list and download the files a job kept")
     p = command(artifacts, "ls", cmd_artifacts_ls, "list a job's artifacts")
@@ -167,6 +210,14 @@ def add_client_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_auth_login, _parser=p)
     p = auth.add_parser("status", parents=[common], help="which server and token the client uses, checked")
     p.set_defaults(func=lambda args: run(cmd_auth_status, args), _parser=p)
+    p = auth.add_parser(
+        "logout",
+        parents=[common],
+        help="remove a stored token from the config file",
+        description="Remove the profile holding the token for a URL (--url, else CATACLOUD_URL, else "
+        "the default profile's), or the profile --profile names, from the config file.",
+    )
+    p.set_defaults(func=cmd_auth_logout, _parser=p)
 
 
 def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -184,7 +235,7 @@ def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace
         print(f"catacloud: {exc}", file=sys.stderr)
         return 2
     except ApiError as exc:
-        show_error(exc, args)
+        show_error(exc, args, url=config.url)
         return 1
     except (KeyError, TypeError, AttributeError):
         # A JSON answer without what every Catacloud answer has: another server at this URL.
@@ -202,7 +253,7 @@ def run(func: Callable[[Api, argparse.Namespace], int], args: argparse.Namespace
         return 0
 
 
-def show_error(exc: ApiError, args: argparse.Namespace) -> None:
+def show_error(exc: ApiError, args: argparse.Namespace, *, url: str) -> None:
     if args.json:
         print_json(exc.as_dict(), out=sys.stderr)
         return
@@ -212,9 +263,15 @@ def show_error(exc: ApiError, args: argparse.Namespace) -> None:
         text = "; ".join(messages) if isinstance(messages, list) else str(messages)
         if f"{name}: {text}" != exc.detail:  # one message, not the same one twice
             print(f"  {name}: {text}", file=sys.stderr)
-    if exc.status == 401:
+    if exc.status == 401 and exc.code in TOKEN_REFUSED:
         print(
             "  (check CATACLOUD_TOKEN or the profile's token; `catacloud auth login` stores one)",
+            file=sys.stderr,
+        )
+    elif exc.status == 401:
+        print(
+            f"  ({url} answered 401 without Catacloud's error format: is it a Catacloud server? "
+            "check --url, CATACLOUD_URL or the profile's url)",
             file=sys.stderr,
         )
     elif exc.code in ("http_error", "bad_response"):
@@ -657,6 +714,113 @@ def cmd_pools_create(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool(api: Api, ref: str) -> dict:
+    return dict(api.get(f"pools/{resolve_id(api, 'pool', 'pools/', ref, by_name=True)}/"))
+
+
+def cmd_pools_drain(api: Api, args: argparse.Namespace) -> int:
+    pool = _pool(api, args.pool)
+    answer = api.post(f"pools/{pool['id']}/drain/", {"terminate_members": args.terminate_members})
+    if args.json:
+        print_json(answer)
+    elif args.terminate_members:
+        n = answer["terminated_count"]
+        print(f"pool {pool['name']} drained: {n} member{'' if n == 1 else 's'} terminated")
+    else:
+        released = "its unclaimed members are released (they end with their paid period)"
+        print(f"pool {pool['name']} drained: {released}")
+    if not args.json:
+        print(f"delete it: catacloud pools delete {pool['name']}", file=sys.stderr)
+    return 0
+
+
+def cmd_pools_delete(api: Api, args: argparse.Namespace) -> int:
+    pool = _pool(api, args.pool)
+    api.delete(f"pools/{pool['id']}/")
+    if args.json:
+        print_json({"id": pool["id"], "name": pool["name"], "deleted": True})
+    else:
+        print(f"pool {pool['name']} {short(pool['id'])} deleted")
+    return 0
+
+
+# ---- instances ----------------------------------------------------------------------------------
+
+
+def _instance_id(api: Api, ref: str) -> str:
+    return resolve_id(api, "instance", "instances/", ref)
+
+
+def cmd_instances_ls(api: Api, args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"ordering": "-created_at"}
+    if args.status:
+        params["status"] = args.status
+    if args.pool:
+        params["pool"] = resolve_id(api, "pool", "pools/", args.pool, by_name=True)
+    rows = api.pages("instances/", limit=max(1, args.limit), **params)
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print("no instances", file=sys.stderr)
+        return 0
+    pools = (
+        {p["id"]: p["name"] for p in api.pages("pools/", limit=1000)} if any(r["pool"] for r in rows) else {}
+    )
+    table(
+        ["ID", "STATUS", "MACHINE TYPE", "POOL", "PROVIDER", "ADDRESS", "CLAIMED FOR", "AGE", "COST"],
+        [
+            [
+                short(i["id"]),
+                i["status"],
+                i["machine_type"],
+                pools.get(i["pool"], short(i["pool"])) if i["pool"] else None,
+                i["provider"],
+                i.get("public_ip") or i.get("private_ip"),
+                i.get("claimed_for"),
+                age(i["created_at"]),
+                i.get("cost"),
+            ]
+            for i in rows
+        ],
+    )
+    return 0
+
+
+def cmd_instances_show(api: Api, args: argparse.Namespace) -> int:
+    inst = api.get(f"instances/{_instance_id(api, args.instance)}/")
+    if args.json:
+        print_json(inst)
+        return 0
+    cost = inst.get("cost_detail") or {}
+    rows = [
+        ("instance", inst["id"]),
+        ("status", inst["status"]),
+        ("type", inst["machine_type"]),
+        ("pool", inst.get("pool")),
+        ("provider", f"{inst['provider']} {inst.get('provider_id') or ''}".strip()),
+        ("address", inst.get("public_ip") or inst.get("private_ip")),
+        ("claimed", " ".join(x for x in (inst.get("claimed_by"), inst.get("claimed_for")) if x) or None),
+        ("lease", inst.get("lease_expires_at") and f"until {inst['lease_expires_at']}"),
+        ("age", age(inst["created_at"])),
+        ("reason", inst.get("failure_reason") or inst.get("end_cause")),
+        ("cost", f"{cost['cost']} {cost['currency']}" if cost.get("cost") is not None else inst.get("cost")),
+    ]
+    for key, value in rows:
+        if value not in (None, ""):
+            print(f"{key:<9}{value}")
+    return 0
+
+
+def cmd_instances_terminate(api: Api, args: argparse.Namespace) -> int:
+    answer = api.post(f"instances/{_instance_id(api, args.instance)}/terminate/")
+    if args.json:
+        print_json(answer)
+    else:
+        print(f"instance {answer['id']} {answer['status']}")
+    return 0
+
+
 # ---- job configurations -------------------------------------------------------------------------
 
 
@@ -712,6 +876,18 @@ def cmd_configs_create(api: Api, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_configs_delete(api: Api, args: argparse.Namespace) -> int:
+    config = api.get(
+        f"job-configs/{resolve_id(api, 'job configuration', 'job-configs/', args.config, by_name=True)}/"
+    )
+    api.delete(f"job-configs/{config['id']}/")
+    if args.json:
+        print_json({"id": config["id"], "name": config["name"], "deleted": True})
+    else:
+        print(f"job configuration {config['name']} {short(config['id'])} deleted")
+    return 0
+
+
 # ---- auth ---------------------------------------------------------------------------------------
 
 
@@ -738,7 +914,7 @@ def cmd_auth_login(args: argparse.Namespace) -> int:
     try:
         checked = _check_token(api)
     except ApiError as exc:
-        show_error(exc, args)
+        show_error(exc, args, url=url)
         print("catacloud: the token was not stored", file=sys.stderr)
         return 1
     except (KeyError, TypeError, AttributeError):
@@ -751,6 +927,22 @@ def cmd_auth_login(args: argparse.Namespace) -> int:
         types = ", ".join(checked["machine_types"]) or "none"
         print(f"logged in to {url}: token checked (machine types: {types})")
         print(f"stored as profile {profile!r} in {path} (mode 0600)")
+    return 0
+
+
+def cmd_auth_logout(args: argparse.Namespace) -> int:
+    """Like ``gh auth logout``: forget the stored token of a server (the profile holding it)."""
+    try:
+        path, profile, url = remove_login(env=os.environ, url=args.url, profile=args.profile)
+    except ConfigError as exc:
+        print(f"catacloud: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print_json({"url": url, "profile": profile, "config": str(path), "removed": True})
+    else:
+        print(f"logged out of {url}: profile {profile!r} removed from {path}")
+    if os.environ.get("CATACLOUD_TOKEN") or os.environ.get("CATACLOUD_TOKEN_FILE"):
+        print("catacloud: CATACLOUD_TOKEN (or CATACLOUD_TOKEN_FILE) is still set here", file=sys.stderr)
     return 0
 
 

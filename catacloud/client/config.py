@@ -182,6 +182,40 @@ def save_login(*, env: Mapping[str, str], url: str, token: str, profile: str) ->
     profiles = _load_profiles(path, [])
     profiles[profile] = {**{k: v for k, v in profiles.get(profile, {}).items() if k != "token_file"}}
     profiles[profile].update(url=normalize_url(url), token=token)
+    _write_profiles(path, profiles)
+    return path
+
+
+def remove_login(*, env: Mapping[str, str], url: str | None, profile: str | None) -> tuple[Path, str, str]:
+    """Remove a stored login from the config file: ``profile``, else the profile holding a token
+    for ``url`` (else ``CATACLOUD_URL``, else the default profile's URL). Returns the file, the
+    profile removed and its URL; a ConfigError when there is none."""
+    path = config_path(env)
+    profiles = _load_profiles(path, [])
+    if profile is not None:
+        if profile not in profiles:
+            known = ", ".join(sorted(profiles)) or "none"
+            raise ConfigError(f"no profile {profile!r} in {path} (profiles: {known})")
+        name = profile
+    else:
+        wanted = env.get("CATACLOUD_PROFILE") or "default"
+        server = normalize_url(
+            url or env.get("CATACLOUD_URL") or profiles.get(wanted, {}).get("url") or DEFAULT_URL
+        )
+        holding = [
+            pname
+            for pname, values in profiles.items()
+            if _profile_url(values) == server and (values.get("token") or values.get("token_file"))
+        ]
+        if not holding:
+            raise ConfigError(f"no stored login for {server} in {path}")
+        name = wanted if wanted in holding else holding[0]
+    removed_url = _profile_url(profiles.pop(name))
+    _write_profiles(path, profiles)
+    return path, name, removed_url
+
+
+def _write_profiles(path: Path, profiles: Mapping[str, Mapping]) -> None:
     lines = ["# catacloud client profiles (catacloud auth login writes this file; keep it chmod 600)"]
     for pname, values in profiles.items():
         lines.append(f"\n[{_toml_key(pname)}]")
@@ -191,7 +225,6 @@ def save_login(*, env: Mapping[str, str], url: str, token: str, profile: str) ->
     with os.fdopen(fd, "w") as out:
         out.write("\n".join(lines) + "\n")
     path.chmod(0o600)
-    return path
 
 
 def _toml_key(key: str) -> str:

@@ -20,15 +20,42 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
+def did_you_mean_choice(word: str, choices: Iterable[str]) -> str:
+    """Like :func:`did_you_mean` for a value among fixed choices, more forgiving: the choices
+    that start with ``word`` (``wait``: waiting_for_machine), else the closest (``sucess``)."""
+    choices = sorted(set(choices))
+    starting = [c for c in choices if word and c.startswith(word.lower())]
+    close = starting[:2] or difflib.get_close_matches(word.lower(), choices, n=2, cutoff=0.5)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    """The commands a parser's subparsers list in its help (not the hidden ones)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return [choice.dest for choice in action._choices_actions]
+    return []
+
+
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors suggest the closest command, option or choice.
-    Subparsers made by ``add_subparsers()`` are of this class too."""
+    """An ``ArgumentParser`` whose errors suggest the closest command, option or choice, and
+    list the commands of a group named without one (``catacloud jobs``). Subparsers made by
+    ``add_subparsers()`` are of this class too."""
 
     def error(self, message: str) -> NoReturn:
         found = _INVALID_CHOICE.search(message)
         if found:
             choices = [c.strip().strip("'") for c in found["choices"].split(",")]
-            message += did_you_mean(found["got"], choices)
+            if message.startswith("argument COMMAND:"):  # a mistyped command (hidden ones unnamed)
+                visible = _commands(self) or choices
+                listed = ", ".join(f"'{c}'" for c in visible)
+                message = message[: found.start("choices")] + listed + message[found.end("choices") :]
+                message += did_you_mean(found["got"], visible)
+            else:  # a value of an option
+                message += did_you_mean_choice(found["got"], choices)
+        elif message.startswith("the following arguments are required: COMMAND") and _commands(self):
+            sys.stderr.write(self.format_help() + "\n")
+            self.exit(2, f"{self.prog}: error: name a command: {', '.join(_commands(self))}\n")
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 

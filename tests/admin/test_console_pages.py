@@ -391,3 +391,14 @@ def test_a_job_configuration_is_edited_through_the_service(world: World, ops: Cl
     assert list(Event.objects.filter(kind__startswith="job_config.").values_list("kind", "actor")) == [
         ("job_config.updated", "admin:ops")
     ]
+
+
+def test_the_home_page_lists_the_fleet_first_and_leads_nowhere_broken(world: World, ops: Client) -> None:
+    """Auth and Core sat above Jobs, Machines and Pools; "View site" led to a debug 404."""
+    page = ops.get("/admin/")
+    apps = [app["app_label"] for app in page.context["app_list"]]
+    assert apps[:3] == ["jobs", "machines", "pools"], apps
+    assert apps.index("pools") < apps.index("core") < apps.index("auth") == len(apps) - 1
+    assert "View site" not in page.content.decode()
+    root = ops.get("/")
+    assert root.status_code == 302 and root["Location"] == "/admin/"

@@ -155,3 +155,36 @@ def test_dashboard_shows_the_idle_share_of_the_last_hour_and_the_machines_idle_n
     # come of its paid hour are not spent yet)
     assert cost["idle_share"] == pytest.approx(30 / 40, abs=0.01)
     assert "75% <small>(1 idle now)</small>" in response.content.decode()
+
+
+def test_cancelled_jobs_are_counted_apart_from_failed_ones(world: World, ops: Client) -> None:
+    """ "11 finished, 4 failed" counted cancelled jobs as failures."""
+    config = job_config(world.org, world.machine_type, "build", "make")
+    now = timezone.now()
+    for status in ("succeeded", "succeeded", "failed", "timed_out", "cancelled", "cancelled"):
+        job = job_row(config, status=status)
+        Job.objects.filter(pk=job.pk).update(finished_at=now - timedelta(minutes=2))
+    html = ops.get("/admin/dashboard/").content.decode()
+    assert "Last hour: 6 submitted, 6 finished: 2 succeeded, 2 failed, 2 cancelled." in html
+    series = ops.get("/admin/dashboard/").context["series"]
+    assert (sum(series["succeeded"]), sum(series["failed"]), sum(series["cancelled"])) == (2, 2, 2)
+
+
+def test_machines_that_ended_with_the_previous_make_dev_are_not_failures(
+    world: World, ops: Client, tmp_path: object
+) -> None:
+    """A restart of `make dev` marks the local machines of the previous run lost: that is what a
+    restart does, not a failure to act on. A machine lost while the system runs still is one."""
+    from apps.machines.reconcile import reconcile_local_machines
+
+    ended = instance_row(world.org, world.machine_type, status="ready", provider_id="gone-with-the-restart")
+    reconcile_local_machines()
+    ended.refresh_from_db()
+    assert ended.status == "lost"
+    assert ended.failure_reason == "its local machine ended with the previous `make dev`"
+    lost_later = instance_row(world.org, world.machine_type, status="ready", provider_id="f-9")
+    from apps.machines.lifecycle import instance_mark_lost
+
+    instance_mark_lost(instance_id=lost_later.pk, actor="reaper", reason="agent silent for 90s")
+    trouble = ops.get("/admin/dashboard/").context["trouble"]
+    assert [t["instance_id"] for t in trouble] == [lost_later.pk]

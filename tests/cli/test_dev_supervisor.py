@@ -74,6 +74,100 @@ def test_a_killed_worker_is_restarted_and_answers_again(tmp_path: Path) -> None:
     assert "exited" not in out.getvalue().split("stopping", 1)[-1]  # a clean stop is not a crash
 
 
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_ctrl_c_lets_the_worker_finish_its_task_and_stop_its_own_pool(tmp_path: Path, tworld: object) -> None:
+    """Ctrl-C signalled the worker's whole process group: its pool children died under their
+    tasks (``Process 'ForkPoolWorker-1' … exited with 'signal 15 (SIGTERM)'``, WorkerLostError,
+    and SIGKILL when a task outlived the stop timeout). Only the worker itself is asked to stop:
+    it finishes the task in flight (a warm shutdown) and ends its pool in order."""
+    import psycopg
+
+    from apps.core.broker import enqueue
+    from apps.machines.models import MachineInstance
+    from apps.pools.models import InstancePool
+    from config.celery import app
+    from testkit.builders import fake_machine_type
+    from testkit.processes import database_url
+
+    mt, grant = fake_machine_type(tworld.org, grant={"max_pool_size": 5, "max_instances": 5})  # type: ignore[attr-defined]
+    pool = InstancePool.objects.create(org=grant.org, name="p", machine_type=mt, target_size=1, max_size=1)
+    name = f"dev-{uuid.uuid4().hex[:8]}@localhost"
+    worker = next(
+        p for p in dev_programs(env=TESTS.env(), home=tmp_path, port=1, flower_port=1) if p.name == "worker"
+    )
+    worker.argv += ["-n", name, "--without-gossip", "--without-mingle"]
+    out = Output()
+    supervisor = Supervisor([worker], out=out, stop_timeout=20)
+    thread = threading.Thread(target=supervisor.run, daemon=True)
+    thread.start()
+    try:
+        with psycopg.connect(database_url()) as other:
+            wait_for(
+                lambda: bool(app.control.ping(destination=[name], timeout=0.5)), 90, "the worker to answer"
+            )
+            # The refill waits for the grant's row lock, which this connection holds: a task in flight.
+            other.execute("SELECT 1 FROM machines_orgmachinetype WHERE id = %s FOR UPDATE", [grant.pk])
+            enqueue("apps.pools.tasks.pool_refill_task", str(pool.pk))
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            with psycopg.connect(database_url(), autocommit=True) as watcher:  # a fresh view each time
+                wait_for(
+                    lambda: watcher.execute(waiting).fetchone()[0] > 0,  # type: ignore[index]
+                    30,
+                    "the refill to wait for the lock",
+                )
+            supervisor.stop()  # Ctrl-C
+            time.sleep(2)
+            other.rollback()  # the task goes on and ends
+        thread.join(30)
+    finally:
+        supervisor.stop()
+        thread.join(30)
+    stopping = out.getvalue().split("stopping worker", 1)[-1]
+    assert "exited with" not in stopping and "WorkerLostError" not in stopping, stopping
+    assert "SIGKILL" not in stopping, stopping
+    assert MachineInstance.objects.filter(pool=pool).count() == 1  # the refill finished its work
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_make_devs_web_serves_metrics_and_its_root_leads_to_the_console(tmp_path: Path) -> None:
+    """`/metrics` answered 403 in `make dev` while the API walkthrough and the configuration
+    page said it was open; "/" (the console's "View site") was a debug 404."""
+    import urllib.error
+    import urllib.request
+
+    from catacloud.cli import dev_env
+
+    port = free_port()
+    (tmp_path / "prometheus").mkdir()
+    env = dev_env(TESTS.env(), port=port, agent_port=free_port(), metrics_dir=tmp_path / "prometheus")
+    web = next(p for p in dev_programs(env=env, home=tmp_path, port=port, flower_port=1) if p.name == "web")
+    out = Output()
+    supervisor = Supervisor([web], out=out, stop_timeout=10)
+    thread = threading.Thread(target=supervisor.run, daemon=True)
+    thread.start()
+
+    def get(path: str) -> tuple[int, str, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+                return answer.status, answer.url, answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.url, exc.read().decode()
+        except OSError:
+            return 0, "", ""
+
+    try:
+        wait_for(lambda: get("/livez")[0] == 200, 60, "the dev web to answer")
+        status, _, body = get("/metrics")
+        assert status == 200 and "catacloud_" in body, (status, body[:300])
+        status, url, _ = get("/")  # redirected to the console, then to its login
+        assert status == 200 and url.startswith(f"http://127.0.0.1:{port}/admin/login/"), (status, url)
+    finally:
+        supervisor.stop()
+        thread.join(30)
+
+
 SCRIPT = """
 import sys
 from catacloud.supervisor import Program, Supervisor

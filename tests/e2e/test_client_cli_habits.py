@@ -262,6 +262,88 @@ def test_the_profiles_token_is_not_sent_to_another_url(tworld: World, cli: Cli, 
     assert f"the token file {cli.tmp / 'token'} may be read by others (chmod 600" in warned.stderr
 
 
+def test_a_401_from_a_server_that_is_not_catacloud_is_not_blamed_on_the_token(
+    tworld: World, cli: Cli, other_server: Any
+) -> None:
+    url, handler = other_server
+    drf = b'{"detail": "Authentication credentials were not provided."}'  # another DRF app
+    for body, content_type in ((drf, "application/json"), (b"<html>401</html>", "text/html")):
+        handler.body, handler.content_type, handler.status = body, content_type, 401
+        result = cli("cc_anything", "jobs", "ls", CATACLOUD_URL=url)
+        assert result.returncode == 1 and "HTTP 401" in result.stderr
+        assert "CATACLOUD_TOKEN" not in result.stderr, result.stderr
+        assert (
+            f"{url} answered 401 without Catacloud's error format: is it a Catacloud server?" in result.stderr
+        )
+    wrong = cli("cc_wrong-token-value", "jobs", "ls")  # Catacloud's own 401: the token
+    assert wrong.returncode == 1 and "check CATACLOUD_TOKEN" in wrong.stderr
+
+
+def test_logs_of_an_attempt_the_job_never_had_say_so(tworld: World, cli: Cli) -> None:
+    job = job_row(job_config(tworld.org, tworld.machine_type, "nightly"), status="succeeded", attempt=1)
+    for follow in ([], ["-f"]):
+        result = cli(tworld.tokens["viewer"], "jobs", "logs", *follow, "--attempt", "2", str(job.pk)[:8])
+        assert result.returncode == 1, (follow, result.stderr)
+        assert f"attempt: job {job.pk} has had 1 attempt; attempt takes 1 to 1" in result.stderr
+    ok(cli(tworld.tokens["viewer"], "jobs", "logs", "--attempt", "1", str(job.pk)))
+
+
+def test_an_env_too_large_is_refused_when_submitted_naming_the_limit(tworld: World, cli: Cli) -> None:
+    job_config(tworld.org, tworld.machine_type, "nightly")
+    env = [arg for i in range(300) for arg in ("--env", f"K{i}=v")]
+    result = cli(tworld.tokens["member"], "jobs", "submit", "--config", "nightly", *env)
+    assert result.returncode == 1
+    assert "at most 256 variables and 131,072 bytes (128 KiB)" in result.stderr
+    assert "(env_too_large, HTTP 400)" in result.stderr
+    assert not Job.objects.exists()
+
+
+def test_pools_drain_and_delete_configs_delete_instances_and_auth_logout(
+    tworld: World, cli: Cli, live_server: Any
+) -> None:
+    from apps.machines.models import MachineInstance
+    from apps.pools.services import pool_create
+    from testkit.builders import fake_machine_type, idle_machine, ready_members
+
+    admin = tworld.tokens["admin"]
+    fake, _ = fake_machine_type(tworld.org, grant={"max_pool_size": 5, "max_instances": 5})
+    pool = pool_create(org=tworld.org, name="ci", machine_type=fake, target_size=0, max_size=2)
+    member_ = ready_members(pool, 1, provider_ids="f-m")[0]
+    busy = cli(admin, "pools", "delete", "ci")
+    assert busy.returncode == 1 and "drain it first" in busy.stderr
+    drained = ok(cli(admin, "pools", "drain", "ci", "--terminate-members"))
+    assert drained.stdout.strip() == "pool ci drained: 1 member terminated"
+    assert MachineInstance.objects.get(pk=member_.pk).status == "terminating"
+    assert ok(cli(admin, "pools", "delete", "ci")).stdout.strip() == f"pool ci {str(pool.pk)[:8]} deleted"
+    assert not InstancePool.objects.exists()
+
+    job_config(tworld.org, tworld.machine_type, "old")
+    assert ok(cli(admin, "configs", "delete", "old")).stdout.strip().startswith("job configuration old ")
+    assert not JobConfiguration.objects.exists()
+
+    idle = idle_machine(tworld.org, fake, provider_id="f-idle")
+    listed = ok(cli(admin, "instances", "ls", "--status", "ready")).stdout
+    assert str(idle.pk)[:8] in listed and str(member_.pk)[:8] not in listed
+    shown = ok(cli(admin, "instances", "show", str(idle.pk)[:8])).stdout
+    assert shown.startswith(f"instance {idle.pk}\n") and "status   ready" in shown
+    ended = ok(cli(admin, "instances", "terminate", str(idle.pk)[:8])).stdout
+    assert ended.strip() == f"instance {idle.pk} terminating"
+
+    config = cli.tmp / "xdg" / "catacloud" / "config.toml"
+    subprocess.run(
+        [*CLI, "auth", "login", "--url", live_server.url], input=f"{admin}\n", env=cli.env(None), check=True,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    ok(cli(None, "auth", "status"))
+    out = ok(cli(None, "auth", "logout"))
+    assert out.stdout.strip() == f"logged out of {live_server.url}: profile 'default' removed from {config}"
+    assert admin not in config.read_text()
+    gone = cli(None, "jobs", "ls")
+    assert gone.returncode == 2 and "no API token" in gone.stderr
+    again = cli(None, "auth", "logout")
+    assert again.returncode == 2 and f"no stored login for {live_server.url}" in again.stderr
+
+
 # ---- with real agents ------------------------------------------------------------------------------
 
 

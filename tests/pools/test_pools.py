@@ -464,3 +464,68 @@ def test_the_reaper_refills_a_short_pool_whatever_its_refill_mark_says(
     assert report.requested == 4
     for pool in (short, lost):
         assert MachineInstance.objects.filter(pool=pool, status=S.PENDING).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refill_in_flight_when_the_pool_is_drained_leaves_it_no_member(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resize asks for two more members; the pool is drained while that refill runs. Every
+    member the refill asked for is drained with the others (none is left running, nobody's,
+    after the pool is deleted), and no member is requested after ``pool.drained``."""
+    from apps.pools import services
+    from apps.pools.services import pool_delete
+
+    mt, _ = fake_machine_type(tworld.org, account="drain-race", grant=GRANT)
+    pool = pool_create(org=tworld.org, name="race", machine_type=mt, target_size=1, max_size=3)
+    ready_members(pool, 1)
+    pool_update(pool=pool, target_size=3, actor="test")  # the resize: a refill for two more
+    refill_read_pool, drain_done = threading.Event(), threading.Event()
+    plan = services.refill_plan
+
+    def refill_plan_then_wait(**kwargs: Any) -> Any:
+        refill_read_pool.set()  # the refill found the pool active ...
+        drain_done.wait(2.0)  # ... and the drain runs now (it may not get past the refill)
+        return plan(**kwargs)
+
+    monkeypatch.setattr(services, "refill_plan", refill_plan_then_wait)
+    errors: list[BaseException] = []
+    requested: list[int] = []
+
+    def refill() -> None:
+        try:
+            requested.append(pool_refill(pool_id=pool.pk))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    def drain() -> None:
+        try:
+            refill_read_pool.wait(5.0)
+            pool_drain(pool=pool, terminate_members=True, actor="test")
+            drain_done.set()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=refill), threading.Thread(target=drain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    pool_delete(pool=pool, actor="test")
+    requested_ids = set(
+        Event.objects.filter(kind="pool.member_requested", pool_id=pool.pk).values_list(
+            "instance_id", flat=True
+        )
+    )
+    assert len(requested_ids) == requested[0] == 2  # the refill did ask for two
+    live = MachineInstance.objects.filter(pk__in=requested_ids).exclude(
+        status__in=[S.TERMINATING, S.TERMINATED]
+    )
+    assert list(live.values_list("status", "pool_id")) == []  # none left running outside the pool
+    drained = Event.objects.get(kind="pool.drained", pool_id=pool.pk)
+    assert not Event.objects.filter(kind="pool.member_requested", pool_id=pool.pk, id__gt=drained.id).exists()

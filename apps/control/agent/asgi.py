@@ -20,6 +20,7 @@ import orjson
 
 from apps.control.agent.views import Answer, error_answer, heartbeat_answer, work_answer
 from apps.core.errors import ErrorCode
+from apps.core.middleware import body_limit_detail
 
 log = logging.getLogger(__name__)
 Scope = dict[str, Any]
@@ -76,9 +77,7 @@ def _failed(exc: BaseException) -> Answer:
 async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
     body = await _body(receive)
     if body is None:
-        await _send(
-            send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, "the request body is larger than allowed")
-        )
+        await _send(send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY)))
         return
     try:
         answer = await heartbeat_answer(_header(scope, b"authorization"), body)

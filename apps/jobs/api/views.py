@@ -4,7 +4,6 @@ import uuid
 from typing import Any
 
 import django_filters
-from django.db import transaction
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status
@@ -26,7 +25,7 @@ from apps.jobs.api.serializers import (
 from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
-from apps.jobs.services import check_env, job_config_delete, job_config_save
+from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel, job_submit
 from apps.machines.costs import job_cost
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
@@ -150,18 +149,14 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         body = JobSubmitSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         config = _config_by_id_or_name(org=self.ctx.org, ref=body.validated_data["config"])
-        with transaction.atomic():  # the secret env is there before any agent can see the job
-            job = job_submit(
-                org=self.ctx.org,
-                config=config,
-                env=body.validated_data.get("env"),
-                user=request.user,
-                actor=self.actor(),
-            )
-            secret_env = body.validated_data.get("secret_env")
-            if secret_env:
-                job.secret_env = check_env(secret_env)
-                job.save(update_fields=["secret_env_encrypted"])
+        job = job_submit(
+            org=self.ctx.org,
+            config=config,
+            env=body.validated_data.get("env"),
+            secret_env=body.validated_data.get("secret_env"),  # written with the job
+            user=request.user,
+            actor=self.actor(),
+        )
         context = self.get_serializer_context()
         return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
 
@@ -187,6 +182,12 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         query.is_valid(raise_exception=True)
         after = query.validated_data["after"]
         attempt = query.validated_data.get("attempt", job.attempt)
+        if attempt > job.attempt:  # an attempt that never started has no output, ever
+            plural = "" if job.attempt == 1 else "s"
+            raise ValidationFailed.field(
+                "attempt",
+                f"job {job.pk} has had {job.attempt} attempt{plural}; attempt takes 1 to {job.attempt}",
+            )
         chunks = list(
             JobLogChunk.objects.filter(job=job, attempt=attempt, seq__gt=after)
             .order_by("seq")

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import django_filters
-from django.db.models import QuerySet
+from django.db.models import QuerySet, UUIDField
+from django.http import Http404
 from rest_framework import exceptions, permissions, viewsets
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from apps.core.actors import Actor
+from apps.core.errors import NotFound
 from apps.orgs.choices import ROLE_RANK, Role
 from apps.orgs.models import ApiToken, Membership, Organization
 
@@ -169,6 +171,39 @@ class OrgScopedViewSet(viewsets.GenericViewSet):
             if self.needs_privileges:
                 context["org_privileges"] = set(self.ctx.org.privileges.values_list("pk", flat=True))
         return context
+
+    def get_object(self) -> Any:
+        try:
+            return super().get_object()
+        except Http404:
+            raise NotFound(self._not_found()) from None
+
+    def _not_found(self) -> str:
+        """A 404 that says what the path's id should be: ``/jobs/bd3d252e/`` names the job whose
+        id starts with it (the API takes a full id; the CLI and the console show short ones).
+        Another org's object is looked for exactly like a missing one: never found."""
+        model = self.get_queryset().model
+        noun = str(model._meta.verbose_name)
+        ref = str(self.kwargs.get(self.lookup_url_kwarg or self.lookup_field, ""))
+        if self.lookup_field != "pk" or not isinstance(model._meta.pk, UUIDField):
+            return f"no {noun} {ref!r}"
+        try:
+            return f"no {noun} with id {uuid.UUID(ref)}"
+        except ValueError:
+            pass
+        digits = ref.replace("-", "").lower()
+        if not digits or len(digits) > 32 or any(c not in "0123456789abcdef" for c in digits):
+            return f"{ref!r} is not a {noun} id: the API takes a {noun}'s full id (a UUID)"
+        low, high = uuid.UUID(digits.ljust(32, "0")), uuid.UUID(digits.ljust(32, "f"))
+        found = list(self.get_queryset().filter(pk__gte=low, pk__lte=high).values_list("pk", flat=True)[:2])
+        if not found:
+            return f"no {noun}'s id starts with {ref} (the API takes a {noun}'s full id)"
+        if len(found) > 1:
+            return f"the API takes a {noun}'s full id, not its first digits: {ref} is the start of several"
+        return (
+            f"the API takes a {noun}'s full id, not its first digits: {ref} is the start of {found[0]} "
+            f"({self.request.method} {self.request.path.replace(ref, str(found[0]), 1)})"
+        )
 
     def actor(self) -> Actor:
         token = self.ctx.token
