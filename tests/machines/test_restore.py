@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import requests
 from django.utils import timezone
 
 from apps.machines import convergence, lifecycle, reconcile
@@ -138,11 +139,15 @@ def test_after_a_restore_ec2_instances_are_adopted_or_destroyed_never_leaked(
     moto_url: str,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    requests.post(f"{moto_url}/moto-api/reset", timeout=10)  # other tests' machines are not ours
     ec2 = moto_client("ec2", moto_url, "eu-central-1")
 
     def machines() -> dict[str, str]:
         found = {}
-        for reservation in ec2.describe_instances()["Reservations"]:
+        pages = ec2.get_paginator("describe_instances").paginate(  # moto keeps other tests' machines
+            Filters=[{"Name": "tag-key", "Values": [LABEL_INSTANCE]}]
+        )
+        for reservation in (r for page in pages for r in page["Reservations"]):
             for inst in reservation["Instances"]:
                 if inst["State"]["Name"] in ("terminated", "shutting-down"):
                     continue
