@@ -19,6 +19,7 @@ from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import grant_check_privilege, not_granted_message
 from apps.orgs.models import Organization
+from apps.orgs.registries import check_image_reference
 from apps.resources.lifecycle import release_for_job
 
 
@@ -27,6 +28,7 @@ def job_submit(
     org: Organization,
     config: JobConfiguration,
     env: dict[str, str] | None = None,
+    image: str | None = None,
     user: Any = None,
     actor: str = "",
     labels: dict[str, Any] | None = None,
@@ -53,12 +55,15 @@ def job_submit(
             code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
         )
     merged = {**config.env, **check_env(env or {})}
+    # The job's image, when it names one, overrides its configuration's.
+    image = check_image_reference(image) if image else config.image
     with transaction.atomic():
         job = Job.objects.create(
             org=org,
             config=config,
             machine_type_id=config.machine_type_id,
             command=config.command,
+            image=image,
             env=merged,
             priority=config.priority,
             timeout_seconds=config.timeout_seconds,

@@ -155,6 +155,7 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
                 org=self.ctx.org,
                 config=config,
                 env=body.validated_data.get("env"),
+                image=body.validated_data.get("image"),
                 user=request.user,
                 actor=self.actor(),
             )
