@@ -226,6 +226,7 @@ class _Applier:
             "required_privilege",
             "disk_gb",
             "network",
+            "image_cache_mb",
         }
         self.fields(
             node, "machine type", {"name", "provider_account", "server_type", "cpus", "memory_mb"}, optional

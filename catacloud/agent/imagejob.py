@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import tempfile
 import threading
 import time
@@ -69,41 +70,62 @@ class JobImages:
     ) -> None:
         tools = find_tools()
         self.problem = tools if isinstance(tools, str) else None
-        self.store: ImageStore | None = None
-        if not isinstance(tools, str):
-            folder = root or tempfile.mkdtemp(prefix="catacloud-images-")
-            self.store = ImageStore(
-                folder, tools=tools, mount_dirs=mount_dirs, insecure_registries=insecure_registries
-            )
-        self.root = self.store.root if self.store is not None else None
+        self._tools = None if isinstance(tools, str) else tools
+        # Made at the first image (an agent that never runs one leaves no folder behind).
+        self.root = (
+            None
+            if self._tools is None
+            else root or os.path.join(tempfile.gettempdir(), f"catacloud-images-{secrets.token_hex(6)}")
+        )
+        self._mount_dirs, self._insecure = tuple(mount_dirs), tuple(insecure_registries)
+        self._budget = DEFAULT_BUDGET_BYTES
+        self._store: ImageStore | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> ImageStore | None:
+        if self._tools is None or self.root is None:
+            return None
+        with self._lock:
+            if self._store is None:
+                self._store = ImageStore(
+                    self.root,
+                    tools=self._tools,
+                    budget_bytes=self._budget,
+                    mount_dirs=self._mount_dirs,
+                    insecure_registries=self._insecure,
+                )
+            return self._store
 
     def describe(self) -> dict[str, str]:
         """What the machine reports at enrollment (Isolation.images)."""
-        if self.store is None:
+        if self._tools is None:
             return {"images": "", "images_detail": f"this machine cannot run images: {self.problem}"}
-        return {"images": "skopeo+umoci", "images_detail": f"image store at {self.store.root}"}
+        return {"images": "skopeo+umoci", "images_detail": f"image store at {self.root}"}
 
     def set_budget(self, budget_bytes: int | None) -> None:
-        if self.store is not None:
-            self.store.budget_bytes = budget_bytes or DEFAULT_BUDGET_BYTES
+        self._budget = budget_bytes or DEFAULT_BUDGET_BYTES
+        if self._store is not None:
+            self._store.budget_bytes = self._budget
 
     def held(self) -> tuple[HeldImage, ...]:
-        if self.store is None:
+        if self._store is None:
             return ()
         return tuple(
             HeldImage(digest=image.digest, references=image.references, bytes=image.bytes)
-            for image in self.store.held()
+            for image in self._store.held()
         )
 
     def have(self, pull: ImagePull, *, cancel: Cancel | None = None, deadline: float) -> Pulled:
         """``pull``'s image in the store (pulled now or held); raises ImageError, PullCancelled."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             raise ImageError(ImageFailure.UNUSABLE, f"this machine cannot run images: {self.problem}")
         try:
             ref = parse(pull.reference)
         except ValueError as exc:
             raise ImageError(ImageFailure.NOT_FOUND, str(exc)) from None
-        return self.store.ensure(ref, auth=pull.auth, deadline=deadline, cancel=cancel or threading.Event())
+        return store.ensure(ref, auth=pull.auth, deadline=deadline, cancel=cancel or threading.Event())
 
     def prefetch(self, pulls: Sequence[ImagePull], stop: threading.Event) -> tuple[ImagePulled, ...]:
         """A pool member's images, pulled before its handshake makes it ready; what happened to

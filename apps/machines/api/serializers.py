@@ -81,6 +81,7 @@ class MachineTypeSerializer(serializers.ModelSerializer):
             "required_privilege",
             "disk_gb",
             "network",
+            "image_cache_mb",
             "version",
             "quota",
             "usable",
@@ -194,6 +195,7 @@ class InstanceSerializer(serializers.ModelSerializer):
             "billed_seconds",
             "cost",
             "isolation",
+            "images",
         )
         read_only_fields = fields
 
