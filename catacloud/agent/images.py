@@ -609,7 +609,7 @@ class ImageStore:
                 f"{ref} is {compressed / 1e6:.1f} MB compressed, more than this machine's image store "
                 f"budget of {self.budget_bytes / 1e6:.1f} MB (the machine type's image_cache_mb)",
             )
-        self._evict(need=compressed * 3, keep=())
+        self._evict(need=compressed, keep=())  # its layers; the rest is made room for once unpacked
         hexdigest = digest.split(":", 1)[1]
         before = self._blobs()
         try:

@@ -10,7 +10,9 @@ the other in one ``bash -e -o pipefail`` session, as one person's shell, from th
 folder, with ``curl`` made strict (``--fail-with-body``: an error answer fails the run); the
 blocks that are a job's command (job-meta, checkpoint) are submitted as jobs where they stand
 and waited for. The only things the test provides are what README says ``make dev`` provides:
-the demo catalog, ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``. The cloud-only part
+the demo catalog, ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``; and, for the images
+walkthrough, a registry on loopback (``REGISTRY``, Debian's docker-registry, as the test kit runs
+PostgreSQL and Redis), which that page tells its reader how to start. The cloud-only part
 (the scratch database a real deployment points at an admin DSN) uses Catacloud's own server.
 """
 
@@ -49,6 +51,7 @@ EXPECTED = [
     "artifacts",
     "checkpoint",
     "trace",
+    "images",
 ]
 IN_JOB = {"job-meta": ["ci-token", "scratch-db"], "checkpoint": []}
 WRITES = ("demo.csv", "costs.csv", "shard.txt")  # files the walkthroughs leave in the clone's folder
@@ -310,10 +313,11 @@ def _as_job(name: str, command: str) -> str:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1000)
 def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_path: Path) -> None:
     from apps.events.models import Event
     from apps.machines.models import Budget
+    from testkit.registry import Registry
 
     blocks = readme_blocks()
     bin_dir = tmp_path / "bin"
@@ -326,7 +330,9 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
         ["set -x", *(_as_job(name, blocks[name]) if name in IN_JOB else blocks[name] for name in EXPECTED)]
     )
     try:
-        out, err = _run_shell(session, env=env, cwd=clone, timeout=720, tmp=tmp_path)
+        with Registry(tmp_path / "registry") as registry:  # the images walkthrough's
+            env["REGISTRY"] = registry.host
+            out, err = _run_shell(session, env=env, cwd=clone, timeout=840, tmp=tmp_path)
         written = {name: (clone / name).read_text() for name in WRITES if (clone / name).exists()}
     finally:
         for name in WRITES:
@@ -380,6 +386,13 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     rows = written["demo.csv"].splitlines()
     assert rows[0] == "submit_time_seconds,duration_seconds,config" and len(rows) >= 3, rows
     assert "ephemeral" in out and "pool:5" in out
+
+    # images: a job ran inside the image, its digest recorded; the next did not pull; a bad
+    # reference was refused; the password never came back; the pool's member held the image
+    assert "ID=hello-image" in out and re.search(r'"image_digest": "sha256:[0-9a-f]{64}"', out), out
+    assert "job.image_cached" in out and "hi from the image" in out
+    assert '"code":"invalid_image_reference"' in out and "not-shown-again" not in out
+    assert re.search(r'\{"status":"ready","images":\[[^]]*demo/hello:1', out), out
 
     # Every event kind this run wrote is one the documentation names.
     text = EVENTS_PAGE.read_text()
