@@ -263,6 +263,26 @@ def job_image_report(*, instance: MachineInstance, job_id: JobId, report: Images
         instance_images_set(instance_id=instance.pk, held=report.held)
 
 
+def job_image_unrunnable(*, job: Job) -> bool:
+    """A job with an image assigned to a machine whose agent did not say it runs images (an
+    agent from before images would run the command on the machine's own root): the job ends
+    at once, failed ``image_unusable``, and the machine is released as after any job."""
+    instance = MachineInstance.objects.filter(pk=job.instance_id).first() if job.instance_id else None
+    if instance is None or (instance.isolation or {}).get("images"):
+        return False
+    with contextlib.suppress(Conflict):
+        job_finished(
+            instance=instance,
+            job_id=job.pk,
+            outcome=Outcome.FAILED,
+            exit_code=None,
+            reason="this machine's agent cannot run a job's image "
+            "(upgrade catacloud-agent; install skopeo and umoci)",
+            code=ErrorCode.IMAGE_UNUSABLE,
+        )
+    return True
+
+
 def _final_reason(job: Job, status: str, reported: str) -> str:
     """A job's ``failure_reason`` says who did what: a cancel a user asked for names the user
     (the agent only knows that the control plane told it to stop); a success has none."""
