@@ -78,7 +78,7 @@ def test_a_pools_images_reach_its_members_at_enrollment_and_a_change_rolls_them(
         other.pk,
     }
     assert Event.objects.filter(
-        pool=pool, kind="pool.updated", data__images=["registry.example.com/team/tool:2"]
+        pool_id=pool.pk, kind="pool.updated", data__images=["registry.example.com/team/tool:2"]
     ).exists()
 
 
