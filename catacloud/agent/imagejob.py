@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from catacloud.agent.client import register_secret
 from catacloud.agent.images import (
     DEFAULT_BUDGET_BYTES,
     Cancel,
@@ -134,6 +135,8 @@ class JobImages:
         for pull in pulls:
             if stop.is_set():
                 break
+            if pull.auth is not None:
+                register_secret(pull.auth.password)  # never in the agent's log
             started = time.monotonic()
             try:
                 got = self.have(pull, cancel=stop, deadline=started + pull.timeout_seconds)

@@ -558,7 +558,8 @@ class ImageStore:
     ) -> tuple[str, dict[str, Any]]:
         """The digest ``ref`` names now (this machine's platform's, for a multi-platform image)
         and its manifest."""
-        raw = self._inspect(ref, authfile, deadline, cancel)
+        # (name:tag@digest is the digest: registries' tools take one or the other)
+        raw = self._inspect(ref.pinned(ref.digest) if ref.digest else ref, authfile, deadline, cancel)
         manifest = json.loads(raw)
         digest = "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
         if ref.digest is not None and digest != ref.digest and manifest.get("mediaType") not in INDEX_TYPES:

@@ -206,7 +206,12 @@ class JobPayload(Message):
 
     @property
     def secret_values(self) -> list[str]:
-        return [self.env[name] for name in self.secret_env_names if self.env.get(name)]
+        """What the agent masks in the job's output and its own log: the secret env values and
+        the password of the image's registry (the job never gets it; masked all the same)."""
+        values = [self.env[name] for name in self.secret_env_names if self.env.get(name)]
+        if self.image is not None and self.image.auth is not None and self.image.auth.password:
+            values.append(self.image.auth.password)
+        return values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,8 +128,14 @@ def test_an_image_job_runs_inside_its_image_and_the_next_one_does_not_pull_again
     assert (
         pulled["digest"] == registries.digests["tool"] and pulled["bytes"] > 500_000 and pulled["seconds"] > 0
     )
-    artifacts = stack.api("viewer").get(f"/api/v1/jobs/{first['id']}/artifacts/").json()
-    assert [a["name"] for a in artifacts] == ["r.txt"]  # its outputs are kept as every job's
+    stack.wait(  # its outputs are kept as every job's (uploaded once it reported its end)
+        lambda: (
+            [a["name"] for a in stack.api("viewer").get(f"/api/v1/jobs/{first['id']}/artifacts/").json()]
+            == ["r.txt"]
+        ),
+        30,
+        "the job's output file",
+    )
 
     blobs_before = registries.proxy.blob_gets()
     second = ended(stack, submit(stack, cfg))
