@@ -190,6 +190,15 @@ def test_a_private_image_needs_the_organizations_credentials(stack: Stack, regis
     snoop = ended(stack, submit(stack, job_config(stack, "snoop", "env; ls -a / /run/catacloud", image=ref)))
     assert snoop["status"] == "succeeded" and PASSWORD not in logs(stack, snoop["id"])
     assert "robot" not in logs(stack, snoop["id"])
+    # a job on the machine's own root finds nothing of the store (its layers, its auth files)
+    peek = ended(
+        stack, submit(stack, job_config(stack, "peek", "ls -a /var/lib/catacloud/images; echo listed"))
+    )
+    assert peek["instance"] == done["instance"] and peek["status"] == "succeeded"
+    seen_there = logs(stack, peek["id"])  # (the machine's folder is hidden whole: no such file)
+    assert "listed" in seen_there and not {"index.json", "oci", "private"} & set(seen_there.split()), (
+        seen_there
+    )
     # another organization's credentials are not this one's
     rival = stack.world.client("outsider").get("/api/v1/registry-credentials/").json()
     assert rival["results"] == []
