@@ -283,8 +283,8 @@ and unpacked into an empty store the way the agent does it (look the tag up with
 inspect`, `skopeo copy` into the store's OCI layout, `umoci raw unpack --rootless`, the mount
 points made, the size measured), against `skopeo copy` + `umoci unpack` alone (which also writes
 an mtree manifest of the unpacked tree the store has no use for), interleaved, medians. *Once*: 10
-jobs of one image on one reusable machine (the grant allows one): `job.image_pulled` events and
-blob requests the registry served. *Simulated week*: the CI week trace replayed by `catacloud
+jobs of one image on one reusable machine (the grant allows one): its jobs' `job.image_pulled`
+and `job.image_cached` events. *Simulated week*: the CI week trace replayed by `catacloud
 simulate`'s engine with every configuration an image that takes 30 s to pull on a machine lacking
 it: mean and p95 wait of each policy with image-hot pools (every pool member pulled every image
 before it was ready) against cold pools and against no images at all.
