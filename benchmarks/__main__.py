@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.harness import LoadSampler, PartResult, say
 from testkit.processes import ROOT
 
-PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "ci")
+PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "ci", "images")
 
 # Sizes: full and --quick (the smoke tests pass even smaller ones to the parts directly).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -29,6 +29,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "cost": {"full": {}, "quick": {}},
     "fleet": {"full": {}, "quick": {"sizes": (20, 50), "baseline_sizes": (10,), "window": 6.0}},
     "ci": {"full": {}, "quick": {"samples": 3, "burst": 20, "pool_size": 4}},
+    "images": {"full": {}, "quick": {"samples": 2, "cold_runs": 1, "jobs": 3}},
 }
 
 

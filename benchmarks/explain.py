@@ -270,6 +270,26 @@ instead of 1,000 (hourly billing, 0.0095 USD an hour); its longest wait is the q
 over the throughput.
 """
 
+IMAGES = """
+Jobs as container images (`benchmarks/images.py`), against a real registry on loopback (Debian's
+docker-registry behind a counting proxy) and images built from busybox-static. *Hot*: a warm
+pool whose `images` hold the job's image; a plain `true` job and a `true` job in the image are
+submitted in turn, each taken by a pool member, and the p50 of submit -> running of each is
+compared (the target: the image job within 20 ms of the plain one). A job is `running` from the
+moment its machine takes it, so *submit -> finished* is shown too: for the image job it adds the
+store's lookup (the tag is held: no registry request), the sandbox on the image's root, the
+command and the report. *Cold*: a 50 MB image (one incompressible layer plus busybox) is pulled
+and unpacked into an empty store the way the agent does it (look the tag up with `skopeo
+inspect`, `skopeo copy` into the store's OCI layout, `umoci raw unpack --rootless`, the mount
+points made, the size measured), against `skopeo copy` + `umoci unpack` alone (which also writes
+an mtree manifest of the unpacked tree the store has no use for), interleaved, medians. *Once*: 10
+jobs of one image on one reusable machine (the grant allows one): its jobs' `job.image_pulled`
+and `job.image_cached` events. *Simulated week*: the CI week trace replayed by `catacloud
+simulate`'s engine with every configuration an image that takes 30 s to pull on a machine lacking
+it: mean and p95 wait of each policy with image-hot pools (every pool member pulled every image
+before it was ready) against cold pools and against no images at all.
+"""
+
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
     "rest": REST,
@@ -281,4 +301,5 @@ EXPLANATIONS: dict[str, str] = {
     "chaos": CHAOS,
     "fleet": FLEET,
     "ci": CI,
+    "images": IMAGES,
 }

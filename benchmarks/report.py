@@ -30,7 +30,19 @@ NOISE = [
     "fresh number with an old report.",
     "",
 ]
-ORDER = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "ci", "chaos")
+ORDER = (
+    "claim",
+    "rest",
+    "submit",
+    "replenish",
+    "reaper",
+    "admission",
+    "cost",
+    "fleet",
+    "ci",
+    "images",
+    "chaos",
+)
 
 
 def environment() -> dict[str, str]:

@@ -173,6 +173,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     home = embedded.catacloud_home()
     home.mkdir(parents=True, exist_ok=True)
     _local_network_note(home)
+    _images_note()
     lock = _dev_lock(home)  # held until this process ends, however it ends
     if lock is None:
         return 1
@@ -452,6 +453,16 @@ def _local_network_note(home: Path) -> None:
     why = network_problem(home / "machines")
     if why is not None:
         print(f"catacloud: jobs on local machines get no network (a loopback only): {why}", flush=True)
+
+
+def _images_note() -> None:
+    """Jobs with an ``image`` need skopeo and umoci on this host (local machines use its tools):
+    where they are missing, say the one line that installs them."""
+    from catacloud.agent.images import find_tools
+
+    why = find_tools()
+    if isinstance(why, str):
+        print(f"catacloud: jobs with an image will fail here: {why}", flush=True)
 
 
 def dev_started_at(environ: Mapping[str, str]) -> float:

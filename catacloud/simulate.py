@@ -72,6 +72,7 @@ class Machine:
     born_in_pool: bool = False
     warm_until: float | None = None  # age of its first claim (unheld time before it is warm)
     holds: list[attribution.Hold] = field(default_factory=list)
+    images: set[str] = field(default_factory=set)  # the configurations whose image it holds
 
 
 @dataclass
@@ -149,6 +150,11 @@ class Params:
     # seconds a machine is held beyond its job's run (the agent fetching, starting and ending
     # it): nothing on a real cloud's scale, a measurable share on a compressed live clock
     job_overhead: float = 0.0
+    # Jobs as container images (one image per configuration): a job on a machine that does not
+    # hold its image waits this long for the pull first; with ``pool_images`` every pool member
+    # pulled every configuration's image before it was ready (a pool's ``images``).
+    pull_seconds: float = 0.0
+    pool_images: bool = False
 
     @property
     def billing(self) -> Billing:
@@ -404,9 +410,13 @@ class Simulation:
         if m.warm_until is None:
             m.warm_until = self.now - m.started
         m.state, m.job_started, m.job_config = "busy", self.now, job.config
-        held = job.duration + self.p.job_overhead  # the agent starts and ends the job around it
+        # its image first, unless the machine holds it (a pool member that pulled the pool's)
+        hot = job.config in m.images or (m.born_in_pool and self.p.pool_images)
+        pull = 0.0 if hot else self.p.pull_seconds
+        m.images.add(job.config)
+        held = pull + job.duration + self.p.job_overhead  # the agent starts and ends the job around it
         m.holds.append(attribution.Hold(self.now - m.started, self.now + held - m.started, str(index)))
-        self.waits.append(self.now - job.submit)
+        self.waits.append(self.now + pull - job.submit)  # until its command runs
         self.pending_jobs -= 1
         self.push(self.now + held, _FINISH, (m.id, held))
 

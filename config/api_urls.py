@@ -10,6 +10,7 @@ from apps.control.api.views import EventViewSet
 from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, WorkflowJobViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
+from apps.orgs.api.registries import RegistryCredentialViewSet
 from apps.pools.api.views import PoolViewSet
 from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 
@@ -24,6 +25,7 @@ router.register("events", EventViewSet, basename="event")
 router.register("pools", PoolViewSet, basename="pool")
 router.register("resource-types", ResourceTypeViewSet, basename="resource-type")
 router.register("resources", ResourceViewSet, basename="resource")
+router.register("registry-credentials", RegistryCredentialViewSet, basename="registry-credential")
 router.register("github/runner-classes", RunnerClassViewSet, basename="github-runner-class")
 router.register("github/workflow-jobs", WorkflowJobViewSet, basename="github-workflow-job")
 

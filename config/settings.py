@@ -304,6 +304,9 @@ CATACLOUD_ASSIGN_TIMEOUT = env.float("CATACLOUD_ASSIGN_TIMEOUT", default=300.0)
 # A machine held for a finished job's uploads is released this long after the job ended even
 # if the agent never says uploads-done.
 CATACLOUD_UPLOAD_TIMEOUT = env.float("CATACLOUD_UPLOAD_TIMEOUT", default=900.0)
+# The longest an agent spends pulling a job's (or a pool's) image; a job's own timeout, counted
+# from its start with the pull in it, may end it sooner. Past it: image_pull_timeout.
+CATACLOUD_IMAGE_PULL_TIMEOUT = env.float("CATACLOUD_IMAGE_PULL_TIMEOUT", default=900.0)
 # A resource still `creating` after this (its worker died mid-create) is created again
 # (wells create idempotently by resource id). Longer than a task may run.
 CATACLOUD_RESOURCE_CREATE_TIMEOUT = env.float(

@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     CHECKSUM_MISMATCH = "checksum_mismatch"  # an uploaded artifact's sha256 differs
     UNKNOWN_CONFIG = "unknown_config"  # a job submitted with no such configuration id or name
     ENV_TOO_LARGE = "env_too_large"  # a job's env and secret_env past their limits
+    INVALID_IMAGE_REFERENCE = "invalid_image_reference"  # an image reference that is not one
     # 401 / 403
     NOT_AUTHENTICATED = "not_authenticated"
     AUTHENTICATION_FAILED = "authentication_failed"
@@ -57,6 +58,15 @@ class ErrorCode(StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the agent server: one machine's budget
     SERVER_ERROR = "server_error"
     ERROR = "error"  # a status with no code of its own
+    # A job's failure_code (no HTTP status: the job ended failed with it), as its agent reported
+    # it (catacloud.protocol.ImageFailure has the same values).
+    IMAGE_NOT_FOUND = "image_not_found"
+    IMAGE_AUTH_FAILED = "image_auth_failed"
+    IMAGE_TOO_LARGE = "image_too_large"
+    IMAGE_DIGEST_MISMATCH = "image_digest_mismatch"
+    IMAGE_PULL_TIMEOUT = "image_pull_timeout"
+    IMAGE_PULL_FAILED = "image_pull_failed"
+    IMAGE_UNUSABLE = "image_unusable"
 
 
 def error_payload(code: ErrorCode, detail: str, **extra: Any) -> dict[str, Any]:

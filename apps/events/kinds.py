@@ -21,6 +21,8 @@ class EventKind(StrEnum):
     ORG_PRIVILEGE_REVOKED = "org.privilege_revoked"
     ORG_TOKEN_CREATED = "org.token_created"
     ORG_TOKEN_REVOKED = "org.token_revoked"
+    ORG_REGISTRY_CREDENTIAL_SET = "org.registry_credential_set"
+    ORG_REGISTRY_CREDENTIAL_DELETED = "org.registry_credential_deleted"
     # the catalog
     PROVIDER_ACCOUNT_CREATED = "provider_account.created"
     PROVIDER_ACCOUNT_UPDATED = "provider_account.updated"
@@ -47,6 +49,8 @@ class EventKind(StrEnum):
     INSTANCE_FAILED = "instance.failed"
     INSTANCE_LOST = "instance.lost"
     AGENT_ENROLLED = "agent.enrolled"
+    INSTANCE_IMAGE_PULLED = "instance.image_pulled"  # a pool's image, before the member is ready
+    INSTANCE_IMAGE_PULL_FAILED = "instance.image_pull_failed"
     RECONCILE_ADOPTED = "reconcile.adopted"
     RECONCILE_NOT_CREATED = "reconcile.not_created"
     RECONCILE_ORPHAN_DELETED = "reconcile.orphan_deleted"
@@ -85,6 +89,8 @@ class EventKind(StrEnum):
     JOB_REQUEUED = "job.requeued"
     JOB_CANCEL_REQUESTED = "job.cancel_requested"
     JOB_HANDED_OFF = "job.handed_off"
+    JOB_IMAGE_PULLED = "job.image_pulled"  # its image was pulled for it (bytes, seconds, digest)
+    JOB_IMAGE_CACHED = "job.image_cached"  # its machine held its image already: no pull
     ARTIFACT_STORED = "artifact.stored"
     ARTIFACT_UPLOAD_FAILED = "artifact.upload_failed"
     ARTIFACT_EXPIRED = "artifact.expired"

@@ -36,7 +36,10 @@ class JobConfiguration(SecretEnvMixin, models.Model):
     machine_type = models.ForeignKey(
         "machines.MachineType", on_delete=models.PROTECT, related_name="job_configs"
     )
-    command = models.TextField()
+    command = models.TextField(blank=True)
+    # A container image the command runs in (catacloud/agent/reference.py, normalised); "": the
+    # machine's own root.
+    image = models.CharField(max_length=512, blank=True)
     env = models.JSONField(default=dict, blank=True)
     # NAME: value pairs given to the job but never shown (Fernet, CATACLOUD_ENCRYPTION_KEY).
     secret_env_encrypted = models.TextField(blank=True, default="", editable=False)
@@ -70,7 +73,11 @@ class Job(SecretEnvMixin, models.Model):
     org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="jobs")
     config = models.ForeignKey(JobConfiguration, on_delete=models.PROTECT, related_name="jobs")
     machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="jobs")
-    command = models.TextField()
+    command = models.TextField(blank=True)
+    # Its configuration's image, or the one it was submitted with; and the digest its first
+    # attempt resolved (every later attempt runs exactly that, whatever the tag says by then).
+    image = models.CharField(max_length=512, blank=True)
+    image_digest = models.CharField(max_length=80, blank=True)
     env = models.JSONField(default=dict, blank=True)
     # NAME: value pairs given to the job but never shown (Fernet, CATACLOUD_ENCRYPTION_KEY).
     secret_env_encrypted = models.TextField(blank=True, default="", editable=False)
@@ -85,6 +92,8 @@ class Job(SecretEnvMixin, models.Model):
     attempt = models.PositiveIntegerField(default=1)
     exit_code = models.IntegerField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
+    # Machine-readable why, when the agent gave one (an ErrorCode: image_not_found, …).
+    failure_code = models.CharField(max_length=32, blank=True)
     cancel_requested = models.BooleanField(default=False)
     # Why it was last put back in the queue: machine_lost, machine_terminated, pool_drained,
     # not_started, spot_interruption. Requeues the operator caused (terminate, drain) are

@@ -1,6 +1,8 @@
 """Placement: admitted jobs waiting for a machine get one, paid capacity first
-(catacloud.policy.placement.ORDER): an idle machine kept for reuse (the one that last ran the
-same configuration first), then a member of a warm pool of the org and machine type; a new
+(catacloud.policy.placement.ORDER): an idle machine kept for reuse (one whose image store holds
+the job's image first, then the one that last ran the same configuration), then a member of a
+warm pool of the org and machine type (a pool whose ``images`` hold the job's, and a member
+that holds it, first); a new
 machine only for the jobs that the machines already paid for cannot serve
 (catacloud.policy.placement.machines_to_buy: policy ``speed`` at once, ``cost`` only when no
 paid machine will be free within ``max_wait_seconds``), within ``max_instances`` and the budget;
@@ -40,6 +42,7 @@ from apps.machines.services import grant_lock
 from apps.pools.choices import POOL_ACTIVE
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim
+from catacloud.agent.reference import parse
 from catacloud.policy import placement
 
 
@@ -71,25 +74,41 @@ def place(
             pools = list(
                 InstancePool.objects.filter(
                     org_id=org_id, machine_type_id=mt_id, status__in=POOL_ACTIVE
-                ).values_list("pk", flat=True)
+                ).values_list("pk", "images")
             )
             remaining: list[Job] = []
             for job in group:
-                instance = _claim_for(job, mt, pools)
+                instance = _claim_for(job, mt, _image_pools_first(pools, job.image))
                 if instance is None:
                     remaining.append(job)
                     continue
                 _assign(job, instance, now)
                 assigned += 1
             if remaining:
-                requested += _provision_or_wait(locked, org_id, mt, pools, remaining, now)
+                requested += _provision_or_wait(locked, org_id, mt, [p for p, _ in pools], remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
+
+
+def _image_pools_first(pools: list[tuple[Any, list[str]]], image: str) -> list[Any]:
+    """The pools' ids, those whose members hold ``image`` (their ``images``) first."""
+    return [pk for pk, images in sorted(pools, key=lambda p: not (image and image in (p[1] or [])))]
+
+
+def job_image_key(job: Job) -> str | None:
+    """What a machine's ``images`` holds when it holds this job's image: the digest its first
+    attempt resolved (pinned), else the reference it names; None without an image."""
+    if not job.image:
+        return None
+    if job.image_digest:
+        return str(parse(job.image).pinned(job.image_digest))
+    return job.image
 
 
 def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance | None:
     """A paid machine for ``job``, in placement's order, or None."""
     who = job_claim_label(job.pk)
+    image = job_image_key(job)
     for source in placement.ORDER:
         if source == placement.IDLE:
             _, instance = claims.claim(
@@ -102,6 +121,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
                 mt=str(mt.pk),
                 version=mt.version,
                 config=str(job.config_id),
+                image=image,
             )
             if instance is not None:
                 return instance
@@ -114,6 +134,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
                     acquired_for=who,
                     actor=Actor.SCHEDULER,
                     job_id=job.pk,
+                    image=image,
                 ).instance
             except (PoolEmpty, InvalidTransition):
                 continue

@@ -12,7 +12,7 @@ from django.db import transaction
 
 from apps.core.actors import Actor
 from apps.core.causes import FREE_REQUEUE_CAUSES, Cause
-from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound, ValidationFailed
 from apps.core.ids import InstanceId, JobId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
@@ -21,6 +21,7 @@ from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
+from apps.machines.agents import IMAGE_DIGEST, instance_images_set
 from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
@@ -28,7 +29,7 @@ from apps.machines.services import INSTANCE_STATES
 from apps.pools.refill import request_refill
 from apps.resources.choices import ResourceStatus
 from apps.resources.lifecycle import release_for_job
-from catacloud.protocol import Outcome
+from catacloud.protocol import ImagesReport, Outcome
 
 
 def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
@@ -105,8 +106,10 @@ def job_finished(
     exit_code: int | None,
     reason: str = "",
     uploads_pending: int | None = None,
+    code: str = "",
 ) -> Job:
     """The agent reports the end of a job; the machine is kept for reuse or destroyed.
+    ``code`` (its image could not be had: image_not_found, …) becomes the job's ``failure_code``.
 
     With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
     until the agent's ``uploads-done``: the job's status is final at once, its outputs follow
@@ -150,8 +153,9 @@ def job_finished(
             reason=reason,
             exit_code=exit_code,
             failure_reason=_final_reason(job, status, reason),
+            failure_code=_failure_code(status, code),
             pending_reason="",
-            event_data={"exit_code": exit_code, "attempt": job.attempt},
+            event_data={"exit_code": exit_code, "attempt": job.attempt, **({"code": code} if code else {})},
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
         if uploads_pending is None or (uploads_pending == 0 and job.config.reuse == Reuse.REUSE):
@@ -215,6 +219,69 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
                 else "outdated machine type version",
                 cause=Cause.JOB_FINISHED,
             )
+    return True
+
+
+def _failure_code(status: str, code: str) -> str:
+    """A failed job's code as its agent reported it: a registered ErrorCode, else none."""
+    if status != JobStatus.FAILED or not code:
+        return ""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ""
+
+
+def job_image_report(*, instance: MachineInstance, job_id: JobId, report: ImagesReport) -> None:
+    """The agent has the job's image: the digest it resolved becomes the job's (every later
+    attempt runs exactly it), ``job.image_pulled`` (bytes, seconds) or ``job.image_cached`` is
+    recorded, and the machine's held images are kept for placement."""
+    if len(report.pulls) != 1 or not IMAGE_DIGEST.match(report.pulls[0].digest):
+        raise ValidationFailed.field("pulls", "one pull with the sha256 digest of the job's image")
+    pull = report.pulls[0]
+    with transaction.atomic():
+        job = (
+            Job.objects.select_for_update(of=("self",))
+            .filter(pk=job_id, instance=instance, status__in=[JobStatus.ASSIGNED, JobStatus.RUNNING])
+            .first()
+        )
+        if job is None or not job.image:
+            raise Conflict(
+                "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
+            )
+        if not job.image_digest:
+            Job.objects.filter(pk=job.pk).update(image_digest=pull.digest)
+        event_record(
+            kind=EventKind.JOB_IMAGE_PULLED if pull.pulled else EventKind.JOB_IMAGE_CACHED,
+            org=job.org_id,
+            job=job,
+            instance=instance,
+            actor=f"agent:{instance.pk}",
+            image=job.image,
+            digest=pull.digest,
+            bytes=pull.bytes if pull.pulled else None,
+            seconds=pull.seconds if pull.pulled else None,
+        )
+        instance_images_set(instance_id=instance.pk, held=report.held)
+
+
+def job_image_unrunnable(*, job: Job) -> bool:
+    """A job with an image assigned to a machine whose agent did not say it runs images (an
+    agent from before images would run the command on the machine's own root): the job ends
+    at once, failed ``image_unusable``, and the machine is released as after any job."""
+    instance = MachineInstance.objects.filter(pk=job.instance_id).first() if job.instance_id else None
+    if instance is None or (instance.isolation or {}).get("images"):
+        return False
+    with contextlib.suppress(Conflict):
+        job_finished(
+            instance=instance,
+            job_id=job.pk,
+            outcome=Outcome.FAILED,
+            exit_code=None,
+            reason="this machine's agent cannot run a job's image "
+            "(upgrade catacloud-agent; install skopeo and umoci)",
+            code=ErrorCode.IMAGE_UNUSABLE,
+        )
     return True
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
+
 from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
+from apps.orgs.registries import registry_auth_for
 from apps.resources.selectors import job_resources
-from catacloud.protocol import JobPayload, Network
+from catacloud.agent.reference import parse
+from catacloud.protocol import ImagePull, JobPayload, Network, RegistryAuth
 
 
 def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
@@ -51,4 +55,25 @@ def job_payload(job: Job) -> dict[str, Any]:
         # the resources it holds live) and the disk it may fill (catacloud/agent/netns.py, disk.py).
         network=Network(allow=tuple(sorted({*(mt.network or {}).get("allow", []), *endpoints}))),
         disk_limit_bytes=mt.disk_gb * 10**9 if mt.disk_gb else None,
+        image=job_image_pull(job),
     ).to_json()
+
+
+def image_pull(*, org_id: OrgId, reference: str) -> ImagePull:
+    """What an agent is told to pull: the reference, the organization's credentials for its
+    registry host (if it has some), the pull's deadline."""
+    auth = registry_auth_for(org_id=org_id, reference=reference)
+    return ImagePull(
+        reference=reference,
+        auth=RegistryAuth(username=auth[0], password=auth[1]) if auth else None,
+        timeout_seconds=float(settings.CATACLOUD_IMAGE_PULL_TIMEOUT),
+    )
+
+
+def job_image_pull(job: Job) -> ImagePull | None:
+    """The job's image: exactly the digest its first attempt resolved, once it has one (a tag
+    that moved since changes nothing), else the reference it was submitted with."""
+    if not job.image:
+        return None
+    reference = str(parse(job.image).pinned(job.image_digest)) if job.image_digest else job.image
+    return image_pull(org_id=job.org_id, reference=reference)

@@ -20,6 +20,7 @@ from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import MachineType
 from apps.machines.services import grant_check_privilege, grant_for
 from apps.orgs.models import Organization
+from apps.orgs.registries import check_image_reference
 from apps.resources.models import ResourceType
 
 _STAMPS = {
@@ -111,6 +112,14 @@ def check_env_size(env: dict[str, str], secret_env: dict[str, str], *, owner: st
     )
 
 
+def check_command(*, command: str, image: str) -> None:
+    """A command to run, unless an image names one (its Entrypoint and Cmd run then)."""
+    if not command.strip() and not image:
+        raise ValidationFailed.field(
+            "command", "must not be empty (only a job with an image may leave it out)"
+        )
+
+
 def _check_usable(
     *, org: Organization, machine_type: MachineType, resource_types: Iterable[ResourceType]
 ) -> None:
@@ -150,6 +159,8 @@ def job_config_save(
     for key, value in fields.items():
         setattr(config, key, value)  # secret_env: encrypted by the model's setter
     config.env = check_env(config.env)
+    config.image = check_image_reference(config.image) if config.image else ""
+    check_command(command=config.command, image=config.image)
     if "secret_env" in fields:
         config.secret_env = check_env(fields["secret_env"] or {})
     check_env_size(config.env, config.secret_env, owner="a job configuration")

@@ -20,6 +20,7 @@ from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
 from apps.machines.services import grant_check_privilege, not_granted_message
 from apps.orgs.models import Organization
+from apps.orgs.registries import check_image_reference
 from apps.resources.lifecycle import release_for_job
 
 
@@ -29,6 +30,7 @@ def job_submit(
     config: JobConfiguration,
     env: dict[str, str] | None = None,
     secret_env: dict[str, str] | None = None,
+    image: str | None = None,
     user: Any = None,
     actor: Actor = Actor.UNNAMED,
     labels: dict[str, Any] | None = None,
@@ -57,12 +59,15 @@ def job_submit(
     merged = {**config.env, **check_env(env or {})}
     secret = check_env(secret_env or {})
     check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
+    # The job's image, when it names one, overrides its configuration's.
+    image = check_image_reference(image) if image else config.image
     with transaction.atomic():
         job = Job.objects.create(
             org=org,
             config=config,
             machine_type_id=config.machine_type_id,
             command=config.command,
+            image=image,
             env=merged,
             priority=config.priority,
             timeout_seconds=config.timeout_seconds,

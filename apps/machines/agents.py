@@ -8,6 +8,8 @@ API and only their own instance's data; user (Bearer) tokens cannot reach it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
@@ -19,15 +21,19 @@ from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, Unauthenticated
+from apps.core.ids import InstanceId
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.lifecycle import REFRESH_PROVIDER_STATE_TASK, bootstrap_token_instance
 from apps.machines.models import MachineInstance
 from apps.machines.services import INSTANCE_STATES
-from catacloud.protocol import MachineReport
+from catacloud.protocol import HeldImage, ImagesReport, MachineReport
 
 AGENT_TOKEN_PREFIX = "ca"
+IMAGE_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
+# At most this many references of a machine's images are kept for placement.
+MAX_HELD_REFERENCES = 500
 
 
 def instance_for_agent_token(token: str) -> MachineInstance | None:
@@ -123,3 +129,37 @@ def instance_heartbeat(*, instance: MachineInstance) -> bool:
     except InvalidTransition:
         return False
     return True
+
+
+def instance_images_set(*, instance_id: InstanceId, held: Sequence[HeldImage]) -> None:
+    """What the machine's image store holds (every reference and digest), for placement."""
+    references = sorted({ref for image in held for ref in (*image.references, image.digest) if ref})
+    MachineInstance.objects.filter(pk=instance_id).update(images=references[:MAX_HELD_REFERENCES])
+
+
+def instance_images_report(*, instance: MachineInstance, report: ImagesReport) -> None:
+    """A pool member's images pulled before it is ready (``instance.image_pulled`` or
+    ``instance.image_pull_failed`` each), and what its store holds."""
+    with transaction.atomic():
+        for pull in report.pulls[:50]:
+            failed = bool(pull.code) or not IMAGE_DIGEST.match(pull.digest)
+            event_record(
+                kind=EventKind.INSTANCE_IMAGE_PULL_FAILED if failed else EventKind.INSTANCE_IMAGE_PULLED,
+                org=instance.org_id,
+                pool=instance.pool_id,
+                instance=instance,
+                actor=f"agent:{instance.pk}",
+                reason=pull.detail[:500] if failed else "",
+                image=pull.reference[:512],
+                **(
+                    {"code": pull.code[:32]}
+                    if failed
+                    else {
+                        "digest": pull.digest,
+                        "pulled": pull.pulled,
+                        "bytes": pull.bytes,
+                        "seconds": pull.seconds,
+                    }
+                ),
+            )
+        instance_images_set(instance_id=instance.pk, held=report.held)

@@ -138,17 +138,27 @@ _POOL_CANDIDATES = f"""SELECT m.id FROM {_INSTANCES} m
     ORDER BY m.ready_at"""
 # Autocommit (the REST acquire): the statement signals the refill itself.
 POOL_SQL = _sql(_POOL_CANDIDATES, _move(EventKind.POOL_MEMBER_CLAIMED), signal=True)
-# Inside a longer transaction (job placement): no signal here (its row lock would be held
-# until that transaction ends, stalling other claims); the caller signals after commit.
-POOL_SQL_NO_SIGNAL = _sql(_POOL_CANDIDATES, _move(EventKind.POOL_MEMBER_CLAIMED))
 
-# Job placement on an idle machine kept for reuse: prefer the one that last ran the same
-# configuration (warm caches), then the one that became idle first.
+# Whether a machine's image store holds the job's image (``%(image)s``: its reference, NULL
+# for a job without one): placement prefers such a machine, whose job starts without a pull.
+HOLDS_IMAGE = "COALESCE(m.images @> jsonb_build_array(%(image)s::text), false)"
+
+# Inside a longer transaction (job placement): no signal here (its row lock would be held
+# until that transaction ends, stalling other claims); the caller signals after commit. A
+# member holding the job's image first.
+POOL_SQL_NO_SIGNAL = _sql(
+    _POOL_CANDIDATES.replace("ORDER BY m.ready_at", f"ORDER BY {HOLDS_IMAGE} DESC, m.ready_at"),
+    _move(EventKind.POOL_MEMBER_CLAIMED),
+)
+
+# Job placement on an idle machine kept for reuse: prefer the one that holds the job's image,
+# then the one that last ran the same configuration (warm caches), then the one that became
+# idle first.
 IDLE_SQL = _sql(
     f"""SELECT m.id FROM {_INSTANCES} m
     WHERE m.pool_id IS NULL AND m.status = 'ready' AND m.org_id = %(org)s AND m.machine_type_id = %(mt)s
       AND m.machine_type_version = %(version)s
-    ORDER BY (m.last_config_id IS NOT DISTINCT FROM %(config)s) DESC, m.ready_at""",
+    ORDER BY {HOLDS_IMAGE} DESC, (m.last_config_id IS NOT DISTINCT FROM %(config)s) DESC, m.ready_at""",
     _move(EventKind.INSTANCE_CLAIMED),
 )
 

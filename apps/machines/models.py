@@ -71,6 +71,7 @@ class MachineType(models.Model):
         "required_privilege",
         "disk_gb",
         "network",
+        "image_cache_mb",
     )
     REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
@@ -118,6 +119,11 @@ class MachineType(models.Model):
         blank=True,
         validators=[validate_network],
         help_text='besides the internet, what jobs may reach: {"allow": ["10.0.0.5:3128"]}',
+    )
+    image_cache_mb = models.PositiveIntegerField(
+        default=10240,
+        validators=[MinValueValidator(1)],
+        help_text="MB of a machine's image store; least recently used images go first",
     )
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -230,6 +236,12 @@ class MachineInstance(models.Model):
     # What the agent said at enrollment: how jobs are isolated (sandbox, uids) and which resource
     # limits hold on the machine (enforced or not, and why).
     isolation = models.JSONField(default=dict, blank=True)
+    # The image references its store holds (tags and digests, as its agent last reported them):
+    # placement prefers a machine that holds a job's image.
+    images = models.JSONField(default=list, blank=True)
+    # A pool member: the version of its pool's image list it was told to pull when it enrolled
+    # (an older one than its pool's is outdated, as a machine of an older machine type version).
+    pool_images_version = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

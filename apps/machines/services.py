@@ -111,6 +111,12 @@ def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
         and (not isinstance(out["disk_gb"], int) or isinstance(out["disk_gb"], bool) or out["disk_gb"] < 1)
     ):
         raise _invalid("disk_gb", "must be a whole number of at least 1 (GB), or empty for no limit")
+    if "image_cache_mb" in out and (
+        not isinstance(out["image_cache_mb"], int)
+        or isinstance(out["image_cache_mb"], bool)
+        or out["image_cache_mb"] < 1
+    ):
+        raise _invalid("image_cache_mb", "must be a whole number of at least 1 (MB)")
     if "network" in out:
         try:
             out["network"] = normalize_network(out["network"])

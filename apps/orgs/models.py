@@ -6,6 +6,7 @@ from django.conf import settings
 from django.core.validators import MinLengthValidator
 from django.db import models
 
+from apps.core.crypto import decrypt_json, encrypt_json
 from apps.orgs.choices import ROLE_RANK, Role
 
 
@@ -81,3 +82,34 @@ class ApiToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.user} in {self.org})"
+
+
+class RegistryCredential(models.Model):
+    """An organization's credentials for one container registry host: used only by the agent
+    that pulls a job's (or a pool's) image from that host, never shown again (the password is
+    write-only, stored encrypted like secret env), never given to a job."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    org = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="registry_credentials")
+    registry = models.CharField(max_length=255, help_text="host or host:port, as image references name it")
+    username = models.CharField(max_length=255)
+    password_encrypted = models.TextField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["org__slug", "registry"]
+        constraints = [
+            models.UniqueConstraint(fields=["org", "registry"], name="registry_credential_unique_in_org")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.org}: {self.registry}"
+
+    @property
+    def password(self) -> str:
+        return str(decrypt_json(self.password_encrypted) or "")
+
+    @password.setter
+    def password(self, value: str) -> None:
+        self.password_encrypted = encrypt_json(value)

@@ -38,6 +38,7 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
         & ~Q(members__status=InstanceStatus.CLAIMED)
         & Q(members__outdated=False)
         & Q(members__machine_type_version__gte=F("machine_type__version"))
+        & ~Q(members__pool_images_version__lt=F("images_version"))
     )
     rows = (
         InstancePool.objects.filter(status__in=POOL_ACTIVE)
@@ -51,6 +52,7 @@ def pools_converge(*, now: datetime, batch: int = 500) -> PoolsConverged:
                 & (
                     Q(members__outdated=True)
                     | Q(members__machine_type_version__lt=F("machine_type__version"))
+                    | Q(members__pool_images_version__lt=F("images_version"))
                 ),
             ),
         )

@@ -24,6 +24,10 @@ class InstancePool(models.Model):
     min_size = models.PositiveIntegerField(default=0)
     max_size = models.PositiveIntegerField(default=1)
     warmup_grace_seconds = models.PositiveIntegerField(default=600)
+    # Container images every member pulls before it is ready (normalised references); a change
+    # bumps images_version, and members told an older list are replaced like outdated ones.
+    images = models.JSONField(default=list, blank=True)
+    images_version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     drained_at = models.DateTimeField(null=True, blank=True)

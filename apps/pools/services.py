@@ -30,6 +30,7 @@ from apps.machines.models import MachineInstance, MachineType
 from apps.machines.selectors import BOOTING, paid_capacity
 from apps.machines.services import grant_check_privilege, grant_for, grant_lock
 from apps.orgs.models import Organization
+from apps.orgs.registries import check_image_reference
 from apps.pools.choices import POOL_ACTIVE, POOL_TRANSITIONS, PoolStatus
 from apps.pools.metrics import CLAIM_LATENCY
 from apps.pools.models import InstancePool
@@ -72,8 +73,10 @@ def pool_create(
     max_size: int | None = None,
     warmup_grace_seconds: int = 600,
     description: str = "",
+    images: list[str] | None = None,
     actor: Actor = Actor.UNNAMED,
 ) -> InstancePool:
+    images = pool_check_images(images or [])
     grant = grant_for(org=org, machine_type=machine_type)
     grant_check_privilege(org=org, machine_type=machine_type)
     max_size = target_size if max_size is None else max_size
@@ -95,6 +98,7 @@ def pool_create(
         min_size=min_size,
         max_size=max_size,
         warmup_grace_seconds=warmup_grace_seconds,
+        images=images,
     )
     event_record(
         kind=EventKind.POOL_CREATED,
@@ -103,6 +107,7 @@ def pool_create(
         actor=actor,
         target_size=target_size,
         machine_type=machine_type.name,
+        images=images or None,
     )
     request_refill(pool.pk)  # warm it now (after commit), not at the next reaper tick
     return pool
@@ -145,12 +150,14 @@ def pool_claim(
     job_id: JobId | None = None,
     org_id: OrgId | None = None,
     lease_seconds: float | None = None,
+    image: str | None = None,
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
     instance to two callers; answers :class:`PoolEmpty` at once when none is ready.
 
     The claim is one statement, so outside a transaction it runs (and commits) in a single
     round trip. ``org_id`` scopes the pool to an organization (another org's pool: NotFound).
+    Inside a transaction (job placement) a member holding ``image`` is taken first.
     """
     started = time.perf_counter()
     in_transaction = connection.in_atomic_block
@@ -164,6 +171,7 @@ def pool_claim(
         pool=str(pool_id),
         active=sorted(POOL_ACTIVE),
         org=str(org_id) if org_id else None,
+        **({"image": image} if in_transaction else {}),
     )
     if instance is None:
         pools = InstancePool.objects.filter(pk=pool_id)
@@ -185,12 +193,54 @@ def pool_claim(
 # ---- sizes, drain, delete -------------------------------------------------------------------
 
 
+# How many images a pool may keep hot on every member.
+MAX_POOL_IMAGES = 20
+
+
+def pool_check_images(images: object) -> list[str]:
+    """A pool's ``images``: a list of image references (each normalised, no repeats), or a 400
+    naming the one that is wrong."""
+    if not isinstance(images, list | tuple) or len(images) > MAX_POOL_IMAGES:
+        raise ValidationFailed.field("images", f"a list of at most {MAX_POOL_IMAGES} image references")
+    normalised: list[str] = []
+    for i, image in enumerate(images):
+        ref = check_image_reference(image, field=f"images[{i}]")
+        if ref not in normalised:
+            normalised.append(ref)
+    return normalised
+
+
+def pool_member_enrolled(*, instance_id: Any) -> list[str]:
+    """A member's agent enrolled: the images it pulls before it is ready (its pool's list, whose
+    version it is recorded as having); none for a machine outside pools."""
+    row = (
+        MachineInstance.objects.filter(pk=instance_id, pool__isnull=False)
+        .values("pool__images", "pool__images_version")
+        .first()
+    )
+    if row is None:
+        return []
+    MachineInstance.objects.filter(pk=instance_id).update(pool_images_version=row["pool__images_version"])
+    return list(row["pool__images"] or [])
+
+
 @transaction.atomic
 def pool_update(*, pool: InstancePool, actor: Actor = Actor.UNNAMED, **sizes: Any) -> InstancePool:
-    """Change sizes (and description); the reaper and the refill converge to them."""
+    """Change sizes (and description, and the images members hold); the reaper and the refill
+    converge to them. New ``images`` make every member told the old list outdated: the refill
+    replaces them as it replaces members of an older machine type version."""
     pool = InstancePool.objects.select_for_update().get(pk=pool.pk)
     if pool.status not in POOL_ACTIVE:
         raise InvalidTransition("Pool", pool.pk, pool.status, "resized")
+    if "images" in sizes:
+        images = pool_check_images(sizes.pop("images"))
+        if images != list(pool.images):
+            InstancePool.objects.filter(pk=pool.pk).update(
+                images=images, images_version=F("images_version") + 1
+            )
+            event_record(kind=EventKind.POOL_UPDATED, org=pool.org_id, pool=pool, actor=actor, images=images)
+            request_refill(pool.pk)
+            pool.refresh_from_db()
     wanted = {k: sizes.get(k, getattr(pool, k)) for k in ("target_size", "min_size", "max_size")}
     grant = grant_for(org=pool.org, machine_type=pool.machine_type)
     pool_validate_sizes(**wanted, max_pool_size=grant.max_pool_size)
@@ -297,6 +347,10 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
             MachineInstance.objects.filter(
                 pool=pool, status__in=INSTANCE_LIVE, machine_type_version__lt=mt.version, outdated=False
             ).update(outdated=True)
+        # Members told an older image list than the pool's: drift, as an older machine type.
+        MachineInstance.objects.filter(
+            pool=pool, status__in=INSTANCE_LIVE, pool_images_version__lt=pool.images_version, outdated=False
+        ).update(outdated=True)
         members = list(
             MachineInstance.objects.filter(pool=pool, status__in=INSTANCE_LIVE)
             .exclude(status=InstanceStatus.TERMINATING)
@@ -309,14 +363,16 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
         # What the org already pays for counts first: idle machines of this type outside
         # every pool, then machines booting for no job, are taken in before anything is bought.
         paid = paid_capacity(org_id=pool.org_id, machine_type=mt)
-        outside = paid.idle + paid.booting
+        # A pool that keeps images hot takes in no outside machine: it would not hold them.
+        idle, booting = (0, 0) if pool.images else (paid.idle, paid.booting)
+        outside = idle + booting
         plan = refill_plan(
             target=pool.target_size,
             max_size=pool.max_size,
             members=len(members),
             fresh=len(fresh),
-            idle=paid.idle,
-            booting=paid.booting,
+            idle=idle,
+            booting=booting,
             waiting=hooks.jobs_waiting(org_id=pool.org_id, machine_type_id=mt.pk) if outside else 0,
             counted=paid.counted,
             max_instances=grant.max_instances if grant else 0,

@@ -35,6 +35,7 @@ from catacloud.protocol import (
     EnrollAnswer,
     Finished,
     HeartbeatAnswer,
+    ImagesReport,
     JobPayload,
     MachineReport,
     Outcome,
@@ -452,6 +453,7 @@ class AgentClient:
         outcome: Outcome,
         reason: str,
         uploads_pending: int = 0,
+        code: str = "",
         retry_for: float = 300.0,
     ) -> None:
         """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
@@ -463,11 +465,26 @@ class AgentClient:
             "POST",
             f"jobs/{quote(job_id, safe='')}/finished",
             body=Finished(
-                outcome=outcome, exit_code=exit_code, reason=reason, uploads_pending=uploads_pending
+                outcome=outcome,
+                exit_code=exit_code,
+                reason=reason,
+                uploads_pending=uploads_pending,
+                code=code,
             ).to_json(),
             retry_for=retry_for,
         )
         self._expect_ok(response, "finished")
+
+    def report_images(
+        self, report: ImagesReport, *, job_id: str | None = None, retry_for: float = 30.0
+    ) -> None:
+        """What the machine pulled (a pool member's images before it is ready, or ``job_id``'s
+        image) and everything its store holds."""
+        path = f"jobs/{quote(job_id, safe='')}/image" if job_id else "images"
+        response = self.request("POST", path, body=report.to_json(), retry_for=retry_for)
+        if response.status_code == 409:
+            raise Gone(f"{path}: HTTP 409 " + _code(response), status=409, code=_code(response))
+        self._expect_ok(response, path)
 
     def uploads_done(self, job_id: str, failed: list[dict[str, str]], *, retry_for: float = 300.0) -> None:
         """The output uploads are over (``failed`` lists the files that did not make it)."""

@@ -42,10 +42,15 @@ def save_enrollment(state_file: str | None, enrollment: Enrollment) -> None:
     os.replace(state_file + ".tmp", state_file)
 
 
-def machine_report(launcher: Launcher, job_uids: UidRange | None, limits_file: str | None) -> MachineReport:
-    """What this machine tells the control plane at enrollment: how jobs are isolated and
-    which resource limits hold."""
-    isolation = launcher.describe()
+def machine_report(
+    launcher: Launcher,
+    job_uids: UidRange | None,
+    limits_file: str | None,
+    images: dict[str, str] | None = None,
+) -> MachineReport:
+    """What this machine tells the control plane at enrollment: how jobs are isolated (and
+    whether it runs images) and which resource limits hold."""
+    isolation = {**launcher.describe(), **(images or {})}
     isolation["job_uids"] = str(job_uids) if job_uids else "the agent's own, in a user namespace"
     if isolation["jobs"] == "uid" and job_uids is None:
         isolation["job_uids"] = "the agent's own"

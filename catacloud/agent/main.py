@@ -53,6 +53,8 @@ from catacloud.agent.files import (
     checkpoint_command,
     list_outputs,
 )
+from catacloud.agent.imagejob import JobImages, image_cwd, image_dir_for, image_process
+from catacloud.agent.images import ImageError, PullCancelled, Pulled
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
 from catacloud.agent.outputs import (
@@ -65,6 +67,7 @@ from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job
 from catacloud.agent.sandbox import (
     DEFAULT_JOB_UIDS,
     SANDBOX_SOCKET,
+    ImageRoot,
     JobPlace,
     Launcher,
     UidAllocator,
@@ -74,7 +77,7 @@ from catacloud.agent.sandbox import (
     make_undumpable,
 )
 from catacloud.agent.workplace import choose_launcher, give, prepare_site
-from catacloud.protocol import AgentError, Outcome
+from catacloud.protocol import AgentError, ImagePulled, ImagesReport, Outcome
 
 log = logging.getLogger("catacloud.agent")
 
@@ -116,8 +119,14 @@ class Agent:
         network: bool = True,
         disk_reserve_bytes: int = 0,
         unreachable_limit: float | None = None,
+        image_dir: str | None = None,
+        insecure_registries: tuple[str, ...] = (),
     ) -> None:
         self.client = client
+        # The machine's image store (catacloud/agent/images.py): beside the work root unless given.
+        self.image_dir = image_dir
+        self.insecure_registries = insecure_registries
+        self.images: JobImages | None = None
         # Seconds without reaching the control plane after which this agent ends (None: never).
         self.unreachable_limit = unreachable_limit
         self.bootstrap_token = bootstrap_token
@@ -193,11 +202,19 @@ class Agent:
         site = prepare_site(self.work_root, sample_uid)
         if isinstance(site, str):
             return site
+        given_work_dir = self.work_root
         self.work_root, self.job_bin = site.work_root, site.job_bin
         self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now, directory=site.socket_dir)
         state_dirs = [
             os.path.dirname(os.path.abspath(p)) for p in (self.state_file, self.bootstrap_token_file) if p
         ]
+        self.images = JobImages(
+            self.image_dir or image_dir_for(given_work_dir),
+            mount_dirs=[site.work_root, *self.shared_dirs],
+            insecure_registries=self.insecure_registries,
+        )
+        if self.images.root is not None:
+            state_dirs.append(self.images.root)  # hidden from jobs, as the agent's other folders
         self.launcher = choose_launcher(
             site,
             sandbox=self.sandbox,
@@ -230,7 +247,10 @@ class Agent:
                     hostname=self.hostname,
                     agent_version=__version__,
                     machine=machine_report(
-                        self.launcher, self.job_uids.uids if self.job_uids else None, self.limits_file
+                        self.launcher,
+                        self.job_uids.uids if self.job_uids else None,
+                        self.limits_file,
+                        self.images.describe() if self.images else None,
                     ),
                     retry_for=self.unreachable_limit or 600.0,
                     interrupt=self.stopping,
@@ -270,6 +290,7 @@ class Agent:
         )
         self.meta.start()
         try:
+            self._prefetch_images(enrollment)  # a pool member has its images before it is ready
             # the handshake: enroll + heartbeat = ready
             self._heartbeat_once(retry_for=min(60.0, self.unreachable_limit or 60.0))
             threads = [
@@ -287,6 +308,22 @@ class Agent:
             self.meta.close()
         log.info("agent stopped (exit code %d)", self.exit_code)
         return self.exit_code
+
+    def _prefetch_images(self, enrollment: Any) -> None:
+        """The machine type's image budget; a pool's images pulled, and reported, before the
+        handshake heartbeat that makes this member ready."""
+        if self.images is None:
+            return
+        self.images.set_budget(enrollment.image_store_bytes)
+        if not enrollment.images:
+            return
+        pulls = self.images.prefetch(enrollment.images, self.stopping)
+        try:
+            self.client.report_images(ImagesReport(pulls=pulls, held=self.images.held()))
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("could not report the pool's images: %s", exc)
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -439,13 +476,17 @@ class Agent:
         give(path, uid)
         return path
 
-    def _job_env(self, job: Job, work_dir: str, token: str, socket_path: str) -> dict[str, str]:
-        """The job's whole environment: a sane base, its own env, then ``CATACLOUD_*``.
+    def _job_env(
+        self, job: Job, work_dir: str, token: str, socket_path: str, image_env: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """The job's whole environment: a sane base, (inside an image) the image's ``Env``, its
+        own env, then ``CATACLOUD_*``.
 
         Nothing of the agent's own environment is passed on (on the local provider that is the
         control plane's: database and broker URLs, keys, passwords)."""
-        # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install.
-        bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d]
+        # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install
+        # (not inside an image: the agent's Python is not there).
+        bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d and image_env is None]
         user = "catacloud-job" if self.launcher.kind == "bubblewrap" else os.environ.get("USER", "")
         if self.job_uids is not None and self.launcher.kind != "bubblewrap":
             user = ""  # a uid with no name on this machine
@@ -457,6 +498,7 @@ class Agent:
             "USER": user,
             "LOGNAME": user,
         }
+        env.update(image_env or {})
         env.update(job.env)
         env.update(
             {
@@ -482,6 +524,7 @@ class Agent:
         """Claim the job's start, run it in its folder, report it, upload its outputs."""
         if not self._claim_start(job):
             return
+        started = time.monotonic()  # the job's timeout counts from here, its image's pull included
         cancel = Cancellation()
         token = secrets.token_urlsafe(32)
         register_secret(token)
@@ -509,7 +552,7 @@ class Agent:
             result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
             try:
-                result = self._execute(job, work_dir, uid, token, cancel, streamer)
+                result = self._execute(job, work_dir, uid, token, cancel, streamer, started)
             finally:
                 forget_secret(token)
                 for value in job.secret_values:
@@ -540,10 +583,75 @@ class Agent:
         token: str,
         cancel: Cancellation,
         streamer: LogStreamer,
+        started: float,
     ) -> JobResult:
-        """Restore the job's checkpoint, then run its command with the checkpointer and the job
-        socket serving it, to its end."""
+        """Have the job's image when it names one (pulled, or from the machine's store), then
+        run its command (:meth:`_run_command`)."""
+        if job.image is None:
+            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, None)
+        got = self._have_image(job, cancel, started)
+        if isinstance(got, JobResult):
+            return got
+        assert self.images is not None and self.images.store is not None
+        with self.images.store.pinned(got.image.digest):  # no eviction while it runs
+            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, got)
+
+    def _have_image(self, job: Job, cancel: Cancellation, started: float) -> Pulled | JobResult:
+        """The job's image, reported to the control plane (its digest, whether it was pulled);
+        or the job's end: a code at once for an image it cannot have, cancelled when asked."""
+        assert self.images is not None and job.image is not None
+        try:
+            sandboxed = self.launcher.kind == "bubblewrap"
+            got = self.images.for_job(job, cancel=cancel, started=started, sandboxed=sandboxed)
+            image_process(got.image, job.command)  # it names a process to run
+        except ImageError as exc:
+            log.warning("job %s: image %s: %s (%s)", job.id, job.image.reference, exc.detail, exc.code)
+            return JobResult(None, Outcome.FAILED, exc.detail, code=exc.code)
+        except PullCancelled:
+            return JobResult(None, Outcome.CANCELLED, cancel.reason or REASON_CANCELLED)
+        log.info(
+            "job %s: image %s is %s (%s)",
+            job.id,
+            job.image.reference,
+            f"pulled: {got.bytes / 1e6:.1f} MB in {got.seconds:.2f} s" if got.pulled else "on this machine",
+            got.image.digest,
+        )
+        pulled = ImagePulled(
+            reference=job.image.reference,
+            digest=got.image.digest,
+            pulled=got.pulled,
+            bytes=got.bytes,
+            seconds=round(got.seconds, 3),
+        )
+        try:
+            self.client.report_images(ImagesReport(pulls=(pulled,), held=self.images.held()), job_id=job.id)
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("job %s: could not report its image: %s", job.id, exc)
+        return got
+
+    def _run_command(
+        self,
+        job: Job,
+        work_dir: str,
+        uid: int | None,
+        token: str,
+        cancel: Cancellation,
+        streamer: LogStreamer,
+        started: float,
+        image: Pulled | None,
+    ) -> JobResult:
+        """Restore the job's checkpoint, then run its command (inside its image, when it has one)
+        with the checkpointer and the job socket serving it, to its end."""
         assert self.meta is not None and self.work_root is not None
+        timeout = float(job.timeout_seconds)
+        if timeout and image is not None:  # what the image's pull left of the job's time
+            timeout -= time.monotonic() - started
+            if timeout <= 0:
+                return JobResult(
+                    None, Outcome.TIMED_OUT, f"timed out after {job.timeout_seconds} s (its image's pull)"
+                )
         checkpoint_dir = os.path.join(work_dir, "checkpoint")
         checkpointer = Checkpointer(
             job.id,
@@ -564,14 +672,25 @@ class Agent:
         log.info("job %s: running in %s", job.id, work_dir)
         try:
             allow = allow_list(job.network.allow)
-            place = JobPlace(work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow)
+            root = None
+            if image is not None:
+                root = ImageRoot(
+                    rootfs=image.image.rootfs,
+                    args=image_process(image.image, job.command),
+                    cwd=image_cwd(image.image, work_dir),
+                    mount_root=self.work_root,
+                )
+            place = JobPlace(
+                work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow, image=root
+            )
             socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
+            image_env = image.image.config.env_map() if image is not None else None
             return run_job_process(
                 job.command,
-                env=self._job_env(job, work_dir, token, socket_env),
+                env=self._job_env(job, work_dir, token, socket_env, image_env),
                 place=place,
                 launcher=self.launcher,
-                timeout_seconds=job.timeout_seconds,
+                timeout_seconds=timeout,
                 cancel=cancel,
                 streamer=streamer,
                 mask=job.secret_values,
@@ -607,6 +726,7 @@ class Agent:
                 outcome=result.outcome,
                 reason=result.reason,
                 uploads_pending=len(outputs),
+                code=result.code,
                 retry_for=retry_for,
             )
         except Unauthorized:
@@ -756,6 +876,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         network=args.network != "none",
         disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
         unreachable_limit=args.exit_when_unreachable,
+        image_dir=args.image_dir,
+        insecure_registries=tuple(args.insecure_registry or ()),
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -823,6 +945,18 @@ def _agent_options(agent: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a folder jobs may write besides their own work folder (repeatable; everything else "
         "of the machine is read-only to them)",
+    )
+    agent.add_argument(
+        "--image-dir",
+        metavar="DIR",
+        help="the machine's image store (images jobs run in, pulled once; default: 'images' beside "
+        "--work-dir, else a temporary folder)",
+    )
+    agent.add_argument(
+        "--insecure-registry",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="a registry reached over plain HTTP (repeatable; one on this machine's loopback always is)",
     )
     agent.add_argument(
         "--limits-file",

@@ -53,6 +53,7 @@ class JobResult:
     exit_code: int | None
     outcome: Outcome
     reason: str
+    code: str = ""  # an ImageFailure value: the job's image could not be had
 
 
 class Cancellation:

@@ -199,15 +199,35 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def passwd_entries(uid: int, gid: int, home: str) -> tuple[bytes, bytes]:
-    """``/etc/passwd`` and ``/etc/group`` for inside a sandbox: root, the job, nobody."""
+def passwd_entries(uid: int, gid: int, home: str, rootfs: str | None = None) -> tuple[bytes, bytes]:
+    """``/etc/passwd`` and ``/etc/group`` for inside a sandbox: root, the job, nobody; inside an
+    image, the image's own entries (its service users) with the job's added."""
+    job_user = f"catacloud-job:x:{uid}:{gid}:Catacloud job:{home}:/bin/sh\n"
+    job_group = f"catacloud-job:x:{gid}:\n"
+    if rootfs is not None:
+        own = [_image_file(rootfs, name) for name in ("passwd", "group")]
+        taken = [{line.split(":")[2] for line in text.splitlines() if line.count(":") >= 3} for text in own]
+        passwd = own[0] + ("" if str(uid) in taken[0] else job_user)
+        group = own[1] + ("" if str(gid) in taken[1] else job_group)
+        return passwd.encode(), group.encode()
     passwd = (
         "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-        f"catacloud-job:x:{uid}:{gid}:Catacloud job:{home}:/bin/sh\n"
-        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        + job_user
+        + "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
     )
-    group = f"root:x:0:\ncatacloud-job:x:{gid}:\nnogroup:x:65534:\n"
+    group = f"root:x:0:\n{job_group}nogroup:x:65534:\n"
     return passwd.encode(), group.encode()
+
+
+def _image_file(rootfs: str, name: str) -> str:
+    """An image's ``/etc/NAME`` (a regular file: the store made it one), ending in a newline."""
+    try:
+        fd = os.open(os.path.join(rootfs, "etc", name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    with os.fdopen(fd, errors="replace") as fh:
+        text = fh.read(1 << 20)
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 @dataclass
@@ -295,15 +315,31 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class ImageRoot:
+    """A job that runs inside a container image: the image's unpacked root (the machine's image
+    store, catacloud/agent/images.py) becomes the job's read-only ``/`` instead of the machine's.
+    ``args`` is the process (the image's Entrypoint and Cmd, or Entrypoint and ``/bin/sh -c
+    COMMAND``), ``cwd`` where it starts; ``mount_root`` (the agent's work root, made in the image
+    when it was unpacked) becomes a private tmpfs holding the job's work folder."""
+
+    rootfs: str
+    args: tuple[str, ...]
+    cwd: str
+    mount_root: str
+
+
+@dataclass(frozen=True)
 class JobPlace:
     """What one job may see: its work folder (writable) and the agent's socket; and what it may
-    reach on the network besides the internet (its machine type's ``network.allow``)."""
+    reach on the network besides the internet (its machine type's ``network.allow``); with
+    ``image``, a container image's root instead of the machine's."""
 
     work_dir: str
     socket_path: str
     uid: int | None  # the host uid it runs as (root agent), or None: the agent's own, in a namespace
     gid: int | None
     allow: tuple[Allow, ...] = ()
+    image: ImageRoot | None = None
 
 
 @dataclass
@@ -327,12 +363,17 @@ class BubblewrapLauncher:
     def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
         uid = place.uid if place.uid is not None else os.geteuid()
         gid = place.gid if place.gid is not None else os.getegid()
-        passwd, group = passwd_entries(uid, gid, place.work_dir)
+        image = place.image
+        passwd, group = passwd_entries(uid, gid, place.work_dir, image.rootfs if image else None)
         fds = [memfd(passwd), memfd(group)]
         if self.egress.mode == "pasta":
             fds.append(memfd(resolv_conf()))
         fds.append(memfd(env_script(env)))
-        args = self._options(place, env_file=fds[-1], resolver=fds[2] if len(fds) > 3 else None)
+        resolver = fds[2] if len(fds) > 3 else None
+        if image is not None:
+            args = self._image_options(place, image, env_file=fds[-1], resolver=resolver)
+        else:
+            args = self._options(place, env_file=fds[-1], resolver=resolver)
         args += ["--perms", "0644", "--ro-bind-data", str(fds[0]), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", str(fds[1]), "/etc/group"]
         network: NetworkSetup | None = None
@@ -352,10 +393,14 @@ class BubblewrapLauncher:
             )
         args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
         # The job's env is applied by the shell that becomes the job (never in bubblewrap's
-        # arguments, which it caps at 9000, nor in its own environment).
-        start = f'. {SANDBOX_ENV} && exec /bin/sh -c "$1"'
+        # arguments, which it caps at 9000, nor in its own environment); inside an image, that
+        # shell then becomes the image's process.
+        if image is not None:
+            process = [f'. {SANDBOX_ENV} && exec "$@"', "sh", *image.args]
+        else:
+            process = [f'. {SANDBOX_ENV} && exec /bin/sh -c "$1"', "sh", command]
         return Launch(
-            argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", start, "sh", command],
+            argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", *process],
             env=dict(LAUNCH_ENV),
             fds=(*fds, args_fd),
             user=place.uid,
@@ -420,6 +465,52 @@ class BubblewrapLauncher:
         args += ["--chdir", place.work_dir, "--clearenv"]
         return args
 
+    def _image_options(
+        self, place: JobPlace, image: ImageRoot, *, env_file: int, resolver: int | None
+    ) -> list[str]:
+        """The sandbox of a job inside an image: the image's root read-only at ``/`` (nothing of
+        the machine's file system), then what every job gets: private ``/tmp``, ``/var/tmp``,
+        ``/run`` and ``/dev/shm``, its work folder (under a private tmpfs at the work root, so
+        no other job's folder is there), the shared folders, the agent's socket, the resolver,
+        its env file, ``/etc/passwd`` and ``/etc/group``. The store made every mount point in
+        the image's root when it unpacked it (a read-only root cannot get one later)."""
+        args = [
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--unshare-net",
+            "--disable-userns",
+            "--hostname",
+            self.hostname,
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            image.rootfs,
+            "/",
+            "--dev",
+            "/dev",
+            *(["--proc", "/proc"] if self.proc == "mount" else ["--ro-bind", "/proc", "/proc"]),
+        ]
+        gpus = [*GPU_DEVICES, *(d for pattern in GPU_DEVICE_GLOBS for d in sorted(glob.glob(pattern)))]
+        for device in gpus:
+            if os.path.exists(device):
+                args += ["--dev-bind", device, device]
+        for folder in ("/tmp", "/var/tmp", "/run", "/dev/shm", image.mount_root):
+            args += ["--tmpfs", folder]
+        for folder in self.shared:
+            args += ["--bind", folder, folder]
+        args += ["--bind", place.work_dir, place.work_dir]
+        if place.socket_path:
+            args += ["--bind", place.socket_path, SANDBOX_SOCKET]
+        if resolver is not None:
+            args += ["--perms", "0644", "--ro-bind-data", str(resolver), "/etc/resolv.conf"]
+        args += ["--perms", "0400", "--ro-bind-data", str(env_file), SANDBOX_ENV]
+        args += ["--remount-ro", "/run", "--remount-ro", image.mount_root]
+        args += ["--chdir", image.cwd, "--clearenv"]
+        return args
+
     def describe(self) -> dict[str, Any]:
         return {"jobs": self.kind, "bwrap": self.bwrap, "proc": self.proc, **self.egress.describe()}
 
@@ -443,6 +534,8 @@ class UidLauncher:
     kind: str = field(default="uid", init=False)
 
     def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
+        if place.image is not None:
+            raise OSError("a job's image needs the bubblewrap sandbox, which this machine cannot run")
         job = {
             "command": command,
             "env": dict(env),

@@ -614,9 +614,12 @@ def print_job_summary(job: dict, out: Any = None) -> None:
         ("attempt", f"{job['attempt']}/{job['max_attempts']}"),
         ("requeued", _requeues(job)),
         ("instance", job.get("instance")),
+        ("image", job.get("image")),
+        ("digest", job.get("image_digest")),
         ("waited", duration(_waited(job))),
         ("ran", duration(between(job["started_at"], job["finished_at"])) if job["started_at"] else None),
         ("reason", _reason(job)),
+        ("code", job.get("failure_code")),
         ("cost", f"{cost['amount']} {cost['currency']}" if cost.get("amount") is not None else None),
         *_github_rows(job.get("labels") or {}),
     ]

@@ -28,8 +28,9 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 # 1: before versions were reported. 2: the job's network and disk limit, the machine's network
-# report, versions reported at enrollment.
-VERSION = 2
+# report, versions reported at enrollment. 3: images (a job's image, a pool's images pulled before
+# a member is ready, the machine's image store; Isolation.images says the agent can run them).
+VERSION = 3
 OLDEST_AGENT = 1
 
 
@@ -58,6 +59,20 @@ class AgentError(enum.StrEnum):
     NOT_FOUND = "not_found"
     UPSTREAM_ERROR = "upstream_error"
     UPGRADE_REQUIRED = "agent_upgrade_required"
+
+
+class ImageFailure(enum.StrEnum):
+    """Why a job's image could not be had: the job ends failed with this code at once (the
+    control plane's ``failure_code``; apps.core.errors.ErrorCode has each). Transient faults (a
+    registry's 5xx, a cut connection) are retried by the agent, never reported as these."""
+
+    NOT_FOUND = "image_not_found"  # no such repository, tag or digest
+    AUTH_FAILED = "image_auth_failed"  # the registry refused the credentials (or asked for some)
+    TOO_LARGE = "image_too_large"  # larger than the machine type's image store budget
+    DIGEST_MISMATCH = "image_digest_mismatch"  # what came is not what the digest names
+    PULL_TIMEOUT = "image_pull_timeout"  # the pull outlived its deadline (the store is cleaned)
+    PULL_FAILED = "image_pull_failed"  # the registry stayed unreachable through every retry
+    UNUSABLE = "image_unusable"  # pulled, but cannot run here (no /bin/sh, no command, no sandbox)
 
 
 T = TypeVar("T", bound="Message")
@@ -154,6 +169,26 @@ class Network(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class RegistryAuth(Message):
+    """The organization's credentials for the image's registry host: the agent writes them to a
+    0600 file of its own for the pull alone; the job never sees them."""
+
+    username: str
+    password: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePull(Message):
+    """An image to have on the machine: a job's (run inside it) or a pool's (pulled before the
+    member is ready). ``reference`` is normalised (catacloud/agent/reference.py); a job's retry
+    names the digest its first attempt resolved."""
+
+    reference: str
+    auth: RegistryAuth | None = None
+    timeout_seconds: float = 900.0  # the pull's deadline
+
+
+@dataclasses.dataclass(frozen=True)
 class JobPayload(Message):
     """One assignment (``GET work`` answers ``{"job": JobPayload}``)."""
 
@@ -167,10 +202,16 @@ class JobPayload(Message):
     checkpoint: Checkpoint = Checkpoint()
     network: Network = Network()
     disk_limit_bytes: int | None = None  # the machine type's disk_gb; None: no limit of its own
+    image: ImagePull | None = None  # None: the command runs on the machine's own root, as before
 
     @property
     def secret_values(self) -> list[str]:
-        return [self.env[name] for name in self.secret_env_names if self.env.get(name)]
+        """What the agent masks in the job's output and its own log: the secret env values and
+        the password of the image's registry (the job never gets it; masked all the same)."""
+        values = [self.env[name] for name in self.secret_env_names if self.env.get(name)]
+        if self.image is not None and self.image.auth is not None and self.image.auth.password:
+            values.append(self.image.auth.password)
+        return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +220,10 @@ class EnrollAnswer(Message):
     agent_token: str
     heartbeat_interval: float
     poll_timeout: float
+    # The machine type's image store budget, and (a pool's member) the images it pulls before the
+    # handshake that makes it ready.
+    image_store_bytes: int | None = None
+    images: tuple[ImagePull, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +245,8 @@ class Isolation(Message):
     bwrap: str = ""
     network: str = ""  # "pasta" | "none" | "host"
     network_detail: str = ""
+    images: str = ""  # how it runs a job's image ("skopeo+umoci"); "": it cannot
+    images_detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,3 +291,38 @@ class Finished(Message):
     exit_code: int | None = None
     reason: str = ""
     uploads_pending: int = 0
+    code: str = ""  # an ImageFailure value when the job's image could not be had
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePulled(Message):
+    """How the machine came to hold an image: pulled now (``bytes`` fetched in ``seconds``) or
+    found in its store (``pulled`` false); ``code`` and ``detail`` when it could not."""
+
+    reference: str
+    digest: str = ""
+    pulled: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    code: str = ""
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldImage(Message):
+    """One image in the machine's store: its digest, the references it was asked for by, its
+    size on disk (its unpacked root and its share of layers)."""
+
+    digest: str
+    references: tuple[str, ...] = ()
+    bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagesReport(Message):
+    """``POST images`` (a pool member's pulls before it is ready) and ``POST jobs/ID/image``
+    (a job's): what was pulled, and everything the store now holds (placement prefers a
+    machine that holds a job's image)."""
+
+    pulls: tuple[ImagePulled, ...] = ()
+    held: tuple[HeldImage, ...] = ()

@@ -79,8 +79,9 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
     document: dict[str, Any] = {
         "package_update": True,
         # passt (pasta) and nftables: each job's network reaches the internet and nothing else
-        # (catacloud/agent/netns.py); without them jobs get no network at all.
-        "packages": ["python3-venv", "passt", "nftables"],
+        # (catacloud/agent/netns.py); without them jobs get no network at all. skopeo and umoci
+        # pull and unpack jobs' images (catacloud/agent/images.py).
+        "packages": ["python3-venv", "passt", "nftables", "skopeo", "umoci"],
         "write_files": [
             {
                 "path": TOKEN_FILE,

@@ -127,7 +127,13 @@ def test_output_reaches_the_server_while_the_job_still_runs(
     )
 
     finished = api.wait_finished(job)
-    assert finished == {"exit_code": 0, "outcome": "succeeded", "reason": "exit code 0", "uploads_pending": 0}
+    assert finished == {
+        "exit_code": 0,
+        "outcome": "succeeded",
+        "reason": "exit code 0",
+        "uploads_pending": 0,
+        "code": "",
+    }
     assert api.output(job, "stdout") == "first\nsecond\n"
     assert api.output(job, "stderr") == "oops\n"
     assert sorted(api.logs[job]) == list(range(len(api.logs[job]))), "seq counts up from 0"
@@ -156,6 +162,7 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
         "outcome": "failed",
         "reason": "exit code 3",
         "uploads_pending": 0,
+        "code": "",
     }
     assert api.wait_finished(leaving_a_child, timeout=8)["outcome"] == "succeeded"
     assert wait_gone(leftovers(agent, "sleep 1001")) == [], "no leftovers between jobs"
@@ -364,6 +371,7 @@ def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
         "outcome": "cancelled",
         "reason": "agent stopped",
         "uploads_pending": 0,
+        "code": "",
     }
     assert wait_gone([pid]) == []
     assert_no_secrets(api, agent)
@@ -384,6 +392,7 @@ def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
         "outcome": "cancelled",
         "reason": "machine terminating",
         "uploads_pending": 0,
+        "code": "",
     }
     assert wait_gone([pid]) == []
 

@@ -177,3 +177,15 @@ def test_ci(tmp_path: Path) -> None:
     assert result.data["burst"]["conclusions"] == {"success": 4}
     report.save(result, tmp_path)
     assert "ci.png" in report.plots(report.load_all(tmp_path), tmp_path)
+
+
+def test_images(tmp_path: Path) -> None:
+    result = run_part("images", samples=1, cold_runs=1, jobs=2, progress=quiet)
+    sane(result, "images")
+    assert result.data["once"]["pulls"] == 1 and result.data["once"]["cached"] == 1
+    assert len(result.data["cold"]["ours_s"]) == 1 and len(result.data["image_running_s"]) == 1
+    assert {row["case"] for row in result.data["simulator"]} == {
+        "no image",
+        "images, cold pools",
+        "images, image-hot pools",
+    }

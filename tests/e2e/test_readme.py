@@ -12,8 +12,10 @@ job's command is never pasted into the reader's shell: a block submits it as a j
 in a variable, the configuration's ``command``). The only things the test provides are what
 README says ``CATACLOUD_DEV_GITHUB=fake make dev`` provides: the demo catalog (its scratch
 database on Catacloud's own server), ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``, and
-the fake GitHub on ``GITHUB_FAKE_PORT`` with the demo org connected to it. The walkthroughs
-leave no file in the clone, and every wait in them has a time limit.
+the fake GitHub on ``GITHUB_FAKE_PORT`` with the demo org connected to it; and, for the images
+walkthrough, a registry on loopback (``REGISTRY``, Debian's docker-registry, as the test kit runs
+PostgreSQL and Redis), which that page tells its reader how to start. The walkthroughs leave no
+file in the clone, and every wait in them has a time limit.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ EXPECTED = [
     "artifacts",
     "checkpoint",
     "trace",
+    "images",
 ]
 # A job's command in a block: ``NAME=$(cat <<'EOF' … EOF`` (submitted by the block, never run by it).
 HEREDOC = re.compile(r"<<'(?P<tag>\w+)'\n(?P<body>.*?)\n(?P=tag)\n", re.S)
@@ -407,11 +410,12 @@ def _untracked() -> set[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1000)
 def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_path: Path) -> None:
     from apps.events.models import Event
     from apps.jobs.models import Job
     from apps.machines.models import Budget
+    from testkit.registry import Registry
 
     blocks = readme_blocks()
     bin_dir = tmp_path / "bin"
@@ -422,7 +426,9 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
 
     # Every block that runs, in reading order, in one shell session.
     session = "\n".join(["set -x", *(blocks[name] for name in EXPECTED)])
-    out, err = _run_shell(session, env=env, cwd=clone, timeout=720, tmp=tmp_path)
+    with Registry(tmp_path / "registry") as registry:  # the images walkthrough's
+        env["REGISTRY"] = registry.host
+        out, err = _run_shell(session, env=env, cwd=clone, timeout=840, tmp=tmp_path)
     assert _untracked() == before, f"the walkthroughs left files in the clone: {_untracked() - before}"
 
     # first session, warm pools, jobs
@@ -474,6 +480,13 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     # the trace: the venv, the services' .env, the demo org's finished jobs
     assert "submit_time_seconds,duration_seconds,config" in out
     assert "ephemeral" in out and "pool:5" in out
+
+    # images: a job ran inside the image, its digest recorded; the next did not pull; a bad
+    # reference was refused; the password never came back; the pool's member held the image
+    assert "ID=hello-image" in out and re.search(r'"image_digest": "sha256:[0-9a-f]{64}"', out), out
+    assert "job.image_cached" in out and "hi from the image" in out
+    assert '"code":"invalid_image_reference"' in out and "not-shown-again" not in out
+    assert re.search(r'\{"status":"ready","images":\[[^]]*demo/hello:1', out), out
 
     # Every event kind this run wrote is one the documentation names.
     text = EVENTS_PAGE.read_text()

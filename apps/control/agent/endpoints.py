@@ -29,13 +29,16 @@ from apps.jobs.artifacts import (
 from apps.jobs.models import Artifact, Job
 from apps.jobs.reports import (
     job_finished,
+    job_image_report,
     job_interrupted,
     job_logs_append,
     job_resource_metadata,
     job_started,
 )
-from apps.machines.agents import agent_enroll, agent_settings
-from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, Outcome, Stream
+from apps.jobs.selectors import image_pull
+from apps.machines.agents import agent_enroll, agent_settings, instance_images_report
+from apps.pools.services import pool_member_enrolled
+from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Stream
 from catacloud.protocol import VERSION as PROTOCOL_VERSION
 
 # ---- enroll ------------------------------------------------------------------------------------
@@ -78,8 +81,41 @@ class EnrollView(APIView):
             agent_version=enroll.agent_version,
             machine=enroll.machine,
         )
-        answer = EnrollAnswer(instance_id=str(instance.pk), agent_token=secret, **agent_settings())
+        # A pool member pulls its pool's images before the handshake that makes it ready.
+        images = pool_member_enrolled(instance_id=instance.pk)
+        answer = EnrollAnswer(
+            instance_id=str(instance.pk),
+            agent_token=secret,
+            **agent_settings(),
+            image_store_bytes=instance.machine_type.image_cache_mb * 10**6,
+            images=tuple(image_pull(org_id=instance.org_id, reference=ref) for ref in images),
+        )
         return Response(answer.to_json())
+
+
+def _images_report(request: Request) -> ImagesReport:
+    if not isinstance(request.data, dict):
+        raise ValidationFailed("the body must be a JSON object")
+    try:
+        return ImagesReport.from_json(request.data)
+    except ValueError as exc:
+        raise ValidationFailed(str(exc)) from None
+
+
+class ImagesView(AgentView):
+    """A pool member's images, pulled before it became ready, and what its store holds."""
+
+    def post(self, request: Request) -> Response:
+        instance_images_report(instance=self.instance, report=_images_report(request))
+        return Response({"ok": True})
+
+
+class JobImageView(AgentView):
+    """The job's image: pulled or found on the machine, and its digest."""
+
+    def post(self, request: Request, job_id: JobId) -> Response:
+        job_image_report(instance=self.instance, job_id=job_id, report=_images_report(request))
+        return Response({"ok": True})
 
 
 # ---- a job's reports ---------------------------------------------------------------------------
@@ -116,6 +152,7 @@ class FinishedIn(serializers.Serializer):
     uploads_pending = serializers.IntegerField(min_value=0, required=False, allow_null=True)
     outcome = serializers.ChoiceField(choices=[o.value for o in Outcome])
     reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
+    code = serializers.CharField(allow_blank=True, required=False, default="", max_length=32)
 
 
 class FinishedView(AgentView):
@@ -129,6 +166,7 @@ class FinishedView(AgentView):
             exit_code=body.validated_data.get("exit_code"),
             reason=body.validated_data["reason"],
             uploads_pending=body.validated_data.get("uploads_pending"),
+            code=body.validated_data["code"],
         )
         return Response({"ok": True, "status": job.status})
 

@@ -24,6 +24,8 @@ def agent_urls() -> list[URLPattern]:
         path("jobs/<uuid:job_id>/finished", endpoints.FinishedView.as_view(), name="agent-job-finished"),
         path("jobs/<uuid:job_id>/meta/<slug:name>", endpoints.MetaView.as_view(), name="agent-job-meta"),
         path("interruption", endpoints.InterruptionView.as_view(), name="agent-interruption"),
+        path("images", endpoints.ImagesView.as_view(), name="agent-images"),
+        path("jobs/<uuid:job_id>/image", endpoints.JobImageView.as_view(), name="agent-job-image"),
         re_path(
             # a UUID's own shape (36 characters of hex and dashes is not enough: uuid.UUID()
             # refused it later, a 500); the name is the raw rest of the path (checked once)

@@ -35,6 +35,7 @@ from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
 from apps.jobs.handoff import HANDED_OFF_SQL, handed_off
 from apps.jobs.models import Job
+from apps.jobs.reports import job_image_unrunnable
 from apps.jobs.selectors import job_payload
 from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
@@ -184,6 +185,8 @@ def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
         .order_by("assigned_at")
         .first()
     )
+    if job is not None and job.image and job_image_unrunnable(job=job):
+        return None  # ended with image_unusable: an agent that would ignore the image never gets it
     return None if job is None else job_payload(job)
 
 

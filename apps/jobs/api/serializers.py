@@ -66,6 +66,13 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
     )
     secret_env = secret_env_field()
     secret_env_keys = serializers.SerializerMethodField(help_text="names of the secret env values")
+    image = serializers.CharField(
+        max_length=512,
+        required=False,
+        allow_blank=True,
+        help_text="a container image the command runs in: registry/repository:tag or "
+        "registry/repository@sha256:<digest> (stored normalised); empty: the machine's own root",
+    )
     timeout_seconds = serializers.IntegerField(min_value=1, max_value=7 * 86400, required=False)
     priority = serializers.IntegerField(min_value=-1000, max_value=1000, required=False)
     max_attempts = serializers.IntegerField(min_value=1, max_value=20, required=False)
@@ -82,6 +89,7 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
             "machine_type",
             "machine_type_name",
             "command",
+            "image",
             "env",
             "env_hidden",
             "secret_env",
@@ -103,8 +111,7 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
         return sorted(obj.secret_env)
 
     def validate_command(self, value: str) -> str:
-        if not value.strip():
-            raise serializers.ValidationError("must not be empty")
+        # An empty command is refused by job_config_save unless an image names the process.
         if "\x00" in value:
             raise serializers.ValidationError("must not contain NUL characters")
         return value
@@ -141,6 +148,9 @@ class JobSerializer(EnvForMembersMixin, serializers.ModelSerializer):
             "exit_code",
             "failure_reason",
             "cancel_requested",
+            "failure_code",
+            "image",
+            "image_digest",
             "env",
             "env_hidden",
             "secret_env_keys",
@@ -177,6 +187,12 @@ class JobSubmitSerializer(StrictFields):
         help_text="added to (and overriding) the configuration's env",
     )
     secret_env = secret_env_field()
+    image = serializers.CharField(
+        max_length=512,
+        required=False,
+        help_text="run in this container image instead of the configuration's "
+        "(registry/repository:tag or …@sha256:<digest>)",
+    )
 
 
 class LogChunkSerializer(serializers.Serializer):

@@ -154,6 +154,7 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
             config=config,
             env=body.validated_data.get("env"),
             secret_env=body.validated_data.get("secret_env"),  # written with the job
+            image=body.validated_data.get("image"),
             user=request.user,
             actor=self.actor(),
         )

@@ -173,6 +173,7 @@ class InstanceSerializer(serializers.ModelSerializer):
             "billed_seconds",
             "cost",
             "isolation",
+            "images",
         )
         read_only_fields = fields
 

@@ -28,6 +28,7 @@ class MemberSerializer(serializers.ModelSerializer):
             "provider_id",
             "outdated",
             "machine_type_version",
+            "images",
             "created_at",
             "warming_started_at",
             "warmed_at",
@@ -52,6 +53,13 @@ class PoolSerializer(StrictFields, serializers.ModelSerializer):
     min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     warmup_grace_seconds = serializers.IntegerField(min_value=10, max_value=86_400, required=False)
+    images = serializers.ListField(
+        child=serializers.CharField(max_length=512),
+        required=False,
+        max_length=20,
+        help_text="container images every member pulls before it is ready (placement prefers a "
+        "member that holds a job's image); changing them replaces the members",
+    )
     status = serializers.SerializerMethodField(
         help_text="read with the members below: a pool short of ready members never reads ready"
     )
@@ -74,6 +82,7 @@ class PoolSerializer(StrictFields, serializers.ModelSerializer):
             "min_size",
             "max_size",
             "warmup_grace_seconds",
+            "images",
             "member_count",
             "ready_count",
             "counts",
@@ -127,6 +136,7 @@ class PoolSerializer(StrictFields, serializers.ModelSerializer):
 
 class PoolUpdateSerializer(StrictFields):
     description = serializers.CharField(max_length=300, required=False, allow_blank=True)
+    images = serializers.ListField(child=serializers.CharField(max_length=512), required=False, max_length=20)
     target_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     min_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)
     max_size = serializers.IntegerField(min_value=0, max_value=10_000, required=False)

@@ -1,0 +1,352 @@
+"""A real container registry on loopback for the tests and benchmarks, and images they build.
+
+:class:`Registry` runs Debian's ``docker-registry`` (the CNCF distribution server) on a free
+loopback port with its data in a folder of the run, optionally behind htpasswd users (bcrypt, as
+the server requires), as the test kit runs PostgreSQL and Redis. :func:`build_image` makes an
+image from Debian's ``busybox-static`` with ``umoci`` (a root with ``/bin/sh`` and friends, an
+``/etc/os-release`` only the image has, files of the caller's choosing, its config) and
+:func:`push` sends it with ``skopeo``: the same tools the agent pulls with.
+
+:class:`FaultyProxy` sits between a client and the registry and misbehaves on purpose: answers
+503, cuts a blob's transfer half way, or stalls it, a given number of times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from testkit.processes import free_port
+
+BUSYBOX = "/bin/busybox"
+APPLETS = ("sh", "cat", "echo", "ls", "env", "id", "pwd", "head", "wc", "sleep", "touch", "mkdir", "printf")
+INSTALL = "apt install docker-registry skopeo umoci busybox-static"
+
+
+def missing_tools() -> list[str]:
+    return [
+        name
+        for name, path in (
+            ("docker-registry", shutil.which("docker-registry")),
+            ("skopeo", shutil.which("skopeo")),
+            ("umoci", shutil.which("umoci")),
+            ("busybox-static", BUSYBOX if os.path.exists(BUSYBOX) else None),
+        )
+        if path is None
+    ]
+
+
+def _wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"the registry did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+
+
+class Registry:
+    """``docker-registry serve`` on ``127.0.0.1:<port>``; ``users`` turns htpasswd on."""
+
+    def __init__(
+        self, folder: Path, *, users: Mapping[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.folder = folder
+        self.users = dict(users or {})
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def data(self) -> Path:
+        return self.folder / "data"
+
+    def start(self) -> Registry:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = [
+            "version: 0.1",
+            "log:",
+            "  level: error",
+            "  accesslog:",
+            "    disabled: true",
+            "storage:",
+            "  filesystem:",
+            f"    rootdirectory: {self.data}",
+            "  delete:",
+            "    enabled: true",
+            "http:",
+            f"  addr: 127.0.0.1:{self.port}",
+        ]
+        if self.users:
+            import bcrypt
+
+            lines = [
+                f"{user}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()}"
+                for user, password in self.users.items()
+            ]
+            (self.folder / "htpasswd").write_text("\n".join(lines) + "\n")
+            config += [
+                "auth:",
+                "  htpasswd:",
+                "    realm: catacloud-test",
+                f"    path: {self.folder / 'htpasswd'}",
+            ]
+        (self.folder / "config.yml").write_text("\n".join(config) + "\n")
+        log = (self.folder / "registry.log").open("wb")
+        self.proc = subprocess.Popen(
+            ["docker-registry", "serve", str(self.folder / "config.yml")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.folder,
+            start_new_session=True,
+        )
+        log.close()
+        try:
+            _wait_port(self.port)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.proc = None
+
+    def blob_paths(self, digest: str) -> Path:
+        hexdigest = digest.split(":", 1)[1]
+        return self.data / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
+
+    def __enter__(self) -> Registry:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _run(*args: str, cwd: Path | None = None) -> str:
+    result = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: exit {result.returncode}\n{result.stderr}")
+    return result.stdout
+
+
+@dataclass
+class BuiltImage:
+    layout: Path
+    tag: str
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def build_image(
+    work: Path,
+    tag: str,
+    *,
+    files: Mapping[str, bytes] = {},
+    os_release: str = 'ID=catacloud-test\nNAME="Catacloud test image"\n',
+    env: Mapping[str, str] = {},
+    cmd: tuple[str, ...] = ("sh",),
+    entrypoint: tuple[str, ...] = (),
+    workdir: str = "",
+    with_shell: bool = True,
+    base: BuiltImage | None = None,
+) -> BuiltImage:
+    """An image in the OCI layout ``work/oci``: busybox as ``/bin/sh`` (unless ``with_shell`` is
+    false), ``/etc/os-release``, ``files`` ({path: bytes}); on top of ``base``'s layers when given
+    (a layer two images share)."""
+    layout = work / "oci"
+    if not (layout / "index.json").exists():
+        _run("umoci", "init", "--layout", str(layout))
+    bundle = work / f"bundle-{tag}"
+    shutil.rmtree(bundle, ignore_errors=True)
+    if base is None:
+        _run("umoci", "new", "--image", f"{layout}:{tag}")
+        _run("umoci", "unpack", "--rootless", "--image", f"{layout}:{tag}", str(bundle))
+        rootfs = bundle / "rootfs"
+        (rootfs / "bin").mkdir(parents=True)
+        (rootfs / "etc").mkdir()
+        if with_shell:
+            shutil.copy(BUSYBOX, rootfs / "bin" / "busybox")
+            for applet in APPLETS:
+                (rootfs / "bin" / applet).symlink_to("busybox")
+        (rootfs / "etc" / "os-release").write_text(os_release)
+    else:
+        _run("umoci", "tag", "--image", f"{base.layout}:{base.tag}", tag)
+        _run("umoci", "unpack", "--rootless", "--image", f"{layout}:{tag}", str(bundle))
+        rootfs = bundle / "rootfs"
+    for path, data in files.items():
+        target = rootfs / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    _run("umoci", "repack", "--image", f"{layout}:{tag}", str(bundle))
+    config = ["umoci", "config", "--image", f"{layout}:{tag}", "--clear=config.env"]
+    for name, value in {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        **env,
+    }.items():
+        config += ["--config.env", f"{name}={value}"]
+    config += ["--clear=config.cmd", "--clear=config.entrypoint"]
+    for arg in cmd:
+        config += ["--config.cmd", arg]
+    for arg in entrypoint:
+        config += ["--config.entrypoint", arg]
+    if workdir:
+        config += ["--config.workingdir", workdir]
+    _run(*config)
+    shutil.rmtree(bundle, ignore_errors=True)
+    return BuiltImage(layout=layout, tag=tag, files=dict(files))
+
+
+def push(image: BuiltImage, destination: str, *, credentials: tuple[str, str] | None = None) -> str:
+    """Push ``image`` to ``destination`` (``host:port/repo:tag``); its manifest digest."""
+    digest_file = image.layout.parent / f"{image.tag}.digest"
+    args = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--digestfile", str(digest_file)]
+    if credentials is not None:
+        args += ["--dest-creds", f"{credentials[0]}:{credentials[1]}"]
+    _run(*args, f"oci:{image.layout}:{image.tag}", f"docker://{destination}")
+    return digest_file.read_text().strip()
+
+
+def manifest(image: BuiltImage) -> dict:
+    index = json.loads((image.layout / "index.json").read_text())
+    for entry in index["manifests"]:
+        if entry.get("annotations", {}).get("org.opencontainers.image.ref.name") == image.tag:
+            hexdigest = entry["digest"].split(":", 1)[1]
+            return json.loads((image.layout / "blobs" / "sha256" / hexdigest).read_text())
+    raise KeyError(image.tag)
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of ``upstream`` (``host:port``) that misbehaves on purpose, on blob
+    downloads (``GET …/blobs/sha256:…``): ``fail`` of them answer 503, ``cut`` of them stop
+    after half their body, ``stall`` of them hang (until :meth:`stop`). Counts what it served."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.fail = 0
+        self.cut = 0
+        self.stall = 0
+        self.requests: list[str] = []
+        self.blob_bytes = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                proxy._forward(self)
+
+            def do_GET(self) -> None:
+                proxy._forward(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> FaultyProxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def blob_gets(self) -> int:
+        return sum(1 for r in self.requests if r.startswith("GET ") and "/blobs/" in r)
+
+    def manifest_requests(self) -> int:
+        return sum(1 for r in self.requests if "/manifests/" in r)
+
+    def _take(self, name: str) -> bool:
+        with self._lock:
+            left = getattr(self, name)
+            if left > 0:
+                setattr(self, name, left - 1)
+                return True
+            return False
+
+    def _forward(self, handler: BaseHTTPRequestHandler) -> None:
+        line = f"{handler.command} {handler.path}"
+        with self._lock:
+            self.requests.append(line)
+        blob = handler.command == "GET" and "/blobs/sha256:" in handler.path
+        if blob and self._take("fail"):
+            handler.send_response(503)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        upstream = http.client.HTTPConnection(self.upstream, timeout=60)
+        upstream.putrequest(handler.command, handler.path, skip_accept_encoding=True)
+        for key, value in handler.headers.items():  # every Accept: a registry answers by them
+            if key.lower() not in ("connection", "host"):
+                upstream.putheader(key, value)
+        upstream.endheaders()
+        response = upstream.getresponse()
+        body = response.read() if handler.command == "GET" else b""
+        handler.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                handler.send_header(key, value)
+        length = int(response.getheader("Content-Length") or len(body))
+        handler.send_header("Content-Length", str(length))
+        handler.end_headers()
+        upstream.close()
+        if handler.command != "GET":
+            return
+        if blob and response.status == 200 and self._take("stall"):
+            handler.wfile.write(body[: len(body) // 2])
+            handler.wfile.flush()
+            self._stop.wait(600)
+            handler.close_connection = True
+            return
+        if blob and response.status == 200 and self._take("cut"):
+            handler.wfile.write(body[: len(body) // 2])
+            handler.wfile.flush()
+            handler.close_connection = True
+            with contextlib.suppress(OSError):
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        handler.wfile.write(body)
+        if blob and response.status == 200:
+            with self._lock:
+                self.blob_bytes += len(body)
+
+
+@contextlib.contextmanager
+def running(folder: Path, **kwargs: object) -> Iterator[Registry]:
+    registry = Registry(folder, **kwargs)  # type: ignore[arg-type]
+    with registry:
+        yield registry
