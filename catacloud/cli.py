@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--stop-redis", action="store_true")
     cleanup.set_defaults(func=cmd_dev_cleanup)
 
-    from catacloud.agent.main import add_agent_commands
+    from catacloud.agent.command import add_agent_commands
 
     add_agent_commands(sub)  # `catacloud agent` (on machines) and `catacloud job-meta` (inside jobs)
     from catacloud.simulate import add_simulate_command
