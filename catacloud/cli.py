@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -178,11 +178,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     if lock is None:
         return 1
     services = embedded.services_up(home)
-    # prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
-    # their counters here and each scrape sums them; fresh at every start.
-    metrics_dir = home / "prometheus"
-    shutil.rmtree(metrics_dir, ignore_errors=True)
-    metrics_dir.mkdir(parents=True)
+    metrics_dir = _fresh_metrics_dir(home)
     env = dev_env({**os.environ, **services.env}, port=port, agent_port=agent_port, metrics_dir=metrics_dir)
     supervisor: Supervisor | None = None
     stopping = threading.Event()
@@ -199,21 +195,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
     give_back_terminal = _own_terminal()
     _watch_hangup(stopping)
     try:
-        print("catacloud: migrating the database…", flush=True)
-        _manage("migrate", "--noinput", env=env, capture=True)
-        _manage("collectstatic", "--noinput", env=env, capture=True)
-        _manage("apply", str(DEMO_CATALOG), env=env)
-        github = DevGitHub.prepare(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
-        if github is not None:
-            _manage("apply", str(github.catalog), env=env)
-        creds = json.loads(_manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1])
+        github, creds = _dev_data(env, home, port)
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
-        cleanup = [sys.executable, "-m", "catacloud.cli", "dev-cleanup", "--home", str(home)]
-        cleanup += [
-            f"--stop-{type(service).__name__.removeprefix('Embedded').lower()}"
-            for service in services.started
-        ]
+        cleanup = _cleanup_command(home, services.started)
         programs = dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port)
         if github is not None:
             programs.append(Program("github", github.command, env, str(ROOT)))
@@ -223,23 +208,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
             state_file=home / DEV_STATE,
         )
         base = f"http://127.0.0.1:{port}"
-        lines = [
-            f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
-            f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
-            f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: details for staff)",
-            f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
-            f"  Flower   http://127.0.0.1:{flower_port}/  "
-            f"(basic auth {flower_auth.split(':')[0]} / same password)",
-            f"  token    {creds['token']}",
-            *(
-                [f"  GitHub   a fake GitHub at {github.url} (docs/walkthroughs/github-actions.md)"]
-                if github is not None
-                else []
-            ),
-            f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
-            f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
-            "  (manage.py then uses these services)",
-        ]
+        lines = _banner(base, env, creds, flower_port, flower_auth, github, home)
         print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
         threading.Thread(
             target=_announce_when_healthy,
@@ -263,6 +232,69 @@ def cmd_dev(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         lock.close()
+
+
+def _fresh_metrics_dir(home: Path) -> Path:
+    """prometheus_client multiprocess mode: every gunicorn worker and the Celery worker write
+    their counters here and each scrape sums them; fresh at every start."""
+    metrics_dir = home / "prometheus"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    return metrics_dir
+
+
+def _cleanup_command(home: Path, started: Sequence[object]) -> list[str]:
+    """What the supervisor's watchdog runs if `make dev` itself is SIGKILLed: stop the machines
+    and the services this run started."""
+    command = [sys.executable, "-m", "catacloud.cli", "dev-cleanup", "--home", str(home)]
+    return command + [
+        f"--stop-{type(service).__name__.removeprefix('Embedded').lower()}" for service in started
+    ]
+
+
+def _dev_data(env: dict[str, str], home: Path, port: int) -> tuple[DevGitHub | None, dict[str, str]]:
+    """Migrations, static files, the demo catalog (and the fake GitHub's), the admin and the demo
+    token: what `make dev` sets up before it starts anything."""
+    print("catacloud: migrating the database…", flush=True)
+    _manage("migrate", "--noinput", env=env, capture=True)
+    _manage("collectstatic", "--noinput", env=env, capture=True)
+    _manage("apply", str(DEMO_CATALOG), env=env)
+    github = DevGitHub.prepare(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
+    if github is not None:
+        _manage("apply", str(github.catalog), env=env)
+    creds: dict[str, str] = json.loads(
+        _manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1]
+    )
+    return github, creds
+
+
+def _banner(
+    base: str,
+    env: Mapping[str, str],
+    creds: Mapping[str, str],
+    flower_port: int,
+    flower_auth: str,
+    github: DevGitHub | None,
+    home: Path,
+) -> list[str]:
+    """Where each part of `make dev` listens, the admin's password and the demo token."""
+    return [
+        f"  admin    {base}/admin/   user {creds['username']}  password {creds['password']}",
+        f"  API      {base}/api/v1/  (docs {base}/api/docs/)",
+        f"  health   {base}/readyz  (200 once every part is up; {base}/healthz: details for staff)",
+        f"  agents   {env['CATACLOUD_AGENT_URL']}/api/agent/v1/  (the agent server)",
+        f"  Flower   http://127.0.0.1:{flower_port}/  "
+        f"(basic auth {flower_auth.split(':')[0]} / same password)",
+        f"  token    {creds['token']}",
+        *(
+            [f"  GitHub   a fake GitHub at {github.url} (docs/walkthroughs/github-actions.md)"]
+            if github is not None
+            else []
+        ),
+        f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
+        f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
+        "  (manage.py then uses these services)",
+    ]
 
 
 DEV_LOCK, DEV_STATE = "dev.lock", "dev.programs.json"
@@ -582,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--stop-redis", action="store_true")
     cleanup.set_defaults(func=cmd_dev_cleanup)
 
-    from catacloud.agent.main import add_agent_commands
+    from catacloud.agent.command import add_agent_commands
 
     add_agent_commands(sub)  # `catacloud agent` (on machines) and `catacloud job-meta` (inside jobs)
     from catacloud.simulate import add_simulate_command

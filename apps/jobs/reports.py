@@ -256,7 +256,7 @@ def job_image_report(*, instance: MachineInstance, job_id: JobId, report: Images
             org=job.org_id,
             job=job,
             instance=instance,
-            actor=f"agent:{instance.pk}",
+            actor=Actor.agent(instance.pk),
             image=job.image,
             digest=pull.digest,
             bytes=pull.bytes if pull.pulled else None,

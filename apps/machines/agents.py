@@ -148,7 +148,7 @@ def instance_images_report(*, instance: MachineInstance, report: ImagesReport) -
                 org=instance.org_id,
                 pool=instance.pool_id,
                 instance=instance,
-                actor=f"agent:{instance.pk}",
+                actor=Actor.agent(instance.pk),
                 reason=pull.detail[:500] if failed else "",
                 image=pull.reference[:512],
                 **(

@@ -18,8 +18,9 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -42,7 +43,7 @@ from apps.machines.lifecycle import (
 )
 from apps.machines.models import MachineInstance, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
-from catacloud.providers import NotFound, ProviderError, ProviderMachine, RateLimited
+from catacloud.providers import NotFound, Provider, ProviderError, ProviderMachine, RateLimited
 from catacloud.providers.local import LocalProvider, end_processes, machine_processes
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,12 @@ class ReconcileReport:
 def reconcile_account(
     *, account: ProviderAccount, grace_seconds: float | None = None, restart: bool = False
 ) -> ReconcileReport:
-    """``restart``: the machines missing ended with the previous run of the control plane
-    (local machines stop with `make dev`), which is not a failure."""
+    """Compare ``account``'s labelled machines with its live rows, both ways. ``restart``: the
+    machines missing ended with the previous run of the control plane (local machines stop with
+    `make dev`), which is not a failure."""
     grace = timedelta(seconds=settings.CATACLOUD_RECONCILE_GRACE if grace_seconds is None else grace_seconds)
     report = ReconcileReport(account=account.name)
     provider = provider_for(account)
-    now = timezone.now()
     try:
         machines = provider.list(owner_labels())  # no transaction open
     except RateLimited as exc:
@@ -87,15 +88,17 @@ def reconcile_account(
         report.error = f"{exc.code}: {exc}"
         log.warning("reconcile %s: cannot list machines: %s", account.name, exc.code)
         return report
-    # The machines carrying each instance label; a live row owns the one it records (or, while it
-    # records none, the one it may adopt).
-    labelled: dict[str, list[ProviderMachine]] = {}
-    for machine in machines:
-        if machine.instance_id:
-            labelled.setdefault(machine.instance_id, []).append(machine)
+    live_rows = _live_rows(account)
+    by_instance, unowned = _match(machines, live_rows)
+    now = timezone.now()
+    _delete_unowned(provider, account, unowned, live_rows, now=now, grace=grace, report=report)
+    _check_rows(live_rows, by_instance, now=now, grace=grace, restart=restart, report=report)
+    return report
 
-    live_rows = {
-        str(row["id"]): row
+
+def _live_rows(account: ProviderAccount) -> dict[str, dict[str, Any]]:
+    return {
+        str(row["id"]): dict(row)
         for row in MachineInstance.objects.filter(provider_account=account, status__in=INSTANCE_LIVE).values(
             "id",
             "status",
@@ -110,6 +113,16 @@ def reconcile_account(
         )
     }
 
+
+def _match(
+    machines: list[ProviderMachine], live_rows: dict[str, dict[str, Any]]
+) -> tuple[dict[str, ProviderMachine], list[tuple[str, ProviderMachine]]]:
+    """The machine each live row owns (the one it records or, while it records none, the one it
+    may adopt), and the labelled machines nobody owns."""
+    labelled: dict[str, list[ProviderMachine]] = {}
+    for machine in machines:
+        if machine.instance_id:
+            labelled.setdefault(machine.instance_id, []).append(machine)
     by_instance: dict[str, ProviderMachine] = {}
     unowned: list[tuple[str, ProviderMachine]] = []
     for instance_id, found in labelled.items():
@@ -119,8 +132,20 @@ def reconcile_account(
         if row is not None and owned is not None:
             by_instance[instance_id] = owned
         unowned += [(instance_id, m) for m in found if row is None or (recorded and m is not owned)]
+    return by_instance, unowned
 
-    # 1. Cloud → database: machines nobody owns.
+
+def _delete_unowned(
+    provider: Provider,
+    account: ProviderAccount,
+    unowned: list[tuple[str, ProviderMachine]],
+    live_rows: dict[str, dict[str, Any]],
+    *,
+    now: datetime,
+    grace: timedelta,
+    report: ReconcileReport,
+) -> None:
+    """Cloud → database: machines nobody owns are deleted once older than the grace."""
     for instance_id, machine in unowned[: BATCH * 5]:
         if len(report.orphans_deleted) >= BATCH:
             break
@@ -153,7 +178,18 @@ def reconcile_account(
             account=account.name,
         )
 
-    # 2. Database → cloud.
+
+def _check_rows(
+    live_rows: dict[str, dict[str, Any]],
+    by_instance: dict[str, ProviderMachine],
+    *,
+    now: datetime,
+    grace: timedelta,
+    restart: bool,
+    report: ReconcileReport,
+) -> None:
+    """Database → cloud: facts refreshed, creations adopted or failed, vanished machines lost,
+    terminations finished or sent again."""
     for instance_id, row in list(live_rows.items())[: BATCH * 5]:
         at_provider = by_instance.get(instance_id)
         status = row["status"]
@@ -196,7 +232,6 @@ def reconcile_account(
         elif status == InstanceStatus.TERMINATING and at_provider is not None:
             enqueue(TERMINATE_TASK, instance_id)
             report.retried_terminations.append(instance_id)
-    return report
 
 
 def _uuid_or_none(value: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,53 +382,82 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
         adopted_ready, adopted_booting = _adopt(
             pool, mt, ready=plan.adopt_ready, booting=plan.adopt_booting, actor=actor
         )
-        count = plan.buy
-        if count:
-            # Money: buy only what the org's budgets allow (lock order: grant, pool, budget).
-            now = timezone.now()
-            check = budget_check(org_id=pool.org_id, machine_type=mt, now=now, actor=actor)
-            if check.cap(count) < count:
-                count = check.cap(count)
-                limit = f"budget_exceeded: {check.reason_after(count)}"
-            budget_bought(check, count, now=now, actor=actor)
-        for _ in range(count):
-            instance_request(org=pool.org_id, machine_type=mt, pool=pool.pk, actor=actor, reason="refill")
-        to_terminate: list[Any] = []
-        if outdated:
-            if len(fresh_ready) >= pool.target_size:
-                to_terminate += [m["pk"] for m in outdated]  # replacements are ready: retire the old
-            elif count == 0 and wanted > adopted_ready + adopted_booting:
-                to_terminate.append(outdated[0]["pk"])  # no room to surge: make room, one at a time
-        surplus = len(fresh) - pool.target_size
-        if surplus > 0:
-            ready_first = sorted(
-                fresh, key=lambda m: (m["status"] != InstanceStatus.READY, m["ready_at"] is None)
-            )
-            to_terminate += [m["pk"] for m in ready_first[:surplus] if m["status"] == InstanceStatus.READY]
-        for instance_id in to_terminate:
-            with contextlib.suppress(InvalidTransition):
-                instance_terminate(
-                    instance_id=instance_id,
-                    actor=actor,
-                    reason="outdated machine type version"
-                    if instance_id in {m["pk"] for m in outdated}
-                    else "above target_size",
-                )
-        if limit != pool.limit_reason:
-            InstancePool.objects.filter(pk=pool.pk).update(limit_reason=limit, updated_at=timezone.now())
-        # An event when the limit changes, not on every refill while it holds.
-        if limit and limit.split(":")[0] != pool.limit_reason.split(":")[0]:
-            event_record(
-                kind=LIMIT_EVENTS[limit.split(":")[0]],
-                org=pool.org_id,
-                pool=pool,
-                actor=actor,
-                reason=limit,
-                wanted=wanted,
-                requested=count,
-            )
+        count, budget_limit = _buy(pool, mt, plan.buy, actor=actor)
+        limit = budget_limit or limit
+        room = count == 0 and wanted > adopted_ready + adopted_booting
+        _retire(pool, fresh, fresh_ready, outdated, room=room, actor=actor)
+        _record_limit(pool, limit, wanted=wanted, requested=count, actor=actor)
         _sync_status(pool, ready=len(fresh_ready) + adopted_ready)
     return count
+
+
+Member = Mapping[str, Any]  # a pool member's row: pk, status, outdated, ready_at, provisioning_started_at
+
+
+def _buy(pool: InstancePool, mt: MachineType, count: int, *, actor: Actor) -> tuple[int, str]:
+    """Request ``count`` members, as many as the org's budgets allow (lock order: grant, pool,
+    budget); how many, and the budget's limit when it held some back."""
+    limit = ""
+    if count:
+        now = timezone.now()
+        check = budget_check(org_id=pool.org_id, machine_type=mt, now=now, actor=actor)
+        if check.cap(count) < count:
+            count = check.cap(count)
+            limit = f"budget_exceeded: {check.reason_after(count)}"
+        budget_bought(check, count, now=now, actor=actor)
+    for _ in range(count):
+        instance_request(org=pool.org_id, machine_type=mt, pool=pool.pk, actor=actor, reason="refill")
+    return count, limit
+
+
+def _retire(
+    pool: InstancePool,
+    fresh: Sequence[Member],
+    fresh_ready: Sequence[Member],
+    outdated: Sequence[Member],
+    *,
+    room: bool,
+    actor: Actor,
+) -> None:
+    """Outdated members once their replacements are ready (or one at a time to make ``room``
+    when none can be bought), and ready members above target_size."""
+    to_terminate: list[Any] = []
+    if outdated:
+        if len(fresh_ready) >= pool.target_size:
+            to_terminate += [m["pk"] for m in outdated]  # replacements are ready: retire the old
+        elif room:
+            to_terminate.append(outdated[0]["pk"])  # no room to surge: make room, one at a time
+    surplus = len(fresh) - pool.target_size
+    if surplus > 0:
+        ready_first = sorted(
+            fresh, key=lambda m: (m["status"] != InstanceStatus.READY, m["ready_at"] is None)
+        )
+        to_terminate += [m["pk"] for m in ready_first[:surplus] if m["status"] == InstanceStatus.READY]
+    old = {m["pk"] for m in outdated}
+    for instance_id in to_terminate:
+        with contextlib.suppress(InvalidTransition):
+            instance_terminate(
+                instance_id=instance_id,
+                actor=actor,
+                reason="outdated machine type version" if instance_id in old else "above target_size",
+            )
+
+
+def _record_limit(pool: InstancePool, limit: str, *, wanted: int, requested: int, actor: Actor) -> None:
+    """Keep what holds the pool back on its row, and an event when that changes (not on every
+    refill while it holds)."""
+    if limit != pool.limit_reason:
+        InstancePool.objects.filter(pk=pool.pk).update(limit_reason=limit, updated_at=timezone.now())
+    if limit and limit.split(":")[0] != pool.limit_reason.split(":")[0]:
+        event_record(
+            kind=LIMIT_EVENTS[limit.split(":")[0]],
+            org=pool.org_id,
+            pool=pool,
+            actor=actor,
+            reason=limit,
+            wanted=wanted,
+            requested=requested,
+        )
 
 
 def _refill_lock(pool_id: PoolId) -> None:

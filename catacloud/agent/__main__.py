@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from catacloud.agent.main import add_agent_commands
+from catacloud.agent.command import add_agent_commands
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The ``catacloud agent``, ``catacloud job-meta`` and ``catacloud checkpoint`` commands.
+"""The agent: one enrolled machine (``catacloud agent``; its command line is
+:mod:`catacloud.agent.command`, running a job :mod:`catacloud.agent.jobrun`).
 
 Threads: the main thread enrolls, then waits for a reason to stop (signal, ``terminate``, a 401,
 with ``--exit-when-unreachable`` a control plane silent for too long);
@@ -10,22 +11,13 @@ checkpoint requests); with ``interval_seconds``, a checkpointer thread per job; 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import logging
 import os
-import re
-import secrets
-import shutil
-import signal
 import socket
-import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from catacloud.agent import __version__
@@ -33,72 +25,43 @@ from catacloud.agent.backoff import heartbeat_delay
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
+    Enrollment,
     Interrupted,
-    Job,
-    RedactingFormatter,
     Unauthorized,
     Unavailable,
-    allow_list,
-    forget_secret,
     redact,
     register_secret,
 )
-from catacloud.agent.disk import DiskWatch
 from catacloud.agent.enrolment import load_enrollment, machine_report, save_enrollment
 from catacloud.agent.files import (
-    CHECKPOINT_ENV,
-    OUTPUT_ENV,
-    Checkpointer,
     CheckpointError,
-    checkpoint_command,
-    list_outputs,
 )
-from catacloud.agent.imagejob import JobImages, image_cwd, image_dir_for, image_process
-from catacloud.agent.images import ImageError, PullCancelled, Pulled
+from catacloud.agent.imagejob import JobImages, image_dir_for
 from catacloud.agent.imds import SpotWatcher
-from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer, job_meta_command
-from catacloud.agent.outputs import (
-    FINISHED_RETRY_SECONDS,
-    STOPPING_RETRY_SECONDS,
-    restore_checkpoint,
-    upload_outputs,
+from catacloud.agent.jobrun import (
+    REASON_AGENT_STOPPED,
+    REASON_CANCELLED,
+    REASON_TERMINATING,
+    CurrentJob,
+    JobRunning,
 )
-from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
+from catacloud.agent.meta import MetaServer
 from catacloud.agent.sandbox import (
-    DEFAULT_JOB_UIDS,
-    SANDBOX_SOCKET,
-    ImageRoot,
-    JobPlace,
     Launcher,
     UidAllocator,
     UidLauncher,
     UidRange,
-    can_switch_to,
-    make_undumpable,
 )
-from catacloud.agent.workplace import choose_launcher, give, prepare_site
-from catacloud.protocol import AgentError, ImagePulled, ImagesReport, Outcome
+from catacloud.agent.workplace import choose_launcher, prepare_site
+from catacloud.protocol import AgentError, ImagesReport
 
 log = logging.getLogger("catacloud.agent")
 
-BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
-REASON_CANCELLED = "cancelled by the control plane"
-REASON_TERMINATING = "machine terminating"
-REASON_AGENT_STOPPED = "agent stopped"
 # The exit status of an agent that gave up on an unreachable control plane.
 EXIT_UNREACHABLE = 3
 
 
-@dataclass
-class CurrentJob:
-    """The job this machine runs now."""
-
-    job: Job
-    cancel: Cancellation
-    checkpointer: Checkpointer | None = None  # while its command runs
-
-
-class Agent:
+class Agent(JobRunning):
     """One enrolled machine: heartbeats, runs jobs, serves job-meta, watches for interruption."""
 
     def __init__(
@@ -234,48 +197,10 @@ class Agent:
             log.error("%s", problem)
             return 2
         assert self.meta is not None
-        enrollment = load_enrollment(self.state_file)
-        if enrollment is not None:
-            register_secret(enrollment.agent_token)
-            self.client.set_token(enrollment.agent_token)
-        if enrollment is not None:
-            log.info("reusing the saved enrollment of instance %s", enrollment.instance_id)
-        else:
-            try:
-                enrollment = self.client.enroll(
-                    bootstrap_token=self.bootstrap_token,
-                    hostname=self.hostname,
-                    agent_version=__version__,
-                    machine=machine_report(
-                        self.launcher,
-                        self.job_uids.uids if self.job_uids else None,
-                        self.limits_file,
-                        self.images.describe() if self.images else None,
-                    ),
-                    retry_for=self.unreachable_limit or 600.0,
-                    interrupt=self.stopping,
-                )
-            except Interrupted:
-                self.meta.close()
-                return self.exit_code
-            except Unavailable as exc:
-                self.meta.close()
-                if self.unreachable_limit is None:
-                    log.error("could not enroll with %s: %s", self.client.base_url, exc)
-                    return 1
-                log.error(
-                    "the control plane at %s did not answer within %g s (the unreachable limit); "
-                    "the agent stops: %s",
-                    self.client.base_url,
-                    self.unreachable_limit,
-                    exc,
-                )
-                return EXIT_UNREACHABLE
-            except AgentAPIError as exc:
-                log.error("could not enroll with %s: %s", self.client.base_url, exc)
-                self.meta.close()
-                return 1
-            save_enrollment(self.state_file, enrollment)
+        enrollment = self._enrollment()
+        if isinstance(enrollment, int):
+            self.meta.close()
+            return enrollment
         self.bootstrap_token = ""
         if self.bootstrap_token_file:  # used once: it is no longer anywhere on this machine
             with contextlib.suppress(OSError):
@@ -308,6 +233,48 @@ class Agent:
             self.meta.close()
         log.info("agent stopped (exit code %d)", self.exit_code)
         return self.exit_code
+
+    def _enrollment(self) -> Enrollment | int:
+        """The saved enrollment, or a new one (saved); an exit status when enrolling fails."""
+        enrollment = load_enrollment(self.state_file)
+        if enrollment is not None:
+            register_secret(enrollment.agent_token)
+            self.client.set_token(enrollment.agent_token)
+            log.info("reusing the saved enrollment of instance %s", enrollment.instance_id)
+            return enrollment
+        try:
+            enrollment = self.client.enroll(
+                bootstrap_token=self.bootstrap_token,
+                hostname=self.hostname,
+                agent_version=__version__,
+                machine=machine_report(
+                    self.launcher,
+                    self.job_uids.uids if self.job_uids else None,
+                    self.limits_file,
+                    self.images.describe() if self.images else None,
+                ),
+                retry_for=self.unreachable_limit or 600.0,
+                interrupt=self.stopping,
+            )
+        except Interrupted:
+            return self.exit_code
+        except Unavailable as exc:
+            if self.unreachable_limit is None:
+                log.error("could not enroll with %s: %s", self.client.base_url, exc)
+                return 1
+            log.error(
+                "the control plane at %s did not answer within %g s (the unreachable limit); "
+                "the agent stops: %s",
+                self.client.base_url,
+                self.unreachable_limit,
+                exc,
+            )
+            return EXIT_UNREACHABLE
+        except AgentAPIError as exc:
+            log.error("could not enroll with %s: %s", self.client.base_url, exc)
+            return 1
+        save_enrollment(self.state_file, enrollment)
+        return enrollment
 
     def _prefetch_images(self, enrollment: Any) -> None:
         """The machine type's image budget; a pool's images pulled, and reported, before the
@@ -448,299 +415,6 @@ class Agent:
             log.exception("the work loop crashed")
             self.fatal("internal error in the work loop")
 
-    def _report_crash(self, job: Job, exc: Exception) -> None:
-        """Best effort after an agent bug: stop what the job left and report it failed."""
-        with self._lock:
-            current = self._current
-        if current is None or current.job.id != job.id:
-            return  # it never started
-        try:
-            self.client.job_finished(
-                job.id,
-                exit_code=None,
-                outcome=Outcome.FAILED,
-                reason=f"agent error: {type(exc).__name__}",
-                retry_for=STOPPING_RETRY_SECONDS,
-            )
-            self.client.uploads_done(job.id, [], retry_for=STOPPING_RETRY_SECONDS)
-        except AgentAPIError as report_exc:
-            log.error("job %s: could not report its outcome: %s", job.id, report_exc)
-
-    def _job_dir(self, job: Job, uid: int | None) -> str:
-        assert self.work_root is not None
-        safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job.id)[:128]
-        path = os.path.join(self.work_root, f"{safe_id}-{job.attempt}")
-        if os.path.lexists(path):
-            shutil.rmtree(path, ignore_errors=True)
-        os.mkdir(path, 0o700)
-        give(path, uid)
-        return path
-
-    def _job_env(
-        self, job: Job, work_dir: str, token: str, socket_path: str, image_env: dict[str, str] | None = None
-    ) -> dict[str, str]:
-        """The job's whole environment: a sane base, (inside an image) the image's ``Env``, its
-        own env, then ``CATACLOUD_*``.
-
-        Nothing of the agent's own environment is passed on (on the local provider that is the
-        control plane's: database and broker URLs, keys, passwords)."""
-        # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install
-        # (not inside an image: the agent's Python is not there).
-        bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d and image_env is None]
-        user = "catacloud-job" if self.launcher.kind == "bubblewrap" else os.environ.get("USER", "")
-        if self.job_uids is not None and self.launcher.kind != "bubblewrap":
-            user = ""  # a uid with no name on this machine
-        env = {
-            "PATH": ":".join([*bin_dirs, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
-            "HOME": work_dir,
-            "LANG": "C.UTF-8",
-            "TMPDIR": work_dir,
-            "USER": user,
-            "LOGNAME": user,
-        }
-        env.update(image_env or {})
-        env.update(job.env)
-        env.update(
-            {
-                "CATACLOUD_JOB_ID": job.id,
-                "CATACLOUD_ATTEMPT": str(job.attempt),
-                "CATACLOUD_WORK_DIR": work_dir,
-                OUTPUT_ENV: os.path.join(work_dir, "output"),
-                CHECKPOINT_ENV: os.path.join(work_dir, "checkpoint"),
-                SOCKET_ENV: socket_path,
-                TOKEN_ENV: token,
-            }
-        )
-        return env
-
-    def _send_logs(self, job_id: str, chunks: list[dict[str, Any]]) -> bool:
-        try:
-            return self.client.send_logs(job_id, chunks)
-        except Unauthorized as exc:
-            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
-            raise
-
-    def _run_job(self, job: Job) -> None:
-        """Claim the job's start, run it in its folder, report it, upload its outputs."""
-        if not self._claim_start(job):
-            return
-        started = time.monotonic()  # the job's timeout counts from here, its image's pull included
-        cancel = Cancellation()
-        token = secrets.token_urlsafe(32)
-        register_secret(token)
-        for value in job.secret_values:
-            register_secret(value)  # never in the agent's own log either
-        with self._lock:
-            self._current = CurrentJob(job, cancel)
-            if job.id in self._cancelled:
-                cancel.cancel(REASON_CANCELLED)
-            if self.stopping.is_set():
-                cancel.cancel(self._stop_job_reason)
-        streamer = LogStreamer(
-            lambda chunks: self._send_logs(job.id, chunks),
-            on_cancel=lambda: self._cancel_job(job.id, REASON_CANCELLED),
-        )
-        streamer.start()
-        work_dir: str | None = None
-        uid = self.job_uids.take() if self.job_uids is not None else None
-        try:
-            work_dir = self._job_dir(job, uid)
-            for folder in ("output", "checkpoint"):
-                os.mkdir(os.path.join(work_dir, folder), 0o700)
-                give(os.path.join(work_dir, folder), uid)
-        except OSError as exc:
-            result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
-        else:
-            try:
-                result = self._execute(job, work_dir, uid, token, cancel, streamer, started)
-            finally:
-                forget_secret(token)
-                for value in job.secret_values:
-                    forget_secret(value)
-        self._report(job, result, streamer, work_dir)
-
-    def _claim_start(self, job: Job) -> bool:
-        """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""
-        log.info("job %s (attempt %d) assigned", job.id, job.attempt)
-        try:
-            if not self.client.job_started(job.id, interrupt=self.stopping):
-                log.info("job %s is no longer this machine's (409); not running it", job.id)
-                return False
-        except Interrupted:
-            return False
-        except AgentAPIError as exc:
-            if isinstance(exc, Unauthorized):
-                raise
-            log.warning("job %s: could not confirm its start (%s); not running it", job.id, exc)
-            return False
-        return True
-
-    def _execute(
-        self,
-        job: Job,
-        work_dir: str,
-        uid: int | None,
-        token: str,
-        cancel: Cancellation,
-        streamer: LogStreamer,
-        started: float,
-    ) -> JobResult:
-        """Have the job's image when it names one (pulled, or from the machine's store), then
-        run its command (:meth:`_run_command`)."""
-        if job.image is None:
-            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, None)
-        got = self._have_image(job, cancel, started)
-        if isinstance(got, JobResult):
-            return got
-        assert self.images is not None and self.images.store is not None
-        with self.images.store.pinned(got.image.digest):  # no eviction while it runs
-            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, got)
-
-    def _have_image(self, job: Job, cancel: Cancellation, started: float) -> Pulled | JobResult:
-        """The job's image, reported to the control plane (its digest, whether it was pulled);
-        or the job's end: a code at once for an image it cannot have, cancelled when asked."""
-        assert self.images is not None and job.image is not None
-        try:
-            sandboxed = self.launcher.kind == "bubblewrap"
-            got = self.images.for_job(job, cancel=cancel, started=started, sandboxed=sandboxed)
-            image_process(got.image, job.command)  # it names a process to run
-        except ImageError as exc:
-            log.warning("job %s: image %s: %s (%s)", job.id, job.image.reference, exc.detail, exc.code)
-            return JobResult(None, Outcome.FAILED, exc.detail, code=exc.code)
-        except PullCancelled:
-            return JobResult(None, Outcome.CANCELLED, cancel.reason or REASON_CANCELLED)
-        log.info(
-            "job %s: image %s is %s (%s)",
-            job.id,
-            job.image.reference,
-            f"pulled: {got.bytes / 1e6:.1f} MB in {got.seconds:.2f} s" if got.pulled else "on this machine",
-            got.image.digest,
-        )
-        pulled = ImagePulled(
-            reference=job.image.reference,
-            digest=got.image.digest,
-            pulled=got.pulled,
-            bytes=got.bytes,
-            seconds=round(got.seconds, 3),
-        )
-        try:
-            self.client.report_images(ImagesReport(pulls=(pulled,), held=self.images.held()), job_id=job.id)
-        except AgentAPIError as exc:
-            if isinstance(exc, Unauthorized):
-                raise
-            log.warning("job %s: could not report its image: %s", job.id, exc)
-        return got
-
-    def _run_command(
-        self,
-        job: Job,
-        work_dir: str,
-        uid: int | None,
-        token: str,
-        cancel: Cancellation,
-        streamer: LogStreamer,
-        started: float,
-        image: Pulled | None,
-    ) -> JobResult:
-        """Restore the job's checkpoint, then run its command (inside its image, when it has one)
-        with the checkpointer and the job socket serving it, to its end."""
-        assert self.meta is not None and self.work_root is not None
-        timeout = float(job.timeout_seconds)
-        if timeout and image is not None:  # what the image's pull left of the job's time
-            timeout -= time.monotonic() - started
-            if timeout <= 0:
-                return JobResult(
-                    None, Outcome.TIMED_OUT, f"timed out after {job.timeout_seconds} s (its image's pull)"
-                )
-        checkpoint_dir = os.path.join(work_dir, "checkpoint")
-        checkpointer = Checkpointer(
-            job.id,
-            checkpoint_dir,
-            lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
-            tmp_dir=self.work_root,
-            interval=job.checkpoint.interval_seconds,
-        )
-        if job.checkpoint.available and not cancel.is_set():
-            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=self.work_root)
-            give(checkpoint_dir, uid)
-            checkpointer.mark_saved()
-        self.meta.grant(job.id, token, uid=uid)
-        with self._lock:
-            if self._current is not None:
-                self._current.checkpointer = checkpointer
-        checkpointer.start()
-        log.info("job %s: running in %s", job.id, work_dir)
-        try:
-            allow = allow_list(job.network.allow)
-            root = None
-            if image is not None:
-                root = ImageRoot(
-                    rootfs=image.image.rootfs,
-                    args=image_process(image.image, job.command),
-                    cwd=image_cwd(image.image, work_dir),
-                    mount_root=self.work_root,
-                )
-            place = JobPlace(
-                work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow, image=root
-            )
-            socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
-            image_env = image.image.config.env_map() if image is not None else None
-            return run_job_process(
-                job.command,
-                env=self._job_env(job, work_dir, token, socket_env, image_env),
-                place=place,
-                launcher=self.launcher,
-                timeout_seconds=timeout,
-                cancel=cancel,
-                streamer=streamer,
-                mask=job.secret_values,
-                watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
-            )
-        finally:
-            self.meta.revoke()
-            with self._lock:
-                if self._current is not None:
-                    self._current.checkpointer = None
-            checkpointer.close()
-
-    def _report(self, job: Job, result: JobResult, streamer: LogStreamer, work_dir: str | None) -> None:
-        """Deliver the job's output, report its outcome, upload its output files, remove its
-        folder (the next job, maybe of another uid, finds nothing of this one)."""
-        if self.stopping.is_set() and not self._report_on_stop:
-            streamer.close(timeout=0.0)
-            log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
-            if work_dir is not None:
-                shutil.rmtree(work_dir, ignore_errors=True)
-            return
-        # The job's output first, retried from the streamer's spool for as long as the report
-        # itself would be (then the report goes anyway: the outcome matters more).
-        retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS
-        if not streamer.close(timeout=retry_for):
-            log.warning("job %s: some output could not be delivered", job.id)
-        log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
-        outputs = list_outputs(os.path.join(work_dir, "output")) if work_dir is not None else []
-        try:
-            self.client.job_finished(
-                job.id,
-                exit_code=result.exit_code,
-                outcome=result.outcome,
-                reason=result.reason,
-                uploads_pending=len(outputs),
-                code=result.code,
-                retry_for=retry_for,
-            )
-        except Unauthorized:
-            raise
-        except AgentAPIError as exc:
-            log.error("job %s: could not report its outcome: %s", job.id, exc)
-        with self._lock:
-            self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
-        try:
-            upload_outputs(self.client, job, outputs, stopping=self.stopping)
-        finally:
-            if work_dir is not None:
-                shutil.rmtree(work_dir, ignore_errors=True)
-
     # -- checkpoints and outputs ------------------------------------------------------------
 
     def _checkpoint_now(self, job_id: str) -> tuple[int, dict[str, Any]]:
@@ -762,267 +436,3 @@ class Agent:
             return 500, {"code": AgentError.CHECKPOINT_FAILED, "detail": f"agent error: {type(exc).__name__}"}
         answer = answer or {}
         return 200, {"size": answer.get("size"), "sha256": answer.get("sha256")}
-
-
-# -- commands -----------------------------------------------------------------------------------
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError("must be a number of at least 0")
-    return value
-
-
-def _move_env_token_to_a_file(args: argparse.Namespace) -> None:
-    """A bootstrap token given in the environment stays readable in ``/proc/<pid>/environ``
-    for the process's whole life, whatever ``os.environ`` says later. Write it to a 0600 file
-    (removed once enrolled) and re-execute the agent without it; the pid stays the same."""
-    token = os.environ.get(BOOTSTRAP_ENV, "").strip()
-    if not token or args.bootstrap_token or args.bootstrap_token_file:
-        return
-    folder = tempfile.mkdtemp(prefix="catacloud-bootstrap-")  # 0700
-    path = os.path.join(folder, "token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token)
-    env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
-    argv = [sys.executable, "-m", "catacloud.agent", *sys.argv[1:], "--bootstrap-token-file", path]
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os.execve(sys.executable, argv, env)
-
-
-def _read_bootstrap_token(args: argparse.Namespace) -> str | None:
-    if args.bootstrap_token:
-        return str(args.bootstrap_token).strip()
-    if args.bootstrap_token_file:
-        with open(args.bootstrap_token_file, encoding="utf-8") as handle:
-            return handle.read().strip()
-    return os.environ.get(BOOTSTRAP_ENV, "").strip() or None
-
-
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s catacloud-agent: %(message)s"))
-    for name in ("catacloud.agent", "urllib3"):
-        logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
-        logger.propagate = False
-    logging.getLogger("catacloud.agent").setLevel(level)
-    logging.getLogger("urllib3").setLevel(logging.WARNING)
-
-
-def cmd_agent(args: argparse.Namespace) -> int:
-    """``catacloud agent``: run this machine's agent until terminated."""
-    _setup_logging(args.log_level)
-    _move_env_token_to_a_file(args)
-    saved = bool(args.state_file and os.path.exists(args.state_file))
-    try:
-        token = _read_bootstrap_token(args)
-    except FileNotFoundError:
-        token = None  # removed after enrolling; a restart resumes from the state file
-        if not saved:
-            log.error("the bootstrap token file %s does not exist", args.bootstrap_token_file)
-            return 2
-    except OSError as exc:
-        log.error("cannot read the bootstrap token file: %s", exc)
-        return 2
-    os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
-    job_uids: UidRange | None = None
-    if os.geteuid() == 0:
-        try:
-            job_uids = UidRange.parse(args.job_uids) if args.job_uids else DEFAULT_JOB_UIDS
-        except ValueError as exc:
-            log.error("--job-uids: %s", exc)
-            return 2
-        if not can_switch_to(job_uids):
-            log.info(
-                "job uids %s are not mapped here; jobs run as this agent's uid in a user namespace", job_uids
-            )
-            job_uids = None
-    elif args.job_uids:
-        log.error("--job-uids: only an agent running as root can run jobs as other uids")
-        return 2
-    if job_uids is not None:
-        log.info("jobs run as uids %s, a new one for each job (never root)", job_uids)
-    else:
-        log.info("jobs run as this agent's uid, each in a user namespace of its own (never root)")
-        make_undumpable()  # a job of the same uid may not read this process's memory or environ
-    if not token and not saved:
-        log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
-        return 2
-    if token:
-        register_secret(token)
-    agent = Agent(
-        AgentClient(args.url, user_agent=f"catacloud-agent/{__version__}"),
-        bootstrap_token=token or "",  # none: resumed from the saved enrollment
-        work_dir=args.work_dir,
-        heartbeat_interval=args.heartbeat_interval,
-        imds_url=args.imds_url,
-        state_file=args.state_file,
-        job_uids=job_uids,
-        bootstrap_token_file=args.bootstrap_token_file,
-        limits_file=args.limits_file,
-        sandbox=not args.no_sandbox,
-        shared_dirs=tuple(args.shared_dir or ()),
-        network=args.network != "none",
-        disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
-        unreachable_limit=args.exit_when_unreachable,
-        image_dir=args.image_dir,
-        insecure_registries=tuple(args.insecure_registry or ()),
-    )
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        agent.request_stop(REASON_AGENT_STOPPED, 130 if signum == signal.SIGINT else 0)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-    return agent.run()
-
-
-def cmd_job_meta(args: argparse.Namespace) -> int:
-    """``catacloud job-meta NAME``: metadata of a resource of the running job."""
-    return job_meta_command(args.name)
-
-
-def cmd_checkpoint(args: argparse.Namespace) -> int:
-    """``catacloud checkpoint``: save the running job's checkpoint directory now."""
-    return checkpoint_command(timeout=args.timeout)
-
-
-def _agent_options(agent: argparse.ArgumentParser) -> None:
-    """The options of ``catacloud agent``."""
-    agent.add_argument("--url", required=True, help="control plane base URL, e.g. https://catacloud.example")
-    source = agent.add_mutually_exclusive_group()
-    source.add_argument(
-        "--bootstrap-token",
-        help="single-use enrollment token (visible in the process list: "
-        f"prefer --bootstrap-token-file or ${BOOTSTRAP_ENV})",
-    )
-    source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
-    agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
-    agent.add_argument(
-        "--job-uids",
-        metavar="START+COUNT",
-        default=os.environ.get("CATACLOUD_JOB_UIDS") or None,
-        help="when the agent runs as root: the uids its jobs run as, a new one for each job "
-        f"(default {DEFAULT_JOB_UIDS}; env CATACLOUD_JOB_UIDS)",
-    )
-    agent.add_argument(
-        "--no-sandbox",
-        action="store_true",
-        help="run jobs without a bubblewrap sandbox (still as their own uid, never root)",
-    )
-    agent.add_argument(
-        "--network",
-        choices=["internet", "none"],
-        default="internet",
-        help="what a sandboxed job's network reaches: the internet through pasta (default; "
-        "loopback, private, link-local ranges and this host refused unless the machine type "
-        "allows them), or nothing but its own loopback",
-    )
-    agent.add_argument(
-        "--disk-reserve-gb",
-        type=_non_negative_float,
-        default=1.0,
-        metavar="GB",
-        help="end a job (disk_limit_exceeded) once the free space of the disk it writes to drops "
-        "below this (default 1)",
-    )
-    agent.add_argument(
-        "--shared-dir",
-        action="append",
-        metavar="DIR",
-        help="a folder jobs may write besides their own work folder (repeatable; everything else "
-        "of the machine is read-only to them)",
-    )
-    agent.add_argument(
-        "--image-dir",
-        metavar="DIR",
-        help="the machine's image store (images jobs run in, pulled once; default: 'images' beside "
-        "--work-dir, else a temporary folder)",
-    )
-    agent.add_argument(
-        "--insecure-registry",
-        action="append",
-        metavar="HOST[:PORT]",
-        help="a registry reached over plain HTTP (repeatable; one on this machine's loopback always is)",
-    )
-    agent.add_argument(
-        "--limits-file",
-        metavar="PATH",
-        help="JSON the machine's host wrote: the resource limits it enforces on this machine "
-        "(reported at enrollment)",
-    )
-    agent.add_argument(
-        "--state-file",
-        metavar="PATH",
-        help="keep this machine's enrollment here (mode 0600) so a restarted agent resumes "
-        "instead of enrolling again with the single-use bootstrap token",
-    )
-    agent.add_argument(
-        "--heartbeat-interval",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="override the heartbeat interval the control plane sets",
-    )
-    agent.add_argument(
-        "--exit-when-unreachable",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="stop (exit status 3) once no call has reached the control plane for this long "
-        "(default: keep trying; local machines get 600 s, their provider's unreachable_limit_seconds)",
-    )
-    agent.add_argument(
-        "--imds-url", metavar="URL", help="watch for spot interruptions (on AWS: http://169.254.169.254)"
-    )
-    agent.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-    )
-
-
-def add_agent_commands(subparsers: Any) -> None:
-    """Register ``agent``, ``job-meta`` and ``checkpoint`` on an ``add_subparsers()`` object."""
-    agent = subparsers.add_parser(
-        "agent",
-        help="run the machine agent (enroll, heartbeat, run jobs)",
-        description="Run the Catacloud agent on this machine until the control plane terminates it.",
-    )
-    _agent_options(agent)
-    agent.set_defaults(func=cmd_agent)
-
-    meta = subparsers.add_parser(
-        "job-meta",
-        help="inside a job: print the metadata of one of its resources as JSON",
-        description="Print the JSON metadata of the running job's resource NAME (exit 1 on error).",
-    )
-    meta.add_argument("name", metavar="NAME", help="the resource's name in the job configuration")
-    meta.set_defaults(func=cmd_job_meta)
-
-    checkpoint = subparsers.add_parser(
-        "checkpoint",
-        help="inside a job: save $CATACLOUD_CHECKPOINT_DIR to the control plane now",
-        description="Upload the running job's checkpoint directory; returns once it is stored "
-        "(exit 0), or prints why not (exit 1).",
-    )
-    checkpoint.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="give up waiting for the agent after this long (default 3600)",
-    )
-    checkpoint.set_defaults(func=cmd_checkpoint)

@@ -76,38 +76,50 @@ class UsageError(Exception):
 # ---- registration -------------------------------------------------------------------------------
 
 
-def add_client_commands(subparsers: Any) -> None:
-    """Register ``jobs``, ``configs``, ``pools``, ``instances``, ``artifacts`` and ``auth`` on an
-    ``add_subparsers()`` object (whose parser carries the global flags too)."""
-    common = argparse.ArgumentParser(add_help=False)
-    add_global_flags(common, top=False)
+class _Commands:
+    """Where a group's commands are registered: every one takes the global flags too."""
 
-    def group(name: str, help: str) -> Any:
-        parser = subparsers.add_parser(name, help=help, description=help)
+    def __init__(self, subparsers: Any) -> None:
+        self.subparsers = subparsers
+        self.common = argparse.ArgumentParser(add_help=False)
+        add_global_flags(self.common, top=False)
+
+    def group(self, name: str, help: str) -> Any:
+        parser = self.subparsers.add_parser(name, help=help, description=help)
         return parser.add_subparsers(dest=f"{name}_cmd", required=True, metavar="COMMAND")
 
-    def command(sub: Any, name: str, func: Callable, help: str, **kw: Any) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, parents=[common], help=help, description=help, **kw)
+    def command(self, sub: Any, name: str, func: Callable, help: str, **kw: Any) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, parents=[self.common], help=help, description=help, **kw)
         parser.set_defaults(func=lambda args: run(func, args), _parser=parser)
         return parser
 
-    jobs = group("jobs", "submit, follow, list and cancel jobs (client of the REST API)")
-    p = command(jobs, "submit", cmd_jobs_submit, "submit a job of a configuration (by name or id)")
+
+def add_client_commands(subparsers: Any) -> None:
+    """Register ``jobs``, ``configs``, ``pools``, ``instances``, ``artifacts`` and ``auth`` on an
+    ``add_subparsers()`` object (whose parser carries the global flags too)."""
+    at = _Commands(subparsers)
+    for register in (_jobs, _configs, _pools, _instances, _artifacts, _auth):
+        register(at)
+
+
+def _jobs(at: _Commands) -> None:
+    jobs = at.group("jobs", "submit, follow, list and cancel jobs (client of the REST API)")
+    p = at.command(jobs, "submit", cmd_jobs_submit, "submit a job of a configuration (by name or id)")
     p.add_argument("--config", required=True, metavar="NAME", help="job configuration name or id")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="env for this run (repeatable)")
     p.add_argument("--wait", action="store_true", help="wait for the job to end, showing its progress")
     p.add_argument("--follow", "-f", action="store_true", help="like --wait, printing its output as it comes")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop waiting after this (exit 1)")
 
-    p = command(jobs, "logs", cmd_jobs_logs, "print a job's output (-f: follow it until the job ends)")
+    p = at.command(jobs, "logs", cmd_jobs_logs, "print a job's output (-f: follow it until the job ends)")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new output until the job ends")
     p.add_argument("--attempt", type=int, help="which attempt (default: the current one)")
 
-    p = command(jobs, "cancel", cmd_jobs_cancel, "cancel a job (in any live state)")
+    p = at.command(jobs, "cancel", cmd_jobs_cancel, "cancel a job (in any live state)")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
-    p = command(jobs, "ls", cmd_jobs_ls, "list jobs, newest first")
+    p = at.command(jobs, "ls", cmd_jobs_ls, "list jobs, newest first")
     p.add_argument(
         "--status",
         action="append",
@@ -119,12 +131,14 @@ def add_client_commands(subparsers: Any) -> None:
     p.add_argument("--config", metavar="NAME", help="only jobs of this configuration")
     p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
 
-    p = command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost, then its events")
+    p = at.command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost, then its events")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
-    configs = group("configs", "list, create and delete job configurations")
-    command(configs, "ls", cmd_configs_ls, "list job configurations")
-    p = command(configs, "create", cmd_configs_create, "create a job configuration (admin)")
+
+def _configs(at: _Commands) -> None:
+    configs = at.group("configs", "list, create and delete job configurations")
+    at.command(configs, "ls", cmd_configs_ls, "list job configurations")
+    p = at.command(configs, "create", cmd_configs_create, "create a job configuration (admin)")
     p.add_argument("name", metavar="NAME", help="its name, e.g. unit-tests")
     p.add_argument("--machine-type", required=True, metavar="TYPE", help="machine type name or id")
     p.add_argument("--command", required=True, help="what the job runs, under /bin/sh -c")
@@ -140,12 +154,14 @@ def add_client_commands(subparsers: Any) -> None:
         metavar="TYPE",
         help="a resource type it needs (repeatable)",
     )
-    p = command(configs, "delete", cmd_configs_delete, "delete a job configuration no job uses (admin)")
+    p = at.command(configs, "delete", cmd_configs_delete, "delete a job configuration no job uses (admin)")
     p.add_argument("config", metavar="CONFIG", help="its name or id")
 
-    pools = group("pools", "list, create, drain and delete warm pools; acquire and release their machines")
-    command(pools, "ls", cmd_pools_ls, "list pools with their members by state")
-    p = command(pools, "create", cmd_pools_create, "create a warm pool (admin)")
+
+def _pools(at: _Commands) -> None:
+    pools = at.group("pools", "list, create, drain and delete warm pools; acquire and release their machines")
+    at.command(pools, "ls", cmd_pools_ls, "list pools with their members by state")
+    p = at.command(pools, "create", cmd_pools_create, "create a warm pool (admin)")
     p.add_argument("name", metavar="NAME", help="its name, e.g. ci")
     p.add_argument("--machine-type", required=True, metavar="TYPE", help="machine type name or id")
     p.add_argument("--size", type=int, required=True, help="machines to keep warm (target_size)")
@@ -153,26 +169,30 @@ def add_client_commands(subparsers: Any) -> None:
     p.add_argument("--max", type=int, dest="max_size", help="max_size (default: --size)")
     p.add_argument("--warmup-grace", type=int, metavar="SECONDS", help="a member warming longer is replaced")
     p.add_argument("--description", help="what it is for")
-    p = command(pools, "acquire", cmd_pools_acquire, "take a ready machine from a pool (never waits)")
+    p = at.command(pools, "acquire", cmd_pools_acquire, "take a ready machine from a pool (never waits)")
     p.add_argument("pool", metavar="POOL", help="pool name or id")
     p.add_argument("--by", default="", help="who holds it (acquired_by), e.g. runner-7")
     p.add_argument("--for", dest="purpose", default="", help="what for (acquired_for), e.g. 'build 1234'")
     p.add_argument("--lease", type=int, metavar="SECONDS", help="the claim ends by itself after this")
-    p = command(pools, "release", cmd_pools_release, "hand back an acquired machine (it is terminated)")
+    p = at.command(pools, "release", cmd_pools_release, "hand back an acquired machine (it is terminated)")
     p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
     p.add_argument("--claim", metavar="CLAIM_ID", help="release only if this claim still holds it")
-    p = command(pools, "drain", cmd_pools_drain, "stop keeping machines: no new member, no acquire (admin)")
+    p = at.command(
+        pools, "drain", cmd_pools_drain, "stop keeping machines: no new member, no acquire (admin)"
+    )
     p.add_argument("pool", metavar="POOL", help="pool name or id")
     p.add_argument(
         "--terminate-members",
         action="store_true",
         help="destroy its members now (else the unclaimed ones are released and end with their paid period)",
     )
-    p = command(pools, "delete", cmd_pools_delete, "delete a drained pool (admin)")
+    p = at.command(pools, "delete", cmd_pools_delete, "delete a drained pool (admin)")
     p.add_argument("pool", metavar="POOL", help="pool name or id")
 
-    instances = group("instances", "list, show and terminate machines")
-    p = command(instances, "ls", cmd_instances_ls, "list machines, newest first")
+
+def _instances(at: _Commands) -> None:
+    instances = at.group("instances", "list, show and terminate machines")
+    p = at.command(instances, "ls", cmd_instances_ls, "list machines, newest first")
     p.add_argument(
         "--status",
         action="append",
@@ -183,36 +203,44 @@ def add_client_commands(subparsers: Any) -> None:
     )
     p.add_argument("--pool", metavar="POOL", help="only members of this pool (name or id)")
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
-    p = command(instances, "show", cmd_instances_show, "one machine: status, pool, provider, address, cost")
+    p = at.command(
+        instances, "show", cmd_instances_show, "one machine: status, pool, provider, address, cost"
+    )
     p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
-    p = command(instances, "terminate", cmd_instances_terminate, "destroy a machine at its provider (admin)")
+    p = at.command(
+        instances, "terminate", cmd_instances_terminate, "destroy a machine at its provider (admin)"
+    )
     p.add_argument("instance", metavar="INSTANCE", help="instance id (or its first digits)")
 
-    artifacts = group("artifacts", "list and download the files a job kept")
-    p = command(artifacts, "ls", cmd_artifacts_ls, "list a job's artifacts")
+
+def _artifacts(at: _Commands) -> None:
+    artifacts = at.group("artifacts", "list and download the files a job kept")
+    p = at.command(artifacts, "ls", cmd_artifacts_ls, "list a job's artifacts")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
-    p = command(artifacts, "get", cmd_artifacts_get, "download one artifact (its sha256 is checked)")
+    p = at.command(artifacts, "get", cmd_artifacts_get, "download one artifact (its sha256 is checked)")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
     p.add_argument("name", metavar="NAME", help="artifact name, e.g. reports/junit.xml")
     p.add_argument(
         "--output", "-o", metavar="PATH", help="file or directory (- for stdout; default ./BASENAME)"
     )
 
-    auth = group("auth", "store and check the token for a server (like gh auth)")
+
+def _auth(at: _Commands) -> None:
+    auth = at.group("auth", "store and check the token for a server (like gh auth)")
     p = auth.add_parser(
         "login",
-        parents=[common],
+        parents=[at.common],
         help="check a token and store it for a URL in the config file",
         description="Check a token against the server and store it, with the URL, as a profile of "
         "the config file (mode 0600). The token is read from standard input (a prompt on a "
         "terminal), never from the command line.",
     )
     p.set_defaults(func=cmd_auth_login, _parser=p)
-    p = auth.add_parser("status", parents=[common], help="which server and token the client uses, checked")
+    p = auth.add_parser("status", parents=[at.common], help="which server and token the client uses, checked")
     p.set_defaults(func=lambda args: run(cmd_auth_status, args), _parser=p)
     p = auth.add_parser(
         "logout",
-        parents=[common],
+        parents=[at.common],
         help="remove a stored token from the config file",
         description="Remove the profile holding the token for a URL (--url, else CATACLOUD_URL, else "
         "the default profile's), or the profile --profile names, from the config file.",

@@ -56,6 +56,7 @@ environment (the keeper, bubblewrap; not the agent inside the sandbox), so
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -260,33 +261,50 @@ class LocalProvider(Provider):
     # ---- processes ----------------------------------------------------------------------------
 
     def _start(self, spec: MachineSpec) -> dict[str, Any]:
+        """Make the machine's folder and cgroup, then start its process (the agent, sandboxed)."""
         argv = list(spec.local_command)
         if shutil.which(argv[0]) is None:  # in a sandbox it would fail there, out of sight
             raise Permanent(f"cannot start {argv[0]!r}: no such executable")
         env = {key: value for key, value in os.environ.items() if key in AGENT_ENV_ALLOWED}
         env.update(spec.local_env)
         token = env.pop(BOOTSTRAP_ENV, None)
-        folder = self.state_dir / spec.instance_id
+        folder = self._fresh_folder(spec.instance_id)
         env[MACHINE_ENV] = os.path.abspath(folder)
-        if folder.exists():
-            shutil.rmtree(folder)  # a machine that died: its successor starts clean
-        folder.mkdir(mode=0o711)
-        os.chmod(folder, 0o711)  # the machine's job uids pass through to their work folders
-
-        def inside(path: str) -> str:  # an agent file's path as the agent sees it
-            return path if self.sandbox else str(folder) + path[len(MACHINE_DIR) :]
-
-        is_agent = spec.bootstrap is not None and not spec.command
+        record: dict[str, Any] = {"sandbox": self.sandbox}
         if token is not None:
             fd = os.open(
                 folder / "bootstrap-token", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
             )
             with os.fdopen(fd, "w") as fh:
                 fh.write(token)
-            argv += ["--bootstrap-token-file", inside(TOKEN_FILE)]
-        record: dict[str, Any] = {"sandbox": self.sandbox}
+            argv += ["--bootstrap-token-file", self._inside(folder, TOKEN_FILE)]
+        cgroup = self._limits(spec, folder, record)
+        if spec.bootstrap is not None and not spec.command:
+            argv += self._agent_args(spec, folder, record)
+        if self.boot_delay > 0:
+            argv = [sys.executable, "-c", BOOT_SHIM, repr(self.boot_delay), *argv]
+        if self.sandbox:
+            argv = self._sandboxed(spec, folder, argv)
+            if cgroup is not None:
+                argv = cgroup.wrap(argv)
+        return self._spawn(spec, folder, argv, env, cgroup, record)
+
+    def _fresh_folder(self, instance_id: str) -> Path:
+        folder = self.state_dir / instance_id
+        if folder.exists():
+            shutil.rmtree(folder)  # a machine that died: its successor starts clean
+        folder.mkdir(mode=0o711)
+        os.chmod(folder, 0o711)  # the machine's job uids pass through to their work folders
+        return folder
+
+    def _inside(self, folder: Path, path: str) -> str:
+        """An agent file's path as the agent sees it (its folder is MACHINE_DIR in the sandbox)."""
+        return path if self.sandbox else str(folder) + path[len(MACHINE_DIR) :]
+
+    def _limits(self, spec: MachineSpec, folder: Path, record: dict[str, Any]) -> Cgroup | None:
+        """The machine's size in a cgroup, whatever it runs; what holds goes to limits.json."""
         cgroup: Cgroup | None = None
-        if self.sandbox:  # the machine's size, whatever it runs
+        if self.sandbox:
             cgroup, limits = Cgroup.create(
                 f"cc-{spec.instance_id}",
                 installation=self._installation(spec),
@@ -299,41 +317,52 @@ class LocalProvider(Provider):
         else:
             limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
         (folder / "limits.json").write_text(json.dumps(limits))
-        if is_agent:
-            argv += ["--state-file", inside(STATE_FILE)]
-            if self.unreachable_limit > 0:
-                argv += ["--exit-when-unreachable", f"{self.unreachable_limit:g}"]
-            if self.sandbox:  # unsandboxed, the agent makes one under /tmp, where job uids can pass
-                argv += ["--work-dir", WORK_DIR]
-            if os.geteuid() == 0:
-                slot, uids = job_uid_slot({"instance_id": spec.instance_id, "claimer": os.getpid()})
-                record["slot"] = slot
-                argv += ["--job-uids", str(uids)]
-            argv += ["--limits-file", inside(LIMITS_FILE)]
-            argv += ["--disk-reserve-gb", f"{self.disk_reserve_gb:g}"]
-            for mount in self.mounts:
-                if mount.writable:
-                    argv += ["--shared-dir", mount.target if self.sandbox else mount.source]
-        if self.boot_delay > 0:
-            argv = [sys.executable, "-c", BOOT_SHIM, repr(self.boot_delay), *argv]
-        if self.sandbox:
-            bwrap = bwrap_path()
-            if bwrap is None:
-                raise Permanent(
-                    f"local machines run in a bubblewrap sandbox, which is not installed: {HOST_FIX}"
-                )
-            sandbox = MachineSandbox(
-                bwrap=bwrap,
-                hostname=spec.name,
-                machine_dir=str(folder),
-                mounts=self.mounts,
-                hide=secrets_to_hide([str(self.state_dir)]),
-                tun=tun_device(self.state_dir),
-                unset_env=[MACHINE_ENV],  # a mark for this host, not a thing the machine needs
-            )
-            argv = ["/bin/sh", "-c", KEEPER, "catacloud-machine", *sandbox.argv(argv)]
-            if cgroup is not None:
-                argv = cgroup.wrap(argv)
+        return cgroup
+
+    def _agent_args(self, spec: MachineSpec, folder: Path, record: dict[str, Any]) -> builtins.list[str]:
+        """What the agent of a local machine is told: its files, its job uids, its limits."""
+        args = ["--state-file", self._inside(folder, STATE_FILE)]
+        if self.unreachable_limit > 0:
+            args += ["--exit-when-unreachable", f"{self.unreachable_limit:g}"]
+        if self.sandbox:  # unsandboxed, the agent makes one under /tmp, where job uids can pass
+            args += ["--work-dir", WORK_DIR]
+        if os.geteuid() == 0:
+            slot, uids = job_uid_slot({"instance_id": spec.instance_id, "claimer": os.getpid()})
+            record["slot"] = slot
+            args += ["--job-uids", str(uids)]
+        args += ["--limits-file", self._inside(folder, LIMITS_FILE)]
+        args += ["--disk-reserve-gb", f"{self.disk_reserve_gb:g}"]
+        for mount in self.mounts:
+            if mount.writable:
+                args += ["--shared-dir", mount.target if self.sandbox else mount.source]
+        return args
+
+    def _sandboxed(self, spec: MachineSpec, folder: Path, argv: builtins.list[str]) -> builtins.list[str]:
+        """``argv`` in the machine's sandbox, under its keeper (the process the record names)."""
+        bwrap = bwrap_path()
+        if bwrap is None:
+            raise Permanent(f"local machines run in a bubblewrap sandbox, which is not installed: {HOST_FIX}")
+        sandbox = MachineSandbox(
+            bwrap=bwrap,
+            hostname=spec.name,
+            machine_dir=str(folder),
+            mounts=self.mounts,
+            hide=secrets_to_hide([str(self.state_dir)]),
+            tun=tun_device(self.state_dir),
+            unset_env=[MACHINE_ENV],  # a mark for this host, not a thing the machine needs
+        )
+        return ["/bin/sh", "-c", KEEPER, "catacloud-machine", *sandbox.argv(argv)]
+
+    def _spawn(
+        self,
+        spec: MachineSpec,
+        folder: Path,
+        argv: builtins.list[str],
+        env: dict[str, str],
+        cgroup: Cgroup | None,
+        record: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Start the machine's process in a session of its own; its record."""
         log_path = self.state_dir / f"{spec.instance_id}.log"
         now = datetime.now(UTC)
         with open(log_path, "ab") as log:

@@ -1,0 +1,306 @@
+"""The ``catacloud agent``, ``catacloud job-meta`` and ``catacloud checkpoint`` commands: their
+options, logging, the bootstrap token's way in, and the agent's run until it is told to stop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from types import FrameType
+from typing import Any
+
+from catacloud.agent import __version__
+from catacloud.agent.client import (
+    AgentClient,
+    RedactingFormatter,
+    register_secret,
+)
+from catacloud.agent.files import (
+    checkpoint_command,
+)
+from catacloud.agent.jobrun import REASON_AGENT_STOPPED
+from catacloud.agent.main import Agent
+from catacloud.agent.meta import job_meta_command
+from catacloud.agent.sandbox import (
+    DEFAULT_JOB_UIDS,
+    UidRange,
+    can_switch_to,
+    make_undumpable,
+)
+
+log = logging.getLogger("catacloud.agent")
+
+BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be a number of at least 0")
+    return value
+
+
+def _move_env_token_to_a_file(args: argparse.Namespace) -> None:
+    """A bootstrap token given in the environment stays readable in ``/proc/<pid>/environ``
+    for the process's whole life, whatever ``os.environ`` says later. Write it to a 0600 file
+    (removed once enrolled) and re-execute the agent without it; the pid stays the same."""
+    token = os.environ.get(BOOTSTRAP_ENV, "").strip()
+    if not token or args.bootstrap_token or args.bootstrap_token_file:
+        return
+    folder = tempfile.mkdtemp(prefix="catacloud-bootstrap-")  # 0700
+    path = os.path.join(folder, "token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token)
+    env = {key: value for key, value in os.environ.items() if key != BOOTSTRAP_ENV}
+    argv = [sys.executable, "-m", "catacloud.agent", *sys.argv[1:], "--bootstrap-token-file", path]
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execve(sys.executable, argv, env)
+
+
+def _read_bootstrap_token(args: argparse.Namespace) -> str | None:
+    if args.bootstrap_token:
+        return str(args.bootstrap_token).strip()
+    if args.bootstrap_token_file:
+        with open(args.bootstrap_token_file, encoding="utf-8") as handle:
+            return handle.read().strip()
+    return os.environ.get(BOOTSTRAP_ENV, "").strip() or None
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s catacloud-agent: %(message)s"))
+    for name in ("catacloud.agent", "urllib3"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+    logging.getLogger("catacloud.agent").setLevel(level)
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    """``catacloud agent``: run this machine's agent until terminated."""
+    _setup_logging(args.log_level)
+    _move_env_token_to_a_file(args)
+    saved = bool(args.state_file and os.path.exists(args.state_file))
+    try:
+        token = _read_bootstrap_token(args)
+    except FileNotFoundError:
+        token = None  # removed after enrolling; a restart resumes from the state file
+        if not saved:
+            log.error("the bootstrap token file %s does not exist", args.bootstrap_token_file)
+            return 2
+    except OSError as exc:
+        log.error("cannot read the bootstrap token file: %s", exc)
+        return 2
+    os.environ.pop(BOOTSTRAP_ENV, None)  # jobs must never see it
+    job_uids: UidRange | None = None
+    if os.geteuid() == 0:
+        try:
+            job_uids = UidRange.parse(args.job_uids) if args.job_uids else DEFAULT_JOB_UIDS
+        except ValueError as exc:
+            log.error("--job-uids: %s", exc)
+            return 2
+        if not can_switch_to(job_uids):
+            log.info(
+                "job uids %s are not mapped here; jobs run as this agent's uid in a user namespace", job_uids
+            )
+            job_uids = None
+    elif args.job_uids:
+        log.error("--job-uids: only an agent running as root can run jobs as other uids")
+        return 2
+    if job_uids is not None:
+        log.info("jobs run as uids %s, a new one for each job (never root)", job_uids)
+    else:
+        log.info("jobs run as this agent's uid, each in a user namespace of its own (never root)")
+        make_undumpable()  # a job of the same uid may not read this process's memory or environ
+    if not token and not saved:
+        log.error("no bootstrap token: pass --bootstrap-token-file PATH or set %s", BOOTSTRAP_ENV)
+        return 2
+    if token:
+        register_secret(token)
+    agent = Agent(
+        AgentClient(args.url, user_agent=f"catacloud-agent/{__version__}"),
+        bootstrap_token=token or "",  # none: resumed from the saved enrollment
+        work_dir=args.work_dir,
+        heartbeat_interval=args.heartbeat_interval,
+        imds_url=args.imds_url,
+        state_file=args.state_file,
+        job_uids=job_uids,
+        bootstrap_token_file=args.bootstrap_token_file,
+        limits_file=args.limits_file,
+        sandbox=not args.no_sandbox,
+        shared_dirs=tuple(args.shared_dir or ()),
+        network=args.network != "none",
+        disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
+        unreachable_limit=args.exit_when_unreachable,
+        image_dir=args.image_dir,
+        insecure_registries=tuple(args.insecure_registry or ()),
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        agent.request_stop(REASON_AGENT_STOPPED, 130 if signum == signal.SIGINT else 0)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    return agent.run()
+
+
+def cmd_job_meta(args: argparse.Namespace) -> int:
+    """``catacloud job-meta NAME``: metadata of a resource of the running job."""
+    return job_meta_command(args.name)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """``catacloud checkpoint``: save the running job's checkpoint directory now."""
+    return checkpoint_command(timeout=args.timeout)
+
+
+def _agent_options(agent: argparse.ArgumentParser) -> None:
+    """The options of ``catacloud agent``."""
+    agent.add_argument("--url", required=True, help="control plane base URL, e.g. https://catacloud.example")
+    source = agent.add_mutually_exclusive_group()
+    source.add_argument(
+        "--bootstrap-token",
+        help="single-use enrollment token (visible in the process list: "
+        f"prefer --bootstrap-token-file or ${BOOTSTRAP_ENV})",
+    )
+    source.add_argument("--bootstrap-token-file", metavar="PATH", help="file holding the bootstrap token")
+    agent.add_argument("--work-dir", metavar="DIR", help="parent of the jobs' working directories")
+    agent.add_argument(
+        "--job-uids",
+        metavar="START+COUNT",
+        default=os.environ.get("CATACLOUD_JOB_UIDS") or None,
+        help="when the agent runs as root: the uids its jobs run as, a new one for each job "
+        f"(default {DEFAULT_JOB_UIDS}; env CATACLOUD_JOB_UIDS)",
+    )
+    agent.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="run jobs without a bubblewrap sandbox (still as their own uid, never root)",
+    )
+    agent.add_argument(
+        "--network",
+        choices=["internet", "none"],
+        default="internet",
+        help="what a sandboxed job's network reaches: the internet through pasta (default; "
+        "loopback, private, link-local ranges and this host refused unless the machine type "
+        "allows them), or nothing but its own loopback",
+    )
+    agent.add_argument(
+        "--disk-reserve-gb",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="GB",
+        help="end a job (disk_limit_exceeded) once the free space of the disk it writes to drops "
+        "below this (default 1)",
+    )
+    agent.add_argument(
+        "--shared-dir",
+        action="append",
+        metavar="DIR",
+        help="a folder jobs may write besides their own work folder (repeatable; everything else "
+        "of the machine is read-only to them)",
+    )
+    agent.add_argument(
+        "--image-dir",
+        metavar="DIR",
+        help="the machine's image store (images jobs run in, pulled once; default: 'images' beside "
+        "--work-dir, else a temporary folder)",
+    )
+    agent.add_argument(
+        "--insecure-registry",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="a registry reached over plain HTTP (repeatable; one on this machine's loopback always is)",
+    )
+    _agent_state_options(agent)
+
+
+def _agent_state_options(agent: argparse.ArgumentParser) -> None:
+    """Where the agent keeps its state and learns its limits, and how it talks and logs."""
+    agent.add_argument(
+        "--limits-file",
+        metavar="PATH",
+        help="JSON the machine's host wrote: the resource limits it enforces on this machine "
+        "(reported at enrollment)",
+    )
+    agent.add_argument(
+        "--state-file",
+        metavar="PATH",
+        help="keep this machine's enrollment here (mode 0600) so a restarted agent resumes "
+        "instead of enrolling again with the single-use bootstrap token",
+    )
+    agent.add_argument(
+        "--heartbeat-interval",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="override the heartbeat interval the control plane sets",
+    )
+    agent.add_argument(
+        "--exit-when-unreachable",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="stop (exit status 3) once no call has reached the control plane for this long "
+        "(default: keep trying; local machines get 600 s, their provider's unreachable_limit_seconds)",
+    )
+    agent.add_argument(
+        "--imds-url", metavar="URL", help="watch for spot interruptions (on AWS: http://169.254.169.254)"
+    )
+    agent.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+
+
+def add_agent_commands(subparsers: Any) -> None:
+    """Register ``agent``, ``job-meta`` and ``checkpoint`` on an ``add_subparsers()`` object."""
+    agent = subparsers.add_parser(
+        "agent",
+        help="run the machine agent (enroll, heartbeat, run jobs)",
+        description="Run the Catacloud agent on this machine until the control plane terminates it.",
+    )
+    _agent_options(agent)
+    agent.set_defaults(func=cmd_agent)
+
+    meta = subparsers.add_parser(
+        "job-meta",
+        help="inside a job: print the metadata of one of its resources as JSON",
+        description="Print the JSON metadata of the running job's resource NAME (exit 1 on error).",
+    )
+    meta.add_argument("name", metavar="NAME", help="the resource's name in the job configuration")
+    meta.set_defaults(func=cmd_job_meta)
+
+    checkpoint = subparsers.add_parser(
+        "checkpoint",
+        help="inside a job: save $CATACLOUD_CHECKPOINT_DIR to the control plane now",
+        description="Upload the running job's checkpoint directory; returns once it is stored "
+        "(exit 0), or prints why not (exit 1).",
+    )
+    checkpoint.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="give up waiting for the agent after this long (default 3600)",
+    )
+    checkpoint.set_defaults(func=cmd_checkpoint)

@@ -1,0 +1,390 @@
+"""Running one job on this machine, start to report: claim its start, make its folder, have its
+image, restore its checkpoint, run its command in its sandbox with the checkpointer and the job
+socket serving it, deliver its output, report its outcome, upload its outputs, remove its
+folder. A part of :class:`catacloud.agent.main.Agent`, which holds the machine's state it reads
+(the client, the job socket, the launcher, the image store, the running job)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import secrets
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from catacloud.agent.client import (
+    AgentAPIError,
+    AgentClient,
+    Interrupted,
+    Job,
+    Unauthorized,
+    allow_list,
+    forget_secret,
+    register_secret,
+)
+from catacloud.agent.disk import DiskWatch
+from catacloud.agent.files import (
+    CHECKPOINT_ENV,
+    OUTPUT_ENV,
+    Checkpointer,
+    list_outputs,
+)
+from catacloud.agent.imagejob import JobImages, image_cwd, image_process
+from catacloud.agent.images import ImageError, PullCancelled, Pulled
+from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer
+from catacloud.agent.outputs import (
+    FINISHED_RETRY_SECONDS,
+    STOPPING_RETRY_SECONDS,
+    restore_checkpoint,
+    upload_outputs,
+)
+from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
+from catacloud.agent.sandbox import (
+    SANDBOX_SOCKET,
+    ImageRoot,
+    JobPlace,
+    Launcher,
+)
+from catacloud.agent.sandbox import UidAllocator as _UidAllocator
+from catacloud.agent.workplace import give
+from catacloud.protocol import ImagePulled, ImagesReport, Outcome
+
+log = logging.getLogger("catacloud.agent")
+
+# Why a running job ends when the agent ends it (its reported reason).
+REASON_CANCELLED = "cancelled by the control plane"
+REASON_TERMINATING = "machine terminating"
+REASON_AGENT_STOPPED = "agent stopped"
+
+
+@dataclass
+class CurrentJob:
+    """The job this machine runs now."""
+
+    job: Job
+    cancel: Cancellation
+    checkpointer: Checkpointer | None = None  # while its command runs
+
+
+class JobRunning:
+    """The job runner's half of the agent (its state lives on the agent)."""
+
+    client: AgentClient
+    meta: MetaServer | None
+    launcher: Launcher
+    job_uids: _UidAllocator | None
+    work_root: str | None
+    job_bin: str | None
+    disk_reserve_bytes: int
+    images: JobImages | None  # the machine's image store, where it can run images
+    stopping: threading.Event
+    _lock: threading.Lock
+    _current: CurrentJob | None
+    _cancelled: collections.OrderedDict[str, None]
+    _stop_job_reason: str
+    _report_on_stop: bool
+
+    def fatal(self, message: str) -> None:
+        raise NotImplementedError
+
+    def _cancel_job(self, job_id: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def _report_crash(self, job: Job, exc: Exception) -> None:
+        """Best effort after an agent bug: stop what the job left and report it failed."""
+        with self._lock:
+            current = self._current
+        if current is None or current.job.id != job.id:
+            return  # it never started
+        try:
+            self.client.job_finished(
+                job.id,
+                exit_code=None,
+                outcome=Outcome.FAILED,
+                reason=f"agent error: {type(exc).__name__}",
+                retry_for=STOPPING_RETRY_SECONDS,
+            )
+            self.client.uploads_done(job.id, [], retry_for=STOPPING_RETRY_SECONDS)
+        except AgentAPIError as report_exc:
+            log.error("job %s: could not report its outcome: %s", job.id, report_exc)
+
+    def _job_dir(self, job: Job, uid: int | None) -> str:
+        assert self.work_root is not None
+        safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job.id)[:128]
+        path = os.path.join(self.work_root, f"{safe_id}-{job.attempt}")
+        if os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=True)
+        os.mkdir(path, 0o700)
+        give(path, uid)
+        return path
+
+    def _job_env(
+        self, job: Job, work_dir: str, token: str, socket_path: str, image_env: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """The job's whole environment: a sane base, (inside an image) the image's ``Env``, its
+        own env, then ``CATACLOUD_*``.
+
+        Nothing of the agent's own environment is passed on (on the local provider that is the
+        control plane's: database and broker URLs, keys, passwords)."""
+        # ``catacloud`` (job-meta, checkpoint) first: the agent's own wrapper, whatever the install
+        # (not inside an image: the agent's Python is not there).
+        bin_dirs = [d for d in (self.job_bin, os.path.dirname(sys.executable)) if d and image_env is None]
+        user = "catacloud-job" if self.launcher.kind == "bubblewrap" else os.environ.get("USER", "")
+        if self.job_uids is not None and self.launcher.kind != "bubblewrap":
+            user = ""  # a uid with no name on this machine
+        env = {
+            "PATH": ":".join([*bin_dirs, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
+            "HOME": work_dir,
+            "LANG": "C.UTF-8",
+            "TMPDIR": work_dir,
+            "USER": user,
+            "LOGNAME": user,
+        }
+        env.update(image_env or {})
+        env.update(job.env)
+        env.update(
+            {
+                "CATACLOUD_JOB_ID": job.id,
+                "CATACLOUD_ATTEMPT": str(job.attempt),
+                "CATACLOUD_WORK_DIR": work_dir,
+                OUTPUT_ENV: os.path.join(work_dir, "output"),
+                CHECKPOINT_ENV: os.path.join(work_dir, "checkpoint"),
+                SOCKET_ENV: socket_path,
+                TOKEN_ENV: token,
+            }
+        )
+        return env
+
+    def _send_logs(self, job_id: str, chunks: list[dict[str, Any]]) -> bool:
+        try:
+            return self.client.send_logs(job_id, chunks)
+        except Unauthorized as exc:
+            self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            raise
+
+    def _run_job(self, job: Job) -> None:
+        """Claim the job's start, run it in its folder, report it, upload its outputs."""
+        if not self._claim_start(job):
+            return
+        started = time.monotonic()  # the job's timeout counts from here, its image's pull included
+        cancel = Cancellation()
+        token = secrets.token_urlsafe(32)
+        register_secret(token)
+        for value in job.secret_values:
+            register_secret(value)  # never in the agent's own log either
+        with self._lock:
+            self._current = CurrentJob(job, cancel)
+            if job.id in self._cancelled:
+                cancel.cancel(REASON_CANCELLED)
+            if self.stopping.is_set():
+                cancel.cancel(self._stop_job_reason)
+        streamer = LogStreamer(
+            lambda chunks: self._send_logs(job.id, chunks),
+            on_cancel=lambda: self._cancel_job(job.id, REASON_CANCELLED),
+        )
+        streamer.start()
+        work_dir: str | None = None
+        uid = self.job_uids.take() if self.job_uids is not None else None
+        try:
+            work_dir = self._job_dir(job, uid)
+            for folder in ("output", "checkpoint"):
+                os.mkdir(os.path.join(work_dir, folder), 0o700)
+                give(os.path.join(work_dir, folder), uid)
+        except OSError as exc:
+            result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
+        else:
+            try:
+                result = self._execute(job, work_dir, uid, token, cancel, streamer, started)
+            finally:
+                forget_secret(token)
+                for value in job.secret_values:
+                    forget_secret(value)
+        self._report(job, result, streamer, work_dir)
+
+    def _claim_start(self, job: Job) -> bool:
+        """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""
+        log.info("job %s (attempt %d) assigned", job.id, job.attempt)
+        try:
+            if not self.client.job_started(job.id, interrupt=self.stopping):
+                log.info("job %s is no longer this machine's (409); not running it", job.id)
+                return False
+        except Interrupted:
+            return False
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("job %s: could not confirm its start (%s); not running it", job.id, exc)
+            return False
+        return True
+
+    def _execute(
+        self,
+        job: Job,
+        work_dir: str,
+        uid: int | None,
+        token: str,
+        cancel: Cancellation,
+        streamer: LogStreamer,
+        started: float,
+    ) -> JobResult:
+        """Have the job's image when it names one (pulled, or from the machine's store), then
+        run its command (:meth:`_run_command`)."""
+        if job.image is None:
+            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, None)
+        got = self._have_image(job, cancel, started)
+        if isinstance(got, JobResult):
+            return got
+        assert self.images is not None and self.images.store is not None
+        with self.images.store.pinned(got.image.digest):  # no eviction while it runs
+            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, got)
+
+    def _have_image(self, job: Job, cancel: Cancellation, started: float) -> Pulled | JobResult:
+        """The job's image, reported to the control plane (its digest, whether it was pulled);
+        or the job's end: a code at once for an image it cannot have, cancelled when asked."""
+        assert self.images is not None and job.image is not None
+        try:
+            sandboxed = self.launcher.kind == "bubblewrap"
+            got = self.images.for_job(job, cancel=cancel, started=started, sandboxed=sandboxed)
+            image_process(got.image, job.command)  # it names a process to run
+        except ImageError as exc:
+            log.warning("job %s: image %s: %s (%s)", job.id, job.image.reference, exc.detail, exc.code)
+            return JobResult(None, Outcome.FAILED, exc.detail, code=exc.code)
+        except PullCancelled:
+            return JobResult(None, Outcome.CANCELLED, cancel.reason or REASON_CANCELLED)
+        log.info(
+            "job %s: image %s is %s (%s)",
+            job.id,
+            job.image.reference,
+            f"pulled: {got.bytes / 1e6:.1f} MB in {got.seconds:.2f} s" if got.pulled else "on this machine",
+            got.image.digest,
+        )
+        pulled = ImagePulled(
+            reference=job.image.reference,
+            digest=got.image.digest,
+            pulled=got.pulled,
+            bytes=got.bytes,
+            seconds=round(got.seconds, 3),
+        )
+        try:
+            self.client.report_images(ImagesReport(pulls=(pulled,), held=self.images.held()), job_id=job.id)
+        except AgentAPIError as exc:
+            if isinstance(exc, Unauthorized):
+                raise
+            log.warning("job %s: could not report its image: %s", job.id, exc)
+        return got
+
+    def _run_command(
+        self,
+        job: Job,
+        work_dir: str,
+        uid: int | None,
+        token: str,
+        cancel: Cancellation,
+        streamer: LogStreamer,
+        started: float,
+        image: Pulled | None,
+    ) -> JobResult:
+        """Restore the job's checkpoint, then run its command (inside its image, when it has one)
+        with the checkpointer and the job socket serving it, to its end."""
+        assert self.meta is not None and self.work_root is not None
+        timeout = float(job.timeout_seconds)
+        if timeout and image is not None:  # what the image's pull left of the job's time
+            timeout -= time.monotonic() - started
+            if timeout <= 0:
+                return JobResult(
+                    None, Outcome.TIMED_OUT, f"timed out after {job.timeout_seconds} s (its image's pull)"
+                )
+        checkpoint_dir = os.path.join(work_dir, "checkpoint")
+        checkpointer = Checkpointer(
+            job.id,
+            checkpoint_dir,
+            lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
+            tmp_dir=self.work_root,
+            interval=job.checkpoint.interval_seconds,
+        )
+        if job.checkpoint.available and not cancel.is_set():
+            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=self.work_root)
+            give(checkpoint_dir, uid)
+            checkpointer.mark_saved()
+        self.meta.grant(job.id, token, uid=uid)
+        with self._lock:
+            if self._current is not None:
+                self._current.checkpointer = checkpointer
+        checkpointer.start()
+        log.info("job %s: running in %s", job.id, work_dir)
+        try:
+            allow = allow_list(job.network.allow)
+            root = None
+            if image is not None:
+                root = ImageRoot(
+                    rootfs=image.image.rootfs,
+                    args=image_process(image.image, job.command),
+                    cwd=image_cwd(image.image, work_dir),
+                    mount_root=self.work_root,
+                )
+            place = JobPlace(
+                work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow, image=root
+            )
+            socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
+            image_env = image.image.config.env_map() if image is not None else None
+            return run_job_process(
+                job.command,
+                env=self._job_env(job, work_dir, token, socket_env, image_env),
+                place=place,
+                launcher=self.launcher,
+                timeout_seconds=timeout,
+                cancel=cancel,
+                streamer=streamer,
+                mask=job.secret_values,
+                watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
+            )
+        finally:
+            self.meta.revoke()
+            with self._lock:
+                if self._current is not None:
+                    self._current.checkpointer = None
+            checkpointer.close()
+
+    def _report(self, job: Job, result: JobResult, streamer: LogStreamer, work_dir: str | None) -> None:
+        """Deliver the job's output, report its outcome, upload its output files, remove its
+        folder (the next job, maybe of another uid, finds nothing of this one)."""
+        if self.stopping.is_set() and not self._report_on_stop:
+            streamer.close(timeout=0.0)
+            log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
+            if work_dir is not None:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            return
+        # The job's output first, retried from the streamer's spool for as long as the report
+        # itself would be (then the report goes anyway: the outcome matters more).
+        retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS
+        if not streamer.close(timeout=retry_for):
+            log.warning("job %s: some output could not be delivered", job.id)
+        log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
+        outputs = list_outputs(os.path.join(work_dir, "output")) if work_dir is not None else []
+        try:
+            self.client.job_finished(
+                job.id,
+                exit_code=result.exit_code,
+                outcome=result.outcome,
+                reason=result.reason,
+                uploads_pending=len(outputs),
+                code=result.code,
+                retry_for=retry_for,
+            )
+        except Unauthorized:
+            raise
+        except AgentAPIError as exc:
+            log.error("job %s: could not report its outcome: %s", job.id, exc)
+        with self._lock:
+            self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
+        try:
+            upload_outputs(self.client, job, outputs, stopping=self.stopping)
+        finally:
+            if work_dir is not None:
+                shutil.rmtree(work_dir, ignore_errors=True)
