@@ -336,7 +336,7 @@ def fake_github(demo: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterat
 
     monkeypatch.setenv("GITHUB_FAKE_PORT", str(free_port()))
     # the web's port is not known yet: the fake learns where to deliver from the stack
-    dev = DevGitHub(demo["home"], 0)
+    dev = DevGitHub.prepare(demo["home"], 0)
     call_command("apply", str(dev.catalog), verbosity=0)
     _local_machines_in(demo["machines"])
     from cryptography.hazmat.primitives import serialization
@@ -350,7 +350,7 @@ def fake_github(demo: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterat
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ),
         webhook_secret=(demo["home"] / "github-fake-webhook-secret").read_text().strip(),
-        port=dev.port,
+        port=int(dev.url.rsplit(":", 1)[1]),
     )
     fake.add_installation(1, "demo-org", ["demo-org/app"])
     try:
