@@ -237,6 +237,7 @@ def test_the_next_job_on_a_reused_machine_is_charged_its_time_not_idle(tworld: W
                     mt=str(mt.pk),
                     version=mt.version,
                     config=str(cfg.pk),
+                    image=None,
                 )
         finally:
             connection.close()
