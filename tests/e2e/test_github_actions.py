@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -194,7 +195,10 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
                 github_view = fake.summary()
                 jobs, registered = github_view["jobs"], len(github_view["runners"])
                 if registered > jobs["queued"] + jobs["in_progress"] + targets + 2:
-                    violations.append(f"{registered} runners registered for {jobs}")
+                    kinds = Counter(
+                        ("busy" if r["busy"] else "idle") + " " + r["status"] for r in github_view["runners"]
+                    )
+                    violations.append(f"{registered} runners registered ({dict(kinds)}) for {jobs}")
                 # ours: runners not yet given a job never exceed the queued jobs we know of
                 supply = Runner.objects.filter(
                     job__status__in=JOB_LIVE, workflow_job__isnull=True, retire_requested_at__isnull=True
