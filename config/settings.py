@@ -104,6 +104,7 @@ INSTALLED_APPS = [
     "apps.jobs",
     "apps.resources",
     "apps.events",
+    "apps.ci",
     "apps.github",
     "apps.billing",
     "apps.control",
