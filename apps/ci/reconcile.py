@@ -122,13 +122,15 @@ def _runners(
                 runner.online_at = now
             continue
         # A registration of this machine asked for lately may be this very runner, its id not
-        # recorded yet when ``live`` was read: left for a later pass.
+        # recorded yet (in flight), or recorded since ``live`` was read: left for a later pass.
         registering = forge.runner.objects.filter(
             **forge.of_endpoint(endpoint),
             registering_instance=instance_id,
             registering_at__gt=now - REGISTERING_GRACE,
+            **{f"{forge.runner_id_field}__isnull": True},
         )
-        if listed.busy or registering.exists():
+        held_now = forge.runner.objects.filter(**{forge.runner_id_field: rid}, job__status__in=JOB_LIVE)
+        if listed.busy or registering.exists() or held_now.exists():
             continue
         if ops.delete_listed(client, listed):
             deleted += 1

@@ -8,6 +8,8 @@ from apps.ci.dispatch import runner_handoff_soon
 from apps.core import hooks
 from apps.github.forge import GITHUB
 from apps.github.ops import GitHubOps
+from apps.gitlab.forge import GITLAB
+from apps.gitlab.ops import GitLabOps
 from apps.jobs.acquisition import wake_waiting
 from apps.jobs.reports import jobs_requeue_for_instance
 from apps.jobs.scheduler import schedule_for_machine
@@ -28,3 +30,4 @@ def connect_hooks() -> None:
 def register_forges() -> None:
     """The CI core's adapters (apps.ci.forge): a runner job's ``handoff_by`` names its forge."""
     ci_forge.register(GITHUB, GitHubOps())
+    ci_forge.register(GITLAB, GitLabOps())
