@@ -280,6 +280,7 @@ class FakeGitLab:
             self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
             self.runner_online_at: dict[int, float] = {}  # runner id -> its first contact
             self.runner_created_at: dict[int, float] = {}
+            self.runners_seen: dict[int, str] = {}  # runner id -> its description (deleted ones too)
             self.issued_tokens: list[str] = []  # every glrt- token (tests: never in a log)
             self.deleted_runners: list[int] = []
             self.max_runners_seen = 0
@@ -710,6 +711,7 @@ class FakeGitLab:
         )
         self.runners[runner.id] = runner
         self.runner_created_at[runner.id] = runner.created_at
+        self.runners_seen[runner.id] = runner.description
         self.issued_tokens.append(runner.token)
         self.max_runners_seen = max(self.max_runners_seen, len(self.runners))
         return {"id": runner.id, "token": runner.token, "token_expires_at": None}
