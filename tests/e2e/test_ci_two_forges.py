@@ -126,10 +126,14 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         with TESTS.celery_worker(stack.tmp, concurrency=2, **{"CATACLOUD_PUBLIC_URL": stack.url}) as extra:
             for i in range(30):
                 gh_ids.append(
-                    github.queue_job("acme/app", GH_LABELS, [f"echo gh {i}", "sleep 1"], name=f"gh-{i}")
+                    github.queue_job(
+                        "acme/app", GH_LABELS, [f"echo gh {i}", "sleep 1"], workflow="gh-ci", name=f"gh-{i}"
+                    )
                 )
                 gl_ids.append(
-                    gitlab.queue_job("acme/app", GL_TAGS, [f"echo gl {i}", "sleep 1"], name=f"gl-{i}")
+                    gitlab.queue_job(
+                        "acme/app", GL_TAGS, [f"echo gl {i}", "sleep 1"], pipeline="gl-ci", name=f"gl-{i}"
+                    )
                 )
                 if i == 8:
                     github.rate_limit_for(3)
@@ -179,7 +183,8 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         gl_machines = set(gl_jobs.exclude(instance=None).values_list("instance_id", flat=True))
         assert gh_machines & gl_machines, (len(gh_machines), len(gl_machines))
         costs = stack.api("viewer").get("/api/v1/costs/?group_by=workflow").json()
-        assert {"CI"} <= {r["key"] for r in costs["results"]}  # both forges' pipelines: "CI"
+        # one cost report: GitHub's workflow and GitLab's pipeline side by side
+        assert {"gh-ci", "gl-ci"} <= {r["key"] for r in costs["results"]}, costs["results"]
     finally:
         github.stop()
         gitlab.stop()
