@@ -184,7 +184,7 @@ class GitLabOps:
         runner_id = int(runner.gitlab_runner_id or 0)
         try:
             client.pause_runner(runner_id)
-            if client.runner_jobs(runner_id, status="running"):
+            if client.runner_jobs(runner_id, status=GitLabJobStatus.RUNNING):
                 raise ForgeBusy(f"runner {runner_id} runs a job")
             return client.delete_runner(runner_id)
         except ForgeNotFound:
