@@ -195,20 +195,20 @@ def cmd_dev(args: argparse.Namespace) -> int:
     give_back_terminal = _own_terminal()
     _watch_hangup(stopping)
     try:
-        github, creds = _dev_data(env, home, port)
+        fakes, creds = _dev_data(env, home, port)
         flower_auth = os.environ.get("FLOWER_BASIC_AUTH", f"admin:{creds['password']}")
         env["FLOWER_BASIC_AUTH"] = flower_auth
         cleanup = _cleanup_command(home, services.started)
         programs = dev_programs(env=env, home=home, port=port, flower_port=flower_port, agent_port=agent_port)
-        if github is not None:
-            programs.append(Program("github", github.command, env, str(ROOT)))
+        for fake in fakes:
+            programs.append(Program(fake.forge, fake.command, env, str(ROOT)))
         supervisor = Supervisor(
             programs,
             on_orphan=cleanup,  # if this process is SIGKILLed: what its watchdog stops
             state_file=home / DEV_STATE,
         )
         base = f"http://127.0.0.1:{port}"
-        lines = _banner(base, env, creds, flower_port, flower_auth, github, home)
+        lines = _banner(base, env, creds, flower_port, flower_auth, fakes, home)
         print("\n".join(["", "Catacloud is starting (Ctrl-C stops everything):", *lines, ""]), flush=True)
         threading.Thread(
             target=_announce_when_healthy,
@@ -252,20 +252,24 @@ def _cleanup_command(home: Path, started: Sequence[object]) -> list[str]:
     ]
 
 
-def _dev_data(env: dict[str, str], home: Path, port: int) -> tuple[DevGitHub | None, dict[str, str]]:
-    """Migrations, static files, the demo catalog (and the fake GitHub's), the admin and the demo
-    token: what `make dev` sets up before it starts anything."""
+def _dev_data(env: dict[str, str], home: Path, port: int) -> tuple[list[DevForge], dict[str, str]]:
+    """Migrations, static files, the demo catalog (and the fake GitHub's and GitLab's), the admin
+    and the demo token: what `make dev` sets up before it starts anything."""
     print("catacloud: migrating the database…", flush=True)
     _manage("migrate", "--noinput", env=env, capture=True)
     _manage("collectstatic", "--noinput", env=env, capture=True)
     _manage("apply", str(DEMO_CATALOG), env=env)
-    github = DevGitHub.prepare(home, port) if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake" else None
-    if github is not None:
-        _manage("apply", str(github.catalog), env=env)
+    fakes: list[DevForge] = []
+    if os.environ.get("CATACLOUD_DEV_GITHUB") == "fake":
+        fakes.append(DevGitHub.prepare(home, port))
+    if os.environ.get("CATACLOUD_DEV_GITLAB") == "fake":
+        fakes.append(DevGitLab.prepare(home, port))  # after GitHub's: its catalog keeps GitHub's mount
+    for fake in fakes:
+        _manage("apply", str(fake.catalog), env=env)
     creds: dict[str, str] = json.loads(
         _manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1]
     )
-    return github, creds
+    return fakes, creds
 
 
 def _banner(
@@ -274,7 +278,7 @@ def _banner(
     creds: Mapping[str, str],
     flower_port: int,
     flower_auth: str,
-    github: DevGitHub | None,
+    fakes: list[DevForge],
     home: Path,
 ) -> list[str]:
     """Where each part of `make dev` listens, the admin's password and the demo token."""
@@ -286,11 +290,7 @@ def _banner(
         f"  Flower   http://127.0.0.1:{flower_port}/  "
         f"(basic auth {flower_auth.split(':')[0]} / same password)",
         f"  token    {creds['token']}",
-        *(
-            [f"  GitHub   a fake GitHub at {github.url} (docs/walkthroughs/github-actions.md)"]
-            if github is not None
-            else []
-        ),
+        *(f"  {fake.title:<8} a fake {fake.title} at {fake.url} ({fake.walkthrough})" for fake in fakes),
         f"  try:     curl -H 'Authorization: Bearer {creds['token']}' {base}/api/v1/machine-types/",
         f"  shell:   . .venv/bin/activate; set -a; . {home / '.env'}; set +a"
         "  (manage.py then uses these services)",
@@ -511,28 +511,57 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
 
 
 @dataclass(frozen=True)
-class DevGitHub:
-    """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub sending signed deliveries to this
-    web, and the demo org connected to it. The test kit prepares it (``python -m
-    testkit.dev_github``, by name: product code imports nothing of the test kit) and answers
-    where it listens, the catalog to apply and the command that runs it."""
+class DevForge:
+    """A fake forge ``make dev`` runs beside the stack, and the demo org connected to it. The
+    test kit prepares it (``python -m testkit.dev_<forge>``, by name: product code imports
+    nothing of the test kit) and answers where it listens, the catalog to apply and the command
+    that runs it."""
 
+    forge: str
+    title: str
+    walkthrough: str
     url: str
     catalog: Path
     command: list[str]
 
     @classmethod
-    def prepare(cls, home: Path, port: int) -> DevGitHub:
-        fake_port = os.environ.get("GITHUB_FAKE_PORT", "8070")
+    def _prepare(
+        cls, forge: str, title: str, walkthrough: str, home: Path, port: int, fake_port: str
+    ) -> DevForge:
         answer = subprocess.run(
-            [sys.executable, "-m", "testkit.dev_github", str(home), str(port), fake_port],
+            [sys.executable, "-m", f"testkit.dev_{forge}", str(home), str(port), fake_port],
             cwd=ROOT,
             capture_output=True,
             text=True,
             check=True,
         ).stdout
         data = json.loads(answer)
-        return cls(url=data["url"], catalog=Path(data["catalog"]), command=data["command"])
+        return cls(
+            forge=forge,
+            title=title,
+            walkthrough=walkthrough,
+            url=data["url"],
+            catalog=Path(data["catalog"]),
+            command=data["command"],
+        )
+
+
+class DevGitHub(DevForge):
+    """``CATACLOUD_DEV_GITHUB=fake make dev``: a fake GitHub sending signed deliveries to this web."""
+
+    @classmethod
+    def prepare(cls, home: Path, port: int) -> DevForge:
+        fake_port = os.environ.get("GITHUB_FAKE_PORT", "8070")
+        return cls._prepare("github", "GitHub", "docs/walkthroughs/github-actions.md", home, port, fake_port)
+
+
+class DevGitLab(DevForge):
+    """``CATACLOUD_DEV_GITLAB=fake make dev``: a fake GitLab sending Job events to this web."""
+
+    @classmethod
+    def prepare(cls, home: Path, port: int) -> DevForge:
+        fake_port = os.environ.get("GITLAB_FAKE_PORT", "8071")
+        return cls._prepare("gitlab", "GitLab", "docs/walkthroughs/gitlab-ci.md", home, port, fake_port)
 
 
 def _announce_when_healthy(supervisor: object, url: str, lines: list[str], started: float) -> None:

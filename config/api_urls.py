@@ -8,6 +8,8 @@ from rest_framework.routers import DefaultRouter
 from apps.billing.api.views import BudgetViewSet, CostViewSet
 from apps.control.api.views import EventViewSet
 from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, WorkflowJobViewSet
+from apps.gitlab.api.views import GitLabConnectionView, GitLabJobViewSet
+from apps.gitlab.api.views import RunnerClassViewSet as GitLabRunnerClassViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
 from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
 from apps.orgs.api.registries import RegistryCredentialViewSet
@@ -28,6 +30,8 @@ router.register("resources", ResourceViewSet, basename="resource")
 router.register("registry-credentials", RegistryCredentialViewSet, basename="registry-credential")
 router.register("github/runner-classes", RunnerClassViewSet, basename="github-runner-class")
 router.register("github/workflow-jobs", WorkflowJobViewSet, basename="github-workflow-job")
+router.register("gitlab/runner-classes", GitLabRunnerClassViewSet, basename="gitlab-runner-class")
+router.register("gitlab/jobs", GitLabJobViewSet, basename="gitlab-job")
 
 urlpatterns = [
     # GET /jobs/{id}/artifacts/{name}: names may contain "/" and carry no trailing slash.
@@ -37,5 +41,6 @@ urlpatterns = [
         name="job-artifact",
     ),
     path("github/connection/", GitHubConnectionView.as_view(), name="github-connection"),
+    path("gitlab/connection/", GitLabConnectionView.as_view(), name="gitlab-connection"),
     *router.urls,
 ]

@@ -104,7 +104,9 @@ INSTALLED_APPS = [
     "apps.jobs",
     "apps.resources",
     "apps.events",
+    "apps.ci",
     "apps.github",
+    "apps.gitlab",
     "apps.billing",
     "apps.control",
 ]
@@ -355,6 +357,19 @@ CATACLOUD_GITHUB_REQUEST_BUDGET = env.int("CATACLOUD_GITHUB_REQUEST_BUDGET", def
 CATACLOUD_GITHUB_TIMEOUT = env.float("CATACLOUD_GITHUB_TIMEOUT", default=10.0)
 # The largest webhook delivery accepted (GitHub caps payloads at 25 MB; workflow_job ones are ~10 KB).
 CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES = env.int("CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES", default=1_048_576)
+
+# ---- GitLab CI (apps/gitlab) -------------------------------------------------------------------
+# The gitlab-runner a machine's image provides (a runner class may name another one); the
+# default runner command runs `gitlab-runner run-single` for one job.
+CATACLOUD_GITLAB_RUNNER = env.str("CATACLOUD_GITLAB_RUNNER", default="gitlab-runner")
+# Seconds between reconciles of a connection (runners, missed webhooks); the reaper's tick sends them.
+CATACLOUD_GITLAB_RECONCILE_INTERVAL = env.float("CATACLOUD_GITLAB_RECONCILE_INTERVAL", default=30.0)
+# GitLab calls per connection per hour Catacloud allows itself (background calls: 80 % of it).
+CATACLOUD_GITLAB_REQUEST_BUDGET = env.int("CATACLOUD_GITLAB_REQUEST_BUDGET", default=3000)
+# Seconds a GitLab call may take.
+CATACLOUD_GITLAB_TIMEOUT = env.float("CATACLOUD_GITLAB_TIMEOUT", default=10.0)
+# The largest webhook delivery accepted (GitLab's Job events are a few KB).
+CATACLOUD_GITLAB_WEBHOOK_MAX_BYTES = env.int("CATACLOUD_GITLAB_WEBHOOK_MAX_BYTES", default=1_048_576)
 
 # ---- the agent server (config/agent_asgi.py) ---------------------------------------------------
 # Set by config/agent_asgi.py: this process serves only the Agent API, asynchronously.

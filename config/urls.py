@@ -13,6 +13,7 @@ from apps.control.agent.urls import agent_urls
 from apps.control.views import console_login, console_urls
 from apps.core.views import healthz, livez, metrics_view, readyz
 from apps.github.webhooks import webhook as github_webhook
+from apps.gitlab.webhooks import webhook as gitlab_webhook
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
@@ -30,6 +31,7 @@ CONSOLE_APPS = (
     "resources",
     "billing",
     "github",
+    "gitlab",
     "events",
     "orgs",
     "control",
@@ -56,6 +58,7 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     path("api/v1/", include("config.api_urls")),
     path("api/integrations/github/webhook", github_webhook, name="github-webhook"),
+    path("api/integrations/gitlab/webhook", gitlab_webhook, name="gitlab-webhook"),
     path("api/agent/v1/", include(agent_urls())),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),

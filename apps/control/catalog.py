@@ -25,6 +25,8 @@ from apps.core.actors import Actor
 from apps.core.errors import DomainError
 from apps.github.models import GitHubConnection, RunnerClass
 from apps.github.services import CLASS_FIELDS, connection_set, pool_by_name, runner_class_save
+from apps.gitlab import services as gitlab_services
+from apps.gitlab.models import GitLabConnection, GitLabRunnerClass
 from apps.machines.models import Budget, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import machine_type_upsert, provider_account_upsert
 from apps.orgs.models import Organization, Privilege
@@ -273,7 +275,10 @@ class _Applier:
     def organization(self, node: _Map) -> None:
 
         self.fields(
-            node, "organization", {"slug"}, {"name", "privileges", "members", "grants", "budgets", "github"}
+            node,
+            "organization",
+            {"slug"},
+            {"name", "privileges", "members", "grants", "budgets", "github", "gitlab"},
         )
         slug = str(node["slug"])
         org, created = Organization.objects.get_or_create(
@@ -326,6 +331,8 @@ class _Applier:
         self.report.add(f"organization {slug}", changed, created=created)
         if node.get("github") is not None:
             self.github(org, self.mapping(node["github"], "github", node, "github"))
+        if node.get("gitlab") is not None:
+            self.gitlab(org, self.mapping(node["gitlab"], "gitlab", node, "gitlab"))
 
     def github(self, org: Any, node: _Map) -> None:
         """``github: {app_id, private_key: {file|env}, webhook_secret: {file|env}, api_url?,
@@ -373,6 +380,50 @@ class _Applier:
             )
             self.report.add(
                 f"runner class {org.slug}/{entry['name']}", class_changed, created=existing is None
+            )
+
+    def gitlab(self, org: Any, node: _Map) -> None:
+        """``gitlab: {url?, token: {file|env}, webhook_token: {file|env}, projects: [{id, path}],
+        runner_classes: [...]}`` (GitLab CI)."""
+        self.fields(node, "gitlab", {"token", "webhook_token"}, {"url", "projects", "runner_classes"})
+        existed = GitLabConnection.objects.filter(org=org).exists()
+        _, changed = self.guard(
+            node,
+            functools.partial(
+                gitlab_services.connection_set,
+                org=org,
+                url=node.get("url"),
+                token=self.secret_ref(node["token"], node, "token"),
+                webhook_token=self.secret_ref(node["webhook_token"], node, "webhook_token"),
+                projects=[dict(p) if isinstance(p, dict) else p for p in node.get("projects") or []],
+                actor=Actor.CATALOG,
+            ),
+        )
+        self.report.add(f"gitlab connection of {org.slug}", changed, created=not existed)
+        for entry in self.items(node, "runner_classes"):
+            self.fields(
+                entry, "runner class", {"name", "tags", "machine_type"}, set(gitlab_services.CLASS_FIELDS)
+            )
+            mt = MachineType.objects.filter(name=str(entry["machine_type"])).first()
+            if mt is None:
+                raise self.error(f"unknown machine type {entry['machine_type']!r}", entry, "machine_type")
+            fields = {k: v for k, v in entry.items() if k not in ("machine_type", "pool")}
+            existing = GitLabRunnerClass.objects.filter(org=org, name=str(entry["name"])).first()
+            pool = self.guard(entry, functools.partial(pool_by_name, org, entry.get("pool")))
+            _, class_changed = self.guard(
+                entry,
+                functools.partial(
+                    gitlab_services.runner_class_save,
+                    org=org,
+                    runner_class=existing,
+                    actor=Actor.CATALOG,
+                    machine_type=mt,
+                    pool=pool,
+                    **fields,
+                ),
+            )
+            self.report.add(
+                f"gitlab runner class {org.slug}/{entry['name']}", class_changed, created=existing is None
             )
 
     def budget(self, org: Any, node: _Map) -> bool:

@@ -27,9 +27,9 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from apps.ci.convergence import ci_converge
 from apps.core.actors import Actor
 from apps.core.locks import REAPER, try_advisory_lock
-from apps.github.convergence import github_converge
 from apps.jobs.acquisition import resources_safety_net
 from apps.jobs.artifacts import artifacts_expire
 from apps.jobs.convergence import jobs_converge
@@ -84,7 +84,7 @@ def _tick(now: datetime, reconcile: bool) -> TickReport:
     report.extra["retired_idle"] = idle_machines_retire(now=now)
     report.extra.update(resources_safety_net(now=now))
     report.extra["artifacts_expired"] = artifacts_expire(now=now)
-    report.extra.update(github_converge(now=now))
+    report.extra.update(ci_converge(now=now))
     scheduled = schedule()
     report.extra.update(admitted=scheduled.admitted, assigned=scheduled.assigned)
     if reconcile:

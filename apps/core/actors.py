@@ -30,6 +30,8 @@ class Actor(str):
     API_TOKEN_WELL: ClassVar[Actor]  # the api_token well
     GITHUB: ClassVar[Actor]  # GitHub's deliveries and the GitHub app's own work
     GITHUB_RECONCILER: ClassVar[Actor]  # the GitHub reconciler
+    GITLAB: ClassVar[Actor]  # GitLab's deliveries and the GitLab app's own work
+    GITLAB_RECONCILER: ClassVar[Actor]  # the GitLab reconciler
     TESTKIT: ClassVar[Actor]  # the test kit and the benchmarks
     BUDGET: ClassVar[Actor]  # a budget's own alert
     ADMIN: ClassVar[Actor]  # the admin, before it knows who (replaced by admin(username))
@@ -59,6 +61,11 @@ class Actor(str):
         """A part of the GitHub integration (``github:<source>``)."""
         return cls(f"github:{source}")
 
+    @classmethod
+    def gitlab(cls, source: str) -> Actor:
+        """A part of the GitLab integration (``gitlab:<source>``)."""
+        return cls(f"gitlab:{source}")
+
 
 Actor.UNNAMED = Actor("")
 Actor.REAPER = Actor("reaper")
@@ -76,6 +83,8 @@ Actor.MAKE_DEV = Actor("make dev")
 Actor.API_TOKEN_WELL = Actor("api_token well")
 Actor.GITHUB = Actor("github")
 Actor.GITHUB_RECONCILER = Actor("github:reconciler")
+Actor.GITLAB = Actor("gitlab")
+Actor.GITLAB_RECONCILER = Actor("gitlab:reconciler")
 Actor.TESTKIT = Actor("testkit")
 Actor.BUDGET = Actor("budget")
 Actor.ADMIN = Actor("admin")

@@ -25,6 +25,8 @@ class Cause(StrEnum):
     SPOT_INTERRUPTION = "spot_interruption"  # the cloud reclaims the spot machine
     GITHUB_UNAVAILABLE = "github_unavailable"  # GitHub could not hand over a runner
     GITHUB_REFUSED = "github_refused"  # GitHub refused the runner
+    GITLAB_UNAVAILABLE = "gitlab_unavailable"  # GitLab could not create a runner
+    GITLAB_REFUSED = "gitlab_refused"  # GitLab refused the runner
     RUNNER_OFFLINE = "runner_offline"  # the runner never came online
     HELD = "held"  # an integration holds the job back (its forge is unavailable)
 

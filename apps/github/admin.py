@@ -8,39 +8,16 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.db import transaction
 from django.http import HttpRequest
 
+from apps.ci.forms import ThroughService
 from apps.core.actors import Actor
 from apps.core.admin import ReadOnlyAdmin, neutral_bool
-from apps.core.errors import DomainError
 from apps.github.models import GitHubConnection, Runner, RunnerClass, WebhookDelivery, WorkflowJob
 from apps.github.services import CLASS_FIELDS, connection_set, runner_class_save
 
 
-class _ThroughService(forms.ModelForm):
-    """A form whose clean() saves through the service (inside its own savepoint), so a refusal
-    shows on the form and nothing is half-written; the admin's save then has nothing to do."""
-
-    actor = Actor.ADMIN
-    saved: Any = None
-
-    def save_through_service(self) -> Any:  # pragma: no cover - each form defines it
-        raise NotImplementedError
-
-    def clean(self) -> dict[str, Any]:
-        data = super().clean() or {}
-        if self.errors:
-            return data
-        try:
-            with transaction.atomic():
-                self.saved = self.save_through_service()
-        except DomainError as exc:
-            raise forms.ValidationError(exc.detail) from None
-        return data
-
-
-class ConnectionForm(_ThroughService):
+class ConnectionForm(ThroughService):
     new_private_key = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 4, "autocomplete": "off"}),
@@ -121,7 +98,7 @@ class GitHubConnectionAdmin(admin.ModelAdmin):
         pass
 
 
-class RunnerClassForm(_ThroughService):
+class RunnerClassForm(ThroughService):
     labels_text = forms.CharField(
         label="labels", help_text="runs-on labels, comma-separated, e.g. self-hosted, catacloud-linux-2cpu"
     )

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
-from enum import StrEnum
-
 from django.db import models
+
+from apps.ci.choices import Applied, Handoff
+
+__all__ = [
+    "GENERIC_LABELS",
+    "STATUS_RANK",
+    "WORKFLOW_JOB_PENDING",
+    "Applied",
+    "Handoff",
+    "RunnerScope",
+    "WorkflowJobStatus",
+]
 
 
 class WorkflowJobStatus(models.TextChoices):
@@ -25,36 +35,11 @@ STATUS_RANK = {
 }
 WORKFLOW_JOB_PENDING = frozenset({WorkflowJobStatus.WAITING, WorkflowJobStatus.QUEUED})
 
+# Labels every self-hosted runner may carry: a class must name at least one label besides these,
+# so a job asking only for [self-hosted] (meant for other runners) never matches.
+GENERIC_LABELS = frozenset({"self-hosted", "linux", "windows", "macos", "x64", "arm64", "arm"})
+
 
 class RunnerScope(models.TextChoices):
     ORG = "org", "organization runner (any repository of the installation's organization)"
     REPO = "repo", "repository runner (the repository of the job it was started for)"
-
-
-class Applied(StrEnum):
-    """What recording one workflow job did (``workflow_job_apply``): a delivery's outcome, and
-    what the reconciler counts as found."""
-
-    CREATED = "created"
-    MOVED = "moved"
-    STALE = "stale"  # a duplicate, or older than what we know: never back
-    UNKNOWN_STATUS = "unknown status"
-    NOT_A_WORKFLOW_JOB = "not a workflow job"
-    NOT_COVERED = "no runner class covers these labels"
-
-    @property
-    def found(self) -> bool:
-        """New to us, or news about it."""
-        return self in (Applied.CREATED, Applied.MOVED)
-
-
-class Handoff(StrEnum):
-    """What handing a runner to a machine, or retiring one, came to (the tasks log it)."""
-
-    HANDED_OFF = "handed off"
-    NOTHING_TO_DO = "nothing to do"
-    GITHUB_UNAVAILABLE = "github unavailable"
-    REFUSED = "refused"
-    JOB_MOVED_ON = "job moved on"
-    BUSY = "busy"
-    RETIRED = "retired"

@@ -1,17 +1,19 @@
 """GitHub Actions on Catacloud: an organization's GitHub App connection, its installations,
 runner classes (label sets -> machine type), the webhook deliveries received, the workflow
-jobs seen and the just-in-time runners started for them (each one a Catacloud job)."""
+jobs seen and the just-in-time runners started for them (each one a Catacloud job).
+
+The fields every forge shares come from the CI core's abstract models (apps.ci.models); these
+are GitHub's own tables, and what only GitHub has."""
 
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from typing import Any
 
-from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
-from django.utils import timezone
 
+from apps.ci.models import CIJobFields, DeliveryFields, ForgeEndpoint, RunnerClassFields, RunnerFields
 from apps.core.crypto import decrypt_json, encrypt_json
 from apps.github.choices import RunnerScope, WorkflowJobStatus
 
@@ -63,10 +65,11 @@ class GitHubConnection(models.Model):
         return {"org": self.org_id}
 
 
-class GitHubInstallation(models.Model):
-    """One installation of the App (on a GitHub organization or user). Holds what the one
-    GitHub client shares across processes: the cached installation token, the rate limit
-    GitHub reported, the per-installation request budget, and whether GitHub is reachable."""
+class GitHubInstallation(ForgeEndpoint):
+    """One installation of the App (on a GitHub organization or user): the core's endpoint.
+    Holds what the one GitHub client shares across processes: the cached installation token,
+    and (from :class:`ForgeEndpoint`) the rate limit GitHub reported, the per-installation
+    request budget, whether GitHub is reachable, the reconciler's claim and poll backoff."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     connection = models.ForeignKey(GitHubConnection, on_delete=models.CASCADE, related_name="installations")
@@ -78,22 +81,6 @@ class GitHubInstallation(models.Model):
     # The cached installation token (encrypted) and its expiry.
     token_encrypted = models.TextField(blank=True, editable=False)
     token_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # x-ratelimit-* of the last answer.
-    rate_remaining = models.IntegerField(null=True, blank=True, editable=False)
-    rate_reset_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # Our own request budget: calls in the current hour window.
-    window_started_at = models.DateTimeField(null=True, blank=True, editable=False)
-    window_calls = models.PositiveIntegerField(default=0, editable=False)
-    calls_total = models.PositiveBigIntegerField(default=0, editable=False)
-    # GitHub unreachable or limiting us: no call before this (runner jobs are held meanwhile).
-    unavailable_until = models.DateTimeField(null=True, blank=True, editable=False)
-    unavailable_reason = models.CharField(max_length=300, blank=True, editable=False)
-    failures = models.PositiveIntegerField(default=0, editable=False)
-    # The reconciler: when it last ran (and claimed the installation), and its queued-jobs poll.
-    reconciled_at = models.DateTimeField(null=True, blank=True, editable=False)
-    reconcile_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
-    next_poll_at = models.DateTimeField(null=True, blank=True, editable=False)
-    poll_interval_seconds = models.FloatField(default=0, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -111,45 +98,27 @@ class GitHubInstallation(models.Model):
     def token(self) -> str:
         return decrypt_json(self.token_encrypted).get("token", "") if self.token_encrypted else ""
 
-    def is_available(self, now: datetime | None = None) -> bool:
-        return self.unavailable_until is None or self.unavailable_until <= (now or timezone.now())
+    def event_ref(self) -> dict[str, Any]:
+        return {"installation": self.installation_id}
 
 
-class RunnerClass(models.Model):
+class RunnerClass(RunnerClassFields):
     """Workflow jobs whose ``runs-on`` labels this class covers run on ``machine_type``
     (``[self-hosted, catacloud-linux-2cpu]`` -> local-small), through a job configuration it
     keeps (``github-<name>``): same admission, quotas, budgets, priorities and reports."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="runner_classes")
-    name = models.SlugField(max_length=48)
     # Lower-case, sorted, unique: the runner's labels; a job matches when its labels are a
     # subset that names at least one of the class's own (not only self-hosted, linux, x64...).
     labels = models.JSONField(default=list)
-    machine_type = models.ForeignKey("machines.MachineType", on_delete=models.PROTECT, related_name="+")
-    pool = models.ForeignKey(
-        "pools.InstancePool", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
     scope = models.CharField(max_length=8, choices=RunnerScope.choices, default=RunnerScope.ORG)
     runner_group_id = models.PositiveBigIntegerField(default=1, help_text="1: the Default group")
-    # Empty: the default (copy runner_dir into the job's work folder, ./run.sh --jitconfig …).
-    command = models.TextField(blank=True)
     # Empty: CATACLOUD_GITHUB_RUNNER_DIR (the runner folder the machine's image provides).
     runner_dir = models.CharField(max_length=500, blank=True)
-    priority = models.IntegerField(default=0)
-    timeout_seconds = models.PositiveIntegerField(
-        default=6 * 3600, validators=[MinValueValidator(60), MaxValueValidator(7 * 86400)]
-    )
-    max_attempts = models.PositiveIntegerField(default=3, validators=[MinValueValidator(1)])
-    # A runner that has not come online this long after its handoff: its machine is recycled.
-    online_timeout_seconds = models.PositiveIntegerField(default=180, validators=[MinValueValidator(10)])
-    # A registered runner idle (no job) this long: deleted and its machine released.
-    idle_timeout_seconds = models.PositiveIntegerField(default=300, validators=[MinValueValidator(10)])
     job_config = models.OneToOneField(
         "jobs.JobConfiguration", null=True, blank=True, on_delete=models.SET_NULL, related_name="runner_class"
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         verbose_name_plural = "runner classes"
@@ -159,27 +128,24 @@ class RunnerClass(models.Model):
     def __str__(self) -> str:
         return f"{self.org}/{self.name} {self.labels}"
 
+    @property
+    def match_labels(self) -> list[str]:
+        return list(self.labels)
 
-class WebhookDelivery(models.Model):
+
+class WebhookDelivery(DeliveryFields):
     """A delivery received, keyed by ``X-GitHub-Delivery``: a redelivery of the same one is a
     no-op. Stored before it is acted on; ``processed_at`` empty means not yet acted on (the
-    reconciler processes what a crash left)."""
+    reaper's rule processes what a crash left)."""
 
     guid = models.CharField(max_length=64, primary_key=True)
     installation = models.ForeignKey(GitHubInstallation, on_delete=models.CASCADE, related_name="deliveries")
-    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
-    event = models.CharField(max_length=64)
-    action = models.CharField(max_length=64, blank=True)
-    payload = models.JSONField()
-    received_at = models.DateTimeField(auto_now_add=True)
-    processed_at = models.DateTimeField(null=True, blank=True)
-    outcome = models.CharField(max_length=200, blank=True)
 
     class Meta:
         verbose_name_plural = "webhook deliveries"
         ordering = ["-received_at"]
         indexes = [
-            # the reconciler: WHERE processed_at IS NULL ORDER BY received_at
+            # the reaper: WHERE processed_at IS NULL ORDER BY received_at
             models.Index(fields=["received_at"], name="delivery_unprocessed", condition=Q(processed_at=None))
         ]
 
@@ -187,7 +153,7 @@ class WebhookDelivery(models.Model):
         return f"{self.event}.{self.action} {self.guid}"
 
 
-class WorkflowJob(models.Model):
+class WorkflowJob(CIJobFields):
     """A GitHub workflow job that one of the org's runner classes covers, keyed by (job id,
     run attempt): deliveries and the reconciler's polls move its status forward only."""
 
@@ -203,14 +169,8 @@ class WorkflowJob(models.Model):
     name = models.CharField(max_length=300, blank=True)
     labels = models.JSONField(default=list)
     status = models.CharField(max_length=16, choices=WorkflowJobStatus.choices)
-    conclusion = models.CharField(max_length=32, blank=True)
-    runner_name = models.CharField(max_length=200, blank=True)
     # The Catacloud job (a runner of ours) that ran it, when one did.
     job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    seen_at = models.DateTimeField(auto_now_add=True)
-    status_changed_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    completed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-seen_at"]
@@ -239,15 +199,23 @@ class WorkflowJob(models.Model):
             "github_job_id": self.github_id,
         }
 
+    def event_data(self) -> dict[str, object]:
+        return {
+            "repository": self.repository,
+            "workflow": self.workflow,
+            "job_name": self.name,
+            "github_job": self.github_id,
+            "run_attempt": self.run_attempt,
+        }
 
-class Runner(models.Model):
+
+class Runner(RunnerFields):
     """A just-in-time runner: one Catacloud job (``job``) that registers one runner with
     GitHub on its machine and takes one workflow job. ``created_for`` is the workflow job whose
     queueing started it; ``workflow_job`` the one GitHub actually gave it (any queued job with
     matching labels), once known."""
 
     job = models.OneToOneField("jobs.Job", primary_key=True, on_delete=models.CASCADE, related_name="runner")
-    org = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="+")
     installation = models.ForeignKey(GitHubInstallation, on_delete=models.CASCADE, related_name="runners")
     runner_class = models.ForeignKey(RunnerClass, on_delete=models.CASCADE, related_name="runners")
     created_for = models.ForeignKey(
@@ -256,17 +224,7 @@ class Runner(models.Model):
     workflow_job = models.ForeignKey(
         WorkflowJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="runners"
     )
-    # Registration: asked for (the intent, committed before the call), then obtained.
-    name = models.CharField(max_length=100, blank=True)
-    registering_instance = models.UUIDField(null=True, blank=True)
-    registering_at = models.DateTimeField(null=True, blank=True)
     github_runner_id = models.PositiveBigIntegerField(null=True, blank=True)
-    registered_instance = models.UUIDField(null=True, blank=True)
-    registered_at = models.DateTimeField(null=True, blank=True)
-    online_at = models.DateTimeField(null=True, blank=True)
-    # No longer needed (demand fell): being deleted at GitHub, then its job cancelled.
-    retire_requested_at = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -1,5 +1,6 @@
 """An organization's GitHub connection and runner classes: the one write path for the API, the
-admin console and the catalog (``manage.py apply``)."""
+admin console and the catalog (``manage.py apply``). Runner classes are the CI core's
+(apps.ci.services); what only GitHub needs (generic labels, scope, the runner folder) is here."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from django.conf import settings
 from django.db import transaction
 
+from apps.ci import records
+from apps.ci import services as ci_services
+from apps.ci.services import invalid as _invalid
+from apps.ci.services import pool_by_name
 from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
-from apps.github.choices import RunnerScope
+from apps.github.choices import GENERIC_LABELS, RunnerScope
+from apps.github.forge import GITHUB
 from apps.github.models import DEFAULT_API_URL, GitHubConnection, GitHubInstallation, Runner, RunnerClass
-from apps.jobs.choices import JOB_LIVE, Reuse
-from apps.jobs.models import JobConfiguration
-from apps.jobs.services import job_config_delete, job_config_save
-from apps.machines.models import MachineType
+from apps.jobs.choices import JOB_LIVE
 from apps.orgs.models import Organization
-from apps.pools.models import InstancePool
+
+__all__ = ["GENERIC_LABELS", "pool_by_name"]
 
 # The environment variable the runner reads its just-in-time configuration from (the real
 # actions/runner reads ACTIONS_RUNNER_INPUT_<OPTION> for a missing --<option>): a secret of
@@ -37,47 +41,25 @@ DEFAULT_COMMAND = (
     'cp -R {runner_dir} "$CATACLOUD_WORK_DIR/actions-runner" && cd "$CATACLOUD_WORK_DIR/actions-runner" '
     f'&& exec ./run.sh --jitconfig "${JIT_ENV}"'
 )
-# Labels every self-hosted runner may carry: a class must name at least one label besides these,
-# so a job asking only for [self-hosted] (meant for other runners) never matches.
-GENERIC_LABELS = frozenset({"self-hosted", "linux", "windows", "macos", "x64", "arm64", "arm"})
-MAX_LABELS = 100
-
-
-def _invalid(field: str, message: str) -> ValidationFailed:
-    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
-
-
 # ---- label matching ---------------------------------------------------------------------------
 
 
 def normalise_labels(labels: Any, field: str = "labels") -> list[str]:
     """1-100 labels (GitHub's limit for a runner), lower-case, unique, sorted."""
-    if not isinstance(labels, list | tuple) or not labels:
-        raise _invalid(field, "must be a list of 1 to 100 labels")
-    out = set()
-    for label in labels:
-        if not isinstance(label, str) or not label.strip() or len(label) > 100:
-            raise _invalid(field, "each label is a non-empty string of at most 100 characters")
-        out.add(label.strip().lower())
-    if len(out) > MAX_LABELS:
-        raise _invalid(field, "at most 100 labels")
-    return sorted(out)
+    return ci_services.normalise_labels(labels, field, limit=100)
 
 
 def class_matches(class_labels: Iterable[str], job_labels: Iterable[str]) -> bool:
     """GitHub gives a job to a runner whose labels include all of the job's: the class covers a
     job whose labels are a subset of its own and name at least one that is not generic."""
-    mine = set(class_labels)
-    wanted = {label.lower() for label in job_labels}
-    return bool(wanted) and wanted <= mine and bool(wanted & (mine - GENERIC_LABELS))
+    return records.class_matches(class_labels, job_labels, GENERIC_LABELS)
 
 
 def match_class(classes: Iterable[RunnerClass], job_labels: Iterable[str]) -> RunnerClass | None:
     """The class for a job: among those covering it, the one with the fewest labels (the most
     specific), then by name. None: the job is meant for other runners."""
-    wanted = list(job_labels)
-    covering = [c for c in classes if class_matches(c.labels, wanted)]
-    return min(covering, key=lambda c: (len(c.labels), c.name)) if covering else None
+    found: RunnerClass | None = records.match_class(classes, job_labels, GENERIC_LABELS)
+    return found
 
 
 # ---- the connection -----------------------------------------------------------------------------
@@ -262,27 +244,8 @@ CLASS_FIELDS = (
 )
 
 
-@transaction.atomic
-def runner_class_save(
-    *, org: Organization, runner_class: RunnerClass | None = None, actor: Actor = Actor.UNNAMED, **fields: Any
-) -> tuple[RunnerClass, bool]:
-    """Create (``runner_class`` None) or change a runner class and the job configuration it
-    keeps (``github-<name>``: machine type, command, timeout, priority, attempts; reuse, so a
-    machine serves the class's next runner while its paid period lasts). Returns (class, changed)."""
-    unknown = set(fields) - set(CLASS_FIELDS)
-    if unknown:
-        raise ValidationFailed(f"unknown fields: {', '.join(sorted(unknown))}")
-    creating = runner_class is None
-    rc = runner_class or RunnerClass(org=org)
-    before = {k: getattr(rc, k) for k in CLASS_FIELDS} if not creating else {}
-    if "labels" in fields:
-        fields["labels"] = normalise_labels(fields["labels"])
-    for key, value in fields.items():
-        setattr(rc, key, value)
-    if not rc.name:
-        raise _invalid("name", "required")
-    if not rc.labels:
-        raise _invalid("labels", "required")
+def check_class(rc: RunnerClass) -> None:
+    """What only GitHub refuses: generic labels only, an unknown scope."""
     if not set(rc.labels) - GENERIC_LABELS:
         raise _invalid(
             "labels",
@@ -290,74 +253,27 @@ def runner_class_save(
         )
     if rc.scope not in RunnerScope.values:
         raise _invalid("scope", f"one of {', '.join(RunnerScope.values)}")
-    if not isinstance(rc.machine_type, MachineType):
-        raise _invalid("machine_type", "required")
-    if rc.pool is not None and (rc.pool.org_id != org.pk or rc.pool.machine_type_id != rc.machine_type.pk):
-        raise _invalid("pool", "must be a pool of this organization with the class's machine type")
-    clash = RunnerClass.objects.filter(org=org).exclude(pk=rc.pk)
-    if clash.filter(name=rc.name).exists():
-        raise ValidationFailed(
-            f"a runner class named {rc.name!r} already exists",
-            fields={"name": ["already exists"]},
-            code=ErrorCode.DUPLICATE_NAME,
-        )
-    if any(sorted(c.labels) == rc.labels for c in clash):
-        raise ValidationFailed(
-            "another runner class has these labels",
-            fields={"labels": ["already used"]},
-            code=ErrorCode.DUPLICATE_NAME,
-        )
-    after = {k: getattr(rc, k) for k in CLASS_FIELDS}
-    if not creating and after == before:
-        return rc, False
-    config_fields: dict[str, Any] = {
-        "name": f"github-{rc.name}",
-        "machine_type": rc.machine_type,
-        "command": runner_command(rc),
-        "timeout_seconds": rc.timeout_seconds,
-        "priority": rc.priority,
-        "max_attempts": rc.max_attempts,
-        "reuse": Reuse.REUSE,
-    }
-    config = JobConfiguration.objects.filter(pk=rc.job_config_id).first() if rc.job_config_id else None
-    rc.job_config = job_config_save(org=org, config=config, actor=actor, **config_fields)
-    rc.save()
-    event_record(
-        kind=EventKind.GITHUB_RUNNER_CLASS_CREATED if creating else EventKind.GITHUB_RUNNER_CLASS_UPDATED,
+
+
+def runner_class_save(
+    *, org: Organization, runner_class: RunnerClass | None = None, actor: Actor = Actor.UNNAMED, **fields: Any
+) -> tuple[RunnerClass, bool]:
+    """Create (``runner_class`` None) or change a runner class and the job configuration it
+    keeps (``github-<name>``: machine type, command, timeout, priority, attempts; reuse, so a
+    machine serves the class's next runner while its paid period lasts). Returns (class, changed)."""
+    rc, changed = ci_services.runner_class_save(
+        forge=GITHUB,
         org=org,
+        fields_allowed=CLASS_FIELDS,
+        runner_class=runner_class,
         actor=actor,
-        runner_class=rc.name,
-        labels=rc.labels,
-        machine_type=rc.machine_type.name,
-        fields=sorted(k for k in CLASS_FIELDS if creating or before.get(k) != after[k]),
+        label_limit=100,
+        **fields,
     )
-    return rc, True
+    return rc, changed
 
 
-@transaction.atomic
 def runner_class_delete(*, runner_class: RunnerClass, actor: Actor = Actor.UNNAMED) -> None:
     """Delete a class with no live runner (409 ``in_use`` otherwise); its job configuration
     goes too unless jobs refer to it (their records stay)."""
-    if Runner.objects.filter(runner_class=runner_class, job__status__in=JOB_LIVE).exists():
-        raise Conflict(
-            f"runner class {runner_class.name} has live runners; cancel them first", code=ErrorCode.IN_USE
-        )
-    config = runner_class.job_config
-    event_record(
-        kind=EventKind.GITHUB_RUNNER_CLASS_DELETED,
-        org=runner_class.org_id,
-        actor=actor,
-        runner_class=runner_class.name,
-    )
-    runner_class.delete()
-    if config is not None and not config.jobs.exists():
-        job_config_delete(config=config, actor=actor)
-
-
-def pool_by_name(org: Organization, name: str | None) -> InstancePool | None:
-    if not name:
-        return None
-    pool = InstancePool.objects.filter(org=org, name=name).first()
-    if pool is None:
-        raise _invalid("pool", f"no pool named {name!r}")
-    return pool
+    ci_services.runner_class_delete(forge=GITHUB, runner_class=runner_class, actor=actor)

@@ -620,9 +620,13 @@ def _waited(job: dict) -> float | None:
 
 
 def _github_rows(labels: dict) -> list[tuple[str, Any]]:
-    """A GitHub Actions runner job: the workflow job it ran (or was started for)."""
+    """A GitHub Actions runner job: the workflow job it ran (or was started for); a GitLab CI
+    runner job: the CI job of its pipeline."""
     if "repository" not in labels:
         return []
+    if labels.get("forge") == "gitlab":
+        where = f"{labels['repository']} {labels.get('workflow', '')} / {labels.get('job_name', '')}"
+        return [("gitlab", where), ("pipeline", labels.get("pipeline_id"))]
     run = f"run {labels.get('run_id')}" + (
         f" attempt {labels['run_attempt']}" if labels.get("run_attempt") else ""
     )

@@ -193,12 +193,21 @@ def test_every_actor_is_made_by_the_actor_type() -> None:
 
 def _status_values() -> set[str]:
     from apps.github.choices import WorkflowJobStatus
+    from apps.gitlab.choices import GitLabJobStatus
     from apps.jobs.choices import ArtifactStatus, JobStatus
     from apps.machines.choices import InstanceStatus
     from apps.pools.choices import PoolStatus
     from apps.resources.choices import ResourceStatus
 
-    enums = (JobStatus, InstanceStatus, PoolStatus, ResourceStatus, ArtifactStatus, WorkflowJobStatus)
+    enums = (
+        JobStatus,
+        InstanceStatus,
+        PoolStatus,
+        ResourceStatus,
+        ArtifactStatus,
+        WorkflowJobStatus,
+        GitLabJobStatus,
+    )
     return {str(member.value) for enum in enums for member in enum}
 
 

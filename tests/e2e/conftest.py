@@ -26,6 +26,7 @@ FAST = {
     "CATACLOUD_SCHEDULER_INTERVAL": "2",
     "CATACLOUD_RECONCILE_GRACE": "30",
     "CATACLOUD_GITHUB_RECONCILE_INTERVAL": "2",
+    "CATACLOUD_GITLAB_RECONCILE_INTERVAL": "2",
 }
 
 
@@ -39,6 +40,8 @@ class Stack:
     # A folder made for jobs (every uid may write it): /shared inside every machine. Nothing else
     # of this host is visible to a job.
     shared: Path
+    # What a timed-out wait prints besides the worker's log (a test's view of what is left).
+    on_timeout: Any = None
 
     def machine_processes(self, instance_id: str) -> list[psutil.Process]:
         """Every process of a local machine (its sandbox and what runs in it), as this host sees them."""
@@ -65,6 +68,8 @@ class Stack:
             return wait_for(predicate, timeout, what, interval=0.1)
         except AssertionError:
             print("---- worker log ----\n", self.worker.output()[-6000:])
+            if self.on_timeout is not None:
+                print("---- left ----\n", self.on_timeout())
             raise
 
 

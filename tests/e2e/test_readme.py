@@ -10,9 +10,10 @@ the other in one ``bash -e -o pipefail`` session, as one person's shell, from th
 folder, with ``curl`` made strict (``--fail-with-body``: an error answer fails the run). A
 job's command is never pasted into the reader's shell: a block submits it as a job (a heredoc
 in a variable, the configuration's ``command``). The only things the test provides are what
-README says ``CATACLOUD_DEV_GITHUB=fake make dev`` provides: the demo catalog (its scratch
-database on Catacloud's own server), ``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``, and
-the fake GitHub on ``GITHUB_FAKE_PORT`` with the demo org connected to it; and, for the images
+README says ``CATACLOUD_DEV_GITHUB=fake CATACLOUD_DEV_GITLAB=fake make dev`` provides: the demo
+catalog (its scratch database on Catacloud's own server), ``$CATACLOUD_HOME/demo_token`` and
+``.env``, ``PORT``, the fake GitHub on ``GITHUB_FAKE_PORT`` and the fake GitLab on
+``GITLAB_FAKE_PORT`` with the demo org connected to them; and, for the images
 walkthrough, a registry on loopback (``REGISTRY``, Debian's docker-registry, as the test kit runs
 PostgreSQL and Redis), which that page tells its reader how to start. The walkthroughs leave no
 file in the clone, and every wait in them has a time limit.
@@ -47,6 +48,9 @@ EXPECTED = [
     "github-connect",
     "github-class",
     "github-run",
+    "gitlab-connect",
+    "gitlab-class",
+    "gitlab-run",
     "costs",
     "budgets",
     "resource-types",
@@ -360,9 +364,43 @@ def fake_github(demo: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 
 @pytest.fixture
-def stack(demo: dict[str, Any], fake_github: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+def fake_gitlab(demo: dict[str, Any], fake_github: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """What ``CATACLOUD_DEV_GITLAB=fake`` adds to ``make dev`` (after the fake GitHub): its fake
+    GitLab (here a thread of this process, with the tokens ``make dev`` keeps in
+    $CATACLOUD_HOME) and its project, the demo org connected to it, the stand-in gitlab-runner in
+    the local machines, the fake's port in the local machine type's ``network.allow``
+    (``catacloud.cli.DevGitLab``'s catalog, applied as is)."""
+    from django.core.management import call_command
+
+    from catacloud.cli import DevGitLab
+    from testkit.gitlab_fake import FakeGitLab
+    from testkit.processes import free_port
+
+    monkeypatch.setenv("GITLAB_FAKE_PORT", str(free_port()))
+    monkeypatch.setenv("GITHUB_FAKE_PORT", str(fake_github.port))
+    monkeypatch.setenv("CATACLOUD_DEV_GITHUB", "fake")
+    dev = DevGitLab.prepare(demo["home"], 0)
+    call_command("apply", str(dev.catalog), verbosity=0)
+    _local_machines_in(demo["machines"])
+    fake = FakeGitLab(
+        token=(demo["home"] / "gitlab-fake-token").read_text().strip(),
+        webhook_token=(demo["home"] / "gitlab-fake-webhook-token").read_text().strip(),
+        port=int(dev.url.rsplit(":", 1)[1]),
+    )
+    fake.add_project(1, "demo-group/app")
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+@pytest.fixture
+def stack(
+    demo: dict[str, Any], fake_github: Any, fake_gitlab: Any, tmp_path: Path
+) -> Iterator[dict[str, Any]]:
     from django.test import override_settings
 
+    from testkit import gitlab_kit
     from testkit.github_kit import WEBHOOK_PATH
     from testkit.processes import TESTS, purge_redis
 
@@ -375,8 +413,16 @@ def stack(demo: dict[str, Any], fake_github: Any, tmp_path: Path) -> Iterator[di
     ):
         fake_github.webhook_url = url + WEBHOOK_PATH
         fake_github.start()
+        fake_gitlab.webhook_url = url + gitlab_kit.WEBHOOK_PATH
+        fake_gitlab.start()
         try:
-            yield {**demo, "url": url, "port": url.rsplit(":", 1)[1], "github": fake_github}
+            yield {
+                **demo,
+                "url": url,
+                "port": url.rsplit(":", 1)[1],
+                "github": fake_github,
+                "gitlab": fake_gitlab,
+            }
         except BaseException:
             for proc in (web, worker, beat):
                 print(f"---- {proc.name} log ----\n", proc.output()[-4000:])
@@ -393,6 +439,7 @@ def _shell_env(stack: dict[str, Any], bin_dir: Path) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PORT": stack["port"],
         "GITHUB_FAKE_PORT": str(stack["github"].port),
+        "GITLAB_FAKE_PORT": str(stack["gitlab"].port),
         "CATACLOUD_HOME": str(stack["home"]),
     }
 
@@ -455,6 +502,17 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert gh_job.runner_name and gh_job.runner_name.startswith("catacloud-")
     assert "completed with result: success" in out  # the runner's log, through the CLI
     assert "demo-org/app" in out  # jobs show (github: …) and the costs by repository
+
+    # GitLab CI: the fake's CI job ran on a Catacloud machine, by the stand-in gitlab-runner,
+    # and its runner was deleted at GitLab; the token never came back
+    gl = stack["gitlab"]
+    (gl_job,) = gl.jobs.values()
+    assert gl_job.status == "success", gl_job.as_json(gl.runners)
+    assert gl.runners_seen[gl_job.runner_id or 0].startswith("catacloud-")
+    assert not gl.runners and '{"runners":[]}' in out
+    assert '"token_set": true' in out and gl.token not in out
+    assert "Job succeeded" in out  # the runner's log, through the CLI
+    assert "demo-group/app" in out  # jobs show (gitlab: …) and the costs by repository
 
     # costs and budgets: the CLI's job and machine by their own names, this month's window
     assert re.search(r'"amount": "\d+\.\d+",\s*"currency": "USD"', out), out  # the job's cost, no 404

@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class CiConfig(AppConfig):
+    name = "apps.ci"
+    label = "ci"
+    verbose_name = "CI (what the forges share)"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,226 @@
+"""Dispatch: a runner job assigned to a machine gets a runner created at its forge for that
+machine, handed to the machine's agent as a secret; a runner no longer needed is deleted at the
+forge and its job cancelled; a runner whose job ended is deleted (GitLab: a runner created with
+``POST /user/runners`` stays registered until it is deleted).
+
+The runner is named ``catacloud-<instance id>``. The intent (which machine it is for) is
+committed before the call; the runner's id after it. The secret (GitHub's just-in-time
+configuration, GitLab's ``glrt-`` token) goes only into the job's encrypted secret env
+(apps.jobs.handoff): never into a log line, an event or an API answer, and it is erased when
+the job ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from apps.ci.availability import hold_reason
+from apps.ci.choices import Handoff
+from apps.ci.errors import ForgeBusy, ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable
+from apps.ci.forge import Forge, ForgeOps, RunnerId, forge_named, ops_of
+from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.errors import InvalidTransition
+from apps.core.ids import InstanceId, JobId
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_LIVE
+from apps.jobs.handoff import awaits_handoff, job_handed_off, job_handoff_failed
+from apps.jobs.models import Job
+from apps.jobs.submission import job_cancel
+
+log = logging.getLogger(__name__)
+NAME_PREFIX = "catacloud-"
+
+
+def runner_name(instance_id: InstanceId, suffix: str = "") -> str:
+    return f"{NAME_PREFIX}{instance_id}{('-' + suffix) if suffix else ''}"
+
+
+def instance_of(name: str) -> str | None:
+    """The instance id in a runner name of ours (``catacloud-<uuid>[-suffix]``), else None."""
+    if not name.startswith(NAME_PREFIX):
+        return None
+    rest = name[len(NAME_PREFIX) :]
+    candidate = rest[:36]
+    return candidate if len(candidate) == 36 and candidate.count("-") == 4 else None
+
+
+def runner_handoff_soon(*, job_id: JobId) -> None:
+    """The ``job_needs_handoff`` hook: the job's forge (its ``handoff_by``) hands it off in a
+    task, as that needs a call to the forge."""
+    by = Job.objects.filter(pk=job_id).values_list("handoff_by", flat=True).first()
+    forge = forge_named(by or "")
+    if forge is None:
+        log.error("job %s is handed off by %r, which no registered forge is", job_id, by)
+        return
+    enqueue(forge.tasks.handoff, str(job_id))
+
+
+def load_runner(forge: Forge, job_id: JobId) -> Any:
+    endpoint = forge.endpoint_field
+    return (
+        forge.runner.objects.select_related(
+            "job",
+            "runner_class",
+            *(f"{endpoint}__{r}" for r in forge.endpoint_related),
+            endpoint,
+            "created_for",
+        )
+        .filter(job_id=job_id)
+        .first()
+    )
+
+
+def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
+    """Create a runner at the forge for the machine the job is assigned to and hand its secret
+    to the agent. Idempotent: a job already handed off (or no longer assigned) is left alone."""
+    runner = load_runner(forge, job_id)
+    if runner is None or not awaits_handoff(runner.job):
+        return Handoff.NOTHING_TO_DO
+    job, endpoint, rc = runner.job, forge.endpoint_of(runner), runner.runner_class
+    instance_id = job.instance_id
+    if instance_id is None:  # awaits_handoff: assigned, so on a machine
+        return Handoff.NOTHING_TO_DO
+    name = runner_name(instance_id)
+    forge.runner.objects.filter(pk=runner.pk).update(
+        name=name, registering_instance=instance_id, registering_at=timezone.now()
+    )
+    ops = ops_of(forge)
+    client = ops.client(endpoint)
+    try:
+        created = ops.register(client, runner, name)
+    except (ForgeUnavailable, ForgeRateLimited) as exc:
+        endpoint.refresh_from_db(fields=["unavailable_until", "unavailable_reason"])
+        job_handoff_failed(
+            job_id=job.pk,
+            instance_id=instance_id,
+            cause=forge.unavailable_cause,
+            detail=exc.detail,
+            actor=forge.actor,
+            hold_reason=hold_reason(forge, endpoint) or f"{forge.title} unavailable: {exc.detail}"[:300],
+        )
+        return forge.unavailable_outcome
+    except ForgeRefused as exc:
+        with transaction.atomic():
+            if job_handoff_failed(
+                job_id=job.pk,
+                instance_id=instance_id,
+                cause=forge.refused_cause,
+                detail=f"{forge.title} refused the runner registration: {exc.detail}",
+                actor=forge.actor,
+                permanent=True,
+            ):
+                event_record(
+                    kind=forge.events.runner_refused,
+                    org=job.org_id,
+                    job=job,
+                    instance=instance_id,
+                    actor=forge.actor,
+                    reason=exc.detail[:500],
+                    runner_class=rc.name,
+                )
+        return Handoff.REFUSED
+    with transaction.atomic():
+        handed = job_handed_off(
+            job_id=job.pk, instance_id=instance_id, secret_env=created.secret_env, actor=forge.actor
+        )
+        if handed:
+            forge.runner.objects.filter(pk=runner.pk).update(
+                name=created.name,
+                **{forge.runner_id_field: created.runner_id},
+                registered_instance=instance_id,
+                registered_at=timezone.now(),
+                online_at=None,
+            )
+            event_record(
+                kind=forge.events.runner_registered,
+                org=job.org_id,
+                job=job,
+                instance=instance_id,
+                actor=forge.actor,
+                runner=created.name,
+                runner_id=created.runner_id,
+                runner_class=rc.name,
+                **{forge.labels_field: rc.match_labels},
+            )
+    if not handed:  # the job moved on while we asked: the runner is nobody's
+        _delete_quietly(ops, client, runner, created.runner_id)
+        return Handoff.JOB_MOVED_ON
+    return Handoff.HANDED_OFF
+
+
+def _delete_quietly(ops: ForgeOps, client: Any, runner: Any, runner_id: int) -> None:
+    try:
+        ops.delete(client, runner, runner_id)
+    except ForgeError as exc:  # the reconciler deletes it later (its machine is not its own)
+        log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
+
+
+def runner_retire(*, forge: Forge, job_id: JobId) -> Handoff:
+    """A runner no longer needed (demand fell, or idle past its deadline): delete it at the
+    forge (refused while it runs a job: then it stays, bound to that job once the forge says
+    so), then cancel its Catacloud job (the agent stops it; the machine follows retention)."""
+    runner = load_runner(forge, job_id)
+    if runner is None or runner.job.status not in JOB_LIVE or forge.bound_id_of(runner):
+        return Handoff.NOTHING_TO_DO
+    job = runner.job
+    runner_id = forge.runner_id_of(runner)
+    if runner_id and not awaits_handoff(job) and job.handed_off_to:
+        ops = ops_of(forge)
+        try:
+            ops.retire(ops.client(forge.endpoint_of(runner)), runner)
+        except ForgeBusy:  # the forge gave it a job; the job's report binds it
+            forge.runner.objects.filter(pk=runner.pk).update(retire_requested_at=None)
+            return Handoff.BUSY
+        except (ForgeUnavailable, ForgeRateLimited):
+            return forge.unavailable_outcome  # retire_requested_at stays: the reconciler retries
+        with transaction.atomic():
+            event_record(
+                kind=forge.events.runner_deleted,
+                org=job.org_id,
+                job=job,
+                instance=job.instance_id,
+                actor=forge.actor,
+                runner=runner.name,
+                runner_id=runner_id,
+                reason="no pending job needs it",
+            )
+    with contextlib.suppress(InvalidTransition):  # it ended meanwhile: nothing left to stop
+        job_cancel(job=job, actor=forge.actor)
+    return Handoff.RETIRED
+
+
+def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
+    """The forge job our runner took ended: delete the runner at the forge (it ran its one job;
+    its Catacloud job ends as its command exits). Safe to run twice."""
+    runner = load_runner(forge, job_id)
+    runner_id = forge.runner_id_of(runner) if runner is not None else None
+    if runner is None or not runner_id:
+        return Handoff.NOTHING_TO_DO
+    ops = ops_of(forge)
+    try:
+        deleted = ops.delete(ops.client(forge.endpoint_of(runner)), runner, runner_id)
+    except ForgeError as exc:  # the reconciler deletes it once its job has ended
+        log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
+        return forge.unavailable_outcome
+    if deleted:
+        with transaction.atomic():
+            event_record(
+                kind=forge.events.runner_deleted,
+                org=runner.org_id,
+                job=runner.job_id,
+                instance=runner.registered_instance,
+                actor=forge.actor,
+                runner=runner.name,
+                runner_id=runner_id,
+                reason="its job ended",
+            )
+    return Handoff.UNREGISTERED
+
+
+def retire_soon(forge: Forge, runner_pk: RunnerId) -> None:
+    enqueue_on_commit(forge.tasks.retire, str(runner_pk))

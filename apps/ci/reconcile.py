@@ -1,0 +1,215 @@
+"""The reconciler, per endpoint, every ``CATACLOUD_<FORGE>_RECONCILE_INTERVAL`` seconds (30 by
+default; sent by the reaper's tick): the forge's view compared with ours, both ways.
+
+- **Runners**: a runner named ``catacloud-<instance>`` (an instance of this database) that no
+  live runner job holds (its machine or job is gone) is deleted, unless it is busy or its
+  registration is in flight; a handed-off runner that has not come online within its class's
+  ``online_timeout_seconds`` has its machine recycled (terminated: the job is requeued on
+  another machine); a runner online and idle past ``idle_timeout_seconds`` is retired (deleted
+  at the forge, its job cancelled, its machine released).
+- **Missed webhooks**: the forge's pending and running jobs are polled (by the adapter) for
+  jobs we never heard of or whose status we missed, then our unfinished records the poll did not
+  list are looked up one by one (a bounded number), with a backoff (the interval doubles, up to
+  10 minutes, while a poll finds nothing; it resets when one finds something). A lost webhook
+  delays a job by at most one interval, never hours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.ci.dispatch import instance_of, retire_soon
+from apps.ci.errors import ForgeError
+from apps.ci.forge import EndpointId, Forge, ForgeOps, Listed, ops_of
+from apps.core.broker import enqueue
+from apps.core.causes import Cause
+from apps.core.errors import InvalidTransition
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_LIVE
+from apps.machines.lifecycle import instance_terminate
+from apps.machines.models import MachineInstance
+
+log = logging.getLogger(__name__)
+CLAIM_FOR = timedelta(minutes=5)  # a reconcile that died keeps its claim at most this long
+REGISTERING_GRACE = timedelta(minutes=2)
+MAX_POLL_INTERVAL = 600.0
+MAX_STALE_LOOKUPS = 50
+
+
+def interval(forge: Forge) -> float:
+    return float(getattr(settings, forge.settings.reconcile_interval))
+
+
+def reconciles_due(*, forge: Forge, now: datetime) -> int:
+    """Send a reconcile for every endpoint whose last one is older than the interval."""
+    due = forge.endpoint.objects.filter(
+        Q(reconciled_at__isnull=True) | Q(reconciled_at__lt=now - timedelta(seconds=interval(forge)))
+    ).values_list("pk", flat=True)
+    sent = 0
+    for pk in due:
+        sent += enqueue(forge.tasks.reconcile, str(pk))
+    return sent
+
+
+def endpoint_reconcile(
+    *, forge: Forge, endpoint_id: EndpointId, now: datetime | None = None
+) -> dict[str, int]:
+    """One reconcile of one endpoint (skipped while another holds it)."""
+    now = now or timezone.now()
+    model = forge.endpoint
+    claimed = (
+        model.objects.filter(pk=endpoint_id)
+        .filter(Q(reconcile_claimed_at__isnull=True) | Q(reconcile_claimed_at__lt=now - CLAIM_FOR))
+        .update(reconcile_claimed_at=now)
+    )
+    if not claimed:
+        return {"skipped": 1}
+    report: dict[str, int] = {}
+    try:
+        endpoint = model.objects.select_related(*forge.endpoint_related).get(pk=endpoint_id)
+        ops = ops_of(forge)
+        client = ops.client(endpoint)
+        try:
+            seen = ops.listed(client, endpoint)
+            report.update(_runners(forge, ops, endpoint, client, seen, now))
+            if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
+                report.update(_poll(forge, ops, endpoint, client, now))
+            report.update(ops.reconcile_extra(forge, client, endpoint, now))
+        except ForgeError as exc:  # recorded by the client (availability); the next tick retries
+            log.info("reconcile of %s stopped: %s", endpoint, exc.detail)
+            report[f"{forge.name}_errors"] = 1
+        model.objects.filter(pk=endpoint_id).update(reconciled_at=timezone.now())
+    finally:
+        model.objects.filter(pk=endpoint_id).update(reconcile_claimed_at=None)
+    return report
+
+
+def _runners(
+    forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
+) -> dict[str, int]:
+    deleted = recycled = idle = 0
+    live = {
+        forge.runner_id_of(r): r
+        for r in forge.runner.objects.filter(
+            **forge.of_endpoint(endpoint),
+            job__status__in=JOB_LIVE,
+            **{f"{forge.runner_id_field}__isnull": False},
+        ).select_related("job", "runner_class")
+    }
+    ours = {rid: listed for rid, listed in seen.items() if instance_of(listed.name)}
+    known = set(
+        str(pk)
+        for pk in MachineInstance.objects.filter(
+            pk__in=[instance_of(listed.name) for listed in ours.values()]
+        ).values_list("pk", flat=True)
+    )
+    for rid, listed in ours.items():
+        instance_id = instance_of(listed.name)
+        if instance_id not in known:
+            continue  # another Catacloud installation's machine: not ours to touch
+        runner = live.get(rid)
+        if runner is not None:
+            if runner.online_at is None and (listed.online or listed.busy):
+                forge.runner.objects.filter(pk=runner.pk).update(online_at=now)
+                runner.online_at = now
+            continue
+        # A registration of this machine asked for lately may be this very runner, its id not
+        # recorded yet (in flight), or recorded since ``live`` was read: left for a later pass.
+        registering = forge.runner.objects.filter(
+            **forge.of_endpoint(endpoint),
+            registering_instance=instance_id,
+            registering_at__gt=now - REGISTERING_GRACE,
+            **{f"{forge.runner_id_field}__isnull": True},
+        )
+        held_now = forge.runner.objects.filter(**{forge.runner_id_field: rid}, job__status__in=JOB_LIVE)
+        if listed.busy or registering.exists() or held_now.exists():
+            continue
+        if ops.delete_listed(client, listed):
+            deleted += 1
+            with transaction.atomic():
+                event_record(
+                    kind=forge.events.runner_deleted,
+                    org=endpoint.org_id,
+                    instance=instance_id,
+                    actor=forge.reconciler_actor,
+                    runner=listed.name,
+                    runner_id=rid,
+                    reason="no live runner job holds it (its machine or job is gone)",
+                )
+    for runner in live.values():
+        rid = forge.runner_id_of(runner) or 0
+        if forge.bound_id_of(runner) or runner.job.instance_id is None or runner.registered_at is None:
+            continue
+        rc = runner.runner_class
+        listed_now = seen.get(rid)
+        if runner.online_at is None:
+            if runner.registered_at < now - timedelta(seconds=rc.online_timeout_seconds):
+                recycled += _recycle(forge, runner)
+        elif (
+            not (listed_now is not None and listed_now.busy)
+            and runner.retire_requested_at is None
+            and runner.online_at < now - timedelta(seconds=rc.idle_timeout_seconds)
+        ):
+            forge.runner.objects.filter(pk=runner.pk).update(retire_requested_at=now)
+            retire_soon(forge, runner.pk)
+            idle += 1
+    return {"runners_deleted": deleted, "runners_recycled": recycled, "runners_idle_retired": idle}
+
+
+def _recycle(forge: Forge, runner: Any) -> int:
+    """A runner that never came online: its machine is terminated (the job is requeued on
+    another one; the registration left behind is deleted by a later pass)."""
+    instance_id = runner.job.instance_id
+    with transaction.atomic():
+        event_record(
+            kind=forge.events.runner_recycled,
+            org=runner.org_id,
+            job=runner.job_id,
+            instance=instance_id,
+            actor=forge.reconciler_actor,
+            runner=runner.name,
+            reason=f"not online {runner.runner_class.online_timeout_seconds}s after its handoff",
+        )
+        if instance_id is None:  # no machine to terminate
+            return 0
+        with contextlib.suppress(InvalidTransition):
+            instance_terminate(
+                instance_id=instance_id,
+                actor=forge.reconciler_actor,
+                reason=f"its {forge.title} runner never came online",
+                cause=Cause.RUNNER_OFFLINE,
+            )
+            return 1
+    return 0
+
+
+def _poll(forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime) -> dict[str, int]:
+    """Jobs we missed: the forge's pending and running jobs, then our unfinished records the
+    forge no longer lists as such (looked up one by one, a bounded number)."""
+    found, listed = ops.poll(forge, client, endpoint)
+    stale = forge.ci_job.objects.filter(
+        **forge.of_endpoint(endpoint),
+        status__in=forge.statuses.unfinished,
+        status_changed_at__lt=now - timedelta(seconds=interval(forge)),
+    ).order_by("status_changed_at")
+    looked = 0
+    for record in stale[: MAX_STALE_LOOKUPS * 2]:
+        if ops.key_of(record) in listed or looked >= MAX_STALE_LOOKUPS:
+            continue
+        looked += 1
+        found += ops.look_up(forge, client, record).found
+    base = interval(forge)
+    current = endpoint.poll_interval_seconds or base
+    next_interval = base if found else min(MAX_POLL_INTERVAL, current * 2)
+    forge.endpoint.objects.filter(pk=endpoint.pk).update(
+        poll_interval_seconds=next_interval, next_poll_at=now + timedelta(seconds=next_interval)
+    )
+    return {"missed_jobs_found": found, "jobs_looked_up": looked}

@@ -1,0 +1,151 @@
+"""Runner classes, as every forge keeps them: labels (GitHub) or tags (GitLab) -> machine type,
+pool, timeouts, command, through a job configuration the class keeps (``<forge>-<name>``:
+same admission, quotas, budgets, priorities and reports as any job). The one write path for
+the API, the admin console and the catalog; the forge checks what it alone knows
+(:meth:`apps.ci.forge.ForgeOps.check_class`) and says how its runners run
+(:meth:`~apps.ci.forge.ForgeOps.class_config`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+from apps.ci.forge import Forge, ops_of
+from apps.core.actors import Actor
+from apps.core.errors import Conflict, ErrorCode, ValidationFailed
+from apps.events.services import event_record
+from apps.jobs.choices import JOB_LIVE, Reuse
+from apps.jobs.models import JobConfiguration
+from apps.jobs.services import job_config_delete, job_config_save
+from apps.machines.models import MachineType
+from apps.orgs.models import Organization
+from apps.pools.models import InstancePool
+
+MAX_LABELS = 100
+
+
+def invalid(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", fields={field: [message]})
+
+
+def normalise_labels(labels: Any, field: str = "labels", *, limit: int = 255) -> list[str]:
+    """1-100 labels (tags), lower-case, unique, sorted, each at most ``limit`` characters."""
+    if not isinstance(labels, list | tuple) or not labels:
+        raise invalid(field, f"must be a list of 1 to 100 {field}")
+    out = set()
+    for label in labels:
+        if not isinstance(label, str) or not label.strip() or len(label) > limit:
+            raise invalid(field, f"each label is a non-empty string of at most {limit} characters")
+        out.add(label.strip().lower())
+    if len(out) > MAX_LABELS:
+        raise invalid(field, f"at most {MAX_LABELS} labels")
+    return sorted(out)
+
+
+@transaction.atomic
+def runner_class_save(
+    *,
+    forge: Forge,
+    org: Organization,
+    fields_allowed: tuple[str, ...],
+    runner_class: Any = None,
+    actor: Actor = Actor.UNNAMED,
+    label_limit: int = 255,
+    **fields: Any,
+) -> tuple[Any, bool]:
+    """Create (``runner_class`` None) or change a runner class and the job configuration it
+    keeps (machine type, command, timeout, priority, attempts; reuse, so a machine serves the
+    class's next runner while its paid period lasts). Returns (class, changed)."""
+    unknown = set(fields) - set(fields_allowed)
+    if unknown:
+        raise ValidationFailed(f"unknown fields: {', '.join(sorted(unknown))}")
+    labels_field = forge.labels_field
+    creating = runner_class is None
+    rc = runner_class or forge.runner_class(org=org)
+    before = {k: getattr(rc, k) for k in fields_allowed} if not creating else {}
+    if labels_field in fields:
+        fields[labels_field] = normalise_labels(fields[labels_field], labels_field, limit=label_limit)
+    for key, value in fields.items():
+        setattr(rc, key, value)
+    if not rc.name:
+        raise invalid("name", "required")
+    if not getattr(rc, labels_field):
+        raise invalid(labels_field, "required")
+    ops = ops_of(forge)
+    ops.check_class(rc)
+    if not isinstance(rc.machine_type, MachineType):
+        raise invalid("machine_type", "required")
+    if rc.pool is not None and (rc.pool.org_id != org.pk or rc.pool.machine_type_id != rc.machine_type.pk):
+        raise invalid("pool", "must be a pool of this organization with the class's machine type")
+    clash = forge.runner_class.objects.filter(org=org).exclude(pk=rc.pk)
+    if clash.filter(name=rc.name).exists():
+        raise ValidationFailed(
+            f"a runner class named {rc.name!r} already exists",
+            fields={"name": ["already exists"]},
+            code=ErrorCode.DUPLICATE_NAME,
+        )
+    if any(sorted(getattr(c, labels_field)) == getattr(rc, labels_field) for c in clash):
+        raise ValidationFailed(
+            f"another runner class has these {labels_field}",
+            fields={labels_field: ["already used"]},
+            code=ErrorCode.DUPLICATE_NAME,
+        )
+    after = {k: getattr(rc, k) for k in fields_allowed}
+    if not creating and after == before:
+        return rc, False
+    config_fields: dict[str, Any] = {
+        "name": f"{forge.name}-{rc.name}",
+        "machine_type": rc.machine_type,
+        "timeout_seconds": rc.timeout_seconds,
+        "priority": rc.priority,
+        "max_attempts": rc.max_attempts,
+        "reuse": Reuse.REUSE,
+        **ops.class_config(rc),
+    }
+    config = JobConfiguration.objects.filter(pk=rc.job_config_id).first() if rc.job_config_id else None
+    rc.job_config = job_config_save(org=org, config=config, actor=actor, **config_fields)
+    rc.save()
+    event_record(
+        kind=forge.events.class_created if creating else forge.events.class_updated,
+        org=org,
+        actor=actor,
+        runner_class=rc.name,
+        **{labels_field: getattr(rc, labels_field)},
+        machine_type=rc.machine_type.name,
+        fields=sorted(k for k in fields_allowed if creating or before.get(k) != after[k]),
+    )
+    return rc, True
+
+
+@transaction.atomic
+def runner_class_delete(*, forge: Forge, runner_class: Any, actor: Actor = Actor.UNNAMED) -> None:
+    """Delete a class with no live runner (409 ``in_use`` otherwise); its job configuration
+    goes too unless jobs refer to it (their records stay)."""
+    if forge.runner.objects.filter(runner_class=runner_class, job__status__in=JOB_LIVE).exists():
+        raise Conflict(
+            f"runner class {runner_class.name} has live runners; cancel them first", code=ErrorCode.IN_USE
+        )
+    config = runner_class.job_config
+    event_record(
+        kind=forge.events.class_deleted,
+        org=runner_class.org_id,
+        actor=actor,
+        runner_class=runner_class.name,
+    )
+    runner_class.delete()
+    if config is not None and not config.jobs.exists():
+        job_config_delete(config=config, actor=actor)
+
+
+def has_live_runners(forge: Forge, **where: Any) -> bool:
+    return forge.runner.objects.filter(**where, job__status__in=JOB_LIVE).exists()
+
+
+def pool_by_name(org: Organization, name: str | None) -> InstancePool | None:
+    if not name:
+        return None
+    pool = InstancePool.objects.filter(org=org, name=name).first()
+    if pool is None:
+        raise invalid("pool", f"no pool named {name!r}")
+    return pool

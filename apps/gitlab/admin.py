@@ -1,0 +1,178 @@
+"""The console's GitLab CI pages: the connection (its token and secret token write-only, never
+shown), runner classes (saved through the services, like the API and the catalog), and
+read-only lists of the CI jobs seen, the runners started and the Job events received."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.http import HttpRequest
+
+from apps.ci.forms import ThroughService
+from apps.core.actors import Actor
+from apps.core.admin import ReadOnlyAdmin, neutral_bool
+from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
+from apps.gitlab.services import CLASS_FIELDS, connection_set, runner_class_save
+
+
+class ConnectionForm(ThroughService):
+    new_token = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="an access token allowed to create runners; write-only: leave empty to keep the stored one",
+    )
+    new_webhook_token = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="the webhook's secret token; write-only: leave empty to keep the stored one",
+    )
+    project_list = forms.CharField(
+        required=False, label="projects", help_text="id:path, comma-separated, e.g. 12:acme/app, 13:acme/web"
+    )
+
+    class Meta:
+        model = GitLabConnection
+        fields = ("org", "url")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            self.fields["project_list"].initial = ", ".join(
+                f"{p.project_id}:{p.path}" for p in self.instance.projects.order_by("path")
+            )
+
+    def clean_project_list(self) -> list[dict[str, Any]]:
+        out = []
+        for part in (self.cleaned_data.get("project_list") or "").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            ident, _, path = part.partition(":")
+            if not ident.strip().isdigit() or not path.strip():
+                raise forms.ValidationError(f"{part!r}: a project is id:path")
+            out.append({"id": int(ident), "path": path.strip()})
+        return out
+
+    def save_through_service(self) -> Any:
+        conn, _ = connection_set(
+            org=self.cleaned_data["org"],
+            url=self.cleaned_data["url"],
+            token=self.cleaned_data.get("new_token") or None,
+            webhook_token=self.cleaned_data.get("new_webhook_token") or None,
+            projects=self.cleaned_data.get("project_list"),
+            actor=self.actor,
+        )
+        return conn
+
+
+@admin.register(GitLabConnection)
+class GitLabConnectionAdmin(admin.ModelAdmin):
+    form = ConnectionForm
+    list_display = ("org", "url", "secrets_set", "project_paths", "updated_at")
+
+    @admin.display(description="token and secret token set")
+    def secrets_set(self, obj: GitLabConnection) -> str:
+        return neutral_bool(bool(obj.token and obj.webhook_token))
+
+    @admin.display(description="projects")
+    def project_paths(self, obj: GitLabConnection) -> str:
+        return ", ".join(p.path for p in obj.projects.all())
+
+    def get_readonly_fields(self, request: HttpRequest, obj: GitLabConnection | None = None) -> tuple:
+        return ("org",) if obj is not None else ()
+
+    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        form.actor = Actor.admin(request.user.get_username())  # type: ignore[attr-defined]
+        return form
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        obj.pk = form.saved.pk  # saved by the form, through connection_set
+        obj._state.adding = False
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        pass
+
+
+class RunnerClassForm(ThroughService):
+    tags_text = forms.CharField(
+        label="tags", help_text="the jobs' tags, comma-separated, e.g. catacloud, linux-2cpu"
+    )
+
+    class Meta:
+        model = GitLabRunnerClass
+        fields = tuple(f for f in CLASS_FIELDS if f != "tags") + ("org",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            self.fields["tags_text"].initial = ", ".join(self.instance.tags)
+
+    def save_through_service(self) -> Any:
+        data = self.cleaned_data
+        fields = {k: data[k] for k in CLASS_FIELDS if k in data and k != "tags"}
+        fields["tags"] = [x.strip() for x in data["tags_text"].split(",") if x.strip()]
+        existing = GitLabRunnerClass.objects.filter(pk=self.instance.pk).first() if self.instance.pk else None
+        rc, _ = runner_class_save(org=data["org"], runner_class=existing, actor=self.actor, **fields)
+        return rc
+
+
+@admin.register(GitLabRunnerClass)
+class GitLabRunnerClassAdmin(GitLabConnectionAdmin):
+    form = RunnerClassForm  # type: ignore[assignment]
+    list_display = (
+        "name",
+        "org",
+        "tags",
+        "machine_type",
+        "pool",
+        "scope",
+        "executor",
+        "priority",
+        "job_config",
+    )  # type: ignore[assignment]
+    list_filter = ("org", "machine_type")
+    readonly_fields = ("job_config",)
+
+
+@admin.register(GitLabJob)
+class GitLabJobAdmin(ReadOnlyAdmin):
+    list_display = (
+        "gitlab_id",
+        "project",
+        "pipeline",
+        "name",
+        "status",
+        "failure_reason",
+        "runner_class",
+        "runner_name",
+        "job",
+        "seen_at",
+    )
+    list_filter = ("status", "org", "runner_class")
+    search_fields = ("project", "pipeline", "name", "runner_name")
+
+
+@admin.register(GitLabRunner)
+class GitLabRunnerAdmin(ReadOnlyAdmin):
+    list_display = (
+        "name",
+        "job",
+        "runner_class",
+        "gitlab_runner_id",
+        "registered_at",
+        "online_at",
+        "gitlab_job",
+        "retire_requested_at",
+    )
+    list_filter = ("runner_class",)
+    search_fields = ("name",)
+
+
+@admin.register(GitLabDelivery)
+class GitLabDeliveryAdmin(ReadOnlyAdmin):
+    list_display = ("key", "event", "action", "org", "received_at", "processed_at", "outcome")
+    list_filter = ("event", "org")
+    search_fields = ("key",)

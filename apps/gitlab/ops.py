@@ -1,0 +1,266 @@
+"""What the CI core's GitLab adapter does at GitLab (:class:`GitLabOps`, registered with the core
+in apps/control/wiring.py): read a Job event or a job of the jobs API, create a project or group
+runner for a machine (``POST /user/runners``: the class's tags, ``run_untagged: false``, a
+maximum timeout; its ``glrt-`` token handed to the machine), delete one (``DELETE
+/runners/:id``, when its job ended or it is retired), list the runners, and poll the connected
+projects' pending and running jobs for lost deliveries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from django.utils.dateparse import parse_datetime
+
+from apps.ci.choices import Applied
+from apps.ci.errors import ForgeBusy, ForgeNotFound, ForgeRefused
+from apps.ci.forge import Forge, JobReport, Listed, Registration
+from apps.ci.records import ci_job_apply
+from apps.core.broker import enqueue_on_commit
+from apps.gitlab.choices import DONE, GitLabJobStatus, RunnerScope
+from apps.gitlab.client import GitLabClient
+from apps.gitlab.messages import RESOLVE_TASK
+from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
+from apps.gitlab.services import TOKEN_ENV, URL_ENV, check_class, runner_command
+
+MIN_MAXIMUM_TIMEOUT = 600  # GitLab refuses a runner's maximum_timeout below 10 minutes
+
+
+def _when(value: Any) -> datetime | None:
+    """ISO 8601 (the API, the events' ``*_iso``) or the events' ``2021-01-13 17:57:05 UTC``."""
+    if not isinstance(value, str) or not value:
+        return None
+    parsed = parse_datetime(value)
+    if parsed is not None:
+        return parsed
+    try:
+        return datetime.strptime(value, "%Y-%m-%d %H:%M:%S UTC").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _tags(value: Any) -> list[str] | None:
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        return None
+    return [t.lower() for t in value]
+
+
+def _report(
+    *,
+    gitlab_id: int,
+    project_id: int,
+    project: str,
+    status: str,
+    tags: list[str],
+    job: Mapping[str, Any],
+    pipeline_id: Any,
+    pipeline: str,
+    runner: Mapping[str, Any],
+    started: Any,
+    finished: Any,
+    failure_reason: Any,
+) -> JobReport:
+    runner_id = runner.get("id")
+    return JobReport(
+        key={"gitlab_id": gitlab_id},
+        status=status,
+        labels=tags,
+        create={
+            "project_id": project_id,
+            "project": project[:300],
+            "pipeline_id": pipeline_id if isinstance(pipeline_id, int) else None,
+            "pipeline": pipeline[:300],
+            "ref": str(job.get("ref") or "")[:300],
+            "name": str(job.get("name") or job.get("build_name") or "")[:300],
+            "stage": str(job.get("stage") or job.get("build_stage") or "")[:100],
+            "tags": tags,
+        },
+        runner_name=str(runner.get("description") or ""),
+        runner_id=runner_id if isinstance(runner_id, int) else None,
+        started_at=_when(started),
+        completed_at=_when(finished),
+        conclusion=status if status in DONE else "",
+        update={"failure_reason": str(failure_reason or "")[:64]} if status == GitLabJobStatus.FAILED else {},
+    )
+
+
+def event_report(payload: Mapping[str, Any], project: str, tags: list[str]) -> JobReport | Applied:
+    """A Job event (``object_kind: build``) as the core's report."""
+    status = str(payload.get("build_status") or "")
+    if status not in GitLabJobStatus.values:
+        return Applied.UNKNOWN_STATUS
+    try:
+        gitlab_id, project_id = int(payload["build_id"]), int(payload["project_id"])
+    except (KeyError, TypeError, ValueError):
+        return Applied.NOT_A_JOB
+    commit, runner = _mapping(payload.get("commit")), _mapping(payload.get("runner"))
+    return _report(
+        gitlab_id=gitlab_id,
+        project_id=project_id,
+        project=project,
+        status=status,
+        tags=tags,
+        job=payload,
+        pipeline_id=payload.get("pipeline_id") or commit.get("id"),
+        pipeline=str(commit.get("name") or payload.get("ref") or ""),
+        runner=runner,
+        started=payload.get("build_started_at_iso") or payload.get("build_started_at"),
+        finished=payload.get("build_finished_at_iso") or payload.get("build_finished_at"),
+        failure_reason=payload.get("build_failure_reason"),
+    )
+
+
+def api_report(job: Mapping[str, Any], project_id: int, project: str) -> JobReport | Applied:
+    """A job of the jobs API (``GET /projects/:id/jobs``) as the core's report."""
+    status = str(job.get("status") or "")
+    if status not in GitLabJobStatus.values:
+        return Applied.UNKNOWN_STATUS
+    try:
+        gitlab_id = int(job["id"])
+    except (KeyError, TypeError, ValueError):
+        return Applied.NOT_A_JOB
+    pipeline, runner = _mapping(job.get("pipeline")), _mapping(job.get("runner"))
+    return _report(
+        gitlab_id=gitlab_id,
+        project_id=project_id,
+        project=project,
+        status=status,
+        tags=_tags(job.get("tag_list")) or [],
+        job=job,
+        pipeline_id=pipeline.get("id"),
+        pipeline=str(pipeline.get("name") or job.get("ref") or ""),
+        runner=runner,
+        started=job.get("started_at"),
+        finished=job.get("finished_at"),
+        failure_reason=job.get("failure_reason"),
+    )
+
+
+class GitLabOps:
+    """The core's :class:`apps.ci.forge.ForgeOps` for GitLab."""
+
+    def client(self, endpoint: GitLabConnection) -> GitLabClient:
+        return GitLabClient(endpoint)
+
+    def runner_env(self, record: GitLabJob) -> dict[str, str]:
+        return {URL_ENV: record.connection.url}
+
+    def register(self, client: GitLabClient, runner: GitLabRunner, name: str) -> Registration:
+        rc: GitLabRunnerClass = runner.runner_class
+        body: dict[str, Any] = {
+            "description": name,
+            "tag_list": list(rc.tags),
+            "run_untagged": False,
+            "locked": True,
+            "paused": False,
+            "maximum_timeout": max(MIN_MAXIMUM_TIMEOUT, rc.timeout_seconds),
+        }
+        if rc.scope == RunnerScope.GROUP:
+            body.update(runner_type="group_type", group_id=rc.group_id)
+        else:
+            record = runner.created_for
+            project_id = record.project_id if record is not None else None
+            if project_id is None:
+                first = runner.connection.projects.order_by("path").first()
+                if first is None:
+                    raise ForgeRefused("no project to create the runner in: the connection lists none")
+                project_id = first.project_id
+            body.update(runner_type="project_type", project_id=project_id)
+        answer = client.create_runner(body)
+        return Registration(int(answer["id"]), name, {TOKEN_ENV: str(answer["token"])})
+
+    def delete(
+        self, client: GitLabClient, runner: GitLabRunner, runner_id: int, *, background: bool = False
+    ) -> bool:
+        return client.delete_runner(runner_id, background=background)
+
+    def retire(self, client: GitLabClient, runner: GitLabRunner) -> bool:
+        """Paused first (it takes no job from now on), then deleted unless it runs one."""
+        runner_id = int(runner.gitlab_runner_id or 0)
+        try:
+            client.pause_runner(runner_id)
+            if client.runner_jobs(runner_id, status=GitLabJobStatus.RUNNING):
+                raise ForgeBusy(f"runner {runner_id} runs a job")
+            return client.delete_runner(runner_id)
+        except ForgeNotFound:
+            return False
+
+    def listed(self, client: GitLabClient, endpoint: GitLabConnection) -> dict[int, Listed]:
+        seen: dict[int, Listed] = {}
+        for runner in client.runners():
+            rid = int(runner["id"])
+            name = str(runner.get("description") or "")
+            seen[rid] = Listed(rid, name, "", runner.get("status") == "online", None)
+        return seen
+
+    def delete_listed(self, client: GitLabClient, listed: Listed) -> bool:
+        return client.delete_runner(listed.runner_id, background=True)
+
+    def poll(
+        self, forge: Forge, client: GitLabClient, endpoint: GitLabConnection
+    ) -> tuple[int, set[tuple[Any, ...]]]:
+        """The connected projects' pending and running jobs."""
+        found = 0
+        listed: set[tuple[Any, ...]] = set()
+        for project in endpoint.projects.order_by("path"):
+            for job in client.project_jobs(project.project_id, ["pending", "running"]):
+                report = api_report(job, project.project_id, project.path)
+                if isinstance(report, Applied):
+                    continue
+                listed.add((report.key["gitlab_id"],))
+                _, outcome = ci_job_apply(forge=forge, endpoint=endpoint, report=report, source="poll")
+                found += outcome.found
+        return found, listed
+
+    def key_of(self, record: GitLabJob) -> tuple[Any, ...]:
+        return (record.gitlab_id,)
+
+    def look_up(self, forge: Forge, client: GitLabClient, record: GitLabJob) -> Applied:
+        try:
+            job = client.job(record.project_id, record.gitlab_id)
+        except ForgeNotFound:  # deleted with its pipeline: it will never run
+            job = {"id": record.gitlab_id, "status": GitLabJobStatus.CANCELED}
+        report = api_report(job, record.project_id, record.project)
+        if isinstance(report, Applied):
+            return report
+        _, outcome = ci_job_apply(forge=forge, endpoint=record.connection, report=report, source="poll")
+        return outcome
+
+    def reconcile_extra(
+        self, forge: Forge, client: GitLabClient, endpoint: GitLabConnection, now: datetime
+    ) -> dict[str, int]:
+        return {}
+
+    def act(self, forge: Forge, delivery: GitLabDelivery, hint: Mapping[str, Any] | None) -> str | None:
+        """A Job event. Its tags decide the class: GitLab's events do not carry a job's tags, so
+        a job new to us is looked up in the jobs API first (a task: the webhook is answered
+        before any call to GitLab), then acted on with the tags it has."""
+        payload: dict[str, Any] = delivery.payload
+        if payload.get("object_kind") != "build":
+            return "ignored"
+        conn = delivery.connection
+        project = conn.projects.filter(project_id=int(payload.get("project_id") or 0)).first()
+        if project is None:
+            return "ignored: not a connected project"
+        tags = _tags(payload.get("build_tags"))
+        if tags is None and hint is not None:
+            tags = _tags(hint.get("tag_list")) or []
+        report = event_report(payload, project.path, tags or [])
+        if isinstance(report, Applied):
+            return report
+        if tags is None and not GitLabJob.objects.filter(connection=conn, **report.key).exists():
+            enqueue_on_commit(RESOLVE_TASK, str(delivery.pk))
+            return None  # (a job we know had its class chosen when it was first seen)
+        _, outcome = ci_job_apply(forge=forge, endpoint=conn, report=report, source="webhook")
+        return outcome
+
+    def check_class(self, runner_class: GitLabRunnerClass) -> None:
+        check_class(runner_class)
+
+    def class_config(self, runner_class: GitLabRunnerClass) -> dict[str, Any]:
+        return {"command": runner_command(runner_class), "image": runner_class.image}

@@ -1,0 +1,229 @@
+"""An organization's GitLab connection and runner classes: the one write path for the API, the
+admin console and the catalog (``manage.py apply``). Runner classes are the CI core's
+(apps.ci.services); what only GitLab needs (scope, executor, the gitlab-runner command) is here."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.db import transaction
+
+from apps.ci import services as ci_services
+from apps.ci.services import invalid
+from apps.core.actors import Actor
+from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
+from apps.events.kinds import EventKind
+from apps.events.services import event_record
+from apps.gitlab.choices import Executor, RunnerScope
+from apps.gitlab.forge import GITLAB
+from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabProject, GitLabRunnerClass
+from apps.orgs.models import Organization
+
+# The environment variables of a runner job: the runner's token (a secret of the job, masked in
+# its output, erased when the job ends; ``gitlab-runner`` reads CI_SERVER_TOKEN for a missing
+# --token) and GitLab's URL (CI_SERVER_URL, likewise for --url).
+TOKEN_ENV = "CI_SERVER_TOKEN"
+URL_ENV = "CI_SERVER_URL"
+# A docker executor's image for jobs that name none (a job's own ``image:`` wins).
+DOCKER_DEFAULT_IMAGE = "alpine:latest"
+
+# ---- the connection -----------------------------------------------------------------------------
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise invalid("url", "must be an http(s) URL, e.g. https://gitlab.com or https://gitlab.example.com")
+    return url.rstrip("/").removesuffix("/api/v4")
+
+
+def _projects(value: Any) -> list[tuple[int, str]]:
+    if not isinstance(value, list | tuple):
+        raise invalid("projects", "must be a list of {id, path}")
+    out = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise invalid("projects", "each project is {id, path}")
+        ident, path = item.get("id"), item.get("path")
+        if isinstance(ident, bool) or not isinstance(ident, int) or ident <= 0:
+            raise invalid("projects", "each project id is a positive integer")
+        if not isinstance(path, str) or "/" not in path.strip("/") or len(path) > 300:
+            raise invalid("projects", "each project path is its path with namespace, e.g. acme/app")
+        out.append((ident, path.strip("/")))
+    return out
+
+
+@transaction.atomic
+def connection_set(
+    *,
+    org: Organization,
+    url: str | None = None,
+    token: str | None = None,
+    webhook_token: str | None = None,
+    projects: Any = None,
+    actor: Actor = Actor.UNNAMED,
+) -> tuple[GitLabConnection, bool]:
+    """Create or change the org's GitLab connection. Secrets given replace the stored ones (None
+    keeps them; they are required when creating); ``projects`` given replaces the list. Returns
+    (connection, changed). Events name what changed, never a value."""
+    conn = GitLabConnection.objects.select_for_update(no_key=True).filter(org=org).first()
+    creating = conn is None
+    if creating:
+        if not token or not webhook_token:
+            raise ValidationFailed(
+                "a new GitLab connection needs token and webhook_token",
+                fields={
+                    k: ["required"] for k, v in (("token", token), ("webhook_token", webhook_token)) if not v
+                },
+            )
+        conn = GitLabConnection(org=org, url=DEFAULT_URL)
+    assert conn is not None
+    changed: list[str] = []
+    if url is not None:
+        clean = _check_url(url)
+        if conn.url != clean:
+            conn.url = clean
+            changed.append("url")
+    stored = conn.secrets if not creating else {}
+    secrets = dict(stored)
+    if token is not None:
+        if not token.strip() or len(token) > 500 or any(c.isspace() for c in token):
+            raise invalid("token", "an access token: one word of at most 500 characters")
+        secrets["token"] = token
+    if webhook_token is not None:
+        if len(webhook_token) < 8:
+            raise invalid("webhook_token", "at least 8 characters")
+        secrets["webhook_token"] = webhook_token
+    for name in ("token", "webhook_token"):
+        if secrets.get(name) != stored.get(name):
+            changed.append(name)  # named, never shown
+    if secrets != stored:
+        conn.secrets = secrets
+    if changed or creating:
+        conn.save()
+    if projects is not None:
+        changed += _set_projects(conn, _projects(projects))
+    if changed or creating:
+        event_record(
+            kind=EventKind.GITLAB_CONNECTION_CREATED if creating else EventKind.GITLAB_CONNECTION_UPDATED,
+            org=org,
+            actor=actor,
+            gitlab=conn.url,
+            fields=sorted(set(changed)),
+        )
+    return conn, bool(changed) or creating
+
+
+def _set_projects(conn: GitLabConnection, wanted: list[tuple[int, str]]) -> list[str]:
+    changed = []
+    ids = {i for i, _ in wanted}
+    clash = (
+        GitLabProject.objects.filter(project_id__in=ids, connection__url=conn.url)
+        .exclude(connection=conn)
+        .values_list("project_id", flat=True)
+        .first()
+    )
+    if clash is not None:
+        raise Conflict(f"project {clash} is connected to another organization", code=ErrorCode.IN_USE)
+    existing = {p.project_id: p for p in conn.projects.all()}
+    for project_id, path in wanted:
+        row = existing.get(project_id)
+        if row is None:
+            GitLabProject.objects.create(
+                connection=conn, org_id=conn.org_id, project_id=project_id, path=path
+            )
+            changed.append("projects")
+        elif row.path != path:
+            GitLabProject.objects.filter(pk=row.pk).update(path=path)
+            changed.append("projects")
+    for project_id, row in existing.items():
+        if project_id in ids:
+            continue
+        if ci_services.has_live_runners(GITLAB, connection=conn, created_for__project_id=project_id):
+            raise Conflict(f"project {project_id} still has live runners", code=ErrorCode.IN_USE)
+        row.delete()
+        changed.append("projects")
+    return changed
+
+
+@transaction.atomic
+def connection_delete(*, org: Organization, actor: Actor = Actor.UNNAMED) -> None:
+    conn = GitLabConnection.objects.select_for_update(no_key=True).filter(org=org).first()
+    if conn is None:
+        raise NotFound("this organization has no GitLab connection")
+    if ci_services.has_live_runners(GITLAB, connection=conn):
+        raise Conflict(
+            "the GitLab connection still has live runners; cancel them first", code=ErrorCode.IN_USE
+        )
+    event_record(kind=EventKind.GITLAB_CONNECTION_DELETED, org=org, actor=actor, gitlab=conn.url)
+    conn.delete()
+
+
+# ---- runner classes -----------------------------------------------------------------------------
+
+CLASS_FIELDS = (
+    "name",
+    "tags",
+    "machine_type",
+    "pool",
+    "scope",
+    "group_id",
+    "executor",
+    "image",
+    "command",
+    "runner_path",
+    "priority",
+    "timeout_seconds",
+    "max_attempts",
+    "online_timeout_seconds",
+    "idle_timeout_seconds",
+)
+
+
+def runner_command(runner_class: GitLabRunnerClass) -> str:
+    """What the runner job runs: the class's command, or ``gitlab-runner run-single`` for one
+    job (the URL and the runner's token from the job's env, never on the command line as
+    values), waiting at most the class's idle timeout for it, its work in the job's folder."""
+    if runner_class.command.strip():
+        return runner_class.command
+    binary = runner_class.runner_path or settings.CATACLOUD_GITLAB_RUNNER
+    executor = runner_class.executor or Executor.SHELL
+    docker = f" --docker-image {DOCKER_DEFAULT_IMAGE}" if executor == Executor.DOCKER else ""
+    return (
+        f'exec {shlex.quote(binary)} run-single --url "${URL_ENV}" --token "${TOKEN_ENV}" '
+        f"--executor {executor}{docker} --max-builds 1 --wait-timeout {runner_class.idle_timeout_seconds} "
+        '--builds-dir "$CATACLOUD_WORK_DIR/builds" --cache-dir "$CATACLOUD_WORK_DIR/cache"'
+    )
+
+
+def check_class(rc: GitLabRunnerClass) -> None:
+    """What only GitLab refuses: an unknown scope or executor, a group runner without a group."""
+    if rc.scope not in RunnerScope.values:
+        raise invalid("scope", f"one of {', '.join(RunnerScope.values)}")
+    if rc.scope == RunnerScope.GROUP and not rc.group_id:
+        raise invalid("group_id", "a group runner class names its GitLab group id")
+    if rc.executor not in Executor.values:
+        raise invalid("executor", f"one of {', '.join(Executor.values)}")
+
+
+def runner_class_save(
+    *,
+    org: Organization,
+    runner_class: GitLabRunnerClass | None = None,
+    actor: Actor = Actor.UNNAMED,
+    **fields: Any,
+) -> tuple[GitLabRunnerClass, bool]:
+    """Create (``runner_class`` None) or change a runner class and the job configuration it
+    keeps (``gitlab-<name>``: machine type, command, image, timeout, priority, attempts; reuse,
+    so a machine serves the class's next runner while its paid period lasts)."""
+    rc, changed = ci_services.runner_class_save(
+        forge=GITLAB, org=org, fields_allowed=CLASS_FIELDS, runner_class=runner_class, actor=actor, **fields
+    )
+    return rc, changed
+
+
+def runner_class_delete(*, runner_class: GitLabRunnerClass, actor: Actor = Actor.UNNAMED) -> None:
+    ci_services.runner_class_delete(forge=GITLAB, runner_class=runner_class, actor=actor)

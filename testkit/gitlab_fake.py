@@ -1,0 +1,950 @@
+"""A stateful fake of GitLab for GitLab CI on Catacloud: the REST API v4 endpoints Catacloud
+calls, a Job event sender, and the runner API a stand-in ``gitlab-runner``
+(``testkit/gitlab_runner``) talks to. Standard library only, so ``make dev`` can run it as a
+process (``python -m testkit.gitlab_fake``) and tests in a thread::
+
+    fake = FakeGitLab(token="glpat-…", webhook_token="s3cret", webhook_url=url).start()
+    fake.add_project(12, "acme/app")
+    job_id = fake.queue_job("acme/app", ["catacloud", "linux-2cpu"], ["echo hi"])
+    ...
+    fake.stop()
+
+REST (``fake.url`` is GitLab's URL; the API is under ``/api/v4``, authenticated by
+``PRIVATE-TOKEN``): ``POST /user/runners`` (project or group runner; 400 on a maximum_timeout
+under 600 s, 403 for an instance runner, 404 for a project or group it does not know), ``GET
+/runners``, ``GET|PUT|DELETE /runners/:id``, ``GET /runners/:id/jobs``, ``GET
+/projects/:id/jobs`` (``scope[]``), ``GET /projects/:id/jobs/:job_id``, ``POST
+/projects/:id/jobs/:job_id/cancel``. Every answer carries ``RateLimit-*``; faults: a 5xx rate,
+``fail_next``, latency, a rate-limit window (429 with ``Retry-After``).
+
+Job events (``X-Gitlab-Event: Job Hook``, ``X-Gitlab-Token``, ``Idempotency-Key``): created,
+pending, running, success / failed / canceled, shaped like GitLab's (no job tags, as GitLab's
+documented payload; ``event_tags`` adds ``build_tags``), with injectable drops (never sent:
+GitLab does not retry), duplicates (the same key again) and reordering.
+
+Runners: ``POST /user/runners`` answers a ``glrt-`` token; a runner verifies it
+(``/api/v4/runners/verify``), long-polls ``/api/v4/jobs/request`` and is handed the oldest
+pending job whose tags it has (ANY such job, as GitLab does; never an untagged one: runners are
+created with ``run_untagged: false``), keeps the job alive with trace updates and reports its
+end (``PUT /api/v4/jobs/:id``). It stays registered until it is deleted. ``runner_faults`` makes
+the next runners crash, hang or never connect. A running job whose runner is silent for
+``lost_after`` seconds fails (``stuck_or_timeout_failure``); a runner not heard from for
+``offline_after`` reads offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import random
+import re
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+RUNNER_FAULTS = ("crash", "hang", "never_connect")
+DONE = ("success", "failed", "canceled", "skipped")
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _event_time(ts: float | None) -> str | None:
+    """The Job event's own format: ``2021-01-13 17:57:05 UTC``."""
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+@dataclass
+class Project:
+    id: int
+    path: str
+    group_id: int | None = None
+
+
+@dataclass
+class Job:
+    id: int
+    project_id: int
+    project: str
+    pipeline_id: int
+    pipeline: str  # the pipeline's name (workflow:name)
+    ref: str
+    name: str
+    stage: str
+    tags: list[str]
+    script: list[str]
+    status: str = "created"
+    failure_reason: str | None = None
+    runner_id: int | None = None
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # the job's CI_JOB_TOKEN
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def as_json(self, runners: dict[int, Runner]) -> dict[str, Any]:
+        runner = runners.get(self.runner_id) if self.runner_id else None
+        return {
+            "id": self.id,
+            "status": self.status,
+            "stage": self.stage,
+            "name": self.name,
+            "ref": self.ref,
+            "tag": False,
+            "tag_list": list(self.tags),
+            "allow_failure": False,
+            "created_at": _iso(self.created_at),
+            "started_at": _iso(self.started_at),
+            "finished_at": _iso(self.finished_at),
+            "failure_reason": self.failure_reason,
+            "pipeline": {"id": self.pipeline_id, "project_id": self.project_id, "ref": self.ref},
+            "runner": runner.brief() if runner else ({"id": self.runner_id} if self.runner_id else None),
+            "web_url": f"/{self.project}/-/jobs/{self.id}",
+        }
+
+
+@dataclass
+class Runner:
+    id: int
+    token: str
+    description: str
+    tags: list[str]
+    run_untagged: bool
+    runner_type: str
+    project_id: int | None
+    group_id: int | None
+    maximum_timeout: int
+    fault: str | None
+    paused: bool = False
+    contacted_at: float | None = None
+    job_id: int | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def status(self, now: float, offline_after: float) -> str:
+        if self.contacted_at is None:
+            return "never_contacted"
+        return "online" if now - self.contacted_at < offline_after else "offline"
+
+    def brief(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "description": self.description,
+            "runner_type": self.runner_type,
+            "active": not self.paused,
+            "is_shared": False,
+            "tags": list(self.tags),
+        }
+
+    def as_json(self, now: float, offline_after: float) -> dict[str, Any]:
+        status = self.status(now, offline_after)
+        return {
+            **self.brief(),
+            "paused": self.paused,
+            "name": "gitlab-runner",
+            "online": status == "online",
+            "status": status,
+            "ip_address": "127.0.0.1",
+            "tag_list": list(self.tags),
+            "run_untagged": self.run_untagged,
+            "maximum_timeout": self.maximum_timeout,
+            "contacted_at": _iso(self.contacted_at),
+        }
+
+
+@dataclass
+class Delivery:
+    id: int
+    key: str
+    job_id: int
+    status: str
+    body: bytes
+    status_code: int = 0
+    delivered_at: float = field(default_factory=time.time)
+    duration: float = 0.0
+
+
+class FakeGitLab:
+    """The fake. Thread-safe; ``calls`` records ``(method, route, status)`` of every REST call
+    (``runner_calls`` those of the runner API)."""
+
+    def __init__(
+        self,
+        *,
+        token: str = "",
+        webhook_token: str = "",
+        webhook_url: str = "",
+        seed: int = 0,
+        port: int = 0,
+        offline_after: float = 30.0,
+        lost_after: float = 60.0,
+    ) -> None:
+        self.token = token
+        self.webhook_token = webhook_token
+        self.webhook_url = webhook_url
+        self.offline_after = offline_after
+        self.lost_after = lost_after
+        self.port = port
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self.reset()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> FakeGitLab:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                fake._handle(self)
+
+            do_POST = do_DELETE = do_PUT = do_PATCH = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._stop.clear()
+        for target, name in (
+            (self._server.serve_forever, "fake-gitlab"),
+            (self._send_loop, "fake-gitlab-webhooks"),
+            (self._sweep_loop, "fake-gitlab-sweeper"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.changed:
+            self.changed.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads = []
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "start() first"
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def reset(self) -> None:
+        with self.lock:
+            self.projects: dict[int, Project] = {}
+            self.jobs: dict[int, Job] = {}
+            self.runners: dict[int, Runner] = {}
+            self.deliveries: list[Delivery] = []
+            self.calls: list[tuple[str, str, int]] = []
+            self.runner_calls: list[tuple[str, str, int]] = []
+            self.outbox: deque[Delivery] = deque()
+            self.held_back: list[tuple[Delivery, float]] = []
+            self.runner_faults: deque[str] = deque()
+            self.error_rate = 0.0
+            self.latency = 0.0
+            self.lost_rate = 0.0  # events never sent (GitLab does not retry: only polling finds them)
+            self.duplicate_rate = 0.0
+            self.reorder_rate = 0.0
+            self.event_tags = False  # add the job's tags to its events (build_tags)
+            self.rate_limited_until = 0.0
+            self.rate_limit = 2000
+            self._rate_used = 0
+            self._rate_window = time.time()
+            self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
+            self.runner_online_at: dict[int, float] = {}  # runner id -> its first contact
+            self.runner_created_at: dict[int, float] = {}
+            self.runners_seen: dict[int, str] = {}  # runner id -> its description (deleted ones too)
+            self.issued_tokens: list[str] = []  # every glrt- token (tests: never in a log)
+            self.deleted_runners: list[int] = []
+            self.max_runners_seen = 0
+            self._ids = itertools.count(1000)
+
+    # ---- controls (tests, the bench, ``make dev``) ---------------------------------------------
+
+    def add_project(self, project_id: int, path: str, group_id: int | None = None) -> None:
+        with self.lock:
+            self.projects[project_id] = Project(project_id, path, group_id)
+
+    def project_named(self, path: str) -> Project:
+        with self.lock:
+            return next(p for p in self.projects.values() if p.path == path)
+
+    def queue_job(
+        self,
+        project: str,
+        tags: Iterable[str],
+        script: list[str] | None = None,
+        *,
+        pipeline: str = "CI",
+        name: str = "build",
+        stage: str = "test",
+        ref: str = "main",
+    ) -> int:
+        """A pipeline with one job: created, then pending (each with its Job event)."""
+        with self.lock:
+            where = self.project_named(project)
+            job = Job(
+                id=next(self._ids),
+                project_id=where.id,
+                project=where.path,
+                pipeline_id=next(self._ids),
+                pipeline=pipeline,
+                ref=ref,
+                name=name,
+                stage=stage,
+                tags=[str(t) for t in tags],
+                script=list(script or ["echo hello from $(uname -n)"]),
+            )
+            self.jobs[job.id] = job
+            self._event(job)
+            job.status = "pending"
+            self._event(job)
+            self.changed.notify_all()
+            return job.id
+
+    def cancel_job(self, job_id: int) -> None:
+        """Cancel a job: a pending one ends ``canceled`` at once; a running one too (its runner's
+        next trace update or report is refused, and it stops)."""
+        with self.lock:
+            job = self.jobs[job_id]
+            if job.status in DONE:
+                return
+            runner = self.runners.get(job.runner_id) if job.runner_id else None
+            if runner is not None and runner.job_id == job.id:
+                runner.job_id = None
+            self._finish(job, "canceled")
+
+    def fail_next(self, pattern: str, status: int = 503, times: int = 1) -> None:
+        """The next ``times`` REST calls whose ``METHOD /path`` matches ``pattern`` answer ``status``."""
+        with self.lock:
+            self._fail_next.append((re.compile(pattern), status, times))
+
+    def rate_limit_for(self, seconds: float) -> None:
+        """Every REST call answers 429 (``Retry-After``) for ``seconds``."""
+        with self.lock:
+            self.rate_limited_until = time.time() + seconds
+
+    def job(self, job_id: int) -> Job:
+        with self.lock:
+            return self.jobs[job_id]
+
+    def count(self, method: str, route_prefix: str = "") -> int:
+        with self.lock:
+            return sum(1 for m, r, _ in self.calls if m == method and r.startswith(route_prefix))
+
+    def api_calls(self) -> int:
+        """REST calls Catacloud made (the runner API and the controls not counted)."""
+        with self.lock:
+            return len(self.calls)
+
+    def summary(self) -> dict[str, Any]:
+        with self.lock:
+            now = time.time()
+            statuses: dict[str, int] = {}
+            for job in self.jobs.values():
+                statuses[job.status] = statuses.get(job.status, 0) + 1
+            return {
+                "jobs": statuses,
+                "runners": [r.as_json(now, self.offline_after) for r in self.runners.values()],
+                "deliveries": len(self.deliveries),
+                "api_calls": len(self.calls),
+            }
+
+    def unfinished(self, ids: Iterable[int]) -> list[int]:
+        with self.lock:
+            return [i for i in ids if self.jobs[i].status not in DONE]
+
+    # ---- Job events ----------------------------------------------------------------------------
+
+    def _payload(self, job: Job) -> dict[str, Any]:
+        runner = self.runners.get(job.runner_id) if job.runner_id else None
+        duration = (job.finished_at or time.time()) - job.started_at if job.started_at else None
+        payload: dict[str, Any] = {
+            "object_kind": "build",
+            "ref": job.ref,
+            "tag": False,
+            "before_sha": "0" * 40,
+            "sha": "1" * 40,
+            "retries_count": 0,
+            "build_id": job.id,
+            "build_name": job.name,
+            "build_stage": job.stage,
+            "build_status": job.status,
+            "build_created_at": _event_time(job.created_at),
+            "build_started_at": _event_time(job.started_at),
+            "build_finished_at": _event_time(job.finished_at),
+            "build_created_at_iso": _iso(job.created_at),
+            "build_started_at_iso": _iso(job.started_at),
+            "build_finished_at_iso": _iso(job.finished_at),
+            "build_duration": duration,
+            "build_queued_duration": None,
+            "build_allow_failure": False,
+            "build_failure_reason": job.failure_reason or "unknown_failure",
+            "pipeline_id": job.pipeline_id,
+            "runner": runner.brief() if runner else None,
+            "project_id": job.project_id,
+            "project_name": job.project.replace("/", " / "),
+            "user": {"id": 1, "name": "Fake User", "username": "fake", "email": "[REDACTED]"},
+            "commit": {
+                "id": job.pipeline_id,
+                "name": job.pipeline,
+                "sha": "1" * 40,
+                "message": "a change\n",
+                "status": job.status,
+            },
+            "repository": {"name": job.project.split("/")[-1], "homepage": f"{self._base()}/{job.project}"},
+            "project": {"id": job.project_id, "path_with_namespace": job.project},
+            "environment": None,
+        }
+        if self.event_tags:
+            payload["build_tags"] = list(job.tags)
+        return payload
+
+    def _base(self) -> str:
+        return self.url if self._server is not None else "http://gitlab.invalid"
+
+    def _event(self, job: Job) -> None:
+        """Queue the job's Job event for its current status (the lock is held)."""
+        delivery = Delivery(
+            next(self._ids), str(uuid.uuid4()), job.id, job.status, json.dumps(self._payload(job)).encode()
+        )
+        if self.rng.random() < self.lost_rate:
+            return  # dropped: GitLab never sends it again
+        self.deliveries.append(delivery)
+        self.outbox.append(delivery)
+        if self.rng.random() < self.duplicate_rate:
+            self.outbox.append(delivery)  # the same event (the same Idempotency-Key) again
+        self.changed.notify_all()
+
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.changed:
+                now = time.time()
+                due = [d for d, at in self.held_back if at <= now]
+                self.held_back = [(d, at) for d, at in self.held_back if at > now]
+                batch = list(due)
+                while self.outbox:
+                    batch.append(self.outbox.popleft())
+                if not batch:
+                    self.changed.wait(0.05)
+                    continue
+            for delivery in batch:
+                if delivery not in due and self.rng.random() < self.reorder_rate:
+                    with self.lock:
+                        self.held_back.append((delivery, time.time() + 0.3 + self.rng.random()))
+                    continue
+                self._post(delivery)
+
+    def _post(self, delivery: Delivery) -> None:
+        if not self.webhook_url:
+            return
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "GitLab/17.9.0-fake",
+            "X-Gitlab-Event": "Job Hook",
+            "X-Gitlab-Token": self.webhook_token,
+            "X-Gitlab-Event-UUID": delivery.key,
+            "Idempotency-Key": delivery.key,
+            "X-Gitlab-Webhook-UUID": "00000000-0000-4000-8000-000000000001",
+            "X-Gitlab-Instance": self._base(),
+        }
+        started = time.time()
+        request = urllib.request.Request(self.webhook_url, data=delivery.body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except OSError:
+            status = 0
+        with self.lock:
+            delivery.status_code = status
+            delivery.duration = time.time() - started
+            delivery.delivered_at = started
+
+    def delivery_for(self, job_id: int, status: str) -> Delivery | None:
+        """The first delivery of ``job_id``'s ``status`` event (the bench times them)."""
+        with self.lock:
+            return next((d for d in self.deliveries if d.job_id == job_id and d.status == status), None)
+
+    # ---- jobs and runners ------------------------------------------------------------------------
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            with self.lock:
+                now = time.time()
+                for job in list(self.jobs.values()):
+                    if job.status != "running":
+                        continue
+                    runner = self.runners.get(job.runner_id) if job.runner_id else None
+                    seen = runner.contacted_at if runner is not None else job.started_at
+                    if now - (seen or now) > self.lost_after:
+                        if runner is not None and runner.job_id == job.id:
+                            runner.job_id = None
+                        job.failure_reason = "stuck_or_timeout_failure"
+                        self._finish(job, "failed")
+
+    def _finish(self, job: Job, status: str) -> None:
+        job.status, job.finished_at = status, time.time()
+        self._event(job)
+        self.changed.notify_all()
+
+    def _take(self, runner: Runner) -> Job | None:
+        """The oldest pending job this runner may run: its tags are all the runner's (an untagged
+        job only for a runner that runs untagged ones), of the runner's project or group."""
+        if runner.paused:
+            return None
+        mine = {t.lower() for t in runner.tags}
+        for job in sorted(self.jobs.values(), key=lambda j: j.id):
+            if job.status != "pending":
+                continue
+            wanted = {t.lower() for t in job.tags}
+            if not wanted and not runner.run_untagged:
+                continue
+            if not wanted <= mine:
+                continue
+            if runner.runner_type == "project_type" and job.project_id != runner.project_id:
+                continue
+            if (
+                runner.runner_type == "group_type"
+                and self.projects[job.project_id].group_id != runner.group_id
+            ):
+                continue
+            job.status, job.started_at, job.runner_id = "running", time.time(), runner.id
+            runner.job_id = job.id
+            self._event(job)
+            return job
+        return None
+
+    # ---- HTTP --------------------------------------------------------------------------------------
+
+    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        parts = urlsplit(handler.path)
+        path = parts.path
+        query = {k: (v if k.endswith("[]") else v[-1]) for k, v in parse_qs(parts.query).items()}
+        length = int(handler.headers.get("Content-Length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        status: int = 500
+        body: Any = {"message": "fake error"}
+        headers: dict[str, str] = {}
+        route = re.sub(r"/\d+", "/{id}", path)
+        runner_side = path in ("/api/v4/runners/verify", "/api/v4/jobs/request") or bool(
+            re.fullmatch(r"/api/v4/jobs/\d+(/trace)?", path)
+        )
+        try:
+            if path.startswith("/_fake/"):
+                status, body = self._controls(handler.command, path, raw)
+            elif runner_side:
+                status, body = self._runner_api(handler, path, raw)
+            elif path.startswith("/api/v4/"):
+                status, body, headers = self._rest(handler, path[len("/api/v4") :], query, raw)
+            else:
+                raise HttpError(404, "404 Not Found")
+        except HttpError as err:
+            status, body, headers = err.status, {"message": err.message}, err.headers
+        except Exception as exc:  # a bug in the fake: say so
+            status, body = 500, {"message": f"fake: {type(exc).__name__}: {exc}"}
+        with self.lock:
+            if runner_side:
+                self.runner_calls.append((handler.command, route, status))
+            elif not path.startswith("/_fake/"):
+                self.calls.append((handler.command, route.removeprefix("/api/v4"), status))
+        data = b"" if status == 204 or body is None else json.dumps(body).encode()
+        try:
+            handler.send_response(status)
+            for name, value in headers.items():
+                handler.send_header(name, value)
+            if data:
+                handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            if data:
+                handler.wfile.write(data)
+        except OSError:
+            pass  # the caller went away (a killed runner's long poll)
+
+    def _rate_headers(self) -> dict[str, str]:
+        now = time.time()
+        with self.lock:
+            if now - self._rate_window >= 60:
+                self._rate_window, self._rate_used = now, 0
+            self._rate_used += 1
+            used = self._rate_used
+        reset = int(self._rate_window + 60)
+        return {
+            "RateLimit-Limit": str(self.rate_limit),
+            "RateLimit-Observed": str(used),
+            "RateLimit-Remaining": str(max(0, self.rate_limit - used)),
+            "RateLimit-Reset": str(reset),
+            "RateLimit-ResetTime": datetime.fromtimestamp(reset, UTC).strftime("%a, %d %b %Y %H:%M:%S GMT"),
+        }
+
+    def _rest(
+        self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, Any], raw: bytes
+    ) -> tuple[int, Any, dict[str, str]]:
+        method = handler.command
+        if self.latency:
+            time.sleep(self.latency)
+        token = handler.headers.get("PRIVATE-TOKEN") or handler.headers.get("Authorization", "").removeprefix(
+            "Bearer "
+        )
+        if not self.token or token != self.token:
+            raise HttpError(401, "401 Unauthorized")
+        now = time.time()
+        if now < self.rate_limited_until:
+            wait = int(self.rate_limited_until - now) + 1
+            raise HttpError(
+                429,
+                "Retry later",
+                {
+                    "Retry-After": str(wait),
+                    "RateLimit-Limit": str(self.rate_limit),
+                    "RateLimit-Remaining": "0",
+                    "RateLimit-Reset": str(int(self.rate_limited_until) + 1),
+                },
+            )
+        with self.lock:
+            for i, (pattern, status, times) in enumerate(self._fail_next):
+                if pattern.search(f"{method} {path}"):
+                    self._fail_next[i] = (pattern, status, times - 1)
+                    if times - 1 <= 0:
+                        self._fail_next.pop(i)
+                    raise HttpError(status, "injected failure")
+            injected = self.error_rate and self.rng.random() < self.error_rate
+        if injected:
+            raise HttpError(self.rng.choice([500, 502, 503]), "injected server error")
+        headers = self._rate_headers()
+        body = json.loads(raw) if raw else {}
+        with self.lock:
+            if path == "/user/runners" and method == "POST":
+                return 201, self._create_runner(body), headers
+            if path == "/runners" and method == "GET":
+                now = time.time()
+                items = [
+                    r.as_json(now, self.offline_after)
+                    for r in sorted(self.runners.values(), key=lambda r: r.id)
+                ]
+                return 200, self._page(query, items, headers), headers
+            if m := re.fullmatch(r"/runners/(\d+)(/jobs)?", path):
+                return (
+                    *self._runner_rest(method, int(m.group(1)), bool(m.group(2)), query, body, headers),
+                    headers,
+                )
+            if m := re.fullmatch(r"/projects/(\d+)/jobs(?:/(\d+)(/cancel)?)?", path):
+                project = self.projects.get(int(m.group(1)))
+                if project is None:
+                    raise HttpError(404, "404 Project Not Found")
+                return (
+                    *self._jobs_rest(method, project, m.group(2), bool(m.group(3)), query, headers),
+                    headers,
+                )
+        raise HttpError(404, "404 Not Found")
+
+    @staticmethod
+    def _page(query: dict[str, Any], items: list[Any], headers: dict[str, str]) -> list[Any]:
+        per_page = max(1, min(100, int(query.get("per_page", 20))))
+        page = max(1, int(query.get("page", 1)))
+        headers["X-Total"] = str(len(items))
+        headers["X-Page"] = str(page)
+        if page * per_page < len(items):
+            headers["X-Next-Page"] = str(page + 1)
+        return items[(page - 1) * per_page : page * per_page]
+
+    def _create_runner(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = body.get("runner_type")
+        if kind == "instance_type":
+            raise HttpError(403, "403 Forbidden")
+        if kind not in ("project_type", "group_type"):
+            raise HttpError(400, "runner_type does not have a valid value")
+        project_id = body.get("project_id") if kind == "project_type" else None
+        group_id = body.get("group_id") if kind == "group_type" else None
+        if kind == "project_type" and project_id not in self.projects:
+            raise HttpError(404, "404 Project Not Found")
+        if kind == "group_type" and not any(p.group_id == group_id for p in self.projects.values()):
+            raise HttpError(404, "404 Group Not Found")
+        tags = body.get("tag_list") or []
+        if isinstance(tags, str):
+            tags = [t.strip() for t in tags.split(",") if t.strip()]
+        timeout = body.get("maximum_timeout")
+        if timeout is not None and int(timeout) < 600:
+            raise HttpError(400, "maximum_timeout needs to be at least 10 minutes")
+        fault = self.runner_faults.popleft() if self.runner_faults else None
+        runner = Runner(
+            id=next(self._ids),
+            token="glrt-" + secrets.token_urlsafe(20),
+            description=str(body.get("description") or ""),
+            tags=[str(t) for t in tags],
+            run_untagged=bool(body.get("run_untagged", True)),
+            runner_type=str(kind),
+            project_id=project_id,
+            group_id=group_id,
+            maximum_timeout=int(timeout or 3600),
+            fault=fault,
+            paused=bool(body.get("paused", False)),
+        )
+        self.runners[runner.id] = runner
+        self.runner_created_at[runner.id] = runner.created_at
+        self.runners_seen[runner.id] = runner.description
+        self.issued_tokens.append(runner.token)
+        self.max_runners_seen = max(self.max_runners_seen, len(self.runners))
+        return {"id": runner.id, "token": runner.token, "token_expires_at": None}
+
+    def _runner_rest(
+        self,
+        method: str,
+        runner_id: int,
+        jobs: bool,
+        query: dict[str, Any],
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> tuple[int, Any]:
+        runner = self.runners.get(runner_id)
+        if runner is None:
+            raise HttpError(404, "404 Runner Not Found")
+        now = time.time()
+        if jobs and method == "GET":
+            mine = [j for j in self.jobs.values() if j.runner_id == runner.id]
+            if query.get("status"):
+                mine = [j for j in mine if j.status == query["status"]]
+            return 200, self._page(query, [j.as_json(self.runners) for j in mine], headers)
+        if method == "GET":
+            return 200, runner.as_json(now, self.offline_after)
+        if method == "PUT":
+            if "paused" in body:
+                runner.paused = bool(body["paused"])
+            return 200, runner.as_json(now, self.offline_after)
+        if method == "DELETE":
+            self.runners.pop(runner.id, None)
+            self.deleted_runners.append(runner.id)
+            self.changed.notify_all()
+            return 204, None
+        raise HttpError(405, "405 Method Not Allowed")
+
+    def _jobs_rest(
+        self,
+        method: str,
+        project: Project,
+        job_id: str | None,
+        cancel: bool,
+        query: dict[str, Any],
+        headers: dict[str, str],
+    ) -> tuple[int, Any]:
+        if job_id is None:
+            if method != "GET":
+                raise HttpError(405, "405 Method Not Allowed")
+            scopes = query.get("scope[]") or query.get("scope") or []
+            scopes = [scopes] if isinstance(scopes, str) else list(scopes)
+            mine = sorted((j for j in self.jobs.values() if j.project_id == project.id), key=lambda j: -j.id)
+            if scopes:
+                mine = [j for j in mine if j.status in scopes]
+            return 200, self._page(query, [j.as_json(self.runners) for j in mine], headers)
+        job = self.jobs.get(int(job_id))
+        if job is None or job.project_id != project.id:
+            raise HttpError(404, "404 Not found")
+        if cancel and method == "POST":
+            self.cancel_job(job.id)
+            return 201, job.as_json(self.runners)
+        if method == "GET" and not cancel:
+            return 200, job.as_json(self.runners)
+        raise HttpError(405, "405 Method Not Allowed")
+
+    # ---- the runner API (the stand-in gitlab-runner's) ---------------------------------------------
+
+    def _runner_api(self, handler: BaseHTTPRequestHandler, path: str, raw: bytes) -> tuple[int, Any]:
+        body = json.loads(raw) if raw else {}
+        method = handler.command
+        with self.changed:
+            if path == "/api/v4/runners/verify" and method == "POST":
+                runner = self._runner_by_token(body.get("token"))
+                if runner.fault != "never_connect":  # the fault: its contact never arrives
+                    self._contact(runner)
+                return 200, {
+                    "id": runner.id,
+                    "token": runner.token,
+                    "token_expires_at": None,
+                    "fault": runner.fault,
+                }
+            if path == "/api/v4/jobs/request" and method == "POST":
+                runner = self._runner_by_token(body.get("token"))
+                deadline = time.time() + min(30.0, float(body.get("wait") or 0))
+                while True:
+                    if runner.id not in self.runners:
+                        raise HttpError(403, "403 Forbidden")
+                    self._contact(runner)
+                    job = self._take(runner) if runner.job_id is None else None
+                    if job is not None:
+                        return 201, self._job_payload(job, runner)
+                    remaining = deadline - time.time()
+                    if remaining <= 0 or self._stop.is_set():
+                        return 204, None
+                    self.changed.wait(min(remaining, 1.0))
+            m = re.fullmatch(r"/api/v4/jobs/(\d+)(/trace)?", path)
+            job = self.jobs.get(int(m.group(1))) if m else None
+            token = body.get("token") or handler.headers.get("JOB-TOKEN")
+            if job is None or token != job.token:
+                raise HttpError(403, "403 Forbidden")
+            runner = self.runners.get(job.runner_id) if job.runner_id else None
+            if runner is not None:
+                self._contact(runner)
+            if job.status != "running":
+                raise HttpError(403, "403 Forbidden - Job is not running")  # canceled: the runner stops
+            if m and m.group(2):  # a trace update: the job is alive
+                return 202, None
+            state = str(body.get("state") or "")
+            if state in ("success", "failed"):
+                if runner is not None and runner.job_id == job.id:
+                    runner.job_id = None
+                job.failure_reason = (
+                    str(body.get("failure_reason") or "script_failure") if state == "failed" else None
+                )
+                self._finish(job, state)
+            return 200, None
+
+    def _runner_by_token(self, token: Any) -> Runner:
+        runner = next((r for r in self.runners.values() if r.token == token), None)
+        if runner is None:
+            raise HttpError(403, "403 Forbidden")
+        return runner
+
+    def _contact(self, runner: Runner) -> None:
+        runner.contacted_at = time.time()
+        self.runner_online_at.setdefault(runner.id, runner.contacted_at)
+
+    def _job_payload(self, job: Job, runner: Runner) -> dict[str, Any]:
+        variables = {
+            "CI_JOB_ID": str(job.id),
+            "CI_JOB_NAME": job.name,
+            "CI_JOB_STAGE": job.stage,
+            "CI_PIPELINE_ID": str(job.pipeline_id),
+            "CI_PROJECT_ID": str(job.project_id),
+            "CI_PROJECT_PATH": job.project,
+            "CI_COMMIT_REF_NAME": job.ref,
+            "CI_RUNNER_ID": str(runner.id),
+            "CI_RUNNER_DESCRIPTION": runner.description,
+            "CI_RUNNER_TAGS": json.dumps(runner.tags),
+        }
+        return {
+            "id": job.id,
+            "token": job.token,
+            "allow_git_fetch": False,
+            "job_info": {
+                "id": job.id,
+                "name": job.name,
+                "stage": job.stage,
+                "project_id": job.project_id,
+                "project_name": job.project,
+            },
+            "git_info": {"repo_url": f"{self._base()}/{job.project}.git", "ref": job.ref, "sha": "1" * 40},
+            "runner_info": {"timeout": runner.maximum_timeout},
+            "variables": [
+                {"key": k, "value": v, "public": True, "masked": False} for k, v in variables.items()
+            ],
+            "steps": [
+                {
+                    "name": "script",
+                    "script": list(job.script),
+                    "timeout": runner.maximum_timeout,
+                    "when": "on_success",
+                }
+            ],
+            "fault": runner.fault,
+        }
+
+    # ---- controls over HTTP (make dev, another process) --------------------------------------------
+
+    def _controls(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+        body = json.loads(raw) if raw else {}
+        if path == "/_fake/jobs" and method == "POST":
+            job_id = self.queue_job(
+                str(body["project"]),
+                list(body.get("tags") or []),
+                list(body.get("script") or []) or None,
+                pipeline=str(body.get("pipeline", "CI")),
+                name=str(body.get("name", "build")),
+                stage=str(body.get("stage", "test")),
+                ref=str(body.get("ref", "main")),
+            )
+            with self.lock:
+                return 201, self.jobs[job_id].as_json(self.runners)
+        if (m := re.fullmatch(r"/_fake/jobs/(\d+)", path)) and method == "GET":
+            with self.lock:
+                job = self.jobs.get(int(m.group(1)))
+                if job is None:
+                    raise HttpError(404, "404 Not found")
+                return 200, job.as_json(self.runners)
+        if (m := re.fullmatch(r"/_fake/jobs/(\d+)/cancel", path)) and method == "POST":
+            self.cancel_job(int(m.group(1)))
+            return 202, {}
+        if path == "/_fake/state" and method == "GET":
+            return 200, self.summary()
+        if path == "/_fake/faults" and method == "POST":
+            with self.lock:
+                for key in ("error_rate", "latency", "lost_rate", "duplicate_rate", "reorder_rate"):
+                    if key in body:
+                        setattr(self, key, float(body[key]))
+                if "event_tags" in body:
+                    self.event_tags = bool(body["event_tags"])
+                self.runner_faults.extend(str(f) for f in body.get("runner_faults", []) if f in RUNNER_FAULTS)
+            if "rate_limit_seconds" in body:
+                self.rate_limit_for(float(body["rate_limit_seconds"]))
+            return 200, {"ok": True}
+        raise HttpError(404, "404 Not Found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the fake until interrupted (``make dev`` runs it this way when asked to)."""
+    parser = argparse.ArgumentParser(prog="python -m testkit.gitlab_fake", description=__doc__)
+    parser.add_argument("--port", type=int, default=8071)
+    parser.add_argument("--token-file", required=True, help="the access token Catacloud uses")
+    parser.add_argument("--webhook-token-file", required=True, help="the webhook's secret token")
+    parser.add_argument("--webhook-url", required=True)
+    parser.add_argument("--project", action="append", default=[], help="id:path (repeatable)")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    fake = FakeGitLab(
+        token=Path(args.token_file).read_text().strip(),
+        webhook_token=Path(args.webhook_token_file).read_text().strip(),
+        webhook_url=args.webhook_url,
+        port=args.port,
+    )
+    for item in args.project or ["1:demo-group/app"]:
+        ident, _, path = item.partition(":")
+        fake.add_project(int(ident), path)
+    fake.start()
+    print(f"fake GitLab at {fake.url} (controls: POST {fake.url}/_fake/jobs)", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+    fake.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

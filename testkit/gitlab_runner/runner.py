@@ -1,0 +1,194 @@
+"""A stand-in for ``gitlab-runner run-single``, for the fake GitLab (testkit/gitlab_fake.py).
+
+Standard library only (it runs inside a job, which sees the venv's python3 and its own work
+folder, not the project checkout). Like the real runner's ``run-single``: it takes GitLab's URL
+and the runner's token from ``--url``/``--token`` (or ``CI_SERVER_URL``/``CI_SERVER_TOKEN``),
+verifies the token, asks for a job (``POST /api/v4/jobs/request``) until ``--wait-timeout``
+seconds pass, runs the job's script lines with the shell executor in ``--builds-dir``, keeps
+the job alive with trace updates, reports success or failure (``PUT /api/v4/jobs/:id``) and,
+after ``--max-builds`` jobs, exits 0. The fake may ask it to misbehave: ``crash`` (exit 3 right
+after taking a job), ``hang`` (take a job and never report), ``never_connect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+KEEPALIVE = 2.0  # seconds between trace updates while a script line runs
+
+
+def say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def call(
+    url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 40,
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        url.rstrip("/") + path,
+        data=data,
+        method=method,
+        headers={
+            "Content-Type": "application/json",
+            "User-Agent": "gitlab-runner stand-in",
+            **(headers or {}),
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def alive(url: str, job: dict[str, Any]) -> bool:
+    """A trace update (the job is alive); False when GitLab refuses it (the job was canceled)."""
+    try:
+        status, _ = call(
+            url, "PATCH", f"/api/v4/jobs/{job['id']}/trace", {}, {"JOB-TOKEN": job["token"]}, timeout=10
+        )
+    except OSError:
+        return True  # GitLab unreachable a moment: keep going
+    return status != 403
+
+
+def run_script(url: str, job: dict[str, Any], builds_dir: str) -> str:
+    """The job's script lines, one shell each, in its build folder: success, failed or canceled."""
+    variables = {v["key"]: v["value"] for v in job.get("variables") or []}
+    project = job.get("job_info", {}).get("project_name", "project")
+    work = os.path.join(builds_dir, project, str(job["id"]))
+    os.makedirs(work, exist_ok=True)
+    env = {**os.environ, **variables}
+    env.pop("CI_SERVER_TOKEN", None)  # the runner's own token is not the job's business
+    lines = [line for step in job.get("steps") or [] for line in step.get("script") or []]
+    for line in lines:
+        say(f"$ {line}")
+        proc = subprocess.Popen(["/bin/sh", "-c", line], cwd=work, env=env)
+        while True:
+            try:
+                code = proc.wait(timeout=KEEPALIVE)
+                break
+            except subprocess.TimeoutExpired:
+                if not alive(url, job):
+                    proc.kill()
+                    say("the job was canceled")
+                    return "canceled"
+        if code != 0:
+            say(f"ERROR: Job failed: exit status {code}")
+            return "failed"
+    return "success"
+
+
+def run_single(args: argparse.Namespace) -> int:
+    url, token = args.url, args.token
+    if not url or not token:
+        say("run-single needs --url and --token (or CI_SERVER_URL and CI_SERVER_TOKEN)")
+        return 2
+    if args.executor != "shell":
+        say(f"this stand-in runs the shell executor only (not {args.executor})")
+        return 2
+    fault, runner_id = None, None
+    for attempt in range(30):
+        try:
+            status, body = call(url, "POST", "/api/v4/runners/verify", {"token": token})
+        except OSError as exc:
+            say(f"cannot reach GitLab ({exc}); retrying")
+            time.sleep(min(5, 0.5 * (attempt + 1)))
+            continue
+        if status == 200:
+            fault, runner_id = (body or {}).get("fault"), (body or {}).get("id")
+            break
+        say(f"ERROR: Verifying runner... is removed (HTTP {status})")
+        return 1
+    else:
+        return 1
+    if fault == "never_connect":
+        say("configured never to connect; waiting")
+        while True:
+            time.sleep(3600)
+    say(f"Runtime platform arch=amd64 os=linux; executor={args.executor} max-builds={args.max_builds}")
+    builds = 0
+    deadline = time.monotonic() + args.wait_timeout
+    while builds < args.max_builds:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            say(f"no job received within {args.wait_timeout}s (--wait-timeout); exiting")
+            return 0
+        try:
+            status, job = call(
+                url, "POST", "/api/v4/jobs/request", {"token": token, "wait": min(20.0, remaining)}
+            )
+        except OSError as exc:
+            say(f"Checking for jobs... failed ({exc}); retrying")
+            time.sleep(1)
+            continue
+        if status == 403:
+            say("ERROR: Checking for jobs... forbidden: the runner was deleted; exiting")
+            return 0
+        if status != 201 or not job:
+            continue
+        builds += 1
+        repo = job["git_info"]["repo_url"]
+        say(f"Checking for jobs... received job={job['id']} repo_url={repo} runner={runner_id}")
+        say(f"Running job {job['job_info']['name']} ({job['job_info']['project_name']})")
+        if job.get("fault") == "crash":
+            say("crashing as configured")
+            os._exit(3)
+        if job.get("fault") == "hang":
+            say("hanging as configured")
+            while True:
+                time.sleep(3600)
+        result = run_script(url, job, args.builds_dir)
+        if result != "canceled":
+            body = {"token": job["token"], "state": result}
+            if result == "failed":
+                body["failure_reason"] = "script_failure"
+            for _ in range(10):
+                try:
+                    call(url, "PUT", f"/api/v4/jobs/{job['id']}", body)
+                    break
+                except OSError:
+                    time.sleep(1)
+        say(f"Job {'succeeded' if result == 'success' else result} (job={job['id']})")
+        deadline = time.monotonic() + args.wait_timeout
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gitlab-runner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    single = sub.add_parser("run-single", help="run one runner for a number of jobs, then exit")
+    single.add_argument("--url", default=os.environ.get("CI_SERVER_URL", ""))
+    single.add_argument("--token", default=os.environ.get("CI_SERVER_TOKEN", ""))
+    single.add_argument("--executor", default=os.environ.get("RUNNER_EXECUTOR", "shell"))
+    single.add_argument("--max-builds", type=int, default=0)
+    single.add_argument("--wait-timeout", type=float, default=0)
+    single.add_argument("--builds-dir", default=os.path.join(os.getcwd(), "builds"))
+    single.add_argument("--cache-dir", default=os.path.join(os.getcwd(), "cache"))
+    single.add_argument("--docker-image", default="")
+    single.add_argument("--name", default="")
+    args = parser.parse_args(argv)
+    if args.max_builds <= 0:
+        args.max_builds = 1 << 30
+    if args.wait_timeout <= 0:
+        args.wait_timeout = float("inf")
+    return run_single(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""GitLab CI on Catacloud end to end: the fake GitLab (a thread of this process) sends Job events
+to the live server; a real worker and beat dispatch; the local provider's agents run the
+stand-in gitlab-runner (``run-single``), which takes a job from the fake, runs its script,
+reports, exits; the runner is deleted at GitLab. Then the sixty-job proof of the GitHub
+adapter, for GitLab; then GitHub and GitLab jobs interleaved on one pool."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+
+from apps.gitlab.models import GitLabJob
+from apps.jobs.choices import JOB_LIVE
+from apps.jobs.models import Job, JobLogChunk
+from apps.pools.services import pool_create, pool_refill
+from testkit.gitlab_fake import DONE, FakeGitLab
+from testkit.gitlab_kit import WEBHOOK_PATH, allow_loopback, connect, expose_runner
+from tests.e2e.conftest import Stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+TAGS = ["catacloud", "linux-2cpu"]
+PROJECTS = [(12, "acme/app"), (13, "acme/web")]
+
+
+@dataclass
+class GitLabStack:
+    stack: Stack
+    fake: FakeGitLab
+    classes: list[Any]
+    pool: Any
+
+    def all_finished(self, ids: list[int]) -> bool:
+        return not self.fake.unfinished(ids)
+
+
+@pytest.fixture
+def gitlab(stack: Stack) -> Iterator[GitLabStack]:
+    fake = FakeGitLab(
+        token="glpat-e2e-token", webhook_token="e2e-webhook-token", webhook_url=stack.url + WEBHOOK_PATH
+    ).start()
+    for project_id, path in PROJECTS:
+        fake.add_project(project_id, path)
+    world = stack.world
+    # gitlab-runner is part of the machines' "image": shown before the pool's first machine starts.
+    expose_runner(world.account)
+    pool = pool_create(
+        org=world.org, name="ci-small", machine_type=world.machine_type, target_size=2, max_size=6
+    )
+    pool_refill(pool_id=pool.pk)
+    classes = connect(
+        world.org,
+        fake,
+        projects=PROJECTS,
+        classes=[{"name": "small", "tags": TAGS, "machine_type": world.machine_type, "pool": pool}],
+    )
+    try:
+        yield GitLabStack(stack, fake, classes, pool)
+    finally:
+        fake.stop()
+
+
+def _runner_jobs() -> Any:
+    return Job.objects.filter(gitlab_runner__isnull=False)
+
+
+def test_ci_jobs_run_on_catacloud_machines(gitlab: GitLabStack) -> None:
+    fake, stack = gitlab.fake, gitlab.stack
+    ids = [
+        fake.queue_job(
+            project, TAGS, ["echo step one in $(pwd)", "sleep 1"], pipeline="CI", name=f"build-{i}"
+        )
+        for i, project in enumerate(["acme/app", "acme/app", "acme/web", "acme/app"])
+    ]
+    stack.wait(lambda: gitlab.all_finished(ids), 120, "every CI job to finish")
+    assert {fake.job(i).status for i in ids} == {"success"}
+    ran_on = {fake.runners_seen[fake.job(i).runner_id or 0] for i in ids}
+    assert all(name.startswith("catacloud-") for name in ran_on)
+    # a runner for each job; a machine whose paid hour goes on may serve several
+    assert len({fake.job(i).runner_id for i in ids}) == 4 and 1 <= len(ran_on) <= 4
+    stack.on_timeout = lambda: list(_runner_jobs().values_list("status", "pending_reason", "exit_code"))
+    stack.wait(lambda: not _runner_jobs().filter(status__in=JOB_LIVE).exists(), 90, "the runner jobs to end")
+    ended = list(_runner_jobs().values_list("status", flat=True))
+    assert ended.count("succeeded") == 4, ended  # a runner per job, each ran its job and exited
+    stack.wait(
+        lambda: set(GitLabJob.objects.values_list("status", flat=True)) == {"success"},
+        30,
+        "every CI job record to be success",
+    )
+    assert all(r.job_id for r in GitLabJob.objects.all())
+    # each runner is deleted at GitLab once its job ended: nothing stays registered
+    stack.wait(lambda: not fake.runners, 30, "every runner to be deleted at GitLab")
+    job = _runner_jobs().first()
+    assert job is not None
+    text = "".join(JobLogChunk.objects.filter(job=job).values_list("data", flat=True))
+    assert "received job=" in text and "Job succeeded" in text
+    everything = "".join(JobLogChunk.objects.values_list("data", flat=True))
+    assert fake.issued_tokens and not any(t in everything for t in fake.issued_tokens)  # never in a log
+    costs = stack.api("viewer").get("/api/v1/costs/?group_by=repository").json()
+    assert {"acme/app", "acme/web"} <= {r["key"] for r in costs["results"]}
+    # per job: its tags looked up, its runner created, its runner deleted (reconciles aside)
+    assert fake.count("POST", "/user/runners") == 4 and fake.count("DELETE", "/runners/") == 4
+
+
+def _kill_an_agent_running_a_runner(stack: Stack, relation: str = "gitlab_runner") -> str | None:
+    """SIGKILL the agent (and its runner) of one machine running a runner job: a machine lost."""
+    from apps.machines.models import MachineInstance
+    from testkit.processes import agent_tree, local_machines
+
+    busy = {
+        str(pk)
+        for pk in MachineInstance.objects.filter(
+            status="claimed", **{f"jobs__{relation}__isnull": False}, jobs__status="running"
+        )
+        .values_list("pk", flat=True)
+        .distinct()
+    }
+    for record in local_machines(stack.world.account.config["state_dir"]):
+        if record.get("instance_id") in busy:
+            for proc in agent_tree(record):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            return str(record["instance_id"])
+    return None
+
+
+def _sampler(
+    fake: FakeGitLab, world: Any, targets: int, violations: list[str], stop: threading.Event
+) -> None:
+    from django.db import connection
+
+    from apps.gitlab.models import GitLabRunner
+    from apps.machines.choices import INSTANCE_COUNTED
+    from apps.machines.models import MachineInstance, OrgMachineType
+
+    try:
+        while not stop.wait(0.5):
+            # GitLab's view: registered runners never exceed the jobs they may run plus the pools'
+            # targets (+2: a registration between two counts; +finished runners a moment before
+            # their deletion)
+            view = fake.summary()
+            jobs, registered = view["jobs"], len(view["runners"])
+            busy = jobs.get("pending", 0) + jobs.get("running", 0) + jobs.get("created", 0)
+            if registered > busy + targets + 4:
+                violations.append(f"{registered} runners registered for {jobs}")
+            # ours: runners not yet given a job never exceed the pending jobs we know of
+            supply = GitLabRunner.objects.filter(
+                job__status__in=JOB_LIVE, gitlab_job__isnull=True, retire_requested_at__isnull=True
+            ).count()
+            known = GitLabJob.objects.filter(status="pending").count()
+            if supply > known + targets:
+                violations.append(f"{supply} unbound runners for {known} pending jobs")
+            for grant in OrgMachineType.objects.filter(org=world.org):
+                live = MachineInstance.objects.filter(
+                    org=world.org, machine_type_id=grant.machine_type_id, status__in=INSTANCE_COUNTED
+                ).count()
+                if live > grant.max_instances:
+                    violations.append(
+                        f"{live} machines of {grant.machine_type_id} over {grant.max_instances}"
+                    )
+    finally:
+        connection.close()
+
+
+@pytest.mark.timeout(900)
+def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_left(
+    gitlab: GitLabStack,
+) -> None:
+    """The GitHub proof, for GitLab: 60 CI jobs over 3 runner classes with 10 % of Job events
+    dropped (GitLab never sends them again: only the poll finds them), duplicates, reordering,
+    5 % GitLab 5xx, a rate-limit window (429), a runner that crashes, one that never connects,
+    an agent and a worker killed, three jobs cancelled: every job finishes, nothing stays
+    registered at GitLab or live here, runners never exceed pending jobs plus pool targets,
+    quotas and the budget hold."""
+    from apps.billing.budgets import budget_set
+    from apps.gitlab.services import runner_class_save
+    from apps.jobs.choices import JOB_LIVE
+    from apps.machines.models import MachineInstance, OrgMachineType
+    from apps.pools.models import InstancePool
+    from testkit.builders import granted_type
+    from testkit.gitlab_kit import RUNNER_PATH
+    from testkit.processes import TESTS
+
+    stack, fake = gitlab.stack, gitlab.fake
+    world = stack.world
+    fake.lost_after, fake.offline_after = 6.0, 5.0
+    OrgMachineType.objects.filter(pk=world.grant.pk).update(max_instances=8, max_concurrent_jobs=8)
+    tags = {"a": TAGS}
+    for name in ("b", "c"):
+        mt, _ = granted_type(
+            world.org,
+            world.account,
+            f"ci-{name}",
+            grant={"max_instances": 8, "max_concurrent_jobs": 8, "max_pool_size": 8},
+        )
+        allow_loopback(mt, fake.url)  # its runners reach the fake GitLab, as connect() lets the first
+        pool = pool_create(org=world.org, name=f"ci-{name}", machine_type=mt, target_size=2, max_size=8)
+        pool_refill(pool_id=pool.pk)
+        tags[name] = ["catacloud", f"class-{name}"]
+        runner_class_save(
+            org=world.org,
+            name=name,
+            tags=tags[name],
+            machine_type=mt,
+            pool=pool,
+            runner_path=RUNNER_PATH,
+            online_timeout_seconds=20,
+            idle_timeout_seconds=60,
+        )
+    runner_class_save(
+        org=world.org, runner_class=gitlab.classes[0], online_timeout_seconds=20, idle_timeout_seconds=60
+    )
+    budget = budget_set(org=world.org, amount="50.00", period="month", actor="test")
+    targets = sum(InstancePool.objects.values_list("target_size", flat=True))
+    fake.lost_rate, fake.duplicate_rate, fake.reorder_rate = 0.1, 0.1, 0.1
+    fake.error_rate = 0.05
+    fake.runner_faults.extend(["crash", "never_connect"])
+
+    violations: list[str] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(fake, world, targets, violations, stop), daemon=True)
+    sampler.start()
+    ids: list[int] = []
+    with TESTS.celery_worker(stack.tmp, concurrency=2, **{"CATACLOUD_PUBLIC_URL": stack.url}) as extra:
+        for i in range(60):
+            name = "abc"[i % 3]
+            ids.append(
+                fake.queue_job(
+                    "acme/app" if i % 2 else "acme/web",
+                    tags[name],
+                    [f"echo job {i}", "sleep 1"],
+                    pipeline=f"pipeline-{name}",
+                    name=f"job-{i}",
+                )
+            )
+            if i == 10:
+                fake.rate_limit_for(3)
+            if i == 20:
+                for victim in ids[-3:]:
+                    fake.cancel_job(victim)
+            time.sleep(0.15)
+        stack.wait(
+            lambda: _kill_an_agent_running_a_runner(stack) is not None, 60, "an agent running a runner"
+        )
+        extra.kill()
+
+    def done() -> bool:
+        if int(time.monotonic()) % 15 == 0:
+            print(time.strftime("%H:%M:%S"), fake.summary()["jobs"], flush=True)
+        return gitlab.all_finished(ids)
+
+    stack.wait(done, 400, "every CI job to finish")
+    last = time.monotonic()
+
+    def leftovers() -> str:
+        jobs = list(
+            _runner_jobs()
+            .filter(status__in=JOB_LIVE)
+            .values_list(
+                "status", "pending_reason", "hold_reason", "handed_off_to", "instance__status", "attempt"
+            )
+        )
+        return f"runners at GitLab: {fake.summary()['runners']}; live runner jobs: {jobs}"
+
+    stack.on_timeout = leftovers
+    stack.wait(
+        lambda: (
+            not fake.runners
+            and not _runner_jobs().filter(status__in=JOB_LIVE).exists()
+            and not MachineInstance.objects.filter(
+                status="claimed", jobs__gitlab_runner__isnull=False, jobs__status__in=JOB_LIVE
+            ).exists()
+        ),
+        180,
+        "no runner registered at GitLab and no machine held for one",
+    )
+    stop.set()
+    sampler.join(5)
+    statuses = [fake.job(i).status for i in ids]
+    assert statuses.count("canceled") >= 3 and statuses.count("success") >= 50, statuses
+    assert set(statuses) <= set(DONE)
+    assert not violations, violations[:5]
+    from django.utils import timezone
+
+    from apps.machines.budgets import budget_spends
+
+    assert budget_spends([budget], now=timezone.now())[budget.pk] <= budget.amount
+    assert GitLabJob.objects.filter(gitlab_id__in=ids).count() == 60  # the dropped ones found by polling
+    print(
+        f"converged {time.monotonic() - last:.0f}s after the last job; "
+        f"{fake.api_calls()} GitLab calls for 60 jobs"
+    )
