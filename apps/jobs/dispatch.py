@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import redis
 
-from apps.core.broker import enqueue, enqueue_on_commit, redis_client
+from apps.core.broker import enqueue_on_commit, redis_client
 from apps.core.ids import InstanceId, JobId
 
 # The jobs app's tasks (apps/jobs/tasks.py), by their registered names.
@@ -35,11 +35,6 @@ def acquire_after_commit(job_ids: Iterable[JobId]) -> None:
     """Each job's resource acquisition right after the current transaction commits."""
     for job_id in job_ids:
         enqueue_on_commit(ACQUIRE_RESOURCES_TASK, str(job_id))
-
-
-def acquire_now(job_id: JobId) -> bool:
-    """A job's resource acquisition, sent now (the reaper's nudge). False: the broker is down."""
-    return enqueue(ACQUIRE_RESOURCES_TASK, str(job_id))
 
 
 def wake_agent(instance_id: InstanceId) -> None:
