@@ -145,7 +145,7 @@ class ReaperLoop:
         for django_only in ("cursor_factory", "context", "prepare_threshold"):
             params.pop(django_only, None)
         params.setdefault("connect_timeout", 5)
-        params["application_name"] = f"catacloud reaper {self.name}"[:63]
+        params["application_name"] = f"catacloud reaper {self.name}"[-63:]  # its pid last
         if params.get("host") and not str(params["host"]).startswith("/"):
             params = {**KEEPALIVES, **params}
         return psycopg.connect(autocommit=True, **params)
