@@ -41,6 +41,7 @@ ORDER = (
     "fleet",
     "ci",
     "images",
+    "tail",
     "chaos",
 )
 

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import beat_init, worker_ready, worker_shutdown
+from celery.signals import beat_init, worker_process_init, worker_ready, worker_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -34,7 +34,9 @@ def _reaper_in_beat(**_: Any) -> None:
     lost exactly when Redis or the workers are down, the faults the reaper repairs."""
     _django_ready()
     from apps.control.election import stand
+    from apps.core import tracing
 
+    tracing.setup("beat")
     stand("beat")
 
 
@@ -45,10 +47,22 @@ def _reaper_in_worker(**_: Any) -> None:
     _django_ready()
     from django.conf import settings
 
+    from apps.core import tracing
+
+    tracing.setup("worker")  # the main process: its reaper loop's spans
     if settings.CATACLOUD_REAPER_IN_WORKERS:
         from apps.control.election import stand
 
         stand("worker")
+
+
+@worker_process_init.connect
+def _tracing_in_pool_process(**_: Any) -> None:
+    """Each pool process traces the tasks it runs (OTEL_* variables; off by default)."""
+    _django_ready()
+    from apps.core import tracing
+
+    tracing.setup("worker")
 
 
 @worker_shutdown.connect

@@ -34,6 +34,5 @@ def reaper_metrics() -> Iterable[Metric]:
     pairs = [(f"{bound:g}", n) for bound, n in zip(TICK_BUCKETS, buckets, strict=True)]
     ticks.add_metric([], [*pairs, ("+Inf", count)], sum_value=float(detail.get("sum", 0.0)))
     yield ticks
-    if row is not None:
-        last.add_metric([], row["seen_at"].timestamp())
-        yield last
+    last.add_metric([], row["seen_at"].timestamp() if row is not None else 0.0)  # 0: never ticked
+    yield last
