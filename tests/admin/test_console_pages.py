@@ -251,6 +251,9 @@ def machine_type_post(world: World, **changes: object) -> dict:
         "billing_increment_seconds": 3600,
         "min_billed_seconds": 0,
         "required_privilege": "",
+        "disk_gb": "",
+        "network": "{}",  # what the form shows for a machine type that allows nothing more
+        "image_cache_mb": mt.image_cache_mb,
     }
     data.update(changes)
     return data

@@ -85,7 +85,13 @@ def test_outputs_arrive_byte_for_byte_after_finished_then_uploads_done_releases_
     done = api.wait_uploads_done(job)
 
     finished, finished_at = api.finished[job]
-    assert finished == {"exit_code": 0, "outcome": "succeeded", "reason": "exit code 0", "uploads_pending": 2}
+    assert finished == {
+        "exit_code": 0,
+        "outcome": "succeeded",
+        "reason": "exit code 0",
+        "uploads_pending": 2,
+        "code": "",  # no failure code: it succeeded
+    }
     assert done == {"failed": []}
     output_dir, checkpoint_dir = work_dir / "outs-1" / "output", work_dir / "outs-1" / "checkpoint"
     assert values(api.output(job), "out") == [str(output_dir)]

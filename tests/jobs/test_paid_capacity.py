@@ -171,6 +171,7 @@ def test_retirement_never_takes_a_machine_a_job_claimed_meanwhile(tworld: World)
                     mt=str(mt.pk),
                     version=mt.version,
                     config=str(cfg.pk),
+                    image=None,
                 )
                 claimed.set()
                 time.sleep(1.0)  # the reaper reads the machine as idle and waits for its row
@@ -236,6 +237,7 @@ def test_the_next_job_on_a_reused_machine_is_charged_its_time_not_idle(tworld: W
                     mt=str(mt.pk),
                     version=mt.version,
                     config=str(cfg.pk),
+                    image=None,
                 )
         finally:
             connection.close()

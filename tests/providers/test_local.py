@@ -383,3 +383,18 @@ def test_a_local_agent_whose_control_plane_never_answers_ends_its_machine(state_
     assert wait_for(lambda: all(is_dead(p.pid) for p in tree), 5)
     log = (state_dir / f"{spec.instance_id}.log").read_text()
     assert "did not answer within 2 s (the unreachable limit)" in log, log
+
+
+def test_a_host_without_pasta_is_told_its_jobs_get_no_network_and_how_to_fix_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make dev` says at start when local machines' jobs would get no network (never the
+    host's), naming the one install line."""
+    from catacloud.cli import _local_network_note
+    from catacloud.providers.machine_sandbox import network_problem
+
+    monkeypatch.setenv("CATACLOUD_PASTA", "/nonexistent/pasta")
+    assert "apt install passt nftables" in (network_problem(tmp_path) or "")
+    _local_network_note(tmp_path)
+    said = capsys.readouterr().out
+    assert "jobs on local machines get no network" in said and "apt install passt nftables" in said
