@@ -11,8 +11,10 @@ COPY manage.py ./
 # catacloud-agent first: the server package depends on it (built from the same tree). Its wheel
 # also goes to /app/dist: the Agent API serves it to cloud machines, whose user data installs it
 # pinned by sha256 (CATACLOUD_AGENT_WHEEL, apps/machines/agent_dist.py).
+# The server with its tracing extra: OTEL_* variables in the environment turn tracing on
+# (docs/operator/operations.md); without them it stays off.
 ENV CATACLOUD_AGENT_WHEEL=/app/dist
-RUN pip wheel --no-deps -w /app/dist ./agent && pip install ./agent . && useradd --system --uid 1000 catacloud \
+RUN pip wheel --no-deps -w /app/dist ./agent && pip install ./agent '.[tracing]' && useradd --system --uid 1000 catacloud \
     && mkdir -p /var/lib/catacloud && chown catacloud /var/lib/catacloud  # the volume starts owned by it
 USER catacloud
 EXPOSE 8000 8001

@@ -13,7 +13,19 @@ from typing import Any
 from benchmarks.harness import LoadSampler, PartResult, say
 from testkit.processes import ROOT
 
-PARTS = ("claim", "rest", "submit", "replenish", "reaper", "admission", "cost", "fleet", "ci", "images")
+PARTS = (
+    "claim",
+    "rest",
+    "submit",
+    "replenish",
+    "reaper",
+    "admission",
+    "cost",
+    "fleet",
+    "ci",
+    "images",
+    "tail",
+)
 
 # Sizes: full and --quick (the smoke tests pass even smaller ones to the parts directly).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -30,6 +42,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "fleet": {"full": {}, "quick": {"sizes": (20, 50), "baseline_sizes": (10,), "window": 6.0}},
     "ci": {"full": {}, "quick": {"samples": 3, "burst": 20, "pool_size": 4}},
     "images": {"full": {}, "quick": {"samples": 2, "cold_runs": 1, "jobs": 3}},
+    "tail": {"full": {}, "quick": {"jobs": 12, "machines": 3}},
 }
 
 

@@ -41,6 +41,7 @@ ORDER = (
     "fleet",
     "ci",
     "images",
+    "tail",
     "chaos",
 )
 
@@ -308,7 +309,47 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         from benchmarks.chaos import plot
 
         made.append(plot(by["chaos"], out))
+    if "tail" in by and "start_ms" in by["tail"].data:
+        _tail_plot(by["tail"].data, d, plt)
+        made.append("tail.png")
     return made
+
+
+def _tail_plot(data: dict[str, Any], d: Path, plt: Any) -> None:
+    """tail.png: submit -> running by percentile (each phase), and each stage's share."""
+    import math
+
+    qs = [q for q in data["quantiles"] if q >= 50]
+    # x: how far into the tail (p50 at 0.3, p90 at 1, p99 at 2, p99.9 at 3), the max a step beyond
+    last = max(-math.log10(1 - q / 100) for q in qs if q < 100)
+    xs = [-math.log10(1 - q / 100) if q < 100 else last + 0.4 for q in qs]
+    ticks = {50: "p50", 90: "p90", 99: "p99", 99.9: "p99.9", 100: "max"}
+
+    def curve(values: list[float]) -> list[float]:
+        return [v for q, v in zip(data["quantiles"], values, strict=True) if q >= 50]
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for label, style in (("burst", "o-"), ("trickle", "s-"), ("all", "k--")):
+        if label in data["start_ms"]:
+            n = data["jobs_per_phase"].get(label, data["jobs"])
+            a.plot(xs, curve(data["start_ms"][label]), style, ms=3, label=f"{label} ({n} jobs)")
+    a.axhline(250, color="green", ls=":", label="p99.9 goal 250 ms")
+    a.axhline(1000, color="red", ls=":", label="max goal 1 s")
+    a.set_title(f"Warm submit -> running ({data['jobs']} jobs, {data['machines']} machines)")
+    a.set_ylabel("ms")
+    for name, values in data["stage_ms"].items():
+        b.plot(xs, curve(values), "o-", ms=3, label=name)
+    b.axhline(250, color="green", ls=":")
+    b.set_title("Its stages, all jobs")
+    for ax in (a, b):
+        marked = [(x, ticks[q]) for x, q in zip(xs, qs, strict=True) if q in ticks]
+        ax.set_xticks([x for x, _ in marked], [label for _, label in marked])
+        ax.set_xlabel("percentile")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(d / "tail.png", dpi=110)
+    plt.close(fig)
 
 
 def _alive(timeline: list[list[float]], at: list[float]) -> list[int]:
@@ -393,6 +434,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("chaos.png", "chaos"),
             ("fleet.png", "fleet"),
             ("ci.png", "ci"),
+            ("tail.png", "tail"),
         ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]

@@ -150,6 +150,8 @@ def dev_env(base: Mapping[str, str], *, port: int, agent_port: int, metrics_dir:
         "CATACLOUD_METRICS_PUBLIC": base.get("CATACLOUD_METRICS_PUBLIC", "true"),
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
         "CATACLOUD_AGENT_URL": base.get("CATACLOUD_AGENT_URL", f"http://127.0.0.1:{agent_port}"),
+        # OTEL_TRACES_EXPORTER=file make dev: every process's spans here (apps/core/tracing.py)
+        "CATACLOUD_TRACES_FILE": base.get("CATACLOUD_TRACES_FILE", str(metrics_dir.parent / "traces.jsonl")),
         "PYTHONUNBUFFERED": "1",
     }
 

@@ -45,6 +45,9 @@ from django.conf import settings  # noqa: E402
 from apps.control.agent import db, wakeups  # noqa: E402
 from apps.control.agent.admission import limited  # noqa: E402
 from apps.control.agent.asgi import hot_route  # noqa: E402
+from apps.core import tracing  # noqa: E402
+
+tracing.setup("agent-server")  # before the handler loads the middleware (Django's instrumentation)
 
 # Each machine within its connection budget (apps.control.agent.limits), then the hot route.
 application = limited(hot_route(AgentServer()))

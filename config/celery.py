@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import beat_init
+from celery.signals import beat_init, worker_process_init, worker_ready, worker_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -15,21 +15,58 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 
+def _django_ready() -> None:
+    """Django is set up by Celery's Django fixup before these signals; set it up only if not.
+    (A second ``django.setup()`` reapplies LOGGING after Celery has redirected stderr into the
+    logging: every line of this process's own loggers was then dropped, the reaper's too.)"""
+    from django.apps import apps
+
+    if not apps.ready:
+        import django
+
+        django.setup()
+
+
 @beat_init.connect
 def _reaper_in_beat(**_: Any) -> None:
-    """Beat runs the reaper itself, in a thread of its own process, every
-    CATACLOUD_REAPER_INTERVAL seconds: a tick sent through the broker to a worker would be lost
-    exactly when Redis or the workers are down, the faults the reaper repairs."""
-    import threading
+    """Beat stands for the reaper's election (apps/control/election.py): the tick runs in a
+    thread of the process that leads, never as a message through the broker, which would be
+    lost exactly when Redis or the workers are down, the faults the reaper repairs."""
+    _django_ready()
+    from apps.control.election import stand
+    from apps.core import tracing
 
-    import django
+    tracing.setup("beat")
+    stand("beat")
 
-    django.setup()
+
+@worker_ready.connect
+def _reaper_in_worker(**_: Any) -> None:
+    """Every worker stands too (in its main process, after its pool started), so the reaper
+    ticks while any worker or beat lives (CATACLOUD_REAPER_IN_WORKERS=false: beat alone)."""
+    _django_ready()
     from django.conf import settings
 
-    from apps.control.reaper import serve
+    from apps.core import tracing
 
-    stop = threading.Event()
-    threading.Thread(
-        target=serve, args=(settings.CATACLOUD_REAPER_INTERVAL, stop), name="reaper", daemon=True
-    ).start()
+    tracing.setup("worker")  # the main process: its reaper loop's spans
+    if settings.CATACLOUD_REAPER_IN_WORKERS:
+        from apps.control.election import stand
+
+        stand("worker")
+
+
+@worker_process_init.connect
+def _tracing_in_pool_process(**_: Any) -> None:
+    """Each pool process traces the tasks it runs (OTEL_* variables; off by default)."""
+    _django_ready()
+    from apps.core import tracing
+
+    tracing.setup("worker")
+
+
+@worker_shutdown.connect
+def _reaper_leaves_worker(**_: Any) -> None:
+    from apps.control.election import step_down
+
+    step_down()

@@ -206,6 +206,11 @@ CELERY_TASK_SEND_SENT_EVENT = False
 CATACLOUD_REAPER_INTERVAL = env.float("CATACLOUD_REAPER_INTERVAL", default=60.0)
 if CATACLOUD_REAPER_INTERVAL < 1:
     raise ImproperlyConfigured("CATACLOUD_REAPER_INTERVAL must be at least 1 second")
+# Every Celery worker (and beat) runs a reaper loop; one of them, elected by a PostgreSQL
+# advisory lock, ticks (apps/control/election.py). Off: only beat stands for election.
+CATACLOUD_REAPER_IN_WORKERS = env.bool("CATACLOUD_REAPER_IN_WORKERS", default=True)
+# Threads of the leader that run the tick's repairs (re-drives of rows past their deadline).
+CATACLOUD_REAPER_REPAIR_THREADS = env.int("CATACLOUD_REAPER_REPAIR_THREADS", default=4)
 CATACLOUD_SCHEDULER_INTERVAL = env.float("CATACLOUD_SCHEDULER_INTERVAL", default=15.0)
 
 # The beat schedule lives here, in one settings module, not in django-celery-beat's tables:

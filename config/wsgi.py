@@ -2,8 +2,14 @@ from __future__ import annotations
 
 import os
 
-from django.core.wsgi import get_wsgi_application
+import django
+from django.core.handlers.wsgi import WSGIHandler
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
-application = get_wsgi_application()
+django.setup(set_prefix=False)
+
+from apps.core import tracing  # noqa: E402
+
+tracing.setup("web")  # before the handler loads the middleware: Django's instrumentation adds one
+application = WSGIHandler()

@@ -252,7 +252,12 @@ def _serving(proc: Proc, url: str, probe: str = "/healthz") -> Iterator[Web]:
 # registries strict as in config.settings_test; INFO logs and task events to read on failure.
 TESTS = Profile(
     prefix="test",
-    settings={"DATABASE_CONN_MAX_AGE": "0", "CATACLOUD_STRICT_REGISTRIES": "1"},
+    # Workers do not stand for the reaper's election (a tick in the middle of a test); beat does.
+    settings={
+        "DATABASE_CONN_MAX_AGE": "0",
+        "CATACLOUD_STRICT_REGISTRIES": "1",
+        "CATACLOUD_REAPER_IN_WORKERS": "0",
+    },
     loglevel="INFO",
     events=True,
     concurrency=4,

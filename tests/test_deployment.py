@@ -46,7 +46,8 @@ def test_every_app_service_shares_one_configuration() -> None:
 
 def test_the_image_installs_the_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert "pip install ./agent ." in dockerfile  # the agent distribution, then the server
+    # the agent distribution, then the server with the tracing extra (on with OTEL_* alone)
+    assert "pip install ./agent '.[tracing]'" in dockerfile
     # the agent wheel the Agent API serves to cloud machines (tests/deploy/test_agent_wheel.py)
     assert "pip wheel --no-deps -w /app/dist ./agent" in dockerfile
     assert "CATACLOUD_AGENT_WHEEL=/app/dist" in dockerfile

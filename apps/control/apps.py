@@ -11,6 +11,7 @@ class ControlConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from apps.control import metrics  # noqa: F401 - registers the reaper's metrics
         from apps.control.wiring import connect_hooks
 
         connect_hooks()

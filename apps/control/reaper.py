@@ -12,24 +12,31 @@ query, and works in bounded batches:
 - pools whose counts differ from their targets (or with outdated members) → refilled;
 - the providers' reconciler for every provider account in use;
 - jobs and idle machines: the scheduler's safety net (retention, timeouts).
+
+What a rule re-drives (a row whose message was lost) it repairs itself through a ``Repairs``
+(apps/core/repairs.py), never by sending the message again through the broker that lost it.
+Every tick that ran is recorded (the ``reaper`` heartbeat row: /readyz and the metrics read
+it), timed (``catacloud_reaper_tick_seconds``) and logged in one INFO line. The loop that ticks
+is elected among every worker and beat (apps/control/election.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.ci.convergence import ci_converge
 from apps.core.actors import Actor
 from apps.core.locks import REAPER, try_advisory_lock
+from apps.core.models import Heartbeat
+from apps.core.repairs import InlineRepairs, Repairs
 from apps.jobs.acquisition import resources_safety_net
 from apps.jobs.artifacts import artifacts_expire
 from apps.jobs.convergence import jobs_converge
@@ -56,23 +63,44 @@ class TickReport:
     lost: int = 0
     schedules_applied: int = 0
     reconcile_actions: int = 0
+    repairs: int = 0
     seconds: float = 0.0
+    by: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def reaper_tick(*, now: datetime | None = None, reconcile: bool = True) -> TickReport:
+REPAIR_KEYS = (
+    "redriven_provision",
+    "redriven_terminate",
+    "destroying",
+    "acquiring",
+)
+
+
+def reaper_tick(
+    *,
+    now: datetime | None = None,
+    reconcile: bool = True,
+    repairs: Repairs | None = None,
+    by: str = "",
+) -> TickReport:
+    """One tick, if no other runs now (an advisory lock). ``repairs``: where re-drives run (by
+    default at once, in this thread); ``by``: who ticks (recorded with the tick)."""
     with try_advisory_lock(REAPER) as got:
         if not got:
             log.info("reaper: another reaper is running; skipping this tick")
             return TickReport(ran=False)
-        return _tick(now or timezone.now(), reconcile)
+        report = _tick(now or timezone.now(), reconcile, repairs or InlineRepairs())
+    report.by = by
+    _record(report)
+    return report
 
 
-def _tick(now: datetime, reconcile: bool) -> TickReport:
+def _tick(now: datetime, reconcile: bool, repairs: Repairs) -> TickReport:
     started = time.perf_counter()
     report = TickReport()
     report.schedules_applied = apply_schedules(now=now)
-    machines = instances_converge(now=now)
+    machines = instances_converge(now=now, repairs=repairs)
     report.stuck = machines.pop("stuck")
     report.extra.update(machines)
     report.lost = _mark_silent_lost(now)
@@ -82,15 +110,45 @@ def _tick(now: datetime, reconcile: bool) -> TickReport:
 
     report.extra.update(jobs_converge(now=now))
     report.extra["retired_idle"] = idle_machines_retire(now=now)
-    report.extra.update(resources_safety_net(now=now))
+    report.extra.update(resources_safety_net(now=now, repairs=repairs))
     report.extra["artifacts_expired"] = artifacts_expire(now=now)
     report.extra.update(ci_converge(now=now))
     scheduled = schedule()
     report.extra.update(admitted=scheduled.admitted, assigned=scheduled.assigned)
     if reconcile:
         report.reconcile_actions = sum(r.actions for r in reconcile_all())
+    report.repairs = sum(report.extra.get(k, 0) for k in REPAIR_KEYS)
     report.seconds = time.perf_counter() - started
     return report
+
+
+# Buckets of catacloud_reaper_tick_seconds (apps/control/metrics.py).
+TICK_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _record(report: TickReport) -> None:
+    """The tick is seen: the ``reaper`` heartbeat row holds its end, who ran it, how long it
+    took, and the histogram of every tick's duration (so any web process serves the metric,
+    whichever process ticked: apps/control/metrics.py)."""
+    with transaction.atomic():
+        row, _ = Heartbeat.objects.select_for_update().get_or_create(
+            name="reaper", defaults={"seen_at": timezone.now()}
+        )
+        old = row.detail or {}
+        buckets = old.get("buckets") or []
+        if len(buckets) != len(TICK_BUCKETS):
+            buckets, old = [0] * len(TICK_BUCKETS), {}
+        buckets = [n + (report.seconds <= bound) for n, bound in zip(buckets, TICK_BUCKETS, strict=True)]
+        row.seen_at = timezone.now()
+        row.detail = {
+            "by": report.by,
+            "seconds": round(report.seconds, 4),
+            "repairs": report.repairs,
+            "count": int(old.get("count", 0)) + 1,
+            "sum": float(old.get("sum", 0.0)) + report.seconds,
+            "buckets": buckets,
+        }
+        row.save(update_fields=["seen_at", "detail"])
 
 
 def _mark_silent_lost(now: datetime) -> int:
@@ -123,30 +181,16 @@ def log_tick(report: TickReport) -> None:
     """One line per tick that ran (a skipped one logged its reason already)."""
     if report.ran:
         log.info(
-            "reaper: %d pools, %d refilled (+%d members), %d stuck, %d lost, %d schedules, "
-            "%d reconcile actions in %.3fs",
+            "reaper: tick in %.3fs%s: %d pools, %d refilled (+%d members), %d stuck, %d lost, "
+            "%d schedules, %d repairs, %d reconcile actions",
+            report.seconds,
+            f" by {report.by}" if report.by else "",
             report.pools,
             report.refilled,
             report.requested,
             report.stuck,
             report.lost,
             report.schedules_applied,
+            report.repairs,
             report.reconcile_actions,
-            report.seconds,
         )
-
-
-def serve(interval: float, stop: threading.Event) -> None:
-    """Tick every ``interval`` seconds until ``stop``: the beat process runs this in a thread of
-    its own (config/celery.py), so the reaper needs neither the broker nor a worker, the two
-    things whose faults it exists to repair. One tick at a time across processes (the advisory
-    lock); a failing tick is logged and the next one comes all the same."""
-    from django.db import close_old_connections
-
-    while not stop.wait(interval):
-        try:
-            log_tick(reaper_tick())
-        except Exception:
-            log.exception("reaper tick failed")
-        finally:
-            close_old_connections()

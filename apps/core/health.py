@@ -1,10 +1,12 @@
-"""Health of what Catacloud depends on: database, broker, workers, beat.
+"""Health of what Catacloud depends on: database, broker, workers, beat, the reaper.
 
 Three answers (the Kubernetes convention): ``/livez`` (this process answers: restart it if
-not; no dependency is asked), ``/readyz`` (every part is up: database, broker, a worker and
-beat; 503 until then: wait on it before sending work) and ``/healthz`` (200 while the API can
-serve, ``degraded`` when workers or beat are missing). Everyone gets an answer's ``status``;
-its ``checks`` only come with the metrics token or a staff session (apps.core.views).
+not; no dependency is asked), ``/readyz`` (every part is up: database, broker, a worker, beat
+and a reaper tick within ``REAPER_STALE_INTERVALS`` intervals; 503 until then: wait on it before
+sending work) and ``/healthz`` (200 while the API can serve, ``degraded`` when workers, beat or
+the reaper's ticks are missing). Everyone gets an answer's ``status``; its ``checks`` only come
+with the metrics token or a staff session (apps.core.views): the reaper's shows its last tick
+(when, by which process, how long it took).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from django.utils import timezone
 from apps.core.models import Heartbeat
 
 BEAT_STALE_AFTER = timedelta(seconds=35)
+# The reaper is late when its last tick is older than this many intervals (plus 5 s).
+REAPER_STALE_INTERVALS = 3
 
 
 def _timed(fn: Any) -> dict[str, Any]:
@@ -67,19 +71,36 @@ def _beat() -> dict[str, Any]:
     return {"ok": age < BEAT_STALE_AFTER, "last_seen": mark.seen_at.isoformat()}
 
 
+def _reaper() -> dict[str, Any]:
+    mark = Heartbeat.objects.filter(name="reaper").first()
+    if mark is None:
+        return {"ok": False, "last_tick": None}
+    age = (timezone.now() - mark.seen_at).total_seconds()
+    stale = REAPER_STALE_INTERVALS * settings.CATACLOUD_REAPER_INTERVAL + 5
+    detail = mark.detail or {}
+    return {
+        "ok": age < stale,
+        "last_tick": mark.seen_at.isoformat(),
+        "age_seconds": round(age, 1),
+        "by": detail.get("by", ""),
+        "tick_seconds": detail.get("seconds"),
+    }
+
+
 def _checks() -> dict[str, dict[str, Any]]:
     checks = {"database": _timed(_database), "broker": _timed(_broker)}
     if checks["broker"]["ok"]:
         checks["workers"] = _timed(_workers)
     else:
         checks["workers"] = {"ok": False, "error": "broker down"}
-    checks["beat"] = _timed(_beat) if checks["database"]["ok"] else {"ok": False, "error": "database down"}
+    for name, check in (("beat", _beat), ("reaper", _reaper)):
+        checks[name] = _timed(check) if checks["database"]["ok"] else {"ok": False, "error": "database down"}
     return checks
 
 
 def health() -> tuple[int, dict[str, Any]]:
-    """200 when the database and broker answer (workers and beat are reported; their
-    absence makes the answer ``degraded``, not unhealthy: the API still serves); else 503."""
+    """200 when the database and broker answer (workers, beat and the reaper are reported;
+    their absence makes the answer ``degraded``, not unhealthy: the API still serves); else 503."""
     checks = _checks()
     essential = checks["database"]["ok"] and checks["broker"]["ok"]
     overall = "ok" if all(c["ok"] for c in checks.values()) else ("degraded" if essential else "unhealthy")
@@ -87,7 +108,7 @@ def health() -> tuple[int, dict[str, Any]]:
 
 
 def readiness() -> tuple[int, dict[str, Any]]:
-    """200 only when every part is up (database, broker, a worker, beat); else 503."""
+    """200 only when every part is up (database, broker, a worker, beat, the reaper ticking); else 503."""
     checks = _checks()
     ready = all(c["ok"] for c in checks.values())
     return (200 if ready else 503), {"status": "ready" if ready else "not_ready", "checks": checks}

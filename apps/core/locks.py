@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from django.db import connection
 
 REAPER = 0x0CA7_0001
+# Held for as long as a process leads the reaper (apps.control.election): one leader among
+# every worker and beat; its death (its connection's) frees it for the next.
+REAPER_LEADER = 0x0CA7_0004
 SCHEDULER_TICK = 0x0CA7_0002
 # One refill listener in the cluster (apps.pools.refill).
 REFILL_LISTENER = 0x0CA7_0003

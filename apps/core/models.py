@@ -26,10 +26,12 @@ class Installation(models.Model):
 
 
 class Heartbeat(models.Model):
-    """Liveness marks written by periodic tasks (``beat``: the beat heartbeat ran on a worker)."""
+    """Liveness marks: ``beat`` (beat's heartbeat task ran on a worker), ``reaper`` (the last
+    reaper tick: when it ended, and in ``detail`` which process ran it, how long it took)."""
 
     name = models.CharField(max_length=64, primary_key=True)
     seen_at = models.DateTimeField()
+    detail = models.JSONField(default=dict, blank=True)
 
     def __str__(self) -> str:
         return f"{self.name} @ {self.seen_at:%Y-%m-%d %H:%M:%S}"

@@ -12,18 +12,20 @@ the reaper destroys resources whose job is gone.
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.actors import Actor
 from apps.core.ids import JobId
+from apps.core.repairs import Repairs
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus
-from apps.jobs.dispatch import acquire_after_commit, acquire_now, schedule_after_commit
+from apps.jobs.dispatch import acquire_after_commit, schedule_after_commit
 from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES
 from apps.resources.choices import ResourceStatus
@@ -187,9 +189,15 @@ def wake_waiting(*, type_id: str) -> None:
     acquire_after_commit(waiting)
 
 
-def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
+def acquire_again(job_id: JobId) -> None:
+    """The acquire task's service as the reaper's repair (a transient well error: next tick)."""
+    job_acquire_resources(job_id=job_id)
+
+
+def resources_safety_net(*, now: datetime | None = None, repairs: Repairs) -> dict[str, int]:
     """The reaper's pass: release resources whose job is gone or ended, converge the resources
-    themselves (apps.resources.lifecycle), and nudge jobs stuck acquiring."""
+    themselves (apps.resources.lifecycle), and acquire itself (a repair, not a message) for
+    jobs acquiring since before the last tick (their acquire task had a tick to do it)."""
     now = now or timezone.now()
     orphans = ResourceInstance.objects.filter(
         Q(job__isnull=True) | Q(job__status__in=JOB_TERMINAL),
@@ -203,10 +211,12 @@ def resources_safety_net(*, now: datetime | None = None) -> dict[str, int]:
         if releasing is None:
             continue
         released += 1
-    converged = resources_converge(now=now)
+    converged = resources_converge(now=now, repairs=repairs)
+    since = now - timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL)
     acquiring = list(
-        Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES).values_list("pk", flat=True)[:200]
+        Job.objects.filter(status=JobStatus.ACQUIRING_RESOURCES, status_changed_at__lt=since)
+        .order_by("-priority", "admitted_at")
+        .values_list("pk", flat=True)[:200]
     )
-    for job_id in acquiring:
-        acquire_now(job_id)
-    return {"released_orphans": released, **converged, "acquiring": len(acquiring)}
+    started = sum(repairs.submit(f"job-acquire:{job_id}", acquire_again, job_id) for job_id in acquiring)
+    return {"released_orphans": released, **converged, "acquiring": started}

@@ -28,6 +28,7 @@ from apps.jobs.choices import JOB_LIVE, ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel
+from apps.jobs.timing import job_timing
 from apps.machines.costs import job_cost
 
 LOG_TAIL_CHUNKS = 200
@@ -278,9 +279,18 @@ class JobAdmin(ReadOnlyAdmin):
             ("started", at(obj.started_at), f"waited {self.wait(obj)} (queued → started)"),
             ("finished", at(obj.finished_at), f"ran {self.run(obj)}" if obj.started_at else ""),
         ]
+        # Where the start went (apps/jobs/timing.py: `catacloud jobs show --timing`).
+        timing = job_timing(obj)
+        stages = [
+            (s["name"], "-" if s["ms"] is None else f"{s['ms']:.1f} ms", s["what"]) for s in timing["stages"]
+        ]
+        if timing["trace_id"]:
+            stages.append(("trace", timing["trace_id"], "this job's trace in the tracing backend"))
         return format_html(
-            '<table class="cc-kv">{}</table>',
+            '<table class="cc-kv">{}</table><p>Where the start went:</p>'
+            '<table class="cc-kv" id="cc-start-timing">{}</table>',
             format_html_join("", "<tr><th>{}</th><td>{}</td><td>{}</td></tr>", rows),
+            format_html_join("", "<tr><th>{}</th><td>{}</td><td>{}</td></tr>", stages),
         )
 
     @admin.display(description="attempts")

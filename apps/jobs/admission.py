@@ -6,11 +6,13 @@ another (BestEffortFIFO)."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 
 from django.db import transaction
 from django.utils import timezone
 
+from apps.core import tracing
 from apps.core.actors import Actor
 from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
@@ -107,6 +109,7 @@ def admit_grant(*, org_id: OrgId, machine_type_id: MachineTypeId, limit: int, no
 
 def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool = False) -> int:
     now = timezone.now()
+    began = time.time()
     # Held jobs (apps.jobs.handoff.jobs_hold) keep their hold reason and are not admitted.
     queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED, hold_reason="")
     with transaction.atomic():
@@ -126,7 +129,7 @@ def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool 
             list(
                 queued.order_by("-priority", "queued_at")
                 .select_for_update(skip_locked=True)
-                .values("pk", "config_id")[:slots]
+                .values("pk", "config_id", "traceparent")[:slots]
             )
             if slots
             else []
@@ -142,6 +145,9 @@ def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool 
             # cannot lose (the count is checked all the same: never half a batch).
             plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
             needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
+            # When they were admitted: now, not when this pass began (a job submitted while the
+            # pass waited for the grant's lock would read as admitted before it was queued).
+            moved = timezone.now()
             for pks, to, pending in (
                 (plain, JobStatus.WAITING_FOR_MACHINE, "waiting for a machine"),
                 (needing, JobStatus.ACQUIRING_RESOURCES, "acquiring resources"),
@@ -153,13 +159,15 @@ def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool 
                     refs=lambda pk: {"org": org_id, "job": pk},
                     actor=Actor.SCHEDULER,
                     event=EventKind.JOB_ADMITTED,
-                    now=now,
-                    admitted_at=now,
-                    status_changed_at=now,
+                    now=moved,
+                    admitted_at=moved,
+                    status_changed_at=moved,
                     pending_reason=pending,
                 )
             if needing:
                 acquire_after_commit(needing)
+            for j in jobs:  # one span in each job's trace (a no-op when tracing is off)
+                tracing.record("admission", traceparent=j["traceparent"], start=began, batch=len(jobs))
         reason = _quota_reason(grant, mt, running + len(jobs)) or budget_reason
         if reason:
             queued.exclude(pending_reason=reason).update(pending_reason=reason)

@@ -8,12 +8,12 @@ Imports nothing of the jobs app (an import-linter contract keeps it so).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import redis
 
-from apps.core.broker import enqueue, enqueue_on_commit, redis_client
+from apps.core import tracing
+from apps.core.broker import enqueue_on_commit, redis_client
 from apps.core.ids import InstanceId, JobId
 
 # The jobs app's tasks (apps/jobs/tasks.py), by their registered names.
@@ -37,14 +37,17 @@ def acquire_after_commit(job_ids: Iterable[JobId]) -> None:
         enqueue_on_commit(ACQUIRE_RESOURCES_TASK, str(job_id))
 
 
-def acquire_now(job_id: JobId) -> bool:
-    """A job's resource acquisition, sent now (the reaper's nudge). False: the broker is down."""
-    return enqueue(ACQUIRE_RESOURCES_TASK, str(job_id))
-
-
-def wake_agent(instance_id: InstanceId) -> None:
+def wake_agent(instance_id: InstanceId, *, traceparent: str = "") -> None:
     """Wake the agent of ``instance_id`` if it is long-polling (best effort: a poll looks at
     PostgreSQL when it starts and when it times out). Pub/sub: the agent server's listener
-    (apps.control.agent.wakeups) hands it to the poll waiting for this instance."""
-    with contextlib.suppress(redis.RedisError):
-        redis_client().publish(WAKE_KEY.format(instance_id), "job")
+    (apps.control.agent.wakeups) hands it to the poll waiting for this instance. ``traceparent``:
+    the job's trace, where the wake-up's span goes."""
+    with tracing.span("wake-up", traceparent=traceparent, instance=str(instance_id)) as span:
+        try:
+            woken = redis_client().publish(WAKE_KEY.format(instance_id), "job")
+        except redis.RedisError as exc:
+            woken = -1
+            if span is not None:
+                span.set_attribute("error", type(exc).__name__)
+        if span is not None:
+            span.set_attribute("listeners", int(woken))

@@ -123,6 +123,12 @@ class Job(SecretEnvMixin, models.Model):
     assigned_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # When the agent's long poll was last answered with this job (assigned -> delivered: the
+    # wake-up and the poll; delivered -> started: the agent and its `started` report).
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    # The W3C traceparent of the submit (apps/core/tracing.py): every later span of this job,
+    # in any process and on its machine, is in that trace. Empty when tracing is off.
+    traceparent = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

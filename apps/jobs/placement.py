@@ -24,7 +24,10 @@ from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from apps.core import hooks
+from apps.core import (
+    hooks,
+    tracing,
+)
 from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.ids import OrgId
@@ -78,11 +81,14 @@ def place(
             )
             remaining: list[Job] = []
             for job in group:
-                instance = _claim_for(job, mt, _image_pools_first(pools, job.image))
-                if instance is None:
-                    remaining.append(job)
-                    continue
-                _assign(job, instance, now)
+                with tracing.span("placement", traceparent=job.traceparent, job=str(job.pk)) as span:
+                    instance = _claim_for(job, mt, _image_pools_first(pools, job.image))
+                    if span is not None:
+                        span.set_attribute("instance", str(instance.pk) if instance else "")
+                    if instance is None:
+                        remaining.append(job)
+                        continue
+                    _assign(job, instance)
                 assigned += 1
             if remaining:
                 requested += _provision_or_wait(locked, org_id, mt, [p for p, _ in pools], remaining, now)
@@ -141,7 +147,9 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
     return None
 
 
-def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
+def _assign(job: Job, instance: MachineInstance) -> None:
+    """Assigned now (its ``assigned_at`` the moment of its claim, not the pass's start)."""
+    now = timezone.now()
     JOB_STATES.move(
         job.pk,
         to=JobStatus.ASSIGNED,
@@ -153,11 +161,11 @@ def _assign(job: Job, instance: MachineInstance, now: datetime) -> None:
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
     )
     MachineInstance.objects.filter(pk=instance.pk).update(last_config=job.config_id)
-    instance_id, job_id = instance.pk, job.pk
+    instance_id, job_id, traceparent = instance.pk, job.pk, job.traceparent
     if job.handoff_by:  # its integration hands it to the agent (apps.jobs.handoff)
         transaction.on_commit(lambda: hooks.job_needs_handoff(job_id=job_id))
     else:
-        transaction.on_commit(lambda: wake_agent(instance_id))
+        transaction.on_commit(lambda: wake_agent(instance_id, traceparent=traceparent))
 
 
 def _provision_or_wait(

@@ -5,11 +5,13 @@ its machine went away."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import transaction
 
+from apps.core import tracing
 from apps.core.actors import Actor
 from apps.core.causes import FREE_REQUEUE_CAUSES, Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound, ValidationFailed
@@ -32,20 +34,25 @@ from apps.resources.lifecycle import release_for_job
 from catacloud.protocol import ImagesReport, Outcome
 
 
-def job_started(*, instance: MachineInstance, job_id: JobId) -> Job:
+def job_started(*, instance: MachineInstance, job_id: JobId, agent_ms: float | None = None) -> Job:
     """The agent starts the command. The job must still be assigned to this very machine: a
-    job is never run by two machines at once, even when a lost agent comes back."""
+    job is never run by two machines at once, even when a lost agent comes back. ``agent_ms``:
+    what the agent spent between its poll's answer and this report (kept with the event)."""
     job = JOB_STATES.try_move(
         job_id,
         to=JobStatus.RUNNING,
         from_=[JobStatus.ASSIGNED],
         actor=Actor.agent(instance.pk),
         where={"instance": instance},
+        event_data={"agent_ms": agent_ms} if agent_ms is not None else None,
     )
     if job is None:
         raise Conflict(
             "this job is not (or no longer) assigned to this machine", code=ErrorCode.NOT_ASSIGNED
         ) from None
+    if agent_ms is not None:
+        now = time.time()
+        tracing.record("agent start", traceparent=job.traceparent, start=now - agent_ms / 1000, end=now)
     return job
 
 

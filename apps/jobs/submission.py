@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db import transaction
 
+from apps.core import tracing
 from apps.core.actors import Actor
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, MissingPrivilege, NotFound
 from apps.events.kinds import EventKind
@@ -61,8 +62,9 @@ def job_submit(
     check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
     # The job's image, when it names one, overrides its configuration's.
     image = check_image_reference(image) if image else config.image
-    with transaction.atomic():
+    with tracing.span("job.submit", config=config.name), transaction.atomic():
         job = Job.objects.create(
+            traceparent=tracing.current_traceparent(),  # the job's trace: every later span joins it
             org=org,
             config=config,
             machine_type_id=config.machine_type_id,

@@ -21,6 +21,7 @@ from django.db import connection
 from django.db.models import Field, Model
 from django.utils import timezone
 
+from apps.core import tracing
 from apps.core.actors import Actor
 from apps.core.db import fetch_one_prepared
 from apps.core.ids import JobId
@@ -185,7 +186,10 @@ def claim(
         "job": str(job_id) if job_id else None,
         **params,
     }
-    row = fetch_one_prepared(sql, values)
+    with tracing.span("claim", by=by[:64]) as span:
+        row = fetch_one_prepared(sql, values)
+        if span is not None:
+            span.set_attribute("claimed", row is not None)
     if row is None:
         return claim_id, None
     raw = list(row[: len(_ATTNAMES)])

@@ -6,11 +6,14 @@ delays a row by at most its deadline plus one reaper tick.
 
 | state        | deadline (from status_changed_at)         | the reaper                        |
 |--------------|-------------------------------------------|-----------------------------------|
-| pending      | CATACLOUD_REDRIVE_AFTER                   | sends the provision task again    |
-| provisioning | CATACLOUD_REDRIVE_AFTER                   | sends the provision task again    |
+| pending      | CATACLOUD_REDRIVE_AFTER                   | provisions it itself (a repair)   |
+| provisioning | CATACLOUD_REDRIVE_AFTER                   | provisions it itself (a repair)   |
 | pending..warming | pool warmup_grace / CATACLOUD_BOOT_TIMEOUT | terminates it           |
 | claimed      | lease_expires_at (acquire lease_seconds)  | terminates it (claim released)    |
-| terminating  | CATACLOUD_REDRIVE_AFTER                   | sends the terminate task again    |
+| terminating  | CATACLOUD_REDRIVE_AFTER                   | destroys it itself (a repair)     |
+
+A re-drive never rides the broker that lost the first message: the row goes to the reaper's
+``Repairs`` (apps/core/repairs.py), which calls the task's service in the reaper's process.
 """
 
 from __future__ import annotations
@@ -23,33 +26,35 @@ from django.db.models import F
 from django.db.models.functions import Coalesce
 
 from apps.core.actors import Actor
-from apps.core.broker import enqueue
 from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
+from apps.core.ids import InstanceId
+from apps.core.repairs import Repairs
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import InstanceStatus
-from apps.machines.lifecycle import PROVISION_TASK, TERMINATE_TASK, instance_terminate
+from apps.machines.lifecycle import instance_destroy, instance_fail, instance_provision, instance_terminate
 from apps.machines.models import MachineInstance
+from catacloud.providers import ProviderError
 
 log = logging.getLogger(__name__)
 BATCH = 500
 BOOTING = [InstanceStatus.PENDING, InstanceStatus.PROVISIONING, InstanceStatus.WARMING]
 
 
-def instances_converge(*, now: datetime) -> dict[str, int]:
+def instances_converge(*, now: datetime, repairs: Repairs) -> dict[str, int]:
     return {
-        "redriven_provision": redrive_provisioning(now=now),
-        "redriven_terminate": redrive_terminating(now=now),
+        "redriven_provision": redrive_provisioning(now=now, repairs=repairs),
+        "redriven_terminate": redrive_terminating(now=now, repairs=repairs),
         "stuck": terminate_stuck(now=now),
         "leases_expired": expire_leases(now=now),
     }
 
 
-def redrive_provisioning(*, now: datetime) -> int:
+def redrive_provisioning(*, now: datetime, repairs: Repairs) -> int:
     """Pending or provisioning past the re-drive deadline: its task was lost (or is backing
-    off); send it again. instance_provision is idempotent (the provider adopts by name or
-    client token), so a second copy of a live task does no harm."""
+    off); the reaper provisions it itself. instance_provision is idempotent (the provider
+    adopts by name or client token), so a task still alive meanwhile does no harm."""
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
     ids = MachineInstance.objects.filter(
         status__in=[InstanceStatus.PENDING, InstanceStatus.PROVISIONING],
@@ -58,18 +63,33 @@ def redrive_provisioning(*, now: datetime) -> int:
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
-        count += enqueue(PROVISION_TASK, str(instance_id))
+        count += repairs.submit(f"instance-provision:{instance_id}", provision_again, instance_id)
     return count
 
 
-def redrive_terminating(*, now: datetime) -> int:
+def provision_again(instance_id: InstanceId) -> None:
+    """The provision task's service as a repair: a refusal fails the instance (as the task's
+    last retry does); a transient error is left for the next tick."""
+    try:
+        instance_provision(instance_id=instance_id)
+    except ProviderError as exc:
+        if exc.retryable:
+            raise
+        instance_fail(instance_id=instance_id, reason=f"{exc.code}: {exc}")
+
+
+def destroy_again(instance_id: InstanceId) -> None:
+    instance_destroy(instance_id=instance_id)
+
+
+def redrive_terminating(*, now: datetime, repairs: Repairs) -> int:
     cutoff = now - timedelta(seconds=settings.CATACLOUD_REDRIVE_AFTER)
     ids = MachineInstance.objects.filter(
         status=InstanceStatus.TERMINATING, status_changed_at__lt=cutoff
     ).values_list("pk", flat=True)[:BATCH]
     count = 0
     for instance_id in ids:
-        count += enqueue(TERMINATE_TASK, str(instance_id))
+        count += repairs.submit(f"instance-destroy:{instance_id}", destroy_again, instance_id)
     return count
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import models, transaction
 from django.utils import timezone
 
 from apps.core import hooks
 from apps.core.actors import Actor
-from apps.core.broker import enqueue, enqueue_on_commit
+from apps.core.broker import enqueue_on_commit
 from apps.core.ids import JobId, ResourceId
+from apps.core.repairs import Repairs
 from apps.resources.choices import ResourceStatus
 from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
-from apps.resources.wells import build_well
+from apps.resources.wells import WellError, build_well
 
 # The resources app's task (apps/resources/tasks.py), sent by its registered name: the task
 # imports this module, never the other way round.
@@ -73,9 +74,31 @@ def resource_destroy(*, resource_id: ResourceId) -> None:
         hooks.resource_slot_freed(type_id=rtype.pk)
 
 
-def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
+def resource_destroy_refused(*, resource_id: ResourceId, exc: WellError) -> None:
+    """The well refused for good: ``failed`` (the reaper retries its destruction)."""
+    RESOURCE_STATES.move(
+        resource_id,
+        to=ResourceStatus.FAILED,
+        actor=Actor.RELEASER,
+        reason=str(exc)[:500],
+        failure_reason=str(exc)[:2000],
+    )
+
+
+def destroy_again(resource_id: ResourceId) -> None:
+    """The destroy task's service as the reaper's repair (a transient error: the next tick)."""
+    try:
+        resource_destroy(resource_id=resource_id)
+    except WellError as exc:
+        if exc.retryable:
+            raise
+        resource_destroy_refused(resource_id=resource_id, exc=exc)
+
+
+def resources_converge(*, now: datetime | None = None, repairs: Repairs) -> dict[str, int]:
     """The reaper's pass over resources: retry failed destructions, create again what a dead
-    worker left ``creating``, and resend the destroy task of everything ``releasing``."""
+    worker left ``creating``, and destroy itself (a repair, not a message) everything
+    ``releasing`` since before the last tick (the destroy task sent at release had a tick)."""
     now = now or timezone.now()
     retry = list(
         ResourceInstance.objects.filter(status=ResourceStatus.FAILED)
@@ -103,12 +126,14 @@ def resources_converge(*, now: datetime | None = None) -> dict[str, int]:
             actor=Actor.REAPER,
             reason=f"still creating after {settings.CATACLOUD_RESOURCE_CREATE_TIMEOUT:.0f}s",
         )
-    releasing = [
-        str(r)
-        for r in ResourceInstance.objects.filter(status=ResourceStatus.RELEASING).values_list(
-            "pk", flat=True
-        )[:500]
-    ]
+    # A failed destruction moved back to releasing above is retried at once.
+    since = now - timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL)
+    releasing = list(
+        ResourceInstance.objects.filter(status=ResourceStatus.RELEASING)
+        .filter(models.Q(status_changed_at__lt=since) | models.Q(pk__in=retry))
+        .values_list("pk", flat=True)[:500]
+    )
+    destroying = 0
     for releasing_id in releasing:
-        enqueue(DESTROY_TASK, releasing_id)
-    return {"destroying": len(releasing)}
+        destroying += repairs.submit(f"resource-destroy:{releasing_id}", destroy_again, releasing_id)
+    return {"destroying": destroying}

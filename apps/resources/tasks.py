@@ -5,10 +5,8 @@ from uuid import UUID
 
 from celery import Task, shared_task
 
-from apps.core.actors import Actor
 from apps.core.broker import task_backoff
-from apps.resources.choices import ResourceStatus
-from apps.resources.lifecycle import resource_destroy
+from apps.resources.lifecycle import resource_destroy, resource_destroy_refused
 from apps.resources.wells import WellError
 
 log = logging.getLogger(__name__)
@@ -24,12 +22,4 @@ def destroy_resource_task(self: Task, resource_id: str) -> None:
         if exc.retryable:
             log.warning("destroying resource %s: %s (retry %d)", resource_id, exc, self.request.retries + 1)
             raise self.retry(countdown=task_backoff(self.request.retries)) from None
-        from apps.resources.services import RESOURCE_STATES
-
-        RESOURCE_STATES.move(
-            UUID(resource_id),
-            to=ResourceStatus.FAILED,
-            actor=Actor.RELEASER,
-            reason=str(exc)[:500],
-            failure_reason=str(exc)[:2000],
-        )
+        resource_destroy_refused(resource_id=UUID(resource_id), exc=exc)

@@ -39,6 +39,7 @@ from catacloud.protocol import (
     JobPayload,
     MachineReport,
     Outcome,
+    Started,
 )
 
 log = logging.getLogger("catacloud.agent")
@@ -256,15 +257,17 @@ class AgentClient:
         retry_for: float | None = 60.0,
         auth: bool = True,
         interrupt: threading.Event | None = None,
+        traceparent: str = "",
     ) -> requests.Response:
         """Send one call, retrying connection errors, 429 and 5xx.
 
         ``retry_for`` bounds the retrying in seconds (``None``: until ``interrupt`` is set).
         Raises :class:`Unauthorized` on 401 (authenticated calls), :class:`Unavailable` when
-        the budget runs out and :class:`Interrupted` when ``interrupt`` is set.
+        the budget runs out and :class:`Interrupted` when ``interrupt`` is set. ``traceparent``:
+        the job's trace, sent back with a report of that job (W3C trace context).
         """
         url = self.base_url + path
-        headers = {}
+        headers = {"traceparent": traceparent} if traceparent else {}
         if auth:
             if not self._token:
                 raise Unauthorized("the agent is not enrolled")
@@ -429,9 +432,23 @@ class AgentClient:
         except ValueError as exc:
             raise AgentAPIError(f"work: malformed job ({exc})") from exc
 
-    def job_started(self, job_id: str, *, interrupt: threading.Event | None = None) -> bool:
-        """Claim the start of a job; ``False`` (409) means it is no longer this machine's."""
-        response = self.request("POST", f"jobs/{quote(job_id, safe='')}/started", interrupt=interrupt)
+    def job_started(
+        self,
+        job_id: str,
+        *,
+        interrupt: threading.Event | None = None,
+        agent_ms: float = 0.0,
+        traceparent: str = "",
+    ) -> bool:
+        """Claim the start of a job; ``False`` (409) means it is no longer this machine's.
+        ``agent_ms``: what this agent spent since the poll's answer arrived."""
+        response = self.request(
+            "POST",
+            f"jobs/{quote(job_id, safe='')}/started",
+            body=Started(agent_ms=round(agent_ms, 3)).to_json(),
+            interrupt=interrupt,
+            traceparent=traceparent,
+        )
         if response.status_code == 409:
             return False
         self._expect_ok(response, "started")
@@ -455,6 +472,7 @@ class AgentClient:
         uploads_pending: int = 0,
         code: str = "",
         retry_for: float = 300.0,
+        traceparent: str = "",
     ) -> None:
         """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
 
@@ -472,6 +490,7 @@ class AgentClient:
                 code=code,
             ).to_json(),
             retry_for=retry_for,
+            traceparent=traceparent,
         )
         self._expect_ok(response, "finished")
 

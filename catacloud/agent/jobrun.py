@@ -168,9 +168,10 @@ class JobRunning:
             self.fatal(f"the control plane rejected this agent's credentials ({exc})")
             raise
 
-    def _run_job(self, job: Job) -> None:
-        """Claim the job's start, run it in its folder, report it, upload its outputs."""
-        if not self._claim_start(job):
+    def _run_job(self, job: Job, received: float | None = None) -> None:
+        """Claim the job's start, run it in its folder, report it, upload its outputs.
+        ``received``: when the poll's answer arrived (``time.monotonic()``)."""
+        if not self._claim_start(job, time.monotonic() if received is None else received):
             return
         started = time.monotonic()  # the job's timeout counts from here, its image's pull included
         cancel = Cancellation()
@@ -207,11 +208,14 @@ class JobRunning:
                     forget_secret(value)
         self._report(job, result, streamer, work_dir)
 
-    def _claim_start(self, job: Job) -> bool:
+    def _claim_start(self, job: Job, received: float) -> bool:
         """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""
         log.info("job %s (attempt %d) assigned", job.id, job.attempt)
         try:
-            if not self.client.job_started(job.id, interrupt=self.stopping):
+            agent_ms = (time.monotonic() - received) * 1000
+            if not self.client.job_started(
+                job.id, interrupt=self.stopping, agent_ms=agent_ms, traceparent=job.traceparent
+            ):
                 log.info("job %s is no longer this machine's (409); not running it", job.id)
                 return False
         except Interrupted:
@@ -376,6 +380,7 @@ class JobRunning:
                 uploads_pending=len(outputs),
                 code=result.code,
                 retry_for=retry_for,
+                traceparent=job.traceparent,
             )
         except Unauthorized:
             raise

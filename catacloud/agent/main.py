@@ -390,6 +390,7 @@ class Agent(JobRunning):
                     failures += 1
                     continue
                 failures = 0
+                received = time.monotonic()
                 if job is None:
                     continue
                 with self._lock:
@@ -398,7 +399,7 @@ class Agent(JobRunning):
                         return
                     self._busy = True
                 try:
-                    self._run_job(job)
+                    self._run_job(job, received)
                 except Unauthorized:
                     raise
                 except Exception as exc:

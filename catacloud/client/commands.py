@@ -133,6 +133,9 @@ def _jobs(at: _Commands) -> None:
 
     p = at.command(jobs, "show", cmd_jobs_show, "one job: status, attempts, timings, cost, then its events")
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
+    p.add_argument(
+        "--timing", action="store_true", help="where its start time went: each stage, and its trace id"
+    )
 
 
 def _configs(at: _Commands) -> None:
@@ -581,6 +584,8 @@ def cmd_jobs_ls(api: Api, args: argparse.Namespace) -> int:
 def cmd_jobs_show(api: Api, args: argparse.Namespace) -> int:
     """The job, then what happened to it (like ``kubectl describe``'s events)."""
     job = api.get(f"jobs/{_job_id(api, args.job)}/")
+    if args.timing:
+        return _show_timing(api.get(f"jobs/{job['id']}/timing/"), args)
     events = api.get("events/", job_id=job["id"], limit=100)["results"][::-1]  # oldest first
     if args.json:
         print_json({**job, "events": events})
@@ -593,6 +598,36 @@ def cmd_jobs_show(api: Api, args: argparse.Namespace) -> int:
         [
             [f"  +{duration(between(start, e['created_at']))}", e["kind"], e["actor"], e["reason"]]
             for e in events
+        ],
+    )
+    return 0
+
+
+def _show_timing(timing: dict, args: argparse.Namespace) -> int:
+    """``jobs show --timing``: submit -> running of the latest attempt, stage by stage."""
+    if args.json:
+        print_json(timing)
+        return 0
+    total = timing.get("submit_to_running_ms")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} ms"
+
+    print(f"job {timing['job']} (attempt {timing['attempt']}, {timing['status']})")
+    print(f"submit -> running: {ms(total)}")
+    if timing.get("trace_id"):
+        print(f"trace: {timing['trace_id']}")
+    print()
+    table(
+        ["STAGE", "TIME", "SHARE", "WHAT"],
+        [
+            [
+                s["name"],
+                ms(s["ms"]),
+                f"{100 * s['ms'] / total:.0f}%" if total and s["ms"] is not None else "",
+                s["what"],
+            ]
+            for s in timing["stages"]
         ],
     )
     return 0

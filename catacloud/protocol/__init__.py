@@ -203,6 +203,9 @@ class JobPayload(Message):
     network: Network = Network()
     disk_limit_bytes: int | None = None  # the machine type's disk_gb; None: no limit of its own
     image: ImagePull | None = None  # None: the command runs on the machine's own root, as before
+    # The job's trace (W3C traceparent; "" when the control plane does not trace): the agent
+    # sends it back as the ``traceparent`` header of its reports of this job.
+    traceparent: str = ""
 
     @property
     def secret_values(self) -> list[str]:
@@ -283,6 +286,14 @@ class LogChunk(Message):
     seq: int
     stream: Stream
     data: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Started(Message):
+    """``POST jobs/<id>/started``: ``agent_ms`` is what the agent spent between its poll's
+    answer arriving and this report leaving (`catacloud jobs show --timing` shows it)."""
+
+    agent_ms: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ def test_healthz_reports_database_and_broker() -> None:
     checks = response.json()["checks"]
     assert checks["database"]["ok"] is True
     assert checks["broker"]["ok"] is True
-    assert set(checks) == {"database", "broker", "workers", "beat"}
+    assert set(checks) == {"database", "broker", "workers", "beat", "reaper"}
 
 
 @override_settings(CELERY_BROKER_URL="redis://127.0.0.1:1/0")
@@ -60,12 +60,36 @@ def test_liveness_and_readiness_answer_apart_without_a_worker_or_beat(
     body = ready.json()
     assert body["status"] == "not_ready"
     assert body["checks"]["workers"]["ok"] is False and body["checks"]["beat"]["ok"] is False
+    assert body["checks"]["reaper"] == {"ok": False, "last_tick": None, "ms": body["checks"]["reaper"]["ms"]}
     assert body["checks"]["database"]["ok"] is True
 
     Heartbeat.objects.create(name="beat", seen_at=timezone.now())
     cache.set("health:workers", ["w1@host"], 5)
+    assert _get("/readyz").status_code == 503  # every part but the reaper
+    Heartbeat.objects.create(
+        name="reaper", seen_at=timezone.now(), detail={"by": "worker@h:1", "seconds": 0.01}
+    )
     ready = _get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    assert ready.json()["checks"]["reaper"]["by"] == "worker@h:1"
+
+
+def test_readyz_is_503_when_the_reaper_stopped_ticking(settings: Any) -> None:
+    """The safety net is part of being ready: its last tick older than three intervals is."""
+    from datetime import timedelta
+
+    from django.core.cache import cache
+    from django.utils import timezone
+
+    from apps.core.models import Heartbeat
+
+    cache.set("health:workers", ["w1@host"], 5)
+    Heartbeat.objects.create(name="beat", seen_at=timezone.now())
+    late = timezone.now() - timedelta(seconds=3 * settings.CATACLOUD_REAPER_INTERVAL + 10)
+    Heartbeat.objects.create(name="reaper", seen_at=late)
+    body = _get("/readyz").json()
+    assert body["status"] == "not_ready" and body["checks"]["reaper"]["ok"] is False
+    assert _get("/healthz").json()["status"] == "degraded"
 
 
 @override_settings(CELERY_BROKER_URL="redis://127.0.0.1:1/0")

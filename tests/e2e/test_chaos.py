@@ -17,8 +17,10 @@ def test_the_system_converges_under_faults_and_keeps_its_invariants() -> None:
         faults=16,
         seed=13,
         fault_interval=2,
-        workload_timeout=180,
+        workload_timeout=240,
         settle_timeout=60,
+        beat_stopped=15,
+        redis_gone=15,
     )
     data = result.data
     kinds = {f["kind"] for f in data["faults"]}

@@ -18,6 +18,7 @@ import pytest
 import requests
 from django.utils import timezone
 
+from apps.core.repairs import InlineRepairs
 from apps.machines import convergence, lifecycle, reconcile
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance, MachineType
@@ -43,8 +44,9 @@ def _restore(backup: list[dict[str, Any]]) -> None:
 
 
 def _converge(machine_type: MachineType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What beat's reaper does over a few ticks, with the tasks it sends run inline: the
-    reconciler, then the re-drive of provisioning and termination (their deadlines passed)."""
+    """What the reaper does over a few ticks, with the tasks the reconciler sends run inline:
+    the reconciler, then the re-drive of provisioning and termination (their deadlines passed),
+    which the tick runs itself."""
 
     def run_inline(task: Any, *args: Any) -> bool:
         name = task if isinstance(task, str) else task.name
@@ -54,13 +56,12 @@ def _converge(machine_type: MachineType, monkeypatch: pytest.MonkeyPatch) -> Non
             destroy(args[0])
         return True
 
-    monkeypatch.setattr(convergence, "enqueue", run_inline)
     monkeypatch.setattr(reconcile, "enqueue", run_inline)
     later = timezone.now() + timedelta(hours=1)
     for _ in range(2):
         reconcile.reconcile_account(account=machine_type.provider_account, grace_seconds=0)
-        convergence.redrive_provisioning(now=later)
-        convergence.redrive_terminating(now=later)
+        convergence.redrive_provisioning(now=later, repairs=InlineRepairs())
+        convergence.redrive_terminating(now=later, repairs=InlineRepairs())
 
 
 def _scenario(

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.test import override_settings
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from apps.events.models import Event
@@ -222,9 +225,15 @@ def test_the_reaper_destroys_resources_whose_job_is_gone(world: World) -> None:
     job = admitted_job(world, config_with(world, "tok2"))
     job_acquire_resources(job_id=job.pk)
     Job.objects.filter(pk=job.pk).update(status=J.FAILED)  # ended without releasing (a crash)
-    report = resources_safety_net()
+    from apps.core.repairs import InlineRepairs
+
+    report = resources_safety_net(repairs=InlineRepairs())
     assert report["released_orphans"] == 1
     assert ResourceInstance.objects.get(job=job).status == "releasing"
+    # Still releasing a tick later (its destroy message lost): the tick destroys it itself.
+    later = timezone.now() + timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL + 1)
+    assert resources_safety_net(now=later, repairs=InlineRepairs())["destroying"] == 1
+    assert ResourceInstance.objects.get(job=job).status == "destroyed"
 
 
 def test_resource_types_show_use_and_whether_the_org_may_use_them(world: World) -> None:

@@ -12,7 +12,7 @@ from django.test import Client, override_settings
 
 pytestmark = pytest.mark.django_db
 
-CHECKS = {"database", "broker", "workers", "beat"}
+CHECKS = {"database", "broker", "workers", "beat", "reaper"}  # the reaper: its last tick, and by whom
 
 
 @override_settings(CATACLOUD_METRICS_TOKEN="metrics-secret")

@@ -38,7 +38,7 @@ from apps.jobs.reports import (
 from apps.jobs.selectors import image_pull
 from apps.machines.agents import agent_enroll, agent_settings, instance_images_report
 from apps.pools.services import pool_member_enrolled
-from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Stream
+from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Started, Stream
 from catacloud.protocol import VERSION as PROTOCOL_VERSION
 
 # ---- enroll ------------------------------------------------------------------------------------
@@ -123,7 +123,12 @@ class JobImageView(AgentView):
 
 class StartedView(AgentView):
     def post(self, request: Request, job_id: JobId) -> Response:
-        job_started(instance=self.instance, job_id=job_id)
+        # An agent from before protocol's Started sends no body.
+        try:
+            agent_ms = Started.from_json(request.data).agent_ms if request.data else None
+        except ValueError as exc:
+            raise ValidationFailed(str(exc)) from None
+        job_started(instance=self.instance, job_id=job_id, agent_ms=agent_ms)
         return Response({"ok": True})
 
 

@@ -28,6 +28,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from apps.control.agent import db, wakeups
 from apps.control.agent.auth import AgentRateThrottle
+from apps.core import tracing
 from apps.core.crypto import hash_token
 from apps.core.errors import ErrorCode, error_payload
 from apps.core.parsers import loads
@@ -178,25 +179,31 @@ HAS_ASSIGNED = (
 )
 
 
-def _assigned(instance_id: uuid.UUID) -> dict[str, Any] | None:
+def _assigned(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | None:
     job = (
         Job.objects.filter(handed_off(), instance_id=instance_id, status=JobStatus.ASSIGNED)
         .select_related("config", "machine_type")
         .order_by("assigned_at")
         .first()
     )
-    if job is not None and job.image and job_image_unrunnable(job=job):
+    if job is None:
+        return None
+    if job.image and job_image_unrunnable(job=job):
         return None  # ended with image_unusable: an agent that would ignore the image never gets it
-    return None if job is None else job_payload(job)
+    payload = job_payload(job)
+    Job.objects.filter(pk=job.pk).update(delivered_at=timezone.now())  # `jobs show --timing`
+    since = max(poll_began, job.assigned_at.timestamp()) if job.assigned_at else poll_began
+    tracing.record("poll answer", traceparent=job.traceparent, start=since, instance=str(instance_id))
+    return payload
 
 
-async def _look(instance_id: uuid.UUID) -> dict[str, Any] | None:
+async def _look(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | None:
     """The job assigned to this machine, if any: one prepared statement, and the ORM (on a
     database thread) only when there is one to hand out."""
     row = await db.fetchone(HAS_ASSIGNED, [instance_id])
     if not row or not row[0]:
         return None
-    return await db.run(_assigned, instance_id)
+    return await db.run(_assigned, instance_id, poll_began)
 
 
 # A poll with nothing to hand out ends after its wait less up to this share of it, at random:
@@ -265,6 +272,7 @@ async def work_answer(authorization: str, wait_param: str | None) -> Answer:
     digest = _token_hash(authorization)
     if isinstance(digest, Answer):
         return digest
+    began = time.time()
     deadline = time.monotonic() + _wait_seconds(wait_param) * random.uniform(1 - POLL_JITTER, 1)
     found = await db.fetchone(INSTANCE, [digest])
     if found is None:
@@ -277,7 +285,7 @@ async def work_answer(authorization: str, wait_param: str | None) -> Answer:
         look = True
         while True:
             if look:
-                job = await _look(instance_id)
+                job = await _look(instance_id, began)
                 if job is not None:
                     return Answer(200, {"job": job})
             remaining = deadline - time.monotonic()

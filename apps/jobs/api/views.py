@@ -27,6 +27,7 @@ from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import job_cancel, job_submit
+from apps.jobs.timing import job_timing
 from apps.machines.costs import job_cost
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
 
@@ -160,6 +161,13 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         )
         context = self.get_serializer_context()
         return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={200: dict})
+    @action(detail=True, methods=["get"])
+    def timing(self, request: Request, pk: str | None = None) -> Response:
+        """Where the latest attempt's start went: its stages (admission, placement, the
+        wake-up and poll, the agent) in milliseconds, and its trace id when tracing is on."""
+        return Response(job_timing(self.get_object()))
 
     @extend_schema(request=None, responses={202: JobSerializer})
     @action(detail=True, methods=["post"])

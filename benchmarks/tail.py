@@ -1,0 +1,234 @@
+"""The tail of warm starts (`make bench ONLY=tail`): submit -> running of many warm jobs through
+the live stack, in bursts and trickles; p50, p99, p99.9 and max, and every slow job explained.
+
+The stack is `make dev`'s (gunicorn, the agent server, a Celery worker, beat; the local provider
+starts real agent processes). ``machines`` machines are made warm first: as many `sleep`
+jobs of a ``reuse`` configuration at once, on an empty grant of ``machines`` instances; when
+they end, the machines stay ready for reuse (an hour is paid for) and every later job lands on
+one of them (placement takes an idle paid machine first), so no job waits for a boot or for
+another job. Then ``jobs`` jobs of `true` are submitted through ``POST /api/v1/jobs/``,
+alternating bursts (``machines`` jobs at once, each from its own thread) and trickles (one job
+at a time, ``gap`` apart), each burst or trickle starting once the previous one's jobs all
+ended, so that every job finds an idle machine.
+
+A job's time is ``started_at - queued_at`` (the agent's ``started`` report minus the submit's
+commit), split in three: queued -> admitted (admission, in the submit's own request after its
+commit, or the scheduling pass), admitted -> assigned (placement), assigned -> started (the
+agent woken from its long poll, its poll answered with the job, its ``started`` report). With
+tracing on, a job's trace has the spans within those stages (`catacloud jobs show --timing`).
+The saved results keep percentile curves, not the jobs (`summary`): every job above ``slow`` is
+counted by the stage that took most of its time, and the slowest are listed by id.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+from benchmarks.harness import Figure, PartResult, Progress, percentile, say, tenant
+from benchmarks.stack import live_stack
+from testkit.builders import job_config
+from testkit.processes import wait_for
+
+STAGES = (("admission", "queued_at", "admitted_at"), ("placement", "admitted_at", "assigned_at"))
+STAGES += (("agent start", "assigned_at", "started_at"),)
+SLOW = 0.25
+
+
+def _submit(session: Any, url: str, config_id: str) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    r = session.post(f"{url}/api/v1/jobs/", json={"config": config_id}, timeout=30)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"]), time.perf_counter() - t0
+
+
+def _wait_ended(ids: list[str], timeout: float = 120) -> None:
+    from apps.jobs.choices import JOB_TERMINAL
+    from apps.jobs.models import Job
+
+    def ended() -> bool:
+        return Job.objects.filter(pk__in=ids, status__in=JOB_TERMINAL).count() == len(ids)
+
+    wait_for(ended, timeout, f"{len(ids)} jobs to end", 0.02)
+
+
+def _idle_machines(t: Any) -> int:
+    from apps.machines.models import MachineInstance
+
+    return MachineInstance.objects.filter(machine_type=t.machine_type, status="ready").count()
+
+
+def run(
+    *,
+    jobs: int = 1000,
+    machines: int = 6,
+    gap: tuple[float, float] = (0.02, 0.2),
+    seed: int = 7,
+    slow: float = SLOW,
+    progress: Progress = say,
+    **stack_env: str,
+) -> PartResult:
+    import requests
+
+    from apps.jobs.models import Job
+    from apps.orgs.services import api_token_create
+
+    rng = random.Random(seed)
+    result = PartResult(part="tail", title="The tail of warm starts: submit -> running")
+    records: list[dict[str, Any]] = []
+    progress("tail: starting gunicorn, the agent server, worker and beat")
+    with live_stack("tail", **stack_env) as stack:
+        t = tenant("tail", kind="local", state_dir=stack.state_dir, max_instances=machines)
+        warm_cfg = job_config(t.org, t.machine_type, "warm-up", "sleep 2", reuse="reuse")
+        cfg = job_config(t.org, t.machine_type, "true", "true", reuse="reuse")
+        _, token = api_token_create(org=t.org, user=t.user)
+        local = threading.local()
+
+        def session() -> Any:
+            s = getattr(local, "s", None)
+            if s is None:
+                s = local.s = requests.Session()
+                s.headers["Authorization"] = f"Bearer {token}"
+            return s
+
+        progress(f"tail: warming {machines} machines (reuse)")
+        warm = [_submit(session(), stack.url, str(warm_cfg.pk))[0] for _ in range(machines)]
+        _wait_ended(warm, 180)
+        wait_for(lambda: _idle_machines(t) >= machines, 60, f"{machines} idle machines", 0.05)
+        phase, n = 0, 0
+        while n < jobs:
+            size = min(machines, jobs - n)
+            kind = "burst" if phase % 2 == 0 else "trickle"
+            submitted: list[tuple[str, float, str]] = []
+
+            def one(kind: str = kind, submitted: list[tuple[str, float, str]] = submitted) -> None:
+                job_id, seconds = _submit(session(), stack.url, str(cfg.pk))
+                submitted.append((job_id, seconds, kind))  # list.append: atomic
+
+            if kind == "burst":
+                threads = [threading.Thread(target=one) for _ in range(size)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+            else:
+                for _ in range(size):
+                    one()
+                    time.sleep(rng.uniform(*gap))
+            _wait_ended([s[0] for s in submitted])
+            for job_id, seconds, k in submitted:
+                records.append({"id": job_id, "submit_http_s": seconds, "phase": k})
+            n += size
+            phase += 1
+            if phase % 20 == 0:
+                progress(f"tail: {n}/{jobs} jobs")
+        rows = {
+            str(r["id"]): r
+            for r in Job.objects.filter(pk__in=[r["id"] for r in records]).values(
+                "id", "status", "queued_at", "admitted_at", "assigned_at", "started_at", "instance_id"
+            )
+        }
+        for rec in records:
+            row = rows[rec["id"]]
+            rec["status"] = row["status"]
+            rec["start_s"] = (row["started_at"] - row["queued_at"]).total_seconds()
+            rec["stages"] = {
+                name: (row[b] - row[a]).total_seconds() if row[a] and row[b] else None
+                for name, a, b in STAGES
+            }
+    return _result(result, records, machines, slow)
+
+
+# The percentiles the saved results keep (docs/bench/tail.json) and tail.png plots: the curve of
+# each phase's submit -> running and of each stage, not the 1,000 jobs behind it.
+QUANTILES = (0, 10, 25, 50, 75, 90, 95, 98, 99, 99.5, 99.8, 99.9, 100)
+LISTED = 20  # the slowest jobs named one by one; every job above ``slow`` is counted by stage
+
+
+def _slowest_stage(rec: dict[str, Any]) -> str:
+    stages = {k: v for k, v in rec["stages"].items() if v is not None}
+    return max(stages, key=lambda k: stages[k])
+
+
+def _curve(values: list[float]) -> list[float]:
+    return [round(percentile(values, q) * 1000, 1) for q in QUANTILES]
+
+
+def _stage_figure(records: list[dict[str, Any]], name: str) -> Figure:
+    values = [r["stages"][name] for r in records if r["stages"][name] is not None]
+    p99 = percentile(values, 99) * 1000
+    return Figure(
+        f"stage p50 / p99: {name}", round(percentile(values, 50) * 1000, 1), "ms", "", f"p99 {p99:.1f} ms"
+    )
+
+
+def summary(records: list[dict[str, Any]], machines: int, slow: float) -> dict[str, Any]:
+    """What the report keeps of the jobs: percentile curves (all jobs, each phase, each stage)
+    and the jobs above ``slow`` counted by their slowest stage and phase."""
+    phases = sorted({r["phase"] for r in records})
+    over = [r for r in records if r["start_s"] > slow]
+    by_stage: dict[str, dict[str, int]] = {name: dict.fromkeys(phases, 0) for name, _, _ in STAGES}
+    for r in over:
+        by_stage[_slowest_stage(r)][r["phase"]] += 1
+    return {
+        "jobs": len(records),
+        "machines": machines,
+        "slow_s": slow,
+        "quantiles": list(QUANTILES),
+        "start_ms": {
+            "all": _curve([r["start_s"] for r in records]),
+            **{ph: _curve([r["start_s"] for r in records if r["phase"] == ph]) for ph in phases},
+        },
+        "stage_ms": {
+            name: _curve([r["stages"][name] for r in records if r["stages"][name] is not None])
+            for name, _, _ in STAGES
+        },
+        "jobs_per_phase": {ph: sum(r["phase"] == ph for r in records) for ph in phases},
+        "slow_by_stage": by_stage,
+    }
+
+
+def _result(result: PartResult, records: list[dict[str, Any]], machines: int, slow: float) -> PartResult:
+    starts = [r["start_s"] for r in records]
+    p50, p99, p999 = (percentile(starts, q) for q in (50, 99, 99.9))
+    worst = max(starts) if starts else float("nan")
+    over = sorted((r for r in records if r["start_s"] > slow), key=lambda r: -r["start_s"])
+    result.data = summary(records, machines, slow)
+    result.figures += [
+        Figure("warm: submit -> running p50", round(p50 * 1000, 1), "ms", ""),
+        Figure("warm: submit -> running p99", round(p99 * 1000, 1), "ms", ""),
+        Figure(
+            "warm: submit -> running p99.9",
+            round(p999 * 1000, 1),
+            "ms",
+            "<= 250 ms",
+            met=p999 <= 0.25,
+        ),
+        Figure("warm: submit -> running max", round(worst * 1000, 1), "ms", "<= 1000 ms", met=worst <= 1.0),
+        Figure(
+            f"jobs above {slow * 1000:.0f} ms",
+            float(len(over)),
+            "",
+            "each explained",
+            note=f"of {len(records)} ({sum(r['phase'] == 'burst' for r in records)} in bursts of {machines})",
+        ),
+        *(_stage_figure(records, name) for name, _, _ in STAGES),
+    ]
+    if over:
+        counts = "; ".join(
+            f"{name}: {sum(n.values())} ({', '.join(f'{n[ph]} {ph}' for ph in sorted(n))})"
+            for name, n in result.data["slow_by_stage"].items()
+            if sum(n.values())
+        )
+        result.notes.append(
+            f"**Jobs above {slow * 1000:.0f} ms** ({len(over)}), by the stage that took the most of their "
+            f"time: {counts}. The {min(LISTED, len(over))} slowest:\n\n"
+            + "\n".join(
+                f"- {r['start_s'] * 1000:.0f} ms ({r['phase']}) job {r['id']}: {_slowest_stage(r)} "
+                f"{r['stages'][_slowest_stage(r)] * 1000:.0f} ms"
+                for r in over[:LISTED]
+            )
+        )
+    return result
