@@ -158,6 +158,12 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
 
         stack.wait(done, 400, "every job of both forges to finish")
         gh_jobs, gl_jobs = _runner_jobs()
+        fields = ("status", "pending_reason", "hold_reason", "handed_off_to", "instance__status", "attempt")
+        stack.on_timeout = lambda: (
+            f"runners at GitHub: {github.summary()['runners']}; at GitLab: {gitlab.summary()['runners']}; "
+            f"live runner jobs: {list(gh_jobs.filter(status__in=JOB_LIVE).values_list(*fields))} "
+            f"{list(gl_jobs.filter(status__in=JOB_LIVE).values_list(*fields))}"
+        )
         stack.wait(
             lambda: (
                 not github.summary()["runners"]

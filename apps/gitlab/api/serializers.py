@@ -17,7 +17,7 @@ class ProjectIn(serializers.Serializer):
     path = serializers.CharField(max_length=300)
 
 
-class ConnectionIn(serializers.Serializer):
+class GitLabConnectionIn(serializers.Serializer):
     """Secrets are write-only: sent to set or replace them, never answered."""
 
     url = serializers.URLField(max_length=300, required=False)
@@ -26,7 +26,7 @@ class ConnectionIn(serializers.Serializer):
     projects = ProjectIn(many=True, required=False)
 
 
-class ConnectionOut(serializers.ModelSerializer):
+class GitLabConnectionOut(serializers.ModelSerializer):
     token_set = serializers.SerializerMethodField()
     webhook_token_set = serializers.SerializerMethodField()
     webhook_url = serializers.SerializerMethodField(help_text="the webhook URL to give GitLab (Job events)")
@@ -62,7 +62,7 @@ class ConnectionOut(serializers.ModelSerializer):
         return endpoint_health(obj)
 
 
-class RunnerClassSerializer(serializers.ModelSerializer):
+class GitLabRunnerClassSerializer(serializers.ModelSerializer):
     machine_type = OrgMachineTypeField()
     pool = OrgPoolField(required=False, allow_null=True)
     tags = serializers.ListField(child=serializers.CharField(max_length=255), min_length=1, max_length=100)

@@ -15,10 +15,10 @@ from rest_framework.views import APIView
 from apps.core.actors import Actor
 from apps.core.errors import NotFound
 from apps.gitlab.api.serializers import (
-    ConnectionIn,
-    ConnectionOut,
+    GitLabConnectionIn,
+    GitLabConnectionOut,
     GitLabJobSerializer,
-    RunnerClassSerializer,
+    GitLabRunnerClassSerializer,
 )
 from apps.gitlab.choices import GitLabJobStatus
 from apps.gitlab.models import GitLabConnection, GitLabJob, GitLabRunnerClass
@@ -45,16 +45,16 @@ class GitLabConnectionView(APIView):
     def _actor(self, request: Request) -> Actor:
         return Actor.user(request.user.get_username())
 
-    @extend_schema(responses={200: ConnectionOut})
+    @extend_schema(responses={200: GitLabConnectionOut})
     def get(self, request: Request) -> Response:
         conn = GitLabConnection.objects.filter(org=org_context(request).org).first()
         if conn is None:
             raise NotFound("this organization has no GitLab connection")
-        return Response(ConnectionOut(conn).data)
+        return Response(GitLabConnectionOut(conn).data)
 
-    @extend_schema(request=ConnectionIn, responses={200: ConnectionOut, 201: ConnectionOut})
+    @extend_schema(request=GitLabConnectionIn, responses={200: GitLabConnectionOut, 201: GitLabConnectionOut})
     def put(self, request: Request) -> Response:
-        body = ConnectionIn(data=request.data)
+        body = GitLabConnectionIn(data=request.data)
         body.is_valid(raise_exception=True)
         data: dict[str, Any] = dict(body.validated_data)
         if "projects" in data:
@@ -63,7 +63,7 @@ class GitLabConnectionView(APIView):
         existed = GitLabConnection.objects.filter(org=org).exists()
         conn, _ = connection_set(org=org, actor=self._actor(request), **data)
         return Response(
-            ConnectionOut(conn).data, status=status.HTTP_200_OK if existed else status.HTTP_201_CREATED
+            GitLabConnectionOut(conn).data, status=status.HTTP_200_OK if existed else status.HTTP_201_CREATED
         )
 
     @extend_schema(responses={204: None})
@@ -83,7 +83,7 @@ class RunnerClassViewSet(
     """Runner classes: which CI jobs (by ``tags``) run on which machine type."""
 
     queryset = GitLabRunnerClass.objects.select_related("machine_type", "pool")
-    serializer_class = RunnerClassSerializer
+    serializer_class = GitLabRunnerClassSerializer
     ordering = ("name",)
     http_method_names = ["get", "post", "patch", "delete", "head", "options"]
 
