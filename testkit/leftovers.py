@@ -32,7 +32,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STARTED] = psutil.Process().create_time()  # (psutil's clock: whole-second boot time)
 
 
+def _stop_own_resource_tracker() -> None:
+    """End this process's multiprocessing resource tracker: a helper of pytest's own process
+    (started when a test uses a spawn context, as the claim benchmark's smoke test does), which
+    would end with pytest anyway; it is not a process a test left behind."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # the module's one instance
+    if getattr(tracker, "_pid", None) is not None:
+        tracker._stop()  # closes its pipe, waits for it: what pytest's exit does
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_own_resource_tracker()
     factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's tmp_path plugin
     folders = [factory.getbasetemp(), *WATCHED_FOLDERS] if factory is not None else [*WATCHED_FOLDERS]
     left = leftovers_after(os.environ[SESSION_ENV], folders, session.config.stash[STARTED])
