@@ -250,24 +250,26 @@ ones (a longer heartbeat for large fleets, as Kubernetes' node leases do at 10 s
 """
 
 CI = """\
-**What the GitHub figures measure.** The fake GitHub (`testkit/github_fake.py`, a thread of the
-bench process) sends signed `workflow_job` deliveries to gunicorn; one Celery worker (2
-processes) and beat dispatch; the local provider's agents run the stand-in runner
-(`testkit/github_runner`). *Webhook → JIT config handed to the agent* runs from the stored
-delivery (`received_at`, written by the web) to the `job.handed_off` event: the delivery's class
-convergence (a task) creates the runner job and admits and places it on a warm machine in the
-same task, the handoff task asks the fake for a just-in-time configuration and stores it. Two
-Celery hops and one GitHub call; the p99 of 30 samples is their slowest, which on this 2-core
-host shared with other work is a handoff queued behind slow tasks on the single worker (the
-local provider's machine deletions wait for agent processes to stop). *Runner online* adds the
-agent's wake-up, the copy of the runner folder, the stand-in's start and its session at the
-fake. *GitHub calls per job* counts every call the fake answered while the samples ran: the
-registration (one per job), the installation token (once an hour), and the reconciler's runner
-list and polls every 30 s, shared by all jobs. *The burst* queues 1,000 jobs at once against 10
-machines (the grant allows no more): the runners start as machines free up, each machine serves
-one runner after another while its hour is paid, so the burst is bought as ~10 machine-hours
-instead of 1,000 (hourly billing, 0.0095 USD an hour); its longest wait is the queue's length
-over the throughput.
+**What the CI figures measure.** Both forges run in the same invocation, one after the other,
+each with its own tenant and pool of local machines on one live stack (gunicorn, the agent
+server, one Celery worker of 2 processes, beat). The fake GitHub (`testkit/github_fake.py`) sends
+signed `workflow_job` deliveries, the fake GitLab (`testkit/gitlab_fake.py`) Job events with
+`X-Gitlab-Token`; the agents run the stand-in runners (`testkit/github_runner`,
+`testkit/gitlab_runner`). *Webhook → credential handed to the agent* runs from the stored demand
+delivery (GitHub's `queued`, GitLab's `pending`; `received_at`, written by the web) to the
+`job.handed_off` event: the class convergence (a task) creates the runner job and admits and
+places it on a warm machine in the same task, the handoff task asks the forge for the credential
+(GitHub: a just-in-time configuration; GitLab: `POST /user/runners`, a `glrt-` token) and stores
+it. *Runner online* adds the agent's wake-up, the runner's start and its first contact with the
+fake. *Calls per job* counts every call the fake answered while the samples ran. GitHub: the
+registration, the installation token (once an hour), the reconciler's runner list and polls.
+GitLab: the job's tags looked up (a Job event does not carry them unless the GitLab is recent
+enough to send `build_tags`: then this call is skipped), the runner created, the runner deleted
+once its job ended (GitLab keeps a created runner until it is deleted), and the reconciler's share.
+*The burst* queues 1,000 jobs at once against 10 machines (the grant allows no more): the
+runners start as machines free up, each machine serves one runner after another while its hour
+is paid, so the burst is bought as ~10 machine-hours instead of 1,000 (hourly billing, 0.0095
+USD an hour); its longest wait is the queue's length over the throughput.
 """
 
 IMAGES = """

@@ -301,7 +301,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         from benchmarks.fleet import plot as fleet_plot
 
         made.append(fleet_plot(by["fleet"], out))
-    if "ci" in by and by["ci"].data.get("latency"):
+    if "ci" in by and by["ci"].data.get("forges"):
         from benchmarks.ci import plot as ci_plot
 
         made.append(ci_plot(by["ci"], out))

@@ -370,7 +370,10 @@ CATACLOUD_GITLAB_RUNNER = env.str("CATACLOUD_GITLAB_RUNNER", default="gitlab-run
 # Seconds between reconciles of a connection (runners, missed webhooks); the reaper's tick sends them.
 CATACLOUD_GITLAB_RECONCILE_INTERVAL = env.float("CATACLOUD_GITLAB_RECONCILE_INTERVAL", default=30.0)
 # GitLab calls per connection per hour Catacloud allows itself (background calls: 80 % of it).
-CATACLOUD_GITLAB_REQUEST_BUDGET = env.int("CATACLOUD_GITLAB_REQUEST_BUDGET", default=3000)
+# A job costs about three (its tags, its runner, the runner's deletion), so this is ~12,000 jobs
+# an hour; GitLab.com allows a user 2,000 calls a minute, and GitLab's own RateLimit-* answers are
+# honoured on top of this.
+CATACLOUD_GITLAB_REQUEST_BUDGET = env.int("CATACLOUD_GITLAB_REQUEST_BUDGET", default=36000)
 # Seconds a GitLab call may take.
 CATACLOUD_GITLAB_TIMEOUT = env.float("CATACLOUD_GITLAB_TIMEOUT", default=10.0)
 # The largest webhook delivery accepted (GitLab's Job events are a few KB).

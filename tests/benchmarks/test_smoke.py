@@ -172,9 +172,15 @@ def test_fleet(tmp_path: Path) -> None:
 def test_ci(tmp_path: Path) -> None:
     result = run_part("ci", samples=2, burst=4, pool_size=2, progress=quiet)
     sane(result, "ci")
-    assert len(result.data["latency"]["handoff_s"]) == 2 and result.data["burst"]["jobs"] == 4
-    assert all(x > 0 for x in result.data["latency"]["handoff_s"] + result.data["latency"]["online_s"])
-    assert result.data["burst"]["conclusions"] == {"success": 4}
+    runs = {data["forge"]: data for data in result.data["forges"]}
+    assert set(runs) == {"github", "gitlab"}  # both forges in the same run
+    for data in runs.values():
+        latency, burst = data["latency"], data["burst"]
+        assert len(latency["handoff_s"]) == 2 and burst["jobs"] == 4
+        assert all(x > 0 for x in latency["handoff_s"] + latency["online_s"])
+        assert latency["calls"] >= 2  # at least a registration per job
+    assert runs["github"]["burst"]["outcomes"] == {"success": 4}
+    assert runs["gitlab"]["burst"]["outcomes"] == {"success": 4}
     report.save(result, tmp_path)
     assert "ci.png" in report.plots(report.load_all(tmp_path), tmp_path)
 

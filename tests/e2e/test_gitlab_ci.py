@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -148,7 +149,19 @@ def _sampler(
             jobs, registered = view["jobs"], len(view["runners"])
             busy = jobs.get("pending", 0) + jobs.get("running", 0) + jobs.get("created", 0)
             if registered > busy + targets + 4:
-                violations.append(f"{registered} runners registered for {jobs}")
+                # each registered runner: its state at GitLab and what its runner job is here
+                ours = dict(
+                    GitLabRunner.objects.filter(
+                        gitlab_runner_id__in=[r["id"] for r in view["runners"]]
+                    ).values_list("gitlab_runner_id", "job__status")
+                )
+                kinds = Counter(
+                    f"{r['status']}{' paused' if r['paused'] else ''}/{ours.get(r['id'], 'not ours')}"
+                    for r in view["runners"]
+                )
+                violations.append(
+                    f"{time.strftime('%H:%M:%S')} {registered} runners registered ({dict(kinds)}) for {jobs}"
+                )
             # ours: runners not yet given a job never exceed the pending jobs we know of
             supply = GitLabRunner.objects.filter(
                 job__status__in=JOB_LIVE, gitlab_job__isnull=True, retire_requested_at__isnull=True

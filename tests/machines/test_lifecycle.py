@@ -190,6 +190,46 @@ def test_orphans_are_deleted_and_vanished_machines_make_rows_lost(
     }  # another installation's is untouched
 
 
+def test_two_accounts_seeing_one_project_never_delete_each_others_machines(
+    world: World, hetzner: MachineType, fake_hetzner: FakeHetzner
+) -> None:
+    """Two accounts with one Hetzner project's token (one per location, say) list the same
+    servers: each account's reconciler leaves the other's machines alone, still deletes its own
+    orphans, and still finds its own vanished machines."""
+    account = hetzner.provider_account
+    nbg = provider_account(
+        "hetzner", "hz-nbg", {**account.config, "location": "nbg1"}, credentials={"token": TOKEN}
+    )
+    other = granted_type(
+        world.org,
+        nbg,
+        "cx22-nbg",
+        server_type="cx22",
+        image="ubuntu-24.04",
+        location="nbg1",
+        grant={"max_instances": 10},
+    )[0]
+    mine = lifecycle.instance_request(org=world.org, machine_type=hetzner)
+    theirs = lifecycle.instance_request(org=world.org, machine_type=other)
+    provision(mine.pk)
+    provision(theirs.pk)
+    mine.refresh_from_db()
+    theirs.refresh_from_db()
+    orphan = {**lifecycle.owner_labels(), LABEL_INSTANCE: "7a3f7c2e-0000-4000-8000-000000000001"}
+    fake_hetzner.add_server("cc-orphan", labels=orphan)
+
+    for acc in (account, nbg, account):
+        report = reconcile_account(account=acc, grace_seconds=0)
+        assert report.lost == []
+    assert set(fake_hetzner.servers) == {int(mine.provider_id), int(theirs.provider_id)}
+    for row in (mine, theirs):
+        row.refresh_from_db()
+        assert row.status == S.WARMING  # neither was deleted as the other's orphan
+    del fake_hetzner.servers[int(theirs.provider_id)]
+    assert reconcile_account(account=account, grace_seconds=0).lost == []
+    assert reconcile_account(account=nbg, grace_seconds=0).lost == [str(theirs.pk)]
+
+
 def test_terminate_deletes_the_server_and_records_the_bill(
     world: World, hetzner: MachineType, fake_hetzner: FakeHetzner
 ) -> None:
