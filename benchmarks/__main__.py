@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import LoadSampler, PartResult, say
+from benchmarks.harness import LoadSampler, PartResult, end_on_sigterm, say
 from testkit.processes import ROOT
 
 PARTS = (
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md and docs/bench/ go")
     parser.add_argument("--report", action="store_true", help="only rewrite BENCHMARKS.md and the plots")
     args = parser.parse_args(argv)
+    end_on_sigterm()
     parts = [p.strip() for p in args.only.split(",") if p.strip()] or list(PARTS)
     if args.report:
         parts = []

@@ -1577,7 +1577,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md and docs/bench/ go")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
     args = parser.parse_args(argv)
-    from benchmarks.harness import setup_django_for_bench
+    from benchmarks.harness import end_on_sigterm, setup_django_for_bench
+
+    end_on_sigterm()
 
     say("chaos: preparing database catacloud_bench")
     setup_django_for_bench()

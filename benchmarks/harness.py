@@ -104,6 +104,16 @@ class Tenant:
     user: Any
 
 
+def end_on_sigterm() -> None:
+    """Stopped by SIGTERM (``kill``, a CI timeout), the bench exits as from an error: the
+    context managers that started its stacks (web, worker, beat, machines) unwind and end them,
+    instead of leaving them running against the bench database."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def tenant(
     name: str,
     *,

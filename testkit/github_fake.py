@@ -39,29 +39,20 @@ import hashlib
 import hmac
 import itertools
 import json
-import random
 import re
 import secrets
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import jwt
 
-RUNNER_FAULTS = ("crash", "hang", "never_connect")
-
-
-def _iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+from testkit.forge_fake import FakeForge, HttpError, iso
 
 
 def app_keypair() -> tuple[str, str]:
@@ -83,12 +74,6 @@ def app_keypair() -> tuple[str, str]:
 
 def sign(secret: str, body: bytes) -> str:
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
 
 
 @dataclass
@@ -123,9 +108,9 @@ class Job:
             "runner_id": self.runner_id,
             "runner_name": self.runner_name,
             "runner_group_id": 1 if self.runner_id else None,
-            "created_at": _iso(self.created_at),
-            "started_at": _iso(self.started_at or self.created_at),
-            "completed_at": _iso(self.completed_at),
+            "created_at": iso(self.created_at),
+            "started_at": iso(self.started_at or self.created_at),
+            "completed_at": iso(self.completed_at),
             "head_sha": "0" * 40,
             "steps": [],
         }
@@ -180,7 +165,7 @@ class Delivery:
         return {
             "id": self.id,
             "guid": self.guid,
-            "delivered_at": _iso(self.delivered_at),
+            "delivered_at": iso(self.delivered_at),
             "redelivery": self.redelivery,
             "duration": round(self.duration, 3),
             "status": "OK"
@@ -194,8 +179,11 @@ class Delivery:
         }
 
 
-class FakeGitHub:
-    """The fake. Thread-safe; ``calls`` records ``(method, route, status)`` of every REST call."""
+class FakeGitHub(FakeForge):
+    """The fake. Thread-safe; ``calls`` records ``(method, route, status)`` of every call."""
+
+    name = "github"
+    fault_rates = (*FakeForge.fault_rates, "drop_rate")
 
     def __init__(
         self,
@@ -213,64 +201,13 @@ class FakeGitHub:
         self.app_id = app_id
         self.public_key = public_key.encode() if isinstance(public_key, str) else public_key
         self.webhook_secret = webhook_secret
-        self.webhook_url = webhook_url
         self.token_ttl = token_ttl
         self.offline_after = offline_after
         self.lost_after = lost_after
-        self.port = port
-        self.rng = random.Random(seed)
-        self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
-        self._server: ThreadingHTTPServer | None = None
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        super().__init__(webhook_url=webhook_url, seed=seed, port=port)
         self.reset()
 
     # ---- lifecycle ----------------------------------------------------------------------------
-
-    def start(self) -> FakeGitHub:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                fake._handle(self)
-
-            do_POST = do_DELETE = do_PUT = do_PATCH = do_GET
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        self._stop.clear()
-        for target, name in (
-            (self._server.serve_forever, "fake-github"),
-            (self._send_loop, "fake-github-webhooks"),
-            (self._sweep_loop, "fake-github-sweeper"),
-        ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        with self.changed:
-            self.changed.notify_all()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._threads = []
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "start() first"
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def reset(self) -> None:
         with self.lock:
@@ -354,24 +291,11 @@ class FakeGitHub:
                 runner.job_id = None
                 self.runners.pop(runner.id, None)
 
-    def fail_next(self, pattern: str, status: int = 503, times: int = 1) -> None:
-        """The next ``times`` REST calls whose ``METHOD /path`` matches ``pattern`` answer ``status``."""
-        with self.lock:
-            self._fail_next.append((re.compile(pattern), status, times))
-
     def rate_limit_for(self, seconds: float, *, secondary: bool = False) -> None:
         """Every REST call answers 403 rate limited for ``seconds``."""
         with self.lock:
             self.rate_limited_until = time.time() + seconds
             self.rate_limit_secondary = secondary
-
-    def job(self, job_id: int) -> Job:
-        with self.lock:
-            return self.jobs[job_id]
-
-    def count(self, method: str, route_prefix: str = "") -> int:
-        with self.lock:
-            return sum(1 for m, r, _ in self.calls if m == method and r.startswith(route_prefix))
 
     def api_calls(self) -> int:
         """REST calls Catacloud made (the runner protocol and the controls not counted)."""
@@ -430,30 +354,11 @@ class FakeGitHub:
             self.outbox.append((delivery, True))
         self.changed.notify_all()
 
-    def _send_loop(self) -> None:
-        while not self._stop.is_set():
-            with self.changed:
-                now = time.time()
-                due = [d for d, at in self.held_back if at <= now]
-                self.held_back = [(d, at) for d, at in self.held_back if at > now]
-                batch = [(d, False) for d in due]
-                while self.outbox:
-                    batch.append(self.outbox.popleft())
-                if not batch:
-                    self.changed.wait(0.05)
-                    continue
-            for delivery, duplicate in batch:
-                if not duplicate and self.rng.random() < self.reorder_rate and not delivery.redelivery:
-                    with self.lock:
-                        self.held_back.append((delivery, time.time() + 0.3 + self.rng.random()))
-                    continue
-                self._post(delivery)
+    def _may_reorder(self, delivery: Delivery) -> bool:
+        return not delivery.redelivery
 
-    def _post(self, delivery: Delivery) -> None:
-        if not self.webhook_url:
-            return
-        headers = {
-            "Content-Type": "application/json",
+    def _delivery_headers(self, delivery: Delivery) -> dict[str, str]:
+        return {
             "User-Agent": "GitHub-Hookshot/fake",
             "X-GitHub-Event": delivery.event,
             "X-GitHub-Delivery": delivery.guid,
@@ -462,19 +367,6 @@ class FakeGitHub:
             "X-GitHub-Hook-Installation-Target-Type": "integration",
             "X-Hub-Signature-256": sign(self.webhook_secret, delivery.body),
         }
-        started = time.time()
-        request = urllib.request.Request(self.webhook_url, data=delivery.body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-        except OSError:
-            status = 0
-        with self.lock:
-            delivery.status_code = status
-            delivery.duration = time.time() - started
-            delivery.delivered_at = started
 
     def delivery_for(self, job_id: int, action: str) -> Delivery | None:
         """The first delivery of ``job_id``'s ``action`` (the bench times them)."""
@@ -545,38 +437,28 @@ class FakeGitHub:
 
     # ---- HTTP --------------------------------------------------------------------------------------
 
-    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
-        parts = urlsplit(handler.path)
-        path, query = parts.path, {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        length = int(handler.headers.get("Content-Length") or 0)
-        raw = handler.rfile.read(length) if length else b""
-        status: int = 500
-        body: Any = {"message": "fake error"}
-        headers: dict[str, str] = {}
-        route = re.sub(r"/\d+", "/{id}", path)
-        try:
-            if path.startswith("/_runner/"):
-                status, body = self._runner_api(handler, path, query, raw)
-            elif path.startswith("/_fake/"):
-                status, body = self._controls(handler.command, path, raw)
-            else:
-                status, body, headers = self._rest(handler, path, query, raw)
-        except HttpError as err:
-            status, body, headers = err.status, {"message": err.message}, err.headers
-        except Exception as exc:  # a bug in the fake: say so
-            status, body = 500, {"message": f"fake: {type(exc).__name__}: {exc}"}
-        with self.lock:
-            self.calls.append((handler.command, route, status))
-        data = b"" if status == 204 or body is None else json.dumps(body).encode()
-        handler.send_response(status)
-        for name, value in headers.items():
-            handler.send_header(name, value)
-        if data:
-            handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        if data:
-            handler.wfile.write(data)
+    def _route(
+        self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, Any], raw: bytes
+    ) -> tuple[int, Any, dict[str, str]]:
+        if path.startswith("/_runner/"):
+            status, body = self._runner_api(handler, path, query, raw)
+            return status, body, {}
+        return self._rest(handler, path, query, raw)
+
+    def _queue_from(self, body: dict[str, Any]) -> int:
+        return self.queue_job(
+            body["repository"],
+            list(body.get("labels") or ["self-hosted"]),
+            list(body.get("steps") or []) or None,
+            workflow=str(body.get("workflow", "CI")),
+            name=str(body.get("name", "build")),
+        )
+
+    def _job_json(self, job: Job) -> dict[str, Any]:
+        return job.as_json()
+
+    def _rate_limit_from(self, body: dict[str, Any]) -> None:
+        self.rate_limit_for(float(body["rate_limit_seconds"]), secondary=bool(body.get("secondary")))
 
     def _rate_headers(self, key: str) -> dict[str, str]:
         now = time.time()
@@ -616,16 +498,7 @@ class FakeGitHub:
                     "x-ratelimit-reset": str(int(self.rate_limited_until) + 1),
                 },
             )
-        with self.lock:
-            for i, (pattern, status, times) in enumerate(self._fail_next):
-                if pattern.search(f"{method} {path}"):
-                    self._fail_next[i] = (pattern, status, times - 1)
-                    if times - 1 <= 0:
-                        self._fail_next.pop(i)
-                    raise HttpError(status, "injected failure")
-            injected = self.error_rate and self.rng.random() < self.error_rate
-        if injected:
-            raise HttpError(self.rng.choice([500, 502, 503]), "injected server error")
+        self._inject_faults(method, path)
         body = json.loads(raw) if raw else {}
         if path.startswith("/app"):
             self._check_jwt(auth)
@@ -642,7 +515,7 @@ class FakeGitHub:
                     self.tokens[token] = (inst, expires)
                 return (
                     201,
-                    {"token": token, "expires_at": _iso(expires), "permissions": {"administration": "write"}},
+                    {"token": token, "expires_at": iso(expires), "permissions": {"administration": "write"}},
                     headers,
                 )
             if path == "/app/hook/deliveries" and method == "GET":
@@ -872,46 +745,6 @@ class FakeGitHub:
             return 200, {"ok": True}
 
     # ---- controls over HTTP (make dev, another process) --------------------------------------------
-
-    def _controls(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
-        body = json.loads(raw) if raw else {}
-        if path == "/_fake/jobs" and method == "POST":
-            job_id = self.queue_job(
-                body["repository"],
-                list(body.get("labels") or ["self-hosted"]),
-                list(body.get("steps") or []) or None,
-                workflow=str(body.get("workflow", "CI")),
-                name=str(body.get("name", "build")),
-            )
-            return 201, self.jobs[job_id].as_json()
-        if (m := re.fullmatch(r"/_fake/jobs/(\d+)", path)) and method == "GET":
-            with self.lock:
-                job = self.jobs.get(int(m.group(1)))
-                if job is None:
-                    raise HttpError(404, "Not Found")
-                return 200, job.as_json()
-        if (m := re.fullmatch(r"/_fake/jobs/(\d+)/cancel", path)) and method == "POST":
-            self.cancel_job(int(m.group(1)))
-            return 202, {}
-        if path == "/_fake/state" and method == "GET":
-            return 200, self.summary()
-        if path == "/_fake/faults" and method == "POST":
-            with self.lock:
-                for key in (
-                    "error_rate",
-                    "latency",
-                    "drop_rate",
-                    "lost_rate",
-                    "duplicate_rate",
-                    "reorder_rate",
-                ):
-                    if key in body:
-                        setattr(self, key, float(body[key]))
-                self.runner_faults.extend(str(f) for f in body.get("runner_faults", []) if f in RUNNER_FAULTS)
-            if "rate_limit_seconds" in body:
-                self.rate_limit_for(float(body["rate_limit_seconds"]), secondary=bool(body.get("secondary")))
-            return 200, {"ok": True}
-        raise HttpError(404, "Not Found")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,39 +38,33 @@ import argparse
 import contextlib
 import itertools
 import json
-import random
 import re
 import secrets
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-RUNNER_FAULTS = ("crash", "hang", "never_connect")
+from testkit.forge_fake import FakeForge, HttpError, iso
+
 DONE = ("success", "failed", "canceled", "skipped")
 
 
-def _iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+def _runner_side(path: str) -> bool:
+    """A call of the runner API (a runner's token), not of the REST API (the access token)."""
+    return path in ("/api/v4/runners/verify", "/api/v4/jobs/request") or bool(
+        re.fullmatch(r"/api/v4/jobs/\d+(/trace)?", path)
+    )
 
 
 def _event_time(ts: float | None) -> str | None:
     """The Job event's own format: ``2021-01-13 17:57:05 UTC``."""
     return None if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
 
 
 @dataclass
@@ -111,9 +105,9 @@ class Job:
             "tag": False,
             "tag_list": list(self.tags),
             "allow_failure": False,
-            "created_at": _iso(self.created_at),
-            "started_at": _iso(self.started_at),
-            "finished_at": _iso(self.finished_at),
+            "created_at": iso(self.created_at),
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
             "failure_reason": self.failure_reason,
             "pipeline": {"id": self.pipeline_id, "project_id": self.project_id, "ref": self.ref},
             "runner": runner.brief() if runner else ({"id": self.runner_id} if self.runner_id else None),
@@ -165,7 +159,7 @@ class Runner:
             "tag_list": list(self.tags),
             "run_untagged": self.run_untagged,
             "maximum_timeout": self.maximum_timeout,
-            "contacted_at": _iso(self.contacted_at),
+            "contacted_at": iso(self.contacted_at),
         }
 
 
@@ -181,9 +175,12 @@ class Delivery:
     duration: float = 0.0
 
 
-class FakeGitLab:
+class FakeGitLab(FakeForge):
     """The fake. Thread-safe; ``calls`` records ``(method, route, status)`` of every REST call
     (``runner_calls`` those of the runner API)."""
+
+    name = "gitlab"
+    not_found = "404 Not Found"
 
     def __init__(
         self,
@@ -198,63 +195,12 @@ class FakeGitLab:
     ) -> None:
         self.token = token
         self.webhook_token = webhook_token
-        self.webhook_url = webhook_url
         self.offline_after = offline_after
         self.lost_after = lost_after
-        self.port = port
-        self.rng = random.Random(seed)
-        self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
-        self._server: ThreadingHTTPServer | None = None
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
+        super().__init__(webhook_url=webhook_url, seed=seed, port=port)
         self.reset()
 
     # ---- lifecycle ----------------------------------------------------------------------------
-
-    def start(self) -> FakeGitLab:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                fake._handle(self)
-
-            do_POST = do_DELETE = do_PUT = do_PATCH = do_GET
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        self._stop.clear()
-        for target, name in (
-            (self._server.serve_forever, "fake-gitlab"),
-            (self._send_loop, "fake-gitlab-webhooks"),
-            (self._sweep_loop, "fake-gitlab-sweeper"),
-        ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        with self.changed:
-            self.changed.notify_all()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._threads = []
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "start() first"
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def reset(self) -> None:
         with self.lock:
@@ -264,7 +210,7 @@ class FakeGitLab:
             self.deliveries: list[Delivery] = []
             self.calls: list[tuple[str, str, int]] = []
             self.runner_calls: list[tuple[str, str, int]] = []
-            self.outbox: deque[Delivery] = deque()
+            self.outbox: deque[tuple[Delivery, bool]] = deque()
             self.held_back: list[tuple[Delivery, float]] = []
             self.runner_faults: deque[str] = deque()
             self.error_rate = 0.0
@@ -341,23 +287,10 @@ class FakeGitLab:
                 runner.job_id = None
             self._finish(job, "canceled")
 
-    def fail_next(self, pattern: str, status: int = 503, times: int = 1) -> None:
-        """The next ``times`` REST calls whose ``METHOD /path`` matches ``pattern`` answer ``status``."""
-        with self.lock:
-            self._fail_next.append((re.compile(pattern), status, times))
-
     def rate_limit_for(self, seconds: float) -> None:
         """Every REST call answers 429 (``Retry-After``) for ``seconds``."""
         with self.lock:
             self.rate_limited_until = time.time() + seconds
-
-    def job(self, job_id: int) -> Job:
-        with self.lock:
-            return self.jobs[job_id]
-
-    def count(self, method: str, route_prefix: str = "") -> int:
-        with self.lock:
-            return sum(1 for m, r, _ in self.calls if m == method and r.startswith(route_prefix))
 
     def api_calls(self) -> int:
         """REST calls Catacloud made (the runner API and the controls not counted)."""
@@ -400,9 +333,9 @@ class FakeGitLab:
             "build_created_at": _event_time(job.created_at),
             "build_started_at": _event_time(job.started_at),
             "build_finished_at": _event_time(job.finished_at),
-            "build_created_at_iso": _iso(job.created_at),
-            "build_started_at_iso": _iso(job.started_at),
-            "build_finished_at_iso": _iso(job.finished_at),
+            "build_created_at_iso": iso(job.created_at),
+            "build_started_at_iso": iso(job.started_at),
+            "build_finished_at_iso": iso(job.finished_at),
             "build_duration": duration,
             "build_queued_duration": None,
             "build_allow_failure": False,
@@ -438,35 +371,13 @@ class FakeGitLab:
         if self.rng.random() < self.lost_rate:
             return  # dropped: GitLab never sends it again
         self.deliveries.append(delivery)
-        self.outbox.append(delivery)
+        self.outbox.append((delivery, False))
         if self.rng.random() < self.duplicate_rate:
-            self.outbox.append(delivery)  # the same event (the same Idempotency-Key) again
+            self.outbox.append((delivery, True))  # the same event (the same Idempotency-Key) again
         self.changed.notify_all()
 
-    def _send_loop(self) -> None:
-        while not self._stop.is_set():
-            with self.changed:
-                now = time.time()
-                due = [d for d, at in self.held_back if at <= now]
-                self.held_back = [(d, at) for d, at in self.held_back if at > now]
-                batch = list(due)
-                while self.outbox:
-                    batch.append(self.outbox.popleft())
-                if not batch:
-                    self.changed.wait(0.05)
-                    continue
-            for delivery in batch:
-                if delivery not in due and self.rng.random() < self.reorder_rate:
-                    with self.lock:
-                        self.held_back.append((delivery, time.time() + 0.3 + self.rng.random()))
-                    continue
-                self._post(delivery)
-
-    def _post(self, delivery: Delivery) -> None:
-        if not self.webhook_url:
-            return
-        headers = {
-            "Content-Type": "application/json",
+    def _delivery_headers(self, delivery: Delivery) -> dict[str, str]:
+        return {
             "User-Agent": "GitLab/17.9.0-fake",
             "X-Gitlab-Event": "Job Hook",
             "X-Gitlab-Token": self.webhook_token,
@@ -475,19 +386,6 @@ class FakeGitLab:
             "X-Gitlab-Webhook-UUID": "00000000-0000-4000-8000-000000000001",
             "X-Gitlab-Instance": self._base(),
         }
-        started = time.time()
-        request = urllib.request.Request(self.webhook_url, data=delivery.body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-        except OSError:
-            status = 0
-        with self.lock:
-            delivery.status_code = status
-            delivery.duration = time.time() - started
-            delivery.delivered_at = started
 
     def delivery_for(self, job_id: int, status: str) -> Delivery | None:
         """The first delivery of ``job_id``'s ``status`` event (the bench times them)."""
@@ -545,50 +443,39 @@ class FakeGitLab:
 
     # ---- HTTP --------------------------------------------------------------------------------------
 
-    def _handle(self, handler: BaseHTTPRequestHandler) -> None:
-        parts = urlsplit(handler.path)
-        path = parts.path
-        query = {k: (v if k.endswith("[]") else v[-1]) for k, v in parse_qs(parts.query).items()}
-        length = int(handler.headers.get("Content-Length") or 0)
-        raw = handler.rfile.read(length) if length else b""
-        status: int = 500
-        body: Any = {"message": "fake error"}
-        headers: dict[str, str] = {}
-        route = re.sub(r"/\d+", "/{id}", path)
-        runner_side = path in ("/api/v4/runners/verify", "/api/v4/jobs/request") or bool(
-            re.fullmatch(r"/api/v4/jobs/\d+(/trace)?", path)
+    def _route(
+        self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, Any], raw: bytes
+    ) -> tuple[int, Any, dict[str, str]]:
+        if _runner_side(path):
+            status, body = self._runner_api(handler, path, raw)
+            return status, body, {}
+        if path.startswith("/api/v4/"):
+            return self._rest(handler, path[len("/api/v4") :], query, raw)
+        raise HttpError(404, "404 Not Found")
+
+    def _record(self, method: str, path: str, route: str, status: int) -> None:
+        if _runner_side(path):
+            self.runner_calls.append((method, route, status))
+        elif not path.startswith("/_fake/"):
+            self.calls.append((method, route.removeprefix("/api/v4"), status))
+
+    def _queue_from(self, body: dict[str, Any]) -> int:
+        return self.queue_job(
+            str(body["project"]),
+            list(body.get("tags") or []),
+            list(body.get("script") or []) or None,
+            pipeline=str(body.get("pipeline", "CI")),
+            name=str(body.get("name", "build")),
+            stage=str(body.get("stage", "test")),
+            ref=str(body.get("ref", "main")),
         )
-        try:
-            if path.startswith("/_fake/"):
-                status, body = self._controls(handler.command, path, raw)
-            elif runner_side:
-                status, body = self._runner_api(handler, path, raw)
-            elif path.startswith("/api/v4/"):
-                status, body, headers = self._rest(handler, path[len("/api/v4") :], query, raw)
-            else:
-                raise HttpError(404, "404 Not Found")
-        except HttpError as err:
-            status, body, headers = err.status, {"message": err.message}, err.headers
-        except Exception as exc:  # a bug in the fake: say so
-            status, body = 500, {"message": f"fake: {type(exc).__name__}: {exc}"}
-        with self.lock:
-            if runner_side:
-                self.runner_calls.append((handler.command, route, status))
-            elif not path.startswith("/_fake/"):
-                self.calls.append((handler.command, route.removeprefix("/api/v4"), status))
-        data = b"" if status == 204 or body is None else json.dumps(body).encode()
-        try:
-            handler.send_response(status)
-            for name, value in headers.items():
-                handler.send_header(name, value)
-            if data:
-                handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            if data:
-                handler.wfile.write(data)
-        except OSError:
-            pass  # the caller went away (a killed runner's long poll)
+
+    def _job_json(self, job: Job) -> dict[str, Any]:
+        return job.as_json(self.runners)
+
+    def _more_faults(self, body: dict[str, Any]) -> None:
+        if "event_tags" in body:
+            self.event_tags = bool(body["event_tags"])
 
     def _rate_headers(self) -> dict[str, str]:
         now = time.time()
@@ -630,16 +517,7 @@ class FakeGitLab:
                     "RateLimit-Reset": str(int(self.rate_limited_until) + 1),
                 },
             )
-        with self.lock:
-            for i, (pattern, status, times) in enumerate(self._fail_next):
-                if pattern.search(f"{method} {path}"):
-                    self._fail_next[i] = (pattern, status, times - 1)
-                    if times - 1 <= 0:
-                        self._fail_next.pop(i)
-                    raise HttpError(status, "injected failure")
-            injected = self.error_rate and self.rng.random() < self.error_rate
-        if injected:
-            raise HttpError(self.rng.choice([500, 502, 503]), "injected server error")
+        self._inject_faults(method, path)
         headers = self._rate_headers()
         body = json.loads(raw) if raw else {}
         with self.lock:
@@ -878,44 +756,6 @@ class FakeGitLab:
         }
 
     # ---- controls over HTTP (make dev, another process) --------------------------------------------
-
-    def _controls(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
-        body = json.loads(raw) if raw else {}
-        if path == "/_fake/jobs" and method == "POST":
-            job_id = self.queue_job(
-                str(body["project"]),
-                list(body.get("tags") or []),
-                list(body.get("script") or []) or None,
-                pipeline=str(body.get("pipeline", "CI")),
-                name=str(body.get("name", "build")),
-                stage=str(body.get("stage", "test")),
-                ref=str(body.get("ref", "main")),
-            )
-            with self.lock:
-                return 201, self.jobs[job_id].as_json(self.runners)
-        if (m := re.fullmatch(r"/_fake/jobs/(\d+)", path)) and method == "GET":
-            with self.lock:
-                job = self.jobs.get(int(m.group(1)))
-                if job is None:
-                    raise HttpError(404, "404 Not found")
-                return 200, job.as_json(self.runners)
-        if (m := re.fullmatch(r"/_fake/jobs/(\d+)/cancel", path)) and method == "POST":
-            self.cancel_job(int(m.group(1)))
-            return 202, {}
-        if path == "/_fake/state" and method == "GET":
-            return 200, self.summary()
-        if path == "/_fake/faults" and method == "POST":
-            with self.lock:
-                for key in ("error_rate", "latency", "lost_rate", "duplicate_rate", "reorder_rate"):
-                    if key in body:
-                        setattr(self, key, float(body[key]))
-                if "event_tags" in body:
-                    self.event_tags = bool(body["event_tags"])
-                self.runner_faults.extend(str(f) for f in body.get("runner_faults", []) if f in RUNNER_FAULTS)
-            if "rate_limit_seconds" in body:
-                self.rate_limit_for(float(body["rate_limit_seconds"]))
-            return 200, {"ok": True}
-        raise HttpError(404, "404 Not Found")
 
 
 def main(argv: list[str] | None = None) -> int:

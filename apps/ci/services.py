@@ -7,13 +7,16 @@ the API, the admin console and the catalog; the forge checks what it alone knows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Model
 
 from apps.ci.forge import Forge, ops_of
 from apps.core.actors import Actor
-from apps.core.errors import Conflict, ErrorCode, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
+from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE, Reuse
 from apps.jobs.models import JobConfiguration
@@ -140,6 +143,78 @@ def runner_class_delete(*, forge: Forge, runner_class: Any, actor: Actor = Actor
 
 def has_live_runners(forge: Forge, **where: Any) -> bool:
     return forge.runner.objects.filter(**where, job__status__in=JOB_LIVE).exists()
+
+
+def children_set(
+    *,
+    forge: Forge,
+    conn: Any,
+    relation: str,
+    key: str,
+    label: str,
+    wanted: list[tuple[int, str]],
+    same_forge: dict[str, Any],
+    live_where: Callable[[Any], dict[str, Any]],
+    keep_label_when_empty: bool = False,
+) -> list[str]:
+    """Bring a connection's children (GitHub's installations, GitLab's projects: ``relation``,
+    each with its forge id ``key`` and a ``label``) to ``wanted`` (``(id, label)`` pairs). One
+    connected to another organization on the same forge (``same_forge``) is a 409; one removed
+    while runners of it live (``live_where(row)``) is a 409. Returns what changed (named)."""
+    what = relation.removesuffix("s")
+    manager = getattr(conn, relation)
+    model = manager.model
+    ids = {i for i, _ in wanted}
+    clash = (
+        model.objects.filter(**{f"{key}__in": ids}, **same_forge)
+        .exclude(connection=conn)
+        .values_list(key, flat=True)
+        .first()
+    )
+    if clash is not None:
+        raise Conflict(f"{what} {clash} is connected to another organization", code=ErrorCode.IN_USE)
+    changed = []
+    existing = {getattr(row, key): row for row in manager.all()}
+    for ident, text in wanted:
+        row = existing.get(ident)
+        if row is None:
+            model.objects.create(connection=conn, org_id=conn.org_id, **{key: ident, label: text})
+            changed.append(relation)
+        elif (text or not keep_label_when_empty) and getattr(row, label) != text:
+            model.objects.filter(pk=row.pk).update(**{label: text})
+            changed.append(relation)
+    for ident, row in existing.items():
+        if ident in ids:
+            continue
+        if has_live_runners(forge, **live_where(row)):
+            raise Conflict(f"{what} {ident} still has live runners", code=ErrorCode.IN_USE)
+        row.delete()
+        changed.append(relation)
+    return changed
+
+
+@transaction.atomic
+def connection_delete(
+    *,
+    forge: Forge,
+    model: type[Model],
+    org: Organization,
+    actor: Actor,
+    event: EventKind,
+    live_where: Callable[[Any], dict[str, Any]],
+    describe: Callable[[Any], dict[str, Any]],
+) -> None:
+    """Delete the org's connection to ``forge`` (409 ``in_use`` while runners of it live); the
+    ``event`` names it (``describe``), never a secret."""
+    conn = model._default_manager.select_for_update(no_key=True).filter(org=org).first()
+    if conn is None:
+        raise NotFound(f"this organization has no {forge.title} connection")
+    if has_live_runners(forge, **live_where(conn)):
+        raise Conflict(
+            f"the {forge.title} connection still has live runners; cancel them first", code=ErrorCode.IN_USE
+        )
+    event_record(kind=event, org=org, actor=actor, **describe(conn))
+    conn.delete()
 
 
 def pool_by_name(org: Organization, name: str | None) -> InstancePool | None:

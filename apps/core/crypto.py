@@ -43,3 +43,17 @@ def new_token(prefix: str) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def encrypted(field: str, doc: str = "") -> Any:
+    """A model property kept encrypted in the text field ``field``: a dict decrypted on use
+    (``{}`` when unset), encrypted when set (an empty value clears the field). Never logged or
+    returned by the API."""
+
+    def get(obj: Any) -> Any:
+        return decrypt_json(getattr(obj, field))
+
+    def put(obj: Any, value: Any) -> None:
+        setattr(obj, field, encrypt_json(value) if value else "")
+
+    return property(get, put, doc=doc)

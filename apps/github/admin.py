@@ -8,10 +8,9 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.http import HttpRequest
 
-from apps.ci.forms import ThroughService
-from apps.core.actors import Actor
+from apps.ci import forms as ci_forms
+from apps.ci.forms import ServiceSavedAdmin, ThroughService, id_pairs
 from apps.core.admin import ReadOnlyAdmin, neutral_bool
 from apps.github.models import GitHubConnection, Runner, RunnerClass, WebhookDelivery, WorkflowJob
 from apps.github.services import CLASS_FIELDS, connection_set, runner_class_save
@@ -45,16 +44,12 @@ class ConnectionForm(ThroughService):
             )
 
     def clean_installation_ids(self) -> list[dict[str, Any]]:
-        out = []
-        for part in (self.cleaned_data.get("installation_ids") or "").split(","):
-            part = part.strip()
-            if not part:
-                continue
-            ident, _, account = part.partition(":")
-            if not ident.strip().isdigit():
-                raise forms.ValidationError(f"{part!r}: an installation id is a number")
-            out.append({"id": int(ident), "account": account.strip()})
-        return out
+        pairs = id_pairs(
+            self.cleaned_data.get("installation_ids") or "",
+            what="an installation id is a number",
+            second_required=False,
+        )
+        return [{"id": ident, "account": account} for ident, account in pairs]
 
     def save_through_service(self) -> Any:
         conn, _ = connection_set(
@@ -70,7 +65,7 @@ class ConnectionForm(ThroughService):
 
 
 @admin.register(GitHubConnection)
-class GitHubConnectionAdmin(admin.ModelAdmin):
+class GitHubConnectionAdmin(ServiceSavedAdmin):
     form = ConnectionForm
     list_display = ("org", "app_id", "api_url", "secrets_set", "installation_list", "updated_at")
 
@@ -82,49 +77,24 @@ class GitHubConnectionAdmin(admin.ModelAdmin):
     def installation_list(self, obj: GitHubConnection) -> str:
         return ", ".join(str(i) for i in obj.installations.all())
 
-    def get_readonly_fields(self, request: HttpRequest, obj: GitHubConnection | None = None) -> tuple:
-        return ("org",) if obj is not None else ()
 
-    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        form.actor = Actor.admin(request.user.get_username())  # type: ignore[attr-defined]
-        return form
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        obj.pk = form.saved.pk  # saved by the form, through connection_set
-        obj._state.adding = False
-
-    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
-        pass
-
-
-class RunnerClassForm(ThroughService):
+class RunnerClassForm(ci_forms.RunnerClassForm):
     labels_text = forms.CharField(
         label="labels", help_text="runs-on labels, comma-separated, e.g. self-hosted, catacloud-linux-2cpu"
     )
+    labels_field = "labels"
+    class_fields = CLASS_FIELDS
+    class_save = runner_class_save
 
     class Meta:
         model = RunnerClass
         fields = tuple(f for f in CLASS_FIELDS if f != "labels") + ("org",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.instance.pk:
-            self.fields["labels_text"].initial = ", ".join(self.instance.labels)
-
-    def save_through_service(self) -> Any:
-        data = self.cleaned_data
-        fields = {k: data[k] for k in CLASS_FIELDS if k in data and k != "labels"}
-        fields["labels"] = [x.strip() for x in data["labels_text"].split(",") if x.strip()]
-        existing = RunnerClass.objects.filter(pk=self.instance.pk).first() if self.instance.pk else None
-        rc, _ = runner_class_save(org=data["org"], runner_class=existing, actor=self.actor, **fields)
-        return rc
-
 
 @admin.register(RunnerClass)
-class RunnerClassAdmin(GitHubConnectionAdmin):
-    form = RunnerClassForm  # type: ignore[assignment]
-    list_display = ("name", "org", "labels", "machine_type", "pool", "scope", "priority", "job_config")  # type: ignore[assignment]
+class RunnerClassAdmin(ServiceSavedAdmin):
+    form = RunnerClassForm
+    list_display = ("name", "org", "labels", "machine_type", "pool", "scope", "priority", "job_config")
     list_filter = ("org", "machine_type")
     readonly_fields = ("job_config",)
 

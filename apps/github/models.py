@@ -14,7 +14,7 @@ from django.db import models
 from django.db.models import Q
 
 from apps.ci.models import CIJobFields, DeliveryFields, ForgeEndpoint, RunnerClassFields, RunnerFields
-from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.crypto import decrypt_json, encrypted
 from apps.github.choices import RunnerScope, WorkflowJobStatus
 
 DEFAULT_API_URL = "https://api.github.com"
@@ -44,14 +44,7 @@ class GitHubConnection(models.Model):
     def __str__(self) -> str:
         return f"GitHub App {self.app_id} for {self.org}"
 
-    @property
-    def secrets(self) -> dict[str, str]:
-        """{private_key, webhook_secret}: decrypted on use, never logged or returned."""
-        return decrypt_json(self.secrets_encrypted) if self.secrets_encrypted else {}
-
-    @secrets.setter
-    def secrets(self, value: dict[str, str]) -> None:
-        self.secrets_encrypted = encrypt_json(value) if value else ""
+    secrets = encrypted("secrets_encrypted", "{private_key, webhook_secret}")
 
     @property
     def webhook_secret(self) -> str:

@@ -19,13 +19,12 @@ from apps.ci import services as ci_services
 from apps.ci.services import invalid as _invalid
 from apps.ci.services import pool_by_name
 from apps.core.actors import Actor
-from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
+from apps.core.errors import ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.github.choices import GENERIC_LABELS, RunnerScope
 from apps.github.forge import GITHUB
-from apps.github.models import DEFAULT_API_URL, GitHubConnection, GitHubInstallation, Runner, RunnerClass
-from apps.jobs.choices import JOB_LIVE
+from apps.github.models import DEFAULT_API_URL, GitHubConnection, RunnerClass
 from apps.orgs.models import Organization
 
 __all__ = ["GENERIC_LABELS", "pool_by_name"]
@@ -172,48 +171,29 @@ def connection_set(
 
 
 def _set_installations(conn: GitHubConnection, wanted: list[tuple[int, str]]) -> list[str]:
-    changed = []
-    ids = {i for i, _ in wanted}
-    clash = (
-        GitHubInstallation.objects.filter(installation_id__in=ids, connection__api_url=conn.api_url)
-        .exclude(connection=conn)
-        .values_list("installation_id", flat=True)
-        .first()
+    return ci_services.children_set(
+        forge=GITHUB,
+        conn=conn,
+        relation="installations",
+        key="installation_id",
+        label="account",
+        wanted=wanted,
+        same_forge={"connection__api_url": conn.api_url},
+        live_where=lambda row: {"installation": row},
+        keep_label_when_empty=True,
     )
-    if clash is not None:
-        raise Conflict(f"installation {clash} is connected to another organization", code=ErrorCode.IN_USE)
-    existing = {i.installation_id: i for i in conn.installations.all()}
-    for installation_id, account in wanted:
-        row = existing.get(installation_id)
-        if row is None:
-            GitHubInstallation.objects.create(
-                connection=conn, org_id=conn.org_id, installation_id=installation_id, account=account
-            )
-            changed.append("installations")
-        elif account and row.account != account:
-            GitHubInstallation.objects.filter(pk=row.pk).update(account=account)
-            changed.append("installations")
-    for installation_id, row in existing.items():
-        if installation_id in ids:
-            continue
-        if Runner.objects.filter(installation=row, job__status__in=JOB_LIVE).exists():
-            raise Conflict(f"installation {installation_id} still has live runners", code=ErrorCode.IN_USE)
-        row.delete()
-        changed.append("installations")
-    return changed
 
 
-@transaction.atomic
 def connection_delete(*, org: Organization, actor: Actor = Actor.UNNAMED) -> None:
-    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
-    if conn is None:
-        raise NotFound("this organization has no GitHub connection")
-    if Runner.objects.filter(installation__connection=conn, job__status__in=JOB_LIVE).exists():
-        raise Conflict(
-            "the GitHub connection still has live runners; cancel them first", code=ErrorCode.IN_USE
-        )
-    event_record(kind=EventKind.GITHUB_CONNECTION_DELETED, org=org, actor=actor, app_id=conn.app_id)
-    conn.delete()
+    ci_services.connection_delete(
+        forge=GITHUB,
+        model=GitHubConnection,
+        org=org,
+        actor=actor,
+        event=EventKind.GITHUB_CONNECTION_DELETED,
+        live_where=lambda conn: {"installation__connection": conn},
+        describe=lambda conn: {"app_id": conn.app_id},
+    )
 
 
 # ---- runner classes -----------------------------------------------------------------------------

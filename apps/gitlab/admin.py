@@ -8,10 +8,9 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.http import HttpRequest
 
-from apps.ci.forms import ThroughService
-from apps.core.actors import Actor
+from apps.ci import forms as ci_forms
+from apps.ci.forms import ServiceSavedAdmin, ThroughService, id_pairs
 from apps.core.admin import ReadOnlyAdmin, neutral_bool
 from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
 from apps.gitlab.services import CLASS_FIELDS, connection_set, runner_class_save
@@ -44,16 +43,10 @@ class ConnectionForm(ThroughService):
             )
 
     def clean_project_list(self) -> list[dict[str, Any]]:
-        out = []
-        for part in (self.cleaned_data.get("project_list") or "").split(","):
-            part = part.strip()
-            if not part:
-                continue
-            ident, _, path = part.partition(":")
-            if not ident.strip().isdigit() or not path.strip():
-                raise forms.ValidationError(f"{part!r}: a project is id:path")
-            out.append({"id": int(ident), "path": path.strip()})
-        return out
+        pairs = id_pairs(
+            self.cleaned_data.get("project_list") or "", what="a project is id:path", second_required=True
+        )
+        return [{"id": ident, "path": path} for ident, path in pairs]
 
     def save_through_service(self) -> Any:
         conn, _ = connection_set(
@@ -68,7 +61,7 @@ class ConnectionForm(ThroughService):
 
 
 @admin.register(GitLabConnection)
-class GitLabConnectionAdmin(admin.ModelAdmin):
+class GitLabConnectionAdmin(ServiceSavedAdmin):
     form = ConnectionForm
     list_display = ("org", "url", "secrets_set", "project_paths", "updated_at")
 
@@ -80,48 +73,23 @@ class GitLabConnectionAdmin(admin.ModelAdmin):
     def project_paths(self, obj: GitLabConnection) -> str:
         return ", ".join(p.path for p in obj.projects.all())
 
-    def get_readonly_fields(self, request: HttpRequest, obj: GitLabConnection | None = None) -> tuple:
-        return ("org",) if obj is not None else ()
 
-    def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        form.actor = Actor.admin(request.user.get_username())  # type: ignore[attr-defined]
-        return form
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        obj.pk = form.saved.pk  # saved by the form, through connection_set
-        obj._state.adding = False
-
-    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
-        pass
-
-
-class RunnerClassForm(ThroughService):
+class RunnerClassForm(ci_forms.RunnerClassForm):
     tags_text = forms.CharField(
         label="tags", help_text="the jobs' tags, comma-separated, e.g. catacloud, linux-2cpu"
     )
+    labels_field = "tags"
+    class_fields = CLASS_FIELDS
+    class_save = runner_class_save
 
     class Meta:
         model = GitLabRunnerClass
         fields = tuple(f for f in CLASS_FIELDS if f != "tags") + ("org",)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.instance.pk:
-            self.fields["tags_text"].initial = ", ".join(self.instance.tags)
-
-    def save_through_service(self) -> Any:
-        data = self.cleaned_data
-        fields = {k: data[k] for k in CLASS_FIELDS if k in data and k != "tags"}
-        fields["tags"] = [x.strip() for x in data["tags_text"].split(",") if x.strip()]
-        existing = GitLabRunnerClass.objects.filter(pk=self.instance.pk).first() if self.instance.pk else None
-        rc, _ = runner_class_save(org=data["org"], runner_class=existing, actor=self.actor, **fields)
-        return rc
-
 
 @admin.register(GitLabRunnerClass)
-class GitLabRunnerClassAdmin(GitLabConnectionAdmin):
-    form = RunnerClassForm  # type: ignore[assignment]
+class GitLabRunnerClassAdmin(ServiceSavedAdmin):
+    form = RunnerClassForm
     list_display = (
         "name",
         "org",
@@ -132,7 +100,7 @@ class GitLabRunnerClassAdmin(GitLabConnectionAdmin):
         "executor",
         "priority",
         "job_config",
-    )  # type: ignore[assignment]
+    )
     list_filter = ("org", "machine_type")
     readonly_fields = ("job_config",)
 

@@ -14,7 +14,7 @@ from django.db import models
 from django.db.models import Q
 
 from apps.ci.models import CIJobFields, DeliveryFields, ForgeEndpoint, RunnerClassFields, RunnerFields
-from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.crypto import encrypted
 from apps.gitlab.choices import Executor, GitLabJobStatus, RunnerScope
 
 DEFAULT_URL = "https://gitlab.com"
@@ -40,14 +40,7 @@ class GitLabConnection(ForgeEndpoint):
     def __str__(self) -> str:
         return f"GitLab {self.url} for {self.org}"
 
-    @property
-    def secrets(self) -> dict[str, str]:
-        """{token, webhook_token}: decrypted on use, never logged or returned."""
-        return decrypt_json(self.secrets_encrypted) if self.secrets_encrypted else {}
-
-    @secrets.setter
-    def secrets(self, value: dict[str, str]) -> None:
-        self.secrets_encrypted = encrypt_json(value) if value else ""
+    secrets = encrypted("secrets_encrypted", "{token, webhook_token}")
 
     @property
     def token(self) -> str:

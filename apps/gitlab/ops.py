@@ -254,6 +254,10 @@ class GitLabOps:
         if isinstance(report, Applied):
             return report
         if tags is None and not GitLabJob.objects.filter(connection=conn, **report.key).exists():
+            if report.status == GitLabJobStatus.CREATED:
+                # Not demand yet (a later stage's job may wait for hours): its tags are looked up
+                # when it is pending (that event, or the reconciler's poll, which lists them).
+                return "ignored: created, acted on once pending"
             enqueue_on_commit(RESOLVE_TASK, str(delivery.pk))
             return None  # (a job we know had its class chosen when it was first seen)
         _, outcome = ci_job_apply(forge=forge, endpoint=conn, report=report, source="webhook")

@@ -14,12 +14,12 @@ from django.db import transaction
 from apps.ci import services as ci_services
 from apps.ci.services import invalid
 from apps.core.actors import Actor
-from apps.core.errors import Conflict, ErrorCode, NotFound, ValidationFailed
+from apps.core.errors import ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.gitlab.choices import Executor, RunnerScope
 from apps.gitlab.forge import GITLAB
-from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabProject, GitLabRunnerClass
+from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabRunnerClass
 from apps.orgs.models import Organization
 
 # The environment variables of a runner job: the runner's token (a secret of the job, masked in
@@ -118,48 +118,28 @@ def connection_set(
 
 
 def _set_projects(conn: GitLabConnection, wanted: list[tuple[int, str]]) -> list[str]:
-    changed = []
-    ids = {i for i, _ in wanted}
-    clash = (
-        GitLabProject.objects.filter(project_id__in=ids, connection__url=conn.url)
-        .exclude(connection=conn)
-        .values_list("project_id", flat=True)
-        .first()
+    return ci_services.children_set(
+        forge=GITLAB,
+        conn=conn,
+        relation="projects",
+        key="project_id",
+        label="path",
+        wanted=wanted,
+        same_forge={"connection__url": conn.url},
+        live_where=lambda row: {"connection": conn, "created_for__project_id": row.project_id},
     )
-    if clash is not None:
-        raise Conflict(f"project {clash} is connected to another organization", code=ErrorCode.IN_USE)
-    existing = {p.project_id: p for p in conn.projects.all()}
-    for project_id, path in wanted:
-        row = existing.get(project_id)
-        if row is None:
-            GitLabProject.objects.create(
-                connection=conn, org_id=conn.org_id, project_id=project_id, path=path
-            )
-            changed.append("projects")
-        elif row.path != path:
-            GitLabProject.objects.filter(pk=row.pk).update(path=path)
-            changed.append("projects")
-    for project_id, row in existing.items():
-        if project_id in ids:
-            continue
-        if ci_services.has_live_runners(GITLAB, connection=conn, created_for__project_id=project_id):
-            raise Conflict(f"project {project_id} still has live runners", code=ErrorCode.IN_USE)
-        row.delete()
-        changed.append("projects")
-    return changed
 
 
-@transaction.atomic
 def connection_delete(*, org: Organization, actor: Actor = Actor.UNNAMED) -> None:
-    conn = GitLabConnection.objects.select_for_update(no_key=True).filter(org=org).first()
-    if conn is None:
-        raise NotFound("this organization has no GitLab connection")
-    if ci_services.has_live_runners(GITLAB, connection=conn):
-        raise Conflict(
-            "the GitLab connection still has live runners; cancel them first", code=ErrorCode.IN_USE
-        )
-    event_record(kind=EventKind.GITLAB_CONNECTION_DELETED, org=org, actor=actor, gitlab=conn.url)
-    conn.delete()
+    ci_services.connection_delete(
+        forge=GITLAB,
+        model=GitLabConnection,
+        org=org,
+        actor=actor,
+        event=EventKind.GITLAB_CONNECTION_DELETED,
+        live_where=lambda conn: {"connection": conn},
+        describe=lambda conn: {"gitlab": conn.url},
+    )
 
 
 # ---- runner classes -----------------------------------------------------------------------------

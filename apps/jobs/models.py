@@ -8,7 +8,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.crypto import encrypted
 from apps.jobs.choices import ArtifactKind, ArtifactStatus, JobStatus, Reuse
 
 
@@ -18,13 +18,7 @@ class SecretEnvMixin:
 
     secret_env_encrypted: str
 
-    @property
-    def secret_env(self) -> dict[str, str]:
-        return decrypt_json(self.secret_env_encrypted) if self.secret_env_encrypted else {}
-
-    @secret_env.setter
-    def secret_env(self, value: dict[str, str]) -> None:
-        self.secret_env_encrypted = encrypt_json(value) if value else ""
+    secret_env = encrypted("secret_env_encrypted", "the job's secret environment (masked in its output)")
 
 
 class JobConfiguration(SecretEnvMixin, models.Model):

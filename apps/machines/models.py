@@ -9,7 +9,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.crypto import encrypted
 from apps.core.errors import ErrorCode
 from apps.machines.choices import InstanceStatus, Policy, ProviderKind
 from catacloud.agent.netns import normalize_network
@@ -41,13 +41,7 @@ class ProviderAccount(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.kind})"
 
-    @property
-    def credentials(self) -> dict[str, str]:
-        return decrypt_json(self.credentials_encrypted)
-
-    @credentials.setter
-    def credentials(self, value: dict[str, str]) -> None:
-        self.credentials_encrypted = encrypt_json(value) if value else ""
+    credentials = encrypted("credentials_encrypted", "the provider's credentials")
 
 
 class MachineType(models.Model):

@@ -5,7 +5,7 @@ import uuid
 from django.db import models
 from django.utils import timezone
 
-from apps.core.crypto import decrypt_json, encrypt_json
+from apps.core.crypto import encrypted
 from apps.resources.choices import ResourceStatus, WellKind
 
 
@@ -69,10 +69,4 @@ class ResourceInstance(models.Model):
             "resource_type": self.resource_type_id,
         }
 
-    @property
-    def secret(self) -> dict:
-        return decrypt_json(self.secret_encrypted)
-
-    @secret.setter
-    def secret(self, value: dict) -> None:
-        self.secret_encrypted = encrypt_json(value) if value else ""
+    secret = encrypted("secret_encrypted", "what the job is handed (a token, a database's URL)")

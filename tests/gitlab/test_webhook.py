@@ -117,6 +117,22 @@ def test_tags_are_read_from_the_jobs_api_after_the_answer(gl: GitLabWorld) -> No
     assert gl.fake.api_calls() == 1 and GitLabJob.objects.get().status == "running"
 
 
+def test_a_new_job_costs_one_look_up_whatever_its_events(gl: GitLabWorld) -> None:
+    """GitLab sends a job's ``created`` and ``pending`` events moments apart: the ``created`` one
+    of a job new to us is not demand and costs no call; two ``pending`` ones resolved at once (a
+    second delivery, or one resolved after another) cost one look-up between them."""
+    gitlab_id = gl.fake.queue_job("acme/app", TAGS, ["true"], pipeline="CI")
+    created = deliver(job_event(gitlab_id, "created"), key="k-created")
+    assert created.json()["status"] == "ignored: created, acted on once pending"
+    assert not GitLabJob.objects.exists()
+    for key in ("k-pending", "k-pending-again"):
+        assert deliver(job_event(gitlab_id, "pending"), key=key).json()["status"] == "deferred"
+    assert delivery_resolve(key="k-pending") == "created"
+    assert delivery_resolve(key="k-pending-again") != "created"  # known by now: no second look-up
+    assert gl.fake.count("GET", "/projects/{id}/jobs/{id}") == 1
+    assert GitLabJob.objects.get().status == "pending"
+
+
 def test_an_event_seen_twice_is_a_no_op(gl: GitLabWorld) -> None:
     first = deliver(job_event(1, "pending", tags=TAGS), key="same")
     again = deliver(job_event(1, "pending", tags=TAGS), key="same")
