@@ -145,6 +145,50 @@ def has_live_runners(forge: Forge, **where: Any) -> bool:
     return forge.runner.objects.filter(**where, job__status__in=JOB_LIVE).exists()
 
 
+def require_new(title: str, given: dict[str, Any]) -> None:
+    """A new connection needs every value of ``given``: a 400 naming the missing ones."""
+    missing = [name for name, value in given.items() if not value]
+    if missing:
+        names = list(given)
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ValidationFailed(
+            f"a new {title} connection needs {listed}", fields={name: ["required"] for name in missing}
+        )
+
+
+def secrets_replace(conn: Any, given: dict[str, str | None], *, creating: bool) -> list[str]:
+    """The secrets given (None keeps the stored one) replace the connection's; returns the names
+    of those that changed (named in events, never shown). The caller checked their values."""
+    stored = {} if creating else conn.secrets
+    secrets = {**stored, **{name: value for name, value in given.items() if value is not None}}
+    if secrets != stored:
+        conn.secrets = secrets
+    return [name for name in given if secrets.get(name) != stored.get(name)]
+
+
+def connection_recorded(
+    conn: Any,
+    *,
+    org: Organization,
+    actor: Actor,
+    creating: bool,
+    changed: list[str],
+    events: tuple[EventKind, EventKind],
+    describe: dict[str, Any],
+) -> tuple[Any, bool]:
+    """The event of a connection's creation (``events[0]``) or change (``events[1]``, only when
+    something did), naming the fields, never a value. Returns (connection, changed)."""
+    if changed or creating:
+        event_record(
+            kind=events[0] if creating else events[1],
+            org=org,
+            actor=actor,
+            **describe,
+            fields=sorted(set(changed)),
+        )
+    return conn, bool(changed) or creating
+
+
 def children_set(
     *,
     forge: Forge,

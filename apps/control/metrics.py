@@ -13,14 +13,13 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from apps.control.reaper import TICK_BUCKETS
 from apps.core.metrics import register_db_collector
+from apps.core.models import Heartbeat
 
 
 @register_db_collector
 def reaper_metrics() -> Iterable[Metric]:
-    from apps.control.reaper import TICK_BUCKETS
-    from apps.core.models import Heartbeat
-
     row = Heartbeat.objects.filter(name="reaper").values("seen_at", "detail").first()
     last = GaugeMetricFamily(
         "catacloud_reaper_last_tick_timestamp_seconds", "When the last reaper tick ended (Unix time)"

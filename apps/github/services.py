@@ -19,9 +19,7 @@ from apps.ci import services as ci_services
 from apps.ci.services import invalid as _invalid
 from apps.ci.services import pool_by_name
 from apps.core.actors import Actor
-from apps.core.errors import ValidationFailed
 from apps.events.kinds import EventKind
-from apps.events.services import event_record
 from apps.github.choices import GENERIC_LABELS, RunnerScope
 from apps.github.forge import GITHUB
 from apps.github.models import DEFAULT_API_URL, GitHubConnection, RunnerClass
@@ -114,19 +112,9 @@ def connection_set(
     conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
     creating = conn is None
     if creating:
-        if app_id is None or not private_key or not webhook_secret:
-            raise ValidationFailed(
-                "a new GitHub connection needs app_id, private_key and webhook_secret",
-                fields={
-                    k: ["required"]
-                    for k, v in (
-                        ("app_id", app_id),
-                        ("private_key", private_key),
-                        ("webhook_secret", webhook_secret),
-                    )
-                    if not v
-                },
-            )
+        ci_services.require_new(
+            "GitHub", {"app_id": app_id, "private_key": private_key, "webhook_secret": webhook_secret}
+        )
         conn = GitHubConnection(org=org, app_id=0, api_url=DEFAULT_API_URL)
     assert conn is not None
     changed: list[str] = []
@@ -141,33 +129,26 @@ def connection_set(
         if conn.api_url != url:
             conn.api_url = url
             changed.append("api_url")
-    stored = conn.secrets if not creating else {}
-    secrets = dict(stored)
     if private_key is not None:
         _check_private_key(private_key)
-        secrets["private_key"] = private_key
-    if webhook_secret is not None:
-        if len(webhook_secret) < 8:
-            raise _invalid("webhook_secret", "at least 8 characters")
-        secrets["webhook_secret"] = webhook_secret
-    for name in ("private_key", "webhook_secret"):
-        if secrets.get(name) != stored.get(name):
-            changed.append(name)  # named, never shown
-    if secrets != stored:
-        conn.secrets = secrets
+    if webhook_secret is not None and len(webhook_secret) < 8:
+        raise _invalid("webhook_secret", "at least 8 characters")
+    changed += ci_services.secrets_replace(
+        conn, {"private_key": private_key, "webhook_secret": webhook_secret}, creating=creating
+    )
     if changed or creating:
         conn.save()
     if installations is not None:
         changed += _set_installations(conn, _installation_ids(installations))
-    if changed or creating:
-        event_record(
-            kind=EventKind.GITHUB_CONNECTION_CREATED if creating else EventKind.GITHUB_CONNECTION_UPDATED,
-            org=org,
-            actor=actor,
-            app_id=conn.app_id,
-            fields=sorted(set(changed)),
-        )
-    return conn, bool(changed) or creating
+    return ci_services.connection_recorded(
+        conn,
+        org=org,
+        actor=actor,
+        creating=creating,
+        changed=changed,
+        events=(EventKind.GITHUB_CONNECTION_CREATED, EventKind.GITHUB_CONNECTION_UPDATED),
+        describe={"app_id": conn.app_id},
+    )
 
 
 def _set_installations(conn: GitHubConnection, wanted: list[tuple[int, str]]) -> list[str]:

@@ -14,9 +14,7 @@ from django.db import transaction
 from apps.ci import services as ci_services
 from apps.ci.services import invalid
 from apps.core.actors import Actor
-from apps.core.errors import ValidationFailed
 from apps.events.kinds import EventKind
-from apps.events.services import event_record
 from apps.gitlab.choices import Executor, RunnerScope
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabRunnerClass
@@ -72,13 +70,7 @@ def connection_set(
     conn = GitLabConnection.objects.select_for_update(no_key=True).filter(org=org).first()
     creating = conn is None
     if creating:
-        if not token or not webhook_token:
-            raise ValidationFailed(
-                "a new GitLab connection needs token and webhook_token",
-                fields={
-                    k: ["required"] for k, v in (("token", token), ("webhook_token", webhook_token)) if not v
-                },
-            )
+        ci_services.require_new("GitLab", {"token": token, "webhook_token": webhook_token})
         conn = GitLabConnection(org=org, url=DEFAULT_URL)
     assert conn is not None
     changed: list[str] = []
@@ -87,34 +79,26 @@ def connection_set(
         if conn.url != clean:
             conn.url = clean
             changed.append("url")
-    stored = conn.secrets if not creating else {}
-    secrets = dict(stored)
-    if token is not None:
-        if not token.strip() or len(token) > 500 or any(c.isspace() for c in token):
-            raise invalid("token", "an access token: one word of at most 500 characters")
-        secrets["token"] = token
-    if webhook_token is not None:
-        if len(webhook_token) < 8:
-            raise invalid("webhook_token", "at least 8 characters")
-        secrets["webhook_token"] = webhook_token
-    for name in ("token", "webhook_token"):
-        if secrets.get(name) != stored.get(name):
-            changed.append(name)  # named, never shown
-    if secrets != stored:
-        conn.secrets = secrets
+    if token is not None and (not token.strip() or len(token) > 500 or any(c.isspace() for c in token)):
+        raise invalid("token", "an access token: one word of at most 500 characters")
+    if webhook_token is not None and len(webhook_token) < 8:
+        raise invalid("webhook_token", "at least 8 characters")
+    changed += ci_services.secrets_replace(
+        conn, {"token": token, "webhook_token": webhook_token}, creating=creating
+    )
     if changed or creating:
         conn.save()
     if projects is not None:
         changed += _set_projects(conn, _projects(projects))
-    if changed or creating:
-        event_record(
-            kind=EventKind.GITLAB_CONNECTION_CREATED if creating else EventKind.GITLAB_CONNECTION_UPDATED,
-            org=org,
-            actor=actor,
-            gitlab=conn.url,
-            fields=sorted(set(changed)),
-        )
-    return conn, bool(changed) or creating
+    return ci_services.connection_recorded(
+        conn,
+        org=org,
+        actor=actor,
+        creating=creating,
+        changed=changed,
+        events=(EventKind.GITLAB_CONNECTION_CREATED, EventKind.GITLAB_CONNECTION_UPDATED),
+        describe={"gitlab": conn.url},
+    )
 
 
 def _set_projects(conn: GitLabConnection, wanted: list[tuple[int, str]]) -> list[str]:
