@@ -146,8 +146,9 @@ def has_live_runners(forge: Forge, **where: Any) -> bool:
 
 
 def require_new(title: str, given: dict[str, Any]) -> None:
-    """A new connection needs every value of ``given``: a 400 naming the missing ones."""
-    missing = [name for name, value in given.items() if not value]
+    """A new connection needs every value of ``given`` (None or an empty string is missing; a
+    bad value is the caller's check): a 400 naming the missing ones."""
+    missing = [name for name, value in given.items() if value is None or value == ""]
     if missing:
         names = list(given)
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -13,7 +13,8 @@ from apps.ci import intake
 from apps.ci.errors import ForgeError, ForgeNotFound
 from apps.gitlab.client import GitLabClient
 from apps.gitlab.forge import GITLAB
-from apps.gitlab.models import GitLabDelivery, GitLabJob
+from apps.gitlab.models import GitLabDelivery
+from apps.gitlab.ops import job_known
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def delivery_resolve(*, key: str) -> str:
         project_id, job_id = int(payload["project_id"]), int(payload["build_id"])
     except (KeyError, TypeError, ValueError):
         return intake.delivery_process(forge=GITLAB, key=key, hint={})
-    if GitLabJob.objects.filter(connection=delivery.connection, gitlab_id=job_id).exists():
+    if job_known(delivery.connection, job_id):
         # another event of the job was resolved meanwhile: its class is chosen, no call needed
         return intake.delivery_process(forge=GITLAB, key=key, hint={})
     try:

@@ -141,6 +141,11 @@ def api_report(job: Mapping[str, Any], project_id: int, project: str) -> JobRepo
     )
 
 
+def job_known(connection: GitLabConnection, gitlab_id: int) -> bool:
+    """Whether the job has a record here (its class was chosen when it was first seen)."""
+    return GitLabJob.objects.filter(connection=connection, gitlab_id=gitlab_id).exists()
+
+
 class GitLabOps:
     """The core's :class:`apps.ci.forge.ForgeOps` for GitLab."""
 
@@ -253,7 +258,7 @@ class GitLabOps:
         report = event_report(payload, project.path, tags or [])
         if isinstance(report, Applied):
             return report
-        if tags is None and not GitLabJob.objects.filter(connection=conn, **report.key).exists():
+        if tags is None and not job_known(conn, report.key["gitlab_id"]):
             if report.status == GitLabJobStatus.CREATED:
                 # Not demand yet (a later stage's job may wait for hours): its tags are looked up
                 # when it is pending (that event, or the reconciler's poll, which lists them).

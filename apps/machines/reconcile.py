@@ -149,17 +149,19 @@ def _delete_unowned(
     whose instance is another account's is that account's to judge: two accounts may see the
     same machines (two local accounts with one ``state_dir``, two Hetzner accounts with one
     project's token in two locations), and each would otherwise delete the other's."""
-    ids = {u for u in (_uuid_or_none(i) for i, _ in unowned[: BATCH * 5]) if u is not None}
+    window = [
+        (instance_id, _uuid_or_none(instance_id), machine) for instance_id, machine in unowned[: BATCH * 5]
+    ]
     foreign = {
         str(pk)
-        for pk in MachineInstance.objects.filter(pk__in=ids)
+        for pk in MachineInstance.objects.filter(pk__in={u for _, u, _ in window if u is not None})
         .exclude(provider_account=account)
         .values_list("pk", flat=True)
     }
-    for instance_id, machine in unowned[: BATCH * 5]:
+    for instance_id, uuid_id, machine in window:
         if len(report.orphans_deleted) >= BATCH:
             break
-        if _uuid_or_none(instance_id) in foreign:
+        if uuid_id in foreign:
             continue
         created = machine.created_at
         if created is not None and now - created < grace:
