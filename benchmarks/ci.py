@@ -58,12 +58,22 @@ class ForgeBench:
     demand_event: str  # the delivery that makes demand (its received_at starts the clock)
     events: tuple[str, ...]  # every delivery a job's life sends (each one acknowledged)
     received_at: Callable[[Any], Any]  # the fake's delivery -> our stored row's received_at
-    runner_job: Callable[[int], Any]  # forge job id -> (runner pk, Catacloud job id)
-    runner_started: Callable[[Any], Any]
+    core: Any  # the CI core's Forge (apps.ci.forge): its runner records
+    id_field: str  # the forge job's id on its record: github_id, gitlab_id
+
+    def runner_job(self, job_id: int) -> tuple[Any, Any]:
+        """The forge job's runner here: (runner pk, Catacloud job id)."""
+        rows = self.core.runner.objects.values_list("pk", "job_id")
+        return tuple(rows.get(**{f"created_for__{self.id_field}": job_id}))
+
+    def runner_started(self, runner_pk: Any) -> Any:
+        rows = self.core.runner.objects.filter(pk=runner_pk)
+        return rows.values_list("job__started_at", flat=True).first()
 
 
 def _github(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
-    from apps.github.models import Runner, WebhookDelivery
+    from apps.github.forge import GITHUB
+    from apps.github.models import WebhookDelivery
     from testkit.github_fake import FakeGitHub, app_keypair
     from testkit.github_kit import WEBHOOK_PATH, connect, expose_runner
 
@@ -99,16 +109,15 @@ def _github(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
         demand_event="queued",
         events=("queued", "in_progress", "completed"),
         received_at=lambda d: WebhookDelivery.objects.get(guid=d.guid).received_at,
-        runner_job=lambda i: Runner.objects.values_list("pk", "job_id").get(created_for__github_id=i),
-        runner_started=lambda pk: (
-            Runner.objects.filter(pk=pk).values_list("job__started_at", flat=True).first()
-        ),
+        core=GITHUB,
+        id_field="github_id",
     )
     return bench, (t, pool)
 
 
 def _gitlab(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
-    from apps.gitlab.models import GitLabDelivery, GitLabRunner
+    from apps.gitlab.forge import GITLAB
+    from apps.gitlab.models import GitLabDelivery
     from testkit.gitlab_fake import DONE, FakeGitLab
     from testkit.gitlab_kit import WEBHOOK_PATH, connect, expose_runner
 
@@ -137,10 +146,8 @@ def _gitlab(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
         demand_event="pending",
         events=("created", "pending", "running", "success"),
         received_at=lambda d: GitLabDelivery.objects.get(key=d.key).received_at,
-        runner_job=lambda i: GitLabRunner.objects.values_list("pk", "job_id").get(created_for__gitlab_id=i),
-        runner_started=lambda pk: (
-            GitLabRunner.objects.filter(pk=pk).values_list("job__started_at", flat=True).first()
-        ),
+        core=GITLAB,
+        id_field="gitlab_id",
     )
     return bench, (t, pool)
 
