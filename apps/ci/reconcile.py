@@ -38,7 +38,11 @@ from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 
 log = logging.getLogger(__name__)
-CLAIM_FOR = timedelta(minutes=5)  # a reconcile that died keeps its claim at most this long
+# A reconcile that died (its worker killed) keeps its endpoint's claim at most CLAIM_FOR; a live
+# one renews it every CLAIM_RENEW while it walks runners and jobs (one forge call, its retries
+# included, takes well under CLAIM_FOR - CLAIM_RENEW), so two never run at once.
+CLAIM_FOR = timedelta(seconds=60)
+CLAIM_RENEW = timedelta(seconds=10)
 REGISTERING_GRACE = timedelta(minutes=2)
 MAX_POLL_INTERVAL = 600.0
 MAX_STALE_LOOKUPS = 50
@@ -72,6 +76,7 @@ def endpoint_reconcile(
     )
     if not claimed:
         return {"skipped": 1}
+    claim = _Claim(model, endpoint_id, now)
     report: dict[str, int] = {}
     try:
         endpoint = model.objects.select_related(*forge.endpoint_related).get(pk=endpoint_id)
@@ -79,9 +84,9 @@ def endpoint_reconcile(
         client = ops.client(endpoint)
         try:
             seen = ops.listed(client, endpoint)
-            report.update(_runners(forge, ops, endpoint, client, seen, now))
+            report.update(_runners(forge, ops, endpoint, client, seen, now, claim))
             if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
-                report.update(_poll(forge, ops, endpoint, client, now))
+                report.update(_poll(forge, ops, endpoint, client, now, claim))
             report.update(ops.reconcile_extra(forge, client, endpoint, now))
         except ForgeError as exc:  # recorded by the client (availability); the next tick retries
             log.info("reconcile of %s stopped: %s", endpoint, exc.detail)
@@ -92,8 +97,27 @@ def endpoint_reconcile(
     return report
 
 
+class _Claim:
+    """An endpoint's reconcile claim, renewed while the reconcile runs."""
+
+    def __init__(self, model: Any, endpoint_id: EndpointId, at: datetime) -> None:
+        self.model, self.endpoint_id, self.at = model, endpoint_id, at
+
+    def renew(self) -> None:
+        now = timezone.now()
+        if now - self.at >= CLAIM_RENEW:
+            self.model.objects.filter(pk=self.endpoint_id).update(reconcile_claimed_at=now)
+            self.at = now
+
+
 def _runners(
-    forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
+    forge: Forge,
+    ops: ForgeOps,
+    endpoint: Any,
+    client: Any,
+    seen: dict[int, Listed],
+    now: datetime,
+    claim: _Claim,
 ) -> dict[str, int]:
     deleted = recycled = idle = 0
     live = {
@@ -112,6 +136,7 @@ def _runners(
         ).values_list("pk", flat=True)
     )
     for rid, listed in ours.items():
+        claim.renew()
         instance_id = instance_of(listed.name)
         if instance_id not in known:
             continue  # another Catacloud installation's machine: not ours to touch
@@ -191,7 +216,9 @@ def _recycle(forge: Forge, runner: Any) -> int:
     return 0
 
 
-def _poll(forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime) -> dict[str, int]:
+def _poll(
+    forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime, claim: _Claim
+) -> dict[str, int]:
     """Jobs we missed: the forge's pending and running jobs, then our unfinished records the
     forge no longer lists as such (looked up one by one, a bounded number)."""
     found, listed = ops.poll(forge, client, endpoint)
@@ -205,6 +232,7 @@ def _poll(forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime
         if ops.key_of(record) in listed or looked >= MAX_STALE_LOOKUPS:
             continue
         looked += 1
+        claim.renew()
         found += ops.look_up(forge, client, record).found
     base = interval(forge)
     current = endpoint.poll_interval_seconds or base

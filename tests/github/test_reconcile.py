@@ -5,6 +5,8 @@ deliveries, lost handoffs)."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from apps.ci import reconcile as ci_reconcile
 from apps.events.models import Event
 from apps.github.client import GitHubClient
 from apps.github.convergence import github_converge
@@ -63,6 +66,48 @@ def test_runners_whose_machine_is_gone_are_deleted_and_nobody_elses(gh: GitHubWo
     names = sorted(r["name"] for r in gh.fake.summary()["runners"])
     assert runner_name(gone.pk) not in names and len(names) == 3
     assert Event.objects.filter(kind="github.runner_deleted", instance_id=gone.pk).exists()
+
+
+def test_a_reconcile_killed_mid_way_holds_its_installation_at_most_a_minute(gh: GitHubWorld) -> None:
+    _, gone = ready_agent(gh)
+    MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
+    register(gh, runner_name(gone.pk))
+    # a worker SIGKILLed mid-reconcile: its claim stays, nothing releases it
+    GitHubInstallation.objects.update(reconcile_claimed_at=timezone.now() - timedelta(seconds=30))
+    assert reconcile(gh) == {"skipped": 1}
+    GitHubInstallation.objects.update(reconcile_claimed_at=timezone.now() - timedelta(seconds=61))
+    assert reconcile(gh)["runners_deleted"] == 1
+    assert not gh.fake.summary()["runners"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_reconcile_keeps_its_claim_so_no_second_one_runs_beside_it(
+    gh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ci_reconcile, "CLAIM_FOR", timedelta(seconds=1))
+    monkeypatch.setattr(ci_reconcile, "CLAIM_RENEW", timedelta(seconds=0.2))
+    for _ in range(6):
+        _, gone = ready_agent(gh)
+        MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
+        register(gh, runner_name(gone.pk))
+    gh.fake.latency = 0.4  # each deletion takes 0.4 s: the first reconcile runs ~2.5 s
+    first: dict[str, int] = {}
+
+    def run() -> None:
+        from django.db import connection
+
+        try:
+            first.update(reconcile(gh))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.6)  # past CLAIM_FOR since the first one claimed
+    assert thread.is_alive()
+    assert reconcile(gh) == {"skipped": 1}
+    thread.join(30)
+    assert first["runners_deleted"] == 6
 
 
 def test_a_live_runners_registration_is_kept(gh: GitHubWorld) -> None:
