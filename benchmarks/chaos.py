@@ -9,7 +9,9 @@ injector meanwhile SIGKILLs a worker, an agent (with its job: the machine is gon
 (the harness restarts workers and Redis; a dead machine is for the reaper to notice), and
 drops queued Celery messages. The reaper's own faults: whichever process leads the reaper
 (a worker or beat) SIGKILLed in the middle of a tick (``kill_reaper_leader``), beat dead for a
-minute (``stop_beat``), Redis gone for a minute (``redis_gone_minute``). A sampler checks the
+minute (``stop_beat``), Redis gone for a minute (``redis_gone_minute``); and PostgreSQL itself
+stopped and started again a few seconds later (``restart_postgres``: every process loses its
+connections; only with the embedded PostgreSQL, which the soak can restart). A sampler checks the
 invariants every second, from PostgreSQL, the provider and the process table; the end checks
 that everything converged.
 
@@ -100,6 +102,7 @@ FAULT_KINDS = (
     "kill_reaper_leader",
     "stop_beat",
     "redis_gone_minute",
+    "restart_postgres",
 )
 
 
@@ -128,6 +131,7 @@ class Params:
     stall_timeout: float = 120.0  # ... or when no job ended for this long (wedged)
     beat_stopped: float = 60.0  # how long beat stays dead in a stop_beat fault
     redis_gone: float = 60.0  # how long Redis stays dead in a redis_gone_minute fault
+    postgres_down: tuple[float, float] = (2.0, 6.0)  # how long PostgreSQL stays down, a range
 
     @property
     def env(self) -> dict[str, str]:
@@ -317,6 +321,8 @@ class Soak:
     # When Redis was down: [start, end (None: still down)]. No task runs then, so what needs one
     # (jobs, resources, artifacts) gets its deadline counted from when the broker answers again.
     broker_down: list[list[Any]] = field(default_factory=list)
+    # When PostgreSQL was down (restart_postgres): nothing moves then, whatever the row.
+    db_down: list[list[Any]] = field(default_factory=list)
     # Rows past their deadline had the broker's downtime not been credited (a figure, not an
     # invariant: the reaper's repairs need no broker, so this too should stay empty).
     uncredited: dict[str, str] = field(default_factory=dict)
@@ -326,10 +332,29 @@ class Soak:
 
     def broker_downtime(self, since: float) -> float:
         """Seconds of broker outage between ``since`` and now (soak time)."""
+        return self._downtime(self.broker_down, since)
+
+    def db_downtime(self, since: float) -> float:
+        """Seconds of database outage between ``since`` and now (soak time)."""
+        return self._downtime(self.db_down, since)
+
+    def listened_age(self, age: float) -> tuple[float, float]:
+        """An agent silent for ``age`` seconds: how long it was silent while the control plane
+        listened, and the slack to add to its deadline. Silence counts again from the end of a
+        database outage it spans (the lost rule's clock restarts at the first tick after it,
+        which may come an interval later: apps/control/reaper.py)."""
+        since = self.now() - age
+        ends = [end for _, end in self.db_down if end is None or end > since]
+        if not ends:
+            return age, 0.0
+        if None in ends:
+            return 0.0, 0.0  # the database is down now
+        return self.now() - max(ends), self.p.reaper_interval
+
+    def _downtime(self, windows: list[list[Any]], since: float) -> float:
         now = self.now()
         return sum(
-            max(0.0, min(now, end if end is not None else now) - max(since, start))
-            for start, end in self.broker_down
+            max(0.0, min(now, end if end is not None else now) - max(since, start)) for start, end in windows
         )
 
     def violate(self, invariant: str, key: str, detail: str) -> bool:
@@ -549,9 +574,11 @@ def _run_soak(
         while soak.now() < limit:
             if soak.now() - last_progress >= p.progress_every:
                 last_progress = soak.now()
-                progress(_progress_line(soak, submitted[0]))
-                now_done = _done_jobs(world)
-                idle = submitted[0] >= p.jobs and _live_jobs(world) == 0  # only faults left
+                line = _db_or(None, _progress_line, soak, submitted[0])
+                if line is not None:
+                    progress(line)
+                now_done = _db_or(done, _done_jobs, world)
+                idle = submitted[0] >= p.jobs and _db_or(1, _live_jobs, world) == 0  # only faults left
                 if now_done != done or idle:
                     done, last_done_change = now_done, soak.now()
                 elif soak.now() - last_done_change > p.stall_timeout:
@@ -562,7 +589,7 @@ def _run_soak(
                         f"live jobs: {_live_summary(world)}",
                     )
                     break
-            if submitted[0] >= p.jobs and injector_done.is_set() and _live_jobs(world) == 0:
+            if submitted[0] >= p.jobs and injector_done.is_set() and _db_or(1, _live_jobs, world) == 0:
                 break
             time.sleep(0.5)
         else:
@@ -593,6 +620,17 @@ def _thread(fn: Any, *args: Any) -> Any:
             connection.close()
 
     return target
+
+
+def _db_or(default: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or ``default`` while the database does not answer (restart_postgres)."""
+    from django.db import Error, connection
+
+    try:
+        return fn(*args)
+    except Error:
+        connection.close()  # a new one next time
+        return default
 
 
 def _progress_line(soak: Soak, submitted: int) -> str:
@@ -670,7 +708,7 @@ def _submitter(soak: Soak, world: World, rng: random.Random, submitted: list[int
     names = list(WORKLOAD)
     weights = [WORKLOAD[n][0] for n in names]
     while submitted[0] < soak.p.jobs and not soak.stop.is_set():
-        if _live_jobs(world) >= soak.p.inflight:
+        if _db_or(soak.p.inflight, _live_jobs, world) >= soak.p.inflight:
             time.sleep(0.2)
             continue
         name = rng.choices(names, weights)[0]
@@ -742,8 +780,12 @@ def _injector(
         "kill_reaper_leader": 1.5,
         "stop_beat": 0.3,
         "redis_gone_minute": 0.3,
+        "restart_postgres": 0.5,
     }
-    first_kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+    pg = _restartable_postgres()
+    if pg is None:  # a server of the user's: not ours to restart
+        del weights["restart_postgres"]
+    first_kinds = [k for k in rng.sample(FAULT_KINDS, len(FAULT_KINDS)) if k in weights]
     try:
         while not soak.stop.is_set():
             now = soak.now()
@@ -788,6 +830,26 @@ def _injector(
                     beat.kill()
                     restarts.append((now + p.beat_stopped, beat.start))
                     detail = f"for {p.beat_stopped:.0f}s"
+                elif kind == "restart_postgres":
+                    if pg is None or _pg_restarting(restarts):
+                        continue
+                    pg.stop()  # a fast shutdown: every session is ended
+                    down = [soak.now(), None]
+                    soak.db_down.append(down)
+
+                    def pg_back(down: list[Any] = down) -> None:
+                        from django.db import connection
+
+                        _start_postgres()
+                        down[1] = soak.now()
+                        connection.close()  # this thread's, ended by the restart
+
+                    pg_back.pg_start = True  # type: ignore[attr-defined]
+                    gone = rng.uniform(*p.postgres_down)
+                    restarts.append((now + gone, pg_back))
+                    detail = f"down for {gone:.1f}s"
+                elif _pg_restarting(restarts) and kind in ("kill_reaper_leader", "redis_outage_empty_pool"):
+                    continue  # they read the database (or the API's answers need it)
                 elif kind == "kill_reaper_leader":
                     victim = _reaper_leader_mid_tick(processes, soak.p.reaper_interval)
                     if victim is None or any(r[1] == victim.start for r in restarts):
@@ -866,6 +928,40 @@ def _reaper_leader_mid_tick(processes: list[Worker | Beat], interval: float) -> 
     while victim is not None and time.monotonic() < deadline and not _tick_under_way():
         time.sleep(0.01)
     return victim
+
+
+def _pg_restarting(restarts: list[tuple[float, Any]]) -> bool:
+    return any(getattr(r[1], "pg_start", False) for r in restarts)
+
+
+def _start_postgres() -> None:
+    """Start the embedded PostgreSQL again as ``catacloud services up`` does, outside this
+    process's environment: the server belongs to the services, not to the soak (nor to a test
+    run, whose leftover check would otherwise end it as a process the tests started)."""
+    import subprocess
+
+    from testkit.processes import SESSION_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (SESSION_ENV, "DATABASE_URL", "REDIS_URL")}
+    subprocess.run(
+        [sys.executable, "-m", "catacloud.cli", "services", "up"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _restartable_postgres() -> Any:
+    """The embedded PostgreSQL the soak runs on (``catacloud services run``), or None."""
+    from django.conf import settings
+
+    from catacloud.embedded import EmbeddedPostgres, catacloud_home
+
+    if not os.environ.get("CATACLOUD_EMBEDDED"):
+        return None
+    pg = EmbeddedPostgres(catacloud_home())
+    port = pg.state.load().get("port") if pg.running() else None
+    return pg if port and str(settings.DATABASES["default"].get("PORT")) == str(port) else None
 
 
 def _redis_restarting(restarts: list[tuple[float, Any]], redis: RedisServer) -> bool:
@@ -1037,6 +1133,7 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
         )
 
     def late(kind: str, row_id: Any, state: str, age: float, allowed: float, what: str) -> None:
+        allowed += soak.db_downtime(soak.now() - age)  # nothing moves without the database
         if age > allowed + grace:  # late even if the broker's downtime were not credited
             with soak.lock:
                 soak.uncredited.setdefault(
@@ -1075,12 +1172,13 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
                 "warming without a heartbeat",
             )
         if s in ("warming", "ready", "claimed") and r["last_heartbeat_at"] is not None:
+            silent, slack = soak.listened_age(_age(now, r["last_heartbeat_at"]))
             late(
                 "instance",
                 r["id"],
                 s,
-                _age(now, r["last_heartbeat_at"]),
-                budget[("instance", "silent")],
+                silent,
+                budget[("instance", "silent")] + slack,
                 f"{s} with a silent agent "
                 f"(machine {'gone' if r['provider_id'] not in machines else 'alive'})",
             )
@@ -1255,6 +1353,9 @@ def _check_processes(soak: Soak, world: World, live_jobs: dict[str, Any]) -> set
 
 def _settle(soak: Soak, world: World, progress: Any) -> None:
     """After the last fault: wait for full convergence, then check the end invariants."""
+    from django.db import connection
+
+    connection.close()  # it may date from before a restart_postgres fault
     p = soak.p
     last_fault = max((f["at"] for f in soak.faults), default=soak.now())
     deadline = soak.now() + p.settle_timeout
@@ -1544,6 +1645,7 @@ def plot(result: PartResult, out: Path) -> str:
         "kill_reaper_leader": "green",
         "stop_beat": "blue",
         "redis_gone_minute": "brown",
+        "restart_postgres": "teal",
     }
     shown = set()
     for f in data["faults"]:

@@ -8,7 +8,11 @@ query, and works in bounded batches:
 - machines past their state's deadline (apps.machines.convergence): lost provision and
   terminate tasks sent again, machines not ready in time terminated (pool members after
   warmup_grace_seconds: pool.member_stuck), expired claim leases released;
-- silent agents: no heartbeat for CATACLOUD_AGENT_LOST_AFTER → lost (jobs requeued);
+- silent agents: no heartbeat for CATACLOUD_AGENT_LOST_AFTER → lost (jobs requeued). Silence
+  counts only while the control plane listened: when the ticks stopped for longer than half
+  the lost rule past their interval (PostgreSQL restarted, every worker and beat down, a
+  restore from a backup), heartbeats could not be recorded either, so the clock restarts at
+  the first tick after (``listening_since``);
 - pools whose counts differ from their targets (or with outdated members) → refilled;
 - the providers' reconciler for every provider account in use;
 - jobs and idle machines: the scheduler's safety net (retention, timeouts).
@@ -66,6 +70,7 @@ class TickReport:
     repairs: int = 0
     seconds: float = 0.0
     by: str = ""
+    listening_since: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,11 +104,12 @@ def reaper_tick(
 def _tick(now: datetime, reconcile: bool, repairs: Repairs) -> TickReport:
     started = time.perf_counter()
     report = TickReport()
+    report.listening_since = listening_since(now)
     report.schedules_applied = apply_schedules(now=now)
     machines = instances_converge(now=now, repairs=repairs)
     report.stuck = machines.pop("stuck")
     report.extra.update(machines)
-    report.lost = _mark_silent_lost(now)
+    report.lost = _mark_silent_lost(now, report.listening_since)
 
     pools = pools_converge(now=now, batch=BATCH)
     report.pools, report.refilled, report.requested = pools.pools, pools.refilled, pools.requested
@@ -142,6 +148,7 @@ def _record(report: TickReport) -> None:
         row.seen_at = timezone.now()
         row.detail = {
             "by": report.by,
+            "listening_since": report.listening_since.isoformat() if report.listening_since else None,
             "seconds": round(report.seconds, 4),
             "repairs": report.repairs,
             "count": int(old.get("count", 0)) + 1,
@@ -151,9 +158,28 @@ def _record(report: TickReport) -> None:
         row.save(update_fields=["seen_at", "detail"])
 
 
-def _mark_silent_lost(now: datetime) -> int:
-    """Enrolled machines whose agent went silent."""
+def listening_since(now: datetime) -> datetime:
+    """Since when the control plane has listened to its agents without a break: the previous
+    tick's value, or ``now`` when the previous tick ended more than an interval plus half of
+    CATACLOUD_AGENT_LOST_AFTER ago (or none ever ran). A break that long means the database,
+    or every process that ticks, was gone, so heartbeats were not recorded either; a shorter
+    one adds at most half the lost rule to an agent's silence."""
+    row = Heartbeat.objects.filter(name="reaper").values_list("seen_at", "detail").first()
+    if row is None:
+        return now
+    last, detail = row
+    since = (detail or {}).get("listening_since")
+    break_after = settings.CATACLOUD_REAPER_INTERVAL + settings.CATACLOUD_AGENT_LOST_AFTER / 2
+    if since is None or (now - last).total_seconds() > break_after:
+        return now
+    return min(now, datetime.fromisoformat(since))
+
+
+def _mark_silent_lost(now: datetime, listening: datetime | None = None) -> int:
+    """Enrolled machines whose agent went silent for CATACLOUD_AGENT_LOST_AFTER while we listened."""
     cutoff = now - timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
+    if listening is not None and listening > cutoff:
+        return 0  # not listened long enough to call anyone silent
     silent = MachineInstance.objects.filter(
         status__in=[InstanceStatus.READY, InstanceStatus.CLAIMED], last_heartbeat_at__lt=cutoff
     ).values_list("pk", flat=True)[:BATCH]

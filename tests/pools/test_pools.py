@@ -11,11 +11,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from apps.control.reaper import query_count, reaper_tick
 from apps.core.errors import InvalidTransition, PoolEmpty
+from apps.core.models import Heartbeat
 from apps.events.models import Event
 from apps.machines import lifecycle
 from apps.machines.choices import InstanceStatus
@@ -204,6 +206,7 @@ def test_reaper_terminates_stuck_members_and_marks_silent_agents_lost(
     long_ago = timezone.now() - timedelta(minutes=10)
     MachineInstance.objects.filter(pk=stuck.pk).update(status=S.WARMING, provisioning_started_at=long_ago)
     MachineInstance.objects.filter(pk=silent.pk).update(last_heartbeat_at=long_ago)
+    listened_since(long_ago)
     report = reaper_tick(reconcile=False)
     assert (report.stuck, report.lost) == (1, 1)
     stuck.refresh_from_db()
@@ -308,6 +311,44 @@ def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld
             pool_claim(pool_id=pool.pk)
         other.rollback()
     assert pool_claim(pool_id=pool.pk).instance.pk == member.pk
+
+
+def listened_since(since: datetime) -> None:
+    """The reaper ticked an interval ago and had listened to the agents since ``since``."""
+    Heartbeat.objects.update_or_create(
+        name="reaper",
+        defaults={
+            "seen_at": timezone.now() - timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL),
+            "detail": {"listening_since": since.isoformat()},
+        },
+    )
+
+
+@pytest.mark.django_db
+def test_agents_silent_only_while_the_control_plane_was_gone_are_not_lost(
+    world: World, fake_type: MachineType
+) -> None:
+    """PostgreSQL restarted (or every worker and beat were down) for longer than the lost rule:
+    no heartbeat could be recorded, so the first tick after must not call the fleet lost."""
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=2, max_size=2)
+    members = ready_members(pool, 2)
+    lost_after = timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
+    outage_began = timezone.now() - 3 * lost_after
+    MachineInstance.objects.filter(pool=pool).update(last_heartbeat_at=outage_began)
+    Heartbeat.objects.update_or_create(  # the last tick before the outage
+        name="reaper",
+        defaults={"seen_at": outage_began, "detail": {"listening_since": "2026-01-01T00:00:00+00:00"}},
+    )
+    assert reaper_tick(reconcile=False).lost == 0
+    assert set(MachineInstance.objects.filter(pool=pool).values_list("status", flat=True)) == {S.READY}
+    # one agent heartbeats again, the other stays silent: once we have listened lost_after,
+    # the silent one is lost and only it
+    now = timezone.now()
+    MachineInstance.objects.filter(pk=members[0].pk).update(last_heartbeat_at=now + lost_after)
+    later = reaper_tick(reconcile=False, now=now + lost_after + timedelta(seconds=1))
+    assert later.lost == 1
+    assert MachineInstance.objects.get(pk=members[1].pk).status == S.LOST
+    assert MachineInstance.objects.get(pk=members[0].pk).status == S.READY
 
 
 @pytest.mark.django_db
