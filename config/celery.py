@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
-from celery.signals import beat_init, worker_process_init, worker_ready, worker_shutdown
+from celery import Celery, bootsteps
+from celery.signals import beat_init, worker_process_init, worker_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -40,8 +40,7 @@ def _reaper_in_beat(**_: Any) -> None:
     stand("beat")
 
 
-@worker_ready.connect
-def _reaper_in_worker(**_: Any) -> None:
+def _reaper_in_worker() -> None:
     """Every worker stands too (in its main process, after its pool started), so the reaper
     ticks while any worker or beat lives (CATACLOUD_REAPER_IN_WORKERS=false: beat alone)."""
     _django_ready()
@@ -54,6 +53,21 @@ def _reaper_in_worker(**_: Any) -> None:
         from apps.control.election import stand
 
         stand("worker")
+
+
+class ReaperStep(bootsteps.StartStopStep):
+    """The worker's candidacy starts once its pool has started and before its consumer connects
+    to the broker (the consumer's step is last), not on ``worker_ready``, which waits for the
+    broker: a worker (re)started while Redis is down must tick all the same, the reaper needs
+    no broker (a chaos soak found no process ticking with beat dead and Redis gone)."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def start(self, parent: Any) -> None:
+        _reaper_in_worker()
+
+
+app.steps["worker"].add(ReaperStep)
 
 
 @worker_process_init.connect

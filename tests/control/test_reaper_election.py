@@ -131,6 +131,33 @@ def test_the_leader_process_killed_mid_life_another_worker_ticks_within_a_tick(t
         assert "leads (a tick every 1s)" in survivor.output()
 
 
+def test_a_worker_started_while_redis_is_down_leads_and_ticks(tmp_path: Path) -> None:
+    """Beat dead and Redis gone: a worker (re)started meanwhile never reaches its broker, yet it
+    stands and ticks, since the reaper needs none. (It stood only once the broker answered.)"""
+    import uuid
+
+    from testkit.processes import Proc, free_port, worker_args
+
+    env = {
+        "CATACLOUD_REAPER_INTERVAL": f"{INTERVAL:g}",
+        "CATACLOUD_REAPER_IN_WORKERS": "1",
+        "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+    }
+    name = f"{TESTS.prefix}-nobroker-{uuid.uuid4().hex[:8]}@localhost"
+    args = worker_args(name, concurrency=1, loglevel=TESTS.loglevel)
+    proc = Proc("worker", args, TESTS.env(**env), tmp_path / "worker.log")
+    try:
+
+        def ticking() -> bool:
+            proc.check()
+            return _last_tick()[1].endswith(f":{proc.popen.pid}") and _count() >= 2
+
+        wait_for(ticking, 60, "two ticks by the worker without a broker")
+        assert "reaper: tick in" in proc.output()
+    finally:
+        proc.stop()
+
+
 def _leader_pid(procs: dict[int, Any], killed: list[int]) -> int | None:
     _, by = _last_tick()
     pid = int(by.rsplit(":", 1)[1]) if ":" in by else None
