@@ -132,6 +132,7 @@ class Params:
     beat_stopped: float = 60.0  # how long beat stays dead in a stop_beat fault
     redis_gone: float = 60.0  # how long Redis stays dead in a redis_gone_minute fault
     postgres_down: tuple[float, float] = (2.0, 6.0)  # how long PostgreSQL stays down, a range
+    logs: str | None = None  # keep the processes' logs here (at INFO: every reaper tick)
 
     @property
     def env(self) -> dict[str, str]:
@@ -151,7 +152,7 @@ class Params:
             "CATACLOUD_UPLOAD_TIMEOUT": f"{WELL:g}",
             "CATACLOUD_RESOURCE_CREATE_TIMEOUT": f"{self.redrive_after:g}",
             "CATACLOUD_WEBHOOK_ALLOW_NETWORKS": "127.0.0.1/32",  # the soak's webhook is on loopback
-            "LOG_LEVEL": "WARNING",
+            "LOG_LEVEL": "INFO" if self.logs else "WARNING",
         }
 
 
@@ -421,6 +422,8 @@ def run(
             stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
             redis.stop()
             webhook.close()
+            if p.logs:
+                _keep_logs(tmp, Path(p.logs))
     return _result(soak, world, time.perf_counter() - started, out)
 
 
@@ -707,16 +710,25 @@ def _submitter(soak: Soak, world: World, rng: random.Random, submitted: list[int
     s = _session(world)
     names = list(WORKLOAD)
     weights = [WORKLOAD[n][0] for n in names]
+    key = None  # the submit being tried: a retry sends it again with its Idempotency-Key
     while submitted[0] < soak.p.jobs and not soak.stop.is_set():
-        if _db_or(soak.p.inflight, _live_jobs, world) >= soak.p.inflight:
-            time.sleep(0.2)
-            continue
-        name = rng.choices(names, weights)[0]
+        if key is None:
+            if _db_or(soak.p.inflight, _live_jobs, world) >= soak.p.inflight:
+                time.sleep(0.2)
+                continue
+            key = (str(uuid.uuid4()), rng.choices(names, weights)[0])
         r = _call(
-            soak, s, "POST", f"{world.url}/api/v1/jobs/", "submit", json={"config": world.configs[name]}
+            soak,
+            s,
+            "POST",
+            f"{world.url}/api/v1/jobs/",
+            "submit",
+            json={"config": world.configs[key[1]]},
+            headers={"Idempotency-Key": key[0]},
         )
-        if r is not None and r.status_code == 201:
+        if r is not None and r.status_code in (200, 201):  # 200: an earlier try had queued it
             submitted[0] += 1
+            key = None
         else:
             time.sleep(0.5)  # a refused submit is retried (the API may be degraded by a fault)
 
@@ -928,6 +940,16 @@ def _reaper_leader_mid_tick(processes: list[Worker | Beat], interval: float) -> 
     while victim is not None and time.monotonic() < deadline and not _tick_under_way():
         time.sleep(0.01)
     return victim
+
+
+def _keep_logs(tmp: Path, to: Path) -> None:
+    """Copy the soak's process logs (web, workers, beat) to ``to`` before its folder goes."""
+    import shutil
+
+    to.mkdir(parents=True, exist_ok=True)
+    for log in tmp.rglob("*.log"):
+        shutil.copy2(log, to / log.name)
+    say(f"chaos: process logs kept in {to}")
 
 
 def _pg_restarting(restarts: list[tuple[float, Any]]) -> bool:
@@ -1678,6 +1700,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds to wait for convergence")
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md and docs/bench/ go")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
+    parser.add_argument("--logs", default=None, help="keep the processes' logs (at INFO) in this folder")
     args = parser.parse_args(argv)
     from benchmarks.harness import end_on_sigterm, setup_django_for_bench
 
@@ -1700,6 +1723,7 @@ def main(argv: list[str] | None = None) -> int:
             fault_interval=args.fault_interval,
             workload_timeout=args.workload_timeout,
             settle_timeout=args.settle_timeout,
+            logs=args.logs,
             out=out,
         )
     result.load = load.summary()
