@@ -50,6 +50,7 @@ class ErrorCode(StrEnum):
     CLAIM_MISMATCH = "claim_mismatch"
     JOB_NOT_RUNNING = "job_not_running"
     NOT_ASSIGNED = "not_assigned"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # the key named another submit
     ALREADY_ENROLLED = "already_enrolled"
     # 426
     AGENT_UPGRADE_REQUIRED = "agent_upgrade_required"  # an agent older than the protocol allows
@@ -57,6 +58,7 @@ class ErrorCode(StrEnum):
     THROTTLED = "throttled"
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the agent server: one machine's budget
     SERVER_ERROR = "server_error"
+    DATABASE_UNAVAILABLE = "database_unavailable"  # 503: PostgreSQL did not answer; retry
     ERROR = "error"  # a status with no code of its own
     # A job's failure_code (no HTTP status: the job ended failed with it), as its agent reported
     # it (catacloud.protocol.ImageFailure has the same values).

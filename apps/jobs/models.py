@@ -123,9 +123,19 @@ class Job(SecretEnvMixin, models.Model):
     # The W3C traceparent of the submit (apps/core/tracing.py): every later span of this job,
     # in any process and on its machine, is in that trace. Empty when tracing is off.
     traceparent = models.CharField(max_length=64, blank=True)
+    # The submit's ``Idempotency-Key`` header: a retried submit with the same key answers this
+    # job instead of queueing a second one. Empty: none was sent.
+    idempotency_key = models.CharField(max_length=200, blank=True, editable=False)
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["org", "idempotency_key"],
+                condition=~Q(idempotency_key=""),
+                name="job_idempotency_key_unique_in_org",
+            )
+        ]
         indexes = [
             # Scheduler: WHERE status = 'queued' ORDER BY priority DESC, queued_at FOR UPDATE SKIP LOCKED
             models.Index(

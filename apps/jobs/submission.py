@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from apps.core import tracing
 from apps.core.actors import Actor
@@ -38,6 +38,7 @@ def job_submit(
     handoff_by: str = "",
     hold_reason: str = "",
     schedule_now: bool = True,
+    idempotency_key: str = "",
 ) -> Job:
     """Queue a run of ``config``. Privileges are checked now (403 missing_privilege).
 
@@ -79,6 +80,7 @@ def job_submit(
             handoff_by=handoff_by,
             hold_reason=hold_reason[:300],
             pending_reason=hold_reason[:300],
+            idempotency_key=idempotency_key,
         )
         if secret:  # in the job's transaction: there before any agent can see the job
             job.secret_env = secret
@@ -95,6 +97,37 @@ def job_submit(
         if schedule_now and not hold_reason:
             schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
     return job
+
+
+IDEMPOTENCY_KEY_MAX = 200
+
+
+def job_submit_once(
+    *, org: Organization, config: JobConfiguration, idempotency_key: str, **submit: Any
+) -> tuple[Job, bool]:
+    """:func:`job_submit`, once per ``idempotency_key`` in the organization: a retried submit
+    (its answer lost: a timeout, a 503) gets the job the first one queued. Returns (job,
+    whether this call queued it). The key naming a submit of another configuration: 409."""
+
+    def earlier() -> Job | None:
+        job = Job.objects.filter(org=org, idempotency_key=idempotency_key).first()
+        if job is not None and job.config_id != config.pk:
+            raise Conflict(
+                "this Idempotency-Key was used for a submit of another configuration",
+                code=ErrorCode.IDEMPOTENCY_KEY_REUSED,
+            )
+        return job
+
+    if not idempotency_key:
+        return job_submit(org=org, config=config, **submit), True
+    if (job := earlier()) is not None:
+        return job, False
+    try:
+        return job_submit(org=org, config=config, idempotency_key=idempotency_key, **submit), True
+    except IntegrityError:  # a concurrent submit with the same key won the unique index
+        if (job := earlier()) is None:
+            raise
+        return job, False
 
 
 def job_cancel(*, job: Job, actor: Actor = Actor.UNNAMED) -> Job:

@@ -69,8 +69,10 @@ class Api:
     def _url(self, path: str) -> str:
         return f"{self.config.api}/{path.lstrip('/')}"
 
-    def request(self, method: str, path: str, *, json: Any = None, params: Any = None) -> Any:
-        response = self._send(method, path, json=json, params=params)
+    def request(
+        self, method: str, path: str, *, json: Any = None, params: Any = None, headers: Any = None
+    ) -> Any:
+        response = self._send(method, path, json=json, params=params, headers=headers)
         if response.status_code == 204 or not response.content:
             return None
         try:
@@ -83,8 +85,8 @@ class Api:
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
 
-    def post(self, path: str, body: Any = None) -> Any:
-        return self.request("POST", path, json=body if body is not None else {})
+    def post(self, path: str, body: Any = None, *, headers: dict[str, str] | None = None) -> Any:
+        return self.request("POST", path, json=body if body is not None else {}, headers=headers)
 
     def delete(self, path: str) -> Any:
         return self.request("DELETE", path)
@@ -95,8 +97,17 @@ class Api:
         response = self._send("GET", path, stream=True, accept="*/*")
         return response, response.iter_content(chunk_size=1 << 16)
 
-    def _send(self, method: str, path: str, *, stream: bool = False, accept: str | None = None, **kw: Any):
-        headers = {"Accept": accept} if accept else None
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        stream: bool = False,
+        accept: str | None = None,
+        headers: dict[str, str] | None = None,
+        **kw: Any,
+    ):
+        headers = {**(headers or {}), **({"Accept": accept} if accept else {})} or None
         try:
             response = self.session.request(
                 method, self._url(path), timeout=TIMEOUT, stream=stream, headers=headers, **kw

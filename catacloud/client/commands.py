@@ -369,7 +369,10 @@ def cmd_jobs_submit(api: Api, args: argparse.Namespace) -> int:
     env = _parse_env(args.env)
     if env:
         body["env"] = env
-    job = api.post("jobs/", body)
+    # A submit whose answer is lost (the server restarting, a timeout) is sent again with the same
+    # Idempotency-Key: the server answers the job the first one queued, never a second one.
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    job = _retrying(lambda: api.post("jobs/", body, headers=key))
     if not (args.wait or args.follow):
         if args.json:
             print_json(job)

@@ -171,6 +171,55 @@ def test_a_job_is_submitted_by_configuration_name_or_id_within_the_org(world: Wo
     assert not Job.objects.filter(org=world.other_org).exists()
 
 
+def test_a_retried_submit_with_its_idempotency_key_answers_the_first_job(world: World) -> None:
+    from apps.events.models import Event
+    from apps.jobs.models import Job
+
+    JobConfiguration.objects.create(
+        org=world.org, name="nightly", machine_type=world.machine_type, command="make"
+    )
+    JobConfiguration.objects.create(
+        org=world.org, name="weekly", machine_type=world.machine_type, command="make"
+    )
+    member = world.client("member")
+    key = {"HTTP_IDEMPOTENCY_KEY": "release-2026.11.27"}
+    first = member.post("/api/v1/jobs/", {"config": "nightly"}, format="json", **key)
+    assert first.status_code == 201, first.content
+    again = member.post("/api/v1/jobs/", {"config": "nightly"}, format="json", **key)
+    assert again.status_code == 200 and again["Idempotent-Replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    assert Job.objects.filter(org=world.org).count() == 1
+    assert Event.objects.filter(kind="job.queued", org=world.org).count() == 1
+    # the key named a submit of another configuration: refused, nothing queued
+    other = member.post("/api/v1/jobs/", {"config": "weekly"}, format="json", **key)
+    assert other.status_code == 409 and other.json()["code"] == "idempotency_key_reused"
+    # without a key every submit queues; too long a key is refused before anything is written
+    assert member.post("/api/v1/jobs/", {"config": "nightly"}, format="json").status_code == 201
+    long = member.post("/api/v1/jobs/", {"config": "nightly"}, format="json", HTTP_IDEMPOTENCY_KEY="k" * 201)
+    assert long.status_code == 400 and long.json()["fields"] == {
+        "Idempotency-Key": ["at most 200 visible ASCII characters"]
+    }
+    assert Job.objects.filter(org=world.org).count() == 2
+
+
+def test_a_database_that_does_not_answer_is_a_503_to_retry(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.db import OperationalError
+
+    from apps.machines.api import views
+
+    def gone(**kwargs: object) -> None:
+        raise OperationalError('connection failed: connection to server at "127.0.0.1", port 5432 failed')
+
+    monkeypatch.setattr(views, "machine_types_for_org", gone)
+    client = world.client("viewer")
+    client.raise_request_exception = False
+    response = client.get("/api/v1/machine-types/")
+    assert response.status_code == 503 and response["Retry-After"] == "2"
+    assert response.json()["code"] == "database_unavailable"
+
+
 def test_unknown_api_paths_and_crashes_answer_json(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.machines.api import views
 

@@ -125,6 +125,7 @@ def test_logs_follow_a_running_job_until_it_is_cancelled(stack: Stack, cli: Cli)
     submitted = json.loads(ok(cli(member, "jobs", "submit", "--config", "long", "--json")).stdout)
     assert submitted["status"] == "queued" and submitted["config_name"] == "long"
     job_id = submitted["id"]
+    assert Job.objects.get(pk=job_id).idempotency_key  # the CLI names its submit: a retry queues none
     out, err = cli.tmp / "logs.out", cli.tmp / "logs.err"
     follower = cli.popen(member, "jobs", "logs", job_id, "-f", out=out, err=err)
     try:

@@ -131,3 +131,35 @@ def test_concurrent_submits_never_pass_the_quota(tworld: World) -> None:
     schedule()
     assert Job.objects.exclude(status=J.QUEUED).count() == 3
     assert Job.objects.filter(status=J.QUEUED, pending_reason="max_concurrent_jobs 3/3").count() == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_retries_with_one_idempotency_key_queue_one_job(tworld: World) -> None:
+    """A client whose submit timed out retries it on other connections at once: one job, and
+    every retry answers that job."""
+    from apps.events.models import Event
+    from apps.jobs.submission import job_submit_once
+
+    mt, _ = setup_type(tworld, max_concurrent_jobs=3)
+    cfg = job_config(tworld.org, mt)
+    barrier = threading.Barrier(6)
+    answers: list[tuple[str, bool]] = []
+
+    def submit() -> None:
+        try:
+            barrier.wait()
+            job, queued = job_submit_once(org=tworld.org, config=cfg, idempotency_key="deploy-42")
+            answers.append((str(job.pk), queued))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(answers) == 6
+    assert len({job for job, _ in answers}) == 1
+    assert sorted(queued for _, queued in answers) == [False] * 5 + [True]
+    assert Job.objects.filter(org=tworld.org).count() == 1
+    assert Event.objects.filter(kind="job.queued").count() == 1

@@ -26,7 +26,7 @@ from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.jobs.services import job_config_delete, job_config_save
-from apps.jobs.submission import job_cancel, job_submit
+from apps.jobs.submission import IDEMPOTENCY_KEY_MAX, job_cancel, job_submit_once
 from apps.jobs.timing import job_timing
 from apps.machines.costs import job_cost
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
@@ -145,12 +145,32 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
         ):
             raise PermissionDenied("this token may only read its own job")
 
-    @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
+    @extend_schema(
+        request=JobSubmitSerializer,
+        responses={201: JobSerializer, 200: JobSerializer},
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                description="Any string of up to 200 visible characters naming this submit: a "
+                "retry with the same key answers 200 with the job the first one queued "
+                "(header Idempotent-Replayed: true) instead of queueing a second.",
+            )
+        ],
+    )
     def create(self, request: Request, *args: object, **kwargs: object) -> Response:
+        key = request.headers.get("Idempotency-Key", "")
+        if len(key) > IDEMPOTENCY_KEY_MAX or not key.isascii() or not all(c.isprintable() for c in key):
+            raise ValidationFailed(
+                f"Idempotency-Key: at most {IDEMPOTENCY_KEY_MAX} visible ASCII characters",
+                fields={"Idempotency-Key": [f"at most {IDEMPOTENCY_KEY_MAX} visible ASCII characters"]},
+            )
         body = JobSubmitSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         config = _config_by_id_or_name(org=self.ctx.org, ref=body.validated_data["config"])
-        job = job_submit(
+        job, queued = job_submit_once(
+            idempotency_key=key.strip(),
             org=self.ctx.org,
             config=config,
             env=body.validated_data.get("env"),
@@ -160,7 +180,13 @@ class JobViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMi
             actor=self.actor(),
         )
         context = self.get_serializer_context()
-        return Response(JobSerializer(job, context=context).data, status=status.HTTP_201_CREATED)
+        answer = Response(
+            JobSerializer(job, context=context).data,
+            status=status.HTTP_201_CREATED if queued else status.HTTP_200_OK,
+        )
+        if not queued:
+            answer["Idempotent-Replayed"] = "true"
+        return answer
 
     @extend_schema(responses={200: dict})
     @action(detail=True, methods=["get"])
