@@ -233,7 +233,7 @@ class Worker:
 
     def start(self) -> None:
         self.starts += 1
-        args = worker_args(self.name, concurrency=2, loglevel=BENCH.loglevel)
+        args = worker_args(self.name, concurrency=2, loglevel=self.env.get("LOG_LEVEL", BENCH.loglevel))
         log = self.tmp / f"worker{self.index}-{self.starts}.log"
         self.proc = Proc(f"worker{self.index}", args, BENCH.env(**self.env), log)
 
@@ -257,7 +257,16 @@ class Beat:
 
     def start(self) -> None:
         self.starts += 1
-        args = [sys.executable, "-m", "celery", "-A", "config", "beat", "--loglevel", BENCH.loglevel]
+        args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "beat",
+            "--loglevel",
+            self.env.get("LOG_LEVEL", BENCH.loglevel),
+        ]
         args += ["--schedule", str(self.tmp / "beat-schedule")]
         self.proc = Proc("beat", args, BENCH.env(**self.env), self.tmp / f"beat-{self.starts}.log")
 
@@ -1612,6 +1621,12 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
         + ", ".join(f"{k} {n}" for k, n in sorted(soak.api.items()))
         + f"; webhook accounts created {world.webhook.created}, destroyed {world.webhook.destroyed}.",
     ]
+    unsuccessful = _unsuccessful(world)
+    if unsuccessful:
+        notes.append(
+            "**Jobs that did not succeed** (an outcome, not a violation: each says why):\n\n"
+            + "\n".join(f"- {line}" for line in unsuccessful)
+        )
     for invariant in INVARIANTS + ("harness",):
         if examples.get(invariant):
             notes.append(
@@ -1635,11 +1650,37 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
             "pool_back_s": pool_back,
             "final": final,
             "outcomes": dict(outcomes),
+            "unsuccessful": unsuccessful,
         },
     )
     if out is not None:
         plot(result, out)
     return result
+
+
+def _unsuccessful(world: World, limit: int = 8) -> list[str]:
+    """Jobs that ended other than succeeded: their configuration, attempts and why (the last
+    job event that gave a reason)."""
+    from apps.events.models import Event
+    from apps.jobs.models import Job
+
+    lines = []
+    for job in (
+        Job.objects.filter(org=world.tenant.org).exclude(status="succeeded").select_related("config")[:limit]
+    ):
+        why = (
+            Event.objects.filter(job_id=job.pk)
+            .exclude(reason="")
+            .order_by("-created_at")
+            .values_list("kind", "reason")
+            .first()
+        )
+        lines.append(
+            f"{job.pk} ({job.config.name}) {job.status} after {job.attempt} attempt(s)"
+            f"{f', {job.failure_code}' if job.failure_code else ''}"
+            f"{f': {why[0]}: {why[1]}' if why else ''}"
+        )
+    return lines
 
 
 def plot(result: PartResult, out: Path) -> str:

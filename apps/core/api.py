@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
-from django.db import DataError, IntegrityError, InterfaceError, OperationalError
+from django.db import DataError, IntegrityError
 from django.db.models import ProtectedError
 from django.http import Http404
 from rest_framework import exceptions, serializers, status
@@ -23,7 +23,12 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from apps.core.errors import DomainError, ErrorCode, ValidationFailed, error_payload
-from apps.core.middleware import too_large_detail
+from apps.core.middleware import (
+    DATABASE_RETRY_AFTER,
+    DATABASE_UNAVAILABLE_DETAIL,
+    database_unavailable,
+    too_large_detail,
+)
 
 if TYPE_CHECKING:  # generic in the stubs only
     Serializer = serializers.Serializer[Any]
@@ -120,14 +125,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
         if _unique_violation(exc):
             return error_response(400, ErrorCode.DUPLICATE_NAME, "an object with this name already exists")
         return error_response(409, ErrorCode.CONFLICT, "a concurrent change conflicts with this request")
-    if isinstance(exc, OperationalError | InterfaceError):
+    if database_unavailable(exc):
         # The database went away (a restart, a failover, a dropped connection): the request's
         # transaction is gone with it. Not a bug of ours nor of the request: retry.
         log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        response = error_response(
-            503, ErrorCode.DATABASE_UNAVAILABLE, "the database did not answer; retry in a few seconds"
-        )
-        response["Retry-After"] = "2"
+        response = error_response(503, ErrorCode.DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_DETAIL)
+        response["Retry-After"] = DATABASE_RETRY_AFTER
         return response
     if isinstance(exc, RequestDataTooBig):
         return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, too_large_detail())

@@ -24,7 +24,9 @@ def fetch_one_prepared(sql: str, params: dict[str, Any] | list[Any]) -> tuple[An
         # server-side cursors like this one may use it.
         raw.prepare_threshold = 0
     started = time.perf_counter()
-    with psycopg.Cursor(raw) as cursor:
+    # Django's error wrapping: a lost connection is a django.db error, and marked so that the
+    # connection is checked (and replaced) before its next use.
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
         cursor.execute(sql, params, prepare=True)
         row = cursor.fetchone()
     if connection.queries_logged:

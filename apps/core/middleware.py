@@ -34,6 +34,21 @@ def body_limit_detail(limit: int) -> str:
     return f"the request body may have at most {limit:,} bytes ({size})"
 
 
+# PostgreSQL not answering (a restart, a failover, a dropped connection): Django's wrapped
+# errors and psycopg's own (statements run on the raw connection: apps.core.db).
+DATABASE_UNAVAILABLE_DETAIL = "the database did not answer; retry in a few seconds"
+DATABASE_RETRY_AFTER = "2"
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    import psycopg
+    from django.db import InterfaceError, OperationalError
+
+    return isinstance(
+        exc, OperationalError | InterfaceError | psycopg.OperationalError | psycopg.InterfaceError
+    )
+
+
 def too_large_detail() -> str:
     """The 413 of the web API: Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``."""
     return body_limit_detail(settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0)
@@ -95,4 +110,11 @@ class ApiJsonErrorsMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if isinstance(exception, RequestDataTooBig):
             return too_large()
+        if request.path.startswith("/api/") and database_unavailable(exception):
+            # not a 500: nothing of ours is broken, and the caller (an agent, a client) retries
+            response = JsonResponse(
+                error_payload(ErrorCode.DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_DETAIL), status=503
+            )
+            response["Retry-After"] = DATABASE_RETRY_AFTER
+            return response
         return None

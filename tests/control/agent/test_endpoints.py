@@ -41,6 +41,27 @@ def test_the_async_agent_endpoints_need_no_csrf_cookie(world: World) -> None:
     assert strict.get("/api/agent/v1/work?wait=0").status_code == 204
 
 
+def test_a_heartbeat_while_the_database_does_not_answer_is_a_503_to_retry(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL restarting: the agent hears 503 database_unavailable (it retries after
+    Retry-After), never a 500 page."""
+    import psycopg
+
+    from apps.control.agent import views
+
+    agent, _ = enroll(warming_instance(world.org, world.machine_type))
+
+    async def gone(*args: object) -> None:
+        raise psycopg.OperationalError("connection failed: Connection refused")
+
+    monkeypatch.setattr(views, "heartbeat_answer", gone)
+    agent.raise_request_exception = False
+    beat = agent.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json")
+    assert beat.status_code == 503 and beat["Retry-After"] == "2"
+    assert beat.json()["code"] == "database_unavailable"
+
+
 def test_a_bootstrap_token_works_once_and_a_forged_one_never(world: World) -> None:
     instance = warming_instance(world.org, world.machine_type)
     enroll(instance)
