@@ -4,6 +4,28 @@ Update them when a rerun changes the picture."""
 from __future__ import annotations
 
 CLAIM = """\
+**This run (2026-11-27) was on a quiet machine** (the load figure is the part's own 16-64
+claimer processes): at 16 claimers the claim made 0.52x the floor (0.48-0.54 over three
+interleaved runs; goal 0.6: **not met**), 0.70x at 1 claimer, 0.55x at 4, 0.61x at 64. Earlier
+published runs (0.60-0.83x) were taken with other work on the machine, which slowed the floor
+more than the claim.
+
+**What is left between the claim and the floor, measured** (one claimer, 3,000 claims each on
+fresh pools of the bench database, `time.process_time()` for the claimer's CPU and cProfile):
+the floor costs its client 0.24 ms of CPU per claim (0.69 ms wall, its UPDATE and a COMMIT),
+the claim statement alone sent through psycopg 0.25 ms (0.77 ms wall), `pool_claim` 0.39 ms
+(0.93 ms wall). So (1) **Python around the statement, 0.14 ms per claim**: Django's timestamptz
+loader looks the connection's time zone up for each of the row's 6 datetimes (0.05 ms), nine
+named parameters are converted and dumped each time, the constant list of active pool statuses
+as an array (0.07 ms), and the model instance is built (0.04 ms); (2) **the statement's own
+work, ~0.1 ms**: the `pool.member_claimed` event row and its 7 index entries (one of them,
+`events_event_org_id`, repeats the leading column of `event_org_newest`), and the machine type
+and provider joined into the answer. At 16 claimers on 2 cores every claimer's CPU competes with
+PostgreSQL's, so ~1.6x the CPU per claim shows as ~0.52x the throughput. What can still be
+closed, not done in this run: the constant status list written into the statement, psycopg's own
+datetime loaders on the claim's cursor, positional parameters, and the redundant events index
+(a little cheaper for every event, not only claims); together an estimated 0.1 ms of the 0.39.
+
 **Ours, the peers and the floor, on the same database in the same run.** Every claimer takes
 one item per call on its own connection. Zero items handed out twice in any run or variant
 (ours checked three ways: unique ids, claimed rows and `pool.member_claimed` events all equal
@@ -12,15 +34,12 @@ peers (962 -> 1,718 claims/s at 16 claimers, p99 46 -> 31 ms): (1) no broker cal
 path: the refill signal (mark the pool, `NOTIFY`) is part of the claim statement itself and
 happens only for the first claim after a refill; (2) the claim statement runs as a server-side
 prepared statement: Django binds parameters on the client, so PostgreSQL parsed and planned
-the CTE on every claim, which was half of a single claim's time (1.4 ms -> 0.8 ms; the floor's
-one-row UPDATE costs 0.4 ms). What still separates us from the floor is what the floor does
-not do: the claim also inserts the `pool.member_claimed` event (an indexed row), returns the
-whole machine row with its type and provider for the answer, and runs Django's Python around
-it, all on the same 2 cores as the claimers. procrastinate's `fetch_job` collapses under
-concurrency here (its fetch locks the queue's rows in a way that serialises claimers: 167/s at
-16, 9/s at 64); pgqueuer holds up best among the peers. With stale statistics (members
-bulk-inserted, no ANALYZE yet) the planner sorts the whole pool per claim; the bench runs
-ANALYZE after filling a pool, as autovacuum does in production."""
+the CTE on every claim, which was half of a single claim's time. procrastinate's `fetch_job`
+collapses under concurrency (its fetch locks the queue's rows in a way that serialises
+claimers: 206/s at 16, 10/s at 64); pgqueuer holds up best among the peers (1,165/s at 16: the
+claim is 1.48x it, goal 1.5x, within noise). With stale statistics (members bulk-inserted, no
+ANALYZE yet) the planner sorts the whole pool per claim; the bench runs ANALYZE after filling a
+pool, as autovacuum does in production."""
 
 REST = """\
 **The lean acquire.** An acquire is two statements: the token, its user, org and the member's
