@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -64,7 +65,10 @@ class ReaperStep(bootsteps.StartStopStep):
     requires = ("celery.worker.components:Pool",)
 
     def start(self, parent: Any) -> None:
-        _reaper_in_worker()
+        try:
+            _reaper_in_worker()
+        except Exception:  # a step that raises stops the worker: it must run its tasks all the same
+            logging.getLogger("apps.control.reaper").exception("reaper: this worker could not stand")
 
 
 app.steps["worker"].add(ReaperStep)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
@@ -53,6 +54,8 @@ class ForgeClient:
     def __init__(self, endpoint: Any) -> None:
         self.endpoint = endpoint
         self.base = self.base_url().rstrip("/")
+        # Called before every call (the reconciler renews its claim on the endpoint there).
+        self.before_call: Callable[[], object] | None = None
 
     # ---- what a forge's client says -----------------------------------------------------------
 
@@ -81,6 +84,8 @@ class ForgeClient:
     ) -> Any:
         """One call, with the limits, retries and availability rules above. Returns the
         decoded JSON body (None for 204)."""
+        if self.before_call is not None:
+            self.before_call()
         self._check_available()
         self._spend(background=background)
         attempt = 0

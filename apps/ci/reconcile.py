@@ -39,8 +39,9 @@ from apps.machines.models import MachineInstance
 
 log = logging.getLogger(__name__)
 # A reconcile that died (its worker killed) keeps its endpoint's claim at most CLAIM_FOR; a live
-# one renews it every CLAIM_RENEW while it walks runners and jobs (one forge call, its retries
-# included, takes well under CLAIM_FOR - CLAIM_RENEW), so two never run at once.
+# one renews it before each forge call, at most every CLAIM_RENEW (one call, its retries
+# included, takes well under CLAIM_FOR - CLAIM_RENEW), so two never run at once. A reconcile
+# that finds its claim taken (it was slower than that) stops.
 CLAIM_FOR = timedelta(seconds=60)
 CLAIM_RENEW = timedelta(seconds=10)
 REGISTERING_GRACE = timedelta(minutes=2)
@@ -82,42 +83,52 @@ def endpoint_reconcile(
         endpoint = model.objects.select_related(*forge.endpoint_related).get(pk=endpoint_id)
         ops = ops_of(forge)
         client = ops.client(endpoint)
+        client.before_call = claim.renew
         try:
             seen = ops.listed(client, endpoint)
-            report.update(_runners(forge, ops, endpoint, client, seen, now, claim))
+            report.update(_runners(forge, ops, endpoint, client, seen, now))
             if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
-                report.update(_poll(forge, ops, endpoint, client, now, claim))
+                report.update(_poll(forge, ops, endpoint, client, now))
             report.update(ops.reconcile_extra(forge, client, endpoint, now))
         except ForgeError as exc:  # recorded by the client (availability); the next tick retries
             log.info("reconcile of %s stopped: %s", endpoint, exc.detail)
             report[f"{forge.name}_errors"] = 1
         model.objects.filter(pk=endpoint_id).update(reconciled_at=timezone.now())
+    except ClaimLost:
+        log.warning("reconcile of %s stopped: its claim lapsed and another took it", endpoint_id)
+        report["claim_lost"] = 1
     finally:
-        model.objects.filter(pk=endpoint_id).update(reconcile_claimed_at=None)
+        claim.release()
     return report
 
 
+class ClaimLost(Exception):
+    """The reconcile's claim lapsed and another reconcile holds the endpoint now."""
+
+
 class _Claim:
-    """An endpoint's reconcile claim, renewed while the reconcile runs."""
+    """An endpoint's reconcile claim, renewed while the reconcile runs; only while it is still
+    ours (the value we wrote) is it renewed or released."""
 
     def __init__(self, model: Any, endpoint_id: EndpointId, at: datetime) -> None:
         self.model, self.endpoint_id, self.at = model, endpoint_id, at
 
+    def _ours(self) -> Any:
+        return self.model.objects.filter(pk=self.endpoint_id, reconcile_claimed_at=self.at)
+
     def renew(self) -> None:
         now = timezone.now()
         if now - self.at >= CLAIM_RENEW:
-            self.model.objects.filter(pk=self.endpoint_id).update(reconcile_claimed_at=now)
+            if not self._ours().update(reconcile_claimed_at=now):
+                raise ClaimLost(str(self.endpoint_id))
             self.at = now
+
+    def release(self) -> None:
+        self._ours().update(reconcile_claimed_at=None)
 
 
 def _runners(
-    forge: Forge,
-    ops: ForgeOps,
-    endpoint: Any,
-    client: Any,
-    seen: dict[int, Listed],
-    now: datetime,
-    claim: _Claim,
+    forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
 ) -> dict[str, int]:
     deleted = recycled = idle = 0
     live = {
@@ -136,7 +147,6 @@ def _runners(
         ).values_list("pk", flat=True)
     )
     for rid, listed in ours.items():
-        claim.renew()
         instance_id = instance_of(listed.name)
         if instance_id not in known:
             continue  # another Catacloud installation's machine: not ours to touch
@@ -216,9 +226,7 @@ def _recycle(forge: Forge, runner: Any) -> int:
     return 0
 
 
-def _poll(
-    forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime, claim: _Claim
-) -> dict[str, int]:
+def _poll(forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime) -> dict[str, int]:
     """Jobs we missed: the forge's pending and running jobs, then our unfinished records the
     forge no longer lists as such (looked up one by one, a bounded number)."""
     found, listed = ops.poll(forge, client, endpoint)
@@ -232,7 +240,6 @@ def _poll(
         if ops.key_of(record) in listed or looked >= MAX_STALE_LOOKUPS:
             continue
         looked += 1
-        claim.renew()
         found += ops.look_up(forge, client, record).found
     base = interval(forge)
     current = endpoint.poll_interval_seconds or base

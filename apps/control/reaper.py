@@ -104,12 +104,13 @@ def reaper_tick(
 def _tick(now: datetime, reconcile: bool, repairs: Repairs) -> TickReport:
     started = time.perf_counter()
     report = TickReport()
-    report.listening_since = listening_since(now)
+    report.listening_since = listening = listening_since(now)
     report.schedules_applied = apply_schedules(now=now)
     machines = instances_converge(now=now, repairs=repairs)
     report.stuck = machines.pop("stuck")
     report.extra.update(machines)
-    report.lost = _mark_silent_lost(now, report.listening_since)
+    report.lost = _mark_silent_lost(now, listening)
+    _listened(now, listening)  # here, not with the tick's record: a later step may fail
 
     pools = pools_converge(now=now, batch=BATCH)
     report.pools, report.refilled, report.requested = pools.pools, pools.refilled, pools.requested
@@ -148,7 +149,6 @@ def _record(report: TickReport) -> None:
         row.seen_at = timezone.now()
         row.detail = {
             "by": report.by,
-            "listening_since": report.listening_since.isoformat() if report.listening_since else None,
             "seconds": round(report.seconds, 4),
             "repairs": report.repairs,
             "count": int(old.get("count", 0)) + 1,
@@ -158,21 +158,31 @@ def _record(report: TickReport) -> None:
         row.save(update_fields=["seen_at", "detail"])
 
 
+# The heartbeat row where each tick's lost rule records when it ran and since when it listened.
+LISTENING = "reaper-listening"
+
+
 def listening_since(now: datetime) -> datetime:
     """Since when the control plane has listened to its agents without a break: the previous
-    tick's value, or ``now`` when the previous tick ended more than an interval plus half of
-    CATACLOUD_AGENT_LOST_AFTER ago (or none ever ran). A break that long means the database,
-    or every process that ticks, was gone, so heartbeats were not recorded either; a shorter
-    one adds at most half the lost rule to an agent's silence."""
-    row = Heartbeat.objects.filter(name="reaper").values_list("seen_at", "detail").first()
+    lost rule's value, or ``now`` when that rule last ran more than an interval plus half of
+    CATACLOUD_AGENT_LOST_AFTER ago (or never). A break that long means the database, or every
+    process that ticks, was gone, so heartbeats were not recorded either; a shorter one adds
+    at most half the lost rule to an agent's silence."""
+    row = Heartbeat.objects.filter(name=LISTENING).values_list("seen_at", "detail").first()
     if row is None:
         return now
     last, detail = row
-    since = (detail or {}).get("listening_since")
+    since = (detail or {}).get("since")
     break_after = settings.CATACLOUD_REAPER_INTERVAL + settings.CATACLOUD_AGENT_LOST_AFTER / 2
     if since is None or (now - last).total_seconds() > break_after:
         return now
     return min(now, datetime.fromisoformat(since))
+
+
+def _listened(now: datetime, since: datetime) -> None:
+    Heartbeat.objects.update_or_create(
+        name=LISTENING, defaults={"seen_at": now, "detail": {"since": since.isoformat()}}
+    )
 
 
 def _mark_silent_lost(now: datetime, listening: datetime | None = None) -> int:

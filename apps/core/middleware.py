@@ -4,6 +4,7 @@ trailing slash answers like the path with it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import is_valid_path
 
 from apps.core.errors import ErrorCode, error_payload
+
+log = logging.getLogger(__name__)
 
 CODES = {
     400: (ErrorCode.INVALID, "bad request"),
@@ -40,13 +43,23 @@ DATABASE_UNAVAILABLE_DETAIL = "the database did not answer; retry in a few secon
 DATABASE_RETRY_AFTER = "2"
 
 
+# SQLSTATEs of a server that is not there for us: connection exceptions (class 08), the server
+# shutting down or starting (57P01-57P03), no connection slot left (53300). A deadlock, a
+# statement or lock timeout, a full disk are not: they stay 500s, logged with their traceback.
+_UNAVAILABLE_STATES = ("57P01", "57P02", "57P03", "53300")
+
+
 def database_unavailable(exc: BaseException) -> bool:
     import psycopg
     from django.db import InterfaceError, OperationalError
 
-    return isinstance(
-        exc, OperationalError | InterfaceError | psycopg.OperationalError | psycopg.InterfaceError
-    )
+    if isinstance(exc, InterfaceError | psycopg.InterfaceError):
+        return True  # the connection is closed
+    if not isinstance(exc, OperationalError | psycopg.OperationalError):
+        return False
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    state = getattr(cause, "sqlstate", None)
+    return state is None or state.startswith("08") or state in _UNAVAILABLE_STATES
 
 
 def too_large_detail() -> str:
@@ -112,6 +125,7 @@ class ApiJsonErrorsMiddleware:
             return too_large()
         if request.path.startswith("/api/") and database_unavailable(exception):
             # not a 500: nothing of ours is broken, and the caller (an agent, a client) retries
+            log.warning("database unavailable: %s", str(exception).splitlines()[0] if str(exception) else "")
             response = JsonResponse(
                 error_payload(ErrorCode.DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_DETAIL), status=503
             )

@@ -219,6 +219,17 @@ def test_a_database_that_does_not_answer_is_a_503_to_retry(
     assert response.status_code == 503 and response["Retry-After"] == "2"
     assert response.json()["code"] == "database_unavailable"
 
+    def timed_out(**kwargs: object) -> None:  # the server answered: a bug to see, not to retry
+        import psycopg
+
+        error = OperationalError("canceling statement due to statement timeout")
+        error.__cause__ = psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+        raise error
+
+    monkeypatch.setattr(views, "machine_types_for_org", timed_out)
+    response = client.get("/api/v1/machine-types/")
+    assert response.status_code == 500 and response.json()["code"] == "server_error"
+
 
 def test_unknown_api_paths_and_crashes_answer_json(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.machines.api import views

@@ -229,3 +229,34 @@ def test_the_reaper_acts_on_stored_unprocessed_deliveries_and_redrives_lost_hand
     schedule()
     Job.objects.update(status_changed_at=timezone.now() - timedelta(minutes=1))
     assert github_converge(now=timezone.now())["github_handoffs_redriven"] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reconcile_whose_claim_was_taken_stops_and_leaves_the_new_claim(
+    gh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ci_reconcile, "CLAIM_RENEW", timedelta(seconds=0.2))
+    for _ in range(6):
+        _, gone = ready_agent(gh)
+        MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
+        register(gh, runner_name(gone.pk))
+    gh.fake.latency = 0.4
+    first: dict[str, int] = {}
+
+    def run() -> None:
+        from django.db import connection
+
+        try:
+            first.update(reconcile(gh))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    taken = timezone.now()  # another reconcile took the endpoint (this one was too slow)
+    GitHubInstallation.objects.update(reconcile_claimed_at=taken)
+    thread.join(30)
+    assert first.get("claim_lost") == 1
+    assert len(gh.fake.summary()["runners"]) > 0  # it stopped part-way
+    assert GitHubInstallation.objects.get().reconcile_claimed_at == taken  # and left the claim alone

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from apps.control.reaper import query_count, reaper_tick
+from apps.control.reaper import LISTENING, query_count, reaper_tick
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.models import Heartbeat
 from apps.events.models import Event
@@ -313,13 +313,39 @@ def test_a_member_locked_by_another_transaction_is_skipped_not_waited_for(tworld
     assert pool_claim(pool_id=pool.pk).instance.pk == member.pk
 
 
+@pytest.mark.django_db
+def test_a_tick_failing_after_the_lost_rule_does_not_switch_the_rule_off(
+    world: World, fake_type: MachineType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later step of the tick raising on every tick (a bug, a cloud down) must not read as
+    the control plane not listening: silent agents are still lost."""
+    from apps.control import reaper
+
+    pool = pool_create(org=world.org, name="ci", machine_type=fake_type, target_size=1, max_size=1)
+    (member,) = ready_members(pool, 1)
+    start = timezone.now()
+    listened_since(start - timedelta(hours=1))
+    MachineInstance.objects.filter(pk=member.pk).update(last_heartbeat_at=start + timedelta(seconds=10))
+
+    def broken(**kwargs: object) -> None:
+        raise RuntimeError("a later step fails")
+
+    monkeypatch.setattr(reaper, "pools_converge", broken)
+    interval = timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL)
+    for n in range(4):
+        with pytest.raises(RuntimeError):
+            reaper_tick(reconcile=False, now=start + n * interval)
+    member.refresh_from_db()
+    assert member.status == S.LOST  # silent 3 intervals (> CATACLOUD_AGENT_LOST_AFTER) while we listened
+
+
 def listened_since(since: datetime) -> None:
     """The reaper ticked an interval ago and had listened to the agents since ``since``."""
     Heartbeat.objects.update_or_create(
-        name="reaper",
+        name=LISTENING,
         defaults={
             "seen_at": timezone.now() - timedelta(seconds=settings.CATACLOUD_REAPER_INTERVAL),
-            "detail": {"listening_since": since.isoformat()},
+            "detail": {"since": since.isoformat()},
         },
     )
 
@@ -336,8 +362,7 @@ def test_agents_silent_only_while_the_control_plane_was_gone_are_not_lost(
     outage_began = timezone.now() - 3 * lost_after
     MachineInstance.objects.filter(pool=pool).update(last_heartbeat_at=outage_began)
     Heartbeat.objects.update_or_create(  # the last tick before the outage
-        name="reaper",
-        defaults={"seen_at": outage_began, "detail": {"listening_since": "2026-01-01T00:00:00+00:00"}},
+        name=LISTENING, defaults={"seen_at": outage_began, "detail": {"since": "2026-01-01T00:00:00+00:00"}}
     )
     assert reaper_tick(reconcile=False).lost == 0
     assert set(MachineInstance.objects.filter(pool=pool).values_list("status", flat=True)) == {S.READY}
