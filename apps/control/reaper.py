@@ -70,7 +70,6 @@ class TickReport:
     repairs: int = 0
     seconds: float = 0.0
     by: str = ""
-    listening_since: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,7 +103,7 @@ def reaper_tick(
 def _tick(now: datetime, reconcile: bool, repairs: Repairs) -> TickReport:
     started = time.perf_counter()
     report = TickReport()
-    report.listening_since = listening = listening_since(now)
+    listening = listening_since(now)
     report.schedules_applied = apply_schedules(now=now)
     machines = instances_converge(now=now, repairs=repairs)
     report.stuck = machines.pop("stuck")
@@ -188,7 +187,7 @@ def _listened(now: datetime, since: datetime) -> None:
 def _mark_silent_lost(now: datetime, listening: datetime | None = None) -> int:
     """Enrolled machines whose agent went silent for CATACLOUD_AGENT_LOST_AFTER while we listened."""
     cutoff = now - timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
-    if listening is not None and listening > cutoff:
+    if listening is not None and listening > cutoff:  # None: judge alone (the fleet bench)
         return 0  # not listened long enough to call anyone silent
     silent = MachineInstance.objects.filter(
         status__in=[InstanceStatus.READY, InstanceStatus.CLAIMED], last_heartbeat_at__lt=cutoff

@@ -23,12 +23,7 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from apps.core.errors import DomainError, ErrorCode, ValidationFailed, error_payload
-from apps.core.middleware import (
-    DATABASE_RETRY_AFTER,
-    DATABASE_UNAVAILABLE_DETAIL,
-    database_unavailable,
-    too_large_detail,
-)
+from apps.core.middleware import database_unavailable_response, too_large_detail
 
 if TYPE_CHECKING:  # generic in the stubs only
     Serializer = serializers.Serializer[Any]
@@ -125,13 +120,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
         if _unique_violation(exc):
             return error_response(400, ErrorCode.DUPLICATE_NAME, "an object with this name already exists")
         return error_response(409, ErrorCode.CONFLICT, "a concurrent change conflicts with this request")
-    if database_unavailable(exc):
-        # The database went away (a restart, a failover, a dropped connection): the request's
-        # transaction is gone with it. Not a bug of ours nor of the request: retry.
-        log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        response = error_response(503, ErrorCode.DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_DETAIL)
-        response["Retry-After"] = DATABASE_RETRY_AFTER
-        return response
+    if (unavailable := database_unavailable_response(exc)) is not None:
+        return unavailable  # type: ignore[return-value]  # a JsonResponse: DRF takes any HttpResponse
     if isinstance(exc, RequestDataTooBig):
         return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, too_large_detail())
     if isinstance(exc, RecursionError):

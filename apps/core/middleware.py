@@ -37,12 +37,6 @@ def body_limit_detail(limit: int) -> str:
     return f"the request body may have at most {limit:,} bytes ({size})"
 
 
-# PostgreSQL not answering (a restart, a failover, a dropped connection): Django's wrapped
-# errors and psycopg's own (statements run on the raw connection: apps.core.db).
-DATABASE_UNAVAILABLE_DETAIL = "the database did not answer; retry in a few seconds"
-DATABASE_RETRY_AFTER = "2"
-
-
 # SQLSTATEs of a server that is not there for us: connection exceptions (class 08), the server
 # shutting down or starting (57P01-57P03), no connection slot left (53300). A deadlock, a
 # statement or lock timeout, a full disk are not: they stay 500s, logged with their traceback.
@@ -60,6 +54,22 @@ def database_unavailable(exc: BaseException) -> bool:
     cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
     state = getattr(cause, "sqlstate", None)
     return state is None or state.startswith("08") or state in _UNAVAILABLE_STATES
+
+
+def database_unavailable_response(exc: BaseException) -> JsonResponse | None:
+    """The 503 of PostgreSQL not answering (a restart, a failover, a dropped connection: Django's
+    wrapped errors and psycopg's own, from statements on the raw connection, apps.core.db), for
+    the REST handler and the middleware alike; None for any other error. Not a 500: nothing of
+    ours is broken, and the caller (an agent, a client) retries."""
+    if not database_unavailable(exc):
+        return None
+    log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    response = JsonResponse(
+        error_payload(ErrorCode.DATABASE_UNAVAILABLE, "the database did not answer; retry in a few seconds"),
+        status=503,
+    )
+    response["Retry-After"] = "2"
+    return response
 
 
 def too_large_detail() -> str:
@@ -123,12 +133,6 @@ class ApiJsonErrorsMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if isinstance(exception, RequestDataTooBig):
             return too_large()
-        if request.path.startswith("/api/") and database_unavailable(exception):
-            # not a 500: nothing of ours is broken, and the caller (an agent, a client) retries
-            log.warning("database unavailable: %s", str(exception).splitlines()[0] if str(exception) else "")
-            response = JsonResponse(
-                error_payload(ErrorCode.DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_DETAIL), status=503
-            )
-            response["Retry-After"] = DATABASE_RETRY_AFTER
-            return response
+        if request.path.startswith("/api/"):
+            return database_unavailable_response(exception)
         return None
