@@ -43,6 +43,31 @@ def register(gh: GitHubWorld, name: str) -> int:
     ).runner_id
 
 
+def gone_runners(gh: GitHubWorld, n: int) -> None:
+    """``n`` runners registered at GitHub whose machines are gone: the reconciler deletes them."""
+    for _ in range(n):
+        _, gone = ready_agent(gh)
+        MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
+        register(gh, runner_name(gone.pk))
+
+
+def reconcile_in_background(gh: GitHubWorld) -> tuple[threading.Thread, dict[str, int]]:
+    """A reconcile in a thread of its own (its own connection); its report fills in at the end."""
+    report: dict[str, int] = {}
+
+    def run() -> None:
+        from django.db import connection
+
+        try:
+            report.update(reconcile(gh))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, report
+
+
 def handed_off(gh: GitHubWorld) -> tuple[Job, MachineInstance, Runner]:
     _, instance = ready_agent(gh)
     job = queue(gh, 1)
@@ -69,9 +94,7 @@ def test_runners_whose_machine_is_gone_are_deleted_and_nobody_elses(gh: GitHubWo
 
 
 def test_a_reconcile_killed_mid_way_holds_its_installation_at_most_a_minute(gh: GitHubWorld) -> None:
-    _, gone = ready_agent(gh)
-    MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
-    register(gh, runner_name(gone.pk))
+    gone_runners(gh, 1)
     # a worker SIGKILLed mid-reconcile: its claim stays, nothing releases it
     GitHubInstallation.objects.update(reconcile_claimed_at=timezone.now() - timedelta(seconds=30))
     assert reconcile(gh) == {"skipped": 1}
@@ -86,23 +109,9 @@ def test_a_long_reconcile_keeps_its_claim_so_no_second_one_runs_beside_it(
 ) -> None:
     monkeypatch.setattr(ci_reconcile, "CLAIM_FOR", timedelta(seconds=1))
     monkeypatch.setattr(ci_reconcile, "CLAIM_RENEW", timedelta(seconds=0.2))
-    for _ in range(6):
-        _, gone = ready_agent(gh)
-        MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
-        register(gh, runner_name(gone.pk))
+    gone_runners(gh, 6)
     gh.fake.latency = 0.4  # each deletion takes 0.4 s: the first reconcile runs ~2.5 s
-    first: dict[str, int] = {}
-
-    def run() -> None:
-        from django.db import connection
-
-        try:
-            first.update(reconcile(gh))
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, first = reconcile_in_background(gh)
     time.sleep(1.6)  # past CLAIM_FOR since the first one claimed
     assert thread.is_alive()
     assert reconcile(gh) == {"skipped": 1}
@@ -236,23 +245,9 @@ def test_a_reconcile_whose_claim_was_taken_stops_and_leaves_the_new_claim(
     gh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(ci_reconcile, "CLAIM_RENEW", timedelta(seconds=0.2))
-    for _ in range(6):
-        _, gone = ready_agent(gh)
-        MachineInstance.objects.filter(pk=gone.pk).update(status="terminated", ended_at=timezone.now())
-        register(gh, runner_name(gone.pk))
+    gone_runners(gh, 6)
     gh.fake.latency = 0.4
-    first: dict[str, int] = {}
-
-    def run() -> None:
-        from django.db import connection
-
-        try:
-            first.update(reconcile(gh))
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, first = reconcile_in_background(gh)
     time.sleep(1.0)
     taken = timezone.now()  # another reconcile took the endpoint (this one was too slow)
     GitHubInstallation.objects.update(reconcile_claimed_at=taken)

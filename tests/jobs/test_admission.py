@@ -4,10 +4,7 @@ Services are called directly; the fake provider stands in for the cloud."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connection
 from django.test import override_settings
 
 from apps.jobs.admission import admit
@@ -18,7 +15,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineType, OrgMachineType
 from testkit.builders import job_config
 from tests.conftest import World
-from tests.jobs.common import refresh, setup_type
+from tests.jobs.common import at_once, refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -66,24 +63,15 @@ def test_four_concurrent_schedulers_never_over_admit(tworld: World) -> None:
     cfg = job_config(tworld.org, mt)
     for _ in range(40):
         job_submit(org=tworld.org, config=cfg)
-    barrier = threading.Barrier(4)
     totals: list[int] = []
 
     def run() -> None:
-        try:
-            barrier.wait()
-            n = 0
-            for _ in range(5):
-                n += admit(limit=7)
-            totals.append(n)
-        finally:
-            connection.close()
+        n = 0
+        for _ in range(5):
+            n += admit(limit=7)
+        totals.append(n)
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    at_once(4, run, timeout=None)
     assert sum(totals) == 7
     assert Job.objects.filter(status=J.WAITING_FOR_MACHINE).count() == 7
     assert Job.objects.filter(status=J.QUEUED, pending_reason="cpu quota 28/28 in use").count() == 33

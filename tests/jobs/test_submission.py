@@ -20,7 +20,7 @@ from apps.machines.services import grant_lock
 from apps.pools.services import pool_create
 from testkit.builders import enrolled_agent, idle_machine, job_config
 from tests.conftest import World
-from tests.jobs.common import refresh, setup_type
+from tests.jobs.common import at_once, refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -112,20 +112,7 @@ def test_a_submit_never_waits_for_a_grant_another_transaction_holds(tworld: Worl
 def test_concurrent_submits_never_pass_the_quota(tworld: World) -> None:
     mt, _ = setup_type(tworld, max_concurrent_jobs=3)
     cfg = job_config(tworld.org, mt)
-    barrier = threading.Barrier(8)
-
-    def submit() -> None:
-        try:
-            barrier.wait()
-            job_submit(org=tworld.org, config=cfg)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=submit) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    at_once(8, lambda: job_submit(org=tworld.org, config=cfg))
     admitted = Job.objects.exclude(status=J.QUEUED).count()
     assert admitted <= 3
     schedule()
@@ -142,22 +129,13 @@ def test_concurrent_retries_with_one_idempotency_key_queue_one_job(tworld: World
 
     mt, _ = setup_type(tworld, max_concurrent_jobs=3)
     cfg = job_config(tworld.org, mt)
-    barrier = threading.Barrier(6)
     answers: list[tuple[str, bool]] = []
 
     def submit() -> None:
-        try:
-            barrier.wait()
-            job, queued = job_submit_once(org=tworld.org, config=cfg, idempotency_key="deploy-42")
-            answers.append((str(job.pk), queued))
-        finally:
-            connection.close()
+        job, queued = job_submit_once(org=tworld.org, config=cfg, idempotency_key="deploy-42")
+        answers.append((str(job.pk), queued))
 
-    threads = [threading.Thread(target=submit) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    at_once(6, submit)
     assert len(answers) == 6
     assert len({job for job, _ in answers}) == 1
     assert sorted(queued for _, queued in answers) == [False] * 5 + [True]
