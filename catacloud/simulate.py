@@ -467,7 +467,7 @@ class Simulation:
                             same_config=m.last_config == job.config, idle_since=m.idle_since
                         ),
                     )
-                else:  # the pool's oldest ready member (claims.POOL_SQL)
+                else:  # the pool's oldest ready member (claims.pool_sql)
                     best = min(idle[source], key=lambda m: m.idle_since)
                     claimed_from_pool = True
                 idle[source].remove(best)

@@ -8,6 +8,34 @@ from typing import Any
 import psycopg
 from django.db import connection
 
+# psycopg's own loader for timestamptz text (its C one when psycopg[binary] is installed).
+_TIMESTAMPTZ_LOADER = psycopg.adapters.get_loader(
+    psycopg.adapters.types["timestamptz"].oid, psycopg.pq.Format.TEXT
+)
+
+
+def _prepared_cursor() -> psycopg.Cursor[Any]:
+    """The connection's one cursor for prepared statements, made once per connection.
+
+    It loads ``timestamptz`` with psycopg's own loader rather than Django's, which subclasses
+    psycopg's pure-Python loader (no C parsing) and adds a ``replace(tzinfo=…)`` per value: the
+    same aware datetimes, since Django sets the session's time zone to the one its loader
+    attaches. Made once, its adapters are not copied again for every statement."""
+    connection.ensure_connection()
+    raw = connection.connection
+    held: tuple[Any, psycopg.Cursor[Any]] | None = getattr(connection, "_catacloud_prepared", None)
+    if held is not None and held[0] is raw and not held[1].closed:
+        return held[1]
+    if raw.prepare_threshold is None:
+        # Django turns psycopg's preparation off (its client-side cursors never prepare);
+        # server-side cursors like this one may use it.
+        raw.prepare_threshold = 0
+    cursor = psycopg.Cursor(raw)
+    if _TIMESTAMPTZ_LOADER is not None:
+        cursor.adapters.register_loader("timestamptz", _TIMESTAMPTZ_LOADER)
+    connection._catacloud_prepared = (raw, cursor)  # type: ignore[attr-defined]
+    return cursor
+
 
 def fetch_one_prepared(sql: str, params: dict[str, Any] | list[Any]) -> tuple[Any, ...] | None:
     """Run ``sql`` on Django's connection (in its transaction, if any) as a server-side
@@ -17,16 +45,11 @@ def fetch_one_prepared(sql: str, params: dict[str, Any] | list[Any]) -> tuple[An
     sends; for the claim CTE that was half of the claim's time. Prepared, it is planned once
     per connection. Logged like Django's own queries when query logging is on (so query
     budgets in tests still count it)."""
-    connection.ensure_connection()
-    raw = connection.connection
-    if raw.prepare_threshold is None:
-        # Django turns psycopg's preparation off (its client-side cursors never prepare);
-        # server-side cursors like this one may use it.
-        raw.prepare_threshold = 0
     started = time.perf_counter()
     # Django's error wrapping: a lost connection is a django.db error, and marked so that the
     # connection is checked (and replaced) before its next use.
-    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+    with connection.wrap_database_errors:
+        cursor = _prepared_cursor()
         cursor.execute(sql, params, prepare=True)
         row = cursor.fetchone()
     if connection.queries_logged:

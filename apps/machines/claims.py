@@ -13,6 +13,7 @@ re-evaluate an IN subquery and update more rows than the LIMIT.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -131,26 +132,36 @@ JOIN {_ACCOUNTS} pa ON pa.id = u.provider_account_id
 """
 
 
-# Pool acquire: the oldest ready member of an active pool (partial index instance_ready_by_pool).
-_POOL_CANDIDATES = f"""SELECT m.id FROM {_INSTANCES} m
-    JOIN {_POOLS} p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status = ANY(%(active)s)
+# Pool acquire: the oldest ready member of a pool in one of the ``active`` statuses (partial
+# index instance_ready_by_pool). The statuses are the pools app's (machines never imports it)
+# and constant, so they are written into the statement rather than sent as an array parameter
+# with every claim.
+def _pool_candidates(active: frozenset[str], order: str) -> str:
+    assert all(status.isidentifier() for status in active)  # enum values: safe as literals
+    statuses = ", ".join(f"'{status}'" for status in sorted(active))
+    return f"""SELECT m.id FROM {_INSTANCES} m
+    JOIN {_POOLS} p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status IN ({statuses})
         AND (%(org)s::uuid IS NULL OR p.org_id = %(org)s::uuid)
     WHERE m.status = 'ready'
-    ORDER BY m.ready_at"""
-# Autocommit (the REST acquire): the statement signals the refill itself.
-POOL_SQL = _sql(_POOL_CANDIDATES, _move(EventKind.POOL_MEMBER_CLAIMED), signal=True)
+    ORDER BY {order}"""
+
 
 # Whether a machine's image store holds the job's image (``%(image)s``: its reference, NULL
 # for a job without one): placement prefers such a machine, whose job starts without a pull.
 HOLDS_IMAGE = "COALESCE(m.images @> jsonb_build_array(%(image)s::text), false)"
 
-# Inside a longer transaction (job placement): no signal here (its row lock would be held
-# until that transaction ends, stalling other claims); the caller signals after commit. A
-# member holding the job's image first.
-POOL_SQL_NO_SIGNAL = _sql(
-    _POOL_CANDIDATES.replace("ORDER BY m.ready_at", f"ORDER BY {HOLDS_IMAGE} DESC, m.ready_at"),
-    _move(EventKind.POOL_MEMBER_CLAIMED),
-)
+
+@functools.cache
+def pool_sql(active: frozenset[str], *, in_transaction: bool) -> str:
+    """The pool claim. In autocommit (the REST acquire) the statement signals the refill
+    itself. Inside a longer transaction (job placement) it does not (its row lock would be
+    held until that transaction ends, stalling other claims; the caller signals after commit)
+    and takes a member holding the job's image first."""
+    if in_transaction:
+        candidates = _pool_candidates(active, f"{HOLDS_IMAGE} DESC, m.ready_at")
+        return _sql(candidates, _move(EventKind.POOL_MEMBER_CLAIMED))
+    return _sql(_pool_candidates(active, "m.ready_at"), _move(EventKind.POOL_MEMBER_CLAIMED), signal=True)
+
 
 # Job placement on an idle machine kept for reuse: prefer the one that holds the job's image,
 # then the one that last ran the same configuration (warm caches), then the one that became

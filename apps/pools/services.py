@@ -163,14 +163,13 @@ def pool_claim(
     started = time.perf_counter()
     in_transaction = connection.in_atomic_block
     claim_id, instance = claims.claim(
-        claims.POOL_SQL_NO_SIGNAL if in_transaction else claims.POOL_SQL,
+        claims.pool_sql(POOL_ACTIVE, in_transaction=in_transaction),
         actor=actor,
         by=acquired_by,
         for_=acquired_for,
         job_id=job_id,
         lease_seconds=lease_seconds,
         pool=str(pool_id),
-        active=sorted(POOL_ACTIVE),
         org=str(org_id) if org_id else None,
         **({"image": image} if in_transaction else {}),
     )

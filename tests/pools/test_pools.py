@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from apps.control.reaper import LISTENING, query_count, reaper_tick
@@ -465,6 +465,24 @@ def test_a_claim_records_its_event_as_the_event_model_reads_it(world: World, fak
     event = Event.objects.get(kind="pool.member_claimed", instance_id=member.pk)
     assert (event.org_id, event.pool_id, event.actor) == (world.org.pk, pool.pk, "user:ci")
     assert event.data == {"claim_id": str(claim.claim_id), "acquired_by": "ci", "acquired_for": "build 7"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_answers_the_times_the_database_holds(tworld: World) -> None:
+    """The claim's own cursor loads times with psycopg's loader, not Django's: the instance it
+    answers must carry the same aware datetimes the ORM reads (in and out of a transaction)."""
+    mt = fake_machine_type(tworld.org, account="times", grant=GRANT)[0]
+    pool = pool_create(org=tworld.org, name="times", machine_type=mt, target_size=0, max_size=2)
+    ready_members(pool, 2)
+    with transaction.atomic():
+        in_placement = pool_claim(pool_id=pool.pk).instance
+    acquired = pool_claim(pool_id=pool.pk).instance
+    for answered in (in_placement, acquired):
+        stored = MachineInstance.objects.get(pk=answered.pk)
+        for name in ("created_at", "ready_at", "claimed_at", "status_changed_at"):
+            value = getattr(answered, name)
+            assert value == getattr(stored, name), name
+            assert value.utcoffset() == timedelta(0), name
 
 
 @pytest.mark.django_db(transaction=True)
