@@ -55,7 +55,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +339,10 @@ class Soak:
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def wall(self, at: float) -> datetime:
+        """Soak time ``at`` on the wall clock (the database's timestamps are on it)."""
+        return datetime.fromtimestamp(time.time() - (self.now() - at), UTC)
 
     def broker_downtime(self, since: float) -> float:
         """Seconds of broker outage between ``since`` and now (soak time)."""
@@ -1621,6 +1625,11 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
         + ", ".join(f"{k} {n}" for k, n in sorted(soak.api.items()))
         + f"; webhook accounts created {world.webhook.created}, destroyed {world.webhook.destroyed}.",
     ]
+    traces = _fault_traces(soak, world, recovery)
+    notes.append(
+        "**One job across each kind of fault** (its events, in seconds from the fault):\n\n"
+        + "\n".join(f"- {line}" for line in traces.values())
+    )
     unsuccessful = _unsuccessful(world)
     if unsuccessful:
         notes.append(
@@ -1651,11 +1660,72 @@ def _result(soak: Soak, world: World, seconds: float, out: Path | None) -> PartR
             "final": final,
             "outcomes": dict(outcomes),
             "unsuccessful": unsuccessful,
+            "fault_traces": traces,
         },
     )
     if out is not None:
         plot(result, out)
     return result
+
+
+def _fault_traces(soak: Soak, world: World, recovery: list[float | None]) -> dict[str, str]:
+    """For each kind of fault, one job that crossed it: its events in seconds from the fault.
+
+    A job crossed a fault if it was submitted before it and had not finished when it struck.
+    The first fault of a kind that has such a job is taken, and of its jobs, the one the fault
+    touched most visibly and no other kind's trace shows: one that ran on the machine killed
+    (``kill_agent``), else one requeued in the fault's window (from the fault until it
+    converged, plus a reaper interval), else one that started in it (it waited the fault out),
+    else any."""
+    from django.db.models import Q
+
+    from apps.events.kinds import EventKind
+    from apps.events.models import Event
+    from apps.jobs.models import Job
+
+    p = soak.p
+    traces: dict[str, str] = {}
+    shown: list[Any] = []
+    for f, converged in zip(soak.faults, recovery, strict=True):
+        if f["kind"] in traces:
+            continue
+        at = soak.wall(f["at"])
+        fallback = 2 * p.reaper_interval + p.lost_after
+        until = at + timedelta(seconds=(fallback if converged is None else converged) + p.reaper_interval)
+        crossed = (
+            Job.objects.filter(org=world.tenant.org, created_at__lte=at)
+            .filter(Q(finished_at__isnull=True) | Q(finished_at__gte=at))
+            .exclude(pk__in=shown)
+        )
+        if not crossed.exists():
+            continue
+        touched = Event.objects.filter(job_id__in=crossed.values("pk"), created_at__range=(at, until))
+        preferences = [
+            touched.filter(kind=EventKind.JOB_REQUEUED),
+            touched.filter(kind=EventKind.JOB_STARTED),
+        ]
+        if f["kind"] == "kill_agent":
+            killed = f["detail"].split(" ", 1)[0]
+            preferences.insert(0, Event.objects.filter(job_id__in=crossed.values("pk"), instance_id=killed))
+        job_id = next(
+            (found for events in preferences if (found := events.values_list("job_id", flat=True).first())),
+            crossed.values_list("pk", flat=True).first(),
+        )
+        job = Job.objects.select_related("config").get(pk=job_id)
+        shown.append(job.pk)
+        steps = [
+            f"{kind.split('.', 1)[-1]}{f' ({code})' if (code := reason.split(':', 1)[0][:40]) else ''} "
+            f"{(created - at).total_seconds():+.1f}"
+            for kind, reason, created in Event.objects.filter(job_id=job.pk)
+            .order_by("created_at", "id")
+            .values_list("kind", "reason", "created_at")
+        ]
+        traces[f["kind"]] = (
+            f"{f['kind']} at {f['at']:.0f} s ({f['detail']}), converged after "
+            f"{'never' if converged is None else f'{converged:.1f} s'}: job {str(job.pk)[:8]} "
+            f"({job.config.name}, {job.status}, attempt {job.attempt}): {', '.join(steps)}"
+        )
+    return traces
 
 
 def _unsuccessful(world: World, limit: int = 8) -> list[str]:

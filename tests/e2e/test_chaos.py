@@ -33,3 +33,8 @@ def test_the_system_converges_under_faults_and_keeps_its_invariants() -> None:
     assert data["final"]["converged_at"] is not None, "the system did not converge after the workload"
     assert not data["final"]["never_converged"], data["final"]["never_converged"]
     assert sum(data["outcomes"].values()) >= 50
+    # One job across each kind of fault, traced from its submit (jobs run through the whole soak,
+    # so most kinds have one; a kind with none would mean the trace misses jobs).
+    traces = data["fault_traces"]
+    assert len(traces) >= len(chaos.FAULT_KINDS) // 2, traces
+    assert all("): queued " in line for line in traces.values()), traces
