@@ -23,7 +23,7 @@ from apps.billing.budgets import budget_set
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance
-from apps.pools.models import InstancePool
+from testkit.builders import instance_row, pool_row
 from tests.admin import test_console_pages as console_pages
 from tests.conftest import World
 
@@ -71,23 +71,9 @@ def test_operator_logs_in_and_sees_orgs_and_pools(
     tmp_path: Path,
 ) -> None:
     get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    pool = InstancePool.objects.create(
-        org=tworld.org,
-        name="ci-runners",
-        machine_type=tworld.machine_type,
-        target_size=2,
-        max_size=4,
-        status="ready",
-    )
+    pool = pool_row(tworld.org, tworld.machine_type, "ci-runners", target_size=2, max_size=4, status="ready")
     members = [
-        MachineInstance.objects.create(
-            org=tworld.org,
-            machine_type=tworld.machine_type,
-            provider_account=tworld.account,
-            pool=pool,
-            status=status,
-            provider_id=f"local-{i}",
-        )
+        instance_row(tworld.org, tworld.machine_type, pool=pool, status=status, provider_id=f"local-{i}")
         for i, status in enumerate(["ready", "claimed"])
     ]
     page = browser_page
@@ -154,20 +140,19 @@ def demo_fleet(world: World) -> JobConfiguration:
         ("ci-runners", 4, ["ready", "ready", "claimed", "claimed", "warming"]),
         ("gpu-burst", 2, ["claimed", "provisioning"]),
     ):
-        pool = InstancePool.objects.create(
-            org=world.org,
-            name=name,
-            machine_type=world.machine_type,
+        pool = pool_row(
+            world.org,
+            world.machine_type,
+            name,
             target_size=target,
             min_size=1,
             max_size=6,
             status="replenishing",
         )
         for status in states:
-            MachineInstance.objects.create(
-                org=world.org,
-                machine_type=world.machine_type,
-                provider_account=world.account,
+            instance_row(
+                world.org,
+                world.machine_type,
                 pool=pool,
                 status=status,
                 provisioning_started_at=now - timedelta(minutes=rng.randint(5, 50)),

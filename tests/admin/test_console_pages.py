@@ -18,7 +18,7 @@ from apps.jobs.artifacts import artifact_store
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import ApiToken, Membership
-from apps.pools.models import InstancePool
+from testkit.builders import instance_row, pool_row
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -30,10 +30,9 @@ def ran_job(world: World, *, status: str = "running") -> Job:
     config = JobConfiguration.objects.create(
         org=world.org, name="train", machine_type=world.machine_type, command="python train.py"
     )
-    instance = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
+    instance = instance_row(
+        world.org,
+        world.machine_type,
         status="claimed",
         provider_id="local-7",
         provisioning_started_at=now - timedelta(minutes=10),
@@ -130,21 +129,14 @@ def test_the_job_page_answers_what_happened_and_offers_cancel(
 
 def test_lists_show_short_ids_age_heartbeat_cost_and_seconds(world: World, ops: Client) -> None:
     now = timezone.now()
-    live = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
+    live = instance_row(
+        world.org,
+        world.machine_type,
         status="ready",
         provisioning_started_at=now - timedelta(minutes=30),
         last_heartbeat_at=now - timedelta(seconds=12),
     )
-    ended = MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
-        status="terminated",
-        cost="0.010000",
-    )
+    ended = instance_row(world.org, world.machine_type, status="terminated", cost="0.010000")
     html = ops.get("/admin/machines/machineinstance/").content.decode()
     assert f'title="{live.pk}">{str(live.pk)[:8]}</code>' in html
     assert f">{live.pk}<" not in html  # the whole UUID only in the tooltip
@@ -161,9 +153,7 @@ def test_lists_show_short_ids_age_heartbeat_cost_and_seconds(world: World, ops: 
 
 def test_quota_usage_is_shown_next_to_every_limit(world: World, ops: Client) -> None:
     for _ in range(3):
-        MachineInstance.objects.create(
-            org=world.org, machine_type=world.machine_type, provider_account=world.account, status="ready"
-        )
+        instance_row(world.org, world.machine_type, status="ready")
     html = ops.get("/admin/machines/orgmachinetype/").content.decode()
     assert "machines 3/20" in html and "jobs 0/10" in html
     org_page = ops.get(f"/admin/orgs/organization/{world.org.pk}/change/").content.decode()
@@ -202,9 +192,7 @@ def test_org_page_writes_grants_through_the_service_and_refuses_deleting_one_in_
     assert world.grant.max_instances == 5
     assert Event.objects.filter(kind="org.grant_updated", org=world.org, data__max_instances=5).exists()
 
-    InstancePool.objects.create(
-        org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=1, status="ready"
-    )
+    pool_row(world.org, world.machine_type, status="ready")
     response = ops.post(url, grant_inline_post(world, DELETE="on"))
     assert response.status_code == 200
     assert "is still in use (1 pools)" in response.content.decode()
@@ -316,9 +304,7 @@ def test_privileges_and_schedules_are_checked_and_recorded(world: World, ops: Cl
     assert not world.org.privileges.exists()
     assert Event.objects.filter(kind="org.privilege_revoked", org=world.org).exists()
 
-    pool = InstancePool.objects.create(
-        org=world.org, name="p", machine_type=world.machine_type, target_size=1, max_size=2, status="ready"
-    )
+    pool = pool_row(world.org, world.machine_type, max_size=2, status="ready")
     response = ops.post(
         f"/admin/pools/instancepool/{pool.pk}/change/",
         {

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tests.agent.harness import api, start_agent, work_dir
+from tests.agent.harness import api, imds, start_agent, work_dir
 
-__all__ = ["api", "start_agent", "work_dir"]
+__all__ = ["api", "imds", "start_agent", "work_dir"]

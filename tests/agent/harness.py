@@ -22,7 +22,7 @@ import pytest
 
 from catacloud.agent.sandbox import bwrap_path
 from catacloud.providers.machine_sandbox import MachineSandbox, Mount, tun_device
-from tests.agent.fake_server import FakeAgentAPI
+from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -70,10 +70,15 @@ class AgentProcess:
 
 @pytest.fixture
 def api() -> Iterator[FakeAgentAPI]:
-    fake = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5)
-    fake.start()
-    yield fake
-    fake.stop()
+    with FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5) as fake:
+        yield fake
+
+
+@pytest.fixture
+def imds() -> Iterator[FakeIMDS]:
+    """The EC2 instance metadata service, for the agent's ``--imds-url``."""
+    with FakeIMDS() as fake:
+        yield fake
 
 
 @pytest.fixture

@@ -327,33 +327,26 @@ def test_job_meta_prints_the_resource_metadata_only_for_the_running_job(
 
 
 def test_spot_interruption_notice_is_reported_once(
-    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], imds: FakeIMDS
 ) -> None:
-    imds = FakeIMDS()
-    imds.start()
-    try:
-        agent = start_agent("--imds-url", imds.url)
-        imds.wait_for(
-            lambda: imds.calls("GET", "/latest/meta-data/spot/instance-action"), what="an IMDS look"
-        )
-        time.sleep(0.3)
-        assert api.interruptions == [], "404 means no notice"
+    agent = start_agent("--imds-url", imds.url)
+    imds.wait_for(lambda: imds.calls("GET", "/latest/meta-data/spot/instance-action"), what="an IMDS look")
+    time.sleep(0.3)
+    assert api.interruptions == [], "404 means no notice"
 
-        notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
-        imds.notice = notice
-        api.wait_for(lambda: api.interruptions, timeout=8, what="the interruption report")
-        time.sleep(0.5)
+    notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+    imds.notice = notice
+    api.wait_for(lambda: api.interruptions, timeout=8, what="the interruption report")
+    time.sleep(0.5)
 
-        assert api.interruptions == [{"kind": "spot", "detail": notice}]
-        token_puts = imds.calls("PUT", "/latest/api/token")
-        assert token_puts and token_puts[0].headers["X-aws-ec2-metadata-token-ttl-seconds"]
-        assert all(
-            "X-aws-ec2-metadata-token" in r.headers
-            for r in imds.calls("GET", "/latest/meta-data/spot/instance-action")
-        ), "IMDSv2 only"
-        assert agent.proc.poll() is None, "the agent keeps running until told to terminate"
-    finally:
-        imds.stop()
+    assert api.interruptions == [{"kind": "spot", "detail": notice}]
+    token_puts = imds.calls("PUT", "/latest/api/token")
+    assert token_puts and token_puts[0].headers["X-aws-ec2-metadata-token-ttl-seconds"]
+    assert all(
+        "X-aws-ec2-metadata-token" in r.headers
+        for r in imds.calls("GET", "/latest/meta-data/spot/instance-action")
+    ), "IMDSv2 only"
+    assert agent.proc.poll() is None, "the agent keeps running until told to terminate"
 
 
 def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(

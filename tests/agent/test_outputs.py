@@ -272,29 +272,24 @@ def test_checkpoints_are_saved_periodically_only_when_the_directory_changed(
 
 
 def test_a_spot_notice_saves_the_checkpoint_before_reporting_the_interruption(
-    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], imds: FakeIMDS
 ) -> None:
-    imds = FakeIMDS()
-    imds.start()
-    try:
-        start_agent("--imds-url", imds.url)
-        api.fail_next["jobs/spot/checkpoint"] = 1  # slows the save down: a retry
-        job = api.assign(
-            'echo 3 > "$CATACLOUD_CHECKPOINT_DIR/epoch"; echo ready; exec sleep 100',
-            job_id="spot",
-            checkpoint={"available": False, "interval_seconds": None},
-        )
-        api.wait_output(job, "ready")
+    start_agent("--imds-url", imds.url)
+    api.fail_next["jobs/spot/checkpoint"] = 1  # slows the save down: a retry
+    job = api.assign(
+        'echo 3 > "$CATACLOUD_CHECKPOINT_DIR/epoch"; echo ready; exec sleep 100',
+        job_id="spot",
+        checkpoint={"available": False, "interval_seconds": None},
+    )
+    api.wait_output(job, "ready")
 
-        imds.notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
-        api.wait_for(lambda: api.interruptions, timeout=10, what="the interruption report")
+    imds.notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+    api.wait_for(lambda: api.interruptions, timeout=10, what="the interruption report")
 
-        assert len(api.calls("PUT", "jobs/spot/checkpoint")) == 2
-        [(data, saved_at)] = api.checkpoints[job]
-        assert tar_files(data) == {"epoch": b"3\n"}
-        assert saved_at < api.calls("POST", "interruption")[0].at
-    finally:
-        imds.stop()
+    assert len(api.calls("PUT", "jobs/spot/checkpoint")) == 2
+    [(data, saved_at)] = api.checkpoints[job]
+    assert tar_files(data) == {"epoch": b"3\n"}
+    assert saved_at < api.calls("POST", "interruption")[0].at
 
 
 # -- in-process units ---------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from django.utils import timezone
 
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.machines.models import Budget, MachineInstance, MachineType, OrgMachineType
-from apps.pools.models import InstancePool
+from apps.machines.models import Budget, MachineType, OrgMachineType
 from apps.resources.models import ResourceInstance, ResourceType
+from testkit.builders import instance_row, pool_row
 from tests.conftest import World
 
 
@@ -45,32 +45,14 @@ def make_objects(world: World) -> dict[str, str]:
         name="acme-only", provider_account=world.account, server_type="local", cpus=4, memory_mb=8192
     )
     OrgMachineType.objects.create(org=world.org, machine_type=private)
-    instance = MachineInstance.objects.create(
-        org=world.org, machine_type=world.machine_type, provider_account=world.account, status="ready"
-    )
+    instance = instance_row(world.org, world.machine_type, status="ready")
     config = JobConfiguration.objects.create(
         org=world.org, name="build", machine_type=world.machine_type, command="make"
     )
     event = event_record(kind="org.member_set", org=world.org, actor="test")
-    pool = InstancePool.objects.create(
-        org=world.org, name="warm", machine_type=world.machine_type, target_size=1, max_size=2, status="ready"
-    )
-    MachineInstance.objects.create(
-        org=world.org,
-        machine_type=world.machine_type,
-        provider_account=world.account,
-        status="ready",
-        pool=pool,
-        ready_at=timezone.now(),
-    )
-    drained = InstancePool.objects.create(
-        org=world.org,
-        name="old",
-        machine_type=world.machine_type,
-        target_size=0,
-        max_size=0,
-        status="drained",
-    )
+    pool = pool_row(world.org, world.machine_type, "warm", max_size=2, status="ready")
+    instance_row(world.org, world.machine_type, status="ready", pool=pool, ready_at=timezone.now())
+    drained = pool_row(world.org, world.machine_type, "old", target_size=0, max_size=0, status="drained")
     nightly = JobConfiguration.objects.create(
         org=world.org, name="nightly", machine_type=world.machine_type, command="make"
     )

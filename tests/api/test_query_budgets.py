@@ -11,9 +11,9 @@ from django.utils import timezone
 
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.machines.models import Budget, MachineInstance
-from apps.pools.models import InstancePool
+from apps.machines.models import Budget
 from apps.resources.models import ResourceInstance, ResourceType
+from testkit.builders import instance_row, pool_row
 from tests.api.endpoints import ENDPOINTS, Endpoint, make_objects
 from tests.conftest import World
 
@@ -47,25 +47,14 @@ def _more_objects(world: World, n: int) -> None:
     """``n`` more rows of every listed kind in ``acme`` (pools with members, jobs with resources)."""
     rtype = ResourceType.objects.get(id="scratch")
     for i in range(n):
-        MachineInstance.objects.create(
-            org=world.org, machine_type=world.machine_type, provider_account=world.account, status="ready"
-        )
+        instance_row(world.org, world.machine_type, status="ready")
         config = JobConfiguration.objects.create(
             org=world.org, name=f"more-{i}", machine_type=world.machine_type, command="make"
         )
         event_record(kind="org.member_set", org=world.org, actor="test")
-        pool = InstancePool.objects.create(
-            org=world.org, name=f"warm-{i}", machine_type=world.machine_type, target_size=2, max_size=2
-        )
+        pool = pool_row(world.org, world.machine_type, f"warm-{i}", target_size=2, max_size=2)
         for status in ("ready", "claimed"):
-            MachineInstance.objects.create(
-                org=world.org,
-                machine_type=world.machine_type,
-                provider_account=world.account,
-                status=status,
-                pool=pool,
-                ready_at=timezone.now(),
-            )
+            instance_row(world.org, world.machine_type, status=status, pool=pool, ready_at=timezone.now())
         job = Job.objects.create(
             org=world.org, config=config, machine_type=world.machine_type, command="make"
         )

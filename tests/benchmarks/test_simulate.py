@@ -94,13 +94,18 @@ def test_the_shipped_trace_has_a_few_thousand_jobs() -> None:
     assert 2000 <= len(load_trace(path)) <= 5000
 
 
-def test_the_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def simulate_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """What ``catacloud simulate`` on the trace of TWO with ``args`` prints (it must exit 0)."""
     from catacloud.cli import main
 
     path = tmp_path / "t.csv"
     write_trace(path, TWO)
-    assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--policy", "cost"]) == 0
-    out = capsys.readouterr().out
+    assert main(["simulate", "--trace", str(path), *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = simulate_cli(tmp_path, capsys, "--policy", "ephemeral", "--policy", "cost")
     assert "ephemeral" in out and "cost" in out and "lower bound" in out
 
 
@@ -144,12 +149,7 @@ def test_a_daily_budget_renews_the_next_day() -> None:
 def test_the_cli_takes_a_budget_and_prints_the_spend_curve(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from catacloud.cli import main
-
-    path = tmp_path / "t.csv"
-    write_trace(path, TWO)
-    assert main(["simulate", "--trace", str(path), "--policy", "ephemeral", "--budget", "0.01"]) == 0
-    out = capsys.readouterr().out
+    out = simulate_cli(tmp_path, capsys, "--policy", "ephemeral", "--budget", "0.01")
     assert "budget-waited" in out and "spend curve" in out and "tail" in out
 
 

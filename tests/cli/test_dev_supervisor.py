@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -230,20 +231,17 @@ def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
     assert programs["web"].stop_signal == signal.SIGINT
 
 
-def test_the_banner_comes_again_once_healthy() -> None:
-    """The first banner scrolls away under the Celery banners: it is printed again when
-    /readyz says every part is up (503 until then)."""
+@contextlib.contextmanager
+def readyz(not_ready: int = 0) -> Iterator[str]:
+    """A /readyz on loopback that answers 503 ``not_ready`` times, then 200 ready; yields its URL."""
     import http.server
-    import json as jsonlib
 
-    from catacloud.cli import _announce_when_healthy
-
-    answers = iter([(503, {"status": "not_ready"}), (503, {"status": "not_ready"})])
+    answers = iter([(503, {"status": "not_ready"})] * not_ready)
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             code, answer = next(answers, (200, {"status": "ready"}))
-            body = jsonlib.dumps(answer).encode()
+            body = json.dumps(answer).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
@@ -254,12 +252,20 @@ def test_the_banner_comes_again_once_healthy() -> None:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    supervisor = Supervisor([], out=Output())
     try:
-        url = f"http://127.0.0.1:{server.server_port}/readyz"
-        _announce_when_healthy(supervisor, url, ["  token    cc_x"], time.monotonic())
+        yield f"http://127.0.0.1:{server.server_port}/readyz"
     finally:
         server.shutdown()
+
+
+def test_the_banner_comes_again_once_healthy() -> None:
+    """The first banner scrolls away under the Celery banners: it is printed again when
+    /readyz says every part is up (503 until then)."""
+    from catacloud.cli import _announce_when_healthy
+
+    supervisor = Supervisor([], out=Output())
+    with readyz(not_ready=2) as url:
+        _announce_when_healthy(supervisor, url, ["  token    cc_x"], time.monotonic())
     text = supervisor.out.getvalue()  # type: ignore[attr-defined]
     assert "Catacloud is ready (" in text and "token    cc_x" in text
 
@@ -267,31 +273,16 @@ def test_the_banner_comes_again_once_healthy() -> None:
 def test_the_ready_banner_counts_the_users_whole_wait() -> None:
     """`make dev` passes the time it started (before creating the venv and installing), and the
     ready banner counts from there, not from when the Python program began."""
-    import http.server
-
     from catacloud.cli import _announce_when_healthy, dev_started_at
 
     dry_run = subprocess.run(["make", "-n", "dev"], cwd=ROOT, capture_output=True, text=True, check=True)
     passed = re.search(r"CATACLOUD_DEV_STARTED=(\d+) ", dry_run.stdout)
     assert passed and abs(int(passed[1]) - time.time()) < 60, dry_run.stdout
 
-    class Healthy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b'{"status": "ready"}')
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     supervisor = Supervisor([], out=Output())
-    try:
+    with readyz() as url:
         started = dev_started_at({"CATACLOUD_DEV_STARTED": str(int(time.time()) - 47)})
-        _announce_when_healthy(supervisor, f"http://127.0.0.1:{server.server_port}/readyz", [], started)
-    finally:
-        server.shutdown()
+        _announce_when_healthy(supervisor, url, [], started)
     took = re.search(r"Catacloud is ready \((\d+) s;", supervisor.out.getvalue())  # type: ignore[attr-defined]
     assert took and 46 <= int(took[1]) <= 50, supervisor.out.getvalue()  # type: ignore[attr-defined]
 
@@ -330,6 +321,7 @@ def test_flower_starts_without_inspect_warnings(tmp_path: Path) -> None:
 
 ORPHANED = """
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from catacloud.supervisor import Program, Supervisor
 sleep = [sys.executable, "-c", "import time; time.sleep(300)"]

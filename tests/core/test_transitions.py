@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 from apps.core.errors import InvalidTransition
 from apps.events.models import Event
@@ -25,6 +25,7 @@ from apps.resources.choices import RESOURCE_TRANSITIONS, ResourceStatus
 from apps.resources.models import ResourceInstance
 from apps.resources.services import RESOURCE_STATES
 from testkit.builders import instance_row, job_config, job_row, pool_row, resource_row
+from tests.concurrency import at_once
 from tests.conftest import World
 
 
@@ -141,27 +142,19 @@ def test_event_is_part_of_the_change(world: World) -> None:
 def test_racing_transitions_have_one_winner(tworld: World) -> None:
     """Eight threads on eight connections claim the same ready instance: exactly one wins."""
     instance = make_instance(tworld, InstanceStatus.READY)
-    barrier = threading.Barrier(8)
     results: list[str] = []
     lock = threading.Lock()
 
     def claim() -> None:
         try:
-            barrier.wait()
             INSTANCE_STATES.move(instance.pk, to=InstanceStatus.CLAIMED, from_=[InstanceStatus.READY])
             outcome = "won"
         except InvalidTransition as exc:
             outcome = f"lost:{exc.current}"
-        finally:
-            connection.close()
         with lock:
             results.append(outcome)
 
-    threads = [threading.Thread(target=claim) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    at_once(8, claim, timeout=None)
     assert results.count("won") == 1
     assert sorted(results)[:7] == ["lost:claimed"] * 7
     assert Event.objects.filter(kind="instance.claimed", instance_id=instance.pk).count() == 1

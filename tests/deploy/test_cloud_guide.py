@@ -29,9 +29,8 @@ TOKEN = "guide-hetzner-token-0123456789"
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeHetzner]:
-    server = FakeHetzner(token=TOKEN, action_polls=1).start()
-    yield server
-    server.stop()
+    with FakeHetzner(token=TOKEN, action_polls=1) as server:
+        yield server
 
 
 @pytest.fixture

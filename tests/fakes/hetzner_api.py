@@ -232,6 +232,12 @@ class FakeHetzner:
             self._thread.join(timeout=5)
             self._thread = None
 
+    def __enter__(self) -> FakeHetzner:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     @property
     def url(self) -> str:
         assert self._server is not None, "start() first"

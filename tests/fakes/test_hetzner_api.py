@@ -15,9 +15,8 @@ TOKEN = "fake-api-token"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[FakeHetzner]:
-    fake = FakeHetzner(token=TOKEN).start()
-    yield fake
-    fake.stop()
+    with FakeHetzner(token=TOKEN) as fake:
+        yield fake
 
 
 @pytest.fixture()

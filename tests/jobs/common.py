@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
 from apps.machines.models import MachineType, OrgMachineType
 from testkit.builders import fake_machine_type
 from tests.conftest import World
-
-
-def at_once(n: int, fn: Callable[[], object], timeout: float | None = 30) -> None:
-    """Run ``fn`` in ``n`` threads released together, each on its own database connection."""
-    from django.db import connection
-
-    barrier = threading.Barrier(n)
-
-    def run() -> None:
-        try:
-            barrier.wait()
-            fn()
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=run) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
 
 
 def setup_type(world: World, *, cpus: int = 32, **grant: Any) -> tuple[MachineType, OrgMachineType]:

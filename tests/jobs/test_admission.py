@@ -14,8 +14,9 @@ from apps.jobs.submission import job_submit
 from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineType, OrgMachineType
 from testkit.builders import job_config
+from tests.concurrency import at_once
 from tests.conftest import World
-from tests.jobs.common import at_once, refresh, setup_type
+from tests.jobs.common import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus

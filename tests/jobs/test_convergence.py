@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -44,6 +42,7 @@ from apps.resources.lifecycle import resource_destroy
 from apps.resources.models import ResourceInstance, ResourceType
 from apps.resources.wells import build_well
 from testkit.builders import idle_machine, job_config, ready_members
+from tests.concurrency import released_together
 from tests.conftest import World
 from tests.jobs.common import refresh, setup_type
 
@@ -80,23 +79,18 @@ def later(seconds: float) -> Any:
 def at_once(work: list[Any]) -> list[BaseException]:
     """Run each callable in its own thread (its own database connection), all released
     together; returns what they raised."""
-    barrier = threading.Barrier(len(work))
     errors: list[BaseException] = []
 
-    def run(fn: Any) -> None:
-        try:
-            barrier.wait()
-            fn()
-        except BaseException as exc:  # reported to the caller
-            errors.append(exc)
-        finally:
-            connection.close()
+    def reporting(fn: Any) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported to the caller
+                errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        return run
+
+    released_together(*map(reporting, work), timeout=None)
     return errors
 
 

@@ -53,6 +53,21 @@ def boot(instance_id: Any) -> MachineInstance:
     return MachineInstance.objects.get(pk=instance_id)
 
 
+def claim_idle_for(job: Job, mt: MachineType) -> None:
+    """The scheduler's claim of an idle machine of ``mt`` for ``job``, as placement makes it."""
+    claims.claim(
+        claims.IDLE_SQL,
+        by="scheduler",
+        for_=f"job:{job.pk}",
+        job_id=job.pk,
+        org=str(job.org_id),
+        mt=str(mt.pk),
+        version=mt.version,
+        config=str(job.config_id),
+        image=None,
+    )
+
+
 class RowHolder:
     """Another transaction holding one machine's row (an agent's heartbeat, the provider-state
     refresh, the transaction that just made it ready), on its own connection, until released."""
@@ -162,17 +177,7 @@ def test_retirement_never_takes_a_machine_a_job_claimed_meanwhile(tworld: World)
     def place_the_job() -> None:
         try:
             with transaction.atomic():
-                claims.claim(
-                    claims.IDLE_SQL,
-                    by="scheduler",
-                    for_=f"job:{job.pk}",
-                    job_id=job.pk,
-                    org=str(tworld.org.pk),
-                    mt=str(mt.pk),
-                    version=mt.version,
-                    config=str(cfg.pk),
-                    image=None,
-                )
+                claim_idle_for(job, mt)
                 claimed.set()
                 time.sleep(1.0)  # the reaper reads the machine as idle and waits for its row
         finally:
@@ -228,17 +233,7 @@ def test_the_next_job_on_a_reused_machine_is_charged_its_time_not_idle(tworld: W
                 Job.objects.filter(pk=second.pk).exists()  # the transaction has begun
                 began.set()
                 assert released.wait(10)
-                claims.claim(
-                    claims.IDLE_SQL,
-                    by="scheduler",
-                    for_=f"job:{second.pk}",
-                    job_id=second.pk,
-                    org=str(tworld.org.pk),
-                    mt=str(mt.pk),
-                    version=mt.version,
-                    config=str(cfg.pk),
-                    image=None,
-                )
+                claim_idle_for(second, mt)
         finally:
             connection.close()
 

@@ -19,8 +19,9 @@ from apps.machines.models import OrgMachineType
 from apps.machines.services import grant_lock
 from apps.pools.services import pool_create
 from testkit.builders import enrolled_agent, idle_machine, job_config
+from tests.concurrency import at_once
 from tests.conftest import World
-from tests.jobs.common import at_once, refresh, setup_type
+from tests.jobs.common import refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus

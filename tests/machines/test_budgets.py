@@ -23,6 +23,7 @@ from apps.machines.models import MachineInstance
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_create, pool_refill
 from testkit.builders import instance_row, job_config
+from tests.concurrency import in_threads
 from tests.conftest import World
 from tests.jobs.common import refresh, setup_type
 
@@ -174,7 +175,7 @@ def test_refills_of_two_machine_types_at_once_never_both_spend_an_org_budgets_la
     import threading
     import time
 
-    from django.db import connection, transaction
+    from django.db import transaction
 
     from apps.machines.models import MachineType, OrgMachineType
 
@@ -203,21 +204,13 @@ def test_refills_of_two_machine_types_at_once_never_both_spend_an_org_budgets_la
                 time.sleep(0.5)
         finally:
             bought.set()
-            connection.close()
 
     def second() -> None:  # refills the other machine type's pool meanwhile
-        try:
-            bought.wait()
-            pool_refill(pool_id=pools[1].pk)
-        finally:
-            connection.close()
+        bought.wait()
+        pool_refill(pool_id=pools[1].pk)
 
     # When the second refill runs while the first has bought but not committed
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(first, second, timeout=None)
     # Then exactly two machines were bought in all: the budget's 1.00, never more
     assert MachineInstance.objects.filter(org=tworld.org).count() == 2
     reasons = set(

@@ -31,9 +31,8 @@ TOKEN = "hetzner-test-token"
 
 @pytest.fixture(scope="module")
 def fake_hetzner() -> Iterator[FakeHetzner]:
-    fake = FakeHetzner(token=TOKEN, action_polls=1).start()
-    yield fake
-    fake.stop()
+    with FakeHetzner(token=TOKEN, action_polls=1) as fake:
+        yield fake
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from apps.machines.reconcile import reconcile_account
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim, pool_create, pool_refill, pool_update
 from catacloud.providers.fake import FakeProvider
+from tests.concurrency import in_threads
 from tests.conftest import World
 from tests.pools.test_pools import ready_members
 
@@ -161,7 +162,7 @@ def test_deleting_a_drained_pool_while_a_member_finishes_terminating_is_no_deadl
     import threading
     import time
 
-    from django.db import close_old_connections, connection, transaction
+    from django.db import close_old_connections, transaction
 
     from apps.pools.services import pool_delete, pool_drain
 
@@ -184,8 +185,6 @@ def test_deleting_a_drained_pool_while_a_member_finishes_terminating_is_no_deadl
                 list(InstancePool.objects.select_for_update().filter(pk=pool.pk))
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            connection.close()
 
     def delete() -> None:
         try:
@@ -193,14 +192,8 @@ def test_deleting_a_drained_pool_while_a_member_finishes_terminating_is_no_deadl
             pool_delete(pool=pool)
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            connection.close()
 
-    threads = [threading.Thread(target=finishing_termination), threading.Thread(target=delete)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(finishing_termination, delete)
     close_old_connections()
     assert errors == []
     assert not InstancePool.objects.filter(pk=pool.pk).exists()

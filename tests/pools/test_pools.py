@@ -28,6 +28,7 @@ from apps.pools.services import pool_claim, pool_create, pool_drain, pool_refill
 from catacloud.providers.fake import FakeProvider
 from testkit.builders import fake_machine_type, ready_members
 from testkit.processes import database_url, wait_for
+from tests.concurrency import in_threads
 from tests.conftest import World
 
 S = InstanceStatus
@@ -277,14 +278,8 @@ def test_64_threads_race_for_100_members_and_nobody_gets_one_twice(tworld: World
                         empties.append(1)
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            connection.close()
 
-    threads = [threading.Thread(target=claimer) for _ in range(threads_n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(*[claimer] * threads_n, timeout=None)
     assert not errors, errors[:3]
     assert len(wins) == 100
     assert len(set(wins)) == 100  # no instance claimed twice
@@ -582,8 +577,6 @@ def test_a_refill_in_flight_when_the_pool_is_drained_leaves_it_no_member(
             requested.append(pool_refill(pool_id=pool.pk))
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            connection.close()
 
     def drain() -> None:
         try:
@@ -592,14 +585,8 @@ def test_a_refill_in_flight_when_the_pool_is_drained_leaves_it_no_member(
             drain_done.set()
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            connection.close()
 
-    threads = [threading.Thread(target=refill), threading.Thread(target=drain)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(refill, drain)
     assert not errors, errors
     pool_delete(pool=pool, actor="test")
     requested_ids = set(

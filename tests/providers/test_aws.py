@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import logging
 import random
-import socket
 import uuid
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -20,7 +19,6 @@ import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ReadTimeoutError
-from moto.server import ThreadedMotoServer
 
 from catacloud.providers import (
     LABEL_INSTALLATION,
@@ -38,25 +36,18 @@ from catacloud.providers import (
     build_provider,
 )
 from catacloud.providers.aws import AwsProvider
+from testkit.processes import free_port
+from testkit.servers import moto_server
 
 REGION = "eu-central-1"
 CREDENTIALS = {"access_key_id": "AKIAFAKEFAKEFAKE", "secret_access_key": "moto-secret-key-123"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def moto_url() -> Iterator[str]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

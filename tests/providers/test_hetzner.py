@@ -36,9 +36,8 @@ INSTALLATION = {LABEL_INSTALLATION: "test-install"}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[FakeHetzner]:
-    fake = FakeHetzner(token=TOKEN).start()
-    yield fake
-    fake.stop()
+    with FakeHetzner(token=TOKEN) as fake:
+        yield fake
 
 
 @pytest.fixture()
