@@ -12,41 +12,28 @@ import secrets
 import sys
 from pathlib import Path
 
-import yaml
-
+from testkit.forge_common import demo_machines, secret_file
 from testkit.github_fake import app_keypair
 from testkit.github_kit import RUNNER_MOUNT
-
-DEMO_CATALOG = Path(__file__).resolve().parents[1] / "catacloud" / "data" / "demo.yaml"
 
 
 def prepare(home: Path, web_port: int, port: int) -> dict[str, object]:
     url = f"http://127.0.0.1:{port}"
-    key, secret = home / "github-fake-app.pem", home / "github-fake-webhook-secret"
-    if not key.exists():
-        key.write_text(app_keypair()[0])
-        key.chmod(0o600)
-    if not secret.exists():
-        secret.write_text(secrets.token_urlsafe(24))
-        secret.chmod(0o600)
+    key = home / "github-fake-app.pem"
+    if not key.exists():  # a new key pair only when there is none
+        secret_file(key, app_keypair()[0])
+    secret = secret_file(home / "github-fake-webhook-secret", secrets.token_urlsafe(24))
     command = [
         sys.executable, "-m", "testkit.github_fake", "--port", str(port), "--app-id", "1",
         "--public-key-file", str(key), "--webhook-secret-file", str(secret),
         "--webhook-url", f"http://127.0.0.1:{web_port}/api/integrations/github/webhook",
         "--installation", "1", "--account", "demo-org", "--repository", "demo-org/app",
     ]  # fmt: skip
-    # The demo's local account, its machines showing the stand-in runner at /opt/actions-runner.
-    demo = yaml.safe_load(DEMO_CATALOG.read_text())
-    local = next(a for a in demo["provider_accounts"] if a["name"] == "local")
-    local["config"] = {**(local.get("config") or {}), "mounts": [RUNNER_MOUNT]}
-    # Its jobs reach the fake GitHub on this host's loopback through the machine type's allow
-    # list, as an operator's cache would be reached; nothing else of the host.
-    small = next(t for t in demo["machine_types"] if t["name"] == "local-small")
-    small["network"] = {"allow": [f"127.0.0.1:{port}"]}
+    # The demo's local machines show the stand-in runner at /opt/actions-runner; their jobs
+    # reach the fake GitHub.
     catalog = home / "github-dev.yaml"
     catalog.write_text(
-        yaml.safe_dump({"provider_accounts": [local], "machine_types": [small]}, sort_keys=False)
-        + "organizations:\n"
+        demo_machines([RUNNER_MOUNT], [f"127.0.0.1:{port}"]) + "organizations:\n"
         "  - slug: demo\n"
         "    github:\n"
         "      app_id: 1\n"

@@ -15,26 +15,17 @@ import secrets
 import sys
 from pathlib import Path
 
-import yaml
-
 from testkit import github_kit
+from testkit.forge_common import demo_machines, secret_file
 from testkit.gitlab_kit import RUNNER_MOUNT
 
-DEMO_CATALOG = Path(__file__).resolve().parents[1] / "catacloud" / "data" / "demo.yaml"
 PROJECT = (1, "demo-group/app")
-
-
-def _secret(path: Path, value: str) -> Path:
-    if not path.exists():
-        path.write_text(value)
-        path.chmod(0o600)
-    return path
 
 
 def prepare(home: Path, web_port: int, port: int) -> dict[str, object]:
     url = f"http://127.0.0.1:{port}"
-    token = _secret(home / "gitlab-fake-token", f"glpat-{secrets.token_urlsafe(15)}")
-    webhook_token = _secret(home / "gitlab-fake-webhook-token", secrets.token_urlsafe(24))
+    token = secret_file(home / "gitlab-fake-token", f"glpat-{secrets.token_urlsafe(15)}")
+    webhook_token = secret_file(home / "gitlab-fake-webhook-token", secrets.token_urlsafe(24))
     command = [
         sys.executable, "-m", "testkit.gitlab_fake", "--port", str(port),
         "--token-file", str(token), "--webhook-token-file", str(webhook_token),
@@ -42,23 +33,16 @@ def prepare(home: Path, web_port: int, port: int) -> dict[str, object]:
         "--project", f"{PROJECT[0]}:{PROJECT[1]}",
     ]  # fmt: skip
     with_github = os.environ.get("CATACLOUD_DEV_GITHUB") == "fake"
-    # The demo's local account, its machines showing the stand-in runner at /opt/gitlab-runner
-    # (and the fake GitHub's at /opt/actions-runner when that one runs too).
-    demo = yaml.safe_load(DEMO_CATALOG.read_text())
-    local = next(a for a in demo["provider_accounts"] if a["name"] == "local")
+    # The demo's local machines show the stand-in runner at /opt/gitlab-runner (and the fake
+    # GitHub's at /opt/actions-runner when that one runs too); their jobs reach the fake GitLab
+    # (and the fake GitHub).
     mounts = [github_kit.RUNNER_MOUNT, RUNNER_MOUNT] if with_github else [RUNNER_MOUNT]
-    local["config"] = {**(local.get("config") or {}), "mounts": mounts}
-    # Its jobs reach the fake GitLab on this host's loopback through the machine type's allow
-    # list, as an operator's cache would be reached; nothing else of the host.
-    small = next(t for t in demo["machine_types"] if t["name"] == "local-small")
     allow = [f"127.0.0.1:{port}"]
     if with_github:
         allow.insert(0, f"127.0.0.1:{os.environ.get('GITHUB_FAKE_PORT', '8070')}")
-    small["network"] = {"allow": allow}
     catalog = home / "gitlab-dev.yaml"
     catalog.write_text(
-        yaml.safe_dump({"provider_accounts": [local], "machine_types": [small]}, sort_keys=False)
-        + "organizations:\n"
+        demo_machines(mounts, allow) + "organizations:\n"
         "  - slug: demo\n"
         "    gitlab:\n"
         f"      url: {url}\n"

@@ -11,7 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from apps.core.actors import Actor
+from testkit.forge_common import allow_loopback, classes_saved, expose_mount
 from testkit.github_fake import FakeGitHub
+
+__all__ = [
+    "RUNNER_DIR",
+    "RUNNER_MOUNT",
+    "RUNNER_TARGET",
+    "WEBHOOK_PATH",
+    "allow_loopback",
+    "connect",
+    "expose_runner",
+]
 
 # The stand-in runner's folder: what a machine's image provides at /opt/actions-runner. A local
 # machine is a sandbox that sees none of this checkout: its provider account's ``mounts`` shows
@@ -26,28 +37,7 @@ def expose_runner(account: Any) -> None:
     """Show the stand-in runner at /opt/actions-runner in every machine of a local ``account``
     started from now on (like an image: a machine already running never sees it, so call this
     before a pool of the account warms)."""
-    if account.kind != "local":
-        return
-    mounts = [m for m in account.config.get("mounts") or [] if m.get("target") != RUNNER_TARGET]
-    account.config["mounts"] = [*mounts, RUNNER_MOUNT]
-    account.save(update_fields=["config", "updated_at"])
-
-
-def allow_loopback(machine_type: Any, url: str) -> None:
-    """Let jobs of ``machine_type`` reach the service at ``url`` on this host's loopback (the fake
-    GitHub the stand-in runner talks to), through the machine type's ``network.allow`` as an
-    operator's cache would be: a job's network reaches nothing else of the host."""
-    from urllib.parse import urlsplit
-
-    from apps.machines.services import machine_type_update
-
-    entry = f"127.0.0.1:{urlsplit(url).port}"
-    allow = list((machine_type.network or {}).get("allow") or [])
-    if entry not in allow:
-        machine_type_update(
-            machine_type=machine_type, actor=Actor.TESTKIT, network={"allow": [*allow, entry]}
-        )
-        machine_type.refresh_from_db()
+    expose_mount(account, RUNNER_MOUNT)
 
 
 def connect(
@@ -74,10 +64,11 @@ def connect(
         installations=[{"id": installation_id, "account": account}],
         actor=Actor.TESTKIT,
     )
-    saved = []
-    for spec in classes:
-        rc, _ = runner_class_save(org=org, actor=Actor.TESTKIT, **{"runner_dir": runner_dir, **spec})
-        saved.append(rc)
-        expose_runner(rc.machine_type.provider_account)
-        allow_loopback(rc.machine_type, fake.url)
-    return saved
+    return classes_saved(
+        org,
+        fake.url,
+        classes,
+        save=runner_class_save,
+        expose_runner=expose_runner,
+        defaults={"runner_dir": runner_dir},
+    )

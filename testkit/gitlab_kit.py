@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.core.actors import Actor
-from testkit.github_kit import allow_loopback
+from testkit.forge_common import allow_loopback, classes_saved, expose_mount
 from testkit.gitlab_fake import FakeGitLab
 
 __all__ = ["RUNNER_MOUNT", "RUNNER_PATH", "WEBHOOK_PATH", "allow_loopback", "connect", "expose_runner"]
@@ -29,11 +29,7 @@ WEBHOOK_PATH = "/api/integrations/gitlab/webhook"
 def expose_runner(account: Any) -> None:
     """Show the stand-in gitlab-runner at /opt/gitlab-runner in every machine of a local
     ``account`` started from now on (like an image: call this before a pool of the account warms)."""
-    if account.kind != "local":
-        return
-    mounts = [m for m in account.config.get("mounts") or [] if m.get("target") != RUNNER_TARGET]
-    account.config["mounts"] = [*mounts, RUNNER_MOUNT]
-    account.save(update_fields=["config", "updated_at"])
+    expose_mount(account, RUNNER_MOUNT)
 
 
 def connect(
@@ -57,10 +53,11 @@ def connect(
         projects=[{"id": pid, "path": path} for pid, path in projects],
         actor=Actor.TESTKIT,
     )
-    saved = []
-    for spec in classes:
-        rc, _ = runner_class_save(org=org, actor=Actor.TESTKIT, **{"runner_path": runner_path, **spec})
-        saved.append(rc)
-        expose_runner(rc.machine_type.provider_account)
-        allow_loopback(rc.machine_type, fake.url)
-    return saved
+    return classes_saved(
+        org,
+        fake.url,
+        classes,
+        save=runner_class_save,
+        expose_runner=expose_runner,
+        defaults={"runner_path": runner_path},
+    )

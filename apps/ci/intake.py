@@ -6,6 +6,7 @@ for a forge call) is acted on by the reaper's rule (:func:`deliveries_process`).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -48,6 +49,29 @@ def read_body(request: HttpRequest, *, limit: int) -> bytes | JsonResponse:
     if len(body) > limit:
         return error(413, ErrorCode.PAYLOAD_TOO_LARGE, f"a delivery may have at most {limit} bytes")
     return body
+
+
+def read_json(body: bytes) -> dict[str, Any] | JsonResponse:
+    """The delivery's JSON object, or the answer refusing it (400 ``parse_error``)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return error(400, ErrorCode.PARSE_ERROR, "the delivery is not valid JSON")
+    if not isinstance(payload, dict):
+        return error(400, ErrorCode.PARSE_ERROR, "the delivery must be a JSON object")
+    return payload
+
+
+def delivery_received(
+    *, forge: Forge, key: str, endpoint: Any, event: str, action: str, payload: dict[str, Any]
+) -> JsonResponse:
+    """An authenticated delivery for one of our endpoints: stored by its idempotency key (a
+    redelivery is answered ``duplicate`` and not acted on again), then acted on now; the answer."""
+    if not delivery_store(
+        forge=forge, key=key, endpoint=endpoint, event=event, action=action, payload=payload
+    ):
+        return JsonResponse({"status": "duplicate"})
+    return JsonResponse({"status": delivery_act_now(forge=forge, key=key)}, status=200)
 
 
 def delivery_store(

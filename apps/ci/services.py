@@ -145,19 +145,27 @@ def has_live_runners(forge: Forge, **where: Any) -> bool:
     return forge.runner.objects.filter(**where, job__status__in=JOB_LIVE).exists()
 
 
-def require_new(title: str, given: dict[str, Any]) -> None:
-    """A new connection needs every value of ``given`` (None or an empty string is missing; a
-    bad value is the caller's check): a 400 naming the missing ones."""
-    missing = [name for name, value in given.items() if value is None or value == ""]
+def connection_locked(
+    model: type[Model], *, org: Organization, title: str, required: dict[str, Any], **new: Any
+) -> tuple[Any, bool]:
+    """The org's connection, locked for a change; or, when it has none, a new one (``new``'s
+    values, not saved yet), for which every value of ``required`` must be given (None or an
+    empty string is missing; a bad value is the caller's check): a 400 naming the missing ones.
+    Returns (connection, creating)."""
+    conn = model._default_manager.select_for_update(no_key=True).filter(org=org).first()
+    if conn is not None:
+        return conn, False
+    missing = [name for name, value in required.items() if value is None or value == ""]
     if missing:
-        names = list(given)
+        names = list(required)
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
         raise ValidationFailed(
             f"a new {title} connection needs {listed}", fields={name: ["required"] for name in missing}
         )
+    return model(org=org, **new), True
 
 
-def secrets_replace(conn: Any, given: dict[str, str | None], *, creating: bool) -> list[str]:
+def _secrets_replace(conn: Any, given: dict[str, str | None], *, creating: bool) -> list[str]:
     """The secrets given (None keeps the stored one) replace the connection's; returns the names
     of those that changed (named in events, never shown). The caller checked their values."""
     stored = {} if creating else conn.secrets
@@ -167,18 +175,30 @@ def secrets_replace(conn: Any, given: dict[str, str | None], *, creating: bool) 
     return [name for name in given if secrets.get(name) != stored.get(name)]
 
 
-def connection_recorded(
+def connection_saved(
     conn: Any,
     *,
     org: Organization,
     actor: Actor,
     creating: bool,
     changed: list[str],
+    secrets: dict[str, str | None],
+    children: Callable[[], list[str]] | None,
     events: tuple[EventKind, EventKind],
     describe: dict[str, Any],
 ) -> tuple[Any, bool]:
-    """The event of a connection's creation (``events[0]``) or change (``events[1]``, only when
-    something did), naming the fields, never a value. Returns (connection, changed)."""
+    """The end of a connection's create-or-change, once the forge checked what it was given and
+    set its fields (``changed`` names those that changed): the ``secrets`` given (None keeps the
+    stored one) replace the stored ones; the row is saved when anything changed; ``children``
+    (given when the caller was asked to: it brings the forge's installations or projects to
+    the list asked for, :func:`children_set`) runs once the row is saved; then the event of the
+    creation (``events[0]``) or change (``events[1]``, only when something did), naming the
+    fields, never a value. Returns (connection, changed)."""
+    changed = [*changed, *_secrets_replace(conn, secrets, creating=creating)]
+    if changed or creating:
+        conn.save()
+    if children is not None:
+        changed += children()
     if changed or creating:
         event_record(
             kind=events[0] if creating else events[1],

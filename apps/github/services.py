@@ -109,14 +109,14 @@ def connection_set(
     """Create or change the org's GitHub connection. Secrets given replace the stored ones
     (None keeps them; they are required when creating); ``installations`` given replaces the
     list. Returns (connection, changed). Events name what changed, never a value."""
-    conn = GitHubConnection.objects.select_for_update(no_key=True).filter(org=org).first()
-    creating = conn is None
-    if creating:
-        ci_services.require_new(
-            "GitHub", {"app_id": app_id, "private_key": private_key, "webhook_secret": webhook_secret}
-        )
-        conn = GitHubConnection(org=org, app_id=0, api_url=DEFAULT_API_URL)
-    assert conn is not None
+    conn, creating = ci_services.connection_locked(
+        GitHubConnection,
+        org=org,
+        title="GitHub",
+        required={"app_id": app_id, "private_key": private_key, "webhook_secret": webhook_secret},
+        app_id=0,
+        api_url=DEFAULT_API_URL,
+    )
     changed: list[str] = []
     if app_id is not None:
         if isinstance(app_id, bool) or not isinstance(app_id, int) or app_id <= 0:
@@ -133,19 +133,18 @@ def connection_set(
         _check_private_key(private_key)
     if webhook_secret is not None and len(webhook_secret) < 8:
         raise _invalid("webhook_secret", "at least 8 characters")
-    changed += ci_services.secrets_replace(
-        conn, {"private_key": private_key, "webhook_secret": webhook_secret}, creating=creating
-    )
-    if changed or creating:
-        conn.save()
-    if installations is not None:
-        changed += _set_installations(conn, _installation_ids(installations))
-    return ci_services.connection_recorded(
+    return ci_services.connection_saved(
         conn,
         org=org,
         actor=actor,
         creating=creating,
         changed=changed,
+        secrets={"private_key": private_key, "webhook_secret": webhook_secret},
+        children=(
+            None
+            if installations is None
+            else lambda: _set_installations(conn, _installation_ids(installations))
+        ),
         events=(EventKind.GITHUB_CONNECTION_CREATED, EventKind.GITHUB_CONNECTION_UPDATED),
         describe={"app_id": conn.app_id},
     )

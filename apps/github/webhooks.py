@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 
 from django.conf import settings
@@ -76,12 +75,9 @@ def webhook(request: HttpRequest) -> JsonResponse:
     guid = request.headers.get("X-GitHub-Delivery", "")
     if not event or not GUID.match(guid):
         return _error(400, ErrorCode.INVALID, "X-GitHub-Event and X-GitHub-Delivery are required")
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return _error(400, ErrorCode.PARSE_ERROR, "the delivery is not valid JSON")
-    if not isinstance(payload, dict):
-        return _error(400, ErrorCode.PARSE_ERROR, "the delivery must be a JSON object")
+    payload = intake.read_json(body)
+    if isinstance(payload, JsonResponse):
+        return payload
     installation_id = (
         (payload.get("installation") or {}).get("id")
         if isinstance(payload.get("installation"), dict)
@@ -101,12 +97,9 @@ def webhook(request: HttpRequest) -> JsonResponse:
             {"status": "ignored", "detail": "no organization connected this installation"}, status=202
         )
     action = str(payload.get("action") or "")[:64]
-    stored = intake.delivery_store(
+    return intake.delivery_received(
         forge=GITHUB, key=guid, endpoint=installation, event=event, action=action, payload=payload
     )
-    if not stored:
-        return JsonResponse({"status": "duplicate"})
-    return JsonResponse({"status": intake.delivery_act_now(forge=GITHUB, key=guid)}, status=200)
 
 
 def delivery_process(*, guid: str) -> str:

@@ -67,12 +67,13 @@ def connection_set(
     """Create or change the org's GitLab connection. Secrets given replace the stored ones (None
     keeps them; they are required when creating); ``projects`` given replaces the list. Returns
     (connection, changed). Events name what changed, never a value."""
-    conn = GitLabConnection.objects.select_for_update(no_key=True).filter(org=org).first()
-    creating = conn is None
-    if creating:
-        ci_services.require_new("GitLab", {"token": token, "webhook_token": webhook_token})
-        conn = GitLabConnection(org=org, url=DEFAULT_URL)
-    assert conn is not None
+    conn, creating = ci_services.connection_locked(
+        GitLabConnection,
+        org=org,
+        title="GitLab",
+        required={"token": token, "webhook_token": webhook_token},
+        url=DEFAULT_URL,
+    )
     changed: list[str] = []
     if url is not None:
         clean = _check_url(url)
@@ -83,19 +84,14 @@ def connection_set(
         raise invalid("token", "an access token: one word of at most 500 characters")
     if webhook_token is not None and len(webhook_token) < 8:
         raise invalid("webhook_token", "at least 8 characters")
-    changed += ci_services.secrets_replace(
-        conn, {"token": token, "webhook_token": webhook_token}, creating=creating
-    )
-    if changed or creating:
-        conn.save()
-    if projects is not None:
-        changed += _set_projects(conn, _projects(projects))
-    return ci_services.connection_recorded(
+    return ci_services.connection_saved(
         conn,
         org=org,
         actor=actor,
         creating=creating,
         changed=changed,
+        secrets={"token": token, "webhook_token": webhook_token},
+        children=None if projects is None else lambda: _set_projects(conn, _projects(projects)),
         events=(EventKind.GITLAB_CONNECTION_CREATED, EventKind.GITLAB_CONNECTION_UPDATED),
         describe={"gitlab": conn.url},
     )

@@ -16,7 +16,6 @@ core's intake (apps.ci.intake).
 from __future__ import annotations
 
 import hmac
-import json
 import re
 
 from django.conf import settings
@@ -68,12 +67,9 @@ def webhook(request: HttpRequest) -> JsonResponse:
         return error(
             400, ErrorCode.INVALID, "X-Gitlab-Event and Idempotency-Key (or X-Gitlab-Event-UUID) are required"
         )
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return error(400, ErrorCode.PARSE_ERROR, "the delivery is not valid JSON")
-    if not isinstance(payload, dict):
-        return error(400, ErrorCode.PARSE_ERROR, "the delivery must be a JSON object")
+    payload = intake.read_json(body)
+    if isinstance(payload, JsonResponse):
+        return payload
     if event != JOB_HOOK or payload.get("object_kind") != "build":
         return JsonResponse({"status": "ignored", "detail": "only Job events are acted on"}, status=202)
     project_id = payload.get("project_id")
@@ -88,7 +84,7 @@ def webhook(request: HttpRequest) -> JsonResponse:
         return JsonResponse(
             {"status": "ignored", "detail": "no organization connected this project"}, status=202
         )
-    stored = intake.delivery_store(
+    return intake.delivery_received(
         forge=GITLAB,
         key=key,
         endpoint=project.connection,
@@ -96,6 +92,3 @@ def webhook(request: HttpRequest) -> JsonResponse:
         action=str(payload.get("build_status") or ""),
         payload=payload,
     )
-    if not stored:
-        return JsonResponse({"status": "duplicate"})
-    return JsonResponse({"status": intake.delivery_act_now(forge=GITLAB, key=key)}, status=200)

@@ -4,7 +4,6 @@ agents run the stand-in runner, which registers with the fake, takes a job, runs
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
@@ -12,14 +11,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import pytest
 
 from apps.github.models import WorkflowJob
 from apps.jobs.models import Job, JobLogChunk
 from apps.pools.services import pool_create, pool_refill
 from testkit.github_fake import FakeGitHub, app_keypair
-from testkit.github_kit import WEBHOOK_PATH, allow_loopback, connect, expose_runner
+from testkit.github_kit import WEBHOOK_PATH, connect, expose_runner
+from tests.ci_common import (
+    budget_held,
+    leftovers,
+    machines_over_quota,
+    nothing_held,
+    sixty_jobs_with_faults,
+    three_classes,
+    wait_every_job,
+)
 from tests.e2e.conftest import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -106,28 +113,6 @@ def test_workflow_jobs_run_on_catacloud_machines(github: GitHubStack) -> None:
     assert fake.count("POST", "/orgs/acme/actions/runners/generate-jitconfig") == 4
 
 
-def _kill_an_agent_running_a_runner(stack: Stack) -> str | None:
-    """SIGKILL the agent (and its runner) of one machine running a runner job: a machine lost."""
-    from apps.machines.models import MachineInstance
-    from testkit.processes import agent_tree, local_machines
-
-    busy = {
-        str(pk)
-        for pk in MachineInstance.objects.filter(
-            status="claimed", jobs__runner__isnull=False, jobs__status="running"
-        )
-        .values_list("pk", flat=True)
-        .distinct()
-    }
-    for record in local_machines(stack.world.account.config["state_dir"]):
-        if record.get("instance_id") in busy:
-            for proc in agent_tree(record):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            return str(record["instance_id"])
-    return None
-
-
 @pytest.mark.timeout(900)
 def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_left(
     github: GitHubStack,
@@ -141,40 +126,20 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
     from apps.github.models import Runner
     from apps.github.services import runner_class_save
     from apps.jobs.choices import JOB_LIVE
-    from apps.machines.choices import INSTANCE_COUNTED
-    from apps.machines.models import MachineInstance, OrgMachineType
     from apps.pools.models import InstancePool
-    from testkit.builders import granted_type
-    from testkit.processes import TESTS
 
     stack, fake = github.stack, github.fake
     world = stack.world
     fake.lost_after, fake.offline_after = 6.0, 5.0
-    OrgMachineType.objects.filter(pk=world.grant.pk).update(max_instances=8, max_concurrent_jobs=8)
-    labels = {"a": LABELS}
-    for name in ("b", "c"):
-        mt, _ = granted_type(
-            world.org,
-            world.account,
-            f"ci-{name}",
-            grant={"max_instances": 8, "max_concurrent_jobs": 8, "max_pool_size": 8},
-        )
-        allow_loopback(mt, fake.url)  # its runners reach the fake GitHub, as connect() lets the first
-        pool = pool_create(org=world.org, name=f"ci-{name}", machine_type=mt, target_size=2, max_size=8)
-        pool_refill(pool_id=pool.pk)
-        labels[name] = ["self-hosted", f"catacloud-{name}"]
-        runner_class_save(
-            org=world.org,
-            name=name,
-            labels=labels[name],
-            machine_type=mt,
-            pool=pool,
-            runner_dir=github.classes[0].runner_dir,
-            online_timeout_seconds=20,
-            idle_timeout_seconds=60,
-        )
-    runner_class_save(
-        org=world.org, runner_class=github.classes[0], online_timeout_seconds=20, idle_timeout_seconds=60
+    labels = {"a": LABELS, "b": ["self-hosted", "catacloud-b"], "c": ["self-hosted", "catacloud-c"]}
+    three_classes(
+        world,
+        fake.url,
+        save=runner_class_save,
+        first=github.classes[0],
+        labels_field="labels",
+        more={"b": labels["b"], "c": labels["c"]},
+        runner_dir=github.classes[0].runner_dir,
     )
     budget = budget_set(org=world.org, amount="50.00", period="month", actor="test")
     targets = sum(InstancePool.objects.values_list("target_size", flat=True))
@@ -206,68 +171,29 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
                 known = WorkflowJob.objects.filter(status="queued").count()
                 if supply > known + targets:
                     violations.append(f"{supply} unbound runners for {known} queued jobs")
-                for grant in OrgMachineType.objects.filter(org=world.org):
-                    live = MachineInstance.objects.filter(
-                        org=world.org, machine_type_id=grant.machine_type_id, status__in=INSTANCE_COUNTED
-                    ).count()
-                    if live > grant.max_instances:
-                        violations.append(
-                            f"{live} machines of {grant.machine_type_id} over {grant.max_instances}"
-                        )
+                violations.extend(machines_over_quota(world))
         finally:
             connection.close()
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    ids: list[int] = []
-    with TESTS.celery_worker(stack.tmp, concurrency=2, **{"CATACLOUD_PUBLIC_URL": stack.url}) as extra:
-        for i in range(60):
-            name = "abc"[i % 3]
-            ids.append(
-                fake.queue_job(
-                    f"acme/{'app' if i % 2 else 'web'}",
-                    labels[name],
-                    [f"echo job {i}", "sleep 1"],
-                    workflow=f"wf-{name}",
-                    name=f"job-{i}",
-                )
-            )
-            if i == 10:
-                fake.rate_limit_for(3)
-            if i == 20:
-                for victim in ids[-3:]:
-                    fake.cancel_job(victim)
-            time.sleep(0.15)
-        stack.wait(
-            lambda: _kill_an_agent_running_a_runner(stack) is not None, 60, "an agent running a runner"
-        )
-        extra.kill()
-
-    def done() -> bool:
-        if int(time.monotonic()) % 15 == 0:
-            print(time.strftime("%H:%M:%S"), fake.summary()["jobs"], flush=True)
-        return github.all_completed(ids)
-
-    stack.wait(done, 400, "every workflow job to complete")
-    last = time.monotonic()
-
-    def leftovers() -> str:
-        jobs = list(
-            Job.objects.filter(runner__isnull=False, status__in=JOB_LIVE).values_list(
-                "status", "pending_reason", "hold_reason", "handed_off_to", "instance__status", "attempt"
-            )
-        )
-        return f"runners at GitHub: {fake.summary()['runners']}; live runner jobs: {jobs}"
-
-    stack.on_timeout = leftovers
-    stack.wait(
-        lambda: (
-            not fake.summary()["runners"]
-            and not Job.objects.filter(runner__isnull=False, status__in=JOB_LIVE).exists()
-            and not MachineInstance.objects.filter(
-                status="claimed", jobs__runner__isnull=False, jobs__status__in=JOB_LIVE
-            ).exists()
+    ids = sixty_jobs_with_faults(
+        stack,
+        fake,
+        lambda i, name: fake.queue_job(
+            f"acme/{'app' if i % 2 else 'web'}",
+            labels[name],
+            [f"echo job {i}", "sleep 1"],
+            workflow=f"wf-{name}",
+            name=f"job-{i}",
         ),
+        relation="runner",
+    )
+    wait_every_job(stack, fake, lambda: github.all_completed(ids), "every workflow job to complete")
+    last = time.monotonic()
+    stack.on_timeout = lambda: leftovers(fake, "GitHub", "runner")
+    stack.wait(
+        lambda: not fake.summary()["runners"] and nothing_held("runner"),
         180,
         "no runner registered and no machine held for one",
     )
@@ -276,11 +202,7 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
     conclusions = [fake.job(i).conclusion for i in ids]
     assert conclusions.count("cancelled") >= 3 and conclusions.count("success") >= 50, conclusions
     assert not violations, violations[:5]
-    from django.utils import timezone
-
-    from apps.machines.budgets import budget_spends
-
-    assert budget_spends([budget], now=timezone.now())[budget.pk] <= budget.amount
+    assert budget_held(budget)
     assert WorkflowJob.objects.filter(github_id__in=ids).count() == 60  # the lost ones found by polling
     print(
         f"converged {time.monotonic() - last:.0f}s after the last job; "

@@ -6,7 +6,6 @@ adapter, for GitLab; then GitHub and GitLab jobs interleaved on one pool."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
@@ -14,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import pytest
 
 from apps.gitlab.models import GitLabJob
@@ -22,7 +20,19 @@ from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job, JobLogChunk
 from apps.pools.services import pool_create, pool_refill
 from testkit.gitlab_fake import DONE, FakeGitLab
-from testkit.gitlab_kit import WEBHOOK_PATH, allow_loopback, connect, expose_runner
+from testkit.gitlab_kit import WEBHOOK_PATH, connect, expose_runner
+from tests.ci_common import (
+    budget_held,
+    leftovers,
+    machines_over_quota,
+    nothing_held,
+    sixty_jobs_with_faults,
+    three_classes,
+    wait_every_job,
+)
+
+# tests/e2e/test_ci_two_forges.py takes it from here
+from tests.ci_common import kill_an_agent_running_a_runner as _kill_an_agent_running_a_runner  # noqa: F401
 from tests.e2e.conftest import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -109,36 +119,12 @@ def test_ci_jobs_run_on_catacloud_machines(gitlab: GitLabStack) -> None:
     assert fake.count("POST", "/user/runners") == 4 and fake.count("DELETE", "/runners/") == 4
 
 
-def _kill_an_agent_running_a_runner(stack: Stack, relation: str = "gitlab_runner") -> str | None:
-    """SIGKILL the agent (and its runner) of one machine running a runner job: a machine lost."""
-    from apps.machines.models import MachineInstance
-    from testkit.processes import agent_tree, local_machines
-
-    busy = {
-        str(pk)
-        for pk in MachineInstance.objects.filter(
-            status="claimed", **{f"jobs__{relation}__isnull": False}, jobs__status="running"
-        )
-        .values_list("pk", flat=True)
-        .distinct()
-    }
-    for record in local_machines(stack.world.account.config["state_dir"]):
-        if record.get("instance_id") in busy:
-            for proc in agent_tree(record):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            return str(record["instance_id"])
-    return None
-
-
 def _sampler(
     fake: FakeGitLab, world: Any, targets: int, violations: list[str], stop: threading.Event
 ) -> None:
     from django.db import connection
 
     from apps.gitlab.models import GitLabRunner
-    from apps.machines.choices import INSTANCE_COUNTED
-    from apps.machines.models import MachineInstance, OrgMachineType
 
     try:
         while not stop.wait(0.5):
@@ -169,14 +155,7 @@ def _sampler(
             known = GitLabJob.objects.filter(status="pending").count()
             if supply > known + targets:
                 violations.append(f"{supply} unbound runners for {known} pending jobs")
-            for grant in OrgMachineType.objects.filter(org=world.org):
-                live = MachineInstance.objects.filter(
-                    org=world.org, machine_type_id=grant.machine_type_id, status__in=INSTANCE_COUNTED
-                ).count()
-                if live > grant.max_instances:
-                    violations.append(
-                        f"{live} machines of {grant.machine_type_id} over {grant.max_instances}"
-                    )
+            violations.extend(machines_over_quota(world))
     finally:
         connection.close()
 
@@ -193,41 +172,21 @@ def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_lef
     quotas and the budget hold."""
     from apps.billing.budgets import budget_set
     from apps.gitlab.services import runner_class_save
-    from apps.jobs.choices import JOB_LIVE
-    from apps.machines.models import MachineInstance, OrgMachineType
     from apps.pools.models import InstancePool
-    from testkit.builders import granted_type
     from testkit.gitlab_kit import RUNNER_PATH
-    from testkit.processes import TESTS
 
     stack, fake = gitlab.stack, gitlab.fake
     world = stack.world
     fake.lost_after, fake.offline_after = 6.0, 5.0
-    OrgMachineType.objects.filter(pk=world.grant.pk).update(max_instances=8, max_concurrent_jobs=8)
-    tags = {"a": TAGS}
-    for name in ("b", "c"):
-        mt, _ = granted_type(
-            world.org,
-            world.account,
-            f"ci-{name}",
-            grant={"max_instances": 8, "max_concurrent_jobs": 8, "max_pool_size": 8},
-        )
-        allow_loopback(mt, fake.url)  # its runners reach the fake GitLab, as connect() lets the first
-        pool = pool_create(org=world.org, name=f"ci-{name}", machine_type=mt, target_size=2, max_size=8)
-        pool_refill(pool_id=pool.pk)
-        tags[name] = ["catacloud", f"class-{name}"]
-        runner_class_save(
-            org=world.org,
-            name=name,
-            tags=tags[name],
-            machine_type=mt,
-            pool=pool,
-            runner_path=RUNNER_PATH,
-            online_timeout_seconds=20,
-            idle_timeout_seconds=60,
-        )
-    runner_class_save(
-        org=world.org, runner_class=gitlab.classes[0], online_timeout_seconds=20, idle_timeout_seconds=60
+    tags = {"a": TAGS, "b": ["catacloud", "class-b"], "c": ["catacloud", "class-c"]}
+    three_classes(
+        world,
+        fake.url,
+        save=runner_class_save,
+        first=gitlab.classes[0],
+        labels_field="tags",
+        more={"b": tags["b"], "c": tags["c"]},
+        runner_path=RUNNER_PATH,
     )
     budget = budget_set(org=world.org, amount="50.00", period="month", actor="test")
     targets = sum(InstancePool.objects.values_list("target_size", flat=True))
@@ -239,57 +198,23 @@ def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_lef
     stop = threading.Event()
     sampler = threading.Thread(target=_sampler, args=(fake, world, targets, violations, stop), daemon=True)
     sampler.start()
-    ids: list[int] = []
-    with TESTS.celery_worker(stack.tmp, concurrency=2, **{"CATACLOUD_PUBLIC_URL": stack.url}) as extra:
-        for i in range(60):
-            name = "abc"[i % 3]
-            ids.append(
-                fake.queue_job(
-                    "acme/app" if i % 2 else "acme/web",
-                    tags[name],
-                    [f"echo job {i}", "sleep 1"],
-                    pipeline=f"pipeline-{name}",
-                    name=f"job-{i}",
-                )
-            )
-            if i == 10:
-                fake.rate_limit_for(3)
-            if i == 20:
-                for victim in ids[-3:]:
-                    fake.cancel_job(victim)
-            time.sleep(0.15)
-        stack.wait(
-            lambda: _kill_an_agent_running_a_runner(stack) is not None, 60, "an agent running a runner"
-        )
-        extra.kill()
-
-    def done() -> bool:
-        if int(time.monotonic()) % 15 == 0:
-            print(time.strftime("%H:%M:%S"), fake.summary()["jobs"], flush=True)
-        return gitlab.all_finished(ids)
-
-    stack.wait(done, 400, "every CI job to finish")
-    last = time.monotonic()
-
-    def leftovers() -> str:
-        jobs = list(
-            _runner_jobs()
-            .filter(status__in=JOB_LIVE)
-            .values_list(
-                "status", "pending_reason", "hold_reason", "handed_off_to", "instance__status", "attempt"
-            )
-        )
-        return f"runners at GitLab: {fake.summary()['runners']}; live runner jobs: {jobs}"
-
-    stack.on_timeout = leftovers
-    stack.wait(
-        lambda: (
-            not fake.runners
-            and not _runner_jobs().filter(status__in=JOB_LIVE).exists()
-            and not MachineInstance.objects.filter(
-                status="claimed", jobs__gitlab_runner__isnull=False, jobs__status__in=JOB_LIVE
-            ).exists()
+    ids = sixty_jobs_with_faults(
+        stack,
+        fake,
+        lambda i, name: fake.queue_job(
+            "acme/app" if i % 2 else "acme/web",
+            tags[name],
+            [f"echo job {i}", "sleep 1"],
+            pipeline=f"pipeline-{name}",
+            name=f"job-{i}",
         ),
+        relation="gitlab_runner",
+    )
+    wait_every_job(stack, fake, lambda: gitlab.all_finished(ids), "every CI job to finish")
+    last = time.monotonic()
+    stack.on_timeout = lambda: leftovers(fake, "GitLab", "gitlab_runner")
+    stack.wait(
+        lambda: not fake.runners and nothing_held("gitlab_runner"),
         180,
         "no runner registered at GitLab and no machine held for one",
     )
@@ -299,11 +224,7 @@ def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_lef
     assert statuses.count("canceled") >= 3 and statuses.count("success") >= 50, statuses
     assert set(statuses) <= set(DONE)
     assert not violations, violations[:5]
-    from django.utils import timezone
-
-    from apps.machines.budgets import budget_spends
-
-    assert budget_spends([budget], now=timezone.now())[budget.pk] <= budget.amount
+    assert budget_held(budget)
     assert GitLabJob.objects.filter(gitlab_id__in=ids).count() == 60  # the dropped ones found by polling
     print(
         f"converged {time.monotonic() - last:.0f}s after the last job; "

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from testkit.github_fake import FakeGitHub, app_keypair, sign
+from tests.admin.conftest import ops  # noqa: F401  (the console's operator, logged in)
 from tests.conftest import World
 
 SECRET = "webhook-secret-of-acme"

@@ -151,12 +151,7 @@ organizations:
         apply_catalog(text.replace(f"{{file: {key_file}}}", "'-----BEGIN PRIVATE KEY-----'"))
 
 
-def test_the_console_pages_show_no_secret(gh: GitHubWorld) -> None:
-    from django.contrib.auth import get_user_model
-
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    admin_client = Client()
-    admin_client.login(username="ops", password="a-long-ops-password")
+def test_the_console_pages_show_no_secret(gh: GitHubWorld, ops: Client) -> None:
     for url in (
         "/admin/github/githubconnection/",
         f"/admin/github/githubconnection/{gh.connection.pk}/change/",
@@ -164,7 +159,7 @@ def test_the_console_pages_show_no_secret(gh: GitHubWorld) -> None:
         "/admin/github/workflowjob/",
         "/admin/github/webhookdelivery/",
     ):
-        page = admin_client.get(url)
+        page = ops.get(url)
         assert page.status_code == 200, url
         assert SECRET not in page.content.decode() and "PRIVATE KEY" not in page.content.decode()
 

@@ -22,19 +22,10 @@ from apps.jobs.models import Job
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_cancel
 from apps.machines.models import MachineInstance
-from testkit.builders import enrolled_agent
+from tests.ci_common import poll, ready_agent
 from tests.github.conftest import GitHubWorld, deliver, workflow_job
 
 pytestmark = pytest.mark.django_db
-
-
-def ready_agent(gh: GitHubWorld) -> tuple[Any, MachineInstance]:
-    """An idle machine of the class's type whose agent enrolled and beat once (ready)."""
-    client, instance = enrolled_agent(gh.world.org, gh.world.machine_type)
-    assert client.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
-    instance.refresh_from_db()
-    assert instance.status == "ready"
-    return client, instance
 
 
 def queue(gh: GitHubWorld, job_id: int, **kw: Any) -> Job:
@@ -42,10 +33,6 @@ def queue(gh: GitHubWorld, job_id: int, **kw: Any) -> Job:
     assert deliver("workflow_job", workflow_job(job_id, "queued", **kw)).status_code == 200
     class_converge(runner_class_id=gh.runner_class.pk)
     return Job.objects.get(runner__created_for__github_id=job_id)
-
-
-def poll(agent: Any) -> Any:
-    return agent.get("/api/agent/v1/work?wait=0")
 
 
 def test_the_agent_gets_the_job_only_with_its_runner_registration(gh: GitHubWorld) -> None:

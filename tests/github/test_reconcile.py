@@ -25,8 +25,9 @@ from apps.github.reconcile import installation_reconcile
 from apps.jobs.models import Job
 from apps.jobs.scheduler import schedule
 from apps.machines.models import MachineInstance
+from tests.ci_common import ready_agent
 from tests.github.conftest import GitHubWorld, deliver, workflow_job
-from tests.github.test_dispatch import queue, ready_agent
+from tests.github.test_dispatch import queue
 
 pytestmark = pytest.mark.django_db
 

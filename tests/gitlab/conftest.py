@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from testkit.gitlab_fake import FakeGitLab
+from tests.admin.conftest import ops  # noqa: F401  (the console's operator, logged in)
 from tests.conftest import World
 
 TOKEN = "glpat-acme-access-token-1234"

@@ -27,19 +27,10 @@ from apps.jobs.models import Job
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_cancel
 from apps.machines.models import MachineInstance
-from testkit.builders import enrolled_agent
+from tests.ci_common import poll, ready_agent
 from tests.gitlab.conftest import APP, TAGS, GitLabWorld, deliver, job_event
 
 pytestmark = pytest.mark.django_db
-
-
-def ready_agent(gl: GitLabWorld) -> tuple[Any, MachineInstance]:
-    """An idle machine of the class's type whose agent enrolled and beat once (ready)."""
-    client, instance = enrolled_agent(gl.world.org, gl.world.machine_type)
-    assert client.post("/api/agent/v1/heartbeat", {"running_job": None}, format="json").status_code == 200
-    instance.refresh_from_db()
-    assert instance.status == "ready"
-    return client, instance
 
 
 def queue(gl: GitLabWorld, job_id: int, **kw: Any) -> Job:
@@ -47,10 +38,6 @@ def queue(gl: GitLabWorld, job_id: int, **kw: Any) -> Job:
     assert deliver(job_event(job_id, "pending", tags=kw.pop("tags", TAGS), **kw)).status_code == 200
     class_converge(forge=GITLAB, runner_class_id=gl.runner_class.pk)
     return Job.objects.get(gitlab_runner__created_for__gitlab_id=job_id)
-
-
-def poll(agent: Any) -> Any:
-    return agent.get("/api/agent/v1/work?wait=0")
 
 
 def handoff(job: Job) -> str:

@@ -25,8 +25,9 @@ from apps.jobs.models import Job
 from apps.jobs.reports import job_finished, job_started
 from apps.jobs.scheduler import schedule
 from apps.machines.models import MachineInstance
+from tests.ci_common import ready_agent
 from tests.gitlab.conftest import APP, TAGS, GitLabWorld, deliver, job_event
-from tests.gitlab.test_dispatch import queue, ready_agent
+from tests.gitlab.test_dispatch import queue
 
 pytestmark = pytest.mark.django_db
 

@@ -1,5 +1,5 @@
-"""What every forge's API shares: a runner class's pool (one of the org's) and its live counts,
-and an endpoint's health (availability, calls, the reconciler)."""
+"""What every forge's API shares: a runner class's serializer (its machine type and pool, the
+org's; its live runners) and an endpoint's health (availability, calls, the reconciler)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from rest_framework import serializers
 
 from apps.jobs.choices import JOB_LIVE
+from apps.machines.api.serializers import OrgMachineTypeField
 from apps.pools.models import InstancePool
 
 
@@ -17,9 +18,20 @@ class OrgPoolField(serializers.PrimaryKeyRelatedField):
         return InstancePool.objects.filter(org=org) if org is not None else InstancePool.objects.none()
 
 
-def live_runners(runner_class: Any) -> int:
-    """Live runners (Catacloud jobs) of a class."""
-    return int(runner_class.runners.filter(job__status__in=JOB_LIVE).count())
+# A forge's runner class: each forge's subclass adds its labels (GitLab: tags) and its waiting
+# jobs, and names its model and fields in a ``Meta(RunnerClassSerializer.Meta)``. (A comment, not
+# a docstring: the schema would show it as each subclass's description.)
+class RunnerClassSerializer(serializers.ModelSerializer):
+    machine_type = OrgMachineTypeField()
+    pool = OrgPoolField(required=False, allow_null=True)
+    runners = serializers.SerializerMethodField(help_text="live runners (Catacloud jobs) of this class")
+
+    class Meta:
+        read_only_fields = ("id", "job_config", "created_at", "updated_at")
+        extra_kwargs = {"command": {"trim_whitespace": False, "max_length": 65536}}
+
+    def get_runners(self, obj: Any) -> int:
+        return int(obj.runners.filter(job__status__in=JOB_LIVE).count())
 
 
 def endpoint_health(endpoint: Any) -> dict[str, Any]:

@@ -5,12 +5,11 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
+from apps.ci.api import serializers as ci_serializers
+from apps.ci.api.serializers import endpoint_health
 from apps.github.choices import WorkflowJobStatus
 from apps.github.models import GitHubConnection, RunnerClass, WorkflowJob
 from apps.github.services import CLASS_FIELDS
-from apps.jobs.choices import JOB_LIVE
-from apps.machines.api.serializers import OrgMachineTypeField
-from apps.pools.models import InstancePool
 
 
 class InstallationIn(serializers.Serializer):
@@ -60,44 +59,21 @@ class ConnectionOut(serializers.ModelSerializer):
 
     def get_installations(self, obj: GitHubConnection) -> list[dict[str, Any]]:
         return [
-            {
-                "id": i.installation_id,
-                "account": i.account,
-                "available": i.is_available(),
-                "unavailable_reason": i.unavailable_reason if not i.is_available() else "",
-                "calls_this_hour": i.window_calls,
-                "calls_total": i.calls_total,
-                "rate_remaining": i.rate_remaining,
-                "reconciled_at": i.reconciled_at,
-            }
+            {"id": i.installation_id, "account": i.account, **endpoint_health(i)}
             for i in obj.installations.order_by("installation_id")
         ]
 
 
-class OrgPoolField(serializers.PrimaryKeyRelatedField):
-    def get_queryset(self):
-        org = self.context.get("org")
-        return InstancePool.objects.filter(org=org) if org is not None else InstancePool.objects.none()
-
-
-class RunnerClassSerializer(serializers.ModelSerializer):
-    machine_type = OrgMachineTypeField()
-    pool = OrgPoolField(required=False, allow_null=True)
+class RunnerClassSerializer(ci_serializers.RunnerClassSerializer):
     labels = serializers.ListField(child=serializers.CharField(max_length=100), min_length=1, max_length=100)
     queued = serializers.SerializerMethodField(help_text="workflow jobs of this class waiting for a runner")
-    runners = serializers.SerializerMethodField(help_text="live runners (Catacloud jobs) of this class")
 
-    class Meta:
+    class Meta(ci_serializers.RunnerClassSerializer.Meta):
         model = RunnerClass
         fields = ("id", *CLASS_FIELDS, "job_config", "queued", "runners", "created_at", "updated_at")
-        read_only_fields = ("id", "job_config", "created_at", "updated_at")
-        extra_kwargs = {"command": {"trim_whitespace": False, "max_length": 65536}}
 
     def get_queued(self, obj: RunnerClass) -> int:
         return obj.jobs.filter(status=WorkflowJobStatus.QUEUED).count()
-
-    def get_runners(self, obj: RunnerClass) -> int:
-        return obj.runners.filter(job__status__in=JOB_LIVE).count()
 
 
 class WorkflowJobSerializer(serializers.ModelSerializer):

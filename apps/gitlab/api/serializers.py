@@ -5,11 +5,11 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from apps.ci.api.serializers import OrgPoolField, endpoint_health, live_runners
+from apps.ci.api import serializers as ci_serializers
+from apps.ci.api.serializers import endpoint_health
 from apps.gitlab.choices import GitLabJobStatus
 from apps.gitlab.models import GitLabConnection, GitLabJob, GitLabRunnerClass
 from apps.gitlab.services import CLASS_FIELDS
-from apps.machines.api.serializers import OrgMachineTypeField
 
 
 class ProjectIn(serializers.Serializer):
@@ -62,24 +62,16 @@ class GitLabConnectionOut(serializers.ModelSerializer):
         return endpoint_health(obj)
 
 
-class GitLabRunnerClassSerializer(serializers.ModelSerializer):
-    machine_type = OrgMachineTypeField()
-    pool = OrgPoolField(required=False, allow_null=True)
+class GitLabRunnerClassSerializer(ci_serializers.RunnerClassSerializer):
     tags = serializers.ListField(child=serializers.CharField(max_length=255), min_length=1, max_length=100)
     pending = serializers.SerializerMethodField(help_text="CI jobs of this class waiting for a runner")
-    runners = serializers.SerializerMethodField(help_text="live runners (Catacloud jobs) of this class")
 
-    class Meta:
+    class Meta(ci_serializers.RunnerClassSerializer.Meta):
         model = GitLabRunnerClass
         fields = ("id", *CLASS_FIELDS, "job_config", "pending", "runners", "created_at", "updated_at")
-        read_only_fields = ("id", "job_config", "created_at", "updated_at")
-        extra_kwargs = {"command": {"trim_whitespace": False, "max_length": 65536}}
 
     def get_pending(self, obj: GitLabRunnerClass) -> int:
         return obj.jobs.filter(status=GitLabJobStatus.PENDING).count()
-
-    def get_runners(self, obj: GitLabRunnerClass) -> int:
-        return live_runners(obj)
 
 
 class GitLabJobSerializer(serializers.ModelSerializer):
