@@ -18,8 +18,8 @@ from apps.pools.services import pool_create, pool_refill
 from testkit import github_kit, gitlab_kit
 from testkit.github_fake import FakeGitHub, app_keypair
 from testkit.gitlab_fake import FakeGitLab
+from tests.ci_common import kill_an_agent_running_a_runner
 from tests.e2e.conftest import Stack
-from tests.e2e.test_gitlab_ci import _kill_an_agent_running_a_runner
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 GH_LABELS = ["self-hosted", "catacloud-linux-2cpu"]
@@ -143,7 +143,7 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
                     gitlab.cancel_job(gl_ids[-1])
                 time.sleep(0.15)
             stack.wait(
-                lambda: _kill_an_agent_running_a_runner(stack, "runner") is not None,
+                lambda: kill_an_agent_running_a_runner(stack, "runner") is not None,
                 60,
                 "an agent running a runner",
             )

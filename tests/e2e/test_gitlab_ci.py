@@ -30,9 +30,6 @@ from tests.ci_common import (
     three_classes,
     wait_every_job,
 )
-
-# tests/e2e/test_ci_two_forges.py takes it from here
-from tests.ci_common import kill_an_agent_running_a_runner as _kill_an_agent_running_a_runner  # noqa: F401
 from tests.e2e.conftest import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
