@@ -28,6 +28,22 @@ from testkit.processes import purge_redis
 BENCH_DB = "catacloud_bench"
 BENCH_REDIS_DB = 14
 
+# The parts `python -m benchmarks` runs, in the order the report shows them (chaos, run on its
+# own by `make chaos`, comes after them in the report).
+PARTS = (
+    "claim",
+    "rest",
+    "submit",
+    "replenish",
+    "reaper",
+    "admission",
+    "cost",
+    "fleet",
+    "ci",
+    "images",
+    "tail",
+)
+
 Progress = Callable[[str], None]
 
 
