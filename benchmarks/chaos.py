@@ -65,6 +65,7 @@ from benchmarks.harness import (
     PartResult,
     flush,
     median,
+    save_figure,
     say,
     temp_dir,
     tenant,
@@ -1714,10 +1715,7 @@ def plot(result: PartResult, out: Path) -> str:
     a.set_title("Chaos soak: live machines against the quota (vertical lines: faults)")
     a.legend(loc="upper right", fontsize=8)
     a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(d / "chaos.png", dpi=110)
-    plt.close(fig)
-    return "chaos.png"
+    return save_figure(fig, d / "chaos.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,16 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def save_figure(fig: Any, path: Path) -> str:
+    """Lay a plot out, write it as a PNG at ``path`` and close it; returns its file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 # ---- the bench database -------------------------------------------------------------------------
 
 

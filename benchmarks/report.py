@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import PARTS, PartResult
+from benchmarks.harness import PARTS, PartResult, save_figure
 
 # How far apart two runs of the same code land, and how to read a figure (BENCHMARKS.md).
 NOISE = [
@@ -207,10 +207,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
             ylabel="fraction of claims",
             title=f"Claim latency CDF at {key} claimers",
         )
-        fig.tight_layout()
-        fig.savefig(d / "claim.png", dpi=110)
-        plt.close(fig)
-        made.append("claim.png")
+        made.append(save_figure(fig, d / "claim.png"))
     latency = [(p, k) for p, k in (("rest", "samples_ms"),) if p in by and by[p].data.get(k)]
     if latency or "submit" in by or "replenish" in by:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -236,10 +233,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         for label, vals in series:
             cdf(b, [x * 1000 for x in vals], "o-", ms=3, label=label)
         cdf_axes(b, xlabel="ms (log)", ylabel="fraction", title="Submit to running; replenishment")
-        fig.tight_layout()
-        fig.savefig(d / "latency.png", dpi=110)
-        plt.close(fig)
-        made.append("latency.png")
+        made.append(save_figure(fig, d / "latency.png"))
     if "cost" in by:
         data = by["cost"].data
         fig, a = plt.subplots(figsize=(8, 4.8))
@@ -263,10 +257,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         a.set_title(f"Cost vs p95 wait per policy ({data['jobs']} jobs, hourly billing)")
         a.legend()
         a.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(d / "cost.png", dpi=110)
-        plt.close(fig)
-        made.append("cost.png")
+        made.append(save_figure(fig, d / "cost.png"))
         if data.get("replay"):
             made.append(_replay_plot(data["replay"], d))
         if data.get("budget", {}).get("spend_curve"):
@@ -283,10 +274,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
             )
             a.legend()
             a.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(d / "budget.png", dpi=110)
-            plt.close(fig)
-            made.append("budget.png")
+            made.append(save_figure(fig, d / "budget.png"))
     if "fleet" in by and (by["fleet"].data.get("rows") or by["fleet"].data.get("baseline")):
         from benchmarks.fleet import plot as fleet_plot
 
@@ -337,9 +325,7 @@ def _tail_plot(data: dict[str, Any], d: Path, plt: Any) -> None:
         ax.set_xlabel("percentile")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(d / "tail.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, d / "tail.png")
 
 
 def _alive(timeline: list[list[float]], at: list[float]) -> list[int]:
@@ -375,10 +361,7 @@ def _replay_plot(replay: dict[str, Any], d: Path) -> str:
         b.axvline(lim, color="grey", ls=":", lw=1)
     b.set_xlabel("live / simulated (10% band dotted)")
     b.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(d / "replay.png", dpi=110)
-    plt.close(fig)
-    return "replay.png"
+    return save_figure(fig, d / "replay.png")
 
 
 def write(results: list[PartResult], out: Path, env: dict[str, str], explanations: dict[str, str]) -> Path:
