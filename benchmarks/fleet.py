@@ -42,6 +42,7 @@ from benchmarks.harness import (
     PartResult,
     Progress,
     percentile,
+    save_figure,
     say,
     temp_dir,
     tenant,
@@ -611,8 +612,4 @@ def plot(result: PartResult, out: Path) -> str:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.suptitle("Fleet: p99 latencies against connected agents (red band: the step did not hold)")
-    fig.tight_layout()
-    path = out / "docs" / "bench" / "fleet.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return "fleet.png"
+    return save_figure(fig, out / "docs" / "bench" / "fleet.png")

@@ -28,11 +28,37 @@ from testkit.processes import purge_redis
 BENCH_DB = "catacloud_bench"
 BENCH_REDIS_DB = 14
 
+# The parts `python -m benchmarks` runs, in the order the report shows them (chaos, run on its
+# own by `make chaos`, comes after them in the report).
+PARTS = (
+    "claim",
+    "rest",
+    "submit",
+    "replenish",
+    "reaper",
+    "admission",
+    "cost",
+    "fleet",
+    "ci",
+    "images",
+    "tail",
+)
+
 Progress = Callable[[str], None]
 
 
 def say(message: str) -> None:
     print(message, flush=True)
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Lay a plot out, write it as a PNG at ``path`` and close it; returns its file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 # ---- the bench database -------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import PartResult
+from benchmarks.harness import PARTS, PartResult, save_figure
 
 # How far apart two runs of the same code land, and how to read a figure (BENCHMARKS.md).
 NOISE = [
@@ -30,20 +30,7 @@ NOISE = [
     "fresh number with an old report.",
     "",
 ]
-ORDER = (
-    "claim",
-    "rest",
-    "submit",
-    "replenish",
-    "reaper",
-    "admission",
-    "cost",
-    "fleet",
-    "ci",
-    "images",
-    "tail",
-    "chaos",
-)
+ORDER = (*PARTS, "chaos")
 
 
 def environment() -> dict[str, str]:
@@ -177,6 +164,22 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
 
+    def cdf(ax: Any, values: Any, *style: str, **kw: Any) -> None:
+        """The share of ``values`` at or below each of them (nothing when there are none)."""
+        xs = sorted(values)
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], *style, **kw)
+
+    def cdf_axes(ax: Any, *, xlabel: str, ylabel: str, title: str) -> None:
+        """Label a CDF plot whose x axis (a latency) is logarithmic."""
+        ax.set_xscale("log")
+        tidy(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+
     d = out / "docs" / "bench"
     made = []
     by = {r.part: r for r in results}
@@ -197,36 +200,28 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         a.grid(alpha=0.3)
         key = "16" if "16" in data["samples_ms"] else str(max(cs))
         for v in variants:
-            xs = sorted(data["samples_ms"][key][v])
-            if xs:
-                b.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=v)
-        b.set_xscale("log")
-        tidy(b)
-        b.set_xlabel("latency (ms, log)")
-        b.set_ylabel("fraction of claims")
-        b.set_title(f"Claim latency CDF at {key} claimers")
-        b.legend()
-        b.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(d / "claim.png", dpi=110)
-        plt.close(fig)
-        made.append("claim.png")
+            cdf(b, data["samples_ms"][key][v], label=v)
+        cdf_axes(
+            b,
+            xlabel="latency (ms, log)",
+            ylabel="fraction of claims",
+            title=f"Claim latency CDF at {key} claimers",
+        )
+        made.append(save_figure(fig, d / "claim.png"))
     latency = [(p, k) for p, k in (("rest", "samples_ms"),) if p in by and by[p].data.get(k)]
     if latency or "submit" in by or "replenish" in by:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         a, b = axes
         if "rest" in by and by["rest"].data.get("samples_ms"):
-            xs = sorted(by["rest"].data["samples_ms"])
-            a.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label="POST /acquire/")
+            cdf(a, by["rest"].data["samples_ms"], label="POST /acquire/")
             a.axvline(15, color="green", ls=":", label="p50 target 15 ms")
             a.axvline(50, color="red", ls=":", label="p99 target 50 ms")
-            a.set_xscale("log")
-            tidy(a)
-            a.set_xlabel("latency (ms, log)")
-            a.set_ylabel("fraction of requests")
-            a.set_title("REST acquire latency CDF (8 clients)")
-            a.legend()
-            a.grid(alpha=0.3)
+            cdf_axes(
+                a,
+                xlabel="latency (ms, log)",
+                ylabel="fraction of requests",
+                title="REST acquire latency CDF (8 clients)",
+            )
         series = []
         if "submit" in by:
             series += [
@@ -236,20 +231,9 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         if "replenish" in by:
             series.append(("claim -> replacement provisioning", by["replenish"].data["delays_s"]))
         for label, vals in series:
-            xs = sorted(x * 1000 for x in vals)
-            if xs:
-                b.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], "o-", ms=3, label=label)
-        b.set_xscale("log")
-        tidy(b)
-        b.set_xlabel("ms (log)")
-        b.set_ylabel("fraction")
-        b.set_title("Submit to running; replenishment")
-        b.legend()
-        b.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(d / "latency.png", dpi=110)
-        plt.close(fig)
-        made.append("latency.png")
+            cdf(b, [x * 1000 for x in vals], "o-", ms=3, label=label)
+        cdf_axes(b, xlabel="ms (log)", ylabel="fraction", title="Submit to running; replenishment")
+        made.append(save_figure(fig, d / "latency.png"))
     if "cost" in by:
         data = by["cost"].data
         fig, a = plt.subplots(figsize=(8, 4.8))
@@ -273,10 +257,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         a.set_title(f"Cost vs p95 wait per policy ({data['jobs']} jobs, hourly billing)")
         a.legend()
         a.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(d / "cost.png", dpi=110)
-        plt.close(fig)
-        made.append("cost.png")
+        made.append(save_figure(fig, d / "cost.png"))
         if data.get("replay"):
             made.append(_replay_plot(data["replay"], d))
         if data.get("budget", {}).get("spend_curve"):
@@ -293,10 +274,7 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
             )
             a.legend()
             a.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(d / "budget.png", dpi=110)
-            plt.close(fig)
-            made.append("budget.png")
+            made.append(save_figure(fig, d / "budget.png"))
     if "fleet" in by and (by["fleet"].data.get("rows") or by["fleet"].data.get("baseline")):
         from benchmarks.fleet import plot as fleet_plot
 
@@ -347,9 +325,7 @@ def _tail_plot(data: dict[str, Any], d: Path, plt: Any) -> None:
         ax.set_xlabel("percentile")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(d / "tail.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, d / "tail.png")
 
 
 def _alive(timeline: list[list[float]], at: list[float]) -> list[int]:
@@ -385,10 +361,7 @@ def _replay_plot(replay: dict[str, Any], d: Path) -> str:
         b.axvline(lim, color="grey", ls=":", lw=1)
     b.set_xlabel("live / simulated (10% band dotted)")
     b.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(d / "replay.png", dpi=110)
-    plt.close(fig)
-    return "replay.png"
+    return save_figure(fig, d / "replay.png")
 
 
 def write(results: list[PartResult], out: Path, env: dict[str, str], explanations: dict[str, str]) -> Path:

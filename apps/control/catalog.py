@@ -132,6 +132,42 @@ class _Applier:
             key = next((k for k in fields if k in node), None)
             raise self.error(exc.detail, node, key) from None
 
+    def named_machine_type(self, node: _Map) -> MachineType:
+        """The machine type ``node`` names under ``machine_type``; an error at that key if none."""
+        mt = MachineType.objects.filter(name=str(node["machine_type"])).first()
+        if mt is None:
+            raise self.error(f"unknown machine type {node['machine_type']!r}", node, "machine_type")
+        return mt
+
+    def runner_class(
+        self,
+        org: Any,
+        entry: _Map,
+        *,
+        model: type[RunnerClass] | type[GitLabRunnerClass],
+        save: Callable[..., Any],
+        what: str,
+    ) -> None:
+        """Create or update one runner class of a forge (GitHub's or GitLab's, by ``model`` and
+        its service ``save``), in the pool and of the machine type the entry names."""
+        mt = self.named_machine_type(entry)
+        fields = {k: v for k, v in entry.items() if k not in ("machine_type", "pool")}
+        existing = model.objects.filter(org=org, name=str(entry["name"])).first()
+        pool = self.guard(entry, functools.partial(pool_by_name, org, entry.get("pool")))
+        _, changed = self.guard(
+            entry,
+            functools.partial(
+                save,
+                org=org,
+                runner_class=existing,
+                actor=Actor.CATALOG,
+                machine_type=mt,
+                pool=pool,
+                **fields,
+            ),
+        )
+        self.report.add(f"{what} {org.slug}/{entry['name']}", changed, created=existing is None)
+
     def secret_ref(self, node: Any, parent: _Map, key: str) -> str:
         if not isinstance(node, _Map) or set(node) not in ({"env"}, {"file"}):
             raise self.error(
@@ -318,9 +354,7 @@ class _Applier:
                 {"machine_type"},
                 set(OrgMachineType.QUOTA_FIELDS),
             )
-            mt = MachineType.objects.filter(name=str(grant["machine_type"])).first()
-            if mt is None:
-                raise self.error(f"unknown machine type {grant['machine_type']!r}", grant, "machine_type")
+            mt = self.named_machine_type(grant)
             quota = {k: v for k, v in grant.items() if k != "machine_type"}
             _, grant_changed = self.guard(
                 grant, functools.partial(grant_upsert, org=org, machine_type=mt, **quota)
@@ -360,27 +394,7 @@ class _Applier:
         self.report.add(f"github connection of {org.slug}", changed, created=not existed)
         for entry in self.items(node, "runner_classes"):
             self.fields(entry, "runner class", {"name", "labels", "machine_type"}, set(CLASS_FIELDS))
-            mt = MachineType.objects.filter(name=str(entry["machine_type"])).first()
-            if mt is None:
-                raise self.error(f"unknown machine type {entry['machine_type']!r}", entry, "machine_type")
-            fields = {k: v for k, v in entry.items() if k not in ("machine_type", "pool")}
-            existing = RunnerClass.objects.filter(org=org, name=str(entry["name"])).first()
-            pool = self.guard(entry, functools.partial(pool_by_name, org, entry.get("pool")))
-            _, class_changed = self.guard(
-                entry,
-                functools.partial(
-                    runner_class_save,
-                    org=org,
-                    runner_class=existing,
-                    actor=Actor.CATALOG,
-                    machine_type=mt,
-                    pool=pool,
-                    **fields,
-                ),
-            )
-            self.report.add(
-                f"runner class {org.slug}/{entry['name']}", class_changed, created=existing is None
-            )
+            self.runner_class(org, entry, model=RunnerClass, save=runner_class_save, what="runner class")
 
     def gitlab(self, org: Any, node: _Map) -> None:
         """``gitlab: {url?, token: {file|env}, webhook_token: {file|env}, projects: [{id, path}],
@@ -404,26 +418,12 @@ class _Applier:
             self.fields(
                 entry, "runner class", {"name", "tags", "machine_type"}, set(gitlab_services.CLASS_FIELDS)
             )
-            mt = MachineType.objects.filter(name=str(entry["machine_type"])).first()
-            if mt is None:
-                raise self.error(f"unknown machine type {entry['machine_type']!r}", entry, "machine_type")
-            fields = {k: v for k, v in entry.items() if k not in ("machine_type", "pool")}
-            existing = GitLabRunnerClass.objects.filter(org=org, name=str(entry["name"])).first()
-            pool = self.guard(entry, functools.partial(pool_by_name, org, entry.get("pool")))
-            _, class_changed = self.guard(
+            self.runner_class(
+                org,
                 entry,
-                functools.partial(
-                    gitlab_services.runner_class_save,
-                    org=org,
-                    runner_class=existing,
-                    actor=Actor.CATALOG,
-                    machine_type=mt,
-                    pool=pool,
-                    **fields,
-                ),
-            )
-            self.report.add(
-                f"gitlab runner class {org.slug}/{entry['name']}", class_changed, created=existing is None
+                model=GitLabRunnerClass,
+                save=gitlab_services.runner_class_save,
+                what="gitlab runner class",
             )
 
     def budget(self, org: Any, node: _Map) -> bool:
@@ -433,9 +433,7 @@ class _Applier:
         self.fields(node, "budget", {"amount"}, {"period", "machine_type"})
         mt = None
         if node.get("machine_type") is not None:
-            mt = MachineType.objects.filter(name=str(node["machine_type"])).first()
-            if mt is None:
-                raise self.error(f"unknown machine type {node['machine_type']!r}", node, "machine_type")
+            mt = self.named_machine_type(node)
         period = str(node.get("period", "month"))
         try:
             amount = Decimal(str(node["amount"])).quantize(Decimal("0.01"))

@@ -38,6 +38,15 @@ BATCH = 500
 CLAIM_PREFIX = "job:"
 
 
+def _terminate(instance_id: Any, *, reason: str, cause: Cause = Cause.MACHINE_TERMINATED) -> bool:
+    """The reaper ends a job's machine; ``False`` when it is ending or gone already."""
+    try:
+        instance_terminate(instance_id=instance_id, actor=Actor.REAPER, reason=reason, cause=cause)
+    except InvalidTransition:
+        return False
+    return True
+
+
 def jobs_converge(*, now: datetime) -> dict[str, int]:
     return {
         "requeued_gone_machine": requeue_jobs_on_gone_machines(),
@@ -100,13 +109,7 @@ def requeue_unstarted(*, now: datetime) -> int:
                 actor=Actor.REAPER,
             )
             if instance_id:
-                with contextlib.suppress(InvalidTransition):
-                    instance_terminate(
-                        instance_id=instance_id,
-                        actor=Actor.REAPER,
-                        reason="did not start its assigned job",
-                        cause=Cause.NOT_STARTED,
-                    )
+                _terminate(instance_id, reason="did not start its assigned job", cause=Cause.NOT_STARTED)
         count += 1
     return count
 
@@ -133,13 +136,9 @@ def release_finished_claims(*, now: datetime) -> int:
     for job_id, instance_id in by_job.items():
         job = jobs.get(job_id)
         if job is None:
-            with contextlib.suppress(InvalidTransition):
-                instance_terminate(
-                    instance_id=instance_id,
-                    actor=Actor.REAPER,
-                    reason="claimed for a job that no longer exists",
-                    cause=Cause.CLAIM_RELEASED,
-                )
+            if _terminate(
+                instance_id, reason="claimed for a job that no longer exists", cause=Cause.CLAIM_RELEASED
+            ):
                 count += 1
         elif job.status in JOB_TERMINAL and (job.finished_at is None or job.finished_at < upload_cutoff):
             count += instance_release(instance_id=instance_id, job=job)
@@ -167,9 +166,6 @@ def jobs_time_out(*, now: datetime) -> int:
                 continue
             release_for_job(job_id=job.pk, reason="job timed out")
             if job.instance_id:
-                with contextlib.suppress(InvalidTransition):
-                    instance_terminate(
-                        instance_id=job.instance_id, actor=Actor.REAPER, reason="job timed out"
-                    )
+                _terminate(job.instance_id, reason="job timed out")
         count += 1
     return count

@@ -409,7 +409,9 @@ class BubblewrapLauncher:
             network=network,
         )
 
-    def _options(self, place: JobPlace, *, env_file: int, resolver: int | None = None) -> list[str]:
+    def _namespace_options(self, *, root: str) -> list[str]:
+        """What every sandbox starts with, on the machine or in an image: its own namespaces and
+        host name, ``root`` read-only at ``/``, ``/dev``, ``/proc`` and the GPU devices there are."""
         args = [
             "--unshare-user",
             "--unshare-pid",
@@ -423,7 +425,7 @@ class BubblewrapLauncher:
             "--die-with-parent",
             "--new-session",
             "--ro-bind",
-            "/",
+            root,
             "/",
             "--dev",
             "/dev",
@@ -433,6 +435,10 @@ class BubblewrapLauncher:
         for device in gpus:
             if os.path.exists(device):
                 args += ["--dev-bind", device, device]
+        return args
+
+    def _options(self, place: JobPlace, *, env_file: int, resolver: int | None = None) -> list[str]:
+        args = self._namespace_options(root="/")
         hidden = [
             p for p in ("/tmp", "/var/tmp", "/run", "/dev/shm", *_HOMES, *self.hidden) if os.path.isdir(p)
         ]
@@ -474,29 +480,7 @@ class BubblewrapLauncher:
         no other job's folder is there), the shared folders, the agent's socket, the resolver,
         its env file, ``/etc/passwd`` and ``/etc/group``. The store made every mount point in
         the image's root when it unpacked it (a read-only root cannot get one later)."""
-        args = [
-            "--unshare-user",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--unshare-net",
-            "--disable-userns",
-            "--hostname",
-            self.hostname,
-            "--die-with-parent",
-            "--new-session",
-            "--ro-bind",
-            image.rootfs,
-            "/",
-            "--dev",
-            "/dev",
-            *(["--proc", "/proc"] if self.proc == "mount" else ["--ro-bind", "/proc", "/proc"]),
-        ]
-        gpus = [*GPU_DEVICES, *(d for pattern in GPU_DEVICE_GLOBS for d in sorted(glob.glob(pattern)))]
-        for device in gpus:
-            if os.path.exists(device):
-                args += ["--dev-bind", device, device]
+        args = self._namespace_options(root=image.rootfs)
         for folder in ("/tmp", "/var/tmp", "/run", "/dev/shm", image.mount_root):
             args += ["--tmpfs", folder]
         for folder in self.shared:

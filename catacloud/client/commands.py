@@ -94,6 +94,18 @@ class _Commands:
         return parser
 
 
+def _status_filter(parser: argparse.ArgumentParser, statuses: tuple[str, ...]) -> None:
+    """The ``--status`` option of a listing: repeatable, one of ``statuses`` each time."""
+    parser.add_argument(
+        "--status",
+        action="append",
+        default=[],
+        choices=statuses,
+        metavar="STATUS",
+        help="only these statuses (repeatable): " + ", ".join(statuses),
+    )
+
+
 def add_client_commands(subparsers: Any) -> None:
     """Register ``jobs``, ``configs``, ``pools``, ``instances``, ``artifacts`` and ``auth`` on an
     ``add_subparsers()`` object (whose parser carries the global flags too)."""
@@ -120,14 +132,7 @@ def _jobs(at: _Commands) -> None:
     p.add_argument("job", metavar="JOB", help="job id (or its first digits)")
 
     p = at.command(jobs, "ls", cmd_jobs_ls, "list jobs, newest first")
-    p.add_argument(
-        "--status",
-        action="append",
-        default=[],
-        choices=JOB_STATUSES,
-        metavar="STATUS",
-        help="only these statuses (repeatable): " + ", ".join(JOB_STATUSES),
-    )
+    _status_filter(p, JOB_STATUSES)
     p.add_argument("--config", metavar="NAME", help="only jobs of this configuration")
     p.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
 
@@ -196,14 +201,7 @@ def _pools(at: _Commands) -> None:
 def _instances(at: _Commands) -> None:
     instances = at.group("instances", "list, show and terminate machines")
     p = at.command(instances, "ls", cmd_instances_ls, "list machines, newest first")
-    p.add_argument(
-        "--status",
-        action="append",
-        default=[],
-        choices=INSTANCE_STATUSES,
-        metavar="STATUS",
-        help="only these statuses (repeatable): " + ", ".join(INSTANCE_STATUSES),
-    )
+    _status_filter(p, INSTANCE_STATUSES)
     p.add_argument("--pool", metavar="POOL", help="only members of this pool (name or id)")
     p.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     p = at.command(

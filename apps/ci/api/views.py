@@ -9,14 +9,14 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from django.db import models
-from rest_framework import mixins, serializers, status
+from rest_framework import serializers, status
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from apps.core.actors import Actor
 from apps.core.errors import NotFound
-from apps.orgs.api.base import OrgScopedViewSet, RolePermission, org_context
+from apps.orgs.api.base import OrgScopedModelViewSet, RolePermission, org_context
 from apps.orgs.choices import Role
 
 
@@ -63,14 +63,7 @@ class ConnectionView(APIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
-class RunnerClassViewSet(
-    OrgScopedViewSet,
-    mixins.ListModelMixin,
-    mixins.RetrieveModelMixin,
-    mixins.CreateModelMixin,
-    mixins.UpdateModelMixin,
-    mixins.DestroyModelMixin,
-):
+class RunnerClassViewSet(OrgScopedModelViewSet):
     """Runner classes: which CI jobs (by labels or tags) run on which machine type."""
 
     ordering = ("name",)

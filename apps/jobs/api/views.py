@@ -29,7 +29,7 @@ from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import IDEMPOTENCY_KEY_MAX, job_cancel, job_submit_once
 from apps.jobs.timing import job_timing
 from apps.machines.costs import job_cost
-from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
+from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedModelViewSet, OrgScopedViewSet
 
 
 class JobConfigurationFilter(OrgScopedFilterSet):
@@ -41,14 +41,7 @@ class JobConfigurationFilter(OrgScopedFilterSet):
         fields = ("name", "machine_type", "reuse")
 
 
-class JobConfigurationViewSet(
-    OrgScopedViewSet,
-    mixins.ListModelMixin,
-    mixins.RetrieveModelMixin,
-    mixins.CreateModelMixin,
-    mixins.UpdateModelMixin,
-    mixins.DestroyModelMixin,
-):
+class JobConfigurationViewSet(OrgScopedModelViewSet):
     """Named recipes for jobs. Viewers read; admins create, change and delete."""
 
     queryset = JobConfiguration.objects.select_related("machine_type").prefetch_related("resource_types")

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import django_filters
 from django.db.models import QuerySet, UUIDField
 from django.http import Http404
-from rest_framework import exceptions, permissions, viewsets
+from rest_framework import exceptions, mixins, permissions, viewsets
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
@@ -208,3 +208,15 @@ class OrgScopedViewSet(viewsets.GenericViewSet):
     def actor(self) -> Actor:
         token = self.ctx.token
         return Actor.user(self.request.user.get_username(), token.prefix if token else None)
+
+
+class OrgScopedModelViewSet(
+    OrgScopedViewSet,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    mixins.DestroyModelMixin,
+):
+    """An org's objects listed, read, created, changed and deleted (DRF's ``ModelViewSet``,
+    scoped to the caller's org)."""

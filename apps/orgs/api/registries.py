@@ -3,12 +3,12 @@ Viewers read the host and user name; admins set and remove them; the password is
 
 from __future__ import annotations
 
-from rest_framework import mixins, serializers
+from rest_framework import serializers
 from rest_framework.serializers import BaseSerializer
 
 from apps.core.api import StrictFields
 from apps.core.errors import ValidationFailed
-from apps.orgs.api.base import OrgScopedViewSet
+from apps.orgs.api.base import OrgScopedModelViewSet
 from apps.orgs.models import RegistryCredential
 from apps.orgs.registries import registry_credential_delete, registry_credential_set
 
@@ -31,14 +31,7 @@ class RegistryCredentialSerializer(StrictFields, serializers.ModelSerializer):
         read_only_fields = ("id", "created_at", "updated_at")
 
 
-class RegistryCredentialViewSet(
-    OrgScopedViewSet,
-    mixins.ListModelMixin,
-    mixins.RetrieveModelMixin,
-    mixins.CreateModelMixin,
-    mixins.UpdateModelMixin,
-    mixins.DestroyModelMixin,
-):
+class RegistryCredentialViewSet(OrgScopedModelViewSet):
     """Credentials per registry host. ``POST`` sets them (replacing the host's earlier ones)."""
 
     queryset = RegistryCredential.objects.all()

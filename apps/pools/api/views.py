@@ -7,7 +7,7 @@ import django_filters
 from django.db import transaction
 from django.db.models import Prefetch
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, status
+from rest_framework import status
 from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound
 from rest_framework.request import Request
@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
-from apps.orgs.api.base import IdPrefixFilter, OrgScopedViewSet
+from apps.orgs.api.base import IdPrefixFilter, OrgScopedModelViewSet
 from apps.pools.api.serializers import (
     AcquireIn,
     AcquireOut,
@@ -60,14 +60,7 @@ class PoolFilter(django_filters.FilterSet):
         fields = ("name", "status", "machine_type")
 
 
-class PoolViewSet(
-    OrgScopedViewSet,
-    mixins.ListModelMixin,
-    mixins.RetrieveModelMixin,
-    mixins.CreateModelMixin,
-    mixins.UpdateModelMixin,
-    mixins.DestroyModelMixin,
-):
+class PoolViewSet(OrgScopedModelViewSet):
     """Warm pools: keep target_size machines ready; acquire one in milliseconds."""
 
     queryset = InstancePool.objects.select_related("machine_type").prefetch_related(
