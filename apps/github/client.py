@@ -4,7 +4,8 @@ every forge's client shares) that authenticates as GitHub wants:
 
 - **Auth**: the App's JWT (RS256, signed by PyJWT with ``cryptography``'s RSA: no hand-rolled
   crypto) for App endpoints, and installation tokens for the rest, cached encrypted on the
-  installation row (shared by every process) until 5 minutes before they expire.
+  installation row (shared by every process) until 5 minutes before they expire (the cache's
+  rows: apps.github.services).
 - **Answers**: typed values (:class:`RunnerInfo`, :class:`WorkflowJobInfo`, ...), each read from
   GitHub's JSON in one place, its ``from_api``; the callers (apps.github.ops) write the rows.
 - **Limits**: ``x-ratelimit-remaining`` / ``x-ratelimit-reset`` are recorded after every
@@ -19,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import jwt
@@ -39,12 +40,11 @@ from apps.ci.errors import (
     ForgeUnprocessable,
     refused,
 )
-from apps.core.crypto import encrypt_json
 from apps.github.forge import GITHUB
 from apps.github.models import GitHubInstallation
+from apps.github.services import installation_token_cached, installation_token_drop, installation_token_store
 
 API_VERSION = "2022-11-28"
-TOKEN_MARGIN = timedelta(minutes=5)  # refresh an installation token this long before it expires
 
 # GitHub's names for the core's failures (the same classes).
 GitHubError = ForgeError
@@ -307,7 +307,8 @@ class GitHubClient(ForgeClient):
     def refresh_credential(self, auth: str) -> bool:
         if auth == "app":
             return False
-        self._drop_token()  # a revoked or expired installation token: get a fresh one
+        # a revoked or expired installation token: get a fresh one
+        installation_token_drop(installation=self.installation)
         return True
 
     def limit_name(self, *, secondary: bool) -> str:
@@ -320,31 +321,14 @@ class GitHubClient(ForgeClient):
         return self._token()
 
     def _token(self) -> str:
-        inst = self.installation
-        now = timezone.now()
-        if inst.token_encrypted and inst.token_expires_at and inst.token_expires_at - TOKEN_MARGIN > now:
-            return inst.token
-        fresh = (
-            GitHubInstallation.objects.filter(pk=inst.pk)
-            .values("token_encrypted", "token_expires_at")
-            .first()
-        )
-        if (
-            fresh
-            and fresh["token_encrypted"]
-            and fresh["token_expires_at"]
-            and fresh["token_expires_at"] - TOKEN_MARGIN > now
-        ):
-            inst.token_encrypted, inst.token_expires_at = fresh["token_encrypted"], fresh["token_expires_at"]
-            return inst.token
+        cached = installation_token_cached(installation=self.installation, now=timezone.now())
+        if cached is not None:
+            return cached
         self._spend(background=False)
-        fresh_token = self.request_raw_app_token()
-        inst.token_encrypted = encrypt_json({"token": fresh_token.token})
-        inst.token_expires_at = fresh_token.expires_at
-        GitHubInstallation.objects.filter(pk=inst.pk).update(
-            token_encrypted=inst.token_encrypted, token_expires_at=fresh_token.expires_at
-        )
-        return fresh_token.token
+        fresh = self.request_raw_app_token()
+        inst = self.installation
+        installation_token_store(installation=inst, token=fresh.token, expires_at=fresh.expires_at)
+        return fresh.token
 
     def request_raw_app_token(self) -> InstallationToken:
         """``POST /app/installations/{id}/access_tokens`` with the App's JWT (no retry loop of its
@@ -370,10 +354,3 @@ class GitHubClient(ForgeClient):
                 raise GitHubUnavailable(detail, response.status_code)
             raise refused(response.status_code, detail)
         return InstallationToken.from_api(response.json())
-
-    def _drop_token(self) -> None:
-        self.installation.token_encrypted = ""
-        self.installation.token_expires_at = None
-        GitHubInstallation.objects.filter(pk=self.installation.pk).update(
-            token_encrypted="", token_expires_at=None
-        )
