@@ -4,7 +4,10 @@ every forge's client shares) that authenticates as GitHub wants:
 
 - **Auth**: the App's JWT (RS256, signed by PyJWT with ``cryptography``'s RSA: no hand-rolled
   crypto) for App endpoints, and installation tokens for the rest, cached encrypted on the
-  installation row (shared by every process) until 5 minutes before they expire.
+  installation row (shared by every process) until 5 minutes before they expire (the cache's
+  rows: apps.github.services).
+- **Answers**: typed values (:class:`RunnerInfo`, :class:`WorkflowJobInfo`, ...), each read from
+  GitHub's JSON in one place, its ``from_api``; the callers (apps.github.ops) write the rows.
 - **Limits**: ``x-ratelimit-remaining`` / ``x-ratelimit-reset`` are recorded after every
   answer; a 403/429 with ``Retry-After`` (secondary limits) or an exhausted primary limit makes
   the installation unavailable until then (``CATACLOUD_GITHUB_REQUEST_BUDGET`` calls per hour
@@ -15,14 +18,16 @@ every forge's client shares) that authenticates as GitHub wants:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import jwt
 import requests
 from django.conf import settings
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from apps.ci.client import SESSION, ForgeClient, message
 from apps.ci.errors import (
@@ -35,12 +40,11 @@ from apps.ci.errors import (
     ForgeUnprocessable,
     refused,
 )
-from apps.core.crypto import encrypt_json
 from apps.github.forge import GITHUB
 from apps.github.models import GitHubInstallation
+from apps.github.services import installation_token_cached, installation_token_drop, installation_token_store
 
 API_VERSION = "2022-11-28"
-TOKEN_MARGIN = timedelta(minutes=5)  # refresh an installation token this long before it expires
 
 # GitHub's names for the core's failures (the same classes).
 GitHubError = ForgeError
@@ -59,6 +63,23 @@ def app_jwt(app_id: int, private_key: str, now: float | None = None) -> str:
     return jwt.encode({"iat": issued, "exp": issued + 600 - 60, "iss": str(app_id)}, private_key, "RS256")
 
 
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _when(value: Any) -> datetime | None:
+    """An ISO 8601 timestamp; None when absent or not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return parse_datetime(value)
+    except ValueError:  # well formed but not a date (a 30 February)
+        return None
+
+
 @dataclass(frozen=True)
 class JitRunner:
     runner_id: int
@@ -67,6 +88,130 @@ class JitRunner:
 
     def __repr__(self) -> str:  # a stray log line must not print the config
         return f"JitRunner(runner_id={self.runner_id}, name={self.name!r})"
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> JitRunner:
+        return cls(int(body["runner"]["id"]), str(body["runner"]["name"]), str(body["encoded_jit_config"]))
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """A self-hosted runner GitHub lists (``GET {owner_path}/actions/runners``)."""
+
+    id: int
+    name: str
+    online: bool
+    busy: bool
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> RunnerInfo:
+        return cls(
+            int(body["id"]), str(body.get("name", "")), body.get("status") == "online", bool(body.get("busy"))
+        )
+
+
+@dataclass(frozen=True)
+class Repository:
+    """A repository the installation can see (``GET /installation/repositories``)."""
+
+    full_name: str  # ``owner/name``
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> Repository:
+        return cls(str(body.get("full_name", "")))
+
+
+@dataclass(frozen=True)
+class WorkflowRun:
+    """A workflow run (``GET /repos/{repository}/actions/runs``)."""
+
+    id: int
+    name: str  # the workflow's name
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> WorkflowRun:
+        return cls(int(body["id"]), str(body.get("name") or ""))
+
+
+@dataclass(frozen=True)
+class WorkflowJobInfo:
+    """A workflow job as GitHub describes it: the REST API's (``GET .../jobs``) or a
+    ``workflow_job`` delivery's, the same shape. Read leniently: a field missing or of the wrong
+    kind is None (``id``, ``run_id``, ``run_attempt``: then it is no workflow job we can record)
+    or empty."""
+
+    id: int | None
+    run_id: int | None
+    run_attempt: int | None  # 1 when GitHub does not say; None when it is not a number
+    status: str
+    workflow_name: str | None  # None when GitHub does not say (the poll takes its run's)
+    name: str
+    labels: tuple[str, ...]
+    runner_name: str
+    runner_id: int | None
+    started_at: datetime | None
+    completed_at: datetime | None
+    conclusion: str
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> WorkflowJobInfo:
+        runner_id = body.get("runner_id")
+        return cls(
+            id=_int_or_none(body.get("id")),
+            run_id=_int_or_none(body.get("run_id")),
+            run_attempt=_int_or_none(body.get("run_attempt") or 1),
+            status=str(body.get("status") or ""),
+            workflow_name=str(body["workflow_name"] or "") if "workflow_name" in body else None,
+            name=str(body.get("name") or ""),
+            labels=tuple(str(label) for label in body.get("labels") or []),
+            runner_name=str(body.get("runner_name") or ""),
+            runner_id=runner_id if isinstance(runner_id, int) else None,
+            started_at=_when(body.get("started_at")),
+            completed_at=_when(body.get("completed_at")),
+            conclusion=str(body.get("conclusion") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class HookDelivery:
+    """One delivery of the App's webhook (``GET /app/hook/deliveries``)."""
+
+    id: int
+    guid: str | None
+    status_code: int  # 0 when GitHub does not say
+    event: str | None
+    action: str | None
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> HookDelivery:
+        guid, event, action = body.get("guid"), body.get("event"), body.get("action")
+        return cls(
+            id=int(body["id"]),
+            guid=None if guid is None else str(guid),
+            status_code=int(body.get("status_code") or 0),
+            event=None if event is None else str(event),
+            action=None if action is None else str(action),
+        )
+
+
+@dataclass(frozen=True)
+class InstallationToken:
+    """An installation access token (``POST /app/installations/{id}/access_tokens``)."""
+
+    token: str  # the secret: never logged
+    expires_at: datetime
+
+    def __repr__(self) -> str:
+        return f"InstallationToken(expires_at={self.expires_at.isoformat()})"
+
+    @classmethod
+    def from_api(cls, body: Mapping[str, Any]) -> InstallationToken:
+        expires = datetime.fromisoformat(str(body["expires_at"]).replace("Z", "+00:00"))
+        return cls(str(body["token"]), expires)
 
 
 class GitHubClient(ForgeClient):
@@ -94,16 +239,16 @@ class GitHubClient(ForgeClient):
             f"{owner_path}/actions/runners/generate-jitconfig",
             json={"name": name, "runner_group_id": runner_group_id, "labels": labels, "work_folder": "_work"},
         )
-        return JitRunner(
-            int(body["runner"]["id"]), str(body["runner"]["name"]), str(body["encoded_jit_config"])
-        )
+        return JitRunner.from_api(body)
 
-    def list_runners(self, *, owner_path: str, background: bool = True) -> list[dict[str, Any]]:
-        return self.paged(f"{owner_path}/actions/runners", "runners", background=background)
+    def list_runners(self, *, owner_path: str, background: bool = True) -> list[RunnerInfo]:
+        runners = self.paged(f"{owner_path}/actions/runners", "runners", background=background)
+        return [RunnerInfo.from_api(r) for r in runners]
 
-    def runner_by_name(self, *, owner_path: str, name: str) -> dict[str, Any] | None:
+    def runner_by_name(self, *, owner_path: str, name: str) -> RunnerInfo | None:
         body = self.request("GET", f"{owner_path}/actions/runners", params={"name": name, "per_page": 100})
-        return next((r for r in body.get("runners", []) if r.get("name") == name), None)
+        found = next((r for r in body.get("runners", []) if r.get("name") == name), None)
+        return None if found is None else RunnerInfo.from_api(found)
 
     def delete_runner(self, *, owner_path: str, runner_id: int, background: bool = False) -> bool:
         """Delete a registered runner; False when it was already gone (404). A busy runner:
@@ -114,28 +259,34 @@ class GitHubClient(ForgeClient):
             return False
         return True
 
-    def repositories(self) -> list[dict[str, Any]]:
-        return self.paged("/installation/repositories", "repositories", background=True)
+    def repositories(self) -> list[Repository]:
+        return [
+            Repository.from_api(r)
+            for r in self.paged("/installation/repositories", "repositories", background=True)
+        ]
 
-    def runs(self, repository: str, status: str) -> list[dict[str, Any]]:
-        return self.paged(
+    def runs(self, repository: str, status: str) -> list[WorkflowRun]:
+        runs = self.paged(
             f"/repos/{repository}/actions/runs", "workflow_runs", params={"status": status}, background=True
         )
+        return [WorkflowRun.from_api(r) for r in runs]
 
-    def queued_runs(self, repository: str) -> list[dict[str, Any]]:
+    def queued_runs(self, repository: str) -> list[WorkflowRun]:
         return self.runs(repository, "queued")
 
-    def run_jobs(self, repository: str, run_id: int) -> list[dict[str, Any]]:
-        return self.paged(f"/repos/{repository}/actions/runs/{run_id}/jobs", "jobs", background=True)
+    def run_jobs(self, repository: str, run_id: int) -> list[WorkflowJobInfo]:
+        jobs = self.paged(f"/repos/{repository}/actions/runs/{run_id}/jobs", "jobs", background=True)
+        return [WorkflowJobInfo.from_api(j) for j in jobs]
 
-    def workflow_job(self, repository: str, job_id: int) -> dict[str, Any]:
-        return dict(self.request("GET", f"/repos/{repository}/actions/jobs/{job_id}", background=True))
+    def workflow_job(self, repository: str, job_id: int) -> WorkflowJobInfo:
+        body = self.request("GET", f"/repos/{repository}/actions/jobs/{job_id}", background=True)
+        return WorkflowJobInfo.from_api(dict(body))
 
-    def hook_deliveries(self) -> list[dict[str, Any]]:
+    def hook_deliveries(self) -> list[HookDelivery]:
         answer = self.request(
             "GET", "/app/hook/deliveries", params={"per_page": 100}, auth="app", background=True
         )
-        return answer if isinstance(answer, list) else []
+        return [HookDelivery.from_api(d) for d in answer] if isinstance(answer, list) else []
 
     def redeliver(self, delivery_id: int) -> None:
         self.request("POST", f"/app/hook/deliveries/{delivery_id}/attempts", auth="app", background=True)
@@ -156,7 +307,8 @@ class GitHubClient(ForgeClient):
     def refresh_credential(self, auth: str) -> bool:
         if auth == "app":
             return False
-        self._drop_token()  # a revoked or expired installation token: get a fresh one
+        # a revoked or expired installation token: get a fresh one
+        installation_token_drop(installation=self.installation)
         return True
 
     def limit_name(self, *, secondary: bool) -> str:
@@ -169,34 +321,16 @@ class GitHubClient(ForgeClient):
         return self._token()
 
     def _token(self) -> str:
-        inst = self.installation
-        now = timezone.now()
-        if inst.token_encrypted and inst.token_expires_at and inst.token_expires_at - TOKEN_MARGIN > now:
-            return inst.token
-        fresh = (
-            GitHubInstallation.objects.filter(pk=inst.pk)
-            .values("token_encrypted", "token_expires_at")
-            .first()
-        )
-        if (
-            fresh
-            and fresh["token_encrypted"]
-            and fresh["token_expires_at"]
-            and fresh["token_expires_at"] - TOKEN_MARGIN > now
-        ):
-            inst.token_encrypted, inst.token_expires_at = fresh["token_encrypted"], fresh["token_expires_at"]
-            return inst.token
+        cached = installation_token_cached(installation=self.installation, now=timezone.now())
+        if cached is not None:
+            return cached
         self._spend(background=False)
-        body = self.request_raw_app_token()
-        expires = datetime.fromisoformat(str(body["expires_at"]).replace("Z", "+00:00"))
-        inst.token_encrypted = encrypt_json({"token": body["token"]})
-        inst.token_expires_at = expires
-        GitHubInstallation.objects.filter(pk=inst.pk).update(
-            token_encrypted=inst.token_encrypted, token_expires_at=expires
-        )
-        return str(body["token"])
+        fresh = self.request_raw_app_token()
+        inst = self.installation
+        installation_token_store(installation=inst, token=fresh.token, expires_at=fresh.expires_at)
+        return fresh.token
 
-    def request_raw_app_token(self) -> dict[str, Any]:
+    def request_raw_app_token(self) -> InstallationToken:
         """``POST /app/installations/{id}/access_tokens`` with the App's JWT (no retry loop of its
         own: the call that needs the token retries)."""
         try:
@@ -219,11 +353,4 @@ class GitHubClient(ForgeClient):
                 self._mark_unavailable(detail)
                 raise GitHubUnavailable(detail, response.status_code)
             raise refused(response.status_code, detail)
-        return dict(response.json())
-
-    def _drop_token(self) -> None:
-        self.installation.token_encrypted = ""
-        self.installation.token_expires_at = None
-        GitHubInstallation.objects.filter(pk=self.installation.pk).update(
-            token_encrypted="", token_expires_at=None
-        )
+        return InstallationToken.from_api(response.json())

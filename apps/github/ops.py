@@ -7,11 +7,11 @@ failed deliveries."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.utils.dateparse import parse_datetime
 
 from apps.ci.choices import Applied
 from apps.ci.errors import ForgeBusy
@@ -26,6 +26,7 @@ from apps.github.client import (
     GitHubConflict,
     GitHubUnprocessable,
     JitRunner,
+    WorkflowJobInfo,
 )
 from apps.github.models import GitHubInstallation, Runner, RunnerClass, WebhookDelivery, WorkflowJob
 from apps.github.services import JIT_ENV, check_class, runner_command
@@ -37,42 +38,35 @@ MAX_REDELIVERIES = 20
 _PENDING_ALIASES = {"requested": WorkflowJobStatus.QUEUED, "pending": WorkflowJobStatus.QUEUED}
 
 
-def _status(value: Any) -> str | None:
-    value = _PENDING_ALIASES.get(str(value), str(value))
+def _status(value: str) -> str | None:
+    value = _PENDING_ALIASES.get(value, value)
     return value if value in WorkflowJobStatus.values else None
 
 
-def _when(value: Any) -> datetime | None:
-    return parse_datetime(value) if isinstance(value, str) else None
-
-
-def workflow_job_report(job: Mapping[str, Any], status: str | None, repository: str) -> JobReport | Applied:
+def workflow_job_report(job: WorkflowJobInfo, status: str | None, repository: str) -> JobReport | Applied:
     """A ``workflow_job`` (a delivery's, or the REST API's) as the core's report."""
-    status = _status(status or job.get("status"))
+    status = _status(status or job.status)
     if status is None:
         return Applied.UNKNOWN_STATUS
-    try:
-        github_id, run_attempt, run_id = int(job["id"]), int(job.get("run_attempt") or 1), int(job["run_id"])
-    except (KeyError, TypeError, ValueError):
+    if job.id is None or job.run_id is None or job.run_attempt is None:
         return Applied.NOT_A_WORKFLOW_JOB
-    labels = [str(label) for label in job.get("labels") or []]
-    runner_id = job.get("runner_id")
+    labels = list(job.labels)
     return JobReport(
-        key={"github_id": github_id, "run_attempt": run_attempt},
+        key={"github_id": job.id, "run_attempt": job.run_attempt},
         status=status,
         labels=labels,
         create={
-            "run_id": run_id,
+            "run_id": job.run_id,
             "repository": repository[:200],
-            "workflow": str(job.get("workflow_name") or "")[:300],
-            "name": str(job.get("name") or "")[:300],
+            "workflow": (job.workflow_name or "")[:300],
+            "name": job.name[:300],
             "labels": labels,
         },
-        runner_name=str(job.get("runner_name") or ""),
-        runner_id=runner_id if isinstance(runner_id, int) else None,
-        started_at=_when(job.get("started_at")),
-        completed_at=_when(job.get("completed_at")),
-        conclusion=str(job.get("conclusion") or ""),
+        runner_name=job.runner_name,
+        runner_id=job.runner_id,
+        started_at=job.started_at,
+        completed_at=job.completed_at,
+        conclusion=job.conclusion,
     )
 
 
@@ -80,7 +74,7 @@ def workflow_job_apply(
     *,
     forge: Forge,
     installation: GitHubInstallation,
-    job: Mapping[str, Any],
+    job: WorkflowJobInfo,
     status: str | None,
     repository: str,
     source: str,
@@ -115,9 +109,9 @@ def _register(client: GitHubClient, path: str, name: str, rc: RunnerClass, job: 
     # or the machine's previous runner still registered. Delete it if it is idle; a busy one
     # keeps its name and this runner gets another.
     existing = client.runner_by_name(owner_path=path, name=name)
-    if existing is not None and not existing.get("busy"):
+    if existing is not None and not existing.busy:
         try:
-            client.delete_runner(owner_path=path, runner_id=int(existing["id"]))
+            client.delete_runner(owner_path=path, runner_id=existing.id)
             return client.generate_jitconfig(owner_path=path, name=name, labels=labels, runner_group_id=group)
         except (GitHubConflict, GitHubUnprocessable):
             pass
@@ -191,14 +185,7 @@ class GitHubOps:
         seen: dict[int, Listed] = {}
         for path in sorted(_owner_paths(endpoint)):
             for runner in client.list_runners(owner_path=path):
-                rid = int(runner["id"])
-                seen[rid] = Listed(
-                    rid,
-                    str(runner.get("name", "")),
-                    path,
-                    runner.get("status") == "online",
-                    bool(runner.get("busy")),
-                )
+                seen[runner.id] = Listed(runner.id, runner.name, path, runner.online, runner.busy)
         return seen
 
     def delete_listed(self, client: GitHubClient, listed: Listed) -> bool:
@@ -211,12 +198,13 @@ class GitHubOps:
         found = 0
         listed: set[tuple[Any, ...]] = set()
         for repo in client.repositories():
-            full = str(repo.get("full_name", ""))
-            runs = {r["id"]: r for status in ("queued", "in_progress") for r in client.runs(full, status)}
+            full = repo.full_name
+            runs = {r.id: r for status in ("queued", "in_progress") for r in client.runs(full, status)}
             for run in runs.values():
-                for job in client.run_jobs(full, int(run["id"])):
-                    job = {"workflow_name": run.get("name", ""), **job}
-                    listed.add((int(job["id"]), int(job.get("run_attempt") or 1)))
+                for job in client.run_jobs(full, run.id):
+                    if job.workflow_name is None:
+                        job = replace(job, workflow_name=run.name)
+                    listed.add((job.id, job.run_attempt))
                     _, outcome = workflow_job_apply(
                         forge=forge,
                         installation=endpoint,
@@ -257,24 +245,18 @@ class GitHubOps:
         ):
             return {}
         deliveries = client.hook_deliveries()
-        ok_guids = {d.get("guid") for d in deliveries if 200 <= int(d.get("status_code") or 0) < 300}
-        failed = [
-            d
-            for d in deliveries
-            if not 200 <= int(d.get("status_code") or 0) < 300 and d.get("guid") not in ok_guids
-        ]
+        ok_guids = {d.guid for d in deliveries if d.ok}
+        failed = [d for d in deliveries if not d.ok and d.guid not in ok_guids]
         stored = set(
-            WebhookDelivery.objects.filter(guid__in=[d.get("guid") for d in failed]).values_list(
-                "guid", flat=True
-            )
+            WebhookDelivery.objects.filter(guid__in=[d.guid for d in failed]).values_list("guid", flat=True)
         )
         sent = 0
         done: set[str] = set()
         for delivery in failed:
-            guid = str(delivery.get("guid"))
+            guid = str(delivery.guid)
             if guid in stored or guid in done or sent >= MAX_REDELIVERIES:
                 continue
-            client.redeliver(int(delivery["id"]))
+            client.redeliver(delivery.id)
             done.add(guid)
             sent += 1
             with transaction.atomic():
@@ -283,8 +265,8 @@ class GitHubOps:
                     org=endpoint.org_id,
                     actor=forge.reconciler_actor,
                     delivery=guid,
-                    event=delivery.get("event"),
-                    action=delivery.get("action"),
+                    event=delivery.event,
+                    action=delivery.action,
                 )
         type(conn).objects.filter(pk=conn.pk).update(deliveries_checked_at=now)
         return {"redelivered": sent}
@@ -306,7 +288,7 @@ class GitHubOps:
         _, outcome = workflow_job_apply(
             forge=forge,
             installation=installation,
-            job=job,
+            job=WorkflowJobInfo.from_api(job),
             status=delivery.action or None,
             repository=str(repository),
             source="webhook",

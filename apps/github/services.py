@@ -1,11 +1,13 @@
 """An organization's GitHub connection and runner classes: the one write path for the API, the
 admin console and the catalog (``manage.py apply``). Runner classes are the CI core's
-(apps.ci.services); what only GitHub needs (generic labels, scope, the runner folder) is here."""
+(apps.ci.services); what only GitHub needs (generic labels, scope, the runner folder) is here.
+Also the installation token cache the client reads and fills (the rows; the client asks GitHub)."""
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,10 +21,11 @@ from apps.ci import services as ci_services
 from apps.ci.services import invalid as _invalid
 from apps.ci.services import pool_by_name
 from apps.core.actors import Actor
+from apps.core.crypto import encrypt_json
 from apps.events.kinds import EventKind
 from apps.github.choices import GENERIC_LABELS, RunnerScope
 from apps.github.forge import GITHUB
-from apps.github.models import DEFAULT_API_URL, GitHubConnection, RunnerClass
+from apps.github.models import DEFAULT_API_URL, GitHubConnection, GitHubInstallation, RunnerClass
 from apps.orgs.models import Organization
 
 __all__ = ["GENERIC_LABELS", "pool_by_name"]
@@ -174,6 +177,48 @@ def connection_delete(*, org: Organization, actor: Actor = Actor.UNNAMED) -> Non
         live_where=lambda conn: {"installation__connection": conn},
         describe=lambda conn: {"app_id": conn.app_id},
     )
+
+
+# ---- the installation token cache --------------------------------------------------------------
+
+TOKEN_MARGIN = timedelta(minutes=5)  # refresh an installation token this long before it expires
+
+
+def installation_token_cached(*, installation: GitHubInstallation, now: datetime) -> str | None:
+    """The installation's cached token while it is good for :data:`TOKEN_MARGIN` more, else None:
+    the one on the instance, or the one on the row (another process may have fetched one; the
+    instance takes it)."""
+    inst = installation
+    if inst.token_encrypted and inst.token_expires_at and inst.token_expires_at - TOKEN_MARGIN > now:
+        return inst.token
+    fresh = (
+        GitHubInstallation.objects.filter(pk=inst.pk).values("token_encrypted", "token_expires_at").first()
+    )
+    if (
+        fresh
+        and fresh["token_encrypted"]
+        and fresh["token_expires_at"]
+        and fresh["token_expires_at"] - TOKEN_MARGIN > now
+    ):
+        inst.token_encrypted, inst.token_expires_at = fresh["token_encrypted"], fresh["token_expires_at"]
+        return inst.token
+    return None
+
+
+def installation_token_store(*, installation: GitHubInstallation, token: str, expires_at: datetime) -> None:
+    """Cache a fresh installation token (encrypted) on the row, for every process."""
+    installation.token_encrypted = encrypt_json({"token": token})
+    installation.token_expires_at = expires_at
+    GitHubInstallation.objects.filter(pk=installation.pk).update(
+        token_encrypted=installation.token_encrypted, token_expires_at=expires_at
+    )
+
+
+def installation_token_drop(*, installation: GitHubInstallation) -> None:
+    """Forget the cached token (GitHub refused it: revoked or expired)."""
+    installation.token_encrypted = ""
+    installation.token_expires_at = None
+    GitHubInstallation.objects.filter(pk=installation.pk).update(token_encrypted="", token_expires_at=None)
 
 
 # ---- runner classes -----------------------------------------------------------------------------

@@ -36,8 +36,10 @@ def delivery_resolve(*, key: str) -> str:
     try:
         job = GitLabClient(delivery.connection).job(project_id, job_id, background=False)
     except ForgeNotFound:
-        job = {}  # gone already: no tags, no class
+        hint: dict[str, Any] = {}  # gone already: no tags, no class
     except ForgeError as exc:
         log.info("GitLab job %s not looked up (%s); the event waits", job_id, exc.detail)
         return "waiting"
-    return intake.delivery_process(forge=GITLAB, key=key, hint=job)
+    else:
+        hint = {"tag_list": list(job.tags)}
+    return intake.delivery_process(forge=GITLAB, key=key, hint=hint)

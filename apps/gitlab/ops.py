@@ -8,10 +8,8 @@ projects' pending and running jobs for lost deliveries."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
-
-from django.utils.dateparse import parse_datetime
 
 from apps.ci.choices import Applied
 from apps.ci.errors import ForgeBusy, ForgeNotFound, ForgeRefused
@@ -19,35 +17,12 @@ from apps.ci.forge import Forge, JobReport, Listed, Registration
 from apps.ci.records import ci_job_apply
 from apps.core.broker import enqueue_on_commit
 from apps.gitlab.choices import DONE, GitLabJobStatus, RunnerScope
-from apps.gitlab.client import GitLabClient
+from apps.gitlab.client import GitLabClient, JobInfo, mapping, parse_tags, parse_when
 from apps.gitlab.messages import RESOLVE_TASK
 from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
 from apps.gitlab.services import TOKEN_ENV, URL_ENV, check_class, runner_command
 
 MIN_MAXIMUM_TIMEOUT = 600  # GitLab refuses a runner's maximum_timeout below 10 minutes
-
-
-def _when(value: Any) -> datetime | None:
-    """ISO 8601 (the API, the events' ``*_iso``) or the events' ``2021-01-13 17:57:05 UTC``."""
-    if not isinstance(value, str) or not value:
-        return None
-    parsed = parse_datetime(value)
-    if parsed is not None:
-        return parsed
-    try:
-        return datetime.strptime(value, "%Y-%m-%d %H:%M:%S UTC").replace(tzinfo=UTC)
-    except ValueError:
-        return None
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _tags(value: Any) -> list[str] | None:
-    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        return None
-    return [t.lower() for t in value]
 
 
 def _report(
@@ -57,15 +32,17 @@ def _report(
     project: str,
     status: str,
     tags: list[str],
-    job: Mapping[str, Any],
+    ref: str,
+    name: str,
+    stage: str,
     pipeline_id: Any,
     pipeline: str,
-    runner: Mapping[str, Any],
-    started: Any,
-    finished: Any,
-    failure_reason: Any,
+    runner_id: Any,
+    runner_name: str,
+    started: datetime | None,
+    finished: datetime | None,
+    failure_reason: str,
 ) -> JobReport:
-    runner_id = runner.get("id")
     return JobReport(
         key={"gitlab_id": gitlab_id},
         status=status,
@@ -75,17 +52,17 @@ def _report(
             "project": project[:300],
             "pipeline_id": pipeline_id if isinstance(pipeline_id, int) else None,
             "pipeline": pipeline[:300],
-            "ref": str(job.get("ref") or "")[:300],
-            "name": str(job.get("name") or job.get("build_name") or "")[:300],
-            "stage": str(job.get("stage") or job.get("build_stage") or "")[:100],
+            "ref": ref[:300],
+            "name": name[:300],
+            "stage": stage[:100],
             "tags": tags,
         },
-        runner_name=str(runner.get("description") or ""),
+        runner_name=runner_name,
         runner_id=runner_id if isinstance(runner_id, int) else None,
-        started_at=_when(started),
-        completed_at=_when(finished),
+        started_at=started,
+        completed_at=finished,
         conclusion=status if status in DONE else "",
-        update={"failure_reason": str(failure_reason or "")[:64]} if status == GitLabJobStatus.FAILED else {},
+        update={"failure_reason": failure_reason[:64]} if status == GitLabJobStatus.FAILED else {},
     )
 
 
@@ -98,46 +75,48 @@ def event_report(payload: Mapping[str, Any], project: str, tags: list[str]) -> J
         gitlab_id, project_id = int(payload["build_id"]), int(payload["project_id"])
     except (KeyError, TypeError, ValueError):
         return Applied.NOT_A_JOB
-    commit, runner = _mapping(payload.get("commit")), _mapping(payload.get("runner"))
+    commit, runner = mapping(payload.get("commit")), mapping(payload.get("runner"))
     return _report(
         gitlab_id=gitlab_id,
         project_id=project_id,
         project=project,
         status=status,
         tags=tags,
-        job=payload,
+        ref=str(payload.get("ref") or ""),
+        name=str(payload.get("name") or payload.get("build_name") or ""),
+        stage=str(payload.get("stage") or payload.get("build_stage") or ""),
         pipeline_id=payload.get("pipeline_id") or commit.get("id"),
         pipeline=str(commit.get("name") or payload.get("ref") or ""),
-        runner=runner,
-        started=payload.get("build_started_at_iso") or payload.get("build_started_at"),
-        finished=payload.get("build_finished_at_iso") or payload.get("build_finished_at"),
-        failure_reason=payload.get("build_failure_reason"),
+        runner_id=runner.get("id"),
+        runner_name=str(runner.get("description") or ""),
+        started=parse_when(payload.get("build_started_at_iso") or payload.get("build_started_at")),
+        finished=parse_when(payload.get("build_finished_at_iso") or payload.get("build_finished_at")),
+        failure_reason=str(payload.get("build_failure_reason") or ""),
     )
 
 
-def api_report(job: Mapping[str, Any], project_id: int, project: str) -> JobReport | Applied:
+def api_report(job: JobInfo, project_id: int, project: str) -> JobReport | Applied:
     """A job of the jobs API (``GET /projects/:id/jobs``) as the core's report."""
-    status = str(job.get("status") or "")
-    if status not in GitLabJobStatus.values:
+    if job.status not in GitLabJobStatus.values:
         return Applied.UNKNOWN_STATUS
-    try:
-        gitlab_id = int(job["id"])
-    except (KeyError, TypeError, ValueError):
+    if job.id is None:
         return Applied.NOT_A_JOB
-    pipeline, runner = _mapping(job.get("pipeline")), _mapping(job.get("runner"))
     return _report(
-        gitlab_id=gitlab_id,
+        gitlab_id=job.id,
         project_id=project_id,
         project=project,
-        status=status,
-        tags=_tags(job.get("tag_list")) or [],
-        job=job,
-        pipeline_id=pipeline.get("id"),
-        pipeline=str(pipeline.get("name") or job.get("ref") or ""),
-        runner=runner,
-        started=job.get("started_at"),
-        finished=job.get("finished_at"),
-        failure_reason=job.get("failure_reason"),
+        status=job.status,
+        tags=list(job.tags),
+        ref=job.ref,
+        name=job.name,
+        stage=job.stage,
+        pipeline_id=job.pipeline_id,
+        pipeline=job.pipeline,
+        runner_id=job.runner_id,
+        runner_name=job.runner_name,
+        started=job.started_at,
+        finished=job.finished_at,
+        failure_reason=job.failure_reason,
     )
 
 
@@ -176,8 +155,8 @@ class GitLabOps:
                     raise ForgeRefused("no project to create the runner in: the connection lists none")
                 project_id = first.project_id
             body.update(runner_type="project_type", project_id=project_id)
-        answer = client.create_runner(body)
-        return Registration(int(answer["id"]), name, {TOKEN_ENV: str(answer["token"])})
+        created = client.create_runner(body)
+        return Registration(created.id, name, {TOKEN_ENV: created.token})
 
     def delete(
         self, client: GitLabClient, runner: GitLabRunner, runner_id: int, *, background: bool = False
@@ -198,9 +177,7 @@ class GitLabOps:
     def listed(self, client: GitLabClient, endpoint: GitLabConnection) -> dict[int, Listed]:
         seen: dict[int, Listed] = {}
         for runner in client.runners():
-            rid = int(runner["id"])
-            name = str(runner.get("description") or "")
-            seen[rid] = Listed(rid, name, "", runner.get("status") == "online", None)
+            seen[runner.id] = Listed(runner.id, runner.description, "", runner.online, None)
         return seen
 
     def delete_listed(self, client: GitLabClient, listed: Listed) -> bool:
@@ -229,7 +206,7 @@ class GitLabOps:
         try:
             job = client.job(record.project_id, record.gitlab_id)
         except ForgeNotFound:  # deleted with its pipeline: it will never run
-            job = {"id": record.gitlab_id, "status": GitLabJobStatus.CANCELED}
+            job = JobInfo.from_api({"id": record.gitlab_id, "status": GitLabJobStatus.CANCELED})
         report = api_report(job, record.project_id, record.project)
         if isinstance(report, Applied):
             return report
@@ -252,9 +229,9 @@ class GitLabOps:
         project = conn.projects.filter(project_id=int(payload.get("project_id") or 0)).first()
         if project is None:
             return "ignored: not a connected project"
-        tags = _tags(payload.get("build_tags"))
+        tags = parse_tags(payload.get("build_tags"))
         if tags is None and hint is not None:
-            tags = _tags(hint.get("tag_list")) or []
+            tags = parse_tags(hint.get("tag_list")) or []
         report = event_report(payload, project.path, tags or [])
         if isinstance(report, Applied):
             return report

@@ -40,7 +40,7 @@ def reconcile(gl: GitLabWorld) -> dict[str, int]:
 def register(gl: GitLabWorld, name: str) -> int:
     client = GitLabClient(GitLabConnection.objects.get(pk=gl.connection.pk))
     body = {"runner_type": "project_type", "project_id": APP, "description": name, "tag_list": ["x"]}
-    return int(client.create_runner(body)["id"])
+    return client.create_runner(body).id
 
 
 def handed_off(gl: GitLabWorld) -> tuple[Job, MachineInstance, GitLabRunner]:
