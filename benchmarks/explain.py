@@ -4,27 +4,31 @@ Update them when a rerun changes the picture."""
 from __future__ import annotations
 
 CLAIM = """\
-**This run (2026-11-27) was on a quiet machine** (the load figure is the part's own 16-64
-claimer processes): at 16 claimers the claim made 0.52x the floor (0.48-0.54 over three
-interleaved runs; goal 0.6: **not met**), 0.70x at 1 claimer, 0.55x at 4, 0.61x at 64. Earlier
-published runs (0.60-0.83x) were taken with other work on the machine, which slowed the floor
-more than the claim.
+**This run (2026-11-27 12:15 UTC), on a quiet machine, after closing most of what was left:**
+at 16 claimers the claim made 0.61x the floor (0.55-0.64 over three interleaved runs; goal 0.6:
+met on the median, within noise), 0.99x at 1 claimer, 0.62x at 4, 0.82x at 64. Before and after,
+interleaved in the same hour on the same machine, each checkout with its own embedded database
+(two runs each): before (commit 950cbb5) 0.61x and 0.55x at 16 claimers, 0.89x and 0.80x at 1,
+0.58x and 0.68x at 64; after 0.63x and 0.61x at 16, 1.03x and 0.99x at 1, 0.86x and 0.82x at 64.
+The same code read 0.52x in this morning's quiet run: between hours the floor itself moves by a
+third (2,825-3,889 claims/s at 16 today), so only interleaved runs compare.
 
-**What is left between the claim and the floor, measured** (one claimer, 3,000 claims each on
-fresh pools of the bench database, `time.process_time()` for the claimer's CPU and cProfile):
-the floor costs its client 0.24 ms of CPU per claim (0.69 ms wall, its UPDATE and a COMMIT),
-the claim statement alone sent through psycopg 0.25 ms (0.77 ms wall), `pool_claim` 0.39 ms
-(0.93 ms wall). So (1) **Python around the statement, 0.14 ms per claim**: Django's timestamptz
-loader looks the connection's time zone up for each of the row's 6 datetimes (0.05 ms), nine
-named parameters are converted and dumped each time, the constant list of active pool statuses
-as an array (0.07 ms), and the model instance is built (0.04 ms); (2) **the statement's own
-work, ~0.1 ms**: the `pool.member_claimed` event row and its 7 index entries (one of them,
-`events_event_org_id`, repeats the leading column of `event_org_newest`), and the machine type
-and provider joined into the answer. At 16 claimers on 2 cores every claimer's CPU competes with
-PostgreSQL's, so ~1.6x the CPU per claim shows as ~0.52x the throughput. What can still be
-closed, not done in this run: the constant status list written into the statement, psycopg's own
-datetime loaders on the claim's cursor, positional parameters, and the redundant events index
-(a little cheaper for every event, not only claims); together an estimated 0.1 ms of the 0.39.
+**What was closed** (one claimer, 3,000 claims on fresh pools, the claimer's
+`time.process_time()`, before and after interleaved while other work ran on the host):
+`pool_claim`'s client CPU fell from 0.25 to 0.17-0.19 ms a claim. (1) The active pool statuses are written into the statement instead of sent as an
+array parameter with every claim (psycopg dumped the list each time). (2) The statement runs
+on one cursor per connection that loads `timestamptz` with psycopg's own C loader: Django's
+loader subclasses psycopg's pure-Python one and adds a `replace(tzinfo=...)` per value, for the
+row's six datetimes (the same aware UTC values: Django sets the session's time zone to it; a
+test compares the claim's times with the ORM's). (3) The events table lost the organization
+key's own index (`event_org_newest` leads with `org_id`), so every event written, one per
+claim, updates six indexes instead of seven (migration `events.0003`, `DROP INDEX
+CONCURRENTLY`). **What is left**: the named parameters (psycopg maps nine names to positions
+each time; the statement uses several twice, so positional ones would repeat values), building
+the model instance (~0.04 ms: the answer is a `MachineInstance`), and the statement's own work,
+the event row and the machine type and provider joined into the answer. At 16 claimers on two
+cores the claimers' CPU competes with PostgreSQL's, so every 0.01 ms of client CPU shows in the
+throughput.
 
 **Ours, the peers and the floor, on the same database in the same run.** Every claimer takes
 one item per call on its own connection. Zero items handed out twice in any run or variant
