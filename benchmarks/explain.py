@@ -15,20 +15,20 @@ third (2,825-3,889 claims/s at 16 today), so only interleaved runs compare.
 
 **What was closed** (one claimer, 3,000 claims on fresh pools, the claimer's
 `time.process_time()`, before and after interleaved while other work ran on the host):
-`pool_claim`'s client CPU fell from 0.25 to 0.17-0.19 ms a claim. (1) The active pool
-statuses are written into the statement instead of sent as an array parameter with every claim (psycopg dumped the list each time). (2) The statement runs
-on one cursor per connection that loads `timestamptz` with psycopg's own C loader: Django's
-loader subclasses psycopg's pure-Python one and adds a `replace(tzinfo=...)` per value, for the
-row's six datetimes (the same aware UTC values: Django sets the session's time zone to it; a
-test compares the claim's times with the ORM's). (3) The events table lost the organization
-key's own index (`event_org_newest` leads with `org_id`), so every event written, one per
-claim, updates six indexes instead of seven (migration `events.0003`, `DROP INDEX
-CONCURRENTLY`). **What is left**: the named parameters (psycopg maps nine names to positions
-each time; the statement uses several twice, so positional ones would repeat values), building
-the model instance (~0.04 ms: the answer is a `MachineInstance`), and the statement's own work,
-the event row and the machine type and provider joined into the answer. At 16 claimers on two
-cores the claimers' CPU competes with PostgreSQL's, so every 0.01 ms of client CPU shows in the
-throughput.
+`pool_claim`'s client CPU fell from 0.25 to 0.17-0.19 ms a claim. (1) The active pool statuses
+are written into the statement instead of sent as an array parameter with every claim (psycopg
+dumped the list each time). (2) The statement runs on one cursor per connection that loads
+`timestamptz` with psycopg's own C loader: Django's loader subclasses psycopg's pure-Python one
+and adds a `replace(tzinfo=...)` per value, for the row's six datetimes (the same aware UTC
+values: Django sets the session's time zone to it; a test compares the claim's times with the
+ORM's). (3) The events table lost the organization key's own index (`event_org_newest` leads
+with `org_id`), so every event written, one per claim, updates six indexes instead of seven
+(migration `events.0003`, `DROP INDEX CONCURRENTLY`). **What is left**: the named parameters
+(psycopg maps nine names to positions each time; the statement uses several twice, so positional
+ones would repeat values), building the model instance (~0.04 ms: the answer is a
+`MachineInstance`), and the statement's own work, the event row and the machine type and
+provider joined into the answer. At 16 claimers on two cores the claimers' CPU competes with
+PostgreSQL's, so every 0.01 ms of client CPU shows in the throughput.
 
 **Ours, the peers and the floor, on the same database in the same run.** Every claimer takes
 one item per call on its own connection. Zero items handed out twice in any run or variant
