@@ -190,7 +190,7 @@ seconds from the fault: the job across the PostgreSQL restart was claimed 6.7 s 
 4.4 s), the one across the minute without beat started 1.8 s after it (the workers' elected
 reaper ticked on).
 
-**The run before it, 13 minutes earlier on the same code (12:25 UTC), had 2 `deadline`
+**The run just before it on the same code (finished 12:38 UTC) had 2 `deadline`
 violations**: two machines `terminating` for 26 s, 15 s of it with PostgreSQL up, against 13 s
 plus a reaper interval. They fell in the soak's worst window: PostgreSQL restarted twice within
 about 20 s while beat was stopped for its minute, so the destroy's repair met a database going
