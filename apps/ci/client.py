@@ -25,12 +25,33 @@ import requests
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from apps.ci.availability import endpoint_available, endpoint_unavailable
 from apps.ci.errors import ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable, refused
 from apps.ci.forge import Forge
 
 log = logging.getLogger(__name__)
+
+
+# Reading a forge's JSON leniently (its answers' from_api): a field missing or of the wrong kind
+# is None, never an exception that would stop a poll or a reconcile.
+def int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def iso_when(value: Any) -> datetime | None:
+    """An ISO 8601 timestamp; None when absent or not one (a well-formed 30 February too)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return parse_datetime(value)
+    except ValueError:
+        return None
+
 
 RETRIES = 2
 RETRY_BACKOFF = (0.2, 0.6)

@@ -27,9 +27,8 @@ import jwt
 import requests
 from django.conf import settings
 from django.utils import timezone
-from django.utils.dateparse import parse_datetime
 
-from apps.ci.client import SESSION, ForgeClient, message
+from apps.ci.client import SESSION, ForgeClient, int_or_none, iso_when, message
 from apps.ci.errors import (
     ForgeConflict,
     ForgeError,
@@ -61,23 +60,6 @@ def app_jwt(app_id: int, private_key: str, now: float | None = None) -> str:
     (GitHub accepts at most 10)."""
     issued = int(now if now is not None else time.time()) - 60
     return jwt.encode({"iat": issued, "exp": issued + 600 - 60, "iss": str(app_id)}, private_key, "RS256")
-
-
-def _int_or_none(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _when(value: Any) -> datetime | None:
-    """An ISO 8601 timestamp; None when absent or not one."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return parse_datetime(value)
-    except ValueError:  # well formed but not a date (a 30 February)
-        return None
 
 
 @dataclass(frozen=True)
@@ -157,17 +139,17 @@ class WorkflowJobInfo:
     def from_api(cls, body: Mapping[str, Any]) -> WorkflowJobInfo:
         runner_id = body.get("runner_id")
         return cls(
-            id=_int_or_none(body.get("id")),
-            run_id=_int_or_none(body.get("run_id")),
-            run_attempt=_int_or_none(body.get("run_attempt") or 1),
+            id=int_or_none(body.get("id")),
+            run_id=int_or_none(body.get("run_id")),
+            run_attempt=int_or_none(body.get("run_attempt") or 1),
             status=str(body.get("status") or ""),
             workflow_name=str(body["workflow_name"] or "") if "workflow_name" in body else None,
             name=str(body.get("name") or ""),
             labels=tuple(str(label) for label in body.get("labels") or []),
             runner_name=str(body.get("runner_name") or ""),
             runner_id=runner_id if isinstance(runner_id, int) else None,
-            started_at=_when(body.get("started_at")),
-            completed_at=_when(body.get("completed_at")),
+            started_at=iso_when(body.get("started_at")),
+            completed_at=iso_when(body.get("completed_at")),
             conclusion=str(body.get("conclusion") or ""),
         )
 

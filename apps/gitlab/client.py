@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from django.utils.dateparse import parse_datetime
-
-from apps.ci.client import ForgeClient
+from apps.ci.client import ForgeClient, int_or_none, iso_when
 from apps.ci.errors import ForgeNotFound
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.models import GitLabConnection
@@ -33,7 +31,7 @@ def parse_when(value: Any) -> datetime | None:
     """ISO 8601 (the API, the events' ``*_iso``) or the events' ``2021-01-13 17:57:05 UTC``."""
     if not isinstance(value, str) or not value:
         return None
-    parsed = parse_datetime(value)
+    parsed = iso_when(value)
     if parsed is not None:
         return parsed
     try:
@@ -103,14 +101,10 @@ class JobInfo:
 
     @classmethod
     def from_api(cls, body: Mapping[str, Any]) -> JobInfo:
-        try:
-            job_id: int | None = int(body["id"])
-        except (KeyError, TypeError, ValueError):
-            job_id = None
         pipeline, runner = mapping(body.get("pipeline")), mapping(body.get("runner"))
         pipeline_id, runner_id = pipeline.get("id"), runner.get("id")
         return cls(
-            id=job_id,
+            id=int_or_none(body.get("id")),
             status=str(body.get("status") or ""),
             tags=tuple(parse_tags(body.get("tag_list")) or []),
             ref=str(body.get("ref") or ""),
