@@ -23,12 +23,14 @@ own range of job uids.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,10 +314,19 @@ class Cgroup:
         )
         return ["/bin/sh", "-c", join, "sh", str(len(self.procs)), *self.procs, *argv]
 
-    def remove(self) -> None:
+    def remove(self, wait: float = 2.0) -> None:
+        """Remove the folders. A cgroup whose last process is still exiting refuses (EBUSY) for
+        a moment after the kill: try again for up to ``wait`` seconds rather than leave it."""
+        deadline = time.monotonic() + wait
         for folder in reversed(self.folders):
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+            while True:
+                try:
+                    os.rmdir(folder)
+                except OSError as exc:
+                    if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                break
 
 
 def installation_cgroup(installation: str) -> str:
