@@ -11,9 +11,8 @@ from typing import Any
 
 import orjson
 
-from apps.control.agent import db
 from apps.control.agent.limits import CONNECTION, LEDGER, Connection
-from apps.control.agent.views import INSTANCE
+from apps.control.agent.views import instance_by_token
 from apps.core.crypto import hash_token
 from apps.core.errors import ErrorCode, error_payload
 from apps.machines.agents import AGENT_TOKEN_PREFIX
@@ -58,7 +57,7 @@ class Machines:
         if unknown_until is not None and unknown_until > now:
             return None
         try:
-            row = await db.fetchone(INSTANCE, [digest])
+            row = await instance_by_token.row(digest)
         except Exception:  # PostgreSQL away: the request counts as unauthenticated (it fails anyway)
             return None
         if row is None:

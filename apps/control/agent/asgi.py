@@ -88,29 +88,35 @@ async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
 
 async def _work(scope: Scope, receive: Receive, send: Send) -> None:
     """The long poll, ended early when the agent goes away (its waiter is released then, not at
-    the poll's timeout)."""
+    the poll's timeout). It runs in the request's own task; a watcher beside it cancels that task
+    when the agent disconnects (two tasks per waiting poll, not three)."""
     wait = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("wait", [None])[-1]
-    answering = asyncio.ensure_future(work_answer(_header(scope, b"authorization"), wait))
+    request = asyncio.current_task()
+    assert request is not None
+    answering, left = True, False
 
     async def gone() -> None:
+        nonlocal left
         while (await receive())["type"] != "http.disconnect":
             pass
+        left = True
+        if answering:
+            request.cancel()
 
     watching = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait([answering, watching], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not answering.done():
-            answering.cancel()
-        # cancel() only asks: wait until both have really finished (a cancelled poll releases
-        # its waiter first) before reading them
-        await asyncio.wait([answering, watching])
-    left = not watching.cancelled() and watching.exception() is None
-    if answering.cancelled() or left:
+        answer = await work_answer(_header(scope, b"authorization"), wait)
+    except asyncio.CancelledError:
+        if not left:
+            raise  # the server is stopping
+        request.uncancel()
         return  # the agent went away (a drain, a termination): nobody to answer
-    exc = answering.exception()
-    await _send(send, _failed(exc) if exc is not None else answering.result())
+    except Exception as exc:
+        answer = _failed(exc)
+    finally:
+        answering = False
+        watching.cancel()
+    await _send(send, answer)
 
 
 HOT: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -133,6 +134,121 @@ async def fetchone(sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
     async with pool.connection() as conn:
         cursor = await conn.execute(sql, params, prepare=True)
         return await cursor.fetchone()
+
+
+async def fetchall(sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Every row of one statement, as :func:`fetchone` runs it (the pooled path only)."""
+    pool = await _async_pool()
+    async with pool.connection() as conn:
+        cursor = await conn.execute(sql, params, prepare=True)
+        return await cursor.fetchall()
+
+
+Row = tuple[Any, ...]
+
+
+class Batched:
+    """One hot statement shared by the requests that arrive while the previous one runs (group
+    commit): a fleet's heartbeats or look-ups cost a few statements a moment, not one each, so
+    they never queue for the pool's connections one by one.
+
+    ``one`` answers a single key (``one_params(key)``: its parameters); ``many`` answers a batch
+    (``params(keys)``), each row starting with the key it answers, followed by the columns ``one``
+    returns. A key ``many`` returned no row for has none (an unknown token, no job); with
+    ``retry_missing`` it runs ``one`` alone instead, on its own (``many`` skipped a row another
+    transaction holds: the single statement waits for it, the batch never does). Outside the
+    agent server (the WSGI web, tests) every call runs ``one`` on the request's connection."""
+
+    def __init__(
+        self,
+        one: str,
+        many: str,
+        *,
+        params: Callable[[list[Any]], Sequence[Any]],
+        one_params: Callable[[Any], Sequence[Any]],
+        retry_missing: bool = False,
+        limit: int = 1000,
+    ) -> None:
+        self.one, self.many = one, many
+        self.params, self.one_params = params, one_params
+        self.retry_missing = retry_missing
+        self.limit = limit
+        self.statements = 0  # statements run for the agent server's requests (the tests count)
+        self._waiting: dict[Hashable, list[asyncio.Future[Row | None]]] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._singles: set[asyncio.Task[None]] = set()
+
+    async def row(self, key: Hashable) -> Row | None:
+        """``key``'s row (None: the statement found none)."""
+        if _executor is None:
+            return await fetchone(self.one, self.one_params(key))
+        answer: asyncio.Future[Row | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(key, []).append(answer)
+        if self._flusher is None or self._flusher.done():
+            # one flusher per process (one event loop): it starts on the loop's next turn, so
+            # every request of this turn shares its first statement already
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        return await answer
+
+    async def _flush(self) -> None:
+        while self._waiting:
+            batch = dict(itertools.islice(self._waiting.items(), self.limit))
+            for key in batch:
+                del self._waiting[key]
+            batch = {k: fs for k, fs in batch.items() if not all(f.done() for f in fs)}  # all left
+            if not batch:
+                continue
+            try:
+                rows = await self._run(list(batch))
+            except asyncio.CancelledError:  # the server stopping: its requests go with it
+                _answer(batch.values(), cancel=True)
+                raise
+            except Exception as exc:  # PostgreSQL away: each request answers 500, its agent retries
+                _answer(batch.values(), error=exc)
+                continue
+            for key, answers in batch.items():
+                row = rows.get(key)
+                if row is None and self.retry_missing and len(batch) > 1:
+                    task = asyncio.get_running_loop().create_task(self._single(key, answers))
+                    self._singles.add(task)
+                    task.add_done_callback(self._singles.discard)
+                else:
+                    _answer([answers], row=row)
+
+    async def _run(self, keys: list[Any]) -> dict[Any, Row]:
+        self.statements += 1
+        if len(keys) == 1:
+            row = await fetchone(self.one, self.one_params(keys[0]))
+            return {} if row is None else {keys[0]: row}
+        return {row[0]: row[1:] for row in await fetchall(self.many, self.params(keys))}
+
+    async def _single(self, key: Any, answers: list[asyncio.Future[Row | None]]) -> None:
+        try:
+            self.statements += 1
+            row = await fetchone(self.one, self.one_params(key))
+        except asyncio.CancelledError:
+            _answer([answers], cancel=True)
+            raise
+        except Exception as exc:
+            _answer([answers], error=exc)
+        else:
+            _answer([answers], row=row)
+
+
+def _answer(
+    groups: Any, *, row: Row | None = None, error: BaseException | None = None, cancel: bool = False
+) -> None:
+    """Settle every request still waiting in ``groups`` (lists of futures) one way."""
+    for answers in groups:
+        for answer in answers:
+            if answer.done():
+                continue  # its request went away
+            if cancel:
+                answer.cancel()
+            elif error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(row)
 
 
 async def close() -> None:

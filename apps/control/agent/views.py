@@ -109,16 +109,44 @@ def _gone() -> Answer:
 
 # ---- heartbeat ---------------------------------------------------------------------------------
 
-# One statement: authenticate, record the heartbeat and read the jobs to kill. Autocommit, no
-# lock taken beyond the row's own UPDATE, so it never waits behind a long poll (which holds none).
-HEARTBEAT = f"""
-UPDATE {MachineInstance._meta.db_table} AS m SET last_heartbeat_at = %s
-WHERE m.agent_token_hash = %s AND m.agent_token_hash <> '' AND m.status IN ({LIVE})
-RETURNING m.id, m.status, ARRAY(
+# What the hot statements share: an agent token that names a live machine; a machine's jobs to
+# kill; a job assigned to a machine and handed to it (apps.jobs.handoff: an integration's job is
+# given only once handed off).
+_LIVE_TOKEN = f"m.agent_token_hash <> '' AND m.status IN ({LIVE})"
+_TO_CANCEL = f"""ARRAY(
     SELECT j.id FROM {Job._meta.db_table} AS j
     WHERE j.instance_id = m.id AND j.cancel_requested AND j.status IN ({CANCELLABLE}) ORDER BY j.id
-)
+)"""
+_ASSIGNED = f"status IN ({_sql_list([JobStatus.ASSIGNED])}) AND {HANDED_OFF_SQL}"
+_MACHINES = MachineInstance._meta.db_table
+_JOBS = Job._meta.db_table
+
+# Authenticate, record the heartbeat and read the jobs to kill, in one autocommit statement that
+# takes no lock beyond the row's own UPDATE (it never waits behind a long poll, which holds none).
+HEARTBEAT = f"""
+UPDATE {_MACHINES} AS m SET last_heartbeat_at = %s
+WHERE m.agent_token_hash = %s AND {_LIVE_TOKEN}
+RETURNING m.id, m.status, {_TO_CANCEL}
 """
+# The same for the heartbeats that arrived together (db.Batched). Rows are locked in id order and
+# a row another transaction holds is skipped (its heartbeat then runs HEARTBEAT alone and waits),
+# so a batch never waits on a lock and two batches cannot deadlock.
+HEARTBEATS = f"""
+WITH hit AS (
+    SELECT m.id FROM {_MACHINES} AS m
+    WHERE m.agent_token_hash = ANY(%s) AND {_LIVE_TOKEN}
+    ORDER BY m.id FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE {_MACHINES} AS m SET last_heartbeat_at = %s FROM hit WHERE m.id = hit.id
+RETURNING m.agent_token_hash, m.id, m.status, {_TO_CANCEL}
+"""
+_HEARTBEATS = db.Batched(
+    HEARTBEAT,
+    HEARTBEATS,
+    params=lambda digests: [digests, timezone.now()],
+    one_params=lambda digest: [timezone.now(), digest],
+    retry_missing=True,
+)
 
 
 def _handshake(instance_id: uuid.UUID) -> bool:
@@ -154,7 +182,7 @@ async def heartbeat_answer(authorization: str, body: bytes) -> Answer:
     parsed = _parse_body(body)
     if isinstance(parsed, Answer):
         return parsed
-    row = await db.fetchone(HEARTBEAT, [timezone.now(), digest])
+    row = await _HEARTBEATS.row(digest)
     if row is None:
         return _gone()
     instance_id, status, cancel = row
@@ -167,16 +195,17 @@ async def heartbeat_answer(authorization: str, body: bytes) -> Answer:
 # ---- work (long poll) --------------------------------------------------------------------------
 
 
-INSTANCE = (
-    f"SELECT id FROM {MachineInstance._meta.db_table} "
-    f"WHERE agent_token_hash = %s AND agent_token_hash <> '' AND status IN ({LIVE})"
+INSTANCE = f"SELECT m.id FROM {_MACHINES} AS m WHERE m.agent_token_hash = %s AND {_LIVE_TOKEN}"
+INSTANCES = (
+    f"SELECT m.agent_token_hash, m.id FROM {_MACHINES} AS m "
+    f"WHERE m.agent_token_hash = ANY(%s) AND {_LIVE_TOKEN}"
 )
-# A job an integration hands off (apps.jobs.handoff) is given only once handed to this machine.
-HAS_ASSIGNED = (
-    f"SELECT EXISTS (SELECT 1 FROM {Job._meta.db_table} "
-    f"WHERE instance_id = %s AND status IN ({_sql_list([JobStatus.ASSIGNED])}) "
-    f"AND {HANDED_OFF_SQL})"
-)
+# The machine a live agent token names (a poll; the agent server's budgets in admission).
+instance_by_token = db.Batched(INSTANCE, INSTANCES, params=lambda keys: [keys], one_params=lambda d: [d])
+
+HAS_ASSIGNED = f"SELECT instance_id FROM {_JOBS} WHERE instance_id = %s AND {_ASSIGNED} LIMIT 1"
+WITH_ASSIGNED = f"SELECT DISTINCT instance_id FROM {_JOBS} WHERE instance_id = ANY(%s) AND {_ASSIGNED}"
+_WITH_ASSIGNED = db.Batched(HAS_ASSIGNED, WITH_ASSIGNED, params=lambda keys: [keys], one_params=lambda i: [i])
 
 
 def _assigned(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | None:
@@ -200,8 +229,7 @@ def _assigned(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | Non
 async def _look(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | None:
     """The job assigned to this machine, if any: one prepared statement, and the ORM (on a
     database thread) only when there is one to hand out."""
-    row = await db.fetchone(HAS_ASSIGNED, [instance_id])
-    if not row or not row[0]:
+    if await _WITH_ASSIGNED.row(instance_id) is None:
         return None
     return await db.run(_assigned, instance_id, poll_began)
 
@@ -274,7 +302,7 @@ async def work_answer(authorization: str, wait_param: str | None) -> Answer:
         return digest
     began = time.time()
     deadline = time.monotonic() + _wait_seconds(wait_param) * random.uniform(1 - POLL_JITTER, 1)
-    found = await db.fetchone(INSTANCE, [digest])
+    found = await instance_by_token.row(digest)
     if found is None:
         return _gone()
     instance_id = found[0]

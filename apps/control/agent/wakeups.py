@@ -56,7 +56,8 @@ class Waiter:
             timeout = min(timeout, RECHECK_WHILE_DOWN)
         if not self.event.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.event.wait(), timeout)
+                async with asyncio.timeout(timeout):  # no task of its own, unlike wait_for
+                    await self.event.wait()
         messages, self.messages = self.messages, []
         self.event.clear()
         return messages
