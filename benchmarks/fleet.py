@@ -229,11 +229,15 @@ class Load:
         from django.utils import timezone
 
         from apps.control.reaper import _mark_silent_lost
+        from apps.machines.models import MachineInstance
 
         try:
             with override_settings(CATACLOUD_AGENT_LOST_AFTER=self.lost_after):
                 while not self.stop.wait(5.0):
-                    self.false_lost += _mark_silent_lost(timezone.now())
+                    _mark_silent_lost(timezone.now())
+            # The step's own machines only: those of a larger, earlier step are silent now by
+            # design (the reaper marks them lost too, and the next step that has them revives them).
+            self.false_lost = MachineInstance.objects.filter(pk__in=self.instances, status="lost").count()
         finally:
             close_old_connections()
 
@@ -272,10 +276,14 @@ def _step(
     heartbeat: float,
     tmp: Path,
     progress: Progress,
+    kill_at: float | None = None,
 ) -> dict[str, Any]:
+    """One window of ``n`` agents; ``kill_at``: SIGKILL one agent-server process that many
+    seconds into it (its agents reconnect to the other; the row says what that cost)."""
     from django.db import connection
 
     db_port = int(connection.settings_dict.get("PORT") or 5432)
+    _revive([a["instance"] for a in agents[:n]])
     agents_file, out_file = tmp / f"agents-{n}.json", tmp / f"fleet-{n}.json"
     agents_file.write_text(json.dumps(agents[:n]))
     args = [sys.executable, "-m", "benchmarks.fleet_agents", "--url", agent_url, "--agents", str(agents_file)]
@@ -318,10 +326,17 @@ def _step(
     client_proc.cpu_percent()
     cpu_before = sum(_cpu_seconds(s) for s in servers)
     window_started = time.monotonic()
+    killed: tuple[int, float] | None = None
     with load.running("jobs", "users", "reaper"):
         end = time.monotonic() + window - 1.0
         while time.monotonic() < end:
-            time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+            pause = min(5.0, max(0.0, end - time.monotonic()))
+            if kill_at is not None and killed is None:
+                pause = min(pause, max(0.0, window_started + kill_at - time.monotonic()))
+            time.sleep(pause)
+            if kill_at is not None and killed is None and time.monotonic() >= window_started + kill_at:
+                killed = _kill_one_worker(servers[0])
+                progress(f"fleet: {n} agents: SIGKILLed agent-server process {killed[0]}")
             merged: dict[str, float] = {}
             for server in servers:
                 for k, v in server.sample(db_port).items():
@@ -329,6 +344,8 @@ def _step(
             samples.append(merged)
             client_cpu.append(client_proc.cpu_percent())
     server_cpu = (sum(_cpu_seconds(s) for s in servers) - cpu_before) / (time.monotonic() - window_started)
+    if killed is not None:
+        server_cpu = float("nan")  # the killed process's CPU time went with it
     rest = client.stdout.read()
     if client.wait(120) != 0:
         raise RuntimeError(f"the simulated fleet failed: {rest[-2000:]}")
@@ -362,15 +379,55 @@ def _step(
         "connections": max((s["connections"] for s in samples), default=0),
         "db_connections": max((s["db_connections"] for s in samples), default=0),
         "client_cpu_pct": max(client_cpu, default=0.0),
+        # the simulator's own loop pauses over 50 ms in the window (they read as server latency)
+        "client_stalls": len(result["stalls"]),
+        "client_stall_max_ms": max(result["stalls"], default=0.0) * 1000,
         "server_cpu_pct": server_cpu * 100,
     }
-    # Machines the reaper marked lost are live again for the next step (they never were gone).
+    if killed is not None:
+        pid, at = killed
+        after = {job: t for job, t in load.assigned.items() if t >= at}
+        woken_after = [result["jobs"][job] - t for job, t in after.items() if job in result["jobs"]]
+        row |= {
+            "killed": pid,
+            "heartbeats_after_kill": sum(1 for sent in result["heartbeat_at"] if sent >= at),
+            "jobs_after_kill": len(after),
+            "woken_after_kill": len(woken_after),
+            "wake_after_kill_max_ms": max(woken_after, default=float("nan")) * 1000,
+        }
+    return row
+
+
+def _kill_one_worker(server: Server) -> tuple[int, float]:
+    """SIGKILL the agent-server worker process holding the most agent connections (no warning,
+    no drain: a crash or an OOM kill); its pid and when (wall clock)."""
+    import psutil
+
+    port = urlsplit(server.url).port
+    root = psutil.Process(server.proc.popen.pid)
+
+    def held(p: Any) -> int:
+        try:
+            return sum(1 for c in p.net_connections(kind="tcp") if c.laddr.port == port and c.raddr)
+        except psutil.NoSuchProcess:
+            return -1
+
+    worker = max(root.children(), key=held)
+    at = time.time()
+    worker.kill()
+    return worker.pid, at
+
+
+def _revive(instances: list[str]) -> None:
+    """The step's machines the reaper marked lost in an earlier step (falsely, or as silent
+    members of a larger one) are live again: their agents are about to heartbeat."""
+    from django.utils import timezone
+
     from apps.machines.models import MachineInstance
 
-    MachineInstance.objects.filter(pk__in=[a["instance"] for a in agents[:n]], status="lost").update(
-        status="ready", end_cause=""
+    MachineInstance.objects.filter(pk__in=instances, status="lost").update(
+        status="ready", end_cause="", last_heartbeat_at=timezone.now()
     )
-    return row
 
 
 def _held(row: dict[str, Any]) -> bool:
@@ -391,7 +448,8 @@ def _say_row(progress: Progress, label: str, row: dict[str, Any]) -> None:
         f"user p50/p99 {row['user_p50_ms']:.0f}/{row['user_p99_ms']:.0f} ms, lost {row['false_lost']}, "
         f"RSS {row['rss_mb']:.0f} MB, {row['threads']} threads, {row['connections']} conns, "
         f"{row['db_connections']} db, server CPU {row.get('server_cpu_pct', 0):.0f}%, "
-        f"client CPU {row['client_cpu_pct']:.0f}%"
+        f"client CPU {row['client_cpu_pct']:.0f}%, client pauses {row['client_stalls']} "
+        f"(max {row['client_stall_max_ms']:.0f} ms)"
     )
 
 
@@ -423,45 +481,55 @@ def run(
     }
     rows: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
+    kill: dict[str, Any] | None = None
     with temp_dir("fleet") as tmp:
 
-        def climb(label: str, steps: tuple[int, ...], agent_url: str, web: Server, server: Server) -> list:
+        def step(label: str, n: int, web: Server, server: Server, seconds: float, **kill: float) -> dict:
+            if len(agents) < n:
+                progress(f"fleet: making {n - len(agents)} machines (fake provider)")
+                agents.extend(_make_machines(t, n - len(agents)))
+            row = _step(
+                n=n,
+                agents=agents,
+                agent_url=server.url,
+                user_url=web.url,
+                token=token,
+                t=t,
+                config=config,
+                servers=[server],
+                window=seconds,
+                job_rate=job_rate,
+                heartbeat=heartbeat,
+                tmp=tmp,
+                progress=progress,
+                **kill,
+            )
+            row["held"] = _held(row)
+            _say_row(progress, label, row)
+            return row
+
+        def climb(label: str, steps: tuple[int, ...], web: Server, server: Server) -> list:
             """Steps of growing N on one set-up until one does not hold."""
             out: list[dict[str, Any]] = []
             for n in steps:
-                if len(agents) < n:
-                    progress(f"fleet: making {n - len(agents)} machines (fake provider)")
-                    agents.extend(_make_machines(t, n - len(agents)))
-                row = _step(
-                    n=n,
-                    agents=agents,
-                    agent_url=agent_url,
-                    user_url=web.url,
-                    token=token,
-                    t=t,
-                    config=config,
-                    servers=[server],
-                    window=window,
-                    job_rate=job_rate,
-                    heartbeat=heartbeat,
-                    tmp=tmp,
-                    progress=progress,
-                )
-                row["held"] = _held(row)
-                _say_row(progress, label, row)
-                out.append(row)
-                if not row["held"]:
+                out.append(step(label, n, web, server, window))
+                if not out[-1]["held"]:
                     break
             return out
 
         # Today: one gunicorn (2 x 32 threads) for users and agents.
         with _gunicorn(tmp, "web-threads", 32, **env) as web:
             baseline_idle = _user_only(web.url, token, idle_seconds)
-            baseline = climb("thread-held", baseline_sizes, web.url, web, web)
+            baseline = climb("thread-held", baseline_sizes, web, web)
         # This issue: the web for users, the agent server for agents.
         with _gunicorn(tmp, "web", 8, **env) as web, _agent_server(tmp, workers, **env) as agent_api:
             idle = _user_only(web.url, token, idle_seconds)
-            rows = climb("agent server", sizes, agent_api.url, web, agent_api)
+            rows = climb("agent server", sizes, web, agent_api)
+            # A crash: the largest fleet that held, one of the processes SIGKILLed a third in.
+            largest = max((r["agents"] for r in rows if r["held"]), default=0)
+            if largest and workers > 1:
+                seconds = 1.5 * window
+                kill = step("one process killed", largest, web, agent_api, seconds, kill_at=seconds / 3)
     idle_p50 = percentile(idle, 50) * 1000
     result.data = {
         "heartbeat_s": heartbeat,
@@ -475,6 +543,7 @@ def run(
         "baseline_user_idle_p50_ms": percentile(baseline_idle, 50) * 1000,
         "rows": rows,
         "baseline": baseline,
+        "kill": kill,
     }
     result.figures = figures(result.data)
     return result
@@ -537,6 +606,21 @@ def figures(data: dict[str, Any]) -> list[Figure]:
         ),
         Figure(f"Agent API RSS, {at} ({data.get('workers', 1)} processes)", round(top["rss_mb"]), "MB"),
     ]
+    kill = data.get("kill")
+    if kill:
+        crash = f"one of {data.get('workers', 2)} processes SIGKILLed, N={kill['agents']:,}"
+        out += [
+            Figure(f"false lost, {crash}", kill["false_lost"], "", "0", met=kill["false_lost"] == 0),
+            Figure(
+                f"jobs assigned after the kill that reached their agent, {crash}",
+                kill["woken_after_kill"],
+                f"of {kill['jobs_after_kill']}",
+                "all",
+                met=kill["woken_after_kill"] == kill["jobs_after_kill"],
+                note=f"slowest {kill['wake_after_kill_max_ms'] / 1000:.1f} s; longest silence of an agent "
+                f"{kill['max_heartbeat_gap_s']:.1f} s (lost after {data['lost_after_s']:.0f} s)",
+            ),
+        ]
     beyond = max(held, key=lambda r: r["agents"], default=None)
     if beyond is not None and beyond["agents"] > top["agents"]:
         out.append(
@@ -555,10 +639,16 @@ def table_note(result: PartResult) -> str:
     head = (
         "| set-up | agents | heartbeat p50 / p99 ms | wake p50 / p99 ms (woken/assigned) | "
         "user API p50 / p99 ms | false lost | heartbeat errors | RSS MB | threads | conns | DB conns | "
-        "server CPU % | handshakes done (s) | held |"
+        "server CPU % | handshakes done (s) | client pauses (max ms) | held |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, rows in (("thread-held", result.data["baseline"]), ("agent server", result.data["rows"])):
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    kill = result.data.get("kill")
+    steps = (
+        ("thread-held", result.data["baseline"]),
+        ("agent server", result.data["rows"]),
+        ("agent server, one process SIGKILLed", [kill] if kill else []),
+    )
+    for label, rows in steps:
         for r in rows:
             lines.append(
                 f"| {label} | {r['agents']:,} | {r['heartbeat_p50_ms']:.0f} / {r['heartbeat_p99_ms']:.0f} | "
@@ -567,6 +657,7 @@ def table_note(result: PartResult) -> str:
                 f"{r['heartbeat_errors']} | "
                 f"{r['rss_mb']:.0f} | {r['threads']} | {r['connections']} | {r['db_connections']} | "
                 f"{r.get('server_cpu_pct', 0):.0f} | {r.get('handshaken_s', float('nan')):.0f} | "
+                f"{r.get('client_stalls', 0)} ({r.get('client_stall_max_ms', 0):.0f}) | "
                 f"{'yes' if r['held'] else 'no'} |"
             )
     return "\n".join(lines)

@@ -32,6 +32,8 @@ import aiohttp
 from catacloud.agent.backoff import heartbeat_delay  # the real agent's schedule
 
 API = "/api/agent/v1/"
+# A pause of the simulator's own loop this long is reported (it reads as server latency).
+STALL = 0.05
 
 
 class Fleet:
@@ -43,6 +45,7 @@ class Fleet:
         self.measuring = False
         self.stop = asyncio.Event()
         self.heartbeats: list[float] = []
+        self.heartbeat_at: list[float] = []  # when each of them was sent (wall clock)
         self.window_started = 0.0
         self.heartbeat_errors = 0
         self.heartbeat_gaps: list[float] = []  # per agent: the longest time without a good beat
@@ -51,6 +54,16 @@ class Fleet:
         self.polls = 0
         self.jobs: dict[str, float] = {}
         self.job_errors = 0
+        self.stalls: list[float] = []  # this process's own loop pauses over STALL in the window
+
+    async def watch_loop(self) -> None:
+        """The instrument's own pauses: a late wake-up of this loop is latency no server caused."""
+        while not self.stop.is_set():
+            asked = time.monotonic()
+            await asyncio.sleep(0.01)
+            late = time.monotonic() - asked - 0.01
+            if self.measuring and late > STALL:
+                self.stalls.append(late)
 
     async def enroll(self, session: aiohttp.ClientSession, agent: dict[str, Any]) -> None:
         for attempt in range(5):
@@ -74,6 +87,7 @@ class Fleet:
         gap = 0.0
         while not self.stop.is_set():
             started = time.monotonic()
+            sent_at = time.time()
             ok = False
             for _ in range(
                 2
@@ -99,6 +113,7 @@ class Fleet:
             if self.measuring and started >= self.window_started:
                 if ok:
                     self.heartbeats.append(took)
+                    self.heartbeat_at.append(sent_at)
                 else:
                     self.heartbeat_errors += 1
             if ok:
@@ -191,11 +206,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.2)
         print(f"HANDSHAKEN {fleet.first_beats} in {time.monotonic() - t0:.1f}s", flush=True)
         await asyncio.sleep(args.heartbeat + 1.0)
+        # Every agent's tasks and connection exist now: freeze them too, and keep the collector
+        # off for the window (a full pass over 10,000 tasks pauses this loop for up to a second,
+        # which every answer in flight would carry as the server's latency).
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        tasks.append(asyncio.create_task(fleet.watch_loop()))
         fleet.window_started = time.monotonic()
         fleet.measuring = True
         print("READY", flush=True)
         await asyncio.sleep(args.window)
         fleet.measuring = False
+        gc.enable()
         fleet.stop.set()
         await asyncio.wait(tasks, timeout=5)
         for task in tasks:
@@ -203,12 +226,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "agents": [{"instance": a["instance"], "token": a["token"]} for a in agents],
         "heartbeats": fleet.heartbeats,
+        "heartbeat_at": fleet.heartbeat_at,
         "heartbeat_errors": fleet.heartbeat_errors,
         "max_heartbeat_gap": max(fleet.heartbeat_gaps, default=0.0),
         "poll_errors": fleet.poll_errors,
         "polls": fleet.polls,
         "jobs": fleet.jobs,
         "job_errors": fleet.job_errors,
+        "stalls": fleet.stalls,
     }
 
 

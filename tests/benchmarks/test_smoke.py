@@ -165,6 +165,9 @@ def test_fleet(tmp_path: Path) -> None:
     (row,) = result.data["rows"]
     assert row["agents"] == 6 and row["heartbeats"] > 0 and row["jobs_woken"] > 0
     assert len(result.data["baseline"]) == 1
+    # the crash step: one of the two agent-server processes SIGKILLed, the other kept answering
+    kill = result.data["kill"]
+    assert kill["agents"] == 6 and kill["killed"] > 0 and kill["heartbeats_after_kill"] > 0
     report.save(result, tmp_path)
     assert "fleet.png" in report.plots(report.load_all(tmp_path), tmp_path)
 

@@ -56,8 +56,9 @@ def test_heartbeats_arriving_together_share_one_statement_and_each_get_their_own
 ) -> None:
     agents = [agent(tworld, provider_id=f"p-{i}") for i in range(30)]
     config = job_config(tworld.org, tworld.machine_type, "c", "sleep 60")
+    now = timezone.now()
     doomed = {
-        i: job_row(config, status="running", instance=agents[i][0], started_at=timezone.now(), cancel_requested=True)
+        i: job_row(config, status="running", instance=agents[i][0], started_at=now, cancel_requested=True)
         for i in (3, 17)
     }
     ended = agents[29][0]
