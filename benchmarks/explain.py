@@ -264,45 +264,48 @@ that only becomes late after that sample (a `pending` row is late after 24 s) sh
 """
 
 FLEET = """\
-**Met: 2,000 connected agents on one 2-core host, every target met.** Heartbeat p99 42 ms
-(target 1 s), assignment -> wake p99 71 ms (target 250 ms), 0 false `lost`, user API p50 1.4x
+**Met: 5,000 connected agents on one 2-core host, every target met.** Heartbeat p99 233 ms
+(target 1 s), assignment -> wake p99 106 ms (target 250 ms), 0 false `lost`, user API p50 1.7x
 its value with no agents, with the agent server run as docker-compose runs it (uvicorn, 2
-workers) and the simulated fleet, PostgreSQL, Redis and the user web on the same 2 cores. It
-held 5,000 too (0 false `lost`, heartbeats far inside the lost rule) but missed the latency
-targets there (p99 2.7 s). Today's thread-held web (2 x 32 threads, users and agents together),
-measured in the same run, held 50 agents and not 100 (heartbeats waited behind polls for
-threads: p99 6.4 s, user API p50 591 ms), so the agent server holds 40x more with every target
-met. Structure at every N: 12-26 threads and 9-25 database connections for 100 to 5,000 agents
-(per process: 8 query threads for the DRF endpoints and up to 4 asynchronous connections for
-the hot statements), RSS 244-453 MB for the two processes together.
+workers) and the simulated fleet, PostgreSQL, Redis and the user web on the same 2 cores. The
+thread-held web (2 x 32 threads, users and agents together), measured in the same run, held 50
+agents and not 100 (heartbeats waited behind polls for threads: p99 7.7 s), so the agent server
+holds 100x more with every target met. Structure at every N: 12-26 threads and 7-23 database
+connections for 100 to 5,000 agents, RSS 260-418 MB for the two processes together. This is one
+run, with nothing else on the machine; the margin at 5,000 is real but not wide (server CPU 74%
+of a core, the simulated fleet 28%, next to PostgreSQL and the user web): while this change was
+built, one run in a slower hour of the same machine read wake-up p99 361 ms, over the target.
 
-**What changed since the agent server held 500** (same machine; one process then, and the
-measurement window then opened while first heartbeats were still queued):
-- heartbeat and work are answered by a lean ASGI route, not Django's handler, and their
-  statements run on the event loop over asynchronous psycopg connections as prepared
-  statements, with the constant status lists written into the statement: no thread hand-off,
-  no ORM, no parameter conversion. A heartbeat cost ~2 ms of CPU before (5 ms contended);
-  now each additional request costs ~0.7 ms (the slope of server CPU between 2,000 and 5,000
-  agents: 48% -> 78% of a core for ~330 -> ~785 requests/s; the average, 1-2 ms, also carries
-  the idle connections and the job reports through DRF);
-- `synchronous_commit = off` on those connections: heartbeats no longer wait for the WAL flush,
-  which a checkpoint stretched to seconds (p50 fell from 4 ms to 2-3 ms and the multi-second
-  stalls went);
-- polls end at a random point in the last quarter of their wait and heartbeats come every
-  interval ± 10% (the real agent's schedule): a fleet that started together no longer renews
-  its 2,000 polls in the same second every 20 s, which had cost a second of backlog each time;
-- `gc.freeze()` at start-up: full collections no longer walk Django's objects (they took
-  250-400 ms with thousands of connections);
-- two uvicorn workers, one per core (compose's default): a burst can use both cores.
+**One of the two processes SIGKILLed** (5,000 agents, a third into a 30 s window, no drain):
+0 false `lost`, 0 heartbeat errors (an agent's heartbeat that finds its connection gone is
+sent again on a new one, which the surviving process accepts), and all 96 jobs assigned after
+the kill reached their agent (slowest 3.7 s: a poll whose connection died waits 1 s and polls
+again). The longest silence of any agent was 16.3 s against a 30 s lost rule; heartbeat p99 over
+the window was 5.1 s, the reconnection storm of ~2,500 agents at once.
 
-**The ceiling and its bottleneck: the host's 2 cores.** At 5,000 agents (500 heartbeats and ~285
-poll renewals per second) the two agent-server processes used 78% of a core and the simulated
-fleet (one Python process) 43%, next to PostgreSQL, Redis and the user web: bursts then queue
-(heartbeat p50 282 ms, p99 2.7 s) although nothing is lost. The 5,000 fresh machines' first
-heartbeats (each a handshake: the machine becomes ready through the usual service, on a
-database thread) took 50 s to drain. On a host of its own (the fleet elsewhere) the agent
-server's share at 5,000 is under one core; the next gain is fewer requests rather than cheaper
-ones (a longer heartbeat for large fleets, as Kubernetes' node leases do at 10 s and more).
+**What took heartbeat p99 from 2.7 s to 233 ms at 5,000** (found with a per-second timeline
+of heartbeats, a loop-lag probe and py-spy on a live run, not guessed):
+- *the hot statements queued for connections.* Each heartbeat and each poll's look-up took one
+  of the pool's 4 connections for one statement: under 5,000 agents the waiters' queue grew
+  faster than it drained (pool wait averaged seconds against ~6 ms of execution, and start-up
+  threw `PoolTimeout` by the tens of thousands). Now requests that arrive while a statement runs
+  share the next one (group commit, `apps.control.agent.db.Batched`): the heartbeat's `UPDATE`
+  (locking in id order with `SKIP LOCKED`; a row another transaction holds is retried alone, so
+  a batch never waits on a lock), the token look-up and the look for an assigned job. At a
+  trickle it is one statement per request, as before. The 5,000 handshakes drained in 58 s;
+- *the instrument.* The simulated fleet is one asyncio process, and its own full collections
+  paused its loop for up to a second, which every answer in flight read as server latency. It
+  now freezes its agents' state and keeps the collector off for the window, and counts its own
+  pauses over 50 ms ("client pauses": 0 at every N of the climb);
+- a waiting poll holds one task beside its request's instead of three (its watcher cancels the
+  request's task; `asyncio.timeout` instead of `wait_for`): fewer objects for the server's own
+  collector.
+
+**What is left.** The agent server's own full collections (a few hundred ms every few tens of
+seconds per process at 5,000 agents) now set the heartbeat's far tail. Two agent-server hosts
+with 10,000 agents cannot be measured honestly on this 2-core machine (the simulator and
+PostgreSQL take the cores a second host would have); docs/operator/fleet-sizing.md says how to
+scale out.
 """
 
 CI = """\
