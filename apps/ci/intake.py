@@ -17,6 +17,7 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
 from apps.ci.forge import Forge, ops_of
+from apps.ci.reconcile import poll_soon
 from apps.core.errors import ErrorCode, error_payload
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def delivery_store(
             )
     except IntegrityError:
         return False
+    poll_soon(forge=forge, endpoint_id=endpoint.pk)
     return True
 
 

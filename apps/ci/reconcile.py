@@ -10,8 +10,9 @@ default; sent by the reaper's tick): the forge's view compared with ours, both w
 - **Missed webhooks**: the forge's pending and running jobs are polled (by the adapter) for
   jobs we never heard of or whose status we missed, then our unfinished records the poll did not
   list are looked up one by one (a bounded number), with a backoff (the interval doubles, up to
-  10 minutes, while a poll finds nothing; it resets when one finds something). A lost webhook
-  delays a job by at most one interval, never hours.
+  10 minutes, while a poll finds nothing; it resets when one finds something, and when a
+  delivery comes: :func:`poll_soon`). A webhook lost while the endpoint is busy delays its job
+  by at most one interval; one lost after a quiet spell, by at most the backoff.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ MAX_STALE_LOOKUPS = 50
 
 def interval(forge: Forge) -> float:
     return float(getattr(settings, forge.settings.reconcile_interval))
+
+
+def poll_soon(*, forge: Forge, endpoint_id: EndpointId, now: datetime | None = None) -> None:
+    """A delivery came: the endpoint is busy, so a webhook lost now (the forge gave up on our
+    answer, or its own redelivery list has moved on) is found at the base interval, not at the
+    end of a backoff a quiet spell had stretched to minutes. One conditional write: a no-op
+    while the poll already runs at the base interval."""
+    now = now or timezone.now()
+    soon = now + timedelta(seconds=interval(forge))
+    forge.endpoint.objects.filter(pk=endpoint_id).filter(
+        Q(poll_interval_seconds__gt=interval(forge)) | Q(next_poll_at__gt=soon)
+    ).update(poll_interval_seconds=interval(forge), next_poll_at=soon)
 
 
 def reconciles_due(*, forge: Forge, now: datetime) -> int:

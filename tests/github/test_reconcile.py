@@ -203,6 +203,26 @@ def test_polling_backs_off_while_it_finds_nothing(gh: GitHubWorld) -> None:
     assert gh.fake.api_calls() - before == 1  # the runners list only
 
 
+def test_a_burst_after_a_quiet_spell_has_its_lost_webhooks_found_within_one_interval(
+    gh: GitHubWorld,
+) -> None:
+    """The 70 s stall of a 1,000-job burst: polls that found nothing had stretched the interval,
+    so the burst's lost `queued` webhooks (GitHub lists only the last 100 deliveries for
+    redelivery) waited for a backed-off poll. A delivery now brings the poll back to the base
+    interval (30 s here)."""
+    for _ in range(3):
+        reconcile(gh)  # a quiet spell: nothing missed, the interval doubles to 4 minutes
+    assert GitHubInstallation.objects.get().poll_interval_seconds == 240.0
+    labels = list(gh.runner_class.labels)
+    gh.fake.lost_rate = 1.0
+    delivered = gh.fake.queue_job("acme/app", labels, ["true"])
+    deliver("workflow_job", workflow_job(delivered, "queued", labels=labels))  # the burst begins
+    lost = gh.fake.queue_job("acme/app", labels, ["true"])  # its webhook never comes
+    at = timezone.now() + timedelta(seconds=31)
+    assert installation_reconcile(installation_id=gh.installation.pk, now=at)["missed_jobs_found"] == 1
+    assert set(WorkflowJob.objects.values_list("github_id", flat=True)) == {delivered, lost}
+
+
 def test_failed_deliveries_are_redelivered_once(gh: GitHubWorld) -> None:
     gh.fake.drop_rate = 1.0  # GitHub could not deliver: listed as failed
     gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])

@@ -153,6 +153,18 @@ def test_polling_backs_off_while_it_finds_nothing(gl: GitLabWorld) -> None:
     assert gl.fake.api_calls() - before == 1  # the runners list only
 
 
+def test_an_event_after_a_quiet_spell_brings_polling_back_to_the_base_interval(gl: GitLabWorld) -> None:
+    for _ in range(3):
+        reconcile(gl)
+    assert GitLabConnection.objects.get().poll_interval_seconds == 240.0
+    delivered = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    deliver(job_event(delivered, "pending", tags=TAGS))  # busy again
+    lost = gl.fake.queue_job("acme/app", TAGS, ["true"])  # its event is lost (GitLab never retries)
+    at = timezone.now() + timedelta(seconds=31)
+    assert endpoint_reconcile(forge=GITLAB, endpoint_id=gl.connection.pk, now=at)["missed_jobs_found"] == 1
+    assert set(GitLabJob.objects.values_list("gitlab_id", flat=True)) == {delivered, lost}
+
+
 def test_the_reaper_acts_on_stored_events_and_redrives_lost_handoffs(gl: GitLabWorld) -> None:
     payload: dict[str, Any] = job_event(9, "pending", tags=TAGS)
     GitLabDelivery.objects.create(
