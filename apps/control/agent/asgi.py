@@ -104,6 +104,8 @@ async def _work(scope: Scope, receive: Receive, send: Send) -> None:
             request.cancel()
 
     watching = asyncio.ensure_future(gone())
+    # a receive() that failed ends the watcher only: its error is read here, not logged at exit
+    watching.add_done_callback(lambda task: task.cancelled() or task.exception())
     try:
         answer = await work_answer(_header(scope, b"authorization"), wait)
     except asyncio.CancelledError:
