@@ -24,7 +24,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q, Value
+from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
 from apps.ci.dispatch import instance_of, retire_soon
@@ -61,9 +62,13 @@ def poll_soon(*, forge: Forge, endpoint_id: EndpointId, now: datetime | None = N
     while the poll already runs at the base interval."""
     now = now or timezone.now()
     soon = now + timedelta(seconds=interval(forge))
+    # never later than it was: a poll already due sooner (or now: NULL) keeps its time
     forge.endpoint.objects.filter(pk=endpoint_id).filter(
         Q(poll_interval_seconds__gt=interval(forge)) | Q(next_poll_at__gt=soon)
-    ).update(poll_interval_seconds=interval(forge), next_poll_at=soon)
+    ).update(
+        poll_interval_seconds=interval(forge),
+        next_poll_at=Least(Coalesce(F("next_poll_at"), Value(now)), Value(soon)),
+    )
 
 
 def reconciles_due(*, forge: Forge, now: datetime) -> int:

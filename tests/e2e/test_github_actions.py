@@ -203,7 +203,11 @@ def test_sixty_jobs_over_three_classes_with_faults_all_complete_and_nothing_is_l
     assert conclusions.count("cancelled") >= 3 and conclusions.count("success") >= 50, conclusions
     assert not violations, violations[:5]
     assert budget_held(budget)
-    assert WorkflowJob.objects.filter(github_id__in=ids).count() == 60  # the lost ones found by polling
+    # every job that ran is recorded here, the lost events' ones found by polling; a job cancelled
+    # while it waited may end before any event or poll reached us (nothing ran: nothing to record)
+    cancelled = {i for i in ids if fake.job(i).conclusion == "cancelled"}
+    recorded = set(WorkflowJob.objects.filter(github_id__in=ids).values_list("github_id", flat=True))
+    assert set(ids) - cancelled <= recorded, sorted(set(ids) - cancelled - recorded)
     print(
         f"converged {time.monotonic() - last:.0f}s after the last job; "
         f"{fake.api_calls()} GitHub calls for 60 jobs"

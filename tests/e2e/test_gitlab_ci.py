@@ -222,7 +222,11 @@ def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_lef
     assert set(statuses) <= set(DONE)
     assert not violations, violations[:5]
     assert budget_held(budget)
-    assert GitLabJob.objects.filter(gitlab_id__in=ids).count() == 60  # the dropped ones found by polling
+    # every job that ran is recorded here, the lost events' ones found by polling; a job cancelled
+    # while it waited may end before any event or poll reached us (nothing ran: nothing to record)
+    cancelled = {i for i in ids if fake.job(i).status == "canceled"}
+    recorded = set(GitLabJob.objects.filter(gitlab_id__in=ids).values_list("gitlab_id", flat=True))
+    assert set(ids) - cancelled <= recorded, sorted(set(ids) - cancelled - recorded)
     print(
         f"converged {time.monotonic() - last:.0f}s after the last job; "
         f"{fake.api_calls()} GitLab calls for 60 jobs"

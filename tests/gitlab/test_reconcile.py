@@ -165,6 +165,17 @@ def test_an_event_after_a_quiet_spell_brings_polling_back_to_the_base_interval(g
     assert set(GitLabJob.objects.values_list("gitlab_id", flat=True)) == {delivered, lost}
 
 
+def test_an_event_never_puts_off_a_poll_that_is_due_sooner(gl: GitLabWorld) -> None:
+    reconcile(gl)
+    reconcile(gl)  # backed off to 120 s; the next poll made due in 5 s
+    due = timezone.now() + timedelta(seconds=5)
+    GitLabConnection.objects.update(next_poll_at=due)
+    job = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    deliver(job_event(job, "pending", tags=TAGS))
+    conn = GitLabConnection.objects.get()
+    assert conn.poll_interval_seconds == 30.0 and conn.next_poll_at == due
+
+
 def test_the_reaper_acts_on_stored_events_and_redrives_lost_handoffs(gl: GitLabWorld) -> None:
     payload: dict[str, Any] = job_event(9, "pending", tags=TAGS)
     GitLabDelivery.objects.create(
