@@ -109,8 +109,11 @@ def delivery_process(*, forge: Forge, key: str, hint: Mapping[str, Any] | None =
     """Act on a stored delivery once (a delivery being processed elsewhere is skipped).
     ``hint``: what a forge call learnt for it (GitLab: the job with its tags)."""
     with transaction.atomic():
+        # of=self: without it the lock (and the skip) also takes the joined endpoint row, so a
+        # delivery would be skipped whenever another one of its endpoint, or a reconcile's
+        # claim, holds that row
         delivery = (
-            forge.delivery.objects.select_for_update(skip_locked=True, no_key=True)
+            forge.delivery.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
             .select_related(forge.endpoint_field)
             .filter(pk=key, processed_at__isnull=True)
             .first()

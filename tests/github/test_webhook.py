@@ -206,3 +206,32 @@ def test_the_ping_is_answered(gh: GitHubWorld) -> None:
     response = deliver("ping", {"zen": "Keep it logically awesome.", "hook_id": 1})
     assert response.status_code == 200 and response.json()["status"] == "pong"
     assert _nothing_written()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_is_acted_on_while_another_transaction_holds_its_installation(gh: GitHubWorld) -> None:
+    """A second delivery of the same installation, or a reconcile's claim, holds the installation
+    row: a delivery arriving meanwhile is acted on at once (or right after), never skipped as if
+    it were being processed elsewhere and left for the reaper's rule seconds later."""
+    import threading
+
+    import psycopg
+    from django.db import connections
+
+    kwargs = {**connections["default"].get_connection_params(), "autocommit": False}
+    kwargs.pop("cursor_factory", None)
+    kwargs.pop("context", None)
+    holder = psycopg.connect(**kwargs)
+    table = gh.installation.__class__._meta.db_table
+    holder.execute(f"UPDATE {table} SET next_poll_at = next_poll_at WHERE id = %s", [gh.installation.pk])
+    release = threading.Timer(1.0, holder.commit)
+    release.start()
+    try:
+        response = deliver("workflow_job", workflow_job(7, "queued"), guid="while-held")
+    finally:
+        release.join()
+        holder.close()
+    assert response.status_code == 200, response.content
+    delivery = WebhookDelivery.objects.get(guid="while-held")
+    assert delivery.processed_at is not None, "skipped: left for the reaper"
+    assert WorkflowJob.objects.get().github_id == 7
