@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from celery import Celery, bootsteps
-from celery.signals import beat_init, worker_process_init, worker_shutdown
+from celery.signals import beat_init, task_postrun, task_prerun, worker_process_init, worker_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -81,6 +81,19 @@ def _tracing_in_pool_process(**_: Any) -> None:
     from apps.core import tracing
 
     tracing.setup("worker")
+
+
+@task_prerun.connect
+@task_postrun.connect
+def _connections_as_around_a_request(task: Any = None, **_: Any) -> None:
+    """Close the connections that broke or outlived ``DATABASE_CONN_MAX_AGE`` around each task, as
+    Django does around each request, and keep the others (``CELERY_DB_REUSE_MAX`` stops Celery's
+    fixup from closing them all). Not for a task run eagerly, inside its caller's transaction."""
+    if task is not None and getattr(task.request, "is_eager", False):
+        return
+    from django.db import close_old_connections
+
+    close_old_connections()
 
 
 @worker_shutdown.connect

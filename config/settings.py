@@ -200,6 +200,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 }
 CELERY_BROKER_CONNECTION_TIMEOUT = 2
 CELERY_WORKER_SEND_TASK_EVENTS = True  # Flower
+# Celery's Django fixup closes every database connection before and after every task unless this
+# is set: a new PostgreSQL connection, password exchange included, for each task. config/celery.py
+# closes them as Django does around a request instead (DATABASE_CONN_MAX_AGE, broken connections).
+CELERY_DB_REUSE_MAX = 1_000_000
 # No extra "task-sent" message per task: it doubled the broker traffic of every claim.
 CELERY_TASK_SEND_SENT_EVENT = False
 

@@ -119,7 +119,6 @@ class Profile:
     loglevel: str = "INFO"
     events: bool = False
     concurrency: int = 2
-    web: Mapping[str, str] = field(default_factory=dict)  # settings of gunicorn on top
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process against the database and Redis this process uses."""
@@ -185,7 +184,7 @@ class Profile:
         proc = Proc(
             "gunicorn",
             [*argv, *args],
-            self.env(**{**web_env, **self.web, **env}),
+            self.env(**{**web_env, **env}),
             tmp / f"gunicorn-{port}.log",
         )
         with _serving(proc, url) as web:
@@ -262,13 +261,19 @@ TESTS = Profile(
     events=True,
     concurrency=4,
 )
-# Benchmarks: production-like (no debug, quiet logs).
+# Benchmarks: production-like (no debug, quiet logs, connections kept as `make dev` keeps them:
+# the bench's own process runs with 0, which its environment would otherwise hand to every
+# worker, a new connection for every task).
 BENCH = Profile(
     prefix="bench",
-    settings={"DJANGO_DEBUG": "0", "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost", "LOG_LEVEL": "WARNING"},
+    settings={
+        "DJANGO_DEBUG": "0",
+        "DJANGO_ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "LOG_LEVEL": "WARNING",
+        "DATABASE_CONN_MAX_AGE": "60",
+    },
     loglevel="WARNING",
     concurrency=2,
-    web={"DATABASE_CONN_MAX_AGE": "60"},
 )
 
 
