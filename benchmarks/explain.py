@@ -372,21 +372,26 @@ before it was ready) against cold pools and against no images at all.
 """
 
 TAIL = """\
-**At the goal, within noise.** 1,000 warm jobs on 6 machines, nothing else running on the 2 cores
-(1-minute load 4-5, the stack's own processes). This run: p50 89 ms, p99 203 ms, p99.9 214 ms,
-max 243 ms, no job above 250 ms. It is one of seven runs taken in the same hour, interleaved:
-four of today's code read p99.9 437, 275, 418 and 214 ms; three of the code before the agent
-server's group commit read 229, 289 and 269 ms (and 260 ms the day before). The goal (250 ms)
-is met by one run in four of today's code and one in three of the earlier; the 1 s max is met in
-all seven. What sets the tail is not a stage: in each slow run one or two bursts of 6 jobs were
-late together, by 150-500 ms, in admission in one run, placement in another, agent start in a
-third, and the stage p50s did not move (agent start 37-50 ms today, 36-44 before; admission
-18-24 ms; placement 28-38 ms). That points to a stall shared by the stack's processes for a
-fraction of a second, landing on whichever stage a burst is in; what stalls is not found yet
-(not a PostgreSQL checkpoint: none fell inside a run). Finding it needs a trace of a slow burst
-across processes, which this part does not take yet. Without such a stall the path is well inside the
-goal: burst jobs (6 submitted at once for 6 idle machines) p50 139 ms, max 243 ms; trickled ones
-p50 50 ms, max 122 ms. The 12.7 s warm start of issue 36 is most likely the reconciler fault
+**Goal met in four runs of five.** 1,000 warm jobs on 6 machines, nothing else running on the 2
+cores (1-minute load 4-5, the stack's own processes). This run: p50 95 ms, p99 213 ms, p99.9
+240 ms, max 247 ms, no job above 250 ms. Nine runs were taken on 2026-11-28/29, the code before
+and after one fix interleaved. After: p99.9 192, 206, 324, 247 and 240 ms (p50 81-101 ms).
+Before: 758, 273, 382 and 280 ms (p50 96-134 ms), the goal met in none. **The fix:** Celery's
+Django fixup closed every database connection before and after every task, whatever
+`DATABASE_CONN_MAX_AGE` said, so every scheduling pass, claim and wake-up task opened a new
+PostgreSQL connection: a backend forked and a SCRAM password exchange, CPU on both sides. A
+profile of the worker (py-spy, 50 Hz, one minute of this part) had a quarter of its samples in
+psycopg's connect. The 2 cores are 93-97 % busy during a slow burst (the host's /proc/stat,
+sampled every 20 ms; 84 % over a run), so a burst is as late as the CPU its jobs and whatever
+else runs then need, in whichever stage it is. Sampling pg_stat_activity every 25 ms found no
+lock wait above 75 ms (admissions queue on their grant's row by design), but in one run a few
+COMMITs waited up to 313 ms on the WAL's fsync: the disk is a second, rarer source of a late
+burst. Workers now keep their connection between tasks as the web
+keeps it between requests (`CELERY_DB_REUSE_MAX` turns the fixup's closing off;
+tests/core/test_worker_connections.py). What is left is the same CPU contention without the
+connection churn: the one slow run after the fix (324 ms) had 8 jobs above 250 ms, all in bursts.
+The host's speed also moved during the night (the same code's p50 96-134 ms), which is why the
+runs were interleaved. The 12.7 s warm start of issue 36 is most likely the reconciler fault
 fixed on 2026-11-27 (the submit bench's two tenants' local accounts shared a `state_dir`, and
 each account's reconciler deleted the other's machines older than its grace as orphans: a job
 placed on one was requeued onto another machine); tests/machines/test_lifecycle.py reproduces
