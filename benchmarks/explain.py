@@ -340,15 +340,20 @@ jobs with its runner jobs held ("request budget used: 3000/3000"), waiting for t
 The default is now 36,000. The same first run lost 20 of GitLab's machines to GitHub's
 reconciler (the two tenants' local accounts share a `state_dir`, and each account's reconciler
 took the other's machines for orphans): fixed, the reconciler leaves another account's machines
-to that account. The burst throughput (GitHub 208, GitLab 171 jobs/min; 217 and 162 the run
-before) is below the 262 of 2026-11-25's GitHub-only run: every job now runs in its own network
-namespace (pasta, nftables) on this 2-core host.
+to that account. Every job runs in its own network namespace (pasta, nftables) on this 2-core
+host.
 
-**Since the run before**, a delivery brings its endpoint's missed-webhook poll back to the base
-interval (it had backed off to minutes after a quiet spell, so a burst's lost webhooks waited
-for it: the 70 s stall of issue 36). In a burst deliveries never stop, so the poll runs every
-interval for its length. It cost nothing measurable here: GitHub 1.03 calls a job in both runs,
-GitLab 2.97 against 3.03, throughput within the runs' spread.
+**Since the run before** (2026-11-29), two fixes. Celery workers keep their database connection
+between tasks: the class convergence, the handoff and the scheduling pass each opened a new
+PostgreSQL connection first (see the tail part). And a delivery locks only its own row: it had
+also locked its endpoint's, so a delivery that arrived while another of the same installation
+was being acted on was skipped and left to the reaper's rule. Against the run before (same
+host, the day before): webhook -> credential p50 61 / 76 ms (88 / 115), the burst 254 / 203
+jobs a minute (208 / 171), GitLab's acknowledgement p99 34 ms (55); calls per job unchanged
+(1.03 / 2.97). GitHub's handoff p99 (219 ms, 212 before) did not move. A delivery also brings
+its endpoint's missed-webhook poll back to the base interval (it had backed off to minutes
+after a quiet spell, so a burst's lost webhooks waited for it: the 70 s stall of issue 36); it
+costs no calls a job here.
 """
 
 IMAGES = """
