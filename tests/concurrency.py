@@ -7,7 +7,8 @@ import functools
 import threading
 from collections.abc import Callable
 
-from django.db import connection
+import psycopg
+from django.db import connection, connections
 
 
 def in_threads(*fns: Callable[[], object], timeout: float | None = 30) -> None:
@@ -41,3 +42,12 @@ def released_together(*fns: Callable[[], object], timeout: float | None = 30) ->
 def at_once(n: int, fn: Callable[[], object], timeout: float | None = 30) -> None:
     """Run ``fn`` in ``n`` threads released together, each on its own database connection."""
     released_together(*[fn] * n, timeout=timeout)
+
+
+def holder_connection() -> psycopg.Connection:
+    """A connection of its own, outside Django and with autocommit off: what it writes holds its
+    row locks until it commits, as another service's open transaction would."""
+    kwargs = {**connections["default"].get_connection_params(), "autocommit": False}
+    kwargs.pop("cursor_factory", None)
+    kwargs.pop("context", None)
+    return psycopg.connect(**kwargs)

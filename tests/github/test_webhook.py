@@ -215,13 +215,9 @@ def test_a_delivery_is_acted_on_while_another_transaction_holds_its_installation
     it were being processed elsewhere and left for the reaper's rule seconds later."""
     import threading
 
-    import psycopg
-    from django.db import connections
+    from tests.concurrency import holder_connection
 
-    kwargs = {**connections["default"].get_connection_params(), "autocommit": False}
-    kwargs.pop("cursor_factory", None)
-    kwargs.pop("context", None)
-    holder = psycopg.connect(**kwargs)
+    holder = holder_connection()
     table = gh.installation.__class__._meta.db_table
     holder.execute(f"UPDATE {table} SET next_poll_at = next_poll_at WHERE id = %s", [gh.installation.pk])
     release = threading.Timer(1.0, holder.commit)

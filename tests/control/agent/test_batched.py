@@ -10,7 +10,6 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connections
 from django.utils import timezone
@@ -19,6 +18,7 @@ from apps.control.agent import db, views
 from apps.jobs.models import Job
 from apps.machines.models import MachineInstance
 from testkit.builders import job_config, job_row
+from tests.concurrency import holder_connection
 from tests.conftest import World
 from tests.control.agent.test_hot_route import agent
 
@@ -88,10 +88,7 @@ def test_a_heartbeat_whose_row_another_transaction_holds_waits_without_holding_u
 ) -> None:
     agents = [agent(tworld, provider_id=f"p-{i}") for i in range(3)]
     held = agents[0][0]
-    kwargs = {**connections["default"].get_connection_params(), "autocommit": False}
-    kwargs.pop("cursor_factory", None)
-    kwargs.pop("context", None)
-    holder = psycopg.connect(**kwargs)
+    holder = holder_connection()
     # a service changing the machine (its transaction still open)
     holder.execute(f"UPDATE {MachineInstance._meta.db_table} SET status = status WHERE id = %s", [held.pk])
 
