@@ -61,12 +61,13 @@ def poll_soon(*, forge: Forge, endpoint_id: EndpointId, now: datetime | None = N
     end of a backoff a quiet spell had stretched to minutes. One conditional write: a no-op
     while the poll already runs at the base interval."""
     now = now or timezone.now()
-    soon = now + timedelta(seconds=interval(forge))
+    base = interval(forge)
+    soon = now + timedelta(seconds=base)
     # never later than it was: a poll already due sooner (or now: NULL) keeps its time
     forge.endpoint.objects.filter(pk=endpoint_id).filter(
-        Q(poll_interval_seconds__gt=interval(forge)) | Q(next_poll_at__gt=soon)
+        Q(poll_interval_seconds__gt=base) | Q(next_poll_at__gt=soon)
     ).update(
-        poll_interval_seconds=interval(forge),
+        poll_interval_seconds=base,
         next_poll_at=Least(Coalesce(F("next_poll_at"), Value(now)), Value(soon)),
     )
 
