@@ -18,13 +18,20 @@ def _import(dotted: str) -> type:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def load_plugin(registry: Mapping[str, str], kind: str, base: type, what: str) -> type:
-    """The class registered for ``kind``, checked to be a ``base``; :class:`UnknownPlugin` names
-    the known kinds when ``kind`` is not one of them."""
+def load_plugin(
+    registry: Mapping[str, str],
+    kind: str,
+    base: type,
+    what: str,
+    *,
+    unknown: type[Exception] = UnknownPlugin,
+) -> type:
+    """The class registered for ``kind``, checked to be a ``base``; ``unknown`` (the caller's own
+    error, :class:`UnknownPlugin` by default) names the known kinds when ``kind`` is not one."""
     try:
         dotted = registry[kind]
     except KeyError:
-        raise UnknownPlugin(f"unknown {what} {kind!r}; known: {', '.join(sorted(registry))}") from None
+        raise unknown(f"unknown {what} {kind!r}; known: {', '.join(sorted(registry))}") from None
     cls = _import(dotted)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"{dotted} is not a {base.__name__}")

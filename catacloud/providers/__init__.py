@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from catacloud.plugins import UnknownPlugin, load_plugin
+from catacloud.plugins import load_plugin
 from catacloud.providers.base import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -62,10 +62,7 @@ DRIVERS: dict[str, str] = {
 
 def get_driver_class(kind: str) -> type[Provider]:
     """Import and return the driver class for ``kind``; ``ValueError`` for unknown kinds."""
-    try:
-        return load_plugin(DRIVERS, kind, Provider, "provider kind")
-    except UnknownPlugin as exc:
-        raise ValueError(str(exc)) from None
+    return load_plugin(DRIVERS, kind, Provider, "provider kind", unknown=ValueError)
 
 
 def build_provider(kind: str, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> Provider:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from catacloud.plugins import UnknownPlugin, load_plugin
+from catacloud.plugins import load_plugin
 
 
 class WellError(Exception):
@@ -54,10 +54,7 @@ WELLS: dict[str, str] = {
 
 
 def well_class(kind: str) -> type[Well]:
-    try:
-        return load_plugin(WELLS, kind, Well, "well")
-    except UnknownPlugin as exc:
-        raise WellPermanent(str(exc)) from None
+    return load_plugin(WELLS, kind, Well, "well", unknown=WellPermanent)
 
 
 def build_well(kind: str, config: dict[str, Any]) -> Well:
