@@ -72,6 +72,20 @@ class CurrentJob:
     checkpointer: Checkpointer | None = None  # while its command runs
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a job here: its folder and user, its job-socket token, its cancellation, its log
+    streamer, and when its time began (``time.monotonic()``; its image's pull counts)."""
+
+    job: Job
+    work_dir: str
+    uid: int | None
+    token: str
+    cancel: Cancellation
+    streamer: LogStreamer
+    started: float
+
+
 class JobRunning:
     """The job runner's half of the agent (its state lives on the agent)."""
 
@@ -201,7 +215,7 @@ class JobRunning:
             result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
             try:
-                result = self._execute(job, work_dir, uid, token, cancel, streamer, started)
+                result = self._execute(Attempt(job, work_dir, uid, token, cancel, streamer, started))
             finally:
                 forget_secret(token)
                 for value in job.secret_values:
@@ -227,26 +241,17 @@ class JobRunning:
             return False
         return True
 
-    def _execute(
-        self,
-        job: Job,
-        work_dir: str,
-        uid: int | None,
-        token: str,
-        cancel: Cancellation,
-        streamer: LogStreamer,
-        started: float,
-    ) -> JobResult:
+    def _execute(self, run: Attempt) -> JobResult:
         """Have the job's image when it names one (pulled, or from the machine's store), then
         run its command (:meth:`_run_command`)."""
-        if job.image is None:
-            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, None)
-        got = self._have_image(job, cancel, started)
+        if run.job.image is None:
+            return self._run_command(run, None)
+        got = self._have_image(run.job, run.cancel, run.started)
         if isinstance(got, JobResult):
             return got
         assert self.images is not None and self.images.store is not None
         with self.images.store.pinned(got.image.digest):  # no eviction while it runs
-            return self._run_command(job, work_dir, uid, token, cancel, streamer, started, got)
+            return self._run_command(run, got)
 
     def _have_image(self, job: Job, cancel: Cancellation, started: float) -> Pulled | JobResult:
         """The job's image, reported to the control plane (its digest, whether it was pulled);
@@ -283,23 +288,14 @@ class JobRunning:
             log.warning("job %s: could not report its image: %s", job.id, exc)
         return got
 
-    def _run_command(
-        self,
-        job: Job,
-        work_dir: str,
-        uid: int | None,
-        token: str,
-        cancel: Cancellation,
-        streamer: LogStreamer,
-        started: float,
-        image: Pulled | None,
-    ) -> JobResult:
+    def _run_command(self, run: Attempt, image: Pulled | None) -> JobResult:
         """Restore the job's checkpoint, then run its command (inside its image, when it has one)
         with the checkpointer and the job socket serving it, to its end."""
         assert self.meta is not None and self.work_root is not None
+        job, work_dir, uid, cancel = run.job, run.work_dir, run.uid, run.cancel
         timeout = float(job.timeout_seconds)
         if timeout and image is not None:  # what the image's pull left of the job's time
-            timeout -= time.monotonic() - started
+            timeout -= time.monotonic() - run.started
             if timeout <= 0:
                 return JobResult(
                     None, Outcome.TIMED_OUT, f"timed out after {job.timeout_seconds} s (its image's pull)"
@@ -316,7 +312,7 @@ class JobRunning:
             restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=self.work_root)
             give(checkpoint_dir, uid)
             checkpointer.mark_saved()
-        self.meta.grant(job.id, token, uid=uid)
+        self.meta.grant(job.id, run.token, uid=uid)
         with self._lock:
             if self._current is not None:
                 self._current.checkpointer = checkpointer
@@ -339,12 +335,12 @@ class JobRunning:
             image_env = image.image.config.env_map() if image is not None else None
             return run_job_process(
                 job.command,
-                env=self._job_env(job, work_dir, token, socket_env, image_env),
+                env=self._job_env(job, work_dir, run.token, socket_env, image_env),
                 place=place,
                 launcher=self.launcher,
                 timeout_seconds=timeout,
                 cancel=cancel,
-                streamer=streamer,
+                streamer=run.streamer,
                 mask=job.secret_values,
                 watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
             )
