@@ -41,18 +41,23 @@ def parse_time(value: str | None) -> datetime | None:
         return None
 
 
-def duration(seconds: float | None) -> str:
-    """``42s``, ``3m05s``, ``2h10m``, ``4d3h``: what people read at a glance."""
+def duration(seconds: float | None, *, spaced: bool = False) -> str:
+    """How long, as people read it at a glance: ``42s``, ``3m05s``, ``2h10m``, ``4d3h`` (a table's
+    column); ``spaced``, as the operator console writes it: ``9.5s`` (tenths under ten seconds),
+    ``4m 12s``, ``2h 05m``, ``3d 4h``. ``-`` for None."""
     if seconds is None:
         return "-"
+    if spaced and float(seconds) < 10:
+        return f"{max(0.0, float(seconds)):.1f}s"
     s = max(0, int(seconds))
+    gap = " " if spaced else ""
     if s < 60:
         return f"{s}s"
     if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
+        return f"{s // 60}m{gap}{s % 60:02d}s"
     if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600}h"
+        return f"{s // 3600}h{gap}{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{gap}{s % 86400 // 3600}h"
 
 
 def age(value: str | None, now: datetime | None = None) -> str:

@@ -10,27 +10,15 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
+from catacloud.client import output
+
 register = template.Library()
 
 
 def human_seconds(seconds: float | None) -> str:
-    """``3d 4h``, ``2h 05m``, ``4m 12s``, ``9.5s``, ``-`` for None."""
-    if seconds is None:
-        return "-"
-    s = max(0.0, float(seconds))
-    if s < 10:
-        return f"{s:.1f}s"
-    s = int(s)
-    days, rest = divmod(s, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes:02d}m"
-    if minutes:
-        return f"{minutes}m {secs:02d}s"
-    return f"{secs}s"
+    """``3d 4h``, ``2h 05m``, ``4m 12s``, ``9.5s``, ``-`` for None: the command line's durations,
+    spaced (:func:`catacloud.client.output.duration`)."""
+    return output.duration(seconds, spaced=True)
 
 
 def between(start: datetime | None, end: datetime | None) -> float | None:
