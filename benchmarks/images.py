@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Figure, PartResult, Progress, median, percentile, say, tenant
+from benchmarks.harness import Figure, PartResult, Progress, job_until, median, percentile, say, tenant
 from benchmarks.stack import live_stack, wait_quiet
 from testkit.builders import job_config
 from testkit.processes import wait_for
@@ -41,22 +41,10 @@ SIM_POLICIES = ("cost", "speed", "pool:3:cost", "pool:3:speed", "pool:6:cost", "
 
 def _job(t: Any, cfg: Any) -> tuple[float, float]:
     """Submit one job, wait for its end: (submit -> running, submit -> finished) seconds."""
-    from apps.jobs.models import Job
-    from apps.jobs.submission import job_submit
-
-    job = job_submit(org=t.org, config=cfg, actor="bench")
-    row = wait_for(
-        lambda: (
-            Job.objects.filter(pk=job.pk, finished_at__isnull=False)
-            .values_list("queued_at", "started_at", "finished_at", "status")
-            .first()
-        ),
-        120,
-        "the job to end",
-        0.005,
+    queued, started, finished, status, pk = job_until(
+        t, cfg, "finished_at", ("queued_at", "started_at", "finished_at", "status", "pk"), 120
     )
-    queued, started, finished, status = row
-    assert status == "succeeded", f"bench job {job.pk} {status}"
+    assert status == "succeeded", f"bench job {pk} {status}"
     return (started - queued).total_seconds(), (finished - queued).total_seconds()
 
 

@@ -19,7 +19,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from benchmarks.harness import Figure, PartResult, Progress, median, percentile, say, tenant
+from benchmarks.harness import (
+    Figure,
+    PartResult,
+    Progress,
+    job_until,
+    job_when,
+    median,
+    percentile,
+    say,
+    tenant,
+)
 from benchmarks.stack import live_stack, wait_quiet
 from testkit.builders import job_config
 from testkit.processes import wait_for
@@ -31,32 +41,15 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
     """Submit one job and wait for it; returns submit -> running (seconds). With
     ``breakdown``, appends each stage's share: queued -> admitted (the scheduler task's hop),
     admitted -> assigned (placement), assigned -> started (agent wake-up, fetch, start)."""
-    from apps.jobs.models import Job
-    from apps.jobs.submission import job_submit
-
-    job = job_submit(org=t.org, config=cfg, actor="bench")
-    started = wait_for(
-        lambda: (
-            Job.objects.filter(pk=job.pk, started_at__isnull=False)
-            .values_list("started_at", "queued_at", "admitted_at", "assigned_at")
-            .first()
-        ),
-        90,
-        "the job to start",
-        0.005,
-    )
+    stamps = ("started_at", "queued_at", "admitted_at", "assigned_at", "pk")
+    started = job_until(t, cfg, "started_at", stamps, 90)
     if breakdown is not None:
-        start, queued, admitted, assigned = started
+        start, queued, admitted, assigned, _ = started
         for stage, (a, b) in zip(
             STAGES, ((queued, admitted), (admitted, assigned), (assigned, start)), strict=True
         ):
             breakdown.setdefault(stage, []).append((b - a).total_seconds())
-    finished = wait_for(
-        lambda: Job.objects.filter(pk=job.pk, finished_at__isnull=False).values_list("finished_at").first(),
-        60,
-        "the job to finish",
-        0.02,
-    )
+    finished = job_when(started[4], "finished_at", ("finished_at",), 60, 0.02)
     if breakdown is not None:
         breakdown.setdefault("finished", []).append((finished[0] - started[0]).total_seconds())
     return (started[0] - started[1]).total_seconds()

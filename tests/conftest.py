@@ -20,6 +20,8 @@ from testkit.leftovers import pytest_configure, pytest_sessionfinish, pytest_ter
 if TYPE_CHECKING:
     from rest_framework.test import APIClient
 
+    from tests.fakes.hetzner_api import FakeHetzner
+
 
 @dataclass
 class World:
@@ -90,6 +92,19 @@ def world(db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
 def tworld(transactional_db: None, tmp_path_factory: pytest.TempPathFactory) -> World:
     """The same world for tests that commit (threads, workers)."""
     return make_world(tmp_path_factory)
+
+
+HETZNER_TOKEN = "hetzner-test-token"
+
+
+@pytest.fixture(scope="module")
+def fake_hetzner() -> Iterator[FakeHetzner]:
+    """The fake Hetzner Cloud API (tests/fakes/hetzner_api.py) that the real ``hcloud`` client
+    talks to, one a module; its actions finish at the first poll. Tests ``reset()`` it."""
+    from tests.fakes.hetzner_api import FakeHetzner
+
+    with FakeHetzner(token=HETZNER_TOKEN, action_polls=1) as fake:
+        yield fake
 
 
 @pytest.fixture

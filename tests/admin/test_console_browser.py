@@ -70,19 +70,13 @@ def test_operator_logs_in_and_sees_orgs_and_pools(
     browser_page,
     tmp_path: Path,
 ) -> None:
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
     pool = pool_row(tworld.org, tworld.machine_type, "ci-runners", target_size=2, max_size=4, status="ready")
     members = [
         instance_row(tworld.org, tworld.machine_type, pool=pool, status=status, provider_id=f"local-{i}")
         for i, status in enumerate(["ready", "claimed"])
     ]
     page = browser_page
-    page.goto(f"{live_server.url}/admin/")
-    assert "Log in" in page.title()
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "a-long-ops-password")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#site-name")
+    log_in(page, live_server, at="/admin/")  # the console's front page asks for a login
     assert "Catacloud operator console" in page.inner_text("#site-name")
 
     page.goto(f"{live_server.url}/admin/orgs/organization/{tworld.org.pk}/change/")
@@ -118,13 +112,16 @@ def assert_list_fits(page) -> None:
     assert max(heights) < 40, heights  # no UUID wrapping over four lines
 
 
-def log_in(page, live_server) -> None:
+def log_in(page, live_server, *, at: str = "/admin/login/", lands_on: str = "#site-name") -> None:
+    """An operator (a new superuser) logs in through the form that ``at`` shows, and the page
+    that follows shows ``lands_on``."""
     get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    page.goto(f"{live_server.url}/admin/login/")
+    page.goto(f"{live_server.url}{at}")
+    assert "Log in" in page.title()
     page.fill("#id_username", "ops")
     page.fill("#id_password", "a-long-ops-password")
     page.click("input[type=submit]")
-    page.wait_for_selector("#site-name")
+    page.wait_for_selector(lands_on)
 
 
 def demo_fleet(world: World) -> JobConfiguration:
@@ -316,12 +313,7 @@ def test_the_console_fits_a_laptop_screen(
     instance = MachineInstance.objects.filter(status="claimed").first()
     page = browser_page
     page.set_viewport_size(LAPTOP)
-    get_user_model().objects.create_superuser("ops", password="a-long-ops-password")
-    page.goto(f"{live_server.url}/admin/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "a-long-ops-password")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#cc-pools")
+    log_in(page, live_server, at="/admin/", lands_on="#cc-pools")
     assert page.url == f"{live_server.url}/admin/dashboard/"  # the live dashboard, not the stock index
 
     shots = shots_dir(tmp_path)

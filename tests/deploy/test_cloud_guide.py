@@ -7,7 +7,6 @@ tests/machines/test_restore.py and tests/machines/test_lifecycle.py)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,29 +17,28 @@ from apps.machines import lifecycle
 from apps.machines.models import MachineType, ProviderAccount
 from apps.machines.tasks import provision_instance_task
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, LABEL_POOL
+from tests.conftest import HETZNER_TOKEN
 from tests.fakes.hetzner_api import FakeHetzner
 
 pytestmark = pytest.mark.django_db
 ROOT = Path(__file__).resolve().parents[2]
 CATALOGS = ROOT / "deploy" / "catalog"
 GUIDE = ROOT / "docs" / "operator" / "deployment.md"
-TOKEN = "guide-hetzner-token-0123456789"
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeHetzner]:
-    with FakeHetzner(token=TOKEN, action_polls=1) as server:
-        yield server
 
 
 @pytest.fixture
-def hetzner(fake: FakeHetzner, monkeypatch: pytest.MonkeyPatch) -> MachineType:
+def hetzner(fake_hetzner: FakeHetzner, monkeypatch: pytest.MonkeyPatch) -> MachineType:
     """deploy/catalog/hetzner.yaml as an operator applies it, its account pointed at the fake."""
-    fake.reset()
-    monkeypatch.setenv("HCLOUD_TOKEN", TOKEN)
+    fake_hetzner.reset()
+    monkeypatch.setenv("HCLOUD_TOKEN", HETZNER_TOKEN)
     call_command("apply", str(CATALOGS / "hetzner.yaml"), verbosity=0)
     account = ProviderAccount.objects.get(name="hetzner")
-    account.config = {**account.config, "api_endpoint": fake.url, "poll_interval": 0.001, "timeout": 2}
+    account.config = {
+        **account.config,
+        "api_endpoint": fake_hetzner.url,
+        "poll_interval": 0.001,
+        "timeout": 2,
+    }
     account.config |= {"retry_backoff": 0.001, "retry_max_delay": 0.01, "retry_attempts": 1}
     account.save()
     return MachineType.objects.get(name="hz-cx22")
@@ -57,7 +55,7 @@ def test_the_aws_catalog_applies_as_shipped(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_from_the_control_plane(
     hetzner: MachineType,
-    fake: FakeHetzner,
+    fake_hetzner: FakeHetzner,
     settings: object,
     tmp_path: Path,
 ) -> None:
@@ -70,11 +68,11 @@ def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_f
 
     member.refresh_from_db()
     assert member.status == "warming" and member.provider_id
-    server = fake.servers[int(member.provider_id)]
+    server = fake_hetzner.servers[int(member.provider_id)]
     assert server["name"] == f"cc-{member.pk}" and server["server_type"]["name"] == "cx22"
     assert server["labels"][LABEL_INSTANCE] == str(member.pk) and server["labels"][LABEL_POOL] == "none"
     assert server["labels"][LABEL_INSTALLATION] == lifecycle.owner_labels()[LABEL_INSTALLATION]
-    user_data = fake.user_data[int(member.provider_id)]
+    user_data = fake_hetzner.user_data[int(member.provider_id)]
     assert re.search(
         r"https://catacloud\.example\.com/api/agent/v1/dist/catacloud_agent-0\.1\.0-py3-none-any\.whl#sha256=[0-9a-f]{64}",
         user_data,
@@ -86,21 +84,21 @@ def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_f
     [("resource_limit_exceeded", "quota_exceeded:"), ("unauthorized", "permanent:")],
 )
 def test_a_refusing_cloud_fails_the_machine_with_the_reason_the_guide_names(
-    hetzner: MachineType, fake: FakeHetzner, fault: str, reason: str
+    hetzner: MachineType, fake_hetzner: FakeHetzner, fault: str, reason: str
 ) -> None:
     assert f"`{reason}" in GUIDE.read_text()
     instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
-    fake.fail_next("POST /servers", fault, times=5)
+    fake_hetzner.fail_next("POST /servers", fault, times=5)
     provision_instance_task(str(instance.pk))
     instance.refresh_from_db()
     assert instance.status == "failed" and instance.failure_reason.startswith(reason), instance.failure_reason
-    assert fake.servers == {}  # nothing bought, nothing to leak
+    assert fake_hetzner.servers == {}  # nothing bought, nothing to leak
 
 
-def test_no_capacity_is_retried_with_backoff(hetzner: MachineType, fake: FakeHetzner) -> None:
+def test_no_capacity_is_retried_with_backoff(hetzner: MachineType, fake_hetzner: FakeHetzner) -> None:
     assert "`insufficient_capacity:`" in GUIDE.read_text()
     instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
-    fake.fail_next("POST /servers", "resource_unavailable", times=5)
+    fake_hetzner.fail_next("POST /servers", "resource_unavailable", times=5)
     with pytest.raises(Retry):
         provision_instance_task.apply(args=[str(instance.pk)], throw=True)
     instance.refresh_from_db()

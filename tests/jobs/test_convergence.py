@@ -44,7 +44,7 @@ from apps.resources.wells import build_well
 from testkit.builders import idle_machine, job_config, ready_members
 from tests.concurrency import released_together
 from tests.conftest import World
-from tests.jobs.common import refresh, setup_type
+from tests.jobs.common import job_on_machine, refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -177,10 +177,7 @@ def test_a_terminate_message_lost_is_redriven_by_the_tick_itself(world: World, q
 def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_an_attempt(
     world: World,
 ) -> None:
-    mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=job_config(world.org, mt, max_attempts=1))
-    machine = idle_machine(world.org, mt)
-    schedule()
+    job, machine = job_on_machine(world, max_attempts=1)
     refresh(job)
     assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)
     lifecycle.instance_terminate(instance_id=machine.pk, actor="admin:ops")
@@ -196,7 +193,7 @@ def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_a
     )
     assert job.instance_id is None
     # max_attempts 1 and yet it runs again: the operator's terminate did not use it up.
-    second = idle_machine(world.org, mt)
+    second = idle_machine(world.org, machine.machine_type)
     schedule()
     job_started(instance=second, job_id=job.pk)
     refresh(job)
@@ -205,11 +202,7 @@ def test_terminating_a_machine_under_an_assigned_job_requeues_it_without_using_a
 
 @pytest.mark.django_db
 def test_the_reaper_requeues_a_job_whose_machine_ended_behind_its_back(world: World) -> None:
-    mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    machine = idle_machine(world.org, mt)
-    schedule()
-    job_started(instance=machine, job_id=job.pk)
+    job, machine = job_on_machine(world, started=True)
     # The terminate task recorded `terminated` and died before requeueing.
     INSTANCE_STATES.move(machine.pk, to=S.TERMINATING, end_cause="machine_terminated")
     INSTANCE_STATES.move(machine.pk, to=S.TERMINATED)
@@ -262,11 +255,7 @@ def test_an_agent_stopped_by_a_drain_reports_and_the_job_is_requeued_not_cancell
 
 @pytest.mark.django_db
 def test_a_job_that_succeeds_just_before_its_machine_goes_keeps_its_success(world: World) -> None:
-    mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    machine = idle_machine(world.org, mt)
-    schedule()
-    job_started(instance=machine, job_id=job.pk)
+    job, machine = job_on_machine(world, started=True)
     lifecycle.instance_terminate(instance_id=machine.pk, actor="admin:ops")
     job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
     refresh(job)
@@ -275,10 +264,7 @@ def test_a_job_that_succeeds_just_before_its_machine_goes_keeps_its_success(worl
 
 @pytest.mark.django_db
 def test_a_job_assigned_but_never_started_is_requeued_and_its_machine_retired(world: World) -> None:
-    mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    machine = idle_machine(world.org, mt)
-    schedule()
+    job, machine = job_on_machine(world)
     deadline = later(settings.CATACLOUD_ASSIGN_TIMEOUT + 1)
     MachineInstance.objects.filter(pk=machine.pk).update(last_heartbeat_at=deadline)  # alive, yet idle
     reaper_tick(now=deadline, reconcile=False)
@@ -440,11 +426,7 @@ def _agent_token(machine: MachineInstance) -> str:
 
 @pytest.mark.django_db
 def test_a_machine_held_for_uploads_that_never_finish_is_released(world: World) -> None:
-    mt, _ = setup_type(world)
-    machine = idle_machine(world.org, mt)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    schedule()
-    job_started(instance=machine, job_id=job.pk)
+    job, machine = job_on_machine(world, started=True)
     job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0, uploads_pending=3)
     reaper_tick(reconcile=False)
     refresh(machine)
@@ -463,11 +445,7 @@ def test_a_machine_held_for_uploads_that_never_finish_is_released(world: World) 
 def test_the_console_cannot_delete_a_running_job_or_a_live_machine(world: World) -> None:
     from django.contrib.admin.sites import site
 
-    mt, _ = setup_type(world)
-    machine = idle_machine(world.org, mt)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    schedule()
-    job_started(instance=machine, job_id=job.pk)
+    job, machine = job_on_machine(world, started=True)
     operator = world.users["admin"]
     operator.is_staff = operator.is_superuser = True
     operator.save()
@@ -493,10 +471,7 @@ def _request(user: Any) -> Any:
 
 @pytest.mark.django_db
 def test_a_machine_claimed_for_a_deleted_job_is_terminated(world: World) -> None:
-    mt, _ = setup_type(world)
-    machine = idle_machine(world.org, mt)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    schedule()
+    job, machine = job_on_machine(world)
     Job.objects.filter(pk=job.pk).delete()  # e.g. the org deleted in the console
     reaper_tick(reconcile=False)
     refresh(machine)

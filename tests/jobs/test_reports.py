@@ -21,7 +21,7 @@ from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance
 from testkit.builders import idle_machine, job_config
 from tests.conftest import World
-from tests.jobs.common import refresh, setup_type
+from tests.jobs.common import job_on_machine, refresh, setup_type
 
 J = JobStatus
 S = InstanceStatus
@@ -66,13 +66,9 @@ def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) ->
 
 @pytest.mark.django_db
 def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World) -> None:
-    mt, _ = setup_type(world)
-    job = job_submit(org=world.org, config=job_config(world.org, mt))
-    first = idle_machine(world.org, mt)
-    schedule()
-    job_started(instance=first, job_id=job.pk)
+    job, first = job_on_machine(world, started=True)
     jobs_requeue_for_instance(instance_id=first.pk, cause="machine_lost", detail="agent silent")
-    second = idle_machine(world.org, mt)
+    second = idle_machine(world.org, first.machine_type)
     schedule()
     refresh(job)
     assert job.instance_id == second.pk
@@ -87,11 +83,7 @@ def test_a_lost_agent_that_comes_back_cannot_run_or_finish_the_job(world: World)
 
 @pytest.mark.django_db
 def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> None:
-    mt, _ = setup_type(world)
-    machine = idle_machine(world.org, mt)
-    job = job_submit(org=world.org, config=job_config(world.org, mt, timeout_seconds=60))
-    schedule()
-    job_started(instance=machine, job_id=job.pk)
+    job, machine = job_on_machine(world, started=True, timeout_seconds=60)
     jobs_time_out(now=timezone.now() + timedelta(minutes=10))
     refresh(job, machine)
     assert job.status == J.TIMED_OUT

@@ -21,18 +21,12 @@ from apps.machines.services import INSTANCE_STATES
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, ProviderError
 from testkit.builders import granted_type, provider_account
 from testkit.servers import moto_client, moto_server
-from tests.conftest import World
+from tests.conftest import HETZNER_TOKEN, World
 from tests.fakes.hetzner_api import FakeHetzner
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
-TOKEN = "hetzner-test-token"
-
-
-@pytest.fixture(scope="module")
-def fake_hetzner() -> Iterator[FakeHetzner]:
-    with FakeHetzner(token=TOKEN, action_polls=1) as fake:
-        yield fake
+TOKEN = HETZNER_TOKEN
 
 
 @pytest.fixture

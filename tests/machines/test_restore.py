@@ -27,7 +27,7 @@ from catacloud.providers import LABEL_INSTANCE
 from testkit.servers import moto_client
 from tests.conftest import World
 from tests.fakes.hetzner_api import FakeHetzner
-from tests.machines.test_lifecycle import aws, destroy, fake_hetzner, hetzner, moto_url, provision  # noqa: F401
+from tests.machines.test_lifecycle import aws, destroy, hetzner, moto_url, provision  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
@@ -117,7 +117,7 @@ def _scenario(
 def test_after_a_restore_hetzner_servers_are_adopted_or_destroyed_never_leaked(
     world: World,
     hetzner: MachineType,  # noqa: F811
-    fake_hetzner: FakeHetzner,  # noqa: F811
+    fake_hetzner: FakeHetzner,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def machines() -> dict[str, str]:
