@@ -3,8 +3,10 @@ org's; its live runners) and an endpoint's health (availability, calls, the reco
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from django.conf import settings
+from django.urls import reverse
 from rest_framework import serializers
 
 from apps.jobs.choices import JOB_LIVE
@@ -32,6 +34,26 @@ class RunnerClassSerializer(serializers.ModelSerializer):
 
     def get_runners(self, obj: Any) -> int:
         return int(obj.runners.filter(job__status__in=JOB_LIVE).count())
+
+
+class SecretSet(serializers.BooleanField):
+    """Whether a write-only secret (``source``) is set: what the API answers instead of it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(read_only=True, **kwargs)
+
+    def to_representation(self, value: Any) -> bool:
+        return bool(value)
+
+
+class ConnectionOut(serializers.ModelSerializer):
+    """A forge connection as answered: each forge's subclass names its model, its fields (its
+    secrets as :class:`SecretSet`) and the forge whose webhook URL it gives."""
+
+    forge_name: ClassVar[str]
+
+    def get_webhook_url(self, obj: Any) -> str:
+        return settings.CATACLOUD_PUBLIC_URL.rstrip("/") + reverse(f"{self.forge_name}-webhook")
 
 
 def endpoint_health(endpoint: Any) -> dict[str, Any]:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from rest_framework import serializers
 
 from apps.ci.api import serializers as ci_serializers
@@ -29,9 +28,10 @@ class ConnectionIn(serializers.Serializer):
     installations = InstallationIn(many=True, required=False)
 
 
-class ConnectionOut(serializers.ModelSerializer):
-    private_key_set = serializers.SerializerMethodField()
-    webhook_secret_set = serializers.SerializerMethodField()
+class ConnectionOut(ci_serializers.ConnectionOut):
+    forge_name = "github"
+    private_key_set = ci_serializers.SecretSet(source="private_key")
+    webhook_secret_set = ci_serializers.SecretSet(source="webhook_secret")
     webhook_url = serializers.SerializerMethodField(help_text="the Payload URL to give the GitHub App")
     installations = serializers.SerializerMethodField()
 
@@ -47,15 +47,6 @@ class ConnectionOut(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         )
-
-    def get_private_key_set(self, obj: GitHubConnection) -> bool:
-        return bool(obj.private_key)
-
-    def get_webhook_secret_set(self, obj: GitHubConnection) -> bool:
-        return bool(obj.webhook_secret)
-
-    def get_webhook_url(self, obj: GitHubConnection) -> str:
-        return f"{settings.CATACLOUD_PUBLIC_URL.rstrip('/')}/api/integrations/github/webhook"
 
     def get_installations(self, obj: GitHubConnection) -> list[dict[str, Any]]:
         return [

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from rest_framework import serializers
 
 from apps.ci.api import serializers as ci_serializers
@@ -26,9 +25,10 @@ class GitLabConnectionIn(serializers.Serializer):
     projects = ProjectIn(many=True, required=False)
 
 
-class GitLabConnectionOut(serializers.ModelSerializer):
-    token_set = serializers.SerializerMethodField()
-    webhook_token_set = serializers.SerializerMethodField()
+class GitLabConnectionOut(ci_serializers.ConnectionOut):
+    forge_name = "gitlab"
+    token_set = ci_serializers.SecretSet(source="token")
+    webhook_token_set = ci_serializers.SecretSet(source="webhook_token")
     webhook_url = serializers.SerializerMethodField(help_text="the webhook URL to give GitLab (Job events)")
     projects = serializers.SerializerMethodField()
     health = serializers.SerializerMethodField()
@@ -45,15 +45,6 @@ class GitLabConnectionOut(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         )
-
-    def get_token_set(self, obj: GitLabConnection) -> bool:
-        return bool(obj.token)
-
-    def get_webhook_token_set(self, obj: GitLabConnection) -> bool:
-        return bool(obj.webhook_token)
-
-    def get_webhook_url(self, obj: GitLabConnection) -> str:
-        return f"{settings.CATACLOUD_PUBLIC_URL.rstrip('/')}/api/integrations/gitlab/webhook"
 
     def get_projects(self, obj: GitLabConnection) -> list[dict[str, Any]]:
         return [{"id": p.project_id, "path": p.path} for p in obj.projects.order_by("path")]
