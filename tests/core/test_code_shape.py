@@ -5,22 +5,19 @@ as the agent's job run was (catacloud/agent/jobrun.py)."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.core.sources import ROOT, product_sources
+
 LONGEST = 80
 
 
 def _functions() -> list[tuple[int, str]]:
     found = []
-    for package in ("apps", "catacloud", "config"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if "migrations" in path.parts:
-                continue
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    length = (node.end_lineno or node.lineno) - node.lineno + 1
-                    found.append((length, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
+    for path, tree in product_sources("apps", "catacloud", "config"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                found.append((length, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
     return found
 
 

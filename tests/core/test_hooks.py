@@ -4,22 +4,20 @@ wired once (apps/control/wiring.py), and a hook without a handler refuses to be 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from apps.core import hooks
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.core.sources import ROOT, product_sources
 
 
 def _called_hooks() -> dict[str, list[str]]:
     """``hooks.<name>(...)`` calls in the apps: {hook name: [file, ...]}."""
     calls: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "apps").rglob("*.py")):
-        if "migrations" in path.parts or path.name == "hooks.py":
+    for path, tree in product_sources("apps"):
+        if path.name == "hooks.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             func = node.func if isinstance(node, ast.Call) else None
             if isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "hooks":
                 calls.setdefault(func.attr, []).append(str(path.relative_to(ROOT)))

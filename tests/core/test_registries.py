@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 from django.test import override_settings
@@ -19,18 +18,10 @@ from apps.jobs.services import JOB_STATES
 from apps.machines.services import INSTANCE_STATES
 from apps.pools.services import POOL_STATES
 from apps.resources.services import RESOURCE_STATES
+from tests.core.sources import ROOT, product_sources
 
-ROOT = Path(__file__).resolve().parents[2]
 KINDS = set(EventKind._value2member_map_)
 CODES = set(ErrorCode._value2member_map_)
-
-
-def _sources() -> list[tuple[Path, ast.AST]]:
-    return [
-        (path, ast.parse(path.read_text()))
-        for path in sorted((ROOT / "apps").rglob("*.py"))
-        if "migrations" not in path.parts
-    ]
 
 
 def _constants(node: ast.AST) -> list[str]:
@@ -50,7 +41,7 @@ def _events_page() -> str:
 def _members_used(registry: str) -> dict[str, str]:
     """``Registry.NAME`` attributes the code reads: {name: file}."""
     used: dict[str, str] = {}
-    for path, tree in _sources():
+    for path, tree in product_sources("apps"):
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -71,7 +62,7 @@ def test_no_event_kind_is_passed_as_a_string() -> None:
     """Kinds are ``EventKind`` members at every call (mypy then refuses a wrong name): no
     ``kind=``/``event=`` string, and no string kind handed to the claim statements."""
     literals: dict[str, str] = {}
-    for path, tree in _sources():
+    for path, tree in product_sources("apps"):
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
@@ -118,7 +109,7 @@ def test_no_error_code_is_passed_as_a_string() -> None:
     """Codes are ``ErrorCode`` members: no ``code=`` string, no string handed to the error
     builders, no error class whose ``code`` is a string."""
     literals: dict[str, str] = {}
-    for path, tree in _sources():
+    for path, tree in product_sources("apps"):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 for kw in node.keywords:
@@ -161,7 +152,7 @@ def _keyword_literals(*names: str) -> dict[str, str]:
     """String constants given as one of the keyword arguments ``names`` anywhere in apps/, and
     f-strings given there: {text: file}."""
     found: dict[str, str] = {}
-    for path, tree in _sources():
+    for path, tree in product_sources("apps"):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call):
                 for kw in node.keywords:
@@ -226,7 +217,7 @@ def test_statuses_are_compared_and_set_through_their_enums() -> None:
     status, a ``status=``/``status__in=`` filter or a state machine's ``to=``."""
     values = _status_values()
     found: dict[str, str] = {}
-    for path, tree in _sources():
+    for path, tree in product_sources("apps"):
         where = str(path.relative_to(ROOT))
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare) and any(_is_status(n) for n in [node.left, *node.comparators]):

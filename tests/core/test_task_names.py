@@ -4,16 +4,15 @@ no service imports a tasks module: every such name must be a task the workers kn
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.core.sources import ROOT, product_sources
 
 
 def _names_sent() -> dict[str, str]:
     """``*_TASK = "apps.…"`` constants of the apps: {task name: file}."""
     names: dict[str, str] = {}
-    for path in sorted((ROOT / "apps").rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+    for path, tree in product_sources("apps"):
+        for node in tree.body:
             if (
                 isinstance(node, ast.Assign)
                 and getattr(node.targets[0], "id", "").endswith("_TASK")
