@@ -178,13 +178,15 @@ def tenant(
 # ---- statistics ---------------------------------------------------------------------------------
 
 
-def job_until(t: Any, cfg: Any, stamp: str, fields: tuple[str, ...], timeout: float) -> tuple[Any, ...]:
+def job_until(
+    t: Any, cfg: Any, stamp: str, fields: tuple[str, ...], timeout: float
+) -> tuple[Any, tuple[Any, ...]]:
     """Submit a job of ``cfg`` for ``t``'s org and wait (:func:`job_when`, every 5 ms) until its
-    ``stamp`` (``started_at``, ``finished_at``) is set: its ``fields`` then."""
+    ``stamp`` (``started_at``, ``finished_at``) is set: its id, and its ``fields`` then."""
     from apps.jobs.submission import job_submit
 
     job = job_submit(org=t.org, config=cfg, actor="bench")
-    return job_when(job.pk, stamp, fields, timeout, 0.005)
+    return job.pk, job_when(job.pk, stamp, fields, timeout, 0.005)
 
 
 def job_when(
@@ -195,7 +197,7 @@ def job_when(
     from testkit.processes import wait_for
 
     rows = Job.objects.filter(pk=job_id, **{f"{stamp}__isnull": False}).values_list(*fields)
-    return wait_for(lambda: rows.all().first(), timeout, f"job {job_id}'s {stamp}", interval)
+    return wait_for(rows.first, timeout, f"job {job_id}'s {stamp}", interval)
 
 
 def percentile(values: list[float], q: float) -> float:

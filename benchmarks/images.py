@@ -41,10 +41,10 @@ SIM_POLICIES = ("cost", "speed", "pool:3:cost", "pool:3:speed", "pool:6:cost", "
 
 def _job(t: Any, cfg: Any) -> tuple[float, float]:
     """Submit one job, wait for its end: (submit -> running, submit -> finished) seconds."""
-    queued, started, finished, status, pk = job_until(
-        t, cfg, "finished_at", ("queued_at", "started_at", "finished_at", "status", "pk"), 120
+    job_id, (queued, started, finished, status) = job_until(
+        t, cfg, "finished_at", ("queued_at", "started_at", "finished_at", "status"), 120
     )
-    assert status == "succeeded", f"bench job {pk} {status}"
+    assert status == "succeeded", f"bench job {job_id} {status}"
     return (started - queued).total_seconds(), (finished - queued).total_seconds()
 
 

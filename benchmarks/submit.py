@@ -41,15 +41,15 @@ def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> f
     """Submit one job and wait for it; returns submit -> running (seconds). With
     ``breakdown``, appends each stage's share: queued -> admitted (the scheduler task's hop),
     admitted -> assigned (placement), assigned -> started (agent wake-up, fetch, start)."""
-    stamps = ("started_at", "queued_at", "admitted_at", "assigned_at", "pk")
-    started = job_until(t, cfg, "started_at", stamps, 90)
+    stamps = ("started_at", "queued_at", "admitted_at", "assigned_at")
+    job_id, started = job_until(t, cfg, "started_at", stamps, 90)
     if breakdown is not None:
-        start, queued, admitted, assigned, _ = started
+        start, queued, admitted, assigned = started
         for stage, (a, b) in zip(
             STAGES, ((queued, admitted), (admitted, assigned), (assigned, start)), strict=True
         ):
             breakdown.setdefault(stage, []).append((b - a).total_seconds())
-    finished = job_when(started[4], "finished_at", ("finished_at",), 60, 0.02)
+    finished = job_when(job_id, "finished_at", ("finished_at",), 60, 0.02)
     if breakdown is not None:
         breakdown.setdefault("finished", []).append((finished[0] - started[0]).total_seconds())
     return (started[0] - started[1]).total_seconds()
