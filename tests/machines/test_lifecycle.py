@@ -26,7 +26,6 @@ from tests.fakes.hetzner_api import FakeHetzner
 
 pytestmark = pytest.mark.django_db
 S = InstanceStatus
-TOKEN = HETZNER_TOKEN
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def hetzner(world: World, fake_hetzner: FakeHetzner) -> MachineType:
         "retry_attempts": 2,
         "timeout": 2,
     }
-    account = provider_account("hetzner", "hz", config, credentials={"token": TOKEN})
+    account = provider_account("hetzner", "hz", config, credentials={"token": HETZNER_TOKEN})
     return granted_type(
         world.org,
         account,
@@ -91,7 +90,7 @@ def test_provision_creates_a_labelled_server_and_the_instance_warms(
     assert server["labels"][LABEL_INSTALLATION] == lifecycle.owner_labels()[LABEL_INSTALLATION]
     user_data = fake_hetzner.user_data[int(instance.provider_id)]
     assert lifecycle.bootstrap_token_for(instance.pk) in user_data
-    assert TOKEN not in user_data
+    assert HETZNER_TOKEN not in user_data
     # Running the task again (redelivery) changes nothing and creates nothing.
     provision(instance.pk)
     assert len(fake_hetzner.servers) == 1
@@ -191,7 +190,7 @@ def test_two_accounts_seeing_one_project_never_delete_each_others_machines(
     orphans, and still finds its own vanished machines."""
     account = hetzner.provider_account
     nbg = provider_account(
-        "hetzner", "hz-nbg", {**account.config, "location": "nbg1"}, credentials={"token": TOKEN}
+        "hetzner", "hz-nbg", {**account.config, "location": "nbg1"}, credentials={"token": HETZNER_TOKEN}
     )
     other = granted_type(
         world.org,
