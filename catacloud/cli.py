@@ -594,7 +594,7 @@ def _stop_local_machines(home: Path) -> None:
     nor Redis."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from catacloud.providers.local import LocalProvider, end_processes, machine_processes
+    from catacloud.providers.local import LocalProvider, end_processes, machine_processes, release_areas
 
     root = home / "machines"
     with contextlib.suppress(OSError), ThreadPoolExecutor(max_workers=16) as pool:
@@ -608,6 +608,8 @@ def _stop_local_machines(home: Path) -> None:
     left = end_processes([p for procs in machine_processes(root).values() for p in procs])
     if left:
         _say(f"catacloud: could not end {len(left)} local machine process(es): pids {[p.pid for p in left]}")
+    if root.is_dir():
+        release_areas(root)  # the jobs' file systems of machines that had died before
 
 
 DESCRIPTION = (

@@ -56,6 +56,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     left = config.stash.get(LEFTOVERS, [])
     if left:
-        terminalreporter.section("processes the tests left running (killed now; the run fails)", red=True)
+        title = "what the tests left running or mounted (ended now; the run fails)"
+        terminalreporter.section(title, red=True)
         for line in left:
             terminalreporter.line(line, red=True)

@@ -310,7 +310,7 @@ def stop_local_machines(
     ``state_dir``, each even if another fails, then end any process still carrying the mark of
     a machine there (one whose record is gone); then raise the first failure, unless
     ``ignore_errors`` (a benchmark's cleanup must not hide what ended it)."""
-    from catacloud.providers.local import LocalProvider, end_processes, machine_processes
+    from catacloud.providers.local import LocalProvider, end_processes, machine_processes, release_areas
 
     config: dict[str, Any] = {"state_dir": str(state_dir)}
     if stop_timeout is not None:
@@ -323,6 +323,7 @@ def stop_local_machines(
         except Exception as exc:
             errors.append(exc)
     end_processes([p for procs in machine_processes(state_dir).values() for p in procs])
+    release_areas(state_dir)
     if errors and not ignore_errors:
         raise errors[0]
 
@@ -397,4 +398,15 @@ def leftovers_after(session: str, folders: Sequence[Path], since: float, grace: 
     for proc in left:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    return described
+    return described + mounts_left(folders)
+
+
+def mounts_left(folders: Sequence[Path]) -> list[str]:
+    """File systems (local machines' job areas) still mounted in the session's folders; each is
+    unmounted now."""
+    from catacloud.agent.disk import mounts_under, release_area
+
+    left = [point for folder in folders for point in mounts_under(str(folder))]
+    for point in sorted(left, key=len, reverse=True):
+        release_area(point)
+    return [f"a file system still mounted at {point}" for point in left]

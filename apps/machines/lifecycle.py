@@ -156,6 +156,7 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
         memory_mb=mt.memory_mb,
         gpus=mt.gpus,
         spot=mt.spot,
+        disk_gb=mt.disk_gb,
         bootstrap=Bootstrap(agent_url=url, token=token, package=agent_package(url)),
     )
 

@@ -148,6 +148,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         shared_dirs=tuple(args.shared_dir or ()),
         network=args.network != "none",
         disk_reserve_bytes=int(args.disk_reserve_gb * 10**9),
+        disk_limit_bytes=int(args.disk_gb * 10**9) if args.disk_gb else None,
         unreachable_limit=args.exit_when_unreachable,
         image_dir=args.image_dir,
         insecure_registries=tuple(args.insecure_registry or ()),
@@ -211,6 +212,13 @@ def _agent_options(agent: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="end a job (disk_limit_exceeded) once the free space of the disk it writes to drops "
         "below this (default 1)",
+    )
+    agent.add_argument(
+        "--disk-gb",
+        type=_positive_float,
+        metavar="GB",
+        help="the machine type's disk_gb: as root, jobs write to a file system of this size of their "
+        "own, loop-mounted on --work-dir (the kernel refuses more); else the watchdog ends a job over it",
     )
     agent.add_argument(
         "--shared-dir",

@@ -47,14 +47,16 @@ def machine_report(
     job_uids: UidRange | None,
     limits_file: str | None,
     images: dict[str, str] | None = None,
+    disk: dict[str, Any] | None = None,
 ) -> MachineReport:
     """What this machine tells the control plane at enrollment: how jobs are isolated (and
-    whether it runs images) and which resource limits hold."""
+    whether it runs images) and which resource limits hold (``disk``: how its jobs' disk is
+    bounded)."""
     isolation = {**launcher.describe(), **(images or {})}
     isolation["job_uids"] = str(job_uids) if job_uids else "the agent's own, in a user namespace"
     if isolation["jobs"] == "uid" and job_uids is None:
         isolation["job_uids"] = "the agent's own"
-    limits = read_limits(limits_file)
+    limits = {**read_limits(limits_file), **(disk or {})}
     if not limits.get("enforced", False):
         log.warning("resource limits are not enforced on this machine: %s", limits.get("detail", "unknown"))
     return MachineReport(isolation=Isolation.from_json(isolation), limits=Limits.from_json(limits))

@@ -28,7 +28,7 @@ from catacloud.agent.client import (
     forget_secret,
     register_secret,
 )
-from catacloud.agent.disk import DiskWatch
+from catacloud.agent.disk import Area, DiskWatch
 from catacloud.agent.files import (
     CHECKPOINT_ENV,
     OUTPUT_ENV,
@@ -96,6 +96,9 @@ class JobRunning:
     work_root: str | None
     job_bin: str | None
     disk_reserve_bytes: int
+    area: Area | None  # the jobs' file system of fixed size, where the machine has one
+    area_baseline: int
+    agent_tmp: str | None
     images: JobImages | None  # the machine's image store, where it can run images
     stopping: threading.Event
     _lock: threading.Lock
@@ -300,16 +303,20 @@ class JobRunning:
                 return JobResult(
                     None, Outcome.TIMED_OUT, f"timed out after {job.timeout_seconds} s (its image's pull)"
                 )
+        watch = self._disk_watch(job, work_dir)
+        if (full := watch.check()) is not None:  # no job starts on a disk below its host's reserve
+            return JobResult(None, Outcome.FAILED, full)
         checkpoint_dir = os.path.join(work_dir, "checkpoint")
+        tmp_dir = self.agent_tmp or self.work_root
         checkpointer = Checkpointer(
             job.id,
             checkpoint_dir,
             lambda archive, interrupt: self.client.put_checkpoint(job.id, archive, interrupt=interrupt),
-            tmp_dir=self.work_root,
+            tmp_dir=tmp_dir,
             interval=job.checkpoint.interval_seconds,
         )
         if job.checkpoint.available and not cancel.is_set():
-            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=self.work_root)
+            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=tmp_dir)
             give(checkpoint_dir, uid)
             checkpointer.mark_saved()
         self.meta.grant(job.id, run.token, uid=uid)
@@ -342,7 +349,7 @@ class JobRunning:
                 cancel=cancel,
                 streamer=run.streamer,
                 mask=job.secret_values,
-                watch=DiskWatch(work_dir, job.disk_limit_bytes, reserve_bytes=self.disk_reserve_bytes),
+                watch=watch,
             )
         finally:
             self.meta.revoke()
@@ -350,6 +357,19 @@ class JobRunning:
                 if self._current is not None:
                     self._current.checkpointer = None
             checkpointer.close()
+
+    def _disk_watch(self, job: Job, work_dir: str) -> DiskWatch:
+        """The job's disk watchdog: its area's use, where the machine has one (the kernel bounds
+        it), else its files and what its processes hold open; and the host's reserve."""
+        assert self.work_root is not None
+        return DiskWatch(
+            work_dir,
+            job.disk_limit_bytes,
+            reserve_bytes=self.disk_reserve_bytes,
+            area=self.area,
+            host_folder=os.path.dirname(self.work_root.rstrip("/")) if self.area is not None else "",
+            baseline_bytes=self.area_baseline,
+        )
 
     def _report(self, job: Job, result: JobResult, streamer: LogStreamer, work_dir: str | None) -> None:
         """Deliver the job's output, report its outcome, upload its output files, remove its

@@ -32,7 +32,8 @@ from catacloud.agent.client import (
     redact,
     register_secret,
 )
-from catacloud.agent.enrolment import load_enrollment, machine_report, save_enrollment
+from catacloud.agent.disk import Area, job_area
+from catacloud.agent.enrolment import load_enrollment, machine_report, read_limits, save_enrollment
 from catacloud.agent.files import (
     CheckpointError,
 )
@@ -81,6 +82,7 @@ class Agent(JobRunning):
         shared_dirs: tuple[str, ...] = (),
         network: bool = True,
         disk_reserve_bytes: int = 0,
+        disk_limit_bytes: int | None = None,
         unreachable_limit: float | None = None,
         image_dir: str | None = None,
         insecure_registries: tuple[str, ...] = (),
@@ -101,6 +103,11 @@ class Agent(JobRunning):
         self.sandbox = sandbox
         self.network = network  # False: jobs get a namespace with a loopback only
         self.disk_reserve_bytes = disk_reserve_bytes  # a job ends before the disk's free space does
+        self.disk_limit_bytes = disk_limit_bytes  # the machine type's disk_gb: the jobs' area's size
+        self.area: Area | None = None  # the jobs' file system of fixed size (catacloud/agent/disk.py)
+        self.area_baseline = 0  # what the area holds of the agent's own (its job bin, its socket)
+        self.disk_report: dict[str, Any] = {}
+        self.agent_tmp: str | None = None  # the agent's own temporary files (checkpoint archives)
         self.shared_dirs = shared_dirs
         self.launcher: Launcher = UidLauncher()
         self.state_file = state_file
@@ -162,9 +169,15 @@ class Agent(JobRunning):
     def _prepare(self) -> str | None:
         """The work root, the job socket and the way jobs start; why not, when that fails."""
         sample_uid = self.job_uids.uids.start if self.job_uids is not None else None
+        # The jobs' area first: the work root's own files (the job bin, the socket) live in it.
+        why_not = str(read_limits(self.limits_file).get("disk_why_not", ""))
+        self.area, self.disk_report = job_area(self.work_root, self.disk_limit_bytes, why_not=why_not)
         site = prepare_site(self.work_root, sample_uid)
         if isinstance(site, str):
             return site
+        if self.area is not None:
+            self.area_baseline = self.area.used_bytes()
+        self.agent_tmp = self._private_tmp() if self.area is not None else site.work_root
         given_work_dir = self.work_root
         self.work_root, self.job_bin = site.work_root, site.job_bin
         self.meta = MetaServer(self._fetch_meta, checkpoint=self._checkpoint_now, directory=site.socket_dir)
@@ -178,6 +191,8 @@ class Agent(JobRunning):
         )
         if self.images.root is not None:
             state_dirs.append(self.images.root)  # hidden from jobs, as the agent's other folders
+        if self.agent_tmp != site.work_root:
+            state_dirs.append(self.agent_tmp)
         self.launcher = choose_launcher(
             site,
             sandbox=self.sandbox,
@@ -188,6 +203,15 @@ class Agent(JobRunning):
             sample_uid=sample_uid,
         )
         return None
+
+    def _private_tmp(self) -> str:
+        """The agent's own temporary files beside the jobs' area, on the host's disk (a checkpoint's
+        archive must not take the room its job may fill): 0700, hidden from jobs."""
+        assert self.work_root is not None
+        folder = self.work_root.rstrip("/") + ".tmp"
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        return folder
 
     def run(self) -> int:
         """Prepare the jobs' place, enroll (or reuse a saved enrollment), start the threads, wait
@@ -252,6 +276,7 @@ class Agent(JobRunning):
                     self.job_uids.uids if self.job_uids else None,
                     self.limits_file,
                     self.images.describe() if self.images else None,
+                    self.disk_report,
                 ),
                 retry_for=self.unreachable_limit or 600.0,
                 interrupt=self.stopping,

@@ -45,6 +45,9 @@ class Watch(Protocol):
 
     def __call__(self, *, force: bool = False) -> str | None: ...
 
+    def follow(self, pids: Callable[[], Iterable[int]]) -> None:
+        """The job's processes, once it runs (what they hold open counts too)."""
+
 
 @dataclass(frozen=True)
 class JobResult:
@@ -343,6 +346,11 @@ class ProcessTree:
                 continue
         self._known = {key: p for key, p in self._known.items() if _alive(p)}
 
+    def pids(self) -> list[int]:
+        """The tree's first process and the descendants known now (no scan of every process)."""
+        self.snapshot()
+        return [self.pid, *(p.pid for p in self._known.values())]
+
     def members(self) -> list[psutil.Process]:
         """Live processes of the tree: known descendants and whatever is still in the group."""
         self.snapshot()
@@ -422,7 +430,9 @@ def _supervise(
     watch: Watch | None = None,
 ) -> tuple[Outcome, str] | None:
     """Wait for the job to end; on timeout, cancellation or a ``watch`` that answers a reason
-    (the disk watchdog) kill its tree and say why."""
+    (the disk watchdog, which follows the tree's processes) kill its tree and say why."""
+    if watch is not None:
+        watch.follow(tree.pids)
     started = time.monotonic()
     deadline = started + timeout_seconds if timeout_seconds and timeout_seconds > 0 else None
     next_snapshot = started

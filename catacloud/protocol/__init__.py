@@ -264,6 +264,11 @@ class Limits(Message):
     detail: str = ""
     host_cpus: int | None = None
     cgroup: str = ""
+    # The jobs' disk: "file system" (an area of its own, of ``disk_bytes``: the kernel refuses
+    # more) or "watchdog" (the agent ends a job over its limit; catacloud/agent/disk.py).
+    disk: str = ""
+    disk_bytes: int | None = None
+    disk_detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

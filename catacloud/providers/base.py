@@ -94,10 +94,12 @@ class Bootstrap:
     token: str  # single-use; the agent exchanges it for its own credentials when it enrolls
     package: str = "catacloud-agent"  # what cloud machines pip-install
 
-    def user_data(self) -> str:
+    def user_data(self, *, disk_gb: int | None = None) -> str:
         from catacloud.providers.userdata import render_user_data
 
-        return render_user_data(agent_url=self.agent_url, bootstrap_token=self.token, package=self.package)
+        return render_user_data(
+            agent_url=self.agent_url, bootstrap_token=self.token, package=self.package, disk_gb=disk_gb
+        )
 
     def local_command(self) -> tuple[str, ...]:
         return (sys.executable, "-m", "catacloud.agent", "agent", "--url", self.agent_url)
@@ -121,6 +123,8 @@ class MachineSpec:
     memory_mb: int = 1024
     gpus: int = 0
     spot: bool = False
+    # The machine type's disk_gb: its jobs write to a file system of this size (None: no limit).
+    disk_gb: int | None = None
     bootstrap: Bootstrap | None = None
     # Explicit overrides of what ``bootstrap`` derives (tests and drivers' own uses): cloud
     # user data, and the local driver's command line and environment.
@@ -138,7 +142,7 @@ class MachineSpec:
         """The user data a cloud machine boots with."""
         if self.user_data or self.bootstrap is None:
             return self.user_data
-        return self.bootstrap.user_data()
+        return self.bootstrap.user_data(disk_gb=self.disk_gb)
 
     @property
     def local_command(self) -> tuple[str, ...]:

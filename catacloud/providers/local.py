@@ -23,6 +23,10 @@ Config:
       (``InsufficientCapacity``, saying so), and a machine's agent ends a job that brings the
       free space below it (``disk_limit_exceeded``), as it ends one that outgrows its machine
       type's ``disk_gb``.
+  ``job_areas`` (bool, default True): a machine whose type sets ``disk_gb`` writes its jobs to a
+      file system of that size of its own (catacloud/agent/disk.py), loop-mounted on its work
+      folder where the control plane runs as root; False leaves its jobs to the disk watchdog
+      alone (weaker: an instant allocation passes it), for hosts without loop devices.
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
   ``unreachable_limit_seconds`` (float, default ``CATACLOUD_LOCAL_UNREACHABLE_LIMIT`` or 600; 0:
@@ -75,6 +79,7 @@ from typing import Any, ClassVar
 
 import psutil
 
+from catacloud.agent.disk import make_area, mounts_under, release_area
 from catacloud.agent.sandbox import bwrap_path
 from catacloud.providers.base import (
     LABEL_INSTALLATION,
@@ -182,6 +187,7 @@ class LocalProvider(Provider):
             )
         sandbox = self.config.get("sandbox")
         self.sandbox = sandbox_default() if sandbox is None else bool(sandbox)
+        self.job_areas = bool(self.config.get("job_areas", True))
         try:
             self.mounts = [Mount.parse(raw) for raw in self.config.get("mounts") or []]
             self.pids_max = int(self.config.get("pids_max", DEFAULT_PIDS_MAX))
@@ -199,7 +205,11 @@ class LocalProvider(Provider):
             if record is not None and self._process(record) is not None:
                 return self._machine(record)  # adopt: idempotent create
             self._check_disk()
-            record = self._start(spec)
+            try:
+                record = self._start(spec)
+            except BaseException:  # nothing of a machine that did not start stays mounted
+                release_area(str(self.state_dir / spec.instance_id), str(self._area_file(spec.instance_id)))
+                raise
             self._write(record)
         return self._machine(record)
 
@@ -237,6 +247,7 @@ class LocalProvider(Provider):
                 for leftover in machine_processes(self.state_dir / provider_id).values():
                     end_processes(leftover)
                 self._record_path(provider_id).unlink(missing_ok=True)
+                release_area(str(self.state_dir / provider_id), str(self._area_file(provider_id)))
                 shutil.rmtree(self.state_dir / provider_id, ignore_errors=True)
                 remove_cgroup(record.get("cgroup_folders") or [])
                 if "slot" in record:
@@ -271,6 +282,7 @@ class LocalProvider(Provider):
         folder = self._fresh_folder(spec.instance_id)
         env[MACHINE_ENV] = os.path.abspath(folder)
         record: dict[str, Any] = {"sandbox": self.sandbox}
+        why_not = self._job_area(spec, folder, record)
         if token is not None:
             fd = os.open(
                 folder / "bootstrap-token", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
@@ -278,7 +290,7 @@ class LocalProvider(Provider):
             with os.fdopen(fd, "w") as fh:
                 fh.write(token)
             argv += ["--bootstrap-token-file", self._inside(folder, TOKEN_FILE)]
-        cgroup = self._limits(spec, folder, record)
+        cgroup = self._limits(spec, folder, record, disk_why_not=why_not)
         if spec.bootstrap is not None and not spec.command:
             argv += self._agent_args(spec, folder, record)
         if self.boot_delay > 0:
@@ -292,7 +304,8 @@ class LocalProvider(Provider):
     def _fresh_folder(self, instance_id: str) -> Path:
         folder = self.state_dir / instance_id
         if folder.exists():
-            shutil.rmtree(folder)  # a machine that died: its successor starts clean
+            release_area(str(folder), str(self._area_file(instance_id)))  # a machine that died
+            shutil.rmtree(folder)  # its successor starts clean
         folder.mkdir(mode=0o711)
         os.chmod(folder, 0o711)  # the machine's job uids pass through to their work folders
         return folder
@@ -301,7 +314,32 @@ class LocalProvider(Provider):
         """An agent file's path as the agent sees it (its folder is MACHINE_DIR in the sandbox)."""
         return path if self.sandbox else str(folder) + path[len(MACHINE_DIR) :]
 
-    def _limits(self, spec: MachineSpec, folder: Path, record: dict[str, Any]) -> Cgroup | None:
+    def _area_file(self, instance_id: str) -> Path:
+        """Where a machine's job area lives on this host (beside its folder, out of its sight)."""
+        return self.state_dir / f"{instance_id}.disk"
+
+    def _job_area(self, spec: MachineSpec, folder: Path, record: dict[str, Any]) -> str:
+        """The machine's jobs' disk (its type's ``disk_gb``): a file system of that size mounted
+        on its work folder, which its agent cannot mount itself (catacloud/agent/disk.py). Why
+        there is none ("": there is one, or no limit to hold)."""
+        if not spec.disk_gb:
+            return ""
+        if not self.job_areas:
+            return "turned off in the local provider account's config (job_areas: false)"
+        if not self.sandbox:
+            return "an unsandboxed local machine's jobs write under /tmp"
+        if os.geteuid() != 0:
+            return "the control plane does not run as root, which loop-mounting a file system needs"
+        image = self._area_file(spec.instance_id)
+        made = make_area(str(folder / "work"), str(image), spec.disk_gb * 10**9)
+        if isinstance(made, str):
+            return made
+        record["disk_image"] = str(image)
+        return ""
+
+    def _limits(
+        self, spec: MachineSpec, folder: Path, record: dict[str, Any], *, disk_why_not: str = ""
+    ) -> Cgroup | None:
         """The machine's size in a cgroup, whatever it runs; what holds goes to limits.json."""
         cgroup: Cgroup | None = None
         if self.sandbox:
@@ -316,6 +354,8 @@ class LocalProvider(Provider):
                 record["cgroup_folders"] = cgroup.folders
         else:
             limits = {"enforced": False, "detail": "not enforced: the local provider runs unsandboxed"}
+        if disk_why_not:
+            limits["disk_why_not"] = disk_why_not
         (folder / "limits.json").write_text(json.dumps(limits))
         return cgroup
 
@@ -332,6 +372,8 @@ class LocalProvider(Provider):
             args += ["--job-uids", str(uids)]
         args += ["--limits-file", self._inside(folder, LIMITS_FILE)]
         args += ["--disk-reserve-gb", f"{self.disk_reserve_gb:g}"]
+        if spec.disk_gb:
+            args += ["--disk-gb", str(spec.disk_gb)]
         for mount in self.mounts:
             if mount.writable:
                 args += ["--shared-dir", mount.target if self.sandbox else mount.source]
@@ -507,6 +549,20 @@ def machine_processes(root: Path | str) -> dict[str, list[psutil.Process]]:
         if folder and (folder == base or folder.startswith(base + "/")):
             found.setdefault(folder, []).append(proc)
     return found
+
+
+def release_areas(root: Path | str) -> list[str]:
+    """Unmount every job area under ``root`` (a state folder, ``$CATACLOUD_HOME/machines``) and
+    remove their files: what stopping every machine there leaves (an area outlives its machine's
+    processes until it is released). The mount points released."""
+    points = mounts_under(str(root))
+    for point in points:
+        release_area(point)
+    for image in Path(root).glob("**/*.disk"):
+        with contextlib.suppress(OSError):
+            if image.is_file() and not image.is_symlink():
+                image.unlink()
+    return points
 
 
 def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:

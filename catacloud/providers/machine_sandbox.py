@@ -11,9 +11,10 @@ and signals only its own processes. What a job may touch therefore never depends
 of the host's folders.
 
 An agent started as root keeps root inside (with only the capabilities it needs to run jobs as
-other uids: setuid, setgid, chown, fowner, kill, dac_override, dac_read_search), and runs each
-job as a uid of the range the provider gave its machine; any other user gets a user namespace
-(bubblewrap's default), and the agent runs jobs in nested ones. Either way no job is root.
+other uids: setuid, setgid, chown, fowner, kill, dac_override, dac_read_search; and sys_ptrace,
+to read its own jobs' open files), and runs each job as a uid of the range the provider gave its
+machine; any other user gets a user namespace (bubblewrap's default), and the agent runs jobs in
+nested ones. Either way no job is root.
 
 :class:`Cgroup` puts the machine under its machine type's limits (cpus, memory, pids) where the
 host lets us (cgroup v2 or v1, as root); :func:`job_uid_slot` gives each machine of this host its
@@ -53,6 +54,9 @@ AGENT_CAPABILITIES = (
     "CAP_KILL",
     "CAP_SETGID",
     "CAP_SETUID",
+    # The disk watchdog reads its jobs' open files (/proc/<pid>/fd: a deleted file a job keeps
+    # open counts) where no file system bounds them; it sees only its own machine's processes.
+    "CAP_SYS_PTRACE",
 )
 # Job uid ranges of local machines: slot N holds UIDS_PER_MACHINE uids from JOB_UID_BASE + 2^16
 # (the first 2^16 are cloud machines' default range), one slot per running machine of the host.

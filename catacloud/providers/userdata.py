@@ -46,7 +46,9 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "catacloud-agent") -> str:
+def render_user_data(
+    *, agent_url: str, bootstrap_token: str, package: str = "catacloud-agent", disk_gb: int | None = None
+) -> str:
     """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs."""
     parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
@@ -55,6 +57,8 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
         raise ValueError("bootstrap_token must be 16-512 URL-safe characters")
     if not _PACKAGE.match(package):
         raise ValueError("package must be a pip requirement or URL without spaces, starting alphanumeric")
+    if disk_gb is not None and (not isinstance(disk_gb, int) or isinstance(disk_gb, bool) or disk_gb < 1):
+        raise ValueError("disk_gb must be a whole number of at least 1")
 
     # systemd expands "%" specifiers and "$" variables in ExecStart: double them.
     url_for_systemd = agent_url.replace("%", "%%").replace("$", "$$")
@@ -67,7 +71,9 @@ def render_user_data(*, agent_url: str, bootstrap_token: str, package: str = "ca
             "",
             "[Service]",
             f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
-            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}",
+            f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}"
+            # The jobs' disk: the agent (root) mounts a file system of this size on the work root.
+            + (f" --disk-gb {disk_gb}" if disk_gb else ""),
             "Restart=always",
             "RestartSec=5",
             "",

@@ -46,7 +46,7 @@ def test_a_run_whose_test_leaves_a_process_running_fails_and_names_it(tmp_path: 
 
     assert run.returncode == 1, run.stdout + run.stderr  # every test passed, the run did not
     assert "3 passed" in run.stdout
-    assert "processes the tests left running" in run.stdout
+    assert "what the tests left running or mounted" in run.stdout
     assert "left-by-a-test" in run.stdout and "stopped-by-its-test" not in run.stdout
     assert "(redis-server)" in run.stdout
     leaked = [p for p in psutil.process_iter(["cmdline"]) if "left-by-a-test" in (p.info["cmdline"] or [])]

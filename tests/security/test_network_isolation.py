@@ -1,4 +1,4 @@
-"""Boundary: a job reaches the internet and nothing else, and cannot fill the host's disk.
+"""Boundary: a job reaches the internet and nothing else (its disk: tests/security/test_disk_bounds.py).
 
 Two local machines of two organizations run on this host as `make dev` runs them (each a
 sandbox, its agent enrolled with a fake Agent API of its own). The destinations a job tries are
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from catacloud.agent.netns import host_addresses
-from catacloud.providers.base import LABEL_INSTALLATION, InsufficientCapacity, MachineSpec
+from catacloud.providers.base import LABEL_INSTALLATION, MachineSpec
 from catacloud.providers.local import LocalProvider
 from catacloud.providers.machine_sandbox import network_problem
 from tests.agent.fake_server import FakeAgentAPI
@@ -318,48 +318,6 @@ def test_a_job_flooding_every_port_it_can_reach_slows_no_other_organizations_job
     assert took < usual + 10, f"{took:.1f} s under the flood, {usual:.1f} s before"
     assert "FLOOD held 0 reached []" in api_a.output(flood, "stdout")
     api_a.cancel(flood)
-
-
-# ---- disk -------------------------------------------------------------------------------------------
-
-
-def test_a_job_that_outgrows_its_disk_ends_with_disk_limit_exceeded_and_leaves_nothing(
-    machines: tuple[FakeAgentAPI, FakeAgentAPI, Machines],
-) -> None:
-    api_a, _, group = machines
-    finished, seen = run(
-        api_a,
-        "dd if=/dev/zero of=big bs=1M count=300 status=none; echo wrote; sleep 20; echo survived",
-        disk_limit_bytes=50 * 10**6,
-    )
-    assert finished["outcome"] == "failed", seen
-    assert finished["reason"].startswith("disk_limit_exceeded:") and "disk_gb" in finished["reason"]
-    assert "survived" not in seen
-    # A job that writes it all at once and ends is caught at its end.
-    finished, seen = run(api_a, "dd if=/dev/zero of=big bs=1M count=120 status=none", disk_limit_bytes=10**8)
-    assert finished["outcome"] == "failed" and finished["reason"].startswith("disk_limit_exceeded:"), seen
-    # The machine is clean for the next job: no job folder is left behind.
-    machine = group.state_dir / group.ids[0] / "work"
-    api_a.wait_for(
-        lambda: not [p for p in machine.iterdir() if p.name.startswith(("job-", ".net-"))],
-        timeout=10,
-        what="the job folders to go",
-    )
-    finished, seen = run(api_a, "echo fine", disk_limit_bytes=50 * 10**6)
-    assert finished["outcome"] == "succeeded", seen
-
-
-def test_no_local_machine_starts_below_the_disk_reserve(tmp_path: Path) -> None:
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    provider = LocalProvider(
-        config={"state_dir": str(tmp_path / "m"), "disk_reserve_gb": (free + 10**12) / 10**9}, credentials={}
-    )
-    spec = MachineSpec(
-        instance_id=str(uuid.uuid4()), labels={}, server_type="local", image="local", command=("sleep", "60")
-    )
-    with pytest.raises(InsufficientCapacity, match="kept for the control plane"):
-        provider.create(spec)
-    assert provider.list({}) == []
 
 
 # ---- CPU and cgroups ---------------------------------------------------------------------------------
