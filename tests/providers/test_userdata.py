@@ -45,6 +45,14 @@ def test_agent_is_installed_in_a_venv_and_started_by_systemd() -> None:
     assert "Restart=always" in unit
 
 
+def test_the_machine_types_disk_gb_reaches_the_agent_which_bounds_its_jobs_disk_with_it() -> None:
+    unit = file_at(render(disk_gb=40), "/etc/systemd/system/catacloud-agent.service")["content"]
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.endswith(" --work-dir /var/lib/catacloud/work --disk-gb 40")
+    unit = file_at(render(), "/etc/systemd/system/catacloud-agent.service")["content"]
+    assert "--disk-gb" not in unit  # no disk_gb: no area, the watchdog keeps the host's reserve
+
+
 def test_token_appears_only_in_the_token_file() -> None:
     text = render_user_data(agent_url="https://cc.example.com/agent", bootstrap_token=TOKEN)
     assert text.count(TOKEN) == 1
@@ -73,6 +81,8 @@ def test_percent_and_dollar_in_url_are_escaped_for_systemd() -> None:
         {"package": "--index-url=https://evil.example/simple"},
         {"package": "catacloud\n- [rm, -rf, /]"},
         {"package": "catacloud ; rm -rf /"},
+        {"disk_gb": 0},
+        {"disk_gb": "40 --no-sandbox"},
     ],
 )
 def test_unsafe_inputs_are_rejected(kwargs: dict[str, str]) -> None:

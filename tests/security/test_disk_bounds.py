@@ -16,7 +16,7 @@ import os
 import shlex
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from catacloud.providers.base import Bootstrap, InsufficientCapacity, MachineSpe
 from catacloud.providers.local import LocalProvider
 from catacloud.providers.machine_sandbox import host_problem
 from tests.agent.fake_server import FakeAgentAPI
+from tests.agent.harness import AgentProcess
 
 pytestmark = pytest.mark.skipif(
     host_problem() is not None, reason=f"no local machines here: {host_problem()}"
@@ -214,6 +215,27 @@ def test_a_stale_file_system_of_a_machine_that_died_is_released_when_it_is_made_
     assert make_area(str(folder), str(image), GB) == made  # mounted already: that one
     release_area(str(folder), str(image))
     assert not mounts_under(str(folder)) and not image.exists()
+
+
+def test_a_cloud_machines_agent_makes_its_own_file_system_from_disk_gb(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    """On a cloud machine the agent runs as root (systemd, user data's ``--disk-gb``) and mounts
+    the jobs' area itself, before anything of its own is written to its work folder."""
+    if needs_root_and_loop() is not None:
+        pytest.skip(needs_root_and_loop() or "")
+    image = Path(f"{work_dir}.img")
+    try:
+        agent = start_agent("--disk-gb", "1", sandboxed=False)
+        api.wait_for(lambda: api.calls("POST", "heartbeat"), timeout=20, what=f"enrollment:\n{agent.log()}")
+        limits = api.calls("POST", "enroll")[0].body["machine"]["limits"]
+        assert limits["disk"] == "file system" and str(work_dir) in mounts_under(str(work_dir)), limits
+        job = api.assign(hidden_file(int(1.2 * GB)), disk_limit_bytes=GB)
+        finished = api.wait_finished(job, timeout=60)
+        assert "REFUSED 28" in api.output(job) and disk_limit_exceeded(finished), (finished, api.output(job))
+    finally:
+        release_area(str(work_dir), str(image))
+    assert not image.exists()
 
 
 # ---- the watchdog, where no file system bounds a job --------------------------------------------
