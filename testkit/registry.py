@@ -22,7 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -173,10 +173,13 @@ def build_image(
     workdir: str = "",
     with_shell: bool = True,
     base: BuiltImage | None = None,
+    prepare: Callable[[Path], None] | None = None,
 ) -> BuiltImage:
     """An image in the OCI layout ``work/oci``: busybox as ``/bin/sh`` (unless ``with_shell`` is
     false), ``/etc/os-release``, ``files`` ({path: bytes}); on top of ``base``'s layers when given
-    (a layer two images share)."""
+    (a layer two images share). ``prepare`` gets the root before it is packed, to give files what
+    ``files`` cannot (an owner, a mode, extended attributes, a device node): ``umoci repack``
+    records them in the layer as they are."""
     layout = work / "oci"
     if not (layout / "index.json").exists():
         _run("umoci", "init", "--layout", str(layout))
@@ -201,6 +204,8 @@ def build_image(
         target = rootfs / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
+    if prepare is not None:
+        prepare(rootfs)
     _run("umoci", "repack", "--image", f"{layout}:{tag}", str(bundle))
     config = ["umoci", "config", "--image", f"{layout}:{tag}", "--clear=config.env"]
     for name, value in {

@@ -5,8 +5,8 @@ Pulling and unpacking are done by the tools made for it, never by a tar loop of 
 ``skopeo`` copies an image from its registry into one OCI image layout (every image's blobs in
 one place, so a layer two images share is fetched and kept once), ``umoci raw unpack
 --rootless`` unpacks it into a root file system (whiteouts, hard links, ``..`` entries and all,
-as the OCI image spec says). What the store holds, under its root (the machine's folder, hidden
-from jobs)::
+as the OCI image spec says). What the store holds, under its root (0700, in the machine's folder,
+hidden from jobs)::
 
     oci/              the OCI layout: blobs shared between images, one tag per image (its digest)
     images/<hex>/     one unpacked image: rootfs/ and image.json (its config, references, size)
@@ -32,6 +32,16 @@ deadline (blobs already fetched are kept: a retry fetches only what is missing);
 refused credentials, a digest mismatch or an image larger than the budget end at once with an
 :class:`~catacloud.protocol.ImageFailure` code.
 
+**No privilege.** ``umoci raw unpack --rootless`` keeps what a layer says of a file's owner, mode
+and extended attributes (it has no option to drop them), so an image's root-owned 4755 file
+would be a setuid-root file on the host. Before an image moves into ``images/`` every file and
+folder of it loses its set-user-ID and set-group-ID bits and the attributes that grant or steer
+privilege (:func:`strip_privileges`, :data:`STRIPPED_XATTRS`); a device node would become an empty
+regular file (umoci makes none rootless). A store unpacked by an agent from before is stripped
+once when it opens. And no host user reaches the store: its root is 0700. A job's sandbox does,
+by the image's path: bubblewrap runs as the job's uid, so while the sandbox lives (bubblewrap's
+``--sync-fd``) that uid alone may pass the root (a POSIX ACL entry, search only: :func:`let_in`).
+
 **Budget.** The store keeps its size (blobs plus unpacked roots) within the machine type's budget:
 before a pull it evicts the least recently used images no job is using; an image that alone is
 larger than the budget is refused.
@@ -40,6 +50,7 @@ larger than the budget is refused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -50,11 +61,12 @@ import re
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -298,6 +310,224 @@ def _make_path(root: int, relative: str, *, file: bool = False) -> None:
         os.close(fd)
 
 
+# -- what an image may not bring: privilege ------------------------------------------------------
+
+# Mode bits no file of the store keeps: set-user-ID and set-group-ID (``umoci raw unpack
+# --rootless`` keeps them, on files it leaves owned by the agent: root on a cloud machine).
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
+# Extended attributes no file of the store keeps, each a privilege or a host's kernel's own:
+# file capabilities (``security.capability``: what a process gains when it executes the file),
+# Smack's rules for what runs or maps a file (``security.SMACK64EXEC``, ``…MMAP``,
+# ``…TRANSMUTE``), and every ``trusted.*`` attribute (root's own namespace, read by the kernel:
+# overlayfs' redirects and the like). Kept: ``user.*`` (umoci's record of an owner), POSIX ACLs
+# (``system.*``: who may read a file, no privilege), and the security labels a host's LSM and
+# integrity modules give every file they see (``security.selinux``, which umoci never sets from an
+# image; ``security.SMACK64``; IMA/EVM's ``security.ima``/``security.evm``, which only the host's
+# keys can make valid): removing those would make the host's policy refuse the image.
+STRIPPED_XATTRS = (
+    "security.capability",
+    "security.SMACK64EXEC",
+    "security.SMACK64MMAP",
+    "security.SMACK64TRANSMUTE",
+)
+STRIPPED_XATTR_PREFIXES = ("trusted.",)
+# What the index records of an image whose files were stripped (a store from before is stripped
+# once, when it opens).
+STRIP_VERSION = 1
+
+
+@dataclass
+class Stripped:
+    """What :func:`strip_privileges` took away, counted."""
+
+    setid: int = 0  # files and folders that lost set-user-ID or set-group-ID
+    xattrs: int = 0  # attributes removed
+    devices: int = 0  # device nodes made empty regular files
+
+    def __bool__(self) -> bool:
+        return bool(self.setid or self.xattrs or self.devices)
+
+
+def _stripped_xattr(name: str) -> bool:
+    return name in STRIPPED_XATTRS or name.startswith(STRIPPED_XATTR_PREFIXES)
+
+
+def _strip_entry(parent: int, name: str, st: os.stat_result, found: Stripped) -> None:
+    """One file or folder (never a link: the caller skips those) of a tree no one else sees."""
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):  # (umoci makes none rootless)
+        os.unlink(name, dir_fd=parent)
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent))
+        found.devices += 1
+        return
+    # Through the folder's descriptor, never a path from the top: nothing on the way is followed.
+    here = f"/proc/self/fd/{parent}/{name}"
+    try:
+        names = os.listxattr(here, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        names = []
+    for attribute in names:
+        if _stripped_xattr(attribute):
+            os.removexattr(here, attribute, follow_symlinks=False)
+            found.xattrs += 1
+    if st.st_mode & SETID_BITS:
+        os.chmod(name, stat.S_IMODE(st.st_mode) & ~SETID_BITS, dir_fd=parent, follow_symlinks=False)
+        found.setid += 1
+
+
+def _open_listing(parent: int, name: str, st: os.stat_result) -> tuple[int, list[str], int | None]:
+    """A folder's descriptor and names. A folder of the agent's own that it may not read or pass
+    (an agent that is not root, an image's 0000 folder) is opened to its owner for the walk; its
+    mode, to put back after, comes third."""
+    mode = None
+    if os.geteuid() != 0 and st.st_uid == os.geteuid() and st.st_mode & 0o500 != 0o500:
+        mode = stat.S_IMODE(st.st_mode) & ~SETID_BITS
+        os.chmod(name, mode | stat.S_IRWXU, dir_fd=parent, follow_symlinks=False)
+    fd = _open_dir(parent, name)
+    try:
+        return fd, os.listdir(fd), mode
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def strip_privileges(rootfs: str) -> Stripped:
+    """Take from every file and folder under ``rootfs`` (itself included) what would give a
+    privilege to whoever runs it: set-user-ID and set-group-ID bits and the attributes of
+    :data:`STRIPPED_XATTRS`; a device node becomes an empty regular file. Links are never
+    followed (nor changed: Linux has no mode for a link, and attaches no capability to one).
+
+    The walk goes folder by folder through descriptors opened with ``O_NOFOLLOW``, and acts on
+    each entry relative to its folder's descriptor: a path is never resolved from the top. It
+    runs on an image no one else can reach (unpacked in the store's private ``tmp/``, before it
+    moves into ``images/``; or, for a store from before, under the store's lock with the store's
+    root closed), so nothing changes under it."""
+    found = Stripped()
+    parent, top = os.path.split(os.path.abspath(rootfs))
+    start = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    # (descriptor, names left, (folder to put a mode back on: its parent's descriptor, name, mode))
+    stack: list[tuple[int, list[str], tuple[int, str, int] | None]] = [(start, [top], None)]
+    try:
+        while stack:
+            fd, names, restore = stack[-1]
+            if not names:
+                stack.pop()
+                if restore is not None:
+                    os.chmod(restore[1], restore[2], dir_fd=restore[0], follow_symlinks=False)
+                os.close(fd)
+                continue
+            name = names.pop()
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            _strip_entry(fd, name, st, found)
+            if stat.S_ISDIR(st.st_mode):
+                child, entries, mode = _open_listing(fd, name, st)
+                stack.append((child, entries, None if mode is None else (fd, name, mode)))
+    finally:
+        for fd, _names, _restore in stack:
+            os.close(fd)
+    return found
+
+
+# -- the store's door: its root is 0700; a job's sandbox is let through while it lives -----------
+
+# A POSIX access ACL as the kernel keeps it (``system.posix_acl_access``: version 2, then entries
+# of tag, permissions, id sorted by tag and id; acl(5), linux/posix_acl_xattr.h).
+ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_NO_ID = 0xFFFFFFFF
+_doors_lock = threading.Lock()
+_doors: dict[str, Counter[int]] = {}  # a store's root -> the job uids let through, and how often
+_no_acl: set[str] = set()  # roots on a file system without ACLs (0711 instead: see ImageStore)
+
+
+def search_acl(uids: Iterable[int]) -> bytes:
+    """An access ACL for a folder: its owner everything, each of ``uids`` search only (``--x``:
+    pass through, never list), its group and everyone else nothing."""
+    entries = [(_ACL_USER_OBJ, 0o7, _ACL_NO_ID)]
+    entries += [(_ACL_USER, 0o1, uid) for uid in sorted(set(uids))]
+    entries += [(_ACL_GROUP_OBJ, 0, _ACL_NO_ID), (_ACL_MASK, 0o1, _ACL_NO_ID), (_ACL_OTHER, 0, _ACL_NO_ID)]
+    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def _set_door(root: str, uids: Iterable[int]) -> None:
+    """``root`` passable by ``uids`` alone (besides its owner); none: plain 0700 again."""
+    wanted = sorted(set(uids))
+    if wanted:
+        os.setxattr(root, ACL_XATTR, search_acl(wanted), follow_symlinks=False)
+        return
+    with contextlib.suppress(OSError):
+        os.removexattr(root, ACL_XATTR, follow_symlinks=False)
+    os.chmod(root, 0o700)  # (the mask of a removed ACL would otherwise stay as the group's bits)
+
+
+def _store_root(rootfs: str) -> str | None:
+    """The store whose image ``rootfs`` is (``<root>/images/<hex>/rootfs``), if this process opened it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(rootfs))))
+    with _doors_lock:
+        return root if root in _doors else None
+
+
+def let_in(rootfs: str, uid: int) -> Callable[[], None] | None:
+    """Let ``uid`` pass the root of the store holding ``rootfs`` (search only: it still lists
+    nothing, reads nothing of the store but the image's root, whose path it is told), until the
+    returned function is called. For a job's sandbox: bubblewrap runs as the job's uid and
+    resolves the image's root by its path (even a descriptor it is given, through
+    ``/proc/self/fd``), so a 0700 root would refuse it. ``None``: nothing to do (not a store's
+    image, the agent's own uid, or a file system without ACLs, whose store root is 0711)."""
+    root = _store_root(rootfs)
+    if root is None or uid == os.geteuid() or root in _no_acl:
+        return None
+    with _doors_lock:
+        grants = _doors[root]
+        grants[uid] += 1
+        _set_door(root, grants)
+    done = threading.Event()
+
+    def close() -> None:
+        with _doors_lock:
+            if done.is_set():
+                return
+            done.set()
+            grants[uid] -= 1
+            if grants[uid] <= 0:
+                del grants[uid]
+            try:
+                _set_door(root, grants)
+            except OSError as exc:  # (the store's folder gone with its machine)
+                log.warning("image store %s: could not close it to uid %s: %s", root, uid, exc)
+
+    return close
+
+
+def _open_store_root(root: str) -> str:
+    """Make ``root`` 0700 with no one let in (a door left open by an agent that died is shut),
+    unless this process's jobs are in it now; register it for :func:`let_in`. Where the file
+    system keeps no ACLs the root is 0711 instead (passable, not listable): what the machine
+    reports says so."""
+    with _doors_lock:
+        grants = _doors.setdefault(root, Counter())
+        if grants:
+            return ""
+        try:
+            _set_door(root, [os.geteuid()])  # can this file system hold an ACL at all?
+            _set_door(root, [])
+            _no_acl.discard(root)
+            return ""
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EINVAL):
+                raise
+            _no_acl.add(root)
+            os.chmod(root, 0o711)
+            return (
+                f"its file system keeps no ACLs ({exc.strerror}): the store's root is 0711, so a job's "
+                "sandbox can pass it (its folders cannot be listed; its files carry no privilege)"
+            )
+
+
 def resolve_inside(rootfs: str, path: str, hops: int = 40) -> str | None:
     """Where ``path`` of the image leads, resolved as if ``rootfs`` were ``/`` (its links,
     absolute or relative, never leave it); ``None`` when it leads nowhere."""
@@ -352,7 +582,12 @@ class ImageStore:
         self.retry_base, self.retry_cap = retry_base, retry_cap
         self._pinned: Counter[str] = Counter()
         self._pin_lock = threading.Lock()
-        for sub, mode in (("", 0o711), ("images", 0o711), ("tmp", 0o700), ("private", 0o700)):
+        # The root is 0700: only the agent, and a job's sandbox while it lives (let_in), pass it.
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self.note = _open_store_root(self.root)  # why the root is not 0700, if it is not
+        if self.note:
+            log.warning("image store %s: %s", self.root, self.note)
+        for sub, mode in (("images", 0o711), ("tmp", 0o700), ("private", 0o700)):
             path = os.path.join(self.root, sub)
             os.makedirs(path, exist_ok=True)
             os.chmod(path, mode)
@@ -368,6 +603,36 @@ class ImageStore:
             "TMPDIR": os.path.join(self.root, "tmp"),
             "LANG": "C.UTF-8",
         }
+        self._strip_held()
+
+    def _strip_held(self) -> None:
+        """A store unpacked before images were stripped (an agent upgraded on its machine): each
+        image the index does not record as stripped is, once, under the store's lock; then the
+        index says so, and the next opening reads the index alone. A folder the index does not
+        name (an unpack that died before it was recorded) is removed: no job can use it."""
+        try:
+            folders = sorted(e.name for e in os.scandir(os.path.join(self.root, "images")))
+        except OSError:
+            return
+        held = self._index()["images"]
+        if all(held.get(f"sha256:{name}", {}).get("stripped", 0) >= STRIP_VERSION for name in folders):
+            return
+        with self._locked(time.monotonic() + 3600, threading.Event()):
+            index = self._index()
+            for name in folders:
+                entry = index["images"].get(f"sha256:{name}")
+                if entry is None or os.path.islink(os.path.join(self.root, "images", name)):
+                    _rmtree(os.path.join(self.root, "images", name))
+                    index["images"].pop(f"sha256:{name}", None)
+                    continue
+                if entry.get("stripped", 0) >= STRIP_VERSION:
+                    continue
+                rootfs = os.path.join(self.root, "images", name, "rootfs")
+                if os.path.isdir(rootfs) and not os.path.islink(rootfs):
+                    found = strip_privileges(rootfs)
+                    (log.warning if found else log.info)("image store: %s, held from before: %s", name, found)
+                entry["stripped"] = STRIP_VERSION
+            self._save(index)
 
     # -- what it holds -------------------------------------------------------------------------
 
@@ -662,6 +927,10 @@ class ImageStore:
             config = self._config(hexdigest)
             rootfs = os.path.join(staging, "rootfs")
             self._prepare(rootfs, config)
+            # Before it moves where jobs find it: no file keeps a privilege (setuid, capabilities).
+            found = strip_privileges(rootfs)
+            if found:
+                log.warning("image %s: stripped of privileges its files carried: %s", ref, found)
             rootfs_bytes = _tree_bytes(rootfs)
             footprint = rootfs_bytes + self._image_blob_bytes(hexdigest)
             if footprint > self.budget_bytes:
@@ -682,6 +951,7 @@ class ImageStore:
             "rootfs_bytes": rootfs_bytes,
             "bytes": footprint,
             "used_at": time.time(),
+            "stripped": STRIP_VERSION,
         }
         self._save(index)
 

@@ -38,10 +38,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from catacloud.agent.images import let_in
 from catacloud.agent.netns import Allow, Egress, Policy, read_child_pid, resolv_conf, stop_pasta
 
 log = logging.getLogger("catacloud.agent")
@@ -301,6 +303,7 @@ class Launch:
     group: int | None = None
     socket_env: str = ""  # CATACLOUD_AGENT_SOCKET as the job sees it
     network: NetworkSetup | None = None
+    after_start: Callable[[], None] | None = None  # once the launcher's copies are closed
 
     def popen_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"env": self.env, "pass_fds": self.fds}
@@ -312,6 +315,29 @@ class Launch:
         for fd in self.fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if self.after_start is not None:
+            after_start, self.after_start = self.after_start, None
+            after_start()
+
+
+def _while_it_lives(close_door: Callable[[], None]) -> tuple[int, Callable[[], None]]:
+    """bubblewrap's ``--sync-fd`` (held by the sandbox's first process until the sandbox ends,
+    never by the job's command) and what, once the launcher's copy is closed, waits for the
+    sandbox's end and then calls ``close_door``. A launch that failed to start ends it at once."""
+    ended, alive = os.pipe()
+
+    def watch() -> None:
+        try:
+            while os.read(ended, 64):
+                pass
+        finally:
+            os.close(ended)
+            close_door()
+
+    def start() -> None:
+        threading.Thread(target=watch, name="image-store-door", daemon=True).start()
+
+    return alive, start
 
 
 @dataclass(frozen=True)
@@ -391,7 +417,17 @@ class BubblewrapLauncher:
                 place.gid,
                 state_dir=os.path.dirname(os.path.abspath(place.work_dir)),
             )
-        args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
+        after_start = None
+        door = let_in(image.rootfs, uid) if image is not None and place.uid is not None else None
+        if door is not None:  # the image store's 0700 root, passable by this job's uid while it runs
+            alive, after_start = _while_it_lives(door)
+            fds.append(alive)
+            args += ["--sync-fd", str(alive)]
+        try:
+            args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
+        except BaseException:
+            Launch([], {}, tuple(fds), after_start=after_start).close()
+            raise
         # The job's env is applied by the shell that becomes the job (never in bubblewrap's
         # arguments, which it caps at 9000, nor in its own environment); inside an image, that
         # shell then becomes the image's process.
@@ -407,6 +443,7 @@ class BubblewrapLauncher:
             group=place.gid,
             socket_env=SANDBOX_SOCKET,
             network=network,
+            after_start=after_start,
         )
 
     def _namespace_options(self, *, root: str) -> list[str]:
