@@ -42,6 +42,12 @@ from catacloud.protocol import HeldImage, ImageFailure, ImagePull, ImagePulled, 
 log = logging.getLogger("catacloud.agent")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Why a machine whose jobs run without bubblewrap (the uid-only fallback) runs no image: an image's
+# root is the sandbox's read-only ``/``, and only the sandbox passes the store's 0700 root.
+NEEDS_SANDBOX = (
+    "its jobs run without the bubblewrap sandbox (uid-only fallback), and an image runs only as a "
+    "sandbox's read-only root (the image store is closed to every other uid)"
+)
 
 
 def image_process(image: Image, command: str) -> tuple[str, ...]:
@@ -98,10 +104,14 @@ class JobImages:
                 )
             return self._store
 
-    def describe(self) -> dict[str, str]:
-        """What the machine reports at enrollment (Isolation.images)."""
+    def describe(self, *, sandboxed: bool = True) -> dict[str, str]:
+        """What the machine reports at enrollment (Isolation.images). ``sandboxed``: whether its
+        jobs run in the bubblewrap sandbox; without it (the uid-only fallback) it runs no image,
+        so the control plane sends it none."""
         if self._tools is None:
             return {"images": "", "images_detail": f"this machine cannot run images: {self.problem}"}
+        if not sandboxed:
+            return {"images": "", "images_detail": f"this machine cannot run images: {NEEDS_SANDBOX}"}
         return {"images": "skopeo+umoci", "images_detail": f"image store at {self.root}"}
 
     def set_budget(self, budget_bytes: int | None) -> None:
@@ -168,10 +178,7 @@ class JobImages:
         ``started`` (when the job became this machine's)."""
         assert job.image is not None
         if not sandboxed:
-            raise ImageError(
-                ImageFailure.UNUSABLE,
-                "this machine runs jobs without the bubblewrap sandbox, and an image needs it",
-            )
+            raise ImageError(ImageFailure.UNUSABLE, f"this machine cannot run images: {NEEDS_SANDBOX}")
         limit = job.image.timeout_seconds
         if job.timeout_seconds:
             limit = min(limit, job.timeout_seconds)

@@ -201,3 +201,15 @@ def test_registry_hosts_are_normalised() -> None:
     assert registry_host("index.docker.io") == "docker.io"
     with pytest.raises(ValueError):
         registry_host("reg.example.com/path")
+
+
+def test_a_machine_whose_jobs_run_without_the_sandbox_says_it_runs_no_image(tmp_path: Path) -> None:
+    from catacloud.agent.imagejob import JobImages
+
+    images = JobImages(str(tmp_path / "store"), mount_dirs=[])
+    if images.problem:
+        pytest.fail(f"images need skopeo and umoci: {INSTALL}")
+    assert images.describe()["images"] == "skopeo+umoci"
+    uid_only = images.describe(sandboxed=False)
+    assert uid_only["images"] == ""  # so the control plane sends it no image job
+    assert "without the bubblewrap sandbox" in uid_only["images_detail"]
