@@ -147,10 +147,11 @@ def tenant(
     state_dir: Path | None = None,
     cpus: int = 2,
     machine_type: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
     **grant: Any,
 ) -> Tenant:
     """An org with one machine type (provider ``kind``; ``machine_type`` overrides its price
-    and billing) granted to it; names made unique."""
+    and billing; ``config`` adds to its provider account's) granted to it; names made unique."""
     from django.contrib.auth import get_user_model
 
     from apps.orgs.models import Organization
@@ -160,8 +161,8 @@ def tenant(
     org = Organization.objects.create(slug=f"{name}-{suffix}", name=f"Bench {name}")
     user = get_user_model().objects.create_user(f"{name}-{suffix}")
     membership_set(org=org, user=user, role="admin")
-    config = {"state_dir": str(state_dir)} if kind == "local" else {"account": f"bench-{suffix}"}
-    account = provider_account(kind, f"{name}-{suffix}", config)
+    base = {"state_dir": str(state_dir)} if kind == "local" else {"account": f"bench-{suffix}"}
+    account = provider_account(kind, f"{name}-{suffix}", {**base, **(config or {})})
     defaults = {"max_pool_size": 1_000_000, "max_instances": 1_000_000, "max_concurrent_jobs": 1000}
     mt, g = granted_type(
         org,

@@ -134,6 +134,46 @@ def _retire_idle(t: Any) -> None:
             instance_terminate(instance_id=pk, actor="bench", reason="cold sample")
 
 
+Timings = dict[str, dict[str, list[float]]]
+
+
+def disk_bounds(stack: Any, samples: int, pool_size: int, progress: Progress) -> Timings:
+    """Warm submit -> running, and started -> finished, of ``true`` on two machine types of
+    ``disk_gb: 1``, interleaved in one run: one whose machines write their jobs to a file system
+    of that size (the kernel's bound, catacloud/agent/disk.py), one whose account turns that off
+    (``job_areas: false``: the watchdog alone, as every machine before)."""
+    from apps.pools.services import pool_create, pool_refill
+
+    kinds = {"file system": {}, "watchdog alone": {"job_areas": False}}
+    setups = []
+    for name, config in kinds.items():
+        t = tenant(
+            name.split()[0],
+            kind="local",
+            state_dir=stack.state_dir,
+            config=config,
+            machine_type={"disk_gb": 1},
+            max_pool_size=20,
+            max_instances=40,
+        )
+        cfg = job_config(t.org, t.machine_type, "d", "true", reuse="ephemeral")
+        pool = pool_create(
+            org=t.org, name="d", machine_type=t.machine_type, target_size=pool_size, max_size=20
+        )
+        pool_refill(pool_id=pool.pk)
+        setups.append((name, t, cfg, pool))
+    found: Timings = {name: {"submit": []} for name in kinds}
+    for name, _, _, pool in setups:
+        progress(f"submit: warming a pool of {pool_size} machines ({name})")
+        wait_quiet(pool.pk, pool_size)
+    for i in range(samples):
+        for name, t, cfg, pool in setups if i % 2 else reversed(setups):
+            wait_quiet(pool.pk, pool_size)
+            progress(f"submit: disk bound, {name}, job {i + 1}/{samples}")
+            found[name]["submit"].append(_one(t, cfg, found[name]))
+    return found
+
+
 def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress = say) -> PartResult:
     from apps.pools.services import pool_create, pool_refill
 
@@ -162,6 +202,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
             wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine", 0.02)
             progress(f"submit: cold job {i + 1}/{cold}")
             cold_s.append(_one(tc, cfg_c))
+        disks = disk_bounds(stack, warm, pool_size, progress)
     progress("submit: the sandbox's and the job network's cost per job start; pasta's throughput")
     measured = sandbox_starts()
     starts = measured["starts"]
@@ -175,6 +216,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         "warm_stages_s": stages,
         "job_start_s": starts,
         "loopback_mb_per_s": throughput,
+        "disk_bounds_s": disks,
     }
     result.figures += [
         Figure(
@@ -241,6 +283,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
             if throughput
             else []
         ),
+        *_disk_figures(disks),
         Figure(
             "warm: submit -> running p95",
             round(w95 * 1000),
@@ -267,3 +310,30 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         ),
     ]
     return result
+
+
+def _disk_figures(disks: Timings) -> list[Figure]:
+    """What the kernel's disk bound costs a warm job, against the watchdog alone (same run)."""
+    p50 = {name: percentile(d["submit"], 50) * 1000 for name, d in disks.items()}
+    done = {name: percentile(d.get("finished", [0.0]), 50) * 1000 for name, d in disks.items()}
+    cost = p50["file system"] - p50["watchdog alone"]
+    return [
+        Figure(
+            "disk bound: warm submit -> running p50, file system vs watchdog alone",
+            round(p50["file system"], 1),
+            "ms",
+            "<= 5 ms more",
+            f"watchdog alone {p50['watchdog alone']:.1f} ms ({cost:+.1f} ms)",
+            None,
+            cost <= 5,
+            note=f"disk_gb 1, `true`, {len(disks['file system']['submit'])} jobs each, interleaved",
+        ),
+        Figure(
+            "disk bound: started -> finished p50 (`true`), file system vs watchdog alone",
+            round(done["file system"], 1),
+            "ms",
+            "",
+            f"watchdog alone {done['watchdog alone']:.1f} ms",
+            note="the watchdog's checks: before the start and at the end of every job",
+        ),
+    ]
