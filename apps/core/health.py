@@ -20,6 +20,7 @@ from django.core.cache import cache
 from django.db import connection
 from django.utils import timezone
 
+import catacloud
 from apps.core.models import Heartbeat
 
 BEAT_STALE_AFTER = timedelta(seconds=35)
@@ -111,4 +112,5 @@ def readiness() -> tuple[int, dict[str, Any]]:
     """200 only when every part is up (database, broker, a worker, beat, the reaper ticking); else 503."""
     checks = _checks()
     ready = all(c["ok"] for c in checks.values())
-    return (200 if ready else 503), {"status": "ready" if ready else "not_ready", "checks": checks}
+    body = {"status": "ready" if ready else "not_ready", "version": catacloud.__version__, "checks": checks}
+    return (200 if ready else 503), body

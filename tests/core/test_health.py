@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 import pytest
@@ -72,6 +73,9 @@ def test_liveness_and_readiness_answer_apart_without_a_worker_or_beat(
     ready = _get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     assert ready.json()["checks"]["reaper"]["by"] == "worker@h:1"
+    # Which release answers (with the details: a rollout is checked with the metrics token).
+    assert ready.json()["version"] == importlib.metadata.version("catacloud")
+    assert Client().get("/readyz").json() == {"status": "ready"}  # anyone: its status only
 
 
 def test_readyz_is_503_when_the_reaper_stopped_ticking(settings: Any) -> None:
