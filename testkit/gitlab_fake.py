@@ -27,9 +27,28 @@ Runners: ``POST /user/runners`` answers a ``glrt-`` token; a runner verifies it
 pending job whose tags it has (ANY such job, as GitLab does; never an untagged one: runners are
 created with ``run_untagged: false``), keeps the job alive with trace updates and reports its
 end (``PUT /api/v4/jobs/:id``). It stays registered until it is deleted. ``runner_faults`` makes
-the next runners crash, hang or never connect. A running job whose runner is silent for
+the next runners crash, hang or never connect. A running job not updated (trace or state) for
 ``lost_after`` seconds fails (``stuck_or_timeout_failure``); a runner not heard from for
 ``offline_after`` reads offline.
+
+What GitLab does with a runner's token, as its source says (gitlabhq ``lib/api/ci/runner.rb``,
+``lib/api/ci/helpers/runner.rb``), and so does this fake:
+
+- ``POST /jobs/request`` hands a job to ANY request that carries the token of a runner that is
+  registered and not paused, however many jobs that runner already runs: GitLab keeps no count
+  per runner (``gitlab-runner``'s ``concurrent``/``limit`` and ``run-single --max-builds`` are
+  the runner's own). Whoever holds the token can take jobs.
+- A paused runner (``PUT /runners/:id`` ``paused: true``) is answered 204, no job
+  (``unless current_runner.active? ... no_content!``), but its token stays valid.
+- A deleted runner's token is answered 403 (``authenticate_runner!``: ``forbidden! unless
+  current_runner``), on ``/jobs/request`` and ``/runners/verify`` alike.
+- A job's own calls (``PUT /jobs/:id``, ``PATCH /jobs/:id/trace``) are authenticated by the
+  job's token alone (``authenticate_job!``: ``job.runner&.heartbeat``, the runner may be gone);
+  deleting a runner does not touch its running job (``config/gitlab_loose_foreign_keys.yml``:
+  ``p_ci_builds.runner_id`` is ``async_nullify``), which runs to its end, its ``runner``
+  reading null from then on.
+- Only a running job that nobody updates is failed, after an hour
+  (``app/services/ci/stuck_builds/drop_running_service.rb``: ``lost_after`` here).
 """
 
 from __future__ import annotations
@@ -93,9 +112,10 @@ class Job:
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
+    updated_at: float | None = None  # its last trace or state update (a running job's liveness)
 
     def as_json(self, runners: dict[int, Runner]) -> dict[str, Any]:
-        runner = runners.get(self.runner_id) if self.runner_id else None
+        runner = runners.get(self.runner_id) if self.runner_id else None  # deleted: null
         return {
             "id": self.id,
             "status": self.status,
@@ -110,7 +130,7 @@ class Job:
             "finished_at": iso(self.finished_at),
             "failure_reason": self.failure_reason,
             "pipeline": {"id": self.pipeline_id, "project_id": self.project_id, "ref": self.ref},
-            "runner": runner.brief() if runner else ({"id": self.runner_id} if self.runner_id else None),
+            "runner": runner.brief() if runner else None,
             "web_url": f"/{self.project}/-/jobs/{self.id}",
         }
 
@@ -401,11 +421,8 @@ class FakeGitLab(FakeForge):
                 for job in list(self.jobs.values()):
                     if job.status != "running":
                         continue
-                    runner = self.runners.get(job.runner_id) if job.runner_id else None
-                    seen = runner.contacted_at if runner is not None else job.started_at
-                    if now - (seen or now) > self.lost_after:
-                        if runner is not None and runner.job_id == job.id:
-                            runner.job_id = None
+                    # GitLab drops a running job nobody updated (its runner deleted or not)
+                    if now - (job.updated_at or job.started_at or now) > self.lost_after:
                         job.failure_reason = "stuck_or_timeout_failure"
                         self._finish(job, "failed")
 
@@ -436,7 +453,8 @@ class FakeGitLab(FakeForge):
             ):
                 continue
             job.status, job.started_at, job.runner_id = "running", time.time(), runner.id
-            runner.job_id = job.id
+            job.updated_at = job.started_at
+            runner.job_id = job.id  # its latest: GitLab counts none (a runner may run many)
             self._event(job)
             return job
         return None
@@ -674,9 +692,9 @@ class FakeGitLab(FakeForge):
                 deadline = time.time() + min(30.0, float(body.get("wait") or 0))
                 while True:
                     if runner.id not in self.runners:
-                        raise HttpError(403, "403 Forbidden")
+                        raise HttpError(403, "403 Forbidden")  # deleted meanwhile
                     self._contact(runner)
-                    job = self._take(runner) if runner.job_id is None else None
+                    job = self._take(runner)  # whatever it runs already (see the docstring)
                     if job is not None:
                         return 201, self._job_payload(job, runner)
                     remaining = deadline - time.time()
@@ -688,11 +706,14 @@ class FakeGitLab(FakeForge):
             token = body.get("token") or handler.headers.get("JOB-TOKEN")
             if job is None or token != job.token:
                 raise HttpError(403, "403 Forbidden")
+            # the job's token alone: its runner may have been deleted since (GitLab's
+            # authenticate_job!, job.runner&.heartbeat)
             runner = self.runners.get(job.runner_id) if job.runner_id else None
             if runner is not None:
                 self._contact(runner)
             if job.status != "running":
                 raise HttpError(403, "403 Forbidden - Job is not running")  # canceled: the runner stops
+            job.updated_at = time.time()
             if m and m.group(2):  # a trace update: the job is alive
                 return 202, None
             state = str(body.get("state") or "")
@@ -716,7 +737,9 @@ class FakeGitLab(FakeForge):
         self.runner_online_at.setdefault(runner.id, runner.contacted_at)
 
     def _job_payload(self, job: Job, runner: Runner) -> dict[str, Any]:
-        variables = {
+        variables = {  # some of GitLab's predefined variables
+            "CI_SERVER_URL": self._base(),
+            "CI_JOB_TOKEN": job.token,
             "CI_JOB_ID": str(job.id),
             "CI_JOB_NAME": job.name,
             "CI_JOB_STAGE": job.stage,
