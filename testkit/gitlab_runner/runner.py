@@ -1,13 +1,27 @@
 """A stand-in for ``gitlab-runner run-single``, for the fake GitLab (testkit/gitlab_fake.py).
 
 Standard library only (it runs inside a job, which sees the venv's python3 and its own work
-folder, not the project checkout). Like the real runner's ``run-single``: it takes GitLab's URL
-and the runner's token from ``--url``/``--token`` (or ``CI_SERVER_URL``/``CI_SERVER_TOKEN``),
-verifies the token, asks for a job (``POST /api/v4/jobs/request``) until ``--wait-timeout``
-seconds pass, runs the job's script lines with the shell executor in ``--builds-dir``, keeps
-the job alive with trace updates, reports success or failure (``PUT /api/v4/jobs/:id``) and,
-after ``--max-builds`` jobs, exits 0. The fake may ask it to misbehave: ``crash`` (exit 3 right
-after taking a job), ``hang`` (take a job and never report), ``never_connect``.
+folder, not the project checkout). Like the real runner's ``run-single`` (gitlab-runner
+``commands/single.go``): it takes GitLab's URL and the runner's token from ``--url``/``--token``
+(or ``CI_SERVER_URL``/``CI_SERVER_TOKEN``: ``common/config.go``'s env tags), or, with
+``--config FILE --runner NAME`` (gitlab-runner 17.1 and later), the whole runner from that
+``[[runners]]`` entry of a config.toml (url, token, executor, builds_dir, cache_dir,
+``[runners.docker] image``; the command line's runner options are then ignored, as
+``HandleArgs`` replaces them). It verifies the token, asks for a job (``POST
+/api/v4/jobs/request``) until ``--wait-timeout`` seconds pass, one job at a time, runs the job's
+script lines in ``--builds-dir``, keeps the job alive with trace updates, reports success or
+failure (``PUT /api/v4/jobs/:id``) and, after ``--max-builds`` jobs, exits 0. The fake may ask it
+to misbehave: ``crash`` (exit 3 right after taking a job), ``hang`` (take a job and never
+report), ``never_connect``.
+
+The job's environment is what the real executor gives it (:func:`job_env`):
+
+- ``shell``: the runner process's own environment, whole, plus the job's variables
+  (``executors/shell/shell.go``: ``Env: os.Environ()``). Whatever the runner was started with
+  (``CI_SERVER_TOKEN`` included) reaches the job's script.
+- ``docker``: the job's variables only (``executors/docker/docker.go``: the container's ``Env``
+  is ``prepareContainerEnvVariables()``, the build's variables). This stand-in has no Docker:
+  it runs the script on the machine with that environment (and a PATH), not in a container.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from typing import Any
@@ -67,14 +82,20 @@ def alive(url: str, job: dict[str, Any]) -> bool:
     return status != 403
 
 
-def run_script(url: str, job: dict[str, Any], builds_dir: str) -> str:
+def job_env(executor: str, variables: dict[str, str]) -> dict[str, str]:
+    """The environment the real executor gives a job's script (the module docstring)."""
+    if executor == "docker":
+        return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **variables}
+    return {**os.environ, **variables}
+
+
+def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) -> str:
     """The job's script lines, one shell each, in its build folder: success, failed or canceled."""
     variables = {v["key"]: v["value"] for v in job.get("variables") or []}
     project = job.get("job_info", {}).get("project_name", "project")
     work = os.path.join(builds_dir, project, str(job["id"]))
     os.makedirs(work, exist_ok=True)
-    env = {**os.environ, **variables}
-    env.pop("CI_SERVER_TOKEN", None)  # the runner's own token is not the job's business
+    env = job_env(executor, variables)
     lines = [line for step in job.get("steps") or [] for line in step.get("script") or []]
     for line in lines:
         say(f"$ {line}")
@@ -99,8 +120,8 @@ def run_single(args: argparse.Namespace) -> int:
     if not url or not token:
         say("run-single needs --url and --token (or CI_SERVER_URL and CI_SERVER_TOKEN)")
         return 2
-    if args.executor != "shell":
-        say(f"this stand-in runs the shell executor only (not {args.executor})")
+    if args.executor not in ("shell", "docker"):
+        say(f"this stand-in runs the shell and docker executors only (not {args.executor})")
         return 2
     fault, runner_id = None, None
     for attempt in range(30):
@@ -153,7 +174,7 @@ def run_single(args: argparse.Namespace) -> int:
             say("hanging as configured")
             while True:
                 time.sleep(3600)
-        result = run_script(url, job, args.builds_dir)
+        result = run_script(url, job, args.builds_dir, args.executor)
         if result != "canceled":
             body = {"token": job["token"], "state": result}
             if result == "failed":
@@ -169,6 +190,28 @@ def run_single(args: argparse.Namespace) -> int:
     return 0
 
 
+def from_config(args: argparse.Namespace) -> bool:
+    """``--config FILE --runner NAME``: the runner's settings from that entry of the file, in
+    place of the command line's (``RunSingleCommand.HandleArgs``). Read once, at start."""
+    try:
+        with open(args.config, "rb") as fh:  # a file, or a pipe (/dev/stdin, a FIFO)
+            config = tomllib.loads(fh.read().decode())
+    except (OSError, ValueError) as exc:
+        say(f"FATAL: Error loading config: {exc}")
+        return False
+    found = [r for r in config.get("runners") or [] if r.get("name") == args.runner]
+    if not found:
+        say(f"FATAL: Error loading runner by name: could not find a runner with the name '{args.runner}'")
+        return False
+    runner = found[0]
+    args.url, args.token = runner.get("url", ""), runner.get("token", "")
+    args.executor = runner.get("executor", "")
+    args.builds_dir = runner.get("builds_dir") or os.path.join(os.getcwd(), "builds")
+    args.cache_dir = runner.get("cache_dir") or os.path.join(os.getcwd(), "cache")
+    args.docker_image = (runner.get("docker") or {}).get("image", "")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gitlab-runner")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     single.add_argument("--cache-dir", default=os.path.join(os.getcwd(), "cache"))
     single.add_argument("--docker-image", default="")
     single.add_argument("--name", default="")
+    single.add_argument("-c", "--config", default=os.environ.get("CONFIG_FILE", ""))
+    single.add_argument("-r", "--runner", default="", help="the runner of --config to run")
     args = parser.parse_args(argv)
+    if args.runner and not from_config(args):
+        return 2
     if args.max_builds <= 0:
         args.max_builds = 1 << 30
     if args.wait_timeout <= 0:
