@@ -88,6 +88,13 @@ class JobImages:
         self._budget = DEFAULT_BUDGET_BYTES
         self._store: ImageStore | None = None
         self._lock = threading.Lock()
+        if self.root is not None and os.path.isdir(self.root):
+            # A store this machine already has is opened now, not at the next image: one an older
+            # agent filled is stripped of privileges and closed (0700) before anything else runs.
+            try:
+                _ = self.store
+            except OSError as exc:
+                log.warning("could not open the image store %s: %s", self.root, exc)
 
     @property
     def store(self) -> ImageStore | None:

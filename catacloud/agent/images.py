@@ -38,9 +38,10 @@ would be a setuid-root file on the host. Before an image moves into ``images/`` 
 folder of it loses its set-user-ID and set-group-ID bits and the attributes that grant or steer
 privilege (:func:`strip_privileges`, :data:`STRIPPED_XATTRS`); a device node would become an empty
 regular file (umoci makes none rootless). A store unpacked by an agent from before is stripped
-once when it opens. And no host user reaches the store: its root is 0700. A job's sandbox does,
-by the image's path: bubblewrap runs as the job's uid, so while the sandbox lives (bubblewrap's
-``--sync-fd``) that uid alone may pass the root (a POSIX ACL entry, search only: :func:`let_in`).
+once when it opens (the agent opens a store it finds when it starts). And no host user reaches
+the store: its root is 0700. A job's sandbox does, by the image's path: bubblewrap runs as the
+job's uid, so while the sandbox lives (bubblewrap's ``--sync-fd``) that uid alone may pass the
+root (a POSIX ACL entry, search only: :func:`let_in`).
 
 **Budget.** The store keeps its size (blobs plus unpacked roots) within the machine type's budget:
 before a pull it evicts the least recently used images no job is using; an image that alone is
@@ -928,7 +929,12 @@ class ImageStore:
             rootfs = os.path.join(staging, "rootfs")
             self._prepare(rootfs, config)
             # Before it moves where jobs find it: no file keeps a privilege (setuid, capabilities).
-            found = strip_privileges(rootfs)
+            try:
+                found = strip_privileges(rootfs)
+            except OSError as exc:  # (a tree deeper than this process may hold folders open)
+                raise ImageError(
+                    ImageFailure.UNUSABLE, f"could not strip {ref} of its files' privileges: {exc}"
+                ) from None
             if found:
                 log.warning("image %s: stripped of privileges its files carried: %s", ref, found)
             rootfs_bytes = _tree_bytes(rootfs)

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from catacloud.agent.imagejob import JobImages
 from catacloud.agent.images import ACL_XATTR, ImageStore, find_tools, strip_privileges
 from catacloud.agent.netns import Egress
 from catacloud.agent.reference import parse
@@ -181,7 +182,7 @@ def test_a_job_runs_its_image_through_the_closed_store_and_the_door_shuts_after(
     assert stat.S_IMODE((machine / "images").stat().st_mode) == 0o700
 
 
-def test_a_store_from_before_is_stripped_when_it_opens(image: str, machine: Path) -> None:
+def test_a_store_from_before_is_stripped_and_closed_when_the_agent_starts(image: str, machine: Path) -> None:
     store = open_store(machine)
     rootfs = Path(pull(store, image).rootfs)
     suid = rootfs / "bin" / "probe-suid"
@@ -191,9 +192,11 @@ def test_a_store_from_before_is_stripped_when_it_opens(image: str, machine: Path
     for entry in index["images"].values():
         entry.pop("stripped")
     store._save(index)
+    os.chmod(machine / "images", 0o711)
 
-    open_store(machine)
+    JobImages(str(machine / "images"), mount_dirs=[str(machine / "work")])  # the agent starts
 
+    assert stat.S_IMODE((machine / "images").stat().st_mode) == 0o700
     assert not suid.stat().st_mode & stat.S_ISUID
     assert "security.capability" not in os.listxattr(rootfs / "bin" / "probe-cap")
     os.chmod(suid, 0o4755)  # recorded as stripped: the next opening reads the index alone
