@@ -188,6 +188,10 @@ class Policy:
             "    type filter hook output priority filter; policy accept;",
             '    oifname "lo" accept',  # the namespace's own loopback (and the forwarded ports)
             f"    ip daddr {DNS_ADDRESS} meta l4proto {{ tcp, udp }} th dport 53 accept",
+            # Neighbour discovery with pasta, IPv6's ARP (to a multicast or link-local address,
+            # refused below): without it no IPv6 packet leaves (the gateway never resolves, and a
+            # job waits 3 s for "no route to host"). Hop limit 255: never forwarded (RFC 4861 7.1).
+            "    icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
         ]
         for allow in self.allow:
             if allow.loopback:
