@@ -285,11 +285,20 @@ def job_image_unrunnable(*, job: Job) -> bool:
             job_id=job.pk,
             outcome=Outcome.FAILED,
             exit_code=None,
-            reason="this machine's agent cannot run a job's image "
-            "(upgrade catacloud-agent; install skopeo and umoci)",
+            reason=_no_images_reason(instance),
             code=ErrorCode.IMAGE_UNUSABLE,
         )
     return True
+
+
+def _no_images_reason(instance: MachineInstance) -> str:
+    """Why a machine runs no image, as its agent said at enrollment (no sandbox, no skopeo...),
+    else what an agent from before images needs."""
+    said = str((instance.isolation or {}).get("images_detail") or "")
+    if said:
+        why = said.removeprefix("this machine cannot run images: ")
+        return f"this machine's agent cannot run a job's image: {why}"
+    return "this machine's agent cannot run a job's image (upgrade catacloud-agent; install skopeo and umoci)"
 
 
 def _final_reason(job: Job, status: str, reported: str) -> str:

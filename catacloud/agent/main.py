@@ -204,6 +204,10 @@ class Agent(JobRunning):
         )
         return None
 
+    def _images_report(self) -> dict[str, str] | None:
+        """Whether this machine runs images: only in the bubblewrap sandbox (imagejob.py)."""
+        return self.images.describe(sandboxed=self.launcher.kind == "bubblewrap") if self.images else None
+
     def _private_tmp(self) -> str:
         """The agent's own temporary files beside the jobs' area, on the host's disk (a checkpoint's
         archive must not take the room its job may fill): 0700, hidden from jobs."""
@@ -275,7 +279,9 @@ class Agent(JobRunning):
                     self.launcher,
                     self.job_uids.uids if self.job_uids else None,
                     self.limits_file,
-                    self.images.describe() if self.images else None,
+                    self.images.describe(sandboxed=self.launcher.kind == "bubblewrap")
+                    if self.images
+                    else None,
                     self.disk_report,
                 ),
                 retry_for=self.unreachable_limit or 600.0,

@@ -114,6 +114,26 @@ def test_an_agent_that_cannot_run_images_never_gets_an_image_job(world: World) -
     assert client.get("/api/agent/v1/work?wait=0").status_code == 204
     job.refresh_from_db()
     assert (job.status, job.failure_code) == (JobStatus.FAILED, "image_unusable")
+    assert "upgrade catacloud-agent" in job.failure_reason
+
+
+def test_an_image_job_on_a_machine_without_the_sandbox_fails_saying_why(world: World) -> None:
+    """The uid-only fallback runs no image (the store's root is closed to every other uid): the
+    job's reason is the machine's own, not an upgrade hint that would not help."""
+    instance = warming_instance(world.org, world.machine_type)
+    said = "this machine cannot run images: its jobs run without the bubblewrap sandbox"
+    client, _ = enroll(instance, machine={"isolation": {"jobs": "uid", "images": "", "images_detail": said}})
+    MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
+    job = job_row(
+        job_config(world.org, world.machine_type, "a", "true", image=IMAGE),
+        status="assigned",
+        instance=instance,
+        image=IMAGE,
+    )
+    assert client.get("/api/agent/v1/work?wait=0").status_code == 204
+    job.refresh_from_db()
+    assert job.failure_code == "image_unusable"
+    assert "without the bubblewrap sandbox" in job.failure_reason and "upgrade" not in job.failure_reason
 
 
 def test_the_job_records_its_digest_and_the_pull(world: World) -> None:
