@@ -7,10 +7,12 @@ before its command runs (``--block-fd``) until the agent has set the namespace u
    job's uid, which owns the job's user namespace) joins the job's user and network namespaces
    and loads an nftables table through ``libnftables``: traffic to the host's loopback, private
    ranges (RFC 1918, CGNAT, ULA), link-local (``169.254.0.0/16``: the cloud metadata address),
-   multicast, reserved ranges and every address of the host is refused at once (a TCP reset or
-   an ICMP "administratively prohibited": a connection error, never a hang), unless the machine
-   type's ``network.allow`` names the destination. The job's own processes hold no capability
-   in that namespace, so they cannot change the rules.
+   multicast, documentation and reserved ranges (all IPv6 outside ``2000::/3``), every IPv6 range
+   that carries IPv4 (IPv4-compatible and -mapped, 6to4, Teredo, and NAT64 to any IPv4 address
+   refused here) and every address of the host is refused at once (a TCP reset or an ICMP
+   "administratively prohibited": a connection error, never a hang), unless the machine type's
+   ``network.allow`` names the destination (:data:`DENIED_NETWORKS` says which ranges and why).
+   The job's own processes hold no capability in that namespace, so they cannot change the rules.
 2. **Then the internet.** ``pasta`` (Debian's ``passt`` package: user-mode networking made for
    rootless containers, the one Podman uses) joins the namespace from outside and gives it a
    tap interface with the host's addresses and routes; it relays the job's TCP, UDP and ICMP
@@ -48,26 +50,73 @@ from typing import Any
 # Where a job's DNS queries go: pasta forwards them to the host's resolver (its replies come back
 # from this address, so the job's resolv.conf names it). Link-local: never a real destination.
 DNS_ADDRESS = "169.254.1.53"
-# Refused to every job unless its machine type allows the destination. IPv4-mapped IPv6 (::ffff:
-# 0:0/96) is refused whole: a job reaches IPv4 through IPv4.
+# Refused to every job unless its machine type allows the destination: every range that is not the
+# internet (IANA's IPv4 and IPv6 Special-Purpose Address Registries, RFC 6890), and every IPv6 range
+# that embeds an IPv4 address or tunnels to one (a side door to the IPv4 ranges refused here).
 DENIED_NETWORKS = (
     "0.0.0.0/8",  # "this network"
-    "10.0.0.0/8",  # RFC 1918
-    "100.64.0.0/10",  # carrier-grade NAT
+    "10.0.0.0/8",  # private (RFC 1918)
+    "100.64.0.0/10",  # carrier-grade NAT (RFC 6598)
     "127.0.0.0/8",  # loopback (the host's, through a relay)
     "169.254.0.0/16",  # link-local: cloud metadata (169.254.169.254), the VPC resolver
-    "172.16.0.0/12",  # RFC 1918
-    "192.0.0.0/24",  # IETF protocol assignments
-    "192.168.0.0/16",  # RFC 1918
-    "198.18.0.0/15",  # benchmarking
-    "224.0.0.0/3",  # multicast, reserved, broadcast
-    "::/127",  # unspecified, loopback
-    "::ffff:0:0/96",  # IPv4-mapped
-    "64:ff9b:1::/48",  # local-use NAT64
-    "fc00::/7",  # unique local
+    "172.16.0.0/12",  # private (RFC 1918)
+    "192.0.0.0/24",  # IETF protocol assignments (DS-Lite, NAT64 discovery, PCP and TURN anycast)
+    "192.0.2.0/24",  # documentation, TEST-NET-1 (RFC 5737): never the internet, at times a LAN
+    "192.88.99.0/24",  # 6to4 and 6a44 relay anycast (deprecated, RFC 7526): tunnel ends
+    "192.168.0.0/16",  # private (RFC 1918)
+    "198.18.0.0/15",  # benchmarking (RFC 2544)
+    "198.51.100.0/24",  # documentation, TEST-NET-2 (RFC 5737)
+    "203.0.113.0/24",  # documentation, TEST-NET-3 (RFC 5737)
+    "224.0.0.0/3",  # multicast, reserved (240.0.0.0/4), limited broadcast (255.255.255.255)
+    "::/96",  # unspecified, loopback (::1), IPv4-compatible ::a.b.c.d (RFC 4291 2.5.5.1)
+    "::ffff:0:0/96",  # IPv4-mapped ::ffff:a.b.c.d: a job reaches IPv4 through IPv4
+    "::ffff:0:0:0/96",  # IPv4-translated ::ffff:0:a.b.c.d (SIIT, RFC 2765)
+    "64:ff9b:1::/48",  # local-use NAT64 (RFC 8215): a site's own translator, to its own IPv4
+    "100::/64",  # discard-only (RFC 6666)
+    "2001::/23",  # IETF protocol assignments (RFC 2928): Teredo 2001::/32 (RFC 4380), see below
+    "2001:db8::/32",  # documentation (RFC 3849)
+    "2002::/16",  # 6to4 (RFC 3056): 2002:a.b.c.d::/48 tunnels to the IPv4 address a.b.c.d
+    "3fff::/20",  # documentation (RFC 9637)
+    "5f00::/16",  # SRv6 segment identifiers (RFC 9602): a segment-routing domain's own
+    "fc00::/7",  # unique local (RFC 4193)
     "fe80::/10",  # link-local
+    "fec0::/10",  # site-local (deprecated, RFC 3879): a site's own where still used
     "ff00::/8",  # multicast
 )
+# IPv6's internet is IANA's global unicast space (RFC 4291 2.4; IANA's IPv6 Address Space registry):
+# everything outside it is reserved by the IETF and refused too (it holds the ranges above that lie
+# outside 2000::/3, and 100:0:0:1::/64, RFC 9780, and whatever is assigned there next) ...
+GLOBAL_UNICAST = "2000::/3"
+# ... except the NAT64 well-known prefix (RFC 6052): 64:ff9b::a.b.c.d is the IPv4 address a.b.c.d
+# through the network's NAT64, the only way to IPv4 from an IPv6-only host (DNS64 answers it for
+# every IPv4-only name). Of it only the images of what is refused over IPv4 are refused
+# (64:ff9b::10.0.0.0/104, 64:ff9b::127.0.0.0/104, ...): NAT64 gives a job no address that IPv4
+# would not (RFC 6052 3.1 tells translators to drop such packets; not all do: AWS's NAT gateway
+# reaches a VPC's private addresses).
+NAT64_PREFIX = "64:ff9b::/96"
+#
+# Considered beside those, and why each is in or out:
+# - Out: 2001::/16 or any entry wider than the IETF's own blocks: 2001:200::/23 onwards (and
+#   2003::/16 after 6to4) are regional registries' allocations, the real internet.
+# - In with the rest of 2001::/23, although the registry calls them globally reachable: PCP,
+#   TURN and DNS-SD SRP anycast (2001:1::1-3: the network's own middleboxes, not a job's
+#   business), AMT relays (2001:3::/32: multicast tunnelled in UDP), AS112-v6 (2001:4:112::/48: a
+#   DNS sink), ORCHIDv2 (2001:20::/28) and drone DETs (2001:30::/28): identifiers, not
+#   destinations. The IETF keeps assigning there, so the block is refused whole: a new entry is
+#   refused before anyone looks.
+# - Out: AS112 (192.31.196.0/24, 192.175.48.0/24, 2620:4f:8000::/48) and AMT relay anycast
+#   (192.52.193.0/24): globally reachable public services, the internet.
+# - Out: ISATAP (RFC 5214): the IPv4 address sits in the interface identifier (::5efe:a.b.c.d,
+#   ::200:5efe:a.b.c.d) under any /64, not in a prefix: the /64 in front routes like any other
+#   address, to the site that owns it, and only that site's ISATAP router reads the IPv4 address.
+#   Refusing it would mean matching the low 64 bits of every internet address. (A site that runs
+#   ISATAP on the host's own prefix would be reached that way; current systems have it off.)
+# - Out: 6rd (RFC 5969), NAT64 network-specific prefixes (RFC 6052 2.2): prefixes an operator
+#   chooses inside ordinary global space, unknowable from the address (on such a network a job
+#   reaches what that translator reaches).
+# - In already: 6over4 (RFC 2529: multicast and link-local); 240.0.0.0/4 and 255.255.255.255
+#   (in 224.0.0.0/3); DS-Lite, PCP and TURN anycast in 192.0.0.0/24.
+
 # A job network is set up in well under a second (p99 about 0.1 s); the limit only ends a setup
 # that is stuck, and leaves room for a host under heavy load (10 s was reached at load 80 on 2 cores).
 SETUP_TIMEOUT_SECONDS = 30.0
@@ -174,16 +223,11 @@ class Policy:
 
     def ruleset(self) -> str:
         """The job namespace's nftables table (``nft -f`` syntax)."""
-        v4 = [n for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 4]
-        v6 = [n for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 6]
-        for address in self.host_addresses:
-            ip = ipaddress.ip_address(address.split("%")[0])
-            if not any(ip in ipaddress.ip_network(n) for n in DENIED_NETWORKS):
-                (v4 if ip.version == 4 else v6).append(str(ip))
+        v4, v6 = denied_networks(self.host_addresses)
         lines = [
             "table inet catacloud_job {",
-            _set("denied4", "ipv4_addr", v4),
-            _set("denied6", "ipv6_addr", v6),
+            _set("denied4", "ipv4_addr", _intervals(v4)),
+            _set("denied6", "ipv6_addr", _intervals(v6)),
             "  chain output {",
             "    type filter hook output priority filter; policy accept;",
             '    oifname "lo" accept',  # the namespace's own loopback (and the forwarded ports)
@@ -204,6 +248,45 @@ class Policy:
             lines.append(f"    {family} daddr @{name} reject with icmpx type admin-prohibited")
         lines += ["  }", "}", ""]
         return "\n".join(lines)
+
+
+def denied_networks(
+    host_addresses: Iterable[str] = (),
+) -> tuple[list[ipaddress.IPv4Network], list[ipaddress.IPv6Network]]:
+    """What a job's namespace refuses, IPv4 and IPv6, each merged into the fewest networks:
+    :data:`DENIED_NETWORKS`, IPv6 outside :data:`GLOBAL_UNICAST` (but for :data:`NAT64_PREFIX`),
+    the NAT64 images of every refused IPv4 network, and every address of this host."""
+    v4 = [ipaddress.IPv4Network(n) for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 4]
+    v6 = [ipaddress.IPv6Network(n) for n in DENIED_NETWORKS if ipaddress.ip_network(n).version == 6]
+    for address in host_addresses:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if ip.version == 4:
+            v4.append(ipaddress.IPv4Network(ip))
+        else:
+            v6.append(ipaddress.IPv6Network(ip))
+    nat64 = ipaddress.IPv6Network(NAT64_PREFIX)
+    for reserved in ipaddress.IPv6Network("::/0").address_exclude(ipaddress.IPv6Network(GLOBAL_UNICAST)):
+        v6 += reserved.address_exclude(nat64) if nat64.subnet_of(reserved) else [reserved]
+    base = int(nat64.network_address)
+    v6 += [ipaddress.IPv6Network((base + int(n.network_address), 96 + n.prefixlen)) for n in v4]
+    return list(ipaddress.collapse_addresses(v4)), list(ipaddress.collapse_addresses(v6))
+
+
+def _intervals(networks: Sequence[Network]) -> list[str]:
+    """Sorted, merged ``networks`` as nftables set elements: ``a/n``, or ``first-last`` where
+    adjacent networks make a range that no single prefix spells."""
+    spans: list[list[Any]] = []
+    for network in sorted(networks, key=lambda n: int(n.network_address)):
+        first, last = network.network_address, network.broadcast_address
+        if spans and int(first) <= int(spans[-1][1]) + 1:
+            spans[-1][1] = max(spans[-1][1], last)
+        else:
+            spans.append([first, last])
+    elements = []
+    for first, last in spans:
+        made = list(ipaddress.summarize_address_range(first, last))
+        elements.append(str(made[0]) if len(made) == 1 else f"{first}-{last}")
+    return elements
 
 
 def _set(name: str, kind: str, elements: list[str]) -> str:
