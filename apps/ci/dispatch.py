@@ -1,7 +1,8 @@
 """Dispatch: a runner job assigned to a machine gets a runner created at its forge for that
 machine, handed to the machine's agent as a secret; a runner no longer needed is deleted at the
-forge and its job cancelled; a runner whose job ended is deleted (GitLab: a runner created with
-``POST /user/runners`` stays registered until it is deleted).
+forge and its job cancelled; a runner that took its job is deleted as soon as the forge says so
+(GitLab: a runner created with ``POST /user/runners`` stays registered until it is deleted, and
+takes jobs for whoever holds its token; its running job goes on without it).
 
 The runner is named ``catacloud-<instance id>``. The intent (which machine it is for) is
 committed before the call; the runner's id after it. The secret (GitHub's just-in-time
@@ -195,8 +196,9 @@ def runner_retire(*, forge: Forge, job_id: JobId) -> Handoff:
 
 
 def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
-    """The forge job our runner took ended: delete the runner at the forge (it ran its one job;
-    its Catacloud job ends as its command exits). Safe to run twice."""
+    """Our runner took its forge job (it runs or ended): delete the runner at the forge, so its
+    token takes no other job. The job it runs goes on (it reports with its own job token) and
+    its Catacloud job ends as its command exits. Safe to run twice."""
     runner = load_runner(forge, job_id)
     runner_id = forge.runner_id_of(runner) if runner is not None else None
     if runner is None or not runner_id:
@@ -217,7 +219,7 @@ def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
                 actor=forge.actor,
                 runner=runner.name,
                 runner_id=runner_id,
-                reason="its job ended",
+                reason="it took its job",
             )
     return Handoff.UNREGISTERED
 

@@ -68,7 +68,7 @@ class ForgeTasks:
     retire: str
     converge: str
     reconcile: str
-    finished: str = ""  # a runner whose job ended is deleted at the forge (GitLab)
+    finished: str = ""  # a runner that took its job is deleted at the forge at once (GitLab)
 
 
 @dataclass(frozen=True)

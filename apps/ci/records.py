@@ -99,7 +99,8 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
     fields: dict[str, Any] = {"status": status, "status_changed_at": now, **report.update}
     runner_name = report.runner_name
     if status in rules.started:
-        fields["runner_name"] = runner_name[:200]
+        if runner_name or not record.runner_name:  # a deleted runner reads null: the name stays
+            fields["runner_name"] = runner_name[:200]
         fields["started_at"] = report.started_at or record.started_at or now
     if status in rules.done:
         fields["conclusion"] = report.conclusion[:32]
@@ -120,8 +121,10 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
             ours=ours is not None,
             conclusion=fields.get("conclusion") or None,
         )
-    if ours is not None and status in rules.done and forge.tasks.finished:
-        enqueue_on_commit(forge.tasks.finished, str(ours.pk))  # its registration is deleted
+    if ours is not None and forge.tasks.finished:
+        # Our runner has its job (started or ended): its registration is deleted now, so its
+        # token takes no other job (the forge lets the running job finish: apps.gitlab.ops).
+        enqueue_on_commit(forge.tasks.finished, str(ours.pk))
     if record.runner_class_id:
         converge_soon(forge, record.runner_class_id)
 

@@ -2,8 +2,17 @@
 in apps/control/wiring.py): read a Job event or a job of the jobs API, create a project or group
 runner for a machine (``POST /user/runners``: the class's tags, ``run_untagged: false``, a
 maximum timeout; its ``glrt-`` token handed to the machine), delete one (``DELETE
-/runners/:id``, when its job ended or it is retired), list the runners, and poll the connected
-projects' pending and running jobs for lost deliveries."""
+/runners/:id``), list the runners, and poll the connected projects' pending and running jobs for
+lost deliveries.
+
+A runner is deleted as soon as GitLab says it took a job (its ``running`` event, or the poll),
+not when that job ends. GitLab hands a job to whoever asks with a runner's token, however many
+that runner runs already (gitlabhq ``lib/api/ci/runner.rb``, ``POST /jobs/request``): pausing
+only makes it answer 204 while the token stays valid; a deleted runner's token is refused (403).
+Deleting does not fail the running job: its calls are authenticated by its own job token
+(``lib/api/ci/helpers/runner.rb``, ``authenticate_job!``: ``job.runner&.heartbeat``) and the
+job's ``runner_id`` is merely nulled later (``config/gitlab_loose_foreign_keys.yml``,
+``async_nullify``)."""
 
 from __future__ import annotations
 

@@ -21,19 +21,27 @@ from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabRunnerClass
 from apps.orgs.models import Organization
 
 # The environment variables of a runner job: the runner's token (a secret of the job, masked in
-# its output, erased when the job ends; ``gitlab-runner`` reads CI_SERVER_TOKEN for a missing
-# --token) and GitLab's URL (CI_SERVER_URL, likewise for --url).
+# its output, erased when the job ends) and GitLab's URL. The runner command takes the token out
+# of the environment before gitlab-runner starts (:func:`runner_command`).
 TOKEN_ENV = "CI_SERVER_TOKEN"
 URL_ENV = "CI_SERVER_URL"
 # A docker executor's image for jobs that name none (a job's own ``image:`` wins).
 DOCKER_DEFAULT_IMAGE = "alpine:latest"
+# The runner's name in the config gitlab-runner reads (``run-single --runner``).
+CONFIG_RUNNER = "catacloud"
 
 # ---- the connection -----------------------------------------------------------------------------
 
 
 def _check_url(url: str) -> str:
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.netloc
+        or parts.query
+        or parts.fragment
+        or any(c in '"\\' or not c.isprintable() or c.isspace() for c in url)  # a TOML string's value
+    ):
         raise invalid("url", "must be an http(s) URL, e.g. https://gitlab.com or https://gitlab.example.com")
     return url.rstrip("/").removesuffix("/api/v4")
 
@@ -143,19 +151,51 @@ CLASS_FIELDS = (
 )
 
 
+def _runner_config(executor: str) -> str:
+    """The ``[[runners]]`` entry gitlab-runner reads, as a ``printf`` format: GitLab's URL, the
+    token and the job's work folder are its arguments (none holds ``"`` or ``\\``, which a TOML
+    string would need escaped: the URL is checked when the connection is saved, the token is
+    GitLab's, the folder the agent's)."""
+    lines = [
+        "[[runners]]",
+        f'name = "{CONFIG_RUNNER}"',
+        'url = "%s"',
+        'token = "%s"',
+        f'executor = "{executor}"',
+        'builds_dir = "%s/builds"',
+        'cache_dir = "%s/cache"',
+    ]
+    if executor == Executor.DOCKER:
+        lines += ["[runners.docker]", f'image = "{DOCKER_DEFAULT_IMAGE}"']
+    return "\\n".join(lines) + "\\n"
+
+
 def runner_command(runner_class: GitLabRunnerClass) -> str:
-    """What the runner job runs: the class's command, or ``gitlab-runner run-single`` for one
-    job (the URL and the runner's token from the job's env, never on the command line as
-    values), waiting at most the class's idle timeout for it, its work in the job's folder."""
+    """What the runner job runs: the class's command, or ``gitlab-runner run-single`` for one job
+    (``--max-builds 1``), waiting at most the class's idle timeout for it, its work in the job's
+    folder.
+
+    The runner's token never reaches the CI job's processes. gitlab-runner's shell executor gives
+    a job's script the runner's whole environment (gitlab-runner ``executors/shell/shell.go``:
+    ``Env: os.Environ()``) and any process of the job's uid reads the runner's command line and
+    environment in ``/proc``, so the token is in neither: the shell takes it out of its
+    environment and writes the runner's config (``run-single --config FILE --runner NAME``,
+    gitlab-runner 17.1 and later) into a FIFO in a 0700 folder of the job's own, which
+    gitlab-runner reads once, at start, before it asks for a job. Nothing is left to read there
+    afterwards (a FIFO keeps no data; opening it again waits for a writer that is gone), and
+    what held the token (the writer, the shell) is gone before any CI job starts."""
     if runner_class.command.strip():
         return runner_class.command
     binary = runner_class.runner_path or settings.CATACLOUD_GITLAB_RUNNER
     executor = runner_class.executor or Executor.SHELL
-    docker = f" --docker-image {DOCKER_DEFAULT_IMAGE}" if executor == Executor.DOCKER else ""
+    config = '"$d/config.toml"'
     return (
-        f'exec {shlex.quote(binary)} run-single --url "${URL_ENV}" --token "${TOKEN_ENV}" '
-        f"--executor {executor}{docker} --max-builds 1 --wait-timeout {runner_class.idle_timeout_seconds} "
-        '--builds-dir "$CATACLOUD_WORK_DIR/builds" --cache-dir "$CATACLOUD_WORK_DIR/cache"'
+        f'd=$(mktemp -d "$CATACLOUD_WORK_DIR/gitlab-runner.XXXXXX") && mkfifo {config} '
+        f'&& t="${TOKEN_ENV}" && unset {TOKEN_ENV} '
+        f'&& {{ printf {shlex.quote(_runner_config(executor))} "${URL_ENV}" "$t" '
+        f'"$CATACLOUD_WORK_DIR" "$CATACLOUD_WORK_DIR" > {config} & }} && t= '
+        f"&& exec {shlex.quote(binary)} run-single --config {config} --runner {CONFIG_RUNNER} "
+        f"--max-builds 1 --wait-timeout {runner_class.idle_timeout_seconds}"
     )
 
 

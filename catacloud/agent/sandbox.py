@@ -50,8 +50,13 @@ log = logging.getLogger("catacloud.agent")
 
 # Where a sandboxed job finds the agent's socket (``CATACLOUD_AGENT_SOCKET``).
 SANDBOX_SOCKET = "/run/catacloud/agent.sock"
-# The job's environment as shell exports, read by the shell that becomes the job.
-SANDBOX_ENV = "/run/catacloud/job.env"
+# The job's environment as shell exports, in the job's private /tmp: read once by the shell that
+# becomes the job, which removes it (or empties it, in an image without rm) before anything of
+# the job runs, so no later process of the job reads it there. A job that hides a secret of its
+# env from the processes it starts (a CI runner job hides its runner token from the CI job it
+# runs: apps/gitlab/services.py, runner_command) relies on that.
+SANDBOX_ENV = "/tmp/.catacloud-job.env"
+_READ_ENV = f". {SANDBOX_ENV} && {{ rm -f {SANDBOX_ENV} 2>/dev/null || : >{SANDBOX_ENV}; }}"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Far above any account a distribution creates (useradd stops at 60000, systemd's container
 # ranges at 1879048191), below 2^31 (tools that read uids as signed ints).
@@ -432,9 +437,9 @@ class BubblewrapLauncher:
         # arguments, which it caps at 9000, nor in its own environment); inside an image, that
         # shell then becomes the image's process.
         if image is not None:
-            process = [f'. {SANDBOX_ENV} && exec "$@"', "sh", *image.args]
+            process = [f'{_READ_ENV} && exec "$@"', "sh", *image.args]
         else:
-            process = [f'. {SANDBOX_ENV} && exec /bin/sh -c "$1"', "sh", command]
+            process = [f'{_READ_ENV} && exec /bin/sh -c "$1"', "sh", command]
         return Launch(
             argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", *process],
             env=dict(LAUNCH_ENV),
@@ -501,7 +506,7 @@ class BubblewrapLauncher:
             bind("--bind", place.socket_path, SANDBOX_SOCKET)
         if resolver is not None:  # the job's DNS goes to its own namespace's resolver address
             bind("--ro-bind-data", str(resolver), _resolv_conf_path(), perms="0644")
-        bind("--ro-bind-data", str(env_file), SANDBOX_ENV, perms="0400")
+        bind("--file", str(env_file), SANDBOX_ENV, perms="0600")  # in the private /tmp
         for folder in hidden:  # what hides the agent's folders and the homes is not a scratch space
             if folder not in ("/tmp", "/var/tmp", "/dev/shm"):
                 args += ["--remount-ro", folder]
@@ -527,7 +532,7 @@ class BubblewrapLauncher:
             args += ["--bind", place.socket_path, SANDBOX_SOCKET]
         if resolver is not None:
             args += ["--perms", "0644", "--ro-bind-data", str(resolver), "/etc/resolv.conf"]
-        args += ["--perms", "0400", "--ro-bind-data", str(env_file), SANDBOX_ENV]
+        args += ["--perms", "0600", "--file", str(env_file), SANDBOX_ENV]
         args += ["--remount-ro", "/run", "--remount-ro", image.mount_root]
         args += ["--chdir", image.cwd, "--clearenv"]
         return args

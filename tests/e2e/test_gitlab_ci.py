@@ -102,7 +102,7 @@ def test_ci_jobs_run_on_catacloud_machines(gitlab: GitLabStack) -> None:
         "every CI job record to be success",
     )
     assert all(r.job_id for r in GitLabJob.objects.all())
-    # each runner is deleted at GitLab once its job ended: nothing stays registered
+    # each runner is deleted at GitLab once it took its job: nothing stays registered
     stack.wait(lambda: not fake.runners, 30, "every runner to be deleted at GitLab")
     job = _runner_jobs().first()
     assert job is not None

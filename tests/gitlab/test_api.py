@@ -99,9 +99,8 @@ def test_runner_classes_through_the_api(gl: GitLabWorld) -> None:
         "reuse",
         1200,
     )
-    assert (
-        config.command.startswith("exec gitlab-runner run-single") and "--wait-timeout 300" in config.command
-    )
+    command = config.command
+    assert "exec gitlab-runner run-single --config" in command and "--wait-timeout 300" in command
     refused = [
         ({"name": "g", "tags": ["x"], "machine_type": mt, "scope": "group"}, "group_id"),
         ({"name": "e", "tags": ["y"], "machine_type": mt, "executor": "kubernetes"}, "executor"),

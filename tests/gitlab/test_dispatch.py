@@ -66,8 +66,11 @@ def test_the_agent_gets_the_job_only_with_its_runner_token(gl: GitLabWorld) -> N
     assert TOKEN_ENV in payload["secret_env_names"]  # the agent masks it in the output and its log
     assert payload["env"]["CI_SERVER_URL"] == gl.fake.url
     command = payload["command"]
-    assert "run-single" in command and "--max-builds 1" in command and f'--token "${TOKEN_ENV}"' in command
-    assert "--executor shell" in command and token not in command
+    assert "run-single" in command and "--max-builds 1" in command and token not in command
+    # the token goes to gitlab-runner in a config it reads once, never on its command line nor in
+    # its environment (which its shell executor gives the CI job)
+    assert "--token" not in command and f"unset {TOKEN_ENV}" in command and "--config" in command
+    assert 'executor = "shell"' in command
     # never in an API answer or an event
     api = gl.world.client("admin").get(f"/api/v1/jobs/{job.pk}/")
     assert api.status_code == 200 and token not in api.content.decode()
@@ -97,6 +100,59 @@ def test_a_job_costs_three_gitlab_calls_and_leaves_no_runner_behind(gl: GitLabWo
     assert Event.objects.filter(kind="gitlab.runner_deleted", job_id=job.pk).exists()
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"  # again: already gone
     assert Event.objects.filter(kind="gitlab.runner_deleted", job_id=job.pk).count() == 1
+
+
+def _runner_api(fake: Any, method: str, path: str, body: dict[str, Any], **headers: str) -> tuple[int, Any]:
+    """A call of GitLab's runner API, as gitlab-runner (or whoever holds a token) makes it."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        fake.url + path,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", **headers},
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            raw = answer.read()
+            return answer.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def test_a_runner_that_took_its_job_is_deleted_and_its_token_takes_no_other(gl: GitLabWorld) -> None:
+    """GitLab hands a job to whoever asks with a live runner token, whatever that runner runs
+    already: so our runner is deleted as soon as GitLab says it took its job. Its token then
+    takes nothing more (403), and the job it runs goes on with its own job token to success."""
+    agent, _ = ready_agent(gl)
+    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    job = queue(gl, first)
+    schedule()
+    assert handoff(job) == "handed off"
+    token = poll(agent).json()["job"]["env"][TOKEN_ENV]
+    status, taken = _runner_api(gl.fake, "POST", "/api/v4/jobs/request", {"token": token})
+    assert status == 201 and taken["id"] == first  # gitlab-runner takes its job
+    runner = GitLabRunner.objects.get(job=job)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"  # the task it sent
+    assert runner.gitlab_runner_id not in gl.fake.runners
+    assert Event.objects.get(kind="gitlab.runner_deleted", job_id=job.pk).reason == "it took its job"
+
+    second = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    assert _runner_api(gl.fake, "POST", "/api/v4/jobs/request", {"token": token})[0] == 403
+    assert gl.fake.job(second).status == "pending" and gl.fake.job(second).runner_id is None
+    # the running job reports with its own token: a trace update, then its end
+    job_token = taken["token"]
+    trace = _runner_api(gl.fake, "PATCH", f"/api/v4/jobs/{first}/trace", {}, **{"JOB-TOKEN": job_token})
+    assert trace[0] == 202
+    done = {"token": job_token, "state": "success"}
+    assert _runner_api(gl.fake, "PUT", f"/api/v4/jobs/{first}", done)[0] == 200
+    assert gl.fake.job(first).status == "success"
+    deliver(job_event(first, "success", runner=None))  # GitLab names no runner: it is gone
+    record = GitLabJob.objects.get(gitlab_id=first)
+    assert (record.status, record.runner_name, record.job_id) == ("success", runner.name, job.pk)
 
 
 def test_gitlab_down_keeps_jobs_queued_and_buys_no_machine(gl: GitLabWorld) -> None:
