@@ -31,15 +31,18 @@ from apps.orgs.models import Organization
 __all__ = ["GENERIC_LABELS", "pool_by_name"]
 
 # The environment variable the runner reads its just-in-time configuration from (the real
-# actions/runner reads ACTIONS_RUNNER_INPUT_<OPTION> for a missing --<option>): a secret of
-# the runner job, masked in its output, erased when the job ends.
+# actions/runner reads ACTIONS_RUNNER_INPUT_<OPTION> for a missing --<option> and removes it
+# from its environment: src/Runner.Listener/CommandSettings.cs): a secret of the runner job,
+# masked in its output, erased when the job ends.
 JIT_ENV = "ACTIONS_RUNNER_INPUT_JITCONFIG"
 # The runner command when a class names none: a copy of the runner folder the machine's
 # image provides (read-only there) in the job's own work folder, so nothing is written into
-# the image and every runner starts clean; then one just-in-time run.
+# the image and every runner starts clean; then one just-in-time run. The configuration stays
+# in the environment, never on the command line: any process that shares the machine's /proc
+# reads a command line, only the job's own uid reads its environment.
 DEFAULT_COMMAND = (
     'cp -R {runner_dir} "$CATACLOUD_WORK_DIR/actions-runner" && cd "$CATACLOUD_WORK_DIR/actions-runner" '
-    f'&& exec ./run.sh --jitconfig "${JIT_ENV}"'
+    "&& exec ./run.sh"
 )
 # ---- label matching ---------------------------------------------------------------------------
 

@@ -2,10 +2,11 @@
 
 Standard library only (it runs inside a job, which sees the venv's python3 and its own work
 folder, not the project checkout). Like the real runner in just-in-time mode: it takes its
-configuration from ``--jitconfig`` (or ``ACTIONS_RUNNER_INPUT_JITCONFIG``), connects, waits for
-one job, runs its steps as shell commands in ``_work`` under the current folder, reports the
-result and exits 0. The configuration may ask it to misbehave: ``crash`` (exit 3 right after
-taking a job), ``hang`` (take a job and never report), ``never_connect`` (never go online).
+configuration from ``--jitconfig`` (or ``ACTIONS_RUNNER_INPUT_JITCONFIG``, then removed from its
+environment as the real one does), connects, waits for one job, runs its steps as shell commands
+in ``_work`` under the current folder, reports the result and exits 0. The configuration may ask
+it to misbehave: ``crash`` (exit 3 right after taking a job), ``hang`` (take a job and never
+report), ``never_connect`` (never go online).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run.sh")
     parser.add_argument("--jitconfig", default=os.environ.get("ACTIONS_RUNNER_INPUT_JITCONFIG", ""))
     args = parser.parse_args(argv)
+    # Like the real runner (src/Runner.Listener/CommandSettings.cs): every ACTIONS_RUNNER_INPUT_*
+    # is read, then removed from its environment, so the job's steps do not inherit it.
+    for name in [n for n in os.environ if n.upper().startswith("ACTIONS_RUNNER_INPUT_")]:
+        del os.environ[name]
     if not args.jitconfig:
         say("no --jitconfig given (nor ACTIONS_RUNNER_INPUT_JITCONFIG)")
         return 2

@@ -92,7 +92,7 @@ def test_runner_classes_through_the_api(gh: GitHubWorld) -> None:
     assert (
         rc.job_config.name == "github-big" and rc.job_config.priority == 5 and rc.job_config.reuse == "reuse"
     )
-    assert "./run.sh --jitconfig" in rc.job_config.command and "/opt/actions-runner" in rc.job_config.command
+    assert "exec ./run.sh" in rc.job_config.command and "/opt/actions-runner" in rc.job_config.command
     generic = admin.post(
         "/api/v1/github/runner-classes/",
         {"name": "g", "labels": ["self-hosted", "linux"], "machine_type": mt},

@@ -53,7 +53,8 @@ def test_the_agent_gets_the_job_only_with_its_runner_registration(gh: GitHubWorl
     config = payload["env"][JIT_ENV]
     assert JIT_ENV in payload["secret_env_names"]  # the agent masks it in the output and its log
     assert json.loads(__import__("base64").b64decode(config))["name"] == runner_name(instance.pk)
-    assert payload["command"].endswith(f'./run.sh --jitconfig "${JIT_ENV}"')
+    # the runner reads it from its environment: never on a command line, which /proc shows to all
+    assert payload["command"].endswith("exec ./run.sh") and JIT_ENV not in payload["command"]
     # never in an API answer or an event
     api = gh.world.client("admin").get(f"/api/v1/jobs/{job.pk}/")
     assert api.status_code == 200 and config not in api.content.decode()
