@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import ipaddress
 import json
 import os
@@ -270,6 +271,19 @@ def denied_networks(
     base = int(nat64.network_address)
     v6 += [ipaddress.IPv6Network((base + int(n.network_address), 96 + n.prefixlen)) for n in v4]
     return list(ipaddress.collapse_addresses(v4)), list(ipaddress.collapse_addresses(v6))
+
+
+def refused_everywhere(address: str) -> bool:
+    """Whether every job's namespace refuses ``address`` (this host's own addresses aside): for
+    checks elsewhere that must agree with the jobs' rules (the webhook well's)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    v4, v6 = _denied_without_host()
+    return any(ip in network for network in (v4 if ip.version == 4 else v6))
+
+
+@functools.lru_cache(maxsize=1)
+def _denied_without_host() -> tuple[list[ipaddress.IPv4Network], list[ipaddress.IPv6Network]]:
+    return denied_networks()
 
 
 def _intervals(networks: Sequence[Network]) -> list[str]:

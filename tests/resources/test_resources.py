@@ -300,5 +300,9 @@ def test_webhook_addresses_public_or_allowed() -> None:
         assert refused_address(ip), ip
     for ip in ("::1", "fe80::1", "fd00::1", "::ffff:10.0.0.1", "224.0.0.1", "0.0.0.0"):
         assert refused_address(ip), ip
+    # IPv4 inside IPv6, which Python's is_global calls public: refused as jobs' rules refuse it.
+    for ip in ("::127.0.0.1", "64:ff9b::169.254.169.254", "64:ff9b::10.0.0.1", "2002:a00:1::1", "5f00::1"):
+        assert refused_address(ip), ip
+    assert not refused_address("64:ff9b::8.8.8.8")  # NAT64 of a public address: the internet
     with override_settings(CATACLOUD_WEBHOOK_ALLOW_NETWORKS=["10.20.0.0/16"]):
         assert not refused_address("10.20.3.4") and refused_address("10.21.0.1")

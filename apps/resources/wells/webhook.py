@@ -29,6 +29,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from apps.resources.wells import Created, Well, WellPermanent, WellTransient
+from catacloud.agent.netns import refused_everywhere
 
 
 class ForbiddenTarget(OSError):
@@ -37,13 +38,14 @@ class ForbiddenTarget(OSError):
 
 def refused_address(ip: str) -> bool:
     """True for an address that is not public (private, loopback, link-local, shared, reserved,
-    multicast, unspecified) and not in ``CATACLOUD_WEBHOOK_ALLOW_NETWORKS``."""
+    multicast, unspecified, or refused to jobs: an IPv4 address inside IPv6, NAT64 of a private
+    one, 6to4, ...: catacloud/agent/netns.py) and not in ``CATACLOUD_WEBHOOK_ALLOW_NETWORKS``."""
     addr = ipaddress.ip_address(ip.split("%", 1)[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     if any(addr in ipaddress.ip_network(net) for net in settings.CATACLOUD_WEBHOOK_ALLOW_NETWORKS):
         return False
-    return not addr.is_global or addr.is_multicast
+    return not addr.is_global or addr.is_multicast or refused_everywhere(str(addr))
 
 
 def _refuse(ip: str) -> ForbiddenTarget:
