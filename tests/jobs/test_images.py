@@ -6,12 +6,14 @@ that registry only, and an agent that cannot run images never gets an image job.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
 
 from apps.events.models import Event
 from apps.jobs.choices import JobStatus
+from apps.jobs.models import Job
 from apps.jobs.selectors import job_payload
 from apps.jobs.submission import job_submit
 from apps.machines.models import MachineInstance
@@ -101,9 +103,11 @@ def test_the_payload_pins_the_resolved_digest_and_carries_only_that_registrys_cr
     assert job_payload(plain)["image"] is None
 
 
-def test_an_agent_that_cannot_run_images_never_gets_an_image_job(world: World) -> None:
+def image_job_polled_by(world: World, machine: dict[str, Any] | None) -> Job:
+    """An image job assigned to a machine whose agent enrolled with ``machine`` (its report),
+    after that agent's poll."""
     instance = warming_instance(world.org, world.machine_type)
-    client, _ = enroll(instance)  # an agent from before images: its report has no "images"
+    client, _ = enroll(instance, **({"machine": machine} if machine is not None else {}))
     MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
     job = job_row(
         job_config(world.org, world.machine_type, "a", "true", image=IMAGE),
@@ -113,6 +117,11 @@ def test_an_agent_that_cannot_run_images_never_gets_an_image_job(world: World) -
     )
     assert client.get("/api/agent/v1/work?wait=0").status_code == 204
     job.refresh_from_db()
+    return job
+
+
+def test_an_agent_that_cannot_run_images_never_gets_an_image_job(world: World) -> None:
+    job = image_job_polled_by(world, None)  # an agent from before images: its report has no "images"
     assert (job.status, job.failure_code) == (JobStatus.FAILED, "image_unusable")
     assert "upgrade catacloud-agent" in job.failure_reason
 
@@ -120,19 +129,9 @@ def test_an_agent_that_cannot_run_images_never_gets_an_image_job(world: World) -
 def test_an_image_job_on_a_machine_without_the_sandbox_fails_saying_why(world: World) -> None:
     """The uid-only fallback runs no image (the store's root is closed to every other uid): the
     job's reason is the machine's own, not an upgrade hint that would not help."""
-    instance = warming_instance(world.org, world.machine_type)
     said = "this machine cannot run images: its jobs run without the bubblewrap sandbox"
-    client, _ = enroll(instance, machine={"isolation": {"jobs": "uid", "images": "", "images_detail": said}})
-    MachineInstance.objects.filter(pk=instance.pk).update(status="claimed")
-    job = job_row(
-        job_config(world.org, world.machine_type, "a", "true", image=IMAGE),
-        status="assigned",
-        instance=instance,
-        image=IMAGE,
-    )
-    assert client.get("/api/agent/v1/work?wait=0").status_code == 204
-    job.refresh_from_db()
-    assert job.failure_code == "image_unusable"
+    job = image_job_polled_by(world, {"isolation": {"jobs": "uid", "images": "", "images_detail": said}})
+    assert (job.status, job.failure_code) == (JobStatus.FAILED, "image_unusable")
     assert "without the bubblewrap sandbox" in job.failure_reason and "upgrade" not in job.failure_reason
 
 
