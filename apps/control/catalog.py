@@ -4,6 +4,8 @@ Provider accounts, privileges, machine types, organizations with members and gra
 resource types), kept in git and applied idempotently and atomically: a bad file changes
 nothing and names the line that is wrong; applying the same file twice changes nothing the
 second time. Credentials are never inline: each value is ``{env: NAME}`` or ``{file: PATH}``.
+Machine types of a Hetzner or AWS account are checked against what that account can buy
+(apps/control/offerings.py) before anything is written.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import yaml
 from django.db import transaction
 
 from apps.billing.budgets import budget_set
+from apps.control.offerings import AccountOfferings, OfferingsUnchecked, checks_offerings, offerings_check
 from apps.control.services import grant_upsert
 from apps.core.actors import Actor
 from apps.core.errors import DomainError
@@ -27,12 +30,14 @@ from apps.github.models import GitHubConnection, RunnerClass
 from apps.github.services import CLASS_FIELDS, connection_set, pool_by_name, runner_class_save
 from apps.gitlab import services as gitlab_services
 from apps.gitlab.models import GitLabConnection, GitLabRunnerClass
+from apps.machines.agent_dist import agent_wheel
 from apps.machines.models import Budget, MachineType, OrgMachineType, ProviderAccount
 from apps.machines.services import machine_type_upsert, provider_account_upsert
 from apps.orgs.models import Organization, Privilege
 from apps.orgs.services import membership_set, privilege_grant, user_get_or_create
 from apps.resources.choices import WellKind
 from apps.resources.models import ResourceType
+from catacloud.providers import Offering
 
 
 class CatalogError(Exception):
@@ -75,6 +80,7 @@ class Report:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def add(self, what: str, changed: bool, created: bool = False) -> None:
         (self.created if created else self.updated if changed else self.unchanged).append(what)
@@ -94,6 +100,8 @@ class _Applier:
     def __init__(self, source: str) -> None:
         self.source = source
         self.report = Report()
+        # what each Hetzner or AWS account is asked for, by account name
+        self.offerings: dict[str, AccountOfferings] = {}
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -273,6 +281,14 @@ class _Applier:
             ),
         )
         self.report.add(f"machine type {node['name']}", changed, created=not existed)
+        if checks_offerings(account.kind):
+            asked = self.offerings.setdefault(
+                account.name, AccountOfferings(account.kind, dict(account.config), dict(account.credentials))
+            )
+            offering = Offering(
+                str(node["server_type"]), str(node.get("image") or ""), str(node.get("location") or "")
+            )
+            asked.wanted.append((offering, str(node["name"]), node.line))
 
     def resource_type(self, node: _Map) -> None:
 
@@ -469,16 +485,57 @@ def load(text: str, source: str = "<catalog>") -> _Map:
     return doc
 
 
-def apply_catalog(text: str, source: str = "<catalog>", *, dry_run: bool = False) -> Report:
-    """Apply a catalog document atomically. Raises :class:`CatalogError` and changes nothing."""
+def apply_catalog(
+    text: str, source: str = "<catalog>", *, dry_run: bool = False, check: bool = True
+) -> Report:
+    """Apply a catalog document atomically. Raises :class:`CatalogError` and changes nothing.
+
+    With ``check``, the machine types of Hetzner and AWS accounts are checked against what each
+    account can buy first: the document is applied and rolled back (validating it and gathering
+    what to ask), the providers are asked with no transaction open, then it is applied for real.
+    """
     doc = load(text, source)
     with transaction.atomic():
-        report = _Applier(source).apply(doc)
-        if dry_run:
+        applier = _Applier(source)
+        report = applier.apply(doc)
+        ask = applier.offerings if check else {}
+        if dry_run or ask:
             transaction.set_rollback(True)
+    warnings = _offerings_checked(ask, source) if ask else []
+    if ask and not dry_run:
+        with transaction.atomic():
+            report = _Applier(source).apply(doc)
+    report.warnings = warnings
+    if applier.offerings and agent_wheel() is None:
+        report.warnings.append(
+            "the control plane serves no agent wheel (CATACLOUD_AGENT_WHEEL): machines of the cloud "
+            "accounts' types fail until it does (the Docker image sets it)"
+        )
     return report
 
 
-def apply_file(path: str | Path, *, dry_run: bool = False) -> Report:
+def _offerings_checked(accounts: dict[str, AccountOfferings], source: str) -> list[str]:
+    """The warnings of the providers' answers; :class:`CatalogError` if any refuses a type."""
+    try:
+        findings = offerings_check(accounts)
+    except OfferingsUnchecked as exc:
+        raise CatalogError(
+            f"could not check the machine types against their provider ({exc}); nothing applied "
+            "(`apply --no-check` applies without asking)",
+            None,
+            source,
+        ) from None
+    refused = [f for f in findings if f.problem.refused]
+    if refused:
+        raise CatalogError(
+            "the provider does not sell what these machine types name; nothing applied:\n  "
+            + "\n  ".join(str(f) for f in refused),
+            refused[0].line,
+            source,
+        )
+    return [str(f) for f in findings]
+
+
+def apply_file(path: str | Path, *, dry_run: bool = False, check: bool = True) -> Report:
     path = Path(path)
-    return apply_catalog(path.read_text(), str(path), dry_run=dry_run)
+    return apply_catalog(path.read_text(), str(path), dry_run=dry_run, check=check)

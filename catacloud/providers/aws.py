@@ -16,8 +16,9 @@ and before launching, ``create`` adopts a live instance already tagged with this
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import datetime
+import builtins
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 import boto3
@@ -31,6 +32,8 @@ from catacloud.providers.base import (
     MachineSpec,
     MachineState,
     NotFound,
+    Offering,
+    OfferingProblem,
     Permanent,
     Provider,
     ProviderError,
@@ -86,6 +89,22 @@ def map_error(exc: BaseException) -> ProviderError:
     return Permanent(f"aws: {type(exc).__name__}: {exc}")  # no credentials, invalid parameters
 
 
+def _past(stamp: Any) -> bool:
+    """An EC2 time (a string like ``2026-01-01T00:00:00.000Z``, or a datetime) that has passed."""
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return False
+    return isinstance(stamp, datetime) and stamp <= datetime.now(UTC)
+
+
+def _runs(kind: Mapping[str, Any], image: Mapping[str, Any]) -> bool:
+    """Whether an instance type's processor runs an AMI's architecture (x86_64, arm64, ...)."""
+    supported = kind.get("ProcessorInfo", {}).get("SupportedArchitectures")
+    return not supported or image.get("Architecture") in supported
+
+
 class AwsProvider(Provider):
     kind = "aws"
     STATE_MAP: ClassVar[Mapping[str, MachineState]] = {
@@ -96,6 +115,8 @@ class AwsProvider(Provider):
         "stopped": MachineState.STOPPING,
         "terminated": MachineState.GONE,
     }
+
+    checks_offerings = True
 
     def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
         super().__init__(config=config, credentials=credentials)
@@ -174,7 +195,62 @@ class AwsProvider(Provider):
             raise error from exc
         # Terminating an already terminated instance succeeds at EC2: nothing else to handle.
 
+    def check_offerings(self, offerings: Sequence[Offering]) -> Sequence[OfferingProblem]:
+        """Each offering against the region's own lists, one call each (paged):
+        DescribeInstanceTypes and DescribeImages filtered to the names asked for (a name that
+        does not exist is simply absent), DescribeAvailabilityZones. An AMI whose architecture
+        the instance type does not support is refused as RunInstances would refuse it."""
+        names = sorted({o.server_type for o in offerings if o.server_type})
+        amis = sorted({o.image for o in offerings if o.image})
+        try:
+            types = {
+                t["InstanceType"]: t
+                for t in self._all("describe_instance_types", "InstanceTypes", "instance-type", names)
+            }
+            images = {i["ImageId"]: i for i in self._all("describe_images", "Images", "image-id", amis)}
+            zones = {z["ZoneName"]: z for z in self.client.describe_availability_zones()["AvailabilityZones"]}
+        except (ClientError, BotoCoreError) as exc:
+            raise map_error(exc) from exc
+        return [p for o in offerings for p in self._problems(o, types, images, zones)]
+
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _all(self, operation: str, key: str, name: str, values: Sequence[str]) -> Sequence[dict[str, Any]]:
+        if not values:
+            return []
+        filters = [{"Name": name, "Values": [*values]}]
+        pages = self.client.get_paginator(operation).paginate(Filters=filters)
+        return [item for page in pages for item in page.get(key, [])]
+
+    def _problems(
+        self,
+        offering: Offering,
+        types: Mapping[str, Mapping[str, Any]],
+        images: Mapping[str, Mapping[str, Any]],
+        zones: Mapping[str, Mapping[str, Any]],
+    ) -> Sequence[OfferingProblem]:
+        found: builtins.list[OfferingProblem] = []
+
+        def say(message: str, refused: bool = True) -> None:
+            found.append(OfferingProblem(offering, f"aws: {message}", refused))
+
+        kind = types.get(offering.server_type)
+        if kind is None:
+            say(f"no instance type {offering.server_type!r} is offered in {self.region}")
+        image = images.get(offering.image)
+        if image is None:
+            say(f"no image {offering.image!r} in {self.region} that this account may launch")
+        elif image.get("State", "available") != "available":
+            say(f"image {offering.image!r} is {image['State']}")
+        elif kind is not None and not _runs(kind, image):
+            arch = image.get("Architecture")
+            say(f"image {offering.image!r} is {arch}: {offering.server_type} cannot run it")
+        elif _past(image.get("DeprecationTime")):
+            say(f"image {offering.image!r} is deprecated since {image['DeprecationTime']}", refused=False)
+        location = offering.location
+        if location and location != self.region and location not in zones:
+            say(f"no availability zone {location!r} in {self.region} (zones: {', '.join(sorted(zones))})")
+        return found
 
     def _run_params(self, spec: MachineSpec) -> dict[str, Any]:
         labels = {**spec.labels, LABEL_INSTANCE: spec.instance_id}

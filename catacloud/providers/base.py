@@ -11,7 +11,7 @@ import abc
 import dataclasses
 import enum
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -157,6 +157,26 @@ class MachineSpec:
         return {"CATACLOUD_BOOTSTRAP_TOKEN": self.bootstrap.token, **self.env}
 
 
+@dataclasses.dataclass(frozen=True)
+class Offering:
+    """What a machine type asks its provider for: checked against the provider's own lists
+    before a catalog names it (:meth:`Provider.check_offerings`)."""
+
+    server_type: str
+    image: str
+    location: str = ""  # empty: the account's default (or the provider's choice)
+
+
+@dataclasses.dataclass(frozen=True)
+class OfferingProblem:
+    """One thing wrong with an offering: ``refused`` (the provider would refuse every machine
+    of it) or a warning (deprecated but still sold, sold out right now)."""
+
+    offering: Offering
+    message: str
+    refused: bool = True
+
+
 def machine_name(instance_id: str) -> str:
     return f"cc-{instance_id}"
 
@@ -195,6 +215,9 @@ class Provider(abc.ABC):
     needs_state_dir: ClassVar[bool] = False
     # provider raw state -> MachineState; one table per driver.
     STATE_MAP: ClassVar[Mapping[str, MachineState]] = {}
+    # Drivers that buy machines from a price list check a catalog's server types, images and
+    # locations against it (``check_offerings``); the others have nothing to check.
+    checks_offerings: ClassVar[bool] = False
 
     def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
         self.config = dict(config)
@@ -219,6 +242,12 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     def delete(self, provider_id: str) -> None:
         """Destroy the machine. Idempotent: a machine that is already gone is success."""
+
+    def check_offerings(self, offerings: Sequence[Offering]) -> Sequence[OfferingProblem]:
+        """What is wrong with each offering, by the provider's own lists: one list call for each
+        kind (server types, images, locations), never one per offering. Raises the typed errors
+        of any call (a wrong credential, the API unreachable)."""
+        return ()
 
     def find_by_instance(self, instance_id: str, owner_labels: Mapping[str, str]) -> ProviderMachine | None:
         """Find the machine labelled with ``instance_id`` (used to adopt after a crash)."""

@@ -20,21 +20,24 @@ times with exponential backoff, then raises the typed error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any, ClassVar, TypeVar
 
 import requests
 from hcloud import APIException, Client, HCloudException
 from hcloud.actions import ActionFailedException, ActionTimeoutException, BoundAction
-from hcloud.images import Image
+from hcloud.deprecation import DeprecationInfo
+from hcloud.images import BoundImage, Image
 from hcloud.locations import Location
 from hcloud.networks import Network
-from hcloud.server_types import ServerType
+from hcloud.server_types import BoundServerType, ServerType
 from hcloud.servers import BoundServer, Server
 from hcloud.ssh_keys import SSHKey
 
@@ -45,6 +48,8 @@ from catacloud.providers.base import (
     MachineSpec,
     MachineState,
     NotFound,
+    Offering,
+    OfferingProblem,
     Permanent,
     Provider,
     ProviderError,
@@ -113,7 +118,7 @@ def map_error(exc: BaseException, *, retry_after: float | None = None) -> Provid
 
 
 def _ref(cls: Any, value: str | int) -> Any:
-    """``ServerType(id=1)`` for numeric references, ``ServerType(name="cx22")`` otherwise."""
+    """``ServerType(id=1)`` for numeric references, ``ServerType(name="cx23")`` otherwise."""
     text = str(value)
     return cls(id=int(text)) if text.isdigit() else cls(name=text)
 
@@ -131,6 +136,8 @@ class HetznerProvider(Provider):
         "deleting": MachineState.STOPPING,
         "unknown": MachineState.UNKNOWN,
     }
+
+    checks_offerings = True
 
     def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
         super().__init__(config=config, credentials=credentials)
@@ -212,6 +219,23 @@ class HetznerProvider(Provider):
         except ValueError:
             return  # not a Hetzner id: nothing there to delete
         self._delete(server_id)
+
+    def check_offerings(self, offerings: Sequence[Offering]) -> Sequence[OfferingProblem]:
+        """Each offering against Hetzner's lists: ``GET /server_types``, ``/images`` and
+        ``/locations`` (each paged, once). A server type whose deprecation's ``unavailable_after``
+        has passed is gone from the list and refused in new servers (docs.hetzner.cloud,
+        "Deprecation"); a server type is sold only at the locations its ``locations`` names
+        (changelog 2025-09-24, per-location server types), each with its own deprecation."""
+        types = self._retrying(lambda: self.client.server_types.get_all())
+        images = self._retrying(lambda: self.client.images.get_all(include_deprecated=True))
+        locations = self._retrying(lambda: self.client.locations.get_all())
+        catalog = _Catalog(
+            types={str(ref): t for t in types for ref in (t.name, t.id) if ref is not None},
+            images=images,
+            locations={str(loc.name) for loc in locations},
+            now=datetime.now(UTC),
+        )
+        return [p for o in offerings for p in catalog.problems(o, o.location or self.location)]
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -323,6 +347,61 @@ class HetznerProvider(Provider):
             private_ip=private[0].ip if private else "",
             raw_state=raw,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Catalog:
+    """What one Hetzner project may buy now, from the three lists; judges offerings."""
+
+    types: dict[str, BoundServerType]  # by name and by id
+    images: list[BoundImage]
+    locations: set[str]
+    now: datetime
+
+    def problems(self, offering: Offering, location: str) -> list[OfferingProblem]:
+        found: list[OfferingProblem] = []
+
+        def say(message: str, refused: bool = True) -> None:
+            found.append(OfferingProblem(offering, f"hetzner: {message}", refused))
+
+        server_type = self.types.get(offering.server_type)
+        if server_type is None:
+            sold = sorted({str(t.name) for t in self.types.values()})
+            say(f"no server type {offering.server_type!r} is sold (sold: {', '.join(sold)})")
+        if location and location not in self.locations:
+            say(f"no location {location!r} (locations: {', '.join(sorted(self.locations))})")
+            location = ""
+        images = [i for i in self.images if offering.image in (i.name, str(i.id))]
+        if not images:
+            say(f"no image {offering.image!r}")
+        elif server_type is not None and not any(i.architecture == server_type.architecture for i in images):
+            say(f"image {offering.image!r} has no {server_type.architecture} build for {server_type.name}")
+        elif all(i.deprecation is not None for i in images):
+            say(f"image {offering.image!r} is deprecated{_until(images[0].deprecation)}", refused=False)
+        if server_type is not None and location:
+            self._at_location(server_type, location, say)
+        return found
+
+    def _at_location(self, server_type: BoundServerType, location: str, say: Callable[..., None]) -> None:
+        entries = {e.location.name: e for e in server_type.locations or []}
+        entry = entries.get(location)
+        if entry is None:
+            where = ", ".join(sorted(str(name) for name in entries)) or "nowhere"
+            say(f"server type {server_type.name} is not sold at {location} (sold at: {where})")
+        elif entry.deprecation is not None:
+            gone = entry.deprecation.unavailable_after
+            if gone is not None and gone <= self.now:
+                say(f"server type {server_type.name} is no longer sold at {location} (since {gone:%Y-%m-%d})")
+            else:
+                until = _until(entry.deprecation)
+                say(f"server type {server_type.name} is deprecated at {location}{until}", refused=False)
+        elif entry.available is False:
+            say(f"server type {server_type.name} is sold out at {location} right now", refused=False)
+
+
+def _until(deprecation: DeprecationInfo | None) -> str:
+    gone = deprecation.unavailable_after if deprecation is not None else None
+    return f": sold until {gone:%Y-%m-%d}, pick its successor" if gone is not None else ""
 
 
 def _wait(action: BoundAction) -> dict[str, Any] | None:

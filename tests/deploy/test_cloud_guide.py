@@ -1,24 +1,29 @@
 """The deployment guide's cloud steps, against the fake Hetzner API (the real hcloud client):
-its catalog applies as shipped, a machine it buys is a labelled server whose user data installs
-the agent from the control plane, and each refusal the guide's table lists ends the machine with
-the ``failure_reason`` it names. The AWS catalog applies as shipped too (moto's EC2 is driven by
-tests/machines/test_restore.py and tests/machines/test_lifecycle.py)."""
+its catalog applies as shipped (checked against Hetzner's lists), a machine it buys is a
+labelled server whose user data installs the agent from the control plane, and each refusal the
+guide's table lists ends the machine with the ``failure_reason`` it names. The AWS catalog is
+checked against moto's EC2: as shipped its placeholder AMI is refused, with a real one it applies."""
 
 from __future__ import annotations
 
 import re
+from io import StringIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery.exceptions import Retry
 from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from apps.machines import lifecycle
 from apps.machines.models import MachineType, ProviderAccount
 from apps.machines.tasks import provision_instance_task
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, LABEL_POOL
+from testkit.servers import moto_client, moto_server
 from tests.conftest import HETZNER_TOKEN
 from tests.fakes.hetzner_api import FakeHetzner
+from tests.machines.test_lifecycle import serve_an_agent_wheel
 
 pytestmark = pytest.mark.django_db
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,28 +31,53 @@ CATALOGS = ROOT / "deploy" / "catalog"
 GUIDE = ROOT / "docs" / "operator" / "deployment.md"
 
 
+def _pointed(catalog: str, at: str, tmp_path: Path) -> Path:
+    """The shipped catalog with its one account's config pointed at a fake (one line added)."""
+    text = (CATALOGS / catalog).read_text()
+    assert text.count("    config:\n") == 1
+    copy = tmp_path / catalog
+    copy.write_text(text.replace("    config:\n", f"    config:\n{at}\n"))
+    return copy
+
+
 @pytest.fixture
-def hetzner(fake_hetzner: FakeHetzner, monkeypatch: pytest.MonkeyPatch) -> MachineType:
-    """deploy/catalog/hetzner.yaml as an operator applies it, its account pointed at the fake."""
+def hetzner(
+    fake_hetzner: FakeHetzner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, settings: Any
+) -> MachineType:
+    """deploy/catalog/hetzner.yaml as an operator applies it (and apply checks it), its account
+    pointed at the fake; the control plane serves an agent wheel, as the image's does."""
+    serve_an_agent_wheel(settings, tmp_path)
     fake_hetzner.reset()
     monkeypatch.setenv("HCLOUD_TOKEN", HETZNER_TOKEN)
-    call_command("apply", str(CATALOGS / "hetzner.yaml"), verbosity=0)
+    at = f"      api_endpoint: '{fake_hetzner.url}'"
+    call_command("apply", str(_pointed("hetzner.yaml", at, tmp_path)), verbosity=0, stderr=StringIO())
+    assert fake_hetzner.count("GET", "/server_types") == 1  # apply asked Hetzner
     account = ProviderAccount.objects.get(name="hetzner")
-    account.config = {
-        **account.config,
-        "api_endpoint": fake_hetzner.url,
-        "poll_interval": 0.001,
-        "timeout": 2,
-    }
+    account.config = {**account.config, "poll_interval": 0.001, "timeout": 2}
     account.config |= {"retry_backoff": 0.001, "retry_max_delay": 0.01, "retry_attempts": 1}
     account.save()
-    return MachineType.objects.get(name="hz-cx22")
+    return MachineType.objects.get(name="hz-cx23")
 
 
-def test_the_aws_catalog_applies_as_shipped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_aws_catalog_is_checked_against_ec2_its_placeholder_ami_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As shipped the catalog names a placeholder AMI: apply refuses it, naming it, until the
+    operator puts in one of the region's (here, one of moto's)."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    call_command("apply", str(CATALOGS / "aws.yaml"), verbosity=0)
+    with moto_server() as url:
+        catalog = _pointed("aws.yaml", f"      endpoint_url: '{url}'", tmp_path)
+        with pytest.raises(CommandError) as refused:
+            call_command("apply", str(catalog), verbosity=0)
+        assert "machine type aws-m7i-large (account aws): aws: no image 'ami-0123456789abcdef0'" in str(
+            refused.value
+        )
+        assert not MachineType.objects.exists()
+        ami = moto_client("ec2", url, "eu-central-1").describe_images(Owners=["amazon"])["Images"][0]
+        assert ami["Architecture"] == "x86_64"
+        catalog.write_text(catalog.read_text().replace("ami-0123456789abcdef0", ami["ImageId"]))
+        call_command("apply", str(catalog), verbosity=0, stderr=StringIO())
     spot = MachineType.objects.get(name="aws-m7i-large-spot")
     assert spot.spot and spot.billing_increment_seconds == 1 and spot.min_billed_seconds == 60
     assert ProviderAccount.objects.get(name="aws").credentials["access_key_id"] == "AKIAEXAMPLE"
@@ -69,7 +99,7 @@ def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_f
     member.refresh_from_db()
     assert member.status == "warming" and member.provider_id
     server = fake_hetzner.servers[int(member.provider_id)]
-    assert server["name"] == f"cc-{member.pk}" and server["server_type"]["name"] == "cx22"
+    assert server["name"] == f"cc-{member.pk}" and server["server_type"]["name"] == "cx23"
     assert server["labels"][LABEL_INSTANCE] == str(member.pk) and server["labels"][LABEL_POOL] == "none"
     assert server["labels"][LABEL_INSTALLATION] == lifecycle.owner_labels()[LABEL_INSTALLATION]
     user_data = fake_hetzner.user_data[int(member.provider_id)]

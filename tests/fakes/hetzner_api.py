@@ -18,6 +18,7 @@ for ``action_polls`` GETs, then end in ``success`` (the server becomes ``running
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import json
@@ -51,19 +52,41 @@ GATEWAY_ERRORS = {"bad_gateway": (502, "Bad Gateway"), "gateway_timeout": (504, 
 TRANSPORT_FAULTS = ("drop_before", "drop_after", "stall")
 FAULT_KINDS = (*ERRORS, *GATEWAY_ERRORS, *TRANSPORT_FAULTS)
 
-SERVER_TYPES = [
-    {"id": 22, "name": "cx22", "description": "CX22", "cores": 2, "memory": 4.0, "disk": 40},
-    {"id": 23, "name": "cx32", "description": "CX32", "cores": 4, "memory": 8.0, "disk": 80},
-    {"id": 96, "name": "ccx13", "description": "CCX13", "cores": 2, "memory": 8.0, "disk": 80},
-]
-IMAGES = [
-    {"id": 161547269, "name": "ubuntu-24.04", "description": "Ubuntu 24.04", "os_flavor": "ubuntu"},
-    {"id": 114690389, "name": "debian-12", "description": "Debian 12", "os_flavor": "debian"},
-]
+# The catalog lists as the API answers them today (docs.hetzner.cloud: "Server Types", "Images",
+# "Locations"); ids are made up. Since 2025-09-24 a server type names the locations it is sold at,
+# each with a deprecation of its own (changelog "per-location server types"); the top-level
+# ``deprecation`` is being phased out for it, and the ``deprecated`` fields of server types and
+# images were removed (changelog 2026-09-08, "removing the deprecated field"). A deprecation is
+# ``{"announced", "unavailable_after"}``: after ``unavailable_after`` the resource is gone from the
+# general list and cannot be used in new resources (docs.hetzner.cloud, "Deprecation").
+# cx22 (and the rest of CX Gen 2) was deprecated on 2025-10-16 and left the API at the end of 2025
+# (changelog 2025-10-16 "server types deprecated"; hetznercloud/packer-plugin-hcloud#317): cx23 and
+# cx33 (cost-optimized, EU locations only) replace it. ccx13 (dedicated vCPU) is sold in the US too.
+_EU = ("fsn1", "nbg1", "hel1")
+_CX22_GONE = {"announced": "2025-10-16T00:00:00+00:00", "unavailable_after": "2026-01-01T00:00:00+00:00"}
+SERVER_TYPES: list[dict[str, Any]] = [
+    {"id": 22, "name": "cx22", "description": "CX22", "cores": 2, "memory": 4.0, "disk": 40,
+     "cpu_type": "shared", "category": "cost_optimized", "deprecation": _CX22_GONE,
+     "locations": [{"name": n, "deprecation": _CX22_GONE} for n in _EU]},
+    {"id": 104, "name": "cx23", "description": "CX23", "cores": 2, "memory": 4.0, "disk": 40,
+     "cpu_type": "shared", "category": "cost_optimized", "locations": [{"name": n} for n in _EU]},
+    {"id": 105, "name": "cx33", "description": "CX33", "cores": 4, "memory": 8.0, "disk": 80,
+     "cpu_type": "shared", "category": "cost_optimized", "locations": [{"name": n} for n in _EU]},
+    {"id": 96, "name": "ccx13", "description": "CCX13", "cores": 2, "memory": 8.0, "disk": 80,
+     "cpu_type": "dedicated", "category": "dedicated_cpu",
+     "locations": [{"name": n} for n in (*_EU, "ash")]},
+]  # fmt: skip
+IMAGES: list[dict[str, Any]] = [
+    {"id": 161547269, "name": "ubuntu-24.04", "description": "Ubuntu 24.04", "os_flavor": "ubuntu",
+     "os_version": "24.04", "architecture": "x86"},
+    {"id": 114690389, "name": "debian-12", "description": "Debian 12", "os_flavor": "debian",
+     "os_version": "12", "architecture": "x86"},
+]  # fmt: skip
 LOCATIONS = [
     {"id": 1, "name": "fsn1", "city": "Falkenstein", "country": "DE", "network_zone": "eu-central"},
     {"id": 2, "name": "nbg1", "city": "Nuremberg", "country": "DE", "network_zone": "eu-central"},
     {"id": 3, "name": "hel1", "city": "Helsinki", "country": "FI", "network_zone": "eu-central"},
+    {"id": 4, "name": "ash", "city": "Ashburn, VA", "country": "US", "network_zone": "us-east"},
 ]
 
 _NAME = re.compile(r"^(?=.{1,63}$)[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?$")
@@ -251,6 +274,7 @@ class FakeHetzner:
             self.actions: dict[int, _Action] = {}
             self.requests: list[tuple[str, str, int]] = []
             self.created_names: list[str] = []  # every successful create, in order
+            self.server_types: list[dict[str, Any]] = copy.deepcopy(SERVER_TYPES)
             self._faults: dict[str, deque[_Fault]] = {}
             self._action_faults: deque[dict[str, str]] = deque()
             self._ids = itertools.count(1000)
@@ -276,6 +300,20 @@ class FakeHetzner:
         with self._lock:
             self._action_faults.append({"code": code, "message": message})
 
+    def deprecate(
+        self, server_type: str, *, unavailable_after: datetime, location: str | None = None
+    ) -> None:
+        """Announce (now) that ``server_type`` leaves ``location`` (every location: ``None``) after
+        ``unavailable_after``; past that moment it is gone from the list, as a real one is."""
+        deprecation = {"announced": _now(), "unavailable_after": unavailable_after.isoformat()}
+        with self._lock:
+            kind = next(t for t in self.server_types if t["name"] == server_type)
+            for entry in kind["locations"]:
+                if location in (None, entry["name"]):
+                    entry["deprecation"] = deprecation
+            if location is None:
+                kind["deprecation"] = deprecation
+
     def pending_faults(self) -> int:
         with self._lock:
             return sum(len(q) for q in self._faults.values()) + len(self._action_faults)
@@ -288,7 +326,7 @@ class FakeHetzner:
     def add_server(self, name: str, labels: Mapping[str, str] | None = None, status: str = "running") -> int:
         """Put a server straight into the project (no action), e.g. to test listing."""
         with self._lock:
-            server = self._new_server(name, "cx22", "ubuntu-24.04", "fsn1", dict(labels or {}))
+            server = self._new_server(name, "cx23", "ubuntu-24.04", "fsn1", dict(labels or {}))
             server["status"] = status
             return server["id"]
 
@@ -377,11 +415,57 @@ class FakeHetzner:
             if (m := _SERVER_ACTION_PATH.match(path)) and method == "GET":
                 self._get_server(int(m.group(1)))
                 return 200, {"action": self._poll_action(int(m.group(2)))}
-            catalogs = {"/server_types": SERVER_TYPES, "/images": IMAGES, "/locations": LOCATIONS}
-            if path in catalogs and method == "GET":
-                items = [i for i in catalogs[path] if request.args.get("name") in (None, i["name"])]
-                return 200, self._page(request, path.strip("/"), items)
+            if path in ("/server_types", "/images", "/locations") and method == "GET":
+                return 200, self._page(request, path.strip("/"), self._catalog(path, request))
         raise ApiError(404, "not_found", f"{method} {path} not found")
+
+    # ---- the catalog lists (called with the lock held) ----------------------------------------
+
+    def _catalog(self, path: str, request: Request) -> list[dict[str, Any]]:
+        """``GET /server_types`` (``name``), ``/images`` (``name``, ``type``, ``architecture``,
+        ``include_deprecated``: deprecated images are left out unless it is true) and ``/locations``
+        (``name``), as documented; a server type past its ``unavailable_after`` is not listed."""
+        args = request.args
+        if path == "/server_types":
+            items = [self._server_type_json(t) for t in self._sold_types()]
+        elif path == "/locations":
+            items = list(LOCATIONS)
+        else:
+            items = [_image_json(i) for i in IMAGES]
+            if args.get("include_deprecated", "false").lower() != "true":
+                items = [i for i in items if i["deprecation"] is None]
+            for key in ("type", "architecture"):
+                if wanted := args.getlist(key):
+                    items = [i for i in items if i[key] in wanted]
+        return [i for i in items if args.get("name") in (None, i["name"])]
+
+    def _sold_types(self) -> list[dict[str, Any]]:
+        """Server types still in the list: not every location's deprecation has passed."""
+        return [t for t in self.server_types if not all(_gone(e.get("deprecation")) for e in t["locations"])]
+
+    @staticmethod
+    def _server_type_json(kind: Mapping[str, Any]) -> dict[str, Any]:
+        locations = []
+        for entry in kind["locations"]:
+            location = next(loc for loc in LOCATIONS if loc["name"] == entry["name"])
+            deprecation = entry.get("deprecation")
+            locations.append(
+                {
+                    "id": location["id"],
+                    "name": location["name"],
+                    "deprecation": deprecation,
+                    "available": not _gone(deprecation),
+                    "recommended": deprecation is None,
+                }
+            )
+        return {
+            **{k: v for k, v in kind.items() if k != "locations"},
+            "deprecation": kind.get("deprecation"),
+            "storage_type": "local",
+            "architecture": "x86",
+            "prices": [],
+            "locations": locations,
+        }
 
     # ---- resources (called with the lock held) ------------------------------------------------
 
@@ -431,7 +515,9 @@ class FakeHetzner:
         invalid = []
         if not isinstance(name, str) or not _NAME.match(name):
             invalid.append("name")
-        if not _find(SERVER_TYPES, data.get("server_type")):
+        # A server type gone from the list "can not be used in new resources" (docs.hetzner.cloud,
+        # Deprecation): refused like a name that never existed.
+        if not _find(self._sold_types(), data.get("server_type")):
             invalid.append("server_type")
         if not _find(IMAGES, data.get("image")):
             invalid.append("image")
@@ -490,7 +576,7 @@ class FakeHetzner:
             "status": "initializing",
             "created": _now(),
             "labels": dict(labels),
-            "server_type": _find(SERVER_TYPES, server_type),
+            "server_type": _find(self.server_types, server_type),
             "image": _find(IMAGES, image),
             "location": _find(LOCATIONS, location),
         }
@@ -553,15 +639,9 @@ class FakeHetzner:
                 "firewalls": [],
             },
             "private_net": [],
-            "server_type": {
-                **server["server_type"],
-                "cpu_type": "shared",
-                "architecture": "x86",
-                "prices": [],
-            },
-            "datacenter": {"id": location["id"], "name": f"{location['name']}-dc1", "location": location},
+            "server_type": self._server_type_json(server["server_type"]),
             "location": location,
-            "image": {**server["image"], "type": "system", "status": "available", "labels": {}},
+            "image": _image_json(server["image"]),
             "iso": None,
             "rescue_enabled": False,
             "locked": False,
@@ -576,6 +656,24 @@ class FakeHetzner:
             "primary_disk_size": server["server_type"]["disk"],
             "placement_group": None,
         }
+
+
+def _gone(deprecation: Mapping[str, str] | None) -> bool:
+    """Whether a deprecation's ``unavailable_after`` has passed."""
+    if not deprecation:
+        return False
+    return datetime.fromisoformat(deprecation["unavailable_after"]) <= datetime.now(UTC)
+
+
+def _image_json(image: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "system",
+        "status": "available",
+        "labels": {},
+        "deprecation": None,
+        "rapid_deploy": True,
+        **image,
+    }
 
 
 def _find(catalog: list[dict[str, Any]], ref: Any) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ def call(api: FakeHetzner, method: str, path: str, **kwargs: Any) -> requests.Re
 
 
 def create(api: FakeHetzner, name: str, **extra: Any) -> requests.Response:
-    body = {"name": name, "server_type": "cx22", "image": "ubuntu-24.04", "location": "fsn1", **extra}
+    body = {"name": name, "server_type": "cx23", "image": "ubuntu-24.04", "location": "fsn1", **extra}
     return call(api, "POST", "/servers", json=body)
 
 
@@ -220,3 +221,43 @@ def test_server_actions_filter_by_status(api: FakeHetzner) -> None:
     assert [a["id"] for a in running] == [body["action"]["id"]]
     done = call(api, "GET", f"/servers/{sid}/actions", params={"status": "success"}).json()["actions"]
     assert done == []
+
+
+# ---- the catalog lists --------------------------------------------------------------------------
+
+
+def test_server_types_name_the_locations_they_are_sold_at_and_a_gone_type_is_not_listed(
+    api: FakeHetzner,
+) -> None:
+    """Per-location server types (changelog 2025-09-24); cx22 left the API at the end of 2025, so
+    it is neither listed nor accepted in a new server (docs.hetzner.cloud, "Deprecation")."""
+    listed = {t["name"]: t for t in call(api, "GET", "/server_types").json()["server_types"]}
+    assert "cx22" not in listed and {"cx23", "cx33", "ccx13"} <= set(listed)
+    cx23 = listed["cx23"]
+    assert {loc["name"] for loc in cx23["locations"]} == {"fsn1", "nbg1", "hel1"}
+    assert all(loc["deprecation"] is None and loc["available"] for loc in cx23["locations"])
+    assert call(api, "GET", "/server_types", params={"name": "cx22"}).json()["server_types"] == []
+    refused = create(api, "old-type", server_type="cx22")
+    assert refused.status_code == 422
+    assert refused.json()["error"]["details"]["fields"][0]["name"] == "server_type"
+
+
+def test_a_deprecated_type_is_listed_with_its_deprecation_until_it_is_gone(api: FakeHetzner) -> None:
+    api.deprecate("cx33", location="hel1", unavailable_after=datetime.now(UTC) + timedelta(days=90))
+    (cx33,) = call(api, "GET", "/server_types", params={"name": "cx33"}).json()["server_types"]
+    hel1 = next(loc for loc in cx33["locations"] if loc["name"] == "hel1")
+    assert set(hel1["deprecation"]) == {"announced", "unavailable_after"} and hel1["available"]
+    assert create(api, "still-sold", server_type="cx33", location="hel1").status_code == 201
+
+    api.deprecate("cx33", unavailable_after=datetime.now(UTC) - timedelta(seconds=1))
+    assert call(api, "GET", "/server_types", params={"name": "cx33"}).json()["server_types"] == []
+    assert create(api, "gone", server_type="cx33").status_code == 422
+
+
+def test_images_leave_out_deprecated_ones_unless_asked_and_filter_by_architecture(api: FakeHetzner) -> None:
+    images = call(api, "GET", "/images", params={"architecture": "x86"}).json()["images"]
+    assert {i["name"] for i in images} >= {"ubuntu-24.04", "debian-12"}
+    assert all(i["architecture"] == "x86" and i["deprecation"] is None for i in images)
+    assert call(api, "GET", "/images", params={"architecture": "arm"}).json()["images"] == []
+    locations = call(api, "GET", "/locations").json()["locations"]
+    assert {loc["name"] for loc in locations} == {"fsn1", "nbg1", "hel1", "ash"}

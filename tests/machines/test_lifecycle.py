@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,8 +29,16 @@ pytestmark = pytest.mark.django_db
 S = InstanceStatus
 
 
+def serve_an_agent_wheel(settings: Any, folder: Path) -> None:
+    """What the image sets (CATACLOUD_AGENT_WHEEL): a cloud machine installs its agent only from
+    the wheel its control plane serves, and none is made without one."""
+    (folder / "catacloud_agent-0.1.0-py3-none-any.whl").write_bytes(b"an agent wheel")
+    settings.CATACLOUD_AGENT_WHEEL = str(folder)
+
+
 @pytest.fixture
-def hetzner(world: World, fake_hetzner: FakeHetzner) -> MachineType:
+def hetzner(world: World, fake_hetzner: FakeHetzner, settings: Any, tmp_path: Path) -> MachineType:
+    serve_an_agent_wheel(settings, tmp_path)
     fake_hetzner.reset()
     config = {
         "api_endpoint": fake_hetzner.url,
@@ -44,8 +53,8 @@ def hetzner(world: World, fake_hetzner: FakeHetzner) -> MachineType:
     return granted_type(
         world.org,
         account,
-        "cx22",
-        server_type="cx22",
+        "cx23",
+        server_type="cx23",
         image="ubuntu-24.04",
         location="fsn1",
         memory_mb=4096,
@@ -195,8 +204,8 @@ def test_two_accounts_seeing_one_project_never_delete_each_others_machines(
     other = granted_type(
         world.org,
         nbg,
-        "cx22-nbg",
-        server_type="cx22",
+        "cx23-nbg",
+        server_type="cx23",
         image="ubuntu-24.04",
         location="nbg1",
         grant={"max_instances": 10},
@@ -324,7 +333,8 @@ def moto_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def aws(world: World, moto_url: str) -> MachineType:
+def aws(world: World, moto_url: str, settings: Any, tmp_path: Path) -> MachineType:
+    serve_an_agent_wheel(settings, tmp_path)
     ec2 = moto_client("ec2", moto_url, "eu-central-1")
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     account = provider_account(

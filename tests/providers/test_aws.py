@@ -28,6 +28,7 @@ from catacloud.providers import (
     MachineSpec,
     MachineState,
     NotFound,
+    Offering,
     Permanent,
     ProviderError,
     QuotaExceeded,
@@ -453,3 +454,38 @@ def _running(ec2: Any, installation: dict[str, str]) -> list[dict]:
         ]
     )
     return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+
+
+# ---- a catalog's offerings against EC2's lists --------------------------------------------------
+
+
+def test_offerings_are_checked_against_the_regions_lists_with_one_call_each(
+    provider: AwsProvider, ami: str, ec2: Any
+) -> None:
+    """Given what a catalog names, when checked against EC2 (moto), then an instance type, AMI or
+    zone the region does not have is refused, an AMI the type cannot run too, and the rest pass."""
+    images = ec2.describe_images(Owners=["amazon"])["Images"]
+    arm = next(i["ImageId"] for i in images if i["Architecture"] == "arm64")
+    offerings = [
+        Offering("m7i.large", ami),
+        Offering("m7i.large", ami, f"{REGION}a"),
+        Offering("m7i.larg", ami),
+        Offering("m7i.large", "ami-0123456789abcdef0"),
+        Offering("m7i.large", ami, f"{REGION}z"),
+        Offering("m7i.large", arm),
+    ]
+    sent = Faults(provider).sent
+    problems = provider.check_offerings(offerings)
+    by = {p.offering: p.message for p in problems}
+    assert all(p.refused for p in problems) and set(by) == set(offerings[2:])
+    assert by[offerings[2]] == f"aws: no instance type 'm7i.larg' is offered in {REGION}"
+    assert "no image 'ami-0123456789abcdef0'" in by[offerings[3]]
+    assert f"no availability zone '{REGION}z'" in by[offerings[4]]
+    assert "is arm64: m7i.large cannot run it" in by[offerings[5]]
+    assert sent == {"DescribeInstanceTypes": 1, "DescribeImages": 1, "DescribeAvailabilityZones": 1}
+
+
+def test_checking_offerings_with_a_refused_key_is_a_permanent_error(provider: AwsProvider, ami: str) -> None:
+    Faults(provider).fail_next("DescribeInstanceTypes", "AuthFailure", status=401)
+    with pytest.raises(Permanent, match="AuthFailure"):
+        provider.check_offerings([Offering("m7i.large", ami)])

@@ -7,6 +7,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from catacloud.providers import (
     MachineSpec,
     MachineState,
     NotFound,
+    Offering,
     Permanent,
     ProviderError,
     QuotaExceeded,
@@ -74,7 +76,7 @@ def make_spec(instance_id: str | None = None, **labels: str) -> MachineSpec:
     return MachineSpec(
         instance_id=instance_id,
         labels={**INSTALLATION, LABEL_INSTANCE: instance_id, **labels},
-        server_type="cx22",
+        server_type="cx23",
         image="ubuntu-24.04",
         user_data="#cloud-config\nruncmd: [[echo, hi]]\n",
     )
@@ -99,7 +101,7 @@ def test_create_sends_the_spec_and_returns_once_running(fake: FakeHetzner, provi
     stored = fake.servers[int(machine.provider_id)]
     assert stored["labels"] == {**INSTALLATION, LABEL_INSTANCE: spec.instance_id, LABEL_POOL: "pool-1"}
     assert (stored["server_type"]["name"], stored["image"]["name"], stored["location"]["name"]) == (
-        "cx22",
+        "cx23",
         "ubuntu-24.04",
         "fsn1",
     )
@@ -399,3 +401,52 @@ def test_soak_random_faults_then_reconcile_leaves_exactly_the_live_machines(fake
     assert operations >= 500
     assert errors > 0 and extras  # the faults really bit, and reconcile had work to do
     assert ("POST", "/servers", 409) in fake.requests  # lost responses were adopted
+
+
+# ---- a catalog's offerings against Hetzner's lists ----------------------------------------------
+
+
+def test_offerings_are_checked_against_the_lists_with_one_call_each(
+    fake: FakeHetzner, provider: HetznerProvider
+) -> None:
+    """Given what a catalog names, when checked, then cx22 (gone at the end of 2025), a type not
+    sold at a location, an unknown image and location are refused, and the current ones pass;
+    each list was read once (paged), not once per offering."""
+    offerings = [
+        Offering("cx23", "ubuntu-24.04"),  # at the account's location, fsn1
+        Offering("cx22", "ubuntu-24.04", "fsn1"),
+        Offering("cx23", "ubuntu-24.04", "ash"),
+        Offering("ccx13", "debian-12", "ash"),
+        Offering("cx33", "ubuntu-42.04", "nbg1"),
+        Offering("cx33", "161547269", "mars1"),  # an image by id
+    ]
+    problems = provider.check_offerings(offerings)
+    by = {(p.offering, p.refused): p.message for p in problems}
+    assert all(p.refused for p in problems)
+    assert "no server type 'cx22' is sold (sold: ccx13, cx23, cx33)" in by[(offerings[1], True)]
+    assert "server type cx23 is not sold at ash (sold at: fsn1, hel1, nbg1)" in by[(offerings[2], True)]
+    assert "no image 'ubuntu-42.04'" in by[(offerings[4], True)]
+    assert "no location 'mars1'" in by[(offerings[5], True)]
+    assert {p.offering for p in problems} == {offerings[1], offerings[2], offerings[4], offerings[5]}
+    assert [fake.count("GET", path) for path in ("/server_types", "/images", "/locations")] == [1, 1, 1]
+
+
+def test_a_type_deprecated_at_a_location_is_a_warning_until_it_is_gone(
+    fake: FakeHetzner, provider: HetznerProvider
+) -> None:
+    soon = datetime.now(UTC) + timedelta(days=60)
+    fake.deprecate("cx33", location="fsn1", unavailable_after=soon)
+    (warning,) = provider.check_offerings([Offering("cx33", "ubuntu-24.04", "fsn1")])
+    assert not warning.refused
+    until = f"sold until {soon:%Y-%m-%d}, pick its successor"
+    assert warning.message == f"hetzner: server type cx33 is deprecated at fsn1: {until}"
+    assert provider.check_offerings([Offering("cx33", "ubuntu-24.04", "nbg1")]) == []
+
+    fake.deprecate("cx33", location="fsn1", unavailable_after=datetime.now(UTC) - timedelta(days=1))
+    (refusal,) = provider.check_offerings([Offering("cx33", "ubuntu-24.04", "fsn1")])
+    assert refusal.refused and "is no longer sold at fsn1" in refusal.message
+
+
+def test_checking_offerings_with_a_wrong_token_is_a_permanent_error(fake: FakeHetzner) -> None:
+    with pytest.raises(Permanent, match="unauthorized"):
+        make_provider(fake, token="wrong").check_offerings([Offering("cx23", "ubuntu-24.04")])
