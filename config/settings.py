@@ -241,11 +241,15 @@ CELERY_BEAT_SCHEDULE = {
 # Label value that marks this installation's machines at every provider. Two installations
 # sharing one cloud project must differ here, or their reconcilers will fight.
 CATACLOUD_INSTALLATION = env.str("CATACLOUD_INSTALLATION", default="")
-# What cloud machines pip-install to get the agent (a version pin, a wheel URL, a git URL…).
-CATACLOUD_AGENT_PACKAGE = env.str("CATACLOUD_AGENT_PACKAGE", default="catacloud-agent")
 # A built catacloud-agent wheel (or a folder holding one) the Agent API serves at
-# /api/agent/v1/dist/<file>; set, user data installs it pinned by sha256 (apps/machines/agent_dist.py).
+# /api/agent/v1/dist/<file>; cloud machines install it from there, pinned by sha256, and from
+# nowhere else: without it no cloud machine is made (apps/machines/agent_dist.py).
 CATACLOUD_AGENT_WHEEL = env.str("CATACLOUD_AGENT_WHEEL", default="")
+if "CATACLOUD_AGENT_PACKAGE" in os.environ:
+    raise ImproperlyConfigured(
+        "CATACLOUD_AGENT_PACKAGE is gone: machines install the agent only from the control plane, "
+        "the wheel CATACLOUD_AGENT_WHEEL names, pinned by its sha256 (the Docker image sets it)"
+    )
 # Agent heartbeats: how often agents beat, and how long a silence makes an instance lost.
 CATACLOUD_HEARTBEAT_INTERVAL = env.float("CATACLOUD_HEARTBEAT_INTERVAL", default=5.0)
 CATACLOUD_AGENT_LOST_AFTER = env.float("CATACLOUD_AGENT_LOST_AFTER", default=60.0)

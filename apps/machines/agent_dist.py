@@ -5,8 +5,9 @@
 ``/app/dist``). The Agent API serves it at ``/api/agent/v1/dist/<its file name>``, and a cloud
 machine's user data installs ``<CATACLOUD_AGENT_URL>/api/agent/v1/dist/<file>#sha256=<digest>``:
 pip refuses a download whose digest differs, so a machine runs exactly the agent of the control
-plane that bought it, version and bytes, with no package index. Unset, user data installs
-``CATACLOUD_AGENT_PACKAGE`` from the machines' package index, as before.
+plane that bought it, version and bytes, with no package index. There is no other source:
+without a wheel to serve, no cloud machine is made (its creation fails ``permanent:``, saying
+so), never one that installs a name from a public index.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def wheel_sha256(path: Path) -> str:
 
 
 def agent_package(agent_url: str) -> str:
-    """What a new cloud machine's user data pip-installs: the served wheel pinned by its
-    sha256, else ``CATACLOUD_AGENT_PACKAGE``."""
+    """What a new cloud machine's user data pip-installs: the served wheel pinned by its sha256;
+    empty when none is served (``Bootstrap.user_data`` then refuses to make a cloud machine)."""
     wheel = agent_wheel()
     if wheel is None:
-        return str(settings.CATACLOUD_AGENT_PACKAGE)
+        return ""
     return f"{agent_url.rstrip('/')}/api/agent/v1/{PATH}{wheel.name}#sha256={wheel_sha256(wheel)}"
 
 

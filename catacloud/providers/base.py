@@ -92,11 +92,19 @@ class Bootstrap:
 
     agent_url: str
     token: str  # single-use; the agent exchanges it for its own credentials when it enrolls
-    package: str = "catacloud-agent"  # what cloud machines pip-install
+    # What cloud machines pip-install: the agent wheel the control plane serves, pinned by its
+    # sha256 (``<agent url>/api/agent/v1/dist/<wheel>#sha256=<digest>``); empty when it serves
+    # none, and then no cloud machine can be made (local machines run the agent in place).
+    package: str = ""
 
     def user_data(self, *, disk_gb: int | None = None) -> str:
         from catacloud.providers.userdata import render_user_data
 
+        if not self.package:
+            raise Permanent(
+                "the control plane serves no agent wheel (CATACLOUD_AGENT_WHEEL is unset or holds no "
+                "catacloud_agent wheel): a cloud machine installs its agent only from there"
+            )
         return render_user_data(
             agent_url=self.agent_url, bootstrap_token=self.token, package=self.package, disk_gb=disk_gb
         )

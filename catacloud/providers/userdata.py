@@ -1,8 +1,10 @@
 """cloud-init user data that installs the agent on a fresh cloud machine and starts it.
 
-What it installs is the ``catacloud-agent`` distribution (``CATACLOUD_AGENT_PACKAGE``): the agent
-and its ``catacloud`` command with ``requests`` and ``psutil``, not the server and its
-dependencies (Django, Celery, boto3, hcloud, psycopg).
+What it installs is the ``catacloud-agent`` distribution: the agent and its ``catacloud`` command
+with ``requests`` and ``psutil``, not the server and its dependencies (Django, Celery, boto3,
+hcloud, psycopg). It comes from one place only, the wheel the control plane serves, pinned by its
+sha256 (``<agent url>/api/agent/v1/dist/<wheel>#sha256=<digest>``): pip refuses other bytes, and
+no name is ever looked up on a public index, where anyone could publish it.
 
 The only secret in it is the single-use bootstrap token, written to a root-only file (0600);
 the agent exchanges it for its real credentials when it enrolls. The agent runs as root, and runs
@@ -31,7 +33,10 @@ UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
 # the YAML scalar, the systemd ExecStart line or pip's argument.
 _URL_CHARS = re.compile(r"^[A-Za-z0-9\-._~:/?#\[\]@!$&()*+,;=%]+$")
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{16,512}$")
-_PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],=<>!~+:/@#%]{0,511}$")
+# The agent wheel, pinned: https://host/.../catacloud_agent-<version>-py3-none-any.whl#sha256=<hex>.
+_PINNED_WHEEL = re.compile(
+    r"^https?://[A-Za-z0-9\-._~:/@%]+/catacloud_agent-[0-9][0-9A-Za-z.+!-]*-py3-none-any\.whl#sha256=[0-9a-f]{64}$"
+)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -47,16 +52,23 @@ _Dumper.add_representer(str, _str)
 
 
 def render_user_data(
-    *, agent_url: str, bootstrap_token: str, package: str = "catacloud-agent", disk_gb: int | None = None
+    *, agent_url: str, bootstrap_token: str, package: str = "", disk_gb: int | None = None
 ) -> str:
-    """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs."""
+    """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs.
+
+    ``package`` is the pinned agent wheel's URL; anything else is refused. Empty, the document
+    installs no agent (what ``Bootstrap.user_data`` never renders: it refuses to make a cloud
+    machine without a served wheel)."""
     parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("agent_url must be an http(s) URL without spaces, quotes or control characters")
     if not _TOKEN.match(bootstrap_token):
         raise ValueError("bootstrap_token must be 16-512 URL-safe characters")
-    if not _PACKAGE.match(package):
-        raise ValueError("package must be a pip requirement or URL without spaces, starting alphanumeric")
+    if package and not _PINNED_WHEEL.match(package):
+        raise ValueError(
+            "package must be the agent wheel's http(s) URL pinned by its sha256 "
+            "(.../catacloud_agent-<version>-py3-none-any.whl#sha256=<64 hex digits>)"
+        )
     if disk_gb is not None and (not isinstance(disk_gb, int) or isinstance(disk_gb, bool) or disk_gb < 1):
         raise ValueError("disk_gb must be a whole number of at least 1")
 
@@ -100,7 +112,7 @@ def render_user_data(
         # List form: each command runs without a shell, so arguments are never re-parsed.
         "runcmd": [
             ["python3", "-m", "venv", VENV],
-            [f"{VENV}/bin/pip", "install", "--upgrade", package],
+            *([[f"{VENV}/bin/pip", "install", "--upgrade", package]] if package else []),
             ["systemctl", "daemon-reload"],
             ["systemctl", "enable", "--now", UNIT_NAME],
         ],

@@ -6,6 +6,7 @@ bytes differ."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -73,12 +74,27 @@ def test_user_data_installs_the_served_wheel_pinned_by_its_sha256(
     assert Client().get("/api/agent/v1/dist/..%2Fsettings.py").status_code == 404
 
 
-@pytest.mark.django_db
-def test_without_a_wheel_user_data_installs_the_configured_package(world: World, settings: object) -> None:
-    settings.CATACLOUD_AGENT_WHEEL = ""  # type: ignore[attr-defined]
-    settings.CATACLOUD_AGENT_PACKAGE = "catacloud-agent==0.1.0"  # type: ignore[attr-defined]
-    instance = lifecycle.instance_request(org=world.org, machine_type=world.machine_type)
-    assert _pip_target(lifecycle.machine_spec(instance).bootstrap.user_data()) == "catacloud-agent==0.1.0"
+def test_a_package_name_instead_of_the_served_wheel_stops_the_control_plane_at_start(tmp_path: Path) -> None:
+    """CATACLOUD_AGENT_PACKAGE (a name pip looked up on the machines' index) is gone: a setting
+    left over refuses to start, saying where the agent comes from now."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "CATACLOUD_HOME": str(tmp_path),
+        "DJANGO_DEBUG": "true",
+        "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "CATACLOUD_AGENT_PACKAGE": "catacloud-agent==0.1.0",
+    }
+    started = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode != 0
+    assert "CATACLOUD_AGENT_PACKAGE is gone" in started.stderr and "CATACLOUD_AGENT_WHEEL" in started.stderr
 
 
 @pytest.fixture

@@ -109,6 +109,18 @@ def test_a_machine_of_the_catalog_is_a_labelled_server_that_installs_the_agent_f
     ), user_data
 
 
+def test_without_a_served_agent_wheel_the_machine_fails_saying_so_and_nothing_is_bought(
+    hetzner: MachineType, fake_hetzner: FakeHetzner, settings: Any
+) -> None:
+    settings.CATACLOUD_AGENT_WHEEL = ""
+    instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
+    provision_instance_task(str(instance.pk))
+    instance.refresh_from_db()
+    assert instance.status == "failed" and instance.failure_reason.startswith("permanent:")
+    assert "CATACLOUD_AGENT_WHEEL" in instance.failure_reason, instance.failure_reason
+    assert fake_hetzner.servers == {} and fake_hetzner.count("POST", "/servers") == 0
+
+
 @pytest.mark.parametrize(
     ("fault", "reason"),
     [("resource_limit_exceeded", "quota_exceeded:"), ("unauthorized", "permanent:")],

@@ -7,9 +7,12 @@ from typing import Any
 import pytest
 import yaml
 
+from catacloud.providers import Permanent
+from catacloud.providers.base import Bootstrap
 from catacloud.providers.userdata import render_user_data
 
 TOKEN = "bt_3q2-Xy9_ZkP0aLm7Qw4RtY"
+WHEEL = "https://cc.example.com/api/agent/v1/dist/catacloud_agent-1.2.3-py3-none-any.whl#sha256=" + "ab" * 32
 
 
 def render(**kwargs: Any) -> dict[str, Any]:
@@ -33,9 +36,9 @@ def test_token_file_is_root_only_and_holds_just_the_token() -> None:
 
 
 def test_agent_is_installed_in_a_venv_and_started_by_systemd() -> None:
-    doc = render(package="catacloud==1.2.3")
+    doc = render(package=WHEEL)
     assert doc["runcmd"][0] == ["python3", "-m", "venv", "/opt/catacloud"]
-    assert doc["runcmd"][1] == ["/opt/catacloud/bin/pip", "install", "--upgrade", "catacloud==1.2.3"]
+    assert doc["runcmd"][1] == ["/opt/catacloud/bin/pip", "install", "--upgrade", WHEEL]
     assert ["systemctl", "enable", "--now", "catacloud-agent.service"] in doc["runcmd"]
     unit = file_at(doc, "/etc/systemd/system/catacloud-agent.service")["content"]
     assert (
@@ -81,6 +84,13 @@ def test_percent_and_dollar_in_url_are_escaped_for_systemd() -> None:
         {"package": "--index-url=https://evil.example/simple"},
         {"package": "catacloud\n- [rm, -rf, /]"},
         {"package": "catacloud ; rm -rf /"},
+        # never a name from a public index, nor a wheel without its digest
+        {"package": "catacloud-agent"},
+        {"package": "catacloud-agent==0.1.0"},
+        {"package": WHEEL.split("#")[0]},
+        {"package": WHEEL[:-1]},
+        {"package": WHEEL.replace("catacloud_agent-", "other-")},
+        {"package": WHEEL + " --index-url=https://evil.example/simple"},
         {"disk_gb": 0},
         {"disk_gb": "40 --no-sandbox"},
     ],
@@ -88,3 +98,14 @@ def test_percent_and_dollar_in_url_are_escaped_for_systemd() -> None:
 def test_unsafe_inputs_are_rejected(kwargs: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         render(**kwargs)
+
+
+def test_a_cloud_machine_is_never_made_without_the_wheel_its_control_plane_serves() -> None:
+    """Bootstrap (what every driver renders user data from) refuses, typed as permanent, when
+    the control plane serves no wheel: the machine fails saying so instead of booting without an
+    agent or installing one from a public index."""
+    with pytest.raises(Permanent, match="serves no agent wheel.*CATACLOUD_AGENT_WHEEL"):
+        Bootstrap(agent_url="https://cc.example.com", token=TOKEN).user_data()
+    text = Bootstrap(agent_url="https://cc.example.com", token=TOKEN, package=WHEEL).user_data()
+    install = [cmd for cmd in yaml.safe_load(text)["runcmd"] if "install" in cmd]
+    assert install == [["/opt/catacloud/bin/pip", "install", "--upgrade", WHEEL]]
