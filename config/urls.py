@@ -1,15 +1,14 @@
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
 from django.contrib import admin
-from django.contrib.admin import AdminSite
-from django.http import HttpRequest
 from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from apps.control.agent.urls import agent_urls
+from apps.control.menu import console_app_list
 from apps.control.views import console_login, console_urls
 from apps.core.views import healthz, livez, metrics_view, readyz
 from apps.github.webhooks import webhook as github_webhook
@@ -17,35 +16,14 @@ from apps.gitlab.webhooks import webhook as gitlab_webhook
 
 admin.site.site_header = "Catacloud operator console"
 admin.site.site_title = "Catacloud"
-admin.site.index_title = "Fleet, pools, jobs and resources"
+admin.site.index_title = "Fleet, jobs, costs, CI and access"
 # The lists need the width on a laptop (1366 px): the filters stay on the right, the models are
 # one click away on the index ("Home") and the dashboard is in the header.
 admin.site.enable_nav_sidebar = False
 # No "View site": the console is the site ("/" leads to it).
 admin.site.site_url = None
-# The home page lists what operators look at first: the fleet, then money, then the rest.
-CONSOLE_APPS = (
-    "jobs",
-    "machines",
-    "pools",
-    "resources",
-    "billing",
-    "github",
-    "gitlab",
-    "events",
-    "orgs",
-    "control",
-    "core",
-)
-
-
-def _console_app_list(request: HttpRequest, app_label: str | None = None) -> list[dict[str, Any]]:
-    apps = AdminSite.get_app_list(admin.site, request, app_label)
-    order = {label: i for i, label in enumerate(CONSOLE_APPS)}
-    return sorted(apps, key=lambda app: order.get(app["app_label"], len(order)))  # auth last
-
-
-admin.site.get_app_list = _console_app_list  # type: ignore[method-assign]
+# The home page groups the models as an operator looks for them (apps/control/menu.py).
+admin.site.get_app_list = partial(console_app_list, admin.site)  # type: ignore[method-assign]
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),  # the console

@@ -18,6 +18,7 @@ from django.utils import timezone
 from apps.billing.budgets import budget_set
 from apps.billing.costs import cost_report
 from apps.core.actors import Actor
+from apps.core.templatetags.console import fine_money
 from apps.machines.budgets import budget_spend
 from apps.machines.models import Budget
 from apps.orgs.models import Organization
@@ -100,7 +101,8 @@ def cost_chart_view(request: HttpRequest) -> TemplateResponse:
             {
                 "org": org.slug,
                 "total": f"{Decimal(report['total']):.2f}",
-                "shares": {k: f"{v:.0%}" for k, v in report["shares"].items()},
+                "shares": {k: f"{v:.1%}" for k, v in report["shares"].items()},
+                "amounts": {k: fine_money(v) for k, v in report["by_kind"].items()},
                 "svg": cost_chart_svg(rows),
             }
         )

@@ -1,6 +1,7 @@
 """The operator dashboard's figures: one snapshot of the fleet, read from the database.
 
-Every section is one grouped query (or two), whatever the number of pools, jobs and machines,
+Every section is one grouped query (or two; the CI panel a few per forge: apps.ci.selectors),
+whatever the number of pools, jobs, machines, connections and runner classes,
 so the page costs the same with 3 pools or 300 and any web process serves the same figures
 (nothing comes from one process's memory). ``dashboard_snapshot`` returns plain values; the
 view renders them (and the SVG charts) server-side.
@@ -30,10 +31,12 @@ from django.db.models import (
     Sum,
 )
 from django.db.models.functions import Coalesce, TruncMinute
+from django.urls import reverse
 from django.utils import timezone
 
 from apps.billing.budgets import spend_grouped
 from apps.billing.costs import kind_totals
+from apps.ci.selectors import class_backlog, endpoints_overview
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
@@ -365,8 +368,9 @@ def _costs(now: datetime) -> dict[str, Any]:
                 "percent": min(100.0, float(100 * used / b.amount)) if b.amount else 100.0,
             }
         )
-    # Where the last hour's money went: the idle share (paid, no job on it; catacloud.policy.
-    # attribution), per org.
+    # Where the last hour's money went (catacloud.policy.attribution), per org: idle (paid, no
+    # job on it) and tail (paid, never lived: the unused end of an ended machine's last paid
+    # period; a live machine's rest of its period is not spent yet, and may still run a job).
     kinds = kind_totals(start=now - WINDOW, end=now, now=now)
     orgs = sorted({org for org, _ in day} | {org for org, _ in month} | set(burn) | set(budgets) | set(kinds))
     rows = [
@@ -376,6 +380,7 @@ def _costs(now: datetime) -> dict[str, Any]:
             "month": sum((v for (o, _), v in month.items() if o == org), Decimal(0)),
             "per_hour": burn.get(org) or Decimal(0),
             "idle_share": _share(kinds.get(org), "idle"),
+            "tail_share": _share(kinds.get(org), "tail"),
             "idle_now": fleet[org][1] if org in fleet else 0,
             "budgets": budgets.get(org, []),
         }
@@ -390,6 +395,16 @@ def _share(kinds: dict[str, Decimal] | None, kind: str) -> float | None:
     return float(kinds[kind] / total) if kinds and total else None
 
 
+def _ci(now: datetime) -> dict[str, Any]:
+    """The CI integrations: each endpoint's availability, limits and webhook failures, and each
+    runner class's backlog (apps.ci.selectors)."""
+    classes = [
+        (c, reverse(f"admin:{c.app_label}_{c.model_name}_change", args=[c.pk]))
+        for c in class_backlog(now=now)
+    ]
+    return {"endpoints": endpoints_overview(now=now), "classes": classes}
+
+
 def dashboard_snapshot(*, now: datetime | None = None) -> dict[str, Any]:
     now = now or timezone.now()
     return {
@@ -401,4 +416,5 @@ def dashboard_snapshot(*, now: datetime | None = None) -> dict[str, Any]:
         "trouble": _trouble(now),
         "series": _series(now),
         "costs": _costs(now),
+        "ci": _ci(now),
     }

@@ -20,7 +20,7 @@ from apps.core.admin import ReadOnlyAdmin, run_service_action, short_id_link
 from apps.core.errors import DomainError
 from apps.core.errors import NotFound as DomainNotFound
 from apps.core.ids import ArtifactId, JobId
-from apps.core.templatetags.console import between, human_seconds
+from apps.core.templatetags.console import between, fine_money, human_seconds
 from apps.events.kinds import EventKind
 from apps.events.models import Event
 from apps.jobs.artifacts import artifact_download
@@ -338,10 +338,10 @@ class JobAdmin(ReadOnlyAdmin):
     @admin.display(description="cost")
     def cost(self, obj: Job) -> str:
         cost = job_cost(obj, now=timezone.now())
-        machines = ", ".join(f"{m['instance'][:8]} {float(m['amount']):.4f}" for m in cost["machines"])
+        machines = ", ".join(f"{m['instance'][:8]} {fine_money(m['amount'])}" for m in cost["machines"])
         return format_html(
             "{} {}{}",
-            f"{float(cost['amount']):.4f}",
+            fine_money(cost["amount"]),
             cost["currency"],
             f" (its share of: {machines})" if machines else " (no machine held yet)",
         )

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from decimal import Decimal
+from typing import Any
 
 from django import forms
 from django.conf import settings
@@ -12,8 +13,8 @@ from django.utils.html import format_html
 
 from apps.core.actors import Actor
 from apps.core.admin import NoLiveDeleteAdmin, neutral_bool, run_service_action, short_id_link
-from apps.core.templatetags.console import between, human_seconds
-from apps.machines.choices import INSTANCE_LIVE
+from apps.core.templatetags.console import between, fine_money, human_seconds
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.costs import billing_of, instance_cost
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
@@ -127,6 +128,47 @@ class MachineTypeAdmin(admin.ModelAdmin):
         obj._state.adding = False
 
 
+class InstanceStatusFilter(admin.SimpleListFilter):
+    """The status filter, showing every machine but the terminated ones unless asked: those pile
+    up (one per job on a fleet that does not reuse) and hide the few an operator looks for. A
+    search (by id, provider id, …) looks at every machine."""
+
+    title = "status"
+    parameter_name = "status"
+    ALL = "all"
+    LIVE = "live"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            (self.LIVE, "live"),
+            *((s.value, s.value) for s in InstanceStatus),
+            (self.ALL, "all, terminated too"),
+        ]
+
+    def choices(self, changelist: Any) -> Any:
+        yield {
+            "selected": self.value() is None,
+            "query_string": changelist.get_query_string(remove=[self.parameter_name]),
+            "display": "not terminated",
+        }
+        for lookup, title in self.lookup_choices:
+            yield {
+                "selected": self.value() == lookup,
+                "query_string": changelist.get_query_string({self.parameter_name: lookup}),
+                "display": title,
+            }
+
+    def queryset(self, request: HttpRequest, queryset: Any) -> Any:
+        value = self.value()
+        if value is None:
+            return queryset if request.GET.get("q") else queryset.exclude(status=InstanceStatus.TERMINATED)
+        if value == self.LIVE:
+            return queryset.filter(status__in=INSTANCE_LIVE)
+        if value in InstanceStatus.values:
+            return queryset.filter(status=value)
+        return queryset  # all
+
+
 @admin.register(MachineInstance)
 class MachineInstanceAdmin(NoLiveDeleteAdmin):
     live_statuses = INSTANCE_LIVE
@@ -140,7 +182,14 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
         "heartbeat",
         "billed",
     )
-    list_filter = ("status", "provider_account__kind", "provider_account", "machine_type", "pool", "outdated")
+    list_filter = (
+        InstanceStatusFilter,
+        "provider_account__kind",
+        "provider_account",
+        "machine_type",
+        "pool",
+        "outdated",
+    )
     search_fields = ("id", "provider_id", "claimed_by", "claimed_for", "org__slug")
     readonly_fields = [
         "cost_summary",
@@ -206,7 +255,7 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
         paid period). Never at the provider: nothing. In CATACLOUD_CURRENCY (the tooltip)."""
         if obj.cost is not None:
             return format_html(
-                '<span title="billed, {}">{}</span>', settings.CATACLOUD_CURRENCY, f"{obj.cost:.4f}"
+                '<span title="billed, {}">{}</span>', settings.CATACLOUD_CURRENCY, fine_money(obj.cost)
             )
         if obj.provisioning_started_at is None:
             return "-"
@@ -214,16 +263,16 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
         return format_html(
             '<span title="committed so far (live), {}">{}…</span>',
             settings.CATACLOUD_CURRENCY,
-            f"{committed:.4f}",
+            fine_money(committed),
         )
 
     @admin.display(description="cost")
     def cost_summary(self, obj: MachineInstance) -> str:
         summary = instance_cost(obj, now=timezone.now())
-        parts = ", ".join(f"{k} {float(v):.4f}" for k, v in summary["by_kind"].items() if Decimal(v))
+        parts = ", ".join(f"{k} {fine_money(v)}" for k, v in summary["by_kind"].items() if Decimal(v))
         return format_html(
             "{} {} {} ({} billed seconds){}",
-            f"{float(summary['cost']):.4f}",
+            fine_money(summary["cost"]),
             settings.CATACLOUD_CURRENCY,
             "committed so far" if summary["live"] else "billed",
             summary["billed_seconds"],

@@ -10,6 +10,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import shutil
 from datetime import timedelta
 from decimal import Decimal
@@ -19,6 +20,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
+import catacloud
 from apps.billing.budgets import budget_set
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
@@ -349,3 +351,76 @@ def test_the_console_fits_a_laptop_screen(
         }).filter(Boolean)"""
     )
     assert covered == []
+
+
+# ---- what an operator looks for ------------------------------------------------------------------
+
+
+def test_the_console_shows_ci_the_unused_paid_tail_a_short_jobs_cost_and_live_machines_first(
+    tworld: World, live_server, browser_page
+) -> None:
+    """A CI panel (each connection's availability, limits and webhook failures, each runner
+    class's backlog), the tail beside idle, a 3-second job's cost, terminated machines out of
+    the default list, the menu grouped as an operator looks for things, the version in the
+    footer; on a laptop screen."""
+    made = console_pages.ci_world(tworld)
+    console_pages.paid_but_unused(tworld)
+    job = console_pages.short_job(tworld)
+    for _ in range(2):  # not started yet: they cost nothing so far
+        instance_row(tworld.other_org, tworld.machine_type, status="ready")
+    page = browser_page
+    page.set_viewport_size(LAPTOP)
+    log_in(page, live_server, at="/admin/", lands_on="#cc-ci")
+    assert page.inner_text("#cc-version") == catacloud.__version__
+
+    github = page.locator("#cc-ci-endpoints tr", has_text="GitHub · acme").inner_text()
+    assert "installation 4242 (acme-gh)" in github and "unavailable until" in github
+    assert "rate limit exhausted (resets in 180s)" in github and "812/3000" in github
+    assert "2 limits, 3 pauses" in github
+    assert "1 not acted on" in github and "1 no class covers" in github and "1 lost and sent again" in github
+    assert "available" in page.locator("#cc-ci-endpoints tr", has_text="GitLab · acme").inner_text()
+    backlog = page.locator("#cc-ci-classes tr", has_text="linux-2cpu").locator("td")
+    cells = [backlog.nth(i).inner_text() for i in (2, 4, 5)]
+    assert cells == ["3", "1 · 0", "1"]  # waiting, runners starting · online, running
+    assert re.fullmatch(r"5m 0\ds", backlog.nth(3).inner_text())  # the oldest wait
+    page.locator("#cc-ci-classes a", has_text="linux-2cpu").click()
+    page.wait_for_selector("#runnerclass_form")
+    assert str(made["github_class"].pk) in page.url
+
+    page.goto(f"{live_server.url}/admin/dashboard/")
+    page.wait_for_selector("#cc-costs")
+    assert "tail (paid, unused)" in page.inner_text("#cc-costs thead").lower()
+    acme = page.locator("#cc-costs tbody tr", has_text="acme")
+    assert acme.locator("td.cc-idle").inner_text().startswith("10.8%")
+    assert acme.locator("td.cc-tail").inner_text() == "85.0%"
+    assert overflow(page) == []
+
+    page.goto(f"{live_server.url}/admin/jobs/job/{job.pk}/change/")
+    cost = page.inner_text(".field-cost")
+    assert re.search(r"0\.00000[1-9] USD \(its share of", cost), cost
+
+    page.goto(f"{live_server.url}/admin/machines/machineinstance/")
+    assert page.locator("#result_list tbody tr").count() == 2  # the two live machines
+    assert "terminated" not in page.inner_text("#result_list")
+    page.locator("#changelist-filter a", has_text="all, terminated too").click()
+    page.wait_for_selector("#result_list")
+    assert page.locator("#result_list tbody tr").count() == 5
+    assert "terminated" in page.inner_text("#result_list")
+
+    page.goto(f"{live_server.url}/admin/")
+    groups = [c.strip() for c in page.locator("#content-main caption .section").all_text_contents()]
+    assert groups == [
+        "Fleet",
+        "Jobs",
+        "Costs",
+        "GitHub Actions",
+        "GitLab CI",
+        "Organizations and access",
+        "Records and the system",
+    ], groups
+    costs = page.locator("#content-main .app-costs").inner_text()
+    assert "Cost per day" in costs and "Budgets" in costs
+    system = page.locator("#content-main .app-records").inner_text()
+    assert "Service heartbeats" in system and "Installation identity" in system
+    assert page.inner_text("#cc-version") == catacloud.__version__
+    assert overflow(page) == []

@@ -5,20 +5,25 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
 
 import pytest
 from django.conf import settings
+from django.contrib import admin
 from django.test import Client
 from django.utils import timezone
 
+import catacloud
 from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.artifacts import artifact_store
 from apps.jobs.models import Job, JobConfiguration, JobLogChunk
+from apps.machines.costs import job_cost
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import ApiToken, Membership
-from testkit.builders import instance_row, pool_row
+from testkit.builders import instance_row, job_config, job_row, pool_row
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -382,12 +387,259 @@ def test_a_job_configuration_is_edited_through_the_service(world: World, ops: Cl
     ]
 
 
-def test_the_home_page_lists_the_fleet_first_and_leads_nowhere_broken(world: World, ops: Client) -> None:
-    """Auth and Core sat above Jobs, Machines and Pools; "View site" led to a debug 404."""
+def test_the_home_page_groups_what_an_operator_looks_for_and_leads_nowhere_broken(
+    world: World, ops: Client
+) -> None:
+    """Budgets sat under Machines, heartbeats and installations under "Core" with nothing to say
+    what they are; Auth and Core once sat above the fleet; "View site" led to a debug 404."""
     page = ops.get("/admin/")
-    apps = [app["app_label"] for app in page.context["app_list"]]
-    assert apps[:3] == ["jobs", "machines", "pools"], apps
-    assert apps.index("pools") < apps.index("core") < apps.index("auth") == len(apps) - 1
-    assert "View site" not in page.content.decode()
+    groups = {app["name"]: [m["name"] for m in app["models"]] for app in page.context["app_list"]}
+    assert list(groups) == [
+        "Fleet",
+        "Jobs",
+        "Costs",
+        "GitHub Actions",
+        "GitLab CI",
+        "Organizations and access",
+        "Records and the system",
+    ], list(groups)
+    assert groups["Fleet"][:2] == ["Machines", "Pools"]
+    assert groups["Costs"] == ["Cost per day", "Budgets"]
+    assert "Machine type grants and quotas" in groups["Organizations and access"]
+    assert groups["Records and the system"] == ["Events", "Service heartbeats", "Installation identity"]
+    # every model the console registers is listed exactly once
+    listed = [m["admin_url"] for app in page.context["app_list"] for m in app["models"]]
+    assert len(listed) == len(set(listed)) == len(admin.site._registry) + 1  # + the cost chart
+    html = page.content.decode()
+    assert "when Celery beat" in html and "the label on every cloud machine" in html  # what they are
+    assert 'href="/admin/machines/budget/costs/"' in html
+    assert "View site" not in html
+    assert ops.get("/admin/machines/").status_code == 200  # an app's own page still lists its models
     root = ops.get("/")
     assert root.status_code == 302 and root["Location"] == "/admin/"
+
+
+def test_every_console_page_names_the_control_planes_version(
+    world: World, ops: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(catacloud, "__version__", "9.8.7-test")
+    for path in ("/admin/", "/admin/dashboard/", "/admin/jobs/job/", "/admin/machines/budget/costs/"):
+        html = ops.get(path).content.decode()
+        assert '<span id="cc-version">9.8.7-test</span>' in html, path
+    assert "9.8.7-test" in Client().get("/admin/login/").content.decode()  # before logging in too
+
+
+def test_terminated_machines_are_left_out_of_the_list_unless_asked_for(world: World, ops: Client) -> None:
+    now = timezone.now()
+    rows = {
+        status: instance_row(world.org, world.machine_type, status=status, provisioning_started_at=now)
+        for status in ("ready", "failed", "terminated")
+    }
+    for _ in range(3):  # ended machines pile up: one per job on a fleet that does not reuse
+        instance_row(world.org, world.machine_type, status="terminated", cost="0.010000")
+
+    def listed(query: str = "") -> set[str]:
+        page = ops.get(f"/admin/machines/machineinstance/{query}")
+        return {str(pk) for pk in page.context["cl"].result_list.values_list("pk", flat=True)}
+
+    assert listed() == {str(rows["ready"].pk), str(rows["failed"].pk)}
+    html = ops.get("/admin/machines/machineinstance/").content.decode()
+    assert "not terminated" in html and "?status=terminated" in html  # the filter, on the right
+    assert listed("?status=terminated") == {
+        str(pk) for pk in MachineInstance.objects.filter(status="terminated").values_list("pk", flat=True)
+    }
+    assert listed("?status=live") == {str(rows["ready"].pk)}
+    assert len(listed("?status=all")) == 6
+    assert listed(f"?q={rows['terminated'].pk}") == {str(rows["terminated"].pk)}  # a search finds it
+
+
+def claimed_for(instance: MachineInstance, job: Job | None, start: datetime, end: datetime) -> None:
+    """The events of a hold: the machine claimed (for ``job``) at ``start``, released at ``end``."""
+    claim = event_record(kind="instance.claimed", org=instance.org_id, instance=instance, job=job)
+    release = event_record(kind="instance.released", org=instance.org_id, instance=instance, job=job)
+    Event.objects.filter(pk=claim.pk).update(created_at=start)
+    Event.objects.filter(pk=release.pk).update(created_at=end)
+
+
+def short_job(world: World) -> Job:
+    """A job of the org ``rival`` that ran 3 seconds on a machine billed by the hour at 0.01 (its
+    share: 0.000008), which ended since."""
+    now = timezone.now()
+    org = world.other_org
+    config = JobConfiguration.objects.create(
+        org=org, name="lint", machine_type=world.machine_type, command="ruff check"
+    )
+    machine = instance_row(
+        org,
+        world.machine_type,
+        status="terminated",
+        provisioning_started_at=now - timedelta(minutes=2),
+        ended_at=now - timedelta(seconds=30),
+        cost="0.010000",
+    )
+    job = Job.objects.create(
+        org=org,
+        config=config,
+        machine_type=world.machine_type,
+        command="ruff check",
+        status="succeeded",
+        instance=machine,
+        exit_code=0,
+    )
+    claimed_for(machine, job, now - timedelta(seconds=63), now - timedelta(seconds=60))
+    return job
+
+
+def test_a_short_jobs_cost_is_shown_with_its_first_digits_not_as_zero(world: World, ops: Client) -> None:
+    job = short_job(world)
+    amount = Decimal(job_cost(job, now=timezone.now())["amount"])
+    assert Decimal("0.000007") <= amount <= Decimal("0.000009")  # 3 s of a 0.01 hour
+    html = ops.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()
+    assert (
+        f"{amount} {settings.CATACLOUD_CURRENCY} (its share of: {str(job.instance_id)[:8]} {amount})" in html
+    )
+    assert f"0.0000 {settings.CATACLOUD_CURRENCY}" not in html
+    machine = ops.get(f"/admin/machines/machineinstance/{job.instance_id}/change/").content.decode()
+    assert re.search(r"job 0\.00000[1-9]", machine), machine  # its parts on the machine's page too
+
+
+def paid_but_unused(world: World) -> None:
+    """Two machines of the 0.01-an-hour type, billed by the hour, that ended in the last hour:
+
+    - one lived 12 minutes: a job held it 5 of them, it sat idle 7 (kept for reuse); the 48
+      minutes it paid for and never lived are its tail;
+    - one lived 6 minutes, all of them idle (booted for a job that went elsewhere); tail 54.
+
+    Of the 120 paid minutes: job 5 (4.2 %), idle 13 (10.8 %), tail 102 (85.0 %)."""
+    now = timezone.now()
+    for minutes, lived, hold in ((50, 12, (2, 7)), (30, 6, None)):
+        start = now - timedelta(minutes=minutes)
+        machine = instance_row(
+            world.org,
+            world.machine_type,
+            status="terminated",
+            provisioning_started_at=start,
+            ended_at=start + timedelta(minutes=lived),
+            cost="0.010000",
+        )
+        if hold:
+            claimed_for(machine, None, start + timedelta(minutes=hold[0]), start + timedelta(minutes=hold[1]))
+
+
+def test_the_cost_views_show_the_unused_paid_tail_beside_idle(world: World, ops: Client) -> None:
+    """A demo's spend was 98.9 % tail while the dashboard's idle share read 3-4 %: the tail was
+    on no console page but the per-day chart, rounded to whole percents."""
+    paid_but_unused(world)
+    dashboard = ops.get("/admin/dashboard/").content.decode()
+    costs = dashboard[dashboard.index('id="cc-costs"') :]
+    assert "tail (paid, unused)" in costs
+    assert re.search(r'class="cc-num cc-idle">10\.8% <small>\(0 idle now\)</small></td>\s*'
+                     r'<td class="cc-num cc-tail">85\.0%</td>', costs), costs  # fmt: skip
+    chart = ops.get("/admin/machines/budget/costs/").content.decode()
+    assert "idle <b>10.8%</b> (0.0022)" in chart
+    assert "tail, paid and unused <b>85.0%</b> (0.0170)" in chart
+
+
+def ci_world(world: World) -> dict[str, Any]:
+    """GitHub: an installation paused by GitHub's rate limit (twice today), a runner class with
+    3 workflow jobs waiting (the oldest for 5 minutes), 1 running, a runner starting; a delivery
+    stored but never acted on, one whose labels no class covers, one GitHub lost and sent again.
+    GitLab: a connection that answers, a class with 1 pending job and 12 calls this hour."""
+    from apps.github.models import (
+        GitHubConnection,
+        GitHubInstallation,
+        Runner,
+        RunnerClass,
+        WebhookDelivery,
+        WorkflowJob,
+    )
+    from apps.gitlab.models import GitLabConnection, GitLabJob, GitLabRunnerClass
+
+    now = timezone.now()
+    conn = GitHubConnection.objects.create(org=world.org, app_id=7)
+    inst = GitHubInstallation.objects.create(
+        connection=conn,
+        org=world.org,
+        installation_id=4242,
+        account="acme-gh",
+        unavailable_until=now + timedelta(minutes=3),
+        unavailable_reason="rate limit exhausted (resets in 180s)",
+        failures=1,
+        rate_remaining=0,
+        window_started_at=now - timedelta(minutes=10),
+        window_calls=812,
+    )
+    for reason in (
+        "rate limit exhausted (resets in 180s)",
+        "GET /app: ConnectionError",
+        "rate limited (429)",
+    ):
+        event_record(kind="github.unavailable", org=world.org, reason=reason, installation=4242, until="x")
+    gh_class = RunnerClass.objects.create(
+        org=world.org,
+        name="linux-2cpu",
+        labels=["catacloud-linux-2cpu", "self-hosted"],
+        machine_type=world.machine_type,
+    )
+    runner_job = job_row(job_config(world.org, world.machine_type, "github-linux-2cpu", "run.sh"))
+    Runner.objects.create(job=runner_job, installation=inst, runner_class=gh_class, org=world.org)
+    for n, (status, age) in enumerate(
+        [("queued", 300), ("queued", 20), ("queued", 5), ("in_progress", 60), ("completed", 90)]
+    ):
+        row = WorkflowJob.objects.create(
+            installation=inst, org=world.org, runner_class=gh_class, github_id=100 + n, run_id=9,
+            repository="acme/app", workflow="ci", name=f"test {n}", status=status,
+        )  # fmt: skip
+        WorkflowJob.objects.filter(pk=row.pk).update(seen_at=now - timedelta(seconds=age))
+    for guid, outcome, processed, age in (
+        ("d-late", "", False, 120),
+        ("d-nomatch", "no runner class covers these labels", True, 30),
+        ("d-ok", "created", True, 30),
+    ):
+        WebhookDelivery.objects.create(
+            guid=guid, installation=inst, org=world.org, event="workflow_job", action="queued", payload={},
+            processed_at=now if processed else None, outcome=outcome,
+        )  # fmt: skip
+        WebhookDelivery.objects.filter(pk=guid).update(received_at=now - timedelta(seconds=age))
+    event_record(
+        kind="github.redelivered", org=world.org, delivery="d-lost", event="workflow_job", action="queued"
+    )
+    gl = GitLabConnection.objects.create(
+        org=world.org, window_started_at=now - timedelta(minutes=5), window_calls=12, rate_remaining=1990
+    )
+    gl_class = GitLabRunnerClass.objects.create(
+        org=world.org, name="docker", tags=["catacloud", "docker"], machine_type=world.machine_type
+    )
+    GitLabJob.objects.create(
+        connection=gl, org=world.org, runner_class=gl_class, gitlab_id=77, project_id=1, project="acme/web",
+        status="pending",
+    )  # fmt: skip
+    return {"installation": inst, "github_class": gh_class, "gitlab_class": gl_class}
+
+
+def test_the_dashboard_shows_each_ci_connection_its_limits_webhook_failures_and_backlog(
+    world: World, ops: Client
+) -> None:
+    made = ci_world(world)
+    html = ops.get("/admin/dashboard/").content.decode()
+    ci = html[html.index('id="cc-ci"') : html.index('id="cc-throughput"')]
+    github, gitlab = ci.split("GitHub · acme", 1)[1].split("GitLab · acme", 1)
+    # GitHub: paused by its rate limit, our own budget's use, the day's limits, the webhook failures
+    assert "installation 4242 (acme-gh)" in github
+    assert "unavailable until" in github and "rate limit exhausted (resets in 180s)" in github
+    assert "812/3000" in github
+    assert "2 limits, 3 pauses" in github
+    assert "3 received: " in github and "1 not acted on" in github and "1 no class covers" in github
+    assert "1 lost and sent again" in github
+    # GitLab: it answers
+    assert "available" in gitlab and "unavailable" not in gitlab.split("</tr>")[0]
+    assert "12/36000" in gitlab
+    # the backlog per runner class: waiting, the oldest wait, runners, running
+    classes = html[html.index('id="cc-ci-classes"') :]
+    row = classes.split("GitHub · acme/linux-2cpu", 1)[1].split("</tr>")[0]
+    assert re.search(r"<b>3</b></td>\s*<td class=\"cc-num\">5m 0\ds</td>", row), row
+    assert "catacloud-linux-2cpu, self-hosted" in row
+    assert '<td class="cc-num">1 · 0</td><td class="cc-num">1</td>' in row  # 1 starting, 1 running
+    gl_row = classes.split("GitLab · acme/docker", 1)[1].split("</tr>")[0]
+    assert "<b>1</b>" in gl_row
+    assert f'href="/admin/github/runnerclass/{made["github_class"].pk}/change/"' in classes

@@ -20,6 +20,7 @@ from apps.jobs.models import Job, JobConfiguration
 from apps.machines.budgets import budget_spend
 from apps.pools.models import InstancePool
 from testkit.builders import instance_row, job_config, job_row, pool_row
+from tests.admin.test_console_pages import ci_world
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -123,7 +124,34 @@ def test_the_dashboard_costs_the_same_number_of_queries_for_3_pools_or_30(world:
         response = ops.get("/admin/dashboard/panel/")
     assert len(response.context["pools"]) == 11
     assert len(large.captured_queries) == len(small.captured_queries)
-    assert len(large.captured_queries) <= 20
+    assert len(large.captured_queries) <= 21  # the fleet's figures; CI: no endpoint, no class
+
+    # The CI panel: a fixed number more, whatever the number of connections, classes and jobs.
+    ci_world(world)
+    with CaptureQueriesContext(connection) as small:
+        assert ops.get("/admin/dashboard/panel/").status_code == 200
+    more_ci(world)
+    with CaptureQueriesContext(connection) as large:
+        response = ops.get("/admin/dashboard/panel/")
+    assert len(response.context["ci"]["endpoints"]) == 3 and len(response.context["ci"]["classes"]) == 3
+    assert len(large.captured_queries) == len(small.captured_queries)
+    assert len(large.captured_queries) <= 28
+
+
+def more_ci(world: World) -> None:
+    """A second org's GitHub installation and class, with jobs."""
+    from apps.github.models import GitHubConnection, GitHubInstallation, RunnerClass, WorkflowJob
+
+    conn = GitHubConnection.objects.create(org=world.other_org, app_id=8)
+    inst = GitHubInstallation.objects.create(connection=conn, org=world.other_org, installation_id=5)
+    rc = RunnerClass.objects.create(
+        org=world.other_org, name="big", labels=["catacloud-big"], machine_type=world.machine_type
+    )
+    for n in range(5):
+        WorkflowJob.objects.create(
+            installation=inst, org=world.other_org, runner_class=rc, github_id=n, run_id=1,
+            repository="rival/app", status="queued",
+        )  # fmt: skip
 
 
 def test_dashboard_is_for_staff_only(world: World) -> None:
@@ -154,7 +182,7 @@ def test_dashboard_shows_the_idle_share_of_the_last_hour_and_the_machines_idle_n
     # of the 40 minutes it lived (and billed) in the last hour, 30 were idle (the 20 still to
     # come of its paid hour are not spent yet)
     assert cost["idle_share"] == pytest.approx(30 / 40, abs=0.01)
-    assert "75% <small>(1 idle now)</small>" in response.content.decode()
+    assert "75.0% <small>(1 idle now)</small>" in response.content.decode()
 
 
 def test_cancelled_jobs_are_counted_apart_from_failed_ones(world: World, ops: Client) -> None:

@@ -10,6 +10,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
+import catacloud
 from catacloud.client import output
 
 register = template.Library()
@@ -57,3 +58,31 @@ def money(value: Decimal | float | None, places: int = 2) -> str:
     if value is None:
         return "-"
     return f"{Decimal(value):.{int(places)}f}"
+
+
+@register.filter
+def percent(share: float | None) -> str:
+    """A share (0..1) as a percentage to one decimal, ``-`` for None (nothing to share)."""
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
+def fine_money(value: Decimal | float | str | None) -> str:
+    """An amount with at least 4 decimals and as many more (up to the recorded 6) as it takes to
+    show its first two significant digits: a few seconds' share of a cheap machine reads
+    0.000056, never 0.0000."""
+    if value is None:
+        return "-"
+    amount = Decimal(str(value))
+    places = 4
+    if amount and abs(amount) < Decimal("0.01"):
+        places = min(6, max(4, 1 - abs(amount).adjusted()))
+    return f"{amount:.{places}f}"
+
+
+register.filter("fine_money", fine_money)
+
+
+@register.simple_tag
+def catacloud_version() -> str:
+    """The control plane's version (``catacloud.__version__``; /readyz names the same)."""
+    return catacloud.__version__
