@@ -12,13 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from celery.exceptions import Retry
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.test import Client
 
 from apps.machines import lifecycle
 from apps.machines.models import MachineType, ProviderAccount
 from apps.machines.tasks import provision_instance_task
+from apps.orgs.models import Membership
 from catacloud.providers import LABEL_INSTALLATION, LABEL_INSTANCE, LABEL_POOL
 from testkit.servers import moto_client, moto_server
 from tests.conftest import HETZNER_TOKEN
@@ -145,3 +149,59 @@ def test_no_capacity_is_retried_with_backoff(hetzner: MachineType, fake_hetzner:
         provision_instance_task.apply(args=[str(instance.pk)], throw=True)
     instance.refresh_from_db()
     assert instance.status == "provisioning"  # waiting for the next try, not failed
+
+
+# ---- the first admin, the machines' egress and prerequisites, backups ---------------------------
+
+
+def test_the_first_admin_is_ops_the_consoles_superuser_and_the_catalogs_org_admin(
+    fake_hetzner: FakeHetzner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The guide's one path: createsuperuser --username ops, then the catalog (whose platform
+    org names ops as admin) finds that user, then create_api_token for ops acts as the admin."""
+    guide = GUIDE.read_text()
+    assert "manage.py createsuperuser --username ops" in guide
+    assert "manage.py create_api_token --org platform --user ops" in guide
+    for catalog in ("hetzner.yaml", "aws.yaml"):
+        assert "- slug: platform" in (CATALOGS / catalog).read_text()
+        assert "{username: ops, role: admin}" in (CATALOGS / catalog).read_text()
+
+    monkeypatch.setenv("DJANGO_SUPERUSER_PASSWORD", "a-long-enough-password-42")
+    call_command("createsuperuser", "--username", "ops", "--email", "ops@example.com", "--noinput")
+    fake_hetzner.reset()
+    monkeypatch.setenv("HCLOUD_TOKEN", HETZNER_TOKEN)
+    at = f"      api_endpoint: '{fake_hetzner.url}'"
+    call_command("apply", str(_pointed("hetzner.yaml", at, tmp_path)), verbosity=0, stderr=StringIO())
+
+    ops = get_user_model().objects.get(username="ops")
+    assert ops.is_superuser and ops.is_staff and get_user_model().objects.count() == 1
+    assert Membership.objects.get(org__slug="platform", user=ops).role == "admin"
+    out = StringIO()
+    call_command("create_api_token", "--org", "platform", "--user", "ops", "--name", "first-pool", stdout=out)
+    answer = Client().get("/api/v1/machine-types/", HTTP_AUTHORIZATION=f"Bearer {out.getvalue().strip()}")
+    assert answer.status_code == 200 and [t["name"] for t in answer.json()["results"]] == ["hz-cx23"]
+
+
+def test_the_guide_lists_what_user_data_installs_and_the_egress_that_needs() -> None:
+    """Every package user data installs is an image prerequisite in the guide, and the egress
+    table has apt's port 80 (Ubuntu's EC2 mirrors are plain HTTP) besides 443."""
+    from catacloud.providers.userdata import render_user_data
+
+    document = yaml.safe_load(render_user_data(agent_url="https://cc.example", bootstrap_token="t" * 20))
+    guide = GUIDE.read_text()
+    prerequisites = guide[guide.index("**Image prerequisites**") :].split("\n\n")[0]
+    assert document["packages"] and all(f"`{p}`" in prerequisites for p in document["packages"])
+    egress = guide[guide.index("**What machines reach (egress).**") :].split("## 2.")[0]
+    assert "| TCP 80 |" in egress and "| TCP 443 |" in egress and "ec2.archive.ubuntu.com" in egress
+    assert "80" in (CATALOGS / "aws.yaml").read_text().split("security_group_ids")[1].splitlines()[0]
+
+
+def test_backups_keep_the_three_secrets_and_say_what_prunes_events_and_heartbeats() -> None:
+    operations = (ROOT / "docs" / "operator" / "operations.md").read_text()
+    backups = operations[operations.index("## Backups and restore") :].split("\n## ")[0]
+    for secret in ("encryption_key", "bootstrap_keys", "django_secret_key"):
+        assert f"`secrets/{secret}`" in backups
+    assert "Nothing prunes the events table (`events_event`)" in backups and "`core_heartbeat`" in backups
+    # ... and it stays true: no product code deletes events.
+    sources = "\n".join(path.read_text() for path in (ROOT / "apps").rglob("*.py"))
+    assert not re.search(r"Event\.objects[^\n]*\.delete\(", sources)
