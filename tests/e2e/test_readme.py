@@ -13,15 +13,16 @@ in a variable, the configuration's ``command``). The only things the test provid
 README says ``CATACLOUD_DEV_GITHUB=fake CATACLOUD_DEV_GITLAB=fake make dev`` provides: the demo
 catalog (its scratch database on Catacloud's own server), ``$CATACLOUD_HOME/demo_token`` and
 ``.env``, ``PORT``, the fake GitHub on ``GITHUB_FAKE_PORT`` and the fake GitLab on
-``GITLAB_FAKE_PORT`` with the demo org connected to them; and, for the images
-walkthrough, a registry on loopback (``REGISTRY``, Debian's docker-registry, as the test kit runs
-PostgreSQL and Redis), which that page tells its reader how to start. The walkthroughs leave no
-file in the clone, and every wait in them has a time limit.
+``GITLAB_FAKE_PORT`` with the demo org connected to them. The images walkthrough starts its own
+registry (Debian's docker-registry on a free loopback port, in a folder of its own) and stops it
+at its end, as its reader does. The walkthroughs leave no file in the clone and no process
+behind, and every wait in them has a time limit.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -58,6 +59,7 @@ EXPECTED = [
     "artifacts",
     "checkpoint",
     "trace",
+    "registry",
     "images",
 ]
 # A job's command in a block: ``NAME=$(cat <<'EOF' … EOF`` (submitted by the block, never run by it).
@@ -133,6 +135,14 @@ def test_every_page_is_read_in_order() -> None:
     assert set((ROOT / "docs").rglob("*.md")) == set(order[1:])
 
 
+def test_the_documentation_index_links_every_page_of_the_navigation() -> None:
+    """docs/index.md, the site's front page, listed every page but the operations guide."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    linked = {(ROOT / "docs" / target).resolve() for target in re.findall(r"\]\(([\w/.-]+\.md)\)", index)}
+    missing = [str(page.relative_to(ROOT)) for page in reading_order()[2:] if page.resolve() not in linked]
+    assert not missing, f"docs/index.md does not link: {missing}"
+
+
 def test_every_sh_block_is_run_or_says_why_not() -> None:
     blocks = all_blocks()
     unmarked = [body.splitlines()[0] for what, _, body in blocks if what == "unmarked"]
@@ -141,6 +151,58 @@ def test_every_sh_block_is_run_or_says_why_not() -> None:
     assert all(name for what, name, _ in blocks if what == "skip")  # a reason each
     # the check can fail
     assert marked_blocks("text\n```sh\necho hi\n```\n")[0][0] == "unmarked"
+
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```|~~~)", re.M)
+
+
+def indented_fences(text: str) -> list[str]:
+    """The opening lines of fenced blocks that are indented (a block inside a list item)."""
+    lines = text.splitlines()
+    found, inside = [], False
+    for m in FENCE.finditer(text):
+        if not inside and m["indent"]:
+            found.append(lines[text.count("\n", 0, m.start())].strip())
+        inside = not inside
+    return found
+
+
+def test_every_block_pastes_as_it_stands_in_the_raw_markdown() -> None:
+    """A block inside a list item is indented in the Markdown: pasted from the raw page (GitHub's
+    source view, an editor), every line keeps the indentation, and a heredoc's closing ``EOF``
+    with spaces before it never closes it (the checkpoint block left the reader's shell waiting
+    at a ``>`` prompt). The test's own dedent hid it. Blocks stand at the margin, between list
+    items."""
+    bad = [
+        f"{path.relative_to(ROOT)}: {line}"
+        for path in reading_order()
+        for line in indented_fences(path.read_text())
+    ]
+    assert not bad, "indented fenced blocks:\n" + "\n".join(bad)
+    # the check can fail
+    assert indented_fences("- an item:\n\n  ```sh\n  echo hi\n  ```\n") == ["```sh"]
+    assert indented_fences("- an item\n\n```sh\necho hi\n```\n") == []
+
+
+def _shell_of(page: Path) -> str:
+    return "\n".join(
+        in_the_shell(body) for what, _, body in marked_blocks(page.read_text()) if what == "test"
+    )
+
+
+def test_the_images_page_runs_its_registry_on_a_free_port_in_a_folder_of_its_own_and_stops_it() -> None:
+    """The page started its registry on port 5000 in /tmp/cc-registry (a second reader, or one
+    with anything on 5000, failed; the folder outlived the session) and never stopped it; the
+    walkthrough test started a registry of its own instead of the page's."""
+    shell = _shell_of(ROOT / "docs" / "walkthroughs" / "images.md")
+    assert "docker-registry serve" in shell  # the page's own registry, run by the walkthrough test
+    assert not re.search(r"127\.0\.0\.1:\d|:5000\b", shell), "a fixed port"
+    assert not re.search(r"(?<![\w$])/tmp/", shell), "a fixed folder"
+    assert "$(mktemp -d)" in shell
+    started = shell.index("docker-registry serve")
+    stopped = shell.index('kill "$REGISTRY_PID"')
+    assert started < shell.rindex("$REGISTRY/") < stopped  # stopped after its last use
+    assert 'rm -rf "$REGISTRY_DIR"' in shell[stopped:]
 
 
 def _unquoted_question_marks(line: str) -> list[str]:
@@ -249,6 +311,43 @@ def test_the_checkpoint_example_fails_loudly_when_it_cannot_save(tmp_path: Path)
     )
     assert result.returncode != 0
     assert not (tmp_path / "out" / "summary.txt").exists()
+
+
+def test_the_checkpoint_example_resumes_where_its_lost_attempt_stopped(tmp_path: Path) -> None:
+    """The page's job checkpointed and finished in its first attempt: it never showed a resume.
+    Here its machine goes away during the first attempt's long step (the shell is killed), and
+    the second attempt, with the checkpoint folder restored, goes on from step 3."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tools = {
+        "catacloud": '#!/bin/sh\n[ "$1" = checkpoint ] && echo "checkpoint saved"\n',
+        # a long step: the machine goes away under it, and the job's shell with it
+        "sleep": '#!/bin/sh\n[ "$1" -lt 60 ] || kill -9 "$PPID"\n',
+    }
+    for name, text in tools.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "ckpt").mkdir()
+    command = job_command(readme_blocks()["checkpoint"])
+
+    def attempt(n: int) -> subprocess.CompletedProcess[str]:
+        out = tmp_path / f"out-{n}"
+        out.mkdir()
+        env = {
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "CATACLOUD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),  # restored as the last one left it
+            "CATACLOUD_OUTPUT_DIR": str(out),
+            "CATACLOUD_ATTEMPT": str(n),
+        }
+        return subprocess.run(["/bin/sh", "-c", command], env=env, capture_output=True, text=True, timeout=30)
+
+    first = attempt(1)
+    assert first.returncode != 0 and "attempt 1 starts at step 0" in first.stdout, first
+    assert first.stdout.count("checkpoint saved") == 3 and not (tmp_path / "out-1" / "summary.txt").exists()
+    second = attempt(2)
+    assert second.returncode == 0 and "attempt 2 starts at step 3" in second.stdout, second
+    assert second.stdout.count("checkpoint saved") == 2
+    assert (tmp_path / "out-2" / "summary.txt").read_text() == "finished at step 5 (attempt 2)\n"
 
 
 # ---- the stack ---------------------------------------------------------------------------------
@@ -457,12 +556,12 @@ def _untracked() -> set[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1100)
 def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_path: Path) -> None:
     from apps.events.models import Event
     from apps.jobs.models import Job
     from apps.machines.models import Budget
-    from testkit.registry import Registry
+    from testkit.registry import missing_tools
 
     blocks = readme_blocks()
     bin_dir = tmp_path / "bin"
@@ -471,12 +570,19 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     clone = ROOT  # where README's reader stands: the clone's folder (its .venv, manage.py)
     before = _untracked()
 
+    assert not missing_tools(), f"the images walkthrough needs {missing_tools()}"
     # Every block that runs, in reading order, in one shell session.
     session = "\n".join(["set -x", *(blocks[name] for name in EXPECTED)])
-    with Registry(tmp_path / "registry") as registry:  # the images walkthrough's
-        env["REGISTRY"] = registry.host
-        out, err = _run_shell(session, env=env, cwd=clone, timeout=840, tmp=tmp_path)
-    assert _untracked() == before, f"the walkthroughs left files in the clone: {_untracked() - before}"
+    out, err = _run_shell(session, env=env, cwd=clone, timeout=900, tmp=tmp_path)
+    left = _untracked() - before  # (files others remove meanwhile are not the walkthroughs' doing)
+    assert not left, f"the walkthroughs left files in the clone: {left}"
+    # the images walkthrough's registry: its own port and folder, stopped and removed at its end
+    port = re.search(r"^\+ REGISTRY_PORT=(\d+)$", err, re.M)
+    folder = re.search(r"^\+ REGISTRY_DIR=(\S+)$", err, re.M)
+    assert port and folder, err[-3000:]
+    assert not Path(folder[1]).exists(), f"the registry's folder {folder[1]} is left"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", int(port[1]))) != 0, "the registry still listens"
 
     # first session, warm pools, jobs
     assert "local-small" in out  # the machine types
@@ -527,13 +633,16 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert f'{{"id":"{whoami.pk}","status":"running"}}' in out, out  # its token read its own record
     assert re.search(r"^my database: cc_db_\w+ at [\w.-]+:\d+$", out, re.M), out
 
-    # outputs: the CLI's job's file, printed; the checkpointed job resumed nothing and saved 5 times
+    # outputs: the CLI's job's file, printed; the checkpointed job lost its machine after step 3,
+    # was requeued, restored its checkpoint on another machine and went on from step 3
     assert re.search(r"^shard 2$", out, re.M), out
     resumed = Job.objects.get(config__name="resumable")
-    assert resumed.status == "succeeded", resumed.status
-    log = "".join(resumed.log_chunks.values_list("data", flat=True))
-    assert log.count("checkpoint saved") == 5, log
-    assert "finished at step 5 (attempt 1)" in out
+    assert (resumed.status, resumed.attempt, resumed.requeue_reason) == ("succeeded", 2, "machine_terminated")
+    second = "".join(resumed.log_chunks.filter(attempt=2).values_list("data", flat=True))
+    assert "attempt 2 starts at step 3" in second and second.count("checkpoint saved") == 2, second
+    assert Event.objects.filter(kind="checkpoint.restored", job_id=resumed.pk, data__from_attempt=1).exists()
+    assert '"other_machine":true' in out and re.search(r"^attempt 2 starts at step 3$", out, re.M), out
+    assert "finished at step 5 (attempt 2)" in out
 
     # the trace: the venv, the services' .env, the demo org's finished jobs
     assert "submit_time_seconds,duration_seconds,config" in out
