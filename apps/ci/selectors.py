@@ -60,8 +60,14 @@ class EndpointOverview:
     redelivered_24h: int
 
     @property
-    def webhook_failures(self) -> int:
-        return self.not_acted_on + self.unmatched_24h + self.redelivered_24h
+    def webhook_failures(self) -> list[str]:
+        """What went wrong with its deliveries, one phrase each (none: nothing)."""
+        counts = (
+            (self.not_acted_on, "not acted on"),
+            (self.unmatched_24h, "no class covers"),
+            (self.redelivered_24h, "lost and sent again"),
+        )
+        return [f"{n} {what}" for n, what in counts if n]
 
 
 @dataclass(frozen=True)
