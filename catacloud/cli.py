@@ -1,5 +1,5 @@
 """The ``catacloud`` command: embedded services, the dev runner, (on machines) the agent, and
-the client of the REST API (``jobs``, ``configs``, ``pools``, ``artifacts``, ``auth``)."""
+the client of the REST API (``jobs``, ``run``, ``configs``, ``pools``, ``costs``, ``auth``, …)."""
 
 from __future__ import annotations
 
@@ -613,7 +613,8 @@ def _stop_local_machines(home: Path) -> None:
 
 
 DESCRIPTION = (
-    "Catacloud: the client of the REST API (jobs, configs, pools, instances, artifacts, auth), "
+    "Catacloud: the client of the REST API (jobs, run, configs, pools, instances, artifacts, events, "
+    "costs, budgets, registry-credentials, github, gitlab, auth), "
     "then the server's commands: the dev runner and embedded services (dev, services), the "
     "simulator (simulate) and, on machines, the agent (agent, job-meta, checkpoint). Global "
     "flags (--url, --profile, --json) go before or after the command."
@@ -631,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     from catacloud.client.commands import add_client_commands
 
     # The client first (what most users run), then the server's commands.
-    add_client_commands(sub)  # `catacloud jobs|configs|pools|instances|artifacts|auth …`
+    add_client_commands(sub)  # `catacloud jobs|run|configs|pools|instances|…|auth …`
 
     services = sub.add_parser("services", help="embedded PostgreSQL and Redis under $CATACLOUD_HOME")
     services.add_argument("action", choices=["up", "down", "run"])

@@ -88,6 +88,12 @@ class Api:
     def post(self, path: str, body: Any = None, *, headers: dict[str, str] | None = None) -> Any:
         return self.request("POST", path, json=body if body is not None else {}, headers=headers)
 
+    def patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, json=body)
+
+    def put(self, path: str, body: Any) -> Any:
+        return self.request("PUT", path, json=body)
+
     def delete(self, path: str) -> Any:
         return self.request("DELETE", path)
 

@@ -47,9 +47,13 @@ class ClientConfig:
 
 
 def config_path(env: Mapping[str, str]) -> Path:
+    """The config file: ``$CATACLOUD_CONFIG``, else under ``$XDG_CONFIG_HOME``, else under
+    ``~/.config`` (the XDG Base Directory rules: an unset, empty or relative XDG_CONFIG_HOME
+    counts as not set). Reading and ``auth login``'s writing use this one path."""
     if env.get("CATACLOUD_CONFIG"):
         return Path(env["CATACLOUD_CONFIG"]).expanduser()
-    base = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else Path.home() / ".config"
+    xdg = env.get("XDG_CONFIG_HOME") or ""
+    base = Path(xdg) if Path(xdg).is_absolute() else Path.home() / ".config"
     return base / "catacloud" / "config.toml"
 
 

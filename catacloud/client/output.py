@@ -13,12 +13,27 @@ def print_json(data: Any, out: TextIO | None = None) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str), file=out or sys.stdout)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> list[int]:
+    """Aligned columns under their headers; answers the columns' widths (for :func:`table_row`)."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    out = out or sys.stdout
     for row in [list(headers), *cells]:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip(), file=out)
+        table_row(widths, row, out)
+    return widths
+
+
+def table_row(widths: Sequence[int], row: Sequence[Any], out: TextIO | None = None) -> None:
+    """One more row of a table already printed (a watch's), in its columns."""
+    cells = [_cell(v) for v in row]
+    line = "  ".join(v.ljust(w) for v, w in zip(cells, widths, strict=True)).rstrip()
+    print(line, file=out or sys.stdout, flush=True)
+
+
+def fields(rows: Sequence[tuple[str, Any]], out: TextIO | None = None, width: int = 9) -> None:
+    """One object as ``key     value`` lines, leaving out what is empty (``jobs show``)."""
+    for key, value in rows:
+        if value not in (None, ""):
+            print(f"{key:<{width}}{value}", file=out or sys.stdout)
 
 
 def short(uid: Any) -> str:

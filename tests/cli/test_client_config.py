@@ -154,3 +154,27 @@ def test_the_client_imports_no_django() -> None:
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_config_file_follows_xdg_config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """XDG Base Directory rules: an absolute XDG_CONFIG_HOME holds it; unset, empty or relative
+    (which the specification says to ignore) mean ~/.config; CATACLOUD_CONFIG names the file."""
+    from catacloud.client.config import config_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = tmp_path / "home" / ".config" / "catacloud" / "config.toml"
+    assert (
+        config_path({"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+        == tmp_path / "xdg" / "catacloud" / "config.toml"
+    )
+    assert config_path({}) == default
+    assert config_path({"XDG_CONFIG_HOME": ""}) == default
+    assert config_path({"XDG_CONFIG_HOME": "relative/dir"}) == default
+    assert (
+        config_path({"CATACLOUD_CONFIG": str(tmp_path / "c.toml"), "XDG_CONFIG_HOME": "/x"})
+        == tmp_path / "c.toml"
+    )
+    path = save_login(
+        env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")}, url="http://a.example", token="cc_a", profile="a"
+    )
+    assert path == tmp_path / "xdg" / "catacloud" / "config.toml" and not default.exists()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,10 @@ def test_help_lists_the_client_commands_first_and_no_hidden_one(capsys: pytest.C
     assert code == 0
     assert "SUPPRESS" not in out and "dev-cleanup" not in out
     listed = [m[1] for line in out.splitlines() if (m := re.match(r"^ {4}([a-z][\w-]*)", line))]
-    client = ["jobs", "configs", "pools", "instances", "artifacts", "auth"]
+    client = [
+        "jobs", "run", "configs", "pools", "instances", "artifacts", "events", "costs", "budgets",
+        "registry-credentials", "github", "gitlab", "auth",
+    ]  # fmt: skip
     assert listed[: len(client)] == client, listed
     assert {"dev", "services", "agent", "simulate"} <= set(listed[len(client) :])
 
@@ -31,7 +35,9 @@ def test_help_lists_the_client_commands_first_and_no_hidden_one(capsys: pytest.C
     ("group", "commands"),
     [
         ("jobs", "submit, logs, cancel, ls, show"),
-        ("pools", "ls, create, acquire, release, drain, delete"),
+        ("pools", "ls, show, create, update, resize, acquire, release, drain, delete"),
+        ("github", "connection, classes, jobs"),
+        ("budgets", "ls, set"),
         ("instances", "ls, show, terminate"),
     ],
 )
@@ -42,7 +48,7 @@ def test_a_group_without_its_command_lists_its_commands(
     assert code == 2
     assert f"catacloud {group}: error: name a command: {commands}" in err
     first = commands.split(", ")[0]
-    assert f"\n    {first} " in err  # each with what it does, as --help shows them
+    assert re.search(rf"\n {{4}}{first}\b", err)  # each with what it does, as --help shows them
 
 
 @pytest.mark.parametrize(("typed", "meant"), [("sucess", "succeeded"), ("wait", "waiting_for_machine")])
@@ -52,3 +58,78 @@ def test_a_mistyped_status_gets_a_suggestion(
     code, _, err = _run(capsys, "jobs", "ls", "--status", typed)
     assert code == 2
     assert f"invalid choice: '{typed}'" in err and f"(did you mean {meant}?)" in err
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        (["jobs", "list"], ["jobs", "ls"]),
+        (["jobs", "view", "abcd1234"], ["jobs", "show", "abcd1234"]),
+        (["jobs", "get", "abcd1234"], ["jobs", "show", "abcd1234"]),
+        (["jobs", "describe", "abcd1234"], ["jobs", "show", "abcd1234"]),
+        (["pools", "list"], ["pools", "ls"]),
+        (["pools", "get", "ci"], ["pools", "show", "ci"]),
+        (["configs", "view", "nightly"], ["configs", "show", "nightly"]),
+        (["instances", "list", "--all"], ["instances", "ls", "--all"]),
+        (["registries", "list"], ["registry-credentials", "ls"]),
+        (["github", "classes", "list"], ["github", "classes", "ls"]),
+        (["gitlab", "connection", "view"], ["gitlab", "connection", "show"]),
+    ],
+)
+def test_gh_and_kubectl_verbs_are_aliases_of_the_same_command(typed: list[str], meant: list[str]) -> None:
+    """`gh run list`, `gh pr view`, `kubectl get`, `kubectl describe`: the verbs their users type."""
+    parser = build_parser()
+    a, b = parser.parse_args(typed), parser.parse_args(meant)
+    assert a._parser is b._parser
+    assert {k: v for k, v in vars(a).items() if k not in ("func", "cmd") and not k.endswith("_cmd")} == {
+        k: v for k, v in vars(b).items() if k not in ("func", "cmd") and not k.endswith("_cmd")
+    }
+
+
+def test_the_aliases_show_in_help_beside_their_command(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = _run(capsys, "jobs", "--help")
+    assert re.search(r"^ {4}ls \(list\) ", out, re.M) and re.search(
+        r"^ {4}show \(view, get, describe\)", out, re.M
+    )
+
+
+def test_a_one_off_command_is_quoted_as_given() -> None:
+    from catacloud.client.base import UsageError
+    from catacloud.client.run import command_line
+
+    assert command_line(["--", "echo", "a b", "$HOME"]) == "echo 'a b' '$HOME'"
+    assert command_line(["make && make test"]) == "make && make test"  # one word: a shell line
+    with pytest.raises(UsageError, match="name a command"):
+        command_line(["--"])
+    parsed = build_parser().parse_args(["run", "-t", "small", "--json", "--", "sh", "-c", "exit 3", "--json"])
+    assert parsed.machine_type == "small" and parsed.command == ["--", "sh", "-c", "exit 3", "--json"]
+
+
+def test_a_secret_env_value_comes_from_the_environment_or_a_file_never_the_command_line(
+    tmp_path: Path,
+) -> None:
+    from catacloud.client.base import UsageError, parse_secret_env
+
+    (tmp_path / "key").write_text("from-a-file\n")
+    assert parse_secret_env(["API_KEY", f"FILE_KEY=@{tmp_path / 'key'}"], {"API_KEY": "s3cret"}) == {
+        "API_KEY": "s3cret",
+        "FILE_KEY": "from-a-file",
+    }
+    with pytest.raises(UsageError, match="never a command-line value"):
+        parse_secret_env(["API_KEY=s3cret"], {})
+    with pytest.raises(UsageError, match="API_KEY is not set in this shell"):
+        parse_secret_env(["API_KEY"], {})
+
+
+def test_events_since_takes_an_age_or_a_time() -> None:
+    from datetime import UTC, datetime
+
+    from catacloud.client.base import UsageError
+    from catacloud.client.events import since
+
+    now = datetime(2030, 5, 1, 12, 0, tzinfo=UTC)
+    assert since("10m", now) == "2030-05-01T11:50:00+00:00"
+    assert since("2d", now) == "2030-04-29T12:00:00+00:00"
+    assert since("2030-05-01T10:00:00Z") == "2030-05-01T10:00:00+00:00"
+    with pytest.raises(UsageError, match="--since takes"):
+        since("yesterday")
