@@ -211,6 +211,8 @@ def test_the_console_shows_cost_per_org_per_day_as_a_chart(world: World, history
     assert page.status_code == 200
     html = page.content.decode()
     assert "acme" in html and "<svg" in html and "total 0.36 USD" in html
-    assert "warm 17%" in html and "idle 11%" in html  # the warm and idle shares are visible
+    # the warm, idle and tail shares and amounts are visible, tail (800 unused seconds) beside idle
+    assert "warm <b>16.7%</b> (0.0600)" in html and "idle <b>11.1%</b> (0.0400)" in html
+    assert "tail, paid and unused <b>22.2%</b> (0.0800)" in html
     assert client.get("/admin/machines/budget/costs/?days=nonsense").status_code == 200
     assert "Cost per day (chart)" in client.get("/admin/machines/budget/").content.decode()
