@@ -3,7 +3,9 @@ default; sent by the reaper's tick): the forge's view compared with ours, both w
 
 - **Runners**: a runner named ``catacloud-<instance>`` (an instance of this database) that no
   live runner job holds (its machine or job is gone) is deleted, unless it is busy or its
-  registration is in flight; a handed-off runner that has not come online within its class's
+  registration is in flight; one that took its job and is still registered (its deletion's
+  message or call lost) is deleted, where the forge deletes runners once they have their job
+  (GitLab: ``Forge.tasks.finished``); a handed-off runner that has not come online within its class's
   ``online_timeout_seconds`` has its machine recycled (terminated: the job is requeued on
   another machine); a runner online and idle past ``idle_timeout_seconds`` is retired (deleted
   at the forge, its job cancelled, its machine released).
@@ -28,7 +30,8 @@ from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
-from apps.ci.dispatch import instance_of, retire_soon
+from apps.ci.choices import Handoff
+from apps.ci.dispatch import instance_of, retire_soon, runner_unregister
 from apps.ci.errors import ForgeError
 from apps.ci.forge import EndpointId, Forge, ForgeOps, Listed, ops_of
 from apps.core.broker import enqueue
@@ -149,7 +152,7 @@ class _Claim:
 def _runners(
     forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
 ) -> dict[str, int]:
-    deleted = recycled = idle = 0
+    deleted = recycled = idle = unregistered = 0
     live = {
         forge.runner_id_of(r): r
         for r in forge.runner.objects.filter(
@@ -174,6 +177,8 @@ def _runners(
             if runner.online_at is None and (listed.online or listed.busy):
                 forge.runner.objects.filter(pk=runner.pk).update(online_at=now)
                 runner.online_at = now
+            if forge.bound_id_of(runner) and forge.tasks.finished:
+                unregistered += runner_unregister(forge=forge, job_id=runner.job_id) == Handoff.UNREGISTERED
             continue
         # A registration of this machine asked for lately may be this very runner, its id not
         # recorded yet (in flight), or recorded since ``live`` was read: left for a later pass.
@@ -215,7 +220,12 @@ def _runners(
             forge.runner.objects.filter(pk=runner.pk).update(retire_requested_at=now)
             retire_soon(forge, runner.pk)
             idle += 1
-    return {"runners_deleted": deleted, "runners_recycled": recycled, "runners_idle_retired": idle}
+    return {
+        "runners_deleted": deleted,
+        "runners_recycled": recycled,
+        "runners_idle_retired": idle,
+        "runners_with_their_job_deleted": unregistered,
+    }
 
 
 def _recycle(forge: Forge, runner: Any) -> int:

@@ -75,6 +75,23 @@ def test_a_runner_whose_job_ended_is_deleted(gl: GitLabWorld) -> None:
     assert gl.fake.runners == {}
 
 
+def test_a_runner_still_registered_after_taking_its_job_is_deleted(gl: GitLabWorld) -> None:
+    """Its deletion's message (or call) was lost: the next reconcile deletes the runner that runs
+    a job, so its token takes no other; the job itself goes on."""
+    job, _, runner = handed_off(gl)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    taken = gl.fake.queue_job("acme/app", TAGS)
+    with gl.fake.lock:  # GitLab gave it this job
+        gl.fake.jobs[taken].status, gl.fake.jobs[taken].runner_id = "running", runner.gitlab_runner_id
+    deliver(job_event(taken, "running", tags=TAGS, runner=ours))  # its unregister task never runs here
+    assert runner.gitlab_runner_id in gl.fake.runners
+    assert reconcile(gl)["runners_with_their_job_deleted"] == 1
+    assert runner.gitlab_runner_id not in gl.fake.runners and gl.fake.job(taken).status == "running"
+    assert reconcile(gl)["runners_with_their_job_deleted"] == 0  # gone: nothing more to do
+    job.refresh_from_db()
+    assert job.status == "assigned" and not job.cancel_requested  # the runner job goes on
+
+
 def test_a_runner_that_never_came_online_has_its_machine_recycled(gl: GitLabWorld) -> None:
     job, instance, runner = handed_off(gl)
     assert reconcile(gl)["runners_recycled"] == 0  # within its deadline
