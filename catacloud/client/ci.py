@@ -57,6 +57,7 @@ class Forge:
     children: Option  # the connection's installations or projects: ``ID:TEXT`` each
     child_text: str  # what TEXT is in the API's body: account, path
     child_metavar: str  # ID[:ACCOUNT] (optional text) or ID:PATH
+    child_text_required: bool
     connection_rows: Callable[[dict], list[tuple[str, Any]]]
     endpoints: Callable[[dict], list[tuple[str, dict]]]  # (what, its health) of a connection
 
@@ -125,6 +126,7 @@ GITHUB = Forge(
     ),
     child_text="account",
     child_metavar="ID[:ACCOUNT]",
+    child_text_required=False,
     connection_rows=lambda c: [
         ("app", f"{c['app_id']} at {c.get('api_url') or 'https://api.github.com'}"),
         ("webhook", c["webhook_url"]),
@@ -175,6 +177,7 @@ GITLAB = Forge(
     children=Option("--project", "projects", "a project: ID:PATH, e.g. 42:group/app (repeatable)"),
     child_text="path",
     child_metavar="ID:PATH",
+    child_text_required=True,
     connection_rows=lambda c: [
         ("gitlab", c["url"]),
         ("webhook", c["webhook_url"]),
@@ -305,7 +308,7 @@ def _children(forge: Forge, values: list[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for value in values:
         ident, _, text = value.partition(":")
-        if not ident.isdigit() or (not text and ":" not in forge.child_metavar.replace("[:", "")):
+        if not ident.isdigit() or (forge.child_text_required and not text):
             raise UsageError(f"{forge.children.flag} takes {forge.child_metavar}, got {value!r}")
         out.append({"id": int(ident), forge.child_text: text} if text else {"id": int(ident)})
     return out

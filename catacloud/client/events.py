@@ -18,11 +18,12 @@ from catacloud.client.base import (
     watch_flags,
     watch_rows,
 )
-from catacloud.client.output import age, short
+from catacloud.client.output import age, parse_time, short
 
 COLUMNS = ("AGE", "KIND", "BY", "OBJECT", "REASON")
 _AGO = re.compile(r"(?P<n>\d+)(?P<unit>[smhd])")
 _UNIT = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+COMMIT_SLACK = timedelta(seconds=60)  # --watch: how far back each poll looks again
 
 
 def register(at: Commands) -> None:
@@ -76,10 +77,13 @@ def cmd_events_ls(api: Api, args: argparse.Namespace) -> int:
         return show_list(args, rows, COLUMNS, _cells, empty="no events")
 
     def fetch() -> list[dict]:
-        """Oldest first, so new events follow on below; then only those since the newest seen."""
+        """Oldest first, so new events follow on below; then those since a while before the
+        newest seen (an event is stamped when written, seen when its transaction commits: one
+        written a moment before the newest may show after it; the watch prints each id once)."""
         rows = list(retrying(lambda: api.pages("events/", limit=max(1, args.limit), **params)))[::-1]
-        if rows:
-            params["since"] = rows[-1]["created_at"]
+        newest = parse_time(rows[-1]["created_at"]) if rows else None
+        if newest is not None:
+            params["since"] = (newest - COMMIT_SLACK).isoformat()
         return rows
 
     return watch_rows(fetch, COLUMNS, _cells, args, empty="no events yet; watching")

@@ -133,3 +133,15 @@ def test_events_since_takes_an_age_or_a_time() -> None:
     assert since("2030-05-01T10:00:00Z") == "2030-05-01T10:00:00+00:00"
     with pytest.raises(UsageError, match="--since takes"):
         since("yesterday")
+
+
+def test_a_connections_installations_and_projects_as_the_api_takes_them() -> None:
+    from catacloud.client.base import UsageError
+    from catacloud.client.ci import GITHUB, GITLAB, _children
+
+    assert _children(GITHUB, ["1", "4242:acme-gh"]) == [{"id": 1}, {"id": 4242, "account": "acme-gh"}]
+    assert _children(GITLAB, ["42:group/app"]) == [{"id": 42, "path": "group/app"}]
+    with pytest.raises(UsageError, match="--project takes ID:PATH"):
+        _children(GITLAB, ["42"])
+    with pytest.raises(UsageError, match=r"--installation takes ID\[:ACCOUNT\]"):
+        _children(GITHUB, ["acme"])
