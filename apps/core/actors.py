@@ -52,6 +52,11 @@ class Actor(str):
         return cls(f"agent:{instance_id}")
 
     @classmethod
+    def host(cls, host_id: object) -> Actor:
+        """An enrolled host's agent (``host:<host id>``)."""
+        return cls(f"host:{host_id}")
+
+    @classmethod
     def schedule(cls, name: object) -> Actor:
         """A pool's schedule (``schedule:<name or id>``)."""
         return cls(f"schedule:{name}")

@@ -34,6 +34,19 @@ BROKER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# The pub/sub channel that wakes a long poll (an instance's GET work; an enrolled host's exchange,
+# keyed ``host-<id>``: apps.control.agent); a wake-up is a hint, the poll re-reads PostgreSQL.
+WAKE_KEY = "catacloud:wake:{}"
+
+
+def wake(key: object, message: str) -> int:
+    """Publish a wake-up for ``key``'s long poll; its listeners woken (-1: Redis is down)."""
+    try:
+        return int(redis_client().publish(WAKE_KEY.format(key), message))
+    except redis.RedisError:
+        return -1
+
+
 @functools.cache
 def redis_client() -> redis.Redis:
     return redis.Redis.from_url(

@@ -19,6 +19,7 @@ class Cause(StrEnum):
     BOOT_TIMEOUT = "boot_timeout"  # it never finished booting
     LEASE_EXPIRED = "lease_expired"  # an acquired machine's lease ran out
     POOL_DRAINED = "pool_drained"  # its pool was drained
+    HOST_DRAINED = "host_drained"  # its enrolled host was cordoned, drained or revoked
     # A job goes back to the queue (besides its machine's end)
     NOT_STARTED = "not_started"  # assigned, and its agent never started it
     JOB_FINISHED = "job_finished"  # a job that had finished, found back on a live machine
@@ -40,4 +41,4 @@ class Cause(StrEnum):
 
 
 # Requeues the operator caused: they do not use up the job's max_attempts.
-FREE_REQUEUE_CAUSES = frozenset({Cause.MACHINE_TERMINATED, Cause.POOL_DRAINED})
+FREE_REQUEUE_CAUSES = frozenset({Cause.MACHINE_TERMINATED, Cause.POOL_DRAINED, Cause.HOST_DRAINED})

@@ -26,6 +26,7 @@ class ErrorCode(StrEnum):
     NOT_AUTHENTICATED = "not_authenticated"
     AUTHENTICATION_FAILED = "authentication_failed"
     INVALID_BOOTSTRAP_TOKEN = "invalid_bootstrap_token"
+    INVALID_ENROLMENT_TOKEN = "invalid_enrolment_token"  # a host's enrolment token that is not live
     INVALID_SIGNATURE = "invalid_signature"  # a webhook delivery without a valid signature
     PERMISSION_DENIED = "permission_denied"
     MISSING_PRIVILEGE = "missing_privilege"
@@ -69,6 +70,9 @@ class ErrorCode(StrEnum):
     IMAGE_PULL_TIMEOUT = "image_pull_timeout"
     IMAGE_PULL_FAILED = "image_pull_failed"
     IMAGE_UNUSABLE = "image_unusable"
+    # A CI runner job's failure_code, as its forge's integration names its exit: the runner's
+    # version is one the forge no longer accepts (actions/runner exits 7).
+    RUNNER_OUTDATED = "runner_outdated"
 
 
 def error_payload(code: ErrorCode, detail: str, **extra: Any) -> dict[str, Any]:

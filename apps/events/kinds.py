@@ -49,6 +49,16 @@ class EventKind(StrEnum):
     INSTANCE_FAILED = "instance.failed"
     INSTANCE_LOST = "instance.lost"
     AGENT_ENROLLED = "agent.enrolled"
+    # enrolled hosts
+    ENROLMENT_TOKEN_CREATED = "enrolment_token.created"
+    ENROLMENT_TOKEN_REVOKED = "enrolment_token.revoked"
+    HOST_ENROLLED = "host.enrolled"
+    HOST_LOST = "host.lost"
+    HOST_RETURNED = "host.returned"
+    HOST_CORDONED = "host.cordoned"
+    HOST_DRAINING = "host.draining"
+    HOST_UNCORDONED = "host.uncordoned"
+    HOST_REVOKED = "host.revoked"
     INSTANCE_IMAGE_PULLED = "instance.image_pulled"  # a pool's image, before the member is ready
     INSTANCE_IMAGE_PULL_FAILED = "instance.image_pull_failed"
     RECONCILE_ADOPTED = "reconcile.adopted"
@@ -64,6 +74,7 @@ class EventKind(StrEnum):
     POOL_DRAINING = "pool.draining"
     POOL_DRAINED = "pool.drained"
     POOL_AT_MAX_SIZE = "pool.pool_at_max_size"
+    POOL_NO_HOST_ROOM = "pool.no_host_room"  # a pool of an enrolled host type: its hosts are full
     POOL_QUOTA_EXCEEDED = "pool.quota_exceeded"
     POOL_BUDGET_EXCEEDED = "pool.budget_exceeded"
     POOL_MEMBER_REQUESTED = "pool.member_requested"
@@ -121,6 +132,8 @@ class EventKind(StrEnum):
     GITHUB_UNAVAILABLE = "github.unavailable"
     GITHUB_AVAILABLE = "github.available"
     GITHUB_REDELIVERED = "github.redelivered"
+    GITHUB_RATE_LIMITED = "github.rate_limited"
+    GITHUB_RUNNER_OUTDATED = "github.runner_outdated"
     # GitLab CI (apps.gitlab)
     GITLAB_CONNECTION_CREATED = "gitlab.connection_created"
     GITLAB_CONNECTION_UPDATED = "gitlab.connection_updated"
@@ -138,3 +151,6 @@ class EventKind(StrEnum):
     GITLAB_RUNNER_RECYCLED = "gitlab.runner_recycled"
     GITLAB_UNAVAILABLE = "gitlab.unavailable"
     GITLAB_AVAILABLE = "gitlab.available"
+    GITLAB_RATE_LIMITED = "gitlab.rate_limited"
+    GITLAB_RUNNER_CAP_REACHED = "gitlab.runner_cap_reached"
+    GITLAB_RUNNER_TOKEN_ROTATED = "gitlab.runner_token_rotated"

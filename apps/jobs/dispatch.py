@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import redis
 
-from apps.core import tracing
+from apps.core import broker, tracing
 from apps.core.broker import enqueue_on_commit, redis_client
 from apps.core.ids import InstanceId, JobId
 
@@ -21,7 +21,7 @@ SCHEDULE_TASK = "apps.jobs.tasks.schedule_task"
 ACQUIRE_RESOURCES_TASK = "apps.jobs.tasks.acquire_resources_task"
 
 # The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
-WAKE_KEY = "catacloud:wake:{}"
+WAKE_KEY = broker.WAKE_KEY
 # The generation of an instance's current long poll: a newer poll replaces an older one.
 POLL_KEY = "catacloud:poll:{}"
 

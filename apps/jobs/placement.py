@@ -37,7 +37,8 @@ from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES, job_claim_label
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
-from apps.machines.choices import InstanceStatus, Policy
+from apps.machines.choices import InstanceStatus, Policy, ProviderKind
+from apps.machines.hosts import NoHostRoom, hosts_room, no_room_reason
 from apps.machines.lifecycle import instance_request
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.selectors import paid_capacity
@@ -206,8 +207,8 @@ def _provision_or_wait(
             n = check.cap(n)
             budget_reason = check.reason_after(n)
         budget_bought(check, n, now=now, actor=Actor.SCHEDULER)
-    for _ in range(n):
-        instance_request(org=org_id, machine_type=mt, actor=Actor.SCHEDULER, reason="a job is waiting")
+    wanted = n
+    n = _request(org_id, mt, n)
     reason = placement.pending_reason(
         waiting=len(jobs),
         bought=n,
@@ -218,7 +219,22 @@ def _provision_or_wait(
     )
     if budget_reason and not (supply.on_the_way + n):
         reason = budget_reason
+    elif n < wanted and not (supply.on_the_way + n):  # an enrolled host type: every host is full
+        reason = no_room_reason(org_id=org_id, machine_type=mt)
     _set_reason(jobs, reason)
+    return n
+
+
+def _request(org_id: OrgId, mt: MachineType, n: int) -> int:
+    """Request ``n`` machines; of an enrolled host type, as many as its hosts have room for (the
+    slot's request decides under the hosts' locks). How many were requested."""
+    if n and mt.provider_account.kind == ProviderKind.HOSTS:
+        n = min(n, hosts_room(org_id=org_id, machine_type=mt))
+    for done in range(n):
+        try:
+            instance_request(org=org_id, machine_type=mt, actor=Actor.SCHEDULER, reason="a job is waiting")
+        except NoHostRoom:
+            return done
     return n
 
 

@@ -7,6 +7,16 @@ class ProviderKind(models.TextChoices):
     LOCAL = "local", "local (agent processes on this host)"
     HETZNER = "hetzner", "Hetzner Cloud"
     AWS = "aws", "AWS EC2"
+    HOSTS = "hosts", "enrolled hosts (machines you own, never bought)"
+
+
+class HostStatus(models.TextChoices):
+    """An enrolled host: ``active`` while its agent heartbeats, ``lost`` once it stops (back to
+    ``active`` when it returns, without a new enrolment), ``revoked`` for good."""
+
+    ACTIVE = "active"
+    LOST = "lost"
+    REVOKED = "revoked"
 
 
 class Policy(models.TextChoices):

@@ -30,7 +30,8 @@ from apps.core.selectors import installation_id
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.agent_dist import agent_package
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, ProviderKind
+from apps.machines.hosts import slot_host
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import INSTANCE_STATES
 from apps.orgs.models import Organization
@@ -75,6 +76,8 @@ def provider_for(account: ProviderAccount) -> Provider:
         for old in [k for k in _providers if k[0] == key[0]]:  # the account's outdated driver
             del _providers[old]
         config = dict(account.config)
+        if account.kind == ProviderKind.HOSTS:  # its slots are this account's (apps.machines.hostdriver)
+            config["account_id"] = str(account.pk)
         if get_driver_class(account.kind).needs_state_dir:
             config.setdefault("state_dir", str(Path(settings.CATACLOUD_HOME) / "machines" / account.name))
         provider = build_provider(account.kind, config=config, credentials=account.credentials)
@@ -115,14 +118,21 @@ def instance_request(
     actor: Actor = Actor.UNNAMED,
     reason: str = "",
 ) -> MachineInstance:
-    """Commit a ``pending`` instance and enqueue its provisioning after commit."""
+    """Commit a ``pending`` instance and enqueue its provisioning after commit. A slot of an
+    enrolled host gets its host now, under the hosts' locks (the caller holds the grant's):
+    :class:`apps.machines.hosts.NoHostRoom` when none has room."""
+    org_id = org.pk if isinstance(org, Organization) else org
     with transaction.atomic():
+        host = None
+        if machine_type.provider_account.kind == ProviderKind.HOSTS:
+            host = slot_host(org_id=org_id, machine_type=machine_type)
         instance = MachineInstance.objects.create(
-            org_id=org.pk if isinstance(org, Organization) else org,
+            org_id=org_id,
             machine_type=machine_type,
             machine_type_version=machine_type.version,
             provider_account_id=machine_type.provider_account_id,
             pool_id=pool,
+            host=host,
         )
         event_record(
             kind=EventKind.POOL_MEMBER_REQUESTED if instance.pool_id else EventKind.INSTANCE_REQUESTED,

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from apps.core.crypto import encrypted
 from apps.core.errors import ErrorCode
-from apps.machines.choices import InstanceStatus, Policy, ProviderKind
+from apps.machines.choices import HostStatus, InstanceStatus, Policy, ProviderKind
 from catacloud.agent.netns import normalize_network
 
 
@@ -66,6 +66,7 @@ class MachineType(models.Model):
         "disk_gb",
         "network",
         "image_cache_mb",
+        "host_labels",
     )
     REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
@@ -77,6 +78,7 @@ class MachineType(models.Model):
         "memory_mb",
         "gpus",
         "spot",
+        "host_labels",
     )
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -118,6 +120,13 @@ class MachineType(models.Model):
         default=10240,
         validators=[MinValueValidator(1)],
         help_text="MB of a machine's image store; least recently used images go first",
+    )
+    # On enrolled hosts (a provider account of kind ``hosts``): the labels a host must carry for
+    # this type's jobs to run there; its cpus, memory_mb and disk_gb are what one job takes of it.
+    host_labels = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='enrolled hosts only: labels a host must carry, e.g. {"gpu": "a4000"}',
     )
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -191,6 +200,11 @@ class MachineInstance(models.Model):
     provider_account = models.ForeignKey(ProviderAccount, on_delete=models.PROTECT, related_name="instances")
     pool = models.ForeignKey(
         "pools.InstancePool", null=True, blank=True, on_delete=models.SET_NULL, related_name="members"
+    )
+    # A slot of an enrolled host (its machine type's share of the host): the host it runs on,
+    # chosen when the slot is requested (apps.machines.hosts). None: a machine of its own.
+    host = models.ForeignKey(
+        "machines.Host", null=True, blank=True, on_delete=models.PROTECT, related_name="slots"
     )
     status = models.CharField(max_length=16, choices=InstanceStatus.choices, default=InstanceStatus.PENDING)
     provider_id = models.CharField(max_length=128, blank=True)
@@ -266,6 +280,95 @@ class MachineInstance(models.Model):
 
     def event_refs(self) -> dict:
         return {"org": self.org_id, "pool": self.pool_id, "instance": self.pk}
+
+
+class EnrolmentToken(models.Model):
+    """What a host enrolls with: scoped to one organization (only its jobs run there) or shared
+    (``org`` None: any granted organization's), with the labels its hosts get; single-use or
+    bounded in uses and time; shown once, stored hashed."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    provider_account = models.ForeignKey(
+        ProviderAccount, on_delete=models.PROTECT, related_name="enrolment_tokens"
+    )
+    org = models.ForeignKey(
+        "orgs.Organization", null=True, blank=True, on_delete=models.CASCADE, related_name="enrolment_tokens"
+    )
+    description = models.CharField(max_length=200, blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    prefix = models.CharField(max_length=16, editable=False)  # shown to tell tokens apart
+    max_uses = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
+    uses = models.PositiveIntegerField(default=0, editable=False)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(condition=Q(uses__lte=models.F("max_uses")), name="enrolment_uses")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.uses}/{self.max_uses} used)"
+
+
+class Host(models.Model):
+    """A machine the user owns (bare metal, a long-lived VM), enrolled with a token: never bought,
+    never deleted by the reconciler. Its jobs run in slots (machine instances whose ``host`` it
+    is), as many at once as its capacity allows; its agent starts and stops them."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, help_text="the host's name, as its agent reported it")
+    provider_account = models.ForeignKey(ProviderAccount, on_delete=models.PROTECT, related_name="hosts")
+    # None: shared by the operator (any granted organization's jobs, each in its own sandbox).
+    org = models.ForeignKey(
+        "orgs.Organization", null=True, blank=True, on_delete=models.PROTECT, related_name="hosts"
+    )
+    enrolment = models.ForeignKey(
+        EnrolmentToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="hosts"
+    )
+    labels = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=HostStatus.choices, default=HostStatus.ACTIVE)
+    agent_token_hash = models.CharField(max_length=64, blank=True, editable=False)
+    # What it has (as its agent reported it): what its slots may take.
+    cpus = models.PositiveIntegerField(default=1)
+    memory_mb = models.PositiveIntegerField(default=1024)
+    disk_gb = models.PositiveIntegerField(default=0)
+    gpus = models.PositiveIntegerField(default=0)
+    arch = models.CharField(max_length=32, blank=True)
+    agent_version = models.CharField(max_length=32, blank=True)
+    # The slots its agent last said it runs (instance ids), and when.
+    running = models.JSONField(default=list, blank=True)
+    # Cordoned: no new slot; draining: cordoned, and its jobs requeued once this passes.
+    cordoned_at = models.DateTimeField(null=True, blank=True)
+    drain_deadline = models.DateTimeField(null=True, blank=True)
+    # For cost attribution only (Catacloud never bills it per hour): what the host costs a month.
+    monthly_price = models.DecimalField(
+        max_digits=12, decimal_places=2, null=True, blank=True, validators=[MinValueValidator(0)]
+    )
+    enrolled_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    status_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [
+            models.Index(
+                fields=["agent_token_hash"], name="host_agent_token", condition=~Q(agent_token_hash="")
+            ),
+            # The reaper: WHERE status = 'active' AND last_seen_at < now() - deadline
+            models.Index(fields=["status", "last_seen_at"], name="host_status_seen"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.status})"
+
+    @property
+    def cordoned(self) -> bool:
+        return self.cordoned_at is not None
 
 
 class BudgetPeriod(models.TextChoices):

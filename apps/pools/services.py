@@ -26,6 +26,7 @@ from apps.events.services import event_record, events_record
 from apps.machines import claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.hosts import NoHostRoom
 from apps.machines.lifecycle import instance_request, instance_terminate
 from apps.machines.models import MachineInstance, MachineType
 from apps.machines.selectors import BOOTING, paid_capacity
@@ -119,6 +120,7 @@ LIMIT_EVENTS = {
     "pool_at_max_size": EventKind.POOL_AT_MAX_SIZE,
     "quota_exceeded": EventKind.POOL_QUOTA_EXCEEDED,
     "budget_exceeded": EventKind.POOL_BUDGET_EXCEEDED,
+    "no_host_room": EventKind.POOL_NO_HOST_ROOM,
 }
 
 # Every pool status change: POOL_STATES.move(pool_id, to=..., ...).
@@ -404,8 +406,11 @@ def _buy(pool: InstancePool, mt: MachineType, count: int, *, actor: Actor) -> tu
             count = check.cap(count)
             limit = f"budget_exceeded: {check.reason_after(count)}"
         budget_bought(check, count, now=now, actor=actor)
-    for _ in range(count):
-        instance_request(org=pool.org_id, machine_type=mt, pool=pool.pk, actor=actor, reason="refill")
+    for done in range(count):
+        try:
+            instance_request(org=pool.org_id, machine_type=mt, pool=pool.pk, actor=actor, reason="refill")
+        except NoHostRoom as exc:  # an enrolled host type: its hosts are full (slots, not machines)
+            return done, limit or f"no_host_room: {exc}"
     return count, limit
 
 

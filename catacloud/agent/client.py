@@ -35,6 +35,11 @@ from catacloud.protocol import (
     EnrollAnswer,
     Finished,
     HeartbeatAnswer,
+    HostAnswer,
+    HostCapacity,
+    HostEnroll,
+    HostEnrollAnswer,
+    HostReport,
     ImagesReport,
     JobPayload,
     MachineReport,
@@ -392,6 +397,62 @@ class AgentClient:
             raise AgentAPIError(f"enroll: malformed answer ({exc})") from exc
         self.set_token(enrollment.agent_token)
         return enrollment
+
+    def host_enroll(
+        self,
+        *,
+        enrolment_token: str,
+        hostname: str,
+        capacity: HostCapacity,
+        agent_version: str,
+        retry_for: float | None = 600.0,
+        interrupt: threading.Event | None = None,
+    ) -> HostEnrollAnswer:
+        """An enrolled host: its enrolment token for its own credential (``catacloud host``)."""
+        register_secret(enrolment_token)
+        body = HostEnroll(
+            enrolment_token=enrolment_token,
+            hostname=hostname,
+            capacity=capacity,
+            agent_version=agent_version,
+            protocol=PROTOCOL_VERSION,
+        ).to_json()
+        response = self.request(
+            "POST", "hosts/enroll", body=body, auth=False, retry_for=retry_for, interrupt=interrupt
+        )
+        if response.status_code in (401, 426):
+            raise EnrollError(
+                f"enrollment refused: {_detail(response) or _code(response) or response.status_code}",
+                status=response.status_code,
+                code=_code(response),
+            )
+        self._expect_ok(response, "hosts/enroll")
+        try:
+            answer = HostEnrollAnswer.from_json(self._json(response, "hosts/enroll"))
+        except ValueError as exc:
+            raise AgentAPIError(f"hosts/enroll: malformed answer ({exc})") from exc
+        self.set_token(answer.host_token)
+        return answer
+
+    def host_exchange(
+        self, report: HostReport, *, wait: float, interrupt: threading.Event | None = None
+    ) -> HostAnswer:
+        """An enrolled host's report for what it starts and stops (waits up to ``wait`` seconds
+        while there is nothing to do)."""
+        response = self.request(
+            "POST",
+            "hosts/exchange",
+            body=report.to_json(),
+            params={"wait": f"{wait:g}"},
+            timeout=wait + 10.0,
+            retry_for=None,
+            interrupt=interrupt,
+        )
+        self._expect_ok(response, "hosts/exchange")
+        try:
+            return HostAnswer.from_json(self._json(response, "hosts/exchange"))
+        except ValueError as exc:
+            raise AgentAPIError(f"hosts/exchange: malformed answer ({exc})") from exc
 
     def heartbeat(
         self,

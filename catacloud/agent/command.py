@@ -4,6 +4,7 @@ options, logging, the bootstrap token's way in, and the agent's run until it is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ from catacloud.agent.sandbox import (
 log = logging.getLogger("catacloud.agent")
 
 BOOTSTRAP_ENV = "CATACLOUD_BOOTSTRAP_TOKEN"
+ENROLMENT_ENV = "CATACLOUD_ENROLMENT_TOKEN"
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -164,6 +166,87 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return agent.run()
 
 
+def cmd_host(args: argparse.Namespace) -> int:
+    """``catacloud host``: enroll this host (or resume) and run the slots it is given."""
+    from catacloud.agent.host import HostAgent, Offer
+
+    _setup_logging(args.log_level)
+    token = ""
+    if args.enrolment_token_file:
+        try:
+            with open(args.enrolment_token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except FileNotFoundError:
+            token = ""  # removed after enrolling; a restart resumes from the state file
+    token = token or os.environ.pop(ENROLMENT_ENV, "").strip()
+    if token:
+        register_secret(token)
+    config: dict[str, Any] = {"disk_reserve_gb": args.disk_reserve_gb}
+    host = HostAgent(
+        AgentClient(args.url, user_agent=f"catacloud-host/{__version__}"),
+        url=args.url,
+        enrolment_token=token,
+        state_file=args.state_file,
+        slots_dir=args.slots_dir,
+        offer=Offer(cpus=args.cpus, memory_mb=args.memory_mb, disk_gb=args.disk_gb, gpus=args.gpus),
+        provider_config=config,
+    )
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s; stopping (the slots keep running)", signal.Signals(signum).name)
+        host.request_stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    code = host.run()
+    if code == 0 and args.enrolment_token_file:  # used: it is no longer anywhere on this host
+        with contextlib.suppress(OSError):
+            os.unlink(args.enrolment_token_file)
+    return code
+
+
+def _host_options(host: argparse.ArgumentParser) -> None:
+    """The options of ``catacloud host``."""
+    host.add_argument("--url", required=True, help="control plane base URL, e.g. https://catacloud.example")
+    host.add_argument(
+        "--enrolment-token-file",
+        metavar="PATH",
+        help=f"file holding the enrolment token (or ${ENROLMENT_ENV}); removed once enrolled",
+    )
+    host.add_argument(
+        "--state-file",
+        default="/var/lib/catacloud/host.json",
+        metavar="PATH",
+        help="this host's credential (0600), so a restart resumes (default %(default)s)",
+    )
+    host.add_argument(
+        "--slots-dir",
+        default="/var/lib/catacloud/slots",
+        metavar="DIR",
+        help="where the slots live: their folders, disks and logs (default %(default)s)",
+    )
+    for name, what in (
+        ("cpus", "CPUs"),
+        ("memory-mb", "MB of memory"),
+        ("disk-gb", "GB of disk"),
+        ("gpus", "GPUs"),
+    ):
+        host.add_argument(
+            f"--{name}", type=int, metavar="N", help=f"offer at most N {what} (default: all it has)"
+        )
+    host.add_argument(
+        "--disk-reserve-gb",
+        type=_non_negative_float,
+        default=2.0,
+        metavar="GB",
+        help="free disk the host keeps for itself: no slot starts below it (default 2)",
+    )
+    host.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+
+
 def cmd_job_meta(args: argparse.Namespace) -> int:
     """``catacloud job-meta NAME``: metadata of a resource of the running job."""
     return job_meta_command(args.name)
@@ -289,6 +372,15 @@ def add_agent_commands(subparsers: Any) -> None:
     )
     _agent_options(agent)
     agent.set_defaults(func=cmd_agent)
+
+    host = subparsers.add_parser(
+        "host",
+        help="run an enrolled host: a machine you own that runs Catacloud jobs in slots",
+        description="Enroll this host with an enrolment token (once), then run the slots the control "
+        "plane gives it, each a sandboxed machine of its own, until stopped.",
+    )
+    _host_options(host)
+    host.set_defaults(func=cmd_host)
 
     meta = subparsers.add_parser(
         "job-meta",

@@ -342,3 +342,74 @@ class ImagesReport(Message):
 
     pulls: tuple[ImagePulled, ...] = ()
     held: tuple[HeldImage, ...] = ()
+
+
+# ---- enrolled hosts ----------------------------------------------------------------------------
+# A host the user owns runs ``catacloud host``: it enrolls once with an enrolment token, then
+# exchanges reports (what it has, which slots it runs) for what to start and stop. Each slot is
+# a machine of its own on the host (a sandbox with its machine type's cpus, memory and disk, its
+# own agent enrolled with the slot's bootstrap token), so a job on a host runs as on any machine.
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCapacity(Message):
+    """What a host has (as its agent found it, or was told to offer)."""
+
+    cpus: int
+    memory_mb: int
+    disk_gb: int = 0  # free space where its slots' disks live
+    gpus: int = 0
+    arch: str = ""  # platform.machine(): x86_64, aarch64
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEnroll(Message):
+    """``POST hosts/enroll``: the enrolment token (single-use or bounded) for the host's own
+    credential, returned once."""
+
+    enrolment_token: str
+    hostname: str
+    capacity: HostCapacity
+    agent_version: str = ""
+    protocol: int = VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEnrollAnswer(Message):
+    host_id: str
+    host_token: str
+    heartbeat_interval: float
+    poll_timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReport(Message):
+    """``POST hosts/exchange`` (every heartbeat, or a long poll with ``wait``): the slots the host
+    runs now (instance ids) and what it has."""
+
+    running: tuple[str, ...] = ()
+    capacity: HostCapacity | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotStart(Message):
+    """One slot the host starts: a sandbox of the slot's size whose agent enrolls with the
+    slot's single-use bootstrap token."""
+
+    instance_id: str
+    bootstrap_token: str
+    cpus: int
+    memory_mb: int
+    disk_gb: int | None = None
+    gpus: int = 0
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostAnswer(Message):
+    """What the host starts and stops (level-triggered: every answer says it all again until the
+    host's report shows it done), and whether it is cordoned."""
+
+    start: tuple[SlotStart, ...] = ()
+    stop: tuple[str, ...] = ()
+    cordoned: bool = False

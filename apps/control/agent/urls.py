@@ -8,7 +8,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.urls import URLPattern, path, re_path
 
-from apps.control.agent import db, endpoints
+from apps.control.agent import db, endpoints, hosts
 from apps.control.agent.views import heartbeat, work
 from apps.machines.agent_dist import agent_wheel_view
 
@@ -18,6 +18,7 @@ def agent_urls() -> list[URLPattern]:
     agent server runs on its database threads (see :func:`on_db_threads`)."""
     rest = [
         path("enroll", endpoints.EnrollView.as_view(), name="agent-enroll"),
+        path("hosts/enroll", hosts.HostEnrollView.as_view(), name="agent-host-enroll"),
         path("dist/<str:filename>", agent_wheel_view, name="agent-wheel"),
         path("jobs/<uuid:job_id>/started", endpoints.StartedView.as_view(), name="agent-job-started"),
         path("jobs/<uuid:job_id>/logs", endpoints.LogsView.as_view(), name="agent-job-logs"),
@@ -48,6 +49,7 @@ def agent_urls() -> list[URLPattern]:
     return [
         path("heartbeat", heartbeat, name="agent-heartbeat"),
         path("work", work, name="agent-work"),
+        path("hosts/exchange", hosts.exchange, name="agent-host-exchange"),
         *rest,
     ]
 

@@ -1,0 +1,142 @@
+"""Cordon, drain, uncordon, revoke and loss of enrolled hosts (apps.machines.hosts says what a
+host and its slots are): the operations that end slots, through the machines' life cycle, so a
+job on an ended slot is requeued as on any machine that ends (never run twice)."""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from apps.core import hooks
+from apps.core.actors import Actor
+from apps.core.causes import Cause
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition
+from apps.events.kinds import EventKind
+from apps.events.services import event_record
+from apps.machines.choices import INSTANCE_LIVE, HostStatus, InstanceStatus
+from apps.machines.lifecycle import instance_terminate
+from apps.machines.models import Host, MachineInstance, MachineType, OrgMachineType
+
+# ---- cordon, drain, revoke, loss ----------------------------------------------------------------
+
+
+def _end_slots(host: Host, *, actor: Actor, reason: str, idle_only: bool, cause: Any) -> int:
+    ended = 0
+    slots = MachineInstance.objects.filter(host=host, status__in=INSTANCE_LIVE).exclude(
+        status=InstanceStatus.TERMINATING
+    )
+    if idle_only:
+        slots = slots.exclude(status=InstanceStatus.CLAIMED)
+    for slot_id in slots.values_list("pk", flat=True):
+        with contextlib.suppress(InvalidTransition):
+            instance_terminate(instance_id=slot_id, actor=actor, reason=reason, cause=cause)
+            ended += 1
+    return ended
+
+
+def host_cordon(*, host_id: Any, actor: Actor = Actor.UNNAMED, drain_seconds: int | None = None) -> Host:
+    """No new slot on the host; its idle slots end. ``drain_seconds``: its busy slots end (their
+    jobs requeued) once that long has passed and they still run (0: at once)."""
+    now = timezone.now()
+    with transaction.atomic():
+        host = Host.objects.select_for_update().get(pk=host_id)
+        if host.status == HostStatus.REVOKED:
+            raise Conflict("this host is revoked", code=ErrorCode.INVALID_STATE)
+        first = host.cordoned_at is None
+        host.cordoned_at = host.cordoned_at or now
+        if drain_seconds is not None:
+            host.drain_deadline = now + timedelta(seconds=max(0, drain_seconds))
+        host.save(update_fields=["cordoned_at", "drain_deadline"])
+        if first or drain_seconds is not None:
+            event_record(
+                kind=EventKind.HOST_DRAINING if drain_seconds is not None else EventKind.HOST_CORDONED,
+                org=host.org_id,
+                actor=actor,
+                host=str(host.pk),
+                **({"deadline": host.drain_deadline.isoformat()} if host.drain_deadline else {}),
+            )
+        _end_slots(host, actor=actor, reason="host cordoned", idle_only=True, cause=Cause.HOST_DRAINED)
+    if drain_seconds == 0:
+        host_drain_due(now=now + timedelta(seconds=1))
+    return host
+
+
+def host_uncordon(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
+    with transaction.atomic():
+        host = Host.objects.select_for_update().get(pk=host_id)
+        if host.status == HostStatus.REVOKED:
+            raise Conflict("this host is revoked", code=ErrorCode.INVALID_STATE)
+        if host.cordoned_at is not None:
+            host.cordoned_at = None
+            host.drain_deadline = None
+            host.save(update_fields=["cordoned_at", "drain_deadline"])
+            event_record(kind=EventKind.HOST_UNCORDONED, org=host.org_id, actor=actor, host=str(host.pk))
+    for mt_id in MachineType.objects.filter(provider_account_id=host.provider_account_id).values_list(
+        "pk", flat=True
+    ):
+        for org_id in _orgs(host, mt_id):
+            hooks.machine_available(org_id=org_id, machine_type_id=mt_id)  # waiting jobs may go there now
+    return host
+
+
+def _orgs(host: Host, mt_id: Any) -> list[Any]:
+    """The organizations whose jobs of ``mt_id`` may run on ``host``: its own, or (a shared host)
+    every one the type is granted to."""
+    if host.org_id is not None:
+        return [host.org_id]
+    return list(OrgMachineType.objects.filter(machine_type_id=mt_id).values_list("org_id", flat=True))
+
+
+def host_revoke(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
+    """The host's credential is refused from now on and its slots end (their jobs requeued)."""
+    with transaction.atomic():
+        host = Host.objects.select_for_update().get(pk=host_id)
+        if host.status != HostStatus.REVOKED:
+            host.status = HostStatus.REVOKED
+            host.status_changed_at = timezone.now()
+            host.save(update_fields=["status", "status_changed_at"])
+            event_record(kind=EventKind.HOST_REVOKED, org=host.org_id, actor=actor, host=str(host.pk))
+        _end_slots(host, actor=actor, reason="host revoked", idle_only=False, cause=Cause.HOST_DRAINED)
+    return host
+
+
+def host_drain_due(*, now: Any = None) -> int:
+    """The reaper: busy slots of hosts whose drain deadline passed end (jobs requeued)."""
+    now = now or timezone.now()
+    ended = 0
+    for host in Host.objects.filter(drain_deadline__lte=now).exclude(status=HostStatus.REVOKED):
+        ended += _end_slots(
+            host,
+            actor=Actor.REAPER,
+            reason="host drained: its deadline passed",
+            idle_only=False,
+            cause=Cause.HOST_DRAINED,
+        )
+    return ended
+
+
+def hosts_lost(*, now: Any = None) -> int:
+    """The reaper: active hosts silent for longer than the machine heartbeat deadline are lost
+    (their slots' own agents stopped too: the machines' deadline requeues their jobs)."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
+    lost = 0
+    for host in Host.objects.filter(status=HostStatus.ACTIVE, last_seen_at__lt=cutoff):
+        with transaction.atomic():
+            if Host.objects.filter(pk=host.pk, status=HostStatus.ACTIVE, last_seen_at__lt=cutoff).update(
+                status=HostStatus.LOST, status_changed_at=now
+            ):
+                event_record(
+                    kind=EventKind.HOST_LOST,
+                    org=host.org_id,
+                    actor=Actor.REAPER,
+                    host=str(host.pk),
+                    last_seen_at=host.last_seen_at.isoformat() if host.last_seen_at else None,
+                )
+                lost += 1
+    return lost
