@@ -47,6 +47,7 @@ from apps.jobs.convergence import jobs_converge
 from apps.jobs.scheduler import schedule
 from apps.machines.choices import InstanceStatus
 from apps.machines.convergence import instances_converge
+from apps.machines.hostops import host_drain_due, hosts_lost
 from apps.machines.lifecycle import instance_mark_lost
 from apps.machines.models import MachineInstance
 from apps.machines.reconcile import reconcile_all
@@ -109,6 +110,8 @@ def _tick(now: datetime, reconcile: bool, repairs: Repairs) -> TickReport:
     report.stuck = machines.pop("stuck")
     report.extra.update(machines)
     report.lost = _mark_silent_lost(now, listening)
+    report.extra["hosts_lost"] = hosts_lost(now=now, listening_since=listening)
+    report.extra["host_slots_drained"] = host_drain_due(now=now)
     _listened(now, listening)  # here, not with the tick's record: a later step may fail
 
     pools = pools_converge(now=now, batch=BATCH)

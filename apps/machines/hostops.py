@@ -120,11 +120,14 @@ def host_drain_due(*, now: Any = None) -> int:
     return ended
 
 
-def hosts_lost(*, now: Any = None) -> int:
+def hosts_lost(*, now: Any = None, listening_since: Any = None) -> int:
     """The reaper: active hosts silent for longer than the machine heartbeat deadline are lost
-    (their slots' own agents stopped too: the machines' deadline requeues their jobs)."""
+    (their slots' own agents stopped too: the machines' deadline requeues their jobs). Silence
+    counts only since the control plane listened (``listening_since``, as for machines)."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.CATACLOUD_AGENT_LOST_AFTER)
+    if listening_since is not None and listening_since > cutoff:
+        return 0
     lost = 0
     for host in Host.objects.filter(status=HostStatus.ACTIVE, last_seen_at__lt=cutoff):
         with transaction.atomic():

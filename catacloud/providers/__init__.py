@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from catacloud.plugins import load_plugin
 from catacloud.providers.base import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -66,6 +65,8 @@ DRIVERS: dict[str, str] = {
 
 def get_driver_class(kind: str) -> type[Provider]:
     """Import and return the driver class for ``kind``; ``ValueError`` for unknown kinds."""
+    from catacloud.plugins import load_plugin  # (the server's: an enrolled host needs no registry)
+
     return load_plugin(DRIVERS, kind, Provider, "provider kind", unknown=ValueError)
 
 

@@ -85,14 +85,16 @@ class Mount:
 
 
 def runtime_paths() -> list[str]:
-    """What the agent needs of this host to run: its venv, its interpreter, the catacloud package."""
-    import catacloud
+    """What the agent needs of this host to run: its venv, its interpreter, the catacloud package
+    (found by the agent's own folder: on an enrolled host with the agent alone, ``catacloud`` is
+    a namespace package with no file of its own)."""
+    import catacloud.agent
 
     paths = {
         os.path.realpath(sys.prefix),
         os.path.realpath(sys.base_prefix),
         os.path.dirname(os.path.realpath(sys.executable)),
-        os.path.dirname(os.path.realpath(catacloud.__file__)),
+        os.path.dirname(os.path.dirname(os.path.realpath(catacloud.agent.__file__))),
     }
     # Keep only the outermost of nested paths (a venv inside the package's checkout and so on).
     ordered = sorted(paths, key=len)

