@@ -59,6 +59,7 @@ class EventKind(StrEnum):
     HOST_DRAINING = "host.draining"
     HOST_UNCORDONED = "host.uncordoned"
     HOST_REVOKED = "host.revoked"
+    HOST_UPDATED = "host.updated"
     INSTANCE_IMAGE_PULLED = "instance.image_pulled"  # a pool's image, before the member is ready
     INSTANCE_IMAGE_PULL_FAILED = "instance.image_pull_failed"
     RECONCILE_ADOPTED = "reconcile.adopted"

@@ -65,7 +65,7 @@ class NoHostRoom(Exception):
 # ---- enrolment tokens ------------------------------------------------------------------------
 
 
-def _labels(value: object, field: str = "labels") -> dict[str, str]:
+def clean_labels(value: object, field: str = "labels") -> dict[str, str]:
     """Labels as ``{str: str}``: at most :data:`MAX_LABELS`, short keys and values."""
     if not isinstance(value, Mapping):
         raise ValidationFailed.field(field, "must be an object of strings")
@@ -107,7 +107,7 @@ def enrolment_token_create(
         token = EnrolmentToken.objects.create(
             provider_account=provider_account,
             org_id=getattr(org, "pk", org),
-            labels=_labels(labels or {}),
+            labels=clean_labels(labels or {}),
             description=description[:200],
             token_hash=hash_token(secret),
             prefix=secret[:10],
@@ -332,6 +332,12 @@ def _used(host_ids: Iterable[Any]) -> dict[Any, Mapping[str, Any]]:
         )
     )
     return {row["host_id"]: row for row in rows}
+
+
+def hosts_usage(host_ids: Iterable[Any]) -> dict[Any, Mapping[str, Any]]:
+    """What each host's live slots take now: cpus, memory_mb, disk_gb, gpus and slots (their
+    count); a host with none is left out."""
+    return _used(host_ids)
 
 
 def _room(host: Host, used: Mapping[str, Any] | None, mt: MachineType) -> int:

@@ -117,6 +117,10 @@ def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
         or out["image_cache_mb"] < 1
     ):
         raise _invalid("image_cache_mb", "must be a whole number of at least 1 (MB)")
+    if "host_labels" in out:  # enrolled hosts: the labels a host must carry
+        from apps.machines.hosts import clean_labels
+
+        out["host_labels"] = clean_labels(out["host_labels"] or {}, "host_labels")
     if "network" in out:
         try:
             out["network"] = normalize_network(out["network"])
