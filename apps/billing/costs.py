@@ -24,7 +24,10 @@ from apps.machines.models import MachineInstance
 from apps.orgs.models import Organization
 from catacloud.policy.attribution import JOB, KINDS, TAIL
 
-GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow")
+GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow", "owner")
+# ``owner``: who owns the machine a part was paid on: an enrolled host of the user's (its monthly
+# price attributed by the second) or a machine bought from a provider.
+OWNED, BOUGHT = "owned", "bought"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class PartRow:
     end: datetime
     amount: Decimal
     live: bool
+    owned: bool = False  # a slot of an enrolled host
 
 
 def _in_window(start: datetime, end: datetime) -> Any:
@@ -108,6 +112,7 @@ def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetim
                     end=mc.start + timedelta(seconds=p.end),
                     amount=p.amount,
                     live=mc.live,
+                    owned=inst.host_id is not None,
                 )
             )
     return rows
@@ -128,6 +133,8 @@ def _key(row: PartRow, group_by: str) -> str | None:
         return row.repository
     if group_by == "workflow":
         return row.workflow
+    if group_by == "owner":
+        return OWNED if row.owned else BOUGHT
     return row.kind
 
 

@@ -99,6 +99,7 @@ class EventKind(StrEnum):
     JOB_STARTED = "job.started"
     JOB_FINISHED = "job.finished"
     JOB_REQUEUED = "job.requeued"
+    JOB_OVERFLOWED = "job.overflowed"  # waited past its bound for an enrolled host: to its overflow type
     JOB_CANCEL_REQUESTED = "job.cancel_requested"
     JOB_HANDED_OFF = "job.handed_off"
     JOB_IMAGE_PULLED = "job.image_pulled"  # its image was pulled for it (bytes, seconds, digest)

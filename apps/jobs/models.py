@@ -48,6 +48,16 @@ class JobConfiguration(SecretEnvMixin, models.Model):
         blank=True,
         help_text="the agent uploads the checkpoint directory this often while the job runs",
     )
+    # Owned capacity first, the cloud for the burst: a job of an enrolled host type that waited
+    # this long for a slot goes to this machine type instead (admitted again under its grant).
+    overflow_machine_type = models.ForeignKey(
+        "machines.MachineType", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    overflow_after_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="with overflow_machine_type: seconds a job waits for a slot before it overflows",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -31,6 +31,7 @@ from apps.core import (
 from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.ids import OrgId
+from apps.events.kinds import EventKind
 from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job
@@ -46,6 +47,7 @@ from apps.machines.services import grant_lock
 from apps.pools.choices import POOL_ACTIVE
 from apps.pools.models import InstancePool
 from apps.pools.services import pool_claim
+from apps.resources.lifecycle import release_for_job
 from catacloud.agent.reference import parse
 from catacloud.policy import placement
 
@@ -91,10 +93,47 @@ def place(
                         continue
                     _assign(job, instance)
                 assigned += 1
+            remaining = _overflow(remaining, mt, now)
             if remaining:
                 requested += _provision_or_wait(locked, org_id, mt, [p for p, _ in pools], remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
+
+
+def _overflow(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
+    """Jobs whose configuration overflows (owned capacity first, the cloud for the burst) and
+    that waited for a machine of ``mt`` past their bound go to its overflow machine type:
+    queued again, to be admitted under that type's grant (its quotas and budgets). The others
+    stay, returned."""
+    staying = []
+    for job in jobs:
+        config = job.config
+        bound = config.overflow_after_seconds
+        if (
+            config.overflow_machine_type_id is None
+            or bound is None
+            or job.machine_type_id == config.overflow_machine_type_id
+            or job.admitted_at is None
+            or (now - job.admitted_at).total_seconds() < bound
+        ):
+            staying.append(job)
+            continue
+        reason = f"no machine of {mt.name} within {bound} s: overflowed to its overflow machine type"
+        JOB_STATES.move(
+            job.pk,
+            to=JobStatus.QUEUED,
+            from_=[JobStatus.WAITING_FOR_MACHINE],
+            actor=Actor.SCHEDULER,
+            reason=reason,
+            event=EventKind.JOB_OVERFLOWED,
+            machine_type_id=config.overflow_machine_type_id,
+            admitted_at=None,
+            pending_reason=reason[:300],
+            event_data={"from": str(mt.pk), "to": str(config.overflow_machine_type_id), "after": bound},
+        )
+        release_for_job(job_id=job.pk, reason="job overflowed to another machine type")
+        schedule_after_commit()
+    return staying
 
 
 def _image_pools_first(pools: list[tuple[Any, list[str]]], image: str) -> list[Any]:

@@ -130,6 +130,24 @@ def _check_usable(
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
 
 
+def _check_overflow(org: Organization, config: JobConfiguration) -> None:
+    """An overflow names another machine type the org may use, and a bound, or neither."""
+    if config.overflow_machine_type_id is None:
+        if config.overflow_after_seconds is not None:
+            raise ValidationFailed.field("overflow_after_seconds", "needs overflow_machine_type")
+        return
+    if config.overflow_machine_type_id == config.machine_type_id:
+        raise ValidationFailed.field(
+            "overflow_machine_type", "must be another machine type than machine_type"
+        )
+    if config.overflow_after_seconds is None:
+        raise ValidationFailed.field("overflow_after_seconds", "how long a job waits before it overflows")
+    overflow = config.overflow_machine_type
+    assert overflow is not None
+    grant_for(org=org, machine_type=overflow)
+    grant_check_privilege(org=org, machine_type=overflow)
+
+
 def cancelled_by(job_id: JobId, fallback: str = "") -> str:
     """``cancelled by user:alice``: who asked for the cancel (the ``job.cancel_requested``
     event's actor, without the token prefix), so a job's reason says who did what."""
@@ -170,6 +188,7 @@ def job_config_save(
         else ([] if creating else list(config.resource_types.all()))
     )
     _check_usable(org=org, machine_type=config.machine_type, resource_types=types)
+    _check_overflow(org, config)
     clash = JobConfiguration.objects.filter(org=org, name=config.name).exclude(pk=config.pk)
     if clash.exists():
         raise ValidationFailed(

@@ -23,7 +23,7 @@ from django.conf import settings
 
 from apps.events.kinds import EventKind
 from apps.events.models import Event
-from apps.machines.models import MachineInstance, MachineType
+from apps.machines.models import Host, MachineInstance, MachineType
 from catacloud.policy.attribution import MICRO, Attribution, Hold, attribute
 from catacloud.policy.billing import Billing
 
@@ -43,7 +43,17 @@ LEFT_POOL = EventKind.POOL_MEMBER_RELEASED  # a drain without termination: warm 
 _KINDS = (*CLAIM_KINDS, *HOLD_END_KINDS, BORN_IN_POOL, LEFT_POOL)
 
 
-def billing_of(mt: MachineType) -> Billing:
+# A month's hours, for an enrolled host's monthly price (8760 / 12).
+HOURS_A_MONTH = Decimal(730)
+
+
+def billing_of(mt: MachineType, host: Host | None = None) -> Billing:
+    """How a machine of ``mt`` is billed; a slot of an enrolled host with a monthly price is
+    attributed its share of that price by the second (the type's cpus of the host's), never
+    bought: Catacloud bills owned hosts by the hour to no one."""
+    if host is not None and host.monthly_price is not None:
+        share = Decimal(mt.cpus) / Decimal(max(1, host.cpus))
+        return Billing(1, 0, host.monthly_price / HOURS_A_MONTH * share)
     return Billing(mt.billing_increment_seconds, mt.min_billed_seconds, mt.price_per_hour)
 
 
@@ -106,9 +116,10 @@ def machine_costs(instances: Iterable[MachineInstance], *, now: datetime) -> lis
             .values_list("instance_id", "kind", "created_at", "job_id", "data")
         ):
             by_instance[instance_id].append((kind, at, job_id, data))
+    hosts = {h.pk: h for h in Host.objects.filter(pk__in={r.host_id for r in rows if r.host_id})}
     out = []
     for instance in rows:
-        billing = billing_of(instance.machine_type)
+        billing = billing_of(instance.machine_type, hosts.get(instance.host_id))
         start = instance.provisioning_started_at
         live = instance.ended_at is None
         if start is None:

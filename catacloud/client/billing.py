@@ -14,7 +14,7 @@ from catacloud.client.base import Commands, UsageError, show_list
 from catacloud.client.output import print_json, table
 
 KINDS = ("job", "warm", "idle", "tail")  # the API's parts of a machine's cost (policy.attribution)
-GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow")
+GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow", "owner")
 
 
 def register(at: Commands) -> None:

@@ -65,6 +65,14 @@ class Hosts:
         self.procs[name] = proc
         return proc
 
+    def host(self, name: str) -> Host:
+        """The host this process enrolled as (its saved credential names it)."""
+        import json
+
+        path = self.folders[name] / "host.json"
+        self.stack.wait(path.exists, 30, f"host {name} to enroll")
+        return Host.objects.get(pk=json.loads(path.read_text())["host_id"])
+
     def crash(self, name: str) -> None:
         """The host goes down with everything on it (its power cut)."""
         self.procs[name].kill()
@@ -163,3 +171,146 @@ def test_jobs_run_on_enrolled_hosts_in_slots_at_most_their_capacity_at_once(
     # Nothing was bought: every machine of the type is a slot of one of the three hosts.
     slots = MachineInstance.objects.filter(machine_type=hosts.machine_type)
     assert slots.filter(host__isnull=True).count() == 0
+
+
+def running_on(stack: Stack, ids: list[str], n: int, timeout: float = 60) -> dict[str, Any]:
+    """Wait until ``n`` of the jobs run; their hosts by job id."""
+
+    def hosts_now() -> dict[str, Any] | None:
+        rows = Job.objects.filter(pk__in=ids, status="running").values_list("pk", "instance__host_id")
+        found = {str(pk): host for pk, host in rows}
+        return found if len(found) >= n else None
+
+    return stack.wait(hosts_now, timeout, f"{n} jobs running")
+
+
+def test_a_host_killed_mid_job_has_its_jobs_requeued_elsewhere_and_comes_back_without_enrolling(
+    stack: Stack, hosts: Hosts
+) -> None:
+    token = hosts.token(uses=2)
+    hosts.start("a", token)
+    hosts.start("b", token)
+    a, b = hosts.host("a"), hosts.host("b")
+    cfg = config(
+        stack, hosts.machine_type, "work", "echo attempt $CATACLOUD_ATTEMPT; sleep 5", reuse="ephemeral"
+    )
+    ids = submit_many(stack, cfg, 4)
+    on = running_on(stack, ids, 4)
+    crashed = [j for j, host in on.items() if host == a.pk]
+    assert len(crashed) == CAPACITY, on
+    hosts.crash("a")
+    done = wait_ended(stack, ids, 120)
+    assert [j["status"] for j in done] == ["succeeded"] * 4, done
+    for row in Job.objects.filter(pk__in=crashed):
+        assert row.attempt == 2 and row.requeue_reason == "machine_lost", (row.attempt, row.requeue_reason)
+        assert row.instance.host_id == b.pk  # its second attempt ran on the host that lived
+        text = logs(stack, str(row.pk))
+        assert text.count("attempt 2") == 1, text  # never run twice: one attempt finished, once
+    stack.wait(lambda: Host.objects.get(pk=a.pk).status == "lost", 30, "host a to be lost")
+    hosts.start("a")  # no token: it resumes with its own credential
+    stack.wait(lambda: Host.objects.get(pk=a.pk).status == "active", 30, "host a to come back")
+    assert Host.objects.count() == 2  # the same host, not a new enrolment
+    again = submit_many(stack, cfg, 4)
+    assert [j["status"] for j in wait_ended(stack, again, 120)] == ["succeeded"] * 4
+    assert {h for h in per_host(again)} == {a.pk, b.pk}  # it takes jobs again
+
+
+def test_a_cordoned_host_takes_nothing_new_and_a_drained_one_finishes_its_jobs(
+    stack: Stack, hosts: Hosts
+) -> None:
+    from apps.machines.hostops import host_cordon, host_uncordon
+
+    token = hosts.token(uses=2)
+    hosts.start("a", token)
+    hosts.start("b", token)
+    a, b = hosts.host("a"), hosts.host("b")
+    host_cordon(host_id=a.pk)
+    cfg = config(stack, hosts.machine_type, "work", "sleep 4", reuse="ephemeral")
+    ids = submit_many(stack, cfg, 4)
+    on = running_on(stack, ids, 2)  # b's two slots; a takes nothing new
+    assert set(on.values()) == {b.pk}, on
+    host_cordon(host_id=b.pk, drain_seconds=60)  # both cordoned now: nothing goes anywhere
+    done = wait_ended(stack, list(on), 60)
+    assert [j["status"] for j in done] == ["succeeded"] * 2  # drained: its jobs finished
+    waiting = [j for j in ids if j not in on]
+    reasons = [job(stack, j)["pending_reason"] for j in waiting]
+    assert all(job(stack, j)["status"] == "waiting_for_machine" for j in waiting), reasons
+    assert all("host" in reason for reason in reasons), reasons
+    assert not MachineInstance.objects.filter(host__in=[a.pk, b.pk], status__in=["ready", "claimed"]).exists()
+    host_uncordon(host_id=a.pk)
+    assert [j["status"] for j in wait_ended(stack, waiting, 60)] == ["succeeded"] * 2
+    assert set(per_host(waiting)) == {a.pk}
+
+
+def test_a_host_of_one_organization_never_runs_anothers_job(stack: Stack, hosts: Hosts) -> None:
+    from apps.machines.models import OrgMachineType
+
+    world = stack.world
+    OrgMachineType.objects.create(org=world.other_org, machine_type=hosts.machine_type, max_instances=50)
+    hosts.start("own", hosts.token())  # acme's own host
+    hosts.start("shared", hosts.token(org=None))  # the operator's, for every granted org
+    own, shared = hosts.host("own"), hosts.host("shared")
+    assert own.org_id == world.org.pk and shared.org_id is None
+    cfg = config(stack, hosts.machine_type, "work", "sleep 2", reuse="ephemeral")
+    theirs = stack.api("outsider").post(
+        "/api/v1/job-configs/",
+        {
+            "name": "theirs",
+            "machine_type": str(hosts.machine_type.pk),
+            "command": "sleep 2",
+            "reuse": "ephemeral",
+        },
+        format="json",
+    )
+    assert theirs.status_code == 201, theirs.content
+    rival = [
+        stack.api("outsider")
+        .post("/api/v1/jobs/", {"config": theirs.json()["id"]}, format="json")
+        .json()["id"]
+        for _ in range(4)
+    ]
+    ours = submit_many(stack, cfg, 4)
+    stack.wait(
+        lambda: Job.objects.filter(pk__in=rival + ours, status="succeeded").count() == 8,
+        120,
+        "8 jobs to succeed",
+    )
+    assert set(per_host(rival)) == {shared.pk}  # never on acme's own host
+    assert set(per_host(ours)) <= {own.pk, shared.pk}
+
+
+def test_a_job_overflows_to_a_bought_machine_only_after_its_bound_and_costs_split_owned_and_bought(
+    stack: Stack, hosts: Hosts
+) -> None:
+    from apps.events.models import Event
+    from apps.machines.hostops import host_update
+
+    hosts.start("a", hosts.token(), cpus=1)  # one slot
+    a = hosts.host("a")
+    host_update(host_id=a.pk, monthly_price="730")  # 1 an hour for the whole host
+    bound = 4
+    cfg = config(
+        stack,
+        hosts.machine_type,
+        "burst",
+        "sleep 6",
+        reuse="ephemeral",
+        overflow_machine_type=stack.world.machine_type.name,
+        overflow_after_seconds=bound,
+    )
+    ids = submit_many(stack, cfg, 3)
+    done = wait_ended(stack, ids, 120)
+    assert [j["status"] for j in done] == ["succeeded"] * 3, done
+    runs = Job.objects.filter(pk__in=ids).select_related("instance")
+    on_host = [j for j in runs if j.instance.host_id == a.pk]
+    bought = [j for j in runs if j.instance.host_id is None]
+    assert len(on_host) == 1 and len(bought) == 2, [(j.pk, j.instance.host_id) for j in runs]
+    for j in bought:
+        moved = Event.objects.get(kind="job.overflowed", job_id=j.pk)
+        admitted = Event.objects.filter(kind="job.admitted", job_id=j.pk).order_by("created_at").first()
+        assert admitted is not None and (moved.created_at - admitted.created_at).total_seconds() >= bound
+        assert j.instance.created_at >= moved.created_at  # nothing bought before the bound
+    assert not Event.objects.filter(kind="job.overflowed", job_id=on_host[0].pk).exists()
+    report = stack.api("viewer").get("/api/v1/costs/", {"group_by": "owner"}).json()
+    by_owner = {r["key"]: Decimal(r["total"]) for r in report["results"]}
+    assert by_owner.get("owned", 0) > 0 and by_owner.get("bought", 0) > 0, report

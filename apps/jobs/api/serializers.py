@@ -80,6 +80,15 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
     checkpoint_interval_seconds = serializers.IntegerField(
         min_value=10, max_value=86_400, required=False, allow_null=True
     )
+    overflow_machine_type = OrgMachineTypeField(
+        required=False,
+        allow_null=True,
+        help_text="a machine type (name or id) a job goes to when it waited overflow_after_seconds "
+        "for a slot of an enrolled host type: owned capacity first, the cloud for the burst",
+    )
+    overflow_after_seconds = serializers.IntegerField(
+        min_value=0, max_value=7 * 86400, required=False, allow_null=True
+    )
 
     class Meta:
         model = JobConfiguration
@@ -101,6 +110,8 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
             "reuse",
             "artifact_retention_days",
             "checkpoint_interval_seconds",
+            "overflow_machine_type",
+            "overflow_after_seconds",
             "created_at",
             "updated_at",
         )
