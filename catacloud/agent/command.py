@@ -181,7 +181,7 @@ def cmd_host(args: argparse.Namespace) -> int:
     token = token or os.environ.pop(ENROLMENT_ENV, "").strip()
     if token:
         register_secret(token)
-    config: dict[str, Any] = {"disk_reserve_gb": args.disk_reserve_gb}
+    config: dict[str, Any] = {"disk_reserve_gb": args.disk_reserve_gb, "mounts": args.mount or []}
     host = HostAgent(
         AgentClient(args.url, user_agent=f"catacloud-host/{__version__}"),
         url=args.url,
@@ -204,6 +204,16 @@ def cmd_host(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError):
             os.unlink(args.enrolment_token_file)
     return code
+
+
+def _mount(text: str) -> dict[str, Any]:
+    """``SOURCE:TARGET[:rw]`` as the local provider's mount (both absolute paths)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("rw", "ro")):
+        raise argparse.ArgumentTypeError("SOURCE:TARGET, or SOURCE:TARGET:rw")
+    if not (os.path.isabs(parts[0]) and os.path.isabs(parts[1])):
+        raise argparse.ArgumentTypeError("SOURCE and TARGET must be absolute paths")
+    return {"source": parts[0], "target": parts[1], "writable": len(parts) == 3 and parts[2] == "rw"}
 
 
 def _host_options(host: argparse.ArgumentParser) -> None:
@@ -235,6 +245,14 @@ def _host_options(host: argparse.ArgumentParser) -> None:
         host.add_argument(
             f"--{name}", type=int, metavar="N", help=f"offer at most N {what} (default: all it has)"
         )
+    host.add_argument(
+        "--mount",
+        action="append",
+        type=_mount,
+        metavar="SOURCE:TARGET[:rw]",
+        help="a folder of this host shown in every slot at TARGET, read-only unless :rw (a runner's "
+        "install, a data set); repeatable",
+    )
     host.add_argument(
         "--disk-reserve-gb",
         type=_non_negative_float,

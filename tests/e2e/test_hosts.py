@@ -51,7 +51,7 @@ class Hosts:
             max_uses=uses,
         )[1]
 
-    def start(self, name: str, token: str = "", cpus: int = CAPACITY) -> Proc:
+    def start(self, name: str, token: str = "", cpus: int = CAPACITY, mounts: tuple[dict, ...] = ()) -> Proc:
         """A host process (or the same host again, resuming its enrolment)."""
         folder = self.folders.setdefault(name, self.stack.tmp / f"host-{name}")
         folder.mkdir(exist_ok=True)
@@ -61,6 +61,8 @@ class Hosts:
         args = [sys.executable, "-m", "catacloud.agent", "host", "--url", self.stack.url]
         args += ["--state-file", str(folder / "host.json"), "--slots-dir", str(folder / "slots")]
         args += ["--cpus", str(cpus), "--memory-mb", "8192"]
+        for mount in mounts:  # what the host has installed, shown in its slots (a runner)
+            args += ["--mount", f"{mount['source']}:{mount['target']}"]
         proc = Proc(f"host-{name}", args, env, folder / f"host-{len(self.procs)}.log")
         self.procs[name] = proc
         return proc
@@ -314,3 +316,61 @@ def test_a_job_overflows_to_a_bought_machine_only_after_its_bound_and_costs_spli
     report = stack.api("viewer").get("/api/v1/costs/", {"group_by": "owner"}).json()
     by_owner = {r["key"]: Decimal(r["total"]) for r in report["results"]}
     assert by_owner.get("owned", 0) > 0 and by_owner.get("bought", 0) > 0, report
+
+
+def test_github_and_gitlab_runner_jobs_run_on_enrolled_hosts(stack: Stack, hosts: Hosts) -> None:
+    from testkit import github_kit, gitlab_kit
+    from testkit.github_fake import FakeGitHub, app_keypair
+    from testkit.gitlab_fake import FakeGitLab
+
+    world = stack.world
+    private, public = app_keypair()
+    github = FakeGitHub(
+        app_id=31,
+        public_key=public,
+        webhook_secret="hosts-gh",
+        webhook_url=stack.url + github_kit.WEBHOOK_PATH,
+    ).start()
+    gitlab = FakeGitLab(
+        token="glpat-hosts", webhook_token="hosts-gl", webhook_url=stack.url + gitlab_kit.WEBHOOK_PATH
+    ).start()
+    try:
+        github.add_installation(9, "acme", ["acme/app"])
+        gitlab.add_project(13, "acme/app")
+        token = hosts.token(uses=2)
+        for name in ("a", "b"):  # the runners are installed on the hosts, as on a user's server
+            hosts.start(name, token, mounts=(github_kit.RUNNER_MOUNT, gitlab_kit.RUNNER_MOUNT))
+        a, b = hosts.host("a"), hosts.host("b")
+        mt = hosts.machine_type
+        github_kit.connect(
+            world.org,
+            github,
+            private,
+            installation_id=9,
+            account="acme",
+            classes=[{"name": "on-hosts", "labels": ["self-hosted", "on-hosts"], "machine_type": mt}],
+        )
+        gitlab_kit.connect(
+            world.org,
+            gitlab,
+            projects=[(13, "acme/app")],
+            classes=[{"name": "on-hosts", "tags": ["on-hosts"], "machine_type": mt}],
+        )
+        gh = [
+            github.queue_job("acme/app", ["self-hosted", "on-hosts"], ["echo gh", "sleep 1"])
+            for _ in range(3)
+        ]
+        gl = [gitlab.queue_job("acme/app", ["on-hosts"], ["echo gl", "sleep 1"]) for _ in range(3)]
+        stack.wait(
+            lambda: all(github.job(i).status == "completed" for i in gh) and not gitlab.unfinished(gl),
+            240,
+            "every workflow and CI job to finish",
+        )
+        assert {github.job(i).conclusion for i in gh} == {"success"}
+        assert {gitlab.job(i).status for i in gl} == {"success"}
+        runner_jobs = Job.objects.filter(machine_type=mt).exclude(instance=None)
+        assert runner_jobs.count() >= 6
+        assert set(runner_jobs.values_list("instance__host_id", flat=True)) <= {a.pk, b.pk}
+    finally:
+        github.stop()
+        gitlab.stop()
