@@ -12,15 +12,15 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from apps.core import hooks
 from apps.core.actors import Actor
 from apps.core.causes import Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, HostStatus, InstanceStatus
+from apps.machines.hosts import host_available
 from apps.machines.lifecycle import instance_terminate
-from apps.machines.models import Host, MachineInstance, MachineType, OrgMachineType
+from apps.machines.models import Host, MachineInstance
 
 # ---- cordon, drain, revoke, loss ----------------------------------------------------------------
 
@@ -76,52 +76,7 @@ def host_uncordon(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
             host.drain_deadline = None
             host.save(update_fields=["cordoned_at", "drain_deadline"])
             event_record(kind=EventKind.HOST_UNCORDONED, org=host.org_id, actor=actor, host=str(host.pk))
-    for mt_id in MachineType.objects.filter(provider_account_id=host.provider_account_id).values_list(
-        "pk", flat=True
-    ):
-        for org_id in _orgs(host, mt_id):
-            hooks.machine_available(org_id=org_id, machine_type_id=mt_id)  # waiting jobs may go there now
-    return host
-
-
-def _orgs(host: Host, mt_id: Any) -> list[Any]:
-    """The organizations whose jobs of ``mt_id`` may run on ``host``: its own, or (a shared host)
-    every one the type is granted to."""
-    if host.org_id is not None:
-        return [host.org_id]
-    return list(OrgMachineType.objects.filter(machine_type_id=mt_id).values_list("org_id", flat=True))
-
-
-def host_update(
-    *, host_id: Any, actor: Actor = Actor.UNNAMED, monthly_price: Any = ..., labels: Any = ...
-) -> Host:
-    """What an operator sets on a host: its monthly price (cost attribution only; None clears
-    it) and its labels (which machine types' slots it takes: a slot already on it stays)."""
-    from decimal import Decimal, InvalidOperation
-
-    from apps.core.errors import ValidationFailed
-    from apps.machines.hosts import clean_labels
-
-    with transaction.atomic():
-        host = Host.objects.select_for_update().get(pk=host_id)
-        changed: dict[str, Any] = {}
-        if monthly_price is not ...:
-            try:
-                price = None if monthly_price in (None, "") else Decimal(str(monthly_price))
-            except InvalidOperation:
-                raise ValidationFailed.field("monthly_price", "a number, or empty") from None
-            if price is not None and (price < 0 or price >= Decimal("1e10")):
-                raise ValidationFailed.field("monthly_price", "from 0 to 9999999999.99")
-            host.monthly_price = price
-            changed["monthly_price"] = None if price is None else str(price)
-        if labels is not ...:
-            host.labels = clean_labels(labels)
-            changed["labels"] = host.labels
-        if changed:
-            host.save(update_fields=[k for k in ("monthly_price", "labels") if k in changed])
-            event_record(
-                kind=EventKind.HOST_UPDATED, org=host.org_id, actor=actor, host=str(host.pk), **changed
-            )
+    host_available(host)  # waiting jobs may go there now
     return host
 
 

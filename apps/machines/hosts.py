@@ -35,7 +35,7 @@ from django.db import transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from apps.core import broker
+from apps.core import broker, hooks
 from apps.core.actors import Actor
 from apps.core.crypto import hash_token, new_token
 from apps.core.errors import ErrorCode, Unauthenticated, ValidationFailed
@@ -44,7 +44,14 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.bootstrap import token_for
 from apps.machines.choices import INSTANCE_LIVE, HostStatus, InstanceStatus, ProviderKind
-from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType, ProviderAccount
+from apps.machines.models import (
+    EnrolmentToken,
+    Host,
+    MachineInstance,
+    MachineType,
+    OrgMachineType,
+    ProviderAccount,
+)
 from catacloud.protocol import HostCapacity, HostReport, SlotStart
 from catacloud.providers.base import LABEL_INSTALLATION, LABEL_INSTANCE, LABEL_ORG, LABEL_POOL
 
@@ -189,7 +196,21 @@ def host_enroll(
             capacity=capacity.to_json(),
             token=str(token.pk),
         )
+    host_available(host)  # jobs waiting for a slot may go there now
     return host, secret
+
+
+def host_available(host: Host) -> None:
+    """A host can take slots now (enrolled, back, uncordoned): a scheduling pass after commit for
+    every grant whose jobs may run there (its organization's, or every one for a shared host)."""
+    types = MachineType.objects.filter(provider_account_id=host.provider_account_id).values_list(
+        "pk", flat=True
+    )
+    grants = OrgMachineType.objects.filter(machine_type_id__in=list(types))
+    if host.org_id is not None:
+        grants = grants.filter(org_id=host.org_id)
+    for org_id, mt_id in grants.values_list("org_id", "machine_type_id"):
+        hooks.machine_available(org_id=org_id, machine_type_id=mt_id)
 
 
 def _capacity_fields(capacity: HostCapacity) -> dict[str, Any]:
@@ -243,6 +264,7 @@ def host_exchange(*, host: Host, report: HostReport) -> Orders:
                     actor=Actor.host(host.pk),
                     host=str(host.pk),
                 )
+                host_available(host)
     return _orders(host, running)
 
 

@@ -72,6 +72,14 @@ GPU_DEVICES = (
     "/dev/dri",
 )
 GPU_DEVICE_GLOBS = ("/dev/nvidia[0-9]*",)
+
+
+def gpu_devices() -> list[str]:
+    """The GPU device nodes this machine has (passed to a job, or to an enrolled host's slot)."""
+    found = [*GPU_DEVICES, *(d for pattern in GPU_DEVICE_GLOBS for d in sorted(glob.glob(pattern)))]
+    return [device for device in found if os.path.exists(device)]
+
+
 _HOMES = ("/root", "/home")
 
 
@@ -473,10 +481,8 @@ class BubblewrapLauncher:
             "/dev",
             *(["--proc", "/proc"] if self.proc == "mount" else ["--ro-bind", "/proc", "/proc"]),
         ]
-        gpus = [*GPU_DEVICES, *(d for pattern in GPU_DEVICE_GLOBS for d in sorted(glob.glob(pattern)))]
-        for device in gpus:
-            if os.path.exists(device):
-                args += ["--dev-bind", device, device]
+        for device in gpu_devices():
+            args += ["--dev-bind", device, device]
         return args
 
     def _options(self, place: JobPlace, *, env_file: int, resolver: int | None = None) -> list[str]:

@@ -80,7 +80,7 @@ from typing import Any, ClassVar
 import psutil
 
 from catacloud.agent.disk import make_area, mounts_under, release_area
-from catacloud.agent.sandbox import bwrap_path
+from catacloud.agent.sandbox import bwrap_path, gpu_devices
 from catacloud.providers.base import (
     LABEL_INSTALLATION,
     LABEL_INSTANCE,
@@ -392,6 +392,7 @@ class LocalProvider(Provider):
             hide=secrets_to_hide([str(self.state_dir)]),
             tun=tun_device(self.state_dir),
             unset_env=[MACHINE_ENV],  # a mark for this host, not a thing the machine needs
+            devices=gpu_devices() if spec.gpus else (),  # a GPU type's machine sees the host's GPUs
         )
         return ["/bin/sh", "-c", KEEPER, "catacloud-machine", *sandbox.argv(argv)]
 

@@ -120,6 +120,7 @@ class MachineSandbox:
     as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
     tun: str | None = None  # a tun device every uid may open: pasta gives jobs the internet with it
     unset_env: Sequence[str] = ()  # variables of bubblewrap's own environment the command does not get
+    devices: Sequence[str] = ()  # device nodes of the host the machine gets (an enrolled host's GPUs)
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", self.hostname]
@@ -140,6 +141,8 @@ class MachineSandbox:
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run", "--tmpfs", "/var"]
         if self.tun is not None:
             args += ["--perms", "0755", "--dir", "/dev/net", "--dev-bind", self.tun, "/dev/net/tun"]
+        for device in self.devices:
+            args += ["--dev-bind", device, device]
         args += ["--perms", "1777", "--dir", "/var/tmp"]
         made = {"/tmp", "/run", "/var", *SYSTEM_FOLDERS}
         binds = [(p, p, False) for p in runtime_paths()]

@@ -398,3 +398,30 @@ def test_a_host_without_pasta_is_told_its_jobs_get_no_network_and_how_to_fix_it(
     _local_network_note(tmp_path)
     said = capsys.readouterr().out
     assert "jobs on local machines get no network" in said and "apt install passt nftables" in said
+
+
+def test_a_gpu_machine_type_sees_the_hosts_gpu_devices_and_no_other_does(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An enrolled host's GPU slot (its machine type's ``gpus``) gets the host's GPU device nodes;
+    a machine that asked for none sees no such node. (No GPU here: ``/dev/loop-control``, which a machine never has, plays one.)"""
+    from catacloud.providers import local
+
+    monkeypatch.setattr(local, "gpu_devices", lambda: ["/dev/loop-control"])
+    provider = LocalProvider(config={"state_dir": str(state_dir)}, credentials={})
+    seen = {}
+    for gpus in (1, 0):
+        spec = MachineSpec(
+            instance_id=str(uuid.uuid4()),
+            labels={LABEL_INSTALLATION: "test"},
+            server_type="local",
+            image="local",
+            gpus=gpus,
+            command=("sh", "-c", "test -c /dev/loop-control && echo GPU-NODE || echo NO-NODE; sleep 30"),
+        )
+        provider.create(spec)
+        log = state_dir / f"{spec.instance_id}.log"
+        assert wait_for(lambda log=log: "NODE" in log.read_text(), 10), log.read_text()
+        seen[gpus] = log.read_text()
+        provider.delete(spec.instance_id)
+    assert "GPU-NODE" in seen[1] and "NO-NODE" in seen[0], seen
