@@ -404,7 +404,8 @@ def test_a_gpu_machine_type_sees_the_hosts_gpu_devices_and_no_other_does(
     state_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An enrolled host's GPU slot (its machine type's ``gpus``) gets the host's GPU device nodes;
-    a machine that asked for none sees no such node. (No GPU here: ``/dev/loop-control``, which a machine never has, plays one.)"""
+    a machine that asked for none sees no such node. (No GPU here: ``/dev/loop-control``, which a
+    machine never has, plays one.)"""
     from catacloud.providers import local
 
     monkeypatch.setattr(local, "gpu_devices", lambda: ["/dev/loop-control"])
