@@ -80,6 +80,39 @@ def host_uncordon(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
     return host
 
 
+def host_update(
+    *, host_id: Any, actor: Actor = Actor.UNNAMED, monthly_price: Any = ..., labels: Any = ...
+) -> Host:
+    """What an operator sets on a host: its monthly price (cost attribution only; None clears
+    it) and its labels (which machine types' slots it takes: a slot already on it stays)."""
+    from decimal import Decimal, InvalidOperation
+
+    from apps.core.errors import ValidationFailed
+    from apps.machines.hosts import clean_labels
+
+    with transaction.atomic():
+        host = Host.objects.select_for_update().get(pk=host_id)
+        changed: dict[str, Any] = {}
+        if monthly_price is not ...:
+            try:
+                price = None if monthly_price in (None, "") else Decimal(str(monthly_price))
+            except InvalidOperation:
+                raise ValidationFailed.field("monthly_price", "a number, or empty") from None
+            if price is not None and (price < 0 or price >= Decimal("1e10")):
+                raise ValidationFailed.field("monthly_price", "from 0 to 9999999999.99")
+            host.monthly_price = price
+            changed["monthly_price"] = None if price is None else str(price)
+        if labels is not ...:
+            host.labels = clean_labels(labels)
+            changed["labels"] = host.labels
+        if changed:
+            host.save(update_fields=[k for k in ("monthly_price", "labels") if k in changed])
+            event_record(
+                kind=EventKind.HOST_UPDATED, org=host.org_id, actor=actor, host=str(host.pk), **changed
+            )
+    return host
+
+
 def host_revoke(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
     """The host's credential is refused from now on and its slots end (their jobs requeued)."""
     with transaction.atomic():
