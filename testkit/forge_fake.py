@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar, Self
 from urllib.parse import parse_qs, urlsplit
 
-RUNNER_FAULTS = ("crash", "hang", "never_connect")
+RUNNER_FAULTS = ("crash", "hang", "never_connect", "deprecated")
 
 
 def iso(ts: float | None) -> str | None:

@@ -18,6 +18,42 @@ DELETE (422 while busy), workflow runs (``?status=``), a run's jobs, a job, a ru
 answer carries ``x-ratelimit-*``; faults: a 5xx rate, ``fail_next``, latency, a rate-limit window
 (primary or secondary with ``Retry-After``).
 
+GitHub's limits, as its documentation states them, and so does this fake (``limits``; a test may
+shrink them, and ``time_scale`` makes every window and wait that many times shorter: a simulated
+clock for a week or an hour of traffic in seconds):
+
+- **Primary**: an installation's token gets 5,000 calls an hour, 50 more for each repository
+  above 20, at most 12,500 (docs.github.com, "Rate limits for the REST API": *Primary rate
+  limit for GitHub App installations*); past it, 403 with ``x-ratelimit-remaining: 0`` and
+  the reset.
+- **Secondary, points per endpoint**: at most 900 points a minute for one REST endpoint, a
+  GET/HEAD/OPTIONS costing 1 point and a POST/PATCH/PUT/DELETE 5 (same page, *Calculating
+  points for the secondary rate limit*): 180 ``generate-jitconfig`` calls a minute.
+- **Secondary, content creation**: at most 80 content-creating requests a minute and 500 an
+  hour (same page, *About secondary rate limits*); a just-in-time runner registration counts.
+- **The secondary answer**: 403 or 429 with ``You have exceeded a secondary rate limit``, with
+  a ``retry-after`` header or without one (same page, *Exceeding the rate limit*: "If the
+  retry-after response header is present, you should not retry your request until after that
+  many seconds has elapsed ... Otherwise, wait for at least one minute before retrying";
+  continuing while limited "may result in the banning of your integration"). The fake
+  answers in turn with retry-after, bare 403 and bare 429 (``secondary_styles``) and records
+  every call to an endpoint sooner than its wait in ``limit_violations``. ``secondary_rate``
+  answers that share of calls with a secondary limit anyway ("you may also encounter a
+  secondary rate limit for undisclosed reasons").
+- **Deliveries**: ``GET /app/hook/deliveries`` answers at most ``per_page`` (100) newest first,
+  the next page by ``cursor`` named in a ``Link: <...>; rel="next"`` header (REST docs, *List
+  deliveries for an app webhook*).
+- **User accounts**: an App installed on a user has no ``/orgs/{login}`` (404): its runners are
+  repository runners (REST docs, *Self-hosted runners*: organization endpoints).
+- **Runner groups**: an organization's runners are in a group; the Default group (id 1) serves
+  private repositories only unless public ones are allowed (docs, *Managing access to
+  self-hosted runners using groups*: "By default, runner groups only allow access to private
+  repositories"; the API's ``allows_public_repositories``), so an organization runner in it is
+  never given a public repository's job. A repository runner serves its repository.
+- **A dead runner's job** fails once its runner has been silent for ``lost_after`` (600 s: the
+  job ends "The self-hosted runner ... lost communication with the server" after about ten
+  minutes).
+
 Webhooks: ``workflow_job`` queued / in_progress / completed, signed with ``X-Hub-Signature-256``
 like GitHub, with injectable drops (``lost``: never sent nor listed; ``failed``: listed as a failed
 delivery, redeliverable), duplicates and reordering.
@@ -26,8 +62,10 @@ Runners: ``generate-jitconfig`` returns a base64 JSON config naming this fake an
 secret. A runner opens a session (online), long-polls for a job and is handed the oldest queued
 job whose labels it has (ANY such job, as GitHub does), reports the job's end and is removed
 (just-in-time: one job). ``runner_faults`` makes the next configs' runners crash, hang or never
-connect. A busy runner silent for ``lost_after`` seconds fails its job; one silent for
-``offline_after`` reads offline.
+connect, or speak for a runner version GitHub no longer accepts (``deprecated``: the listener
+then exits as actions/runner does, 7 with ``ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1``).
+A busy runner silent for ``lost_after`` seconds fails its job; one silent for ``offline_after``
+reads offline.
 """
 
 from __future__ import annotations
@@ -53,6 +91,33 @@ from typing import Any
 import jwt
 
 from testkit.forge_fake import FakeForge, HttpError, iso
+
+# GitHub's documented limits (the module docstring): a test may shrink a fake's ``limits``.
+LIMITS = {
+    "primary": 5000,  # an installation's calls an hour
+    "primary_per_repo": 50,  # more an hour per repository above 20
+    "primary_max": 12500,
+    "endpoint_points_per_minute": 900,  # GET 1 point, POST/PATCH/PUT/DELETE 5
+    "creations_per_minute": 80,
+    "creations_per_hour": 500,
+}
+DEPRECATED_MESSAGE = "Runner version v2.300.0 is deprecated and cannot receive messages."
+SECONDARY_WAIT = 60.0  # "wait for at least one minute before retrying" (no retry-after)
+SECONDARY_STYLES = ("retry_after", "bare_403", "bare_429")
+SECONDARY_MESSAGE = (
+    "You have exceeded a secondary rate limit. Please wait a few minutes before you try again. "
+    "If you reach out to GitHub Support for help, please include the request ID."
+)
+# Requests that create content (count against the content-creation limit).
+CREATING = re.compile(r"POST /(orgs/[^/]+|repos/[^/]+/[^/]+)/actions/runners/generate-jitconfig")
+
+
+def endpoint_of(method: str, path: str) -> str:
+    """A call's REST endpoint, what GitHub counts points per: its route, with the owner, the
+    repository and ids as placeholders (``POST /repos/{owner}/{repo}/actions/runners/...``)."""
+    path = re.sub(r"^/repos/[^/]+/[^/]+", "/repos/{owner}/{repo}", path)
+    path = re.sub(r"^/orgs/[^/]+", "/orgs/{org}", path)
+    return f"{method} " + re.sub(r"/[0-9]+(?=/|$)", "/{id}", path)
 
 
 def app_keypair() -> tuple[str, str]:
@@ -196,9 +261,11 @@ class FakeGitHub(FakeForge):
         seed: int = 0,
         port: int = 0,
         offline_after: float = 30.0,
-        lost_after: float = 60.0,
+        lost_after: float = 600.0,
+        time_scale: float = 1.0,
     ) -> None:
         self.app_id = app_id
+        self.time_scale = time_scale
         self.public_key = public_key.encode() if isinstance(public_key, str) else public_key
         self.webhook_secret = webhook_secret
         self.token_ttl = token_ttl
@@ -212,6 +279,7 @@ class FakeGitHub(FakeForge):
     def reset(self) -> None:
         with self.lock:
             self.installations: dict[int, dict[str, Any]] = {}
+            self.runner_groups: dict[int, dict[str, Any]] = {}
             self.tokens: dict[str, tuple[int, float]] = {}
             self.runs: dict[int, dict[str, Any]] = {}
             self.jobs: dict[int, Job] = {}
@@ -229,9 +297,15 @@ class FakeGitHub(FakeForge):
             self.reorder_rate = 0.0
             self.rate_limited_until = 0.0
             self.rate_limit_secondary = False
-            self.rate_limit = 5000
-            self._rate_used: dict[str, int] = {}
-            self._rate_window = time.time()
+            self.limits = dict(LIMITS)
+            self.secondary_rate = 0.0
+            self.secondary_styles: deque[str] = deque(SECONDARY_STYLES)
+            self._primary: dict[int, tuple[float, int]] = {}  # installation -> (window start, used)
+            self._windows: dict[str, tuple[float, int]] = {}  # limit key -> (window start, used)
+            self._waits: dict[str, float] = {}  # endpoint -> no call before (a secondary answer's wait)
+            self.limit_answers: list[tuple[float, str, int, str]] = []  # (when, endpoint, status, style)
+            self.limit_violations: list[tuple[str, float]] = []  # (endpoint, seconds too early)
+            self.creations = 0  # content-creating calls answered
             self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
             self.runner_online_at: dict[int, float] = {}  # runner id -> its session (names repeat)
             self.jit_issued_at: dict[str, float] = {}  # runner name -> generate-jitconfig
@@ -241,9 +315,26 @@ class FakeGitHub(FakeForge):
 
     # ---- controls (tests, the bench, ``make dev``) ---------------------------------------------
 
-    def add_installation(self, installation_id: int, account: str, repositories: Iterable[str]) -> None:
+    def add_installation(
+        self,
+        installation_id: int,
+        account: str,
+        repositories: Iterable[str],
+        *,
+        account_type: str = "Organization",
+        public: Iterable[str] = (),
+    ) -> None:
+        """An installation on ``account`` (an ``Organization``, or a ``User``: no organization
+        runners there), seeing ``repositories``, of which ``public`` are public."""
         with self.lock:
-            self.installations[installation_id] = {"account": account, "repositories": list(repositories)}
+            self.installations[installation_id] = {
+                "account": account,
+                "account_type": account_type,
+                "repositories": list(repositories),
+                "public": set(public),
+            }
+            # the Default group: private repositories only (allows_public_repositories false)
+            self.runner_groups.setdefault(1, {"name": "Default", "allows_public_repositories": False})
 
     def queue_job(
         self,
@@ -320,20 +411,15 @@ class FakeGitHub(FakeForge):
     def _webhook(self, job: Job, action: str) -> None:
         """Queue a ``workflow_job`` delivery (the lock is held)."""
         inst = self.installations.get(job.installation_id, {})
-        owner = job.repository.split("/")[0]
-        payload = {
+        payload: dict[str, Any] = {
             "action": action,
             "workflow_job": job.as_json(),
-            "repository": {
-                "id": abs(hash(job.repository)) % 10**8,
-                "full_name": job.repository,
-                "name": job.repository.split("/")[1],
-                "owner": {"login": owner},
-            },
-            "organization": {"login": inst.get("account", owner)},
+            "repository": self._repository_json(inst, job.repository),
             "installation": {"id": job.installation_id},
             "sender": {"login": "octocat"},
         }
+        if inst.get("account_type", "Organization") == "Organization":  # a user's repository names none
+            payload["organization"] = {"login": inst.get("account", job.repository.split("/")[0])}
         delivery = Delivery(
             next(self._ids),
             str(uuid.uuid4()),
@@ -353,6 +439,18 @@ class FakeGitHub(FakeForge):
         if self.rng.random() < self.duplicate_rate:
             self.outbox.append((delivery, True))
         self.changed.notify_all()
+
+    @staticmethod
+    def _repository_json(inst: dict[str, Any], full_name: str) -> dict[str, Any]:
+        public = full_name in inst.get("public", ())
+        return {
+            "id": abs(hash(full_name)) % 10**8,
+            "full_name": full_name,
+            "name": full_name.split("/")[1],
+            "owner": {"login": full_name.split("/")[0], "type": inst.get("account_type", "Organization")},
+            "private": not public,
+            "visibility": "public" if public else "private",
+        }
 
     def _may_reorder(self, delivery: Delivery) -> bool:
         return not delivery.redelivery
@@ -428,6 +526,10 @@ class FakeGitHub(FakeForge):
                 continue
             if kind == "org" and job.repository.split("/")[0] != owner:
                 continue
+            group = self.runner_groups.get(runner.group, {})
+            public = job.repository in self.installations.get(job.installation_id, {}).get("public", ())
+            if kind == "org" and public and not group.get("allows_public_repositories"):
+                continue  # the group serves private repositories only
             job.status, job.started_at = "in_progress", time.time()
             job.runner_id, job.runner_name = runner.id, runner.name
             runner.job_id = job.id
@@ -460,19 +562,95 @@ class FakeGitHub(FakeForge):
     def _rate_limit_from(self, body: dict[str, Any]) -> None:
         self.rate_limit_for(float(body["rate_limit_seconds"]), secondary=bool(body.get("secondary")))
 
-    def _rate_headers(self, key: str) -> dict[str, str]:
+    # ---- GitHub's limits (the module docstring says where each comes from) --------------------
+
+    def _seconds(self, documented: float) -> float:
+        """A documented window or wait on the fake's clock (``time_scale`` times shorter)."""
+        return documented / self.time_scale
+
+    def _window(self, key: str, seconds: float, now: float) -> tuple[float, int]:
+        start, used = self._windows.get(key, (now, 0))
+        if now - start >= self._seconds(seconds):
+            start, used = now, 0
+        return start, used
+
+    def primary_limit(self, inst_id: int) -> int:
+        repos = len(self.installations.get(inst_id, {}).get("repositories", []))
+        per_hour, per_repo, most = (self.limits[k] for k in ("primary", "primary_per_repo", "primary_max"))
+        return min(most, per_hour + per_repo * max(0, repos - 20))
+
+    def _rate_headers(self, inst_id: int, *, count: bool = True) -> dict[str, str]:
+        """The installation's primary limit: its headers, or 403 with none remaining."""
         now = time.time()
         with self.lock:
-            if now - self._rate_window >= 3600:
-                self._rate_window, self._rate_used = now, {}
-            used = self._rate_used[key] = self._rate_used.get(key, 0) + 1
+            start, used = self._primary.get(inst_id, (now, 0))
+            if now - start >= self._seconds(3600):
+                start, used = now, 0
+            limit = self.primary_limit(inst_id)
+            if count and used >= limit:
+                raise HttpError(
+                    403,
+                    f"API rate limit exceeded for installation ID {inst_id}.",
+                    self._primary_headers(limit, limit, start),
+                )
+            if count:
+                used += 1
+                self._primary[inst_id] = (start, used)
+        return self._primary_headers(limit, used, start)
+
+    def _primary_headers(self, limit: int, used: int, start: float) -> dict[str, str]:
         return {
-            "x-ratelimit-limit": str(self.rate_limit),
-            "x-ratelimit-remaining": str(max(0, self.rate_limit - used)),
+            "x-ratelimit-limit": str(limit),
+            "x-ratelimit-remaining": str(max(0, limit - used)),
             "x-ratelimit-used": str(used),
-            "x-ratelimit-reset": str(int(self._rate_window + 3600)),
+            "x-ratelimit-reset": str(int(start + self._seconds(3600)) + 1),
             "x-ratelimit-resource": "core",
         }
+
+    def _secondary(self, method: str, path: str, headers: dict[str, str]) -> None:
+        """Points per endpoint, content creation, and any secondary answer still to wait for."""
+        endpoint = endpoint_of(method, path)
+        now = time.time()
+        with self.lock:
+            due = self._waits.get(endpoint, 0.0)
+            if now < due:
+                self.limit_violations.append((endpoint, due - now))
+                raise self._secondary_answer(endpoint, headers, due - now, now, again=True)
+            points = 1 if method in ("GET", "HEAD", "OPTIONS") else 5
+            counted = [(f"points {endpoint}", 60.0, points, self.limits["endpoint_points_per_minute"])]
+            if CREATING.fullmatch(f"{method} {path}"):
+                counted += [
+                    ("creations per minute", 60.0, 1, self.limits["creations_per_minute"]),
+                    ("creations per hour", 3600.0, 1, self.limits["creations_per_hour"]),
+                ]
+            for key, seconds, cost, most in counted:
+                start, used = self._window(key, seconds, now)
+                if used + cost > most:
+                    raise self._secondary_answer(endpoint, headers, start + self._seconds(seconds) - now, now)
+            if self.secondary_rate and self.rng.random() < self.secondary_rate:
+                raise self._secondary_answer(endpoint, headers, self._seconds(SECONDARY_WAIT), now)
+            for key, seconds, cost, _ in counted:
+                start, used = self._window(key, seconds, now)
+                self._windows[key] = (start, used + cost)
+            self.creations += len(counted) > 1
+
+    def _secondary_answer(
+        self, endpoint: str, headers: dict[str, str], left: float, now: float, *, again: bool = False
+    ) -> HttpError:
+        """A secondary-limit answer in the next of ``secondary_styles``; the endpoint may be called
+        again after its ``retry-after``, or the documented minute when there is none."""
+        style = self.secondary_styles[0]
+        self.secondary_styles.rotate(-1)
+        status = 429 if style == "bare_429" else 403
+        extra = {**headers}
+        wait = self._seconds(SECONDARY_WAIT)
+        if style == "retry_after":
+            wait = max(1.0, float(int(left) + 1))
+            extra["retry-after"] = str(int(wait))
+        if not again:
+            self._waits[endpoint] = max(self._waits.get(endpoint, 0.0), now + wait)
+        self.limit_answers.append((now, endpoint, status, style))
+        return HttpError(status, SECONDARY_MESSAGE, extra)
 
     def _rest(
         self, handler: BaseHTTPRequestHandler, path: str, query: dict[str, str], raw: bytes
@@ -486,18 +664,23 @@ class FakeGitHub(FakeForge):
             if self.rate_limit_secondary:
                 raise HttpError(
                     403,
-                    "You have exceeded a secondary rate limit",
+                    SECONDARY_MESSAGE,
                     {"retry-after": str(int(self.rate_limited_until - now) + 1)},
                 )
             raise HttpError(
                 403,
                 "API rate limit exceeded",
                 {
-                    "x-ratelimit-limit": str(self.rate_limit),
+                    "x-ratelimit-limit": str(self.limits["primary"]),
                     "x-ratelimit-remaining": "0",
                     "x-ratelimit-reset": str(int(self.rate_limited_until) + 1),
                 },
             )
+        if not path.startswith("/app"):
+            primary = self._rate_headers(self._check_token(auth), count=False)
+            self._secondary(method, path, primary)
+        else:
+            self._secondary(method, path, {})
         self._inject_faults(method, path)
         body = json.loads(raw) if raw else {}
         if path.startswith("/app"):
@@ -519,10 +702,7 @@ class FakeGitHub(FakeForge):
                     headers,
                 )
             if path == "/app/hook/deliveries" and method == "GET":
-                with self.lock:
-                    items = [d.as_json() for d in sorted(self.deliveries, key=lambda d: -d.id)]
-                per_page = int(query.get("per_page", 30))
-                return 200, items[:per_page], headers
+                return self._deliveries_page(query)
             if (m := re.fullmatch(r"/app/hook/deliveries/(\d+)/attempts", path)) and method == "POST":
                 try:
                     self.redeliver(int(m.group(1)))
@@ -531,24 +711,18 @@ class FakeGitHub(FakeForge):
                 return 202, {}, headers
             raise HttpError(404, "Not Found")
         inst_id = self._check_token(auth)
-        headers = self._rate_headers(auth)
+        headers = self._rate_headers(inst_id)
         installation = self.installations[inst_id]
         with self.lock:
             if path == "/installation/repositories" and method == "GET":
-                repos = [
-                    {
-                        "id": i + 1,
-                        "full_name": r,
-                        "name": r.split("/")[1],
-                        "owner": {"login": r.split("/")[0]},
-                    }
-                    for i, r in enumerate(installation["repositories"])
-                ]
+                repos = [self._repository_json(installation, r) for r in installation["repositories"]]
                 return 200, self._page(query, "repositories", repos), headers
             if m := re.fullmatch(r"/(orgs/([^/]+)|repos/([^/]+/[^/]+))/actions/runners(/.*)?", path):
                 owner = f"org:{m.group(2)}" if m.group(2) else f"repo:{m.group(3)}"
-                if m.group(2) and m.group(2) != installation["account"]:
-                    raise HttpError(404, "Not Found")
+                if m.group(2) and (
+                    m.group(2) != installation["account"] or installation["account_type"] == "User"
+                ):
+                    raise HttpError(404, "Not Found")  # a user account has no /orgs/{login}
                 if m.group(3) and m.group(3) not in installation["repositories"]:
                     raise HttpError(404, "Not Found")
                 return (*self._runners_api(method, owner, inst_id, m.group(4) or "", query, body), headers)
@@ -558,6 +732,25 @@ class FakeGitHub(FakeForge):
                     raise HttpError(404, "Not Found")
                 return (*self._runs_api(method, repo, m.group(2), m.group(3) or "", query), headers)
         raise HttpError(404, "Not Found")
+
+    def _deliveries_page(self, query: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
+        """Newest first, ``per_page`` (at most 100) at a time; the next page's ``cursor`` (the
+        last one's id here) in the ``Link`` header, as GitHub pages its deliveries."""
+        per_page = max(1, min(100, int(query.get("per_page", 30))))
+        cursor = int(query["cursor"]) if query.get("cursor", "").isdigit() else None
+        with self.lock:
+            items = sorted(self.deliveries, key=lambda d: -d.id)
+            if cursor is not None:
+                items = [d for d in items if d.id < cursor]
+            page = [d.as_json() for d in items[:per_page]]
+        headers = {}
+        if len(items) > per_page:
+            after = f"{self._base()}/app/hook/deliveries?per_page={per_page}&cursor={page[-1]['id']}"
+            headers["Link"] = f'<{after}>; rel="next"'
+        return 200, page, headers
+
+    def _base(self) -> str:
+        return self.url if self._server is not None else "http://github.invalid"
 
     def _check_jwt(self, auth: str) -> None:
         if not auth.startswith("Bearer "):
@@ -708,6 +901,11 @@ class FakeGitHub(FakeForge):
                 raise HttpError(404, "runner not registered (removed)")
             runner.last_seen = time.time()
             if m.group(2) == "session":
+                if runner.fault == "deprecated":
+                    # GitHub's broker refuses a listener too old (actions/runner
+                    # src/Sdk/WebApi/WebApi/BrokerHttpClient.cs: RunnerVersionTooOld ->
+                    # AccessDeniedException with ErrorCode 1)
+                    return 403, {"errorKind": "RunnerVersionTooOld", "message": DEPRECATED_MESSAGE}
                 runner.session = True
                 if runner.online_at is None:
                     runner.online_at = runner.last_seen

@@ -18,12 +18,14 @@ under 600 s, 403 for an instance runner, 404 for a project or group it does not 
 ``fail_next``, latency, a rate-limit window (429 with ``Retry-After``).
 
 Job events (``X-Gitlab-Event: Job Hook``, ``X-Gitlab-Token``, ``Idempotency-Key``): created,
-pending, running, success / failed / canceled, shaped like GitLab's (no job tags, as GitLab's
-documented payload; ``event_tags`` adds ``build_tags``), with injectable drops (never sent:
+pending, running, success / failed / canceled, shaped like GitLab's: no job tags (gitlabhq
+``lib/gitlab/data_builder/build.rb`` builds the event with the runner's ``tags`` only; GitLab
+issue 467657 asks for the job's), with injectable drops (never sent:
 GitLab does not retry), duplicates (the same key again) and reordering.
 
-Runners: ``POST /user/runners`` answers a ``glrt-`` token; a runner verifies it
-(``/api/v4/runners/verify``), long-polls ``/api/v4/jobs/request`` and is handed the oldest
+Runners: ``POST /user/runners`` answers a ``glrt-`` token; a runner (``run-single`` asks for
+jobs at once, never ``/api/v4/runners/verify``: gitlab-runner ``commands/single.go``) long-polls
+``/api/v4/jobs/request`` with its ``system_id`` (its runner manager) and is handed the oldest
 pending job whose tags it has (ANY such job, as GitLab does; never an untagged one: runners are
 created with ``run_untagged: false``), keeps the job alive with trace updates and reports its
 end (``PUT /api/v4/jobs/:id``). It stays registered until it is deleted. ``runner_faults`` makes
@@ -108,6 +110,7 @@ class Job:
     status: str = "created"
     failure_reason: str | None = None
     runner_id: int | None = None
+    system_id: str | None = None  # the runner manager that took it
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # the job's CI_JOB_TOKEN
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
@@ -131,6 +134,8 @@ class Job:
             "failure_reason": self.failure_reason,
             "pipeline": {"id": self.pipeline_id, "project_id": self.project_id, "ref": self.ref},
             "runner": runner.brief() if runner else None,
+            # the jobs API names the runner manager (APIEntitiesCiJob ``runner_manager``)
+            "runner_manager": {"system_id": self.system_id} if runner and self.system_id else None,
             "web_url": f"/{self.project}/-/jobs/{self.id}",
         }
 
@@ -150,6 +155,9 @@ class Runner:
     paused: bool = False
     contacted_at: float | None = None
     job_id: int | None = None
+    # Its runner managers (GitLab 16+: each gitlab-runner process with its own system_id that
+    # asks for jobs with the runner's token): system_id -> last contact.
+    managers: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
 
     def status(self, now: float, offline_after: float) -> str:
@@ -227,6 +235,7 @@ class FakeGitLab(FakeForge):
             self.projects: dict[int, Project] = {}
             self.jobs: dict[int, Job] = {}
             self.runners: dict[int, Runner] = {}
+            self.all_runners: dict[int, Runner] = {}  # deleted ones too (GitLab's cap counts them)
             self.deliveries: list[Delivery] = []
             self.calls: list[tuple[str, str, int]] = []
             self.runner_calls: list[tuple[str, str, int]] = []
@@ -238,7 +247,12 @@ class FakeGitLab(FakeForge):
             self.lost_rate = 0.0  # events never sent (GitLab does not retry: only polling finds them)
             self.duplicate_rate = 0.0
             self.reorder_rate = 0.0
-            self.event_tags = False  # add the job's tags to its events (build_tags)
+            # GitLab.com's runner cap: runners created or active in a project (group) in the past
+            # seven days (Free 50, paid tiers 1,000: GitLab issue 342757; "created or active in
+            # the past seven days": MR 175877); None: no cap (self-managed by default here).
+            self.runner_cap: int | None = None
+            self.cap_refusals = 0
+            self.now = time.time  # the fake's clock: a test may run a simulated week on it
             self.rate_limited_until = 0.0
             self.rate_limit = 2000
             self._rate_used = 0
@@ -376,8 +390,6 @@ class FakeGitLab(FakeForge):
             "project": {"id": job.project_id, "path_with_namespace": job.project},
             "environment": None,
         }
-        if self.event_tags:
-            payload["build_tags"] = list(job.tags)
         return payload
 
     def _base(self) -> str:
@@ -492,8 +504,8 @@ class FakeGitLab(FakeForge):
         return job.as_json(self.runners)
 
     def _more_faults(self, body: dict[str, Any]) -> None:
-        if "event_tags" in body:
-            self.event_tags = bool(body["event_tags"])
+        if "runner_cap" in body:
+            self.runner_cap = None if body["runner_cap"] is None else int(body["runner_cap"])
 
     def _rate_headers(self) -> dict[str, str]:
         now = time.time()
@@ -548,9 +560,9 @@ class FakeGitLab(FakeForge):
                     for r in sorted(self.runners.values(), key=lambda r: r.id)
                 ]
                 return 200, self._page(query, items, headers), headers
-            if m := re.fullmatch(r"/runners/(\d+)(/jobs)?", path):
+            if m := re.fullmatch(r"/runners/(\d+)(?:/(jobs|managers|reset_authentication_token))?", path):
                 return (
-                    *self._runner_rest(method, int(m.group(1)), bool(m.group(2)), query, body, headers),
+                    *self._runner_rest(method, int(m.group(1)), m.group(2) or "", query, body, headers),
                     headers,
                 )
             if m := re.fullmatch(r"/projects/(\d+)/jobs(?:/(\d+)(/cancel)?)?", path):
@@ -591,6 +603,7 @@ class FakeGitLab(FakeForge):
         timeout = body.get("maximum_timeout")
         if timeout is not None and int(timeout) < 600:
             raise HttpError(400, "maximum_timeout needs to be at least 10 minutes")
+        self._check_cap(str(kind), project_id, group_id)
         fault = self.runner_faults.popleft() if self.runner_faults else None
         runner = Runner(
             id=next(self._ids),
@@ -604,19 +617,50 @@ class FakeGitLab(FakeForge):
             maximum_timeout=int(timeout or 3600),
             fault=fault,
             paused=bool(body.get("paused", False)),
+            created_at=self.now(),
         )
         self.runners[runner.id] = runner
+        self.all_runners[runner.id] = runner
         self.runner_created_at[runner.id] = runner.created_at
         self.runners_seen[runner.id] = runner.description
         self.issued_tokens.append(runner.token)
         self.max_runners_seen = max(self.max_runners_seen, len(self.runners))
         return {"id": runner.id, "token": runner.token, "token_expires_at": None}
 
+    def _status_at(self, contacted: float | None) -> str:
+        if contacted is None:
+            return "never_contacted"
+        return "online" if self.now() - contacted < self.offline_after else "offline"
+
+    def _check_cap(self, kind: str, project_id: Any, group_id: Any) -> None:
+        """GitLab.com's cap: a project (group) may have ``runner_cap`` runners created or active
+        (contacted) in the past seven days, deleted ones included (plan limits
+        ``ci_registered_project_runners`` / ``ci_registered_group_runners``; the refusal is
+        Limitable's "Maximum number of %{name} (%{count}) exceeded", a 400)."""
+        if self.runner_cap is None:
+            return
+        since = self.now() - 7 * 86400
+        scope = "project" if kind == "project_type" else "group"
+        counted = sum(
+            1
+            for r in self.all_runners.values()
+            if (r.project_id if scope == "project" else r.group_id)
+            == (project_id if scope == "project" else group_id)
+            and (r.created_at >= since or (r.contacted_at or 0) >= since)
+        )
+        if counted >= self.runner_cap:
+            self.cap_refusals += 1
+            raise HttpError(
+                400,
+                f"400 Bad request - Maximum number of ci registered {scope} runners "
+                f"({self.runner_cap}) exceeded",
+            )
+
     def _runner_rest(
         self,
         method: str,
         runner_id: int,
-        jobs: bool,
+        jobs: str,
         query: dict[str, Any],
         body: dict[str, Any],
         headers: dict[str, str],
@@ -625,7 +669,17 @@ class FakeGitLab(FakeForge):
         if runner is None:
             raise HttpError(404, "404 Runner Not Found")
         now = time.time()
-        if jobs and method == "GET":
+        if jobs == "managers" and method == "GET":
+            return 200, [
+                {"id": i + 1, "system_id": sid, "contacted_at": iso(at), "status": self._status_at(at)}
+                for i, (sid, at) in enumerate(sorted(runner.managers.items()))
+            ]
+        if jobs == "reset_authentication_token" and method == "POST":
+            # the old token is refused from now on (Ci::Runner#reset_token!); running jobs go on
+            runner.token = "glrt-" + secrets.token_urlsafe(20)
+            self.issued_tokens.append(runner.token)
+            return 201, {"token": runner.token, "token_expires_at": None}
+        if jobs == "jobs" and method == "GET":
             mine = [j for j in self.jobs.values() if j.runner_id == runner.id]
             if query.get("status"):
                 mine = [j for j in mine if j.status == query["status"]]
@@ -689,14 +743,17 @@ class FakeGitLab(FakeForge):
                 }
             if path == "/api/v4/jobs/request" and method == "POST":
                 runner = self._runner_by_token(body.get("token"))
+                system_id = str(body.get("system_id") or "")
                 deadline = time.time() + min(30.0, float(body.get("wait") or 0))
                 while True:
-                    if runner.id not in self.runners:
-                        raise HttpError(403, "403 Forbidden")  # deleted meanwhile
-                    self._contact(runner)
-                    job = self._take(runner)  # whatever it runs already (see the docstring)
-                    if job is not None:
-                        return 201, self._job_payload(job, runner)
+                    if runner.id not in self.runners or runner.token != body.get("token"):
+                        raise HttpError(403, "403 Forbidden")  # deleted (or its token reset) meanwhile
+                    if runner.fault != "never_connect":  # the fault: its contact never arrives
+                        self._contact(runner, system_id)
+                        job = self._take(runner)  # whatever it runs already (see the docstring)
+                        if job is not None:
+                            job.system_id = system_id or None
+                            return 201, self._job_payload(job, runner)
                     remaining = deadline - time.time()
                     if remaining <= 0 or self._stop.is_set():
                         return 204, None
@@ -708,9 +765,9 @@ class FakeGitLab(FakeForge):
                 raise HttpError(403, "403 Forbidden")
             # the job's token alone: its runner may have been deleted since (GitLab's
             # authenticate_job!, job.runner&.heartbeat)
-            runner = self.runners.get(job.runner_id) if job.runner_id else None
-            if runner is not None:
-                self._contact(runner)
+            current = self.runners.get(job.runner_id) if job.runner_id else None
+            if current is not None:
+                self._contact(current)
             if job.status != "running":
                 raise HttpError(403, "403 Forbidden - Job is not running")  # canceled: the runner stops
             job.updated_at = time.time()
@@ -718,8 +775,8 @@ class FakeGitLab(FakeForge):
                 return 202, None
             state = str(body.get("state") or "")
             if state in ("success", "failed"):
-                if runner is not None and runner.job_id == job.id:
-                    runner.job_id = None
+                if current is not None and current.job_id == job.id:
+                    current.job_id = None
                 job.failure_reason = (
                     str(body.get("failure_reason") or "script_failure") if state == "failed" else None
                 )
@@ -732,8 +789,10 @@ class FakeGitLab(FakeForge):
             raise HttpError(403, "403 Forbidden")
         return runner
 
-    def _contact(self, runner: Runner) -> None:
-        runner.contacted_at = time.time()
+    def _contact(self, runner: Runner, system_id: str = "") -> None:
+        runner.contacted_at = self.now()
+        if system_id:
+            runner.managers[system_id] = runner.contacted_at
         self.runner_online_at.setdefault(runner.id, runner.contacted_at)
 
     def _job_payload(self, job: Job, runner: Runner) -> dict[str, Any]:

@@ -5,7 +5,7 @@ folder, not the project checkout). Like the real runner in just-in-time mode: it
 configuration from ``--jitconfig`` (or ``ACTIONS_RUNNER_INPUT_JITCONFIG``, then removed from its
 environment as the real one does), connects, waits for one job, runs its steps as shell commands
 in ``_work`` under the current folder, reports the result and exits 0. The configuration may ask
-it to misbehave: ``crash`` (exit 3 right after taking a job), ``hang`` (take a job and never
+it to misbehave: ``crash`` (exit 134 right after taking a job), ``hang`` (take a job and never
 report), ``never_connect`` (never go online).
 """
 
@@ -42,7 +42,10 @@ def call(
             raw = response.read()
             return response.status, json.loads(raw) if raw else None
     except urllib.error.HTTPError as exc:
-        return exc.code, None
+        try:
+            return exc.code, json.loads(exc.read() or b"null")
+        except ValueError:
+            return exc.code, None
 
 
 def run_steps(job: dict[str, Any]) -> str:
@@ -76,13 +79,19 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(3600)
     for attempt in range(30):
         try:
-            status, _ = call(config, "POST", f"/_runner/{config['runner_id']}/session", {})
+            status, answer = call(config, "POST", f"/_runner/{config['runner_id']}/session", {})
         except OSError as exc:
             say(f"cannot reach GitHub ({exc}); retrying")
             time.sleep(min(5, 0.5 * (attempt + 1)))
             continue
         if status == 200:
             break
+        if (answer or {}).get("errorKind") == "RunnerVersionTooOld":
+            # Runner.Listener Program.cs: AccessDeniedException ErrorCode 1 -> 7 when
+            # ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE is true, else 1 (terminated)
+            say(f"An error occurred: {answer.get('message')}")
+            deprecated = os.environ.get("ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE", "")
+            return 7 if deprecated.lower() in ("1", "true") else 1
         say(f"session refused (HTTP {status}): the registration was removed")
         return 1
     else:
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"Running job: {job['name']} ({job['repository']})")
     if fault == "crash":
         say("crashing as configured")
-        os._exit(3)
+        os._exit(134)  # run.sh: an unknown code, so it ends with 0 (a crash is silent there too)
     if fault == "hang":
         say("hanging as configured")
         while True:

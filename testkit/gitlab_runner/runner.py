@@ -7,8 +7,10 @@ folder, not the project checkout). Like the real runner's ``run-single`` (gitlab
 ``--config FILE --runner NAME`` (gitlab-runner 17.1 and later), the whole runner from that
 ``[[runners]]`` entry of a config.toml (url, token, executor, builds_dir, cache_dir,
 ``[runners.docker] image``; the command line's runner options are then ignored, as
-``HandleArgs`` replaces them). It verifies the token, asks for a job (``POST
-/api/v4/jobs/request``) until ``--wait-timeout`` seconds pass, one job at a time, runs the job's
+``HandleArgs`` replaces them), its system id (runner manager) from ``.runner_system_id`` beside
+the config. It never verifies the token (the real one does not): it asks for a job (``POST
+/api/v4/jobs/request``, its system id with it) until ``--wait-timeout`` seconds pass (a 403 makes
+it wait 300 s before asking again, as the real one), one job at a time, runs the job's
 script lines in ``--builds-dir``, keeps the job alive with trace updates, reports success or
 failure (``PUT /api/v4/jobs/:id``) and, after ``--max-builds`` jobs, exits 0. The fake may ask it
 to misbehave: ``crash`` (exit 3 right after taking a job), ``hang`` (take a job and never
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import time
@@ -38,6 +42,7 @@ import urllib.request
 from typing import Any
 
 KEEPALIVE = 2.0  # seconds between trace updates while a script line runs
+NOT_HEALTHY_WAIT = 300.0  # common/consts.go NotHealthyCheckInterval
 
 
 def say(message: str) -> None:
@@ -123,26 +128,9 @@ def run_single(args: argparse.Namespace) -> int:
     if args.executor not in ("shell", "docker"):
         say(f"this stand-in runs the shell and docker executors only (not {args.executor})")
         return 2
-    fault, runner_id = None, None
-    for attempt in range(30):
-        try:
-            status, body = call(url, "POST", "/api/v4/runners/verify", {"token": token})
-        except OSError as exc:
-            say(f"cannot reach GitLab ({exc}); retrying")
-            time.sleep(min(5, 0.5 * (attempt + 1)))
-            continue
-        if status == 200:
-            fault, runner_id = (body or {}).get("fault"), (body or {}).get("id")
-            break
-        say(f"ERROR: Verifying runner... is removed (HTTP {status})")
-        return 1
-    else:
-        return 1
-    if fault == "never_connect":
-        say("configured never to connect; waiting")
-        while True:
-            time.sleep(3600)
+    # run-single never verifies its token (commands/single.go: Execute asks for jobs at once)
     say(f"Runtime platform arch=amd64 os=linux; executor={args.executor} max-builds={args.max_builds}")
+    say(f"Starting runner for {url} with system id {args.system_id}")
     builds = 0
     deadline = time.monotonic() + args.wait_timeout
     while builds < args.max_builds:
@@ -150,22 +138,25 @@ def run_single(args: argparse.Namespace) -> int:
         if remaining <= 0:
             say(f"no job received within {args.wait_timeout}s (--wait-timeout); exiting")
             return 0
+        request = {"token": token, "system_id": args.system_id, "wait": min(20.0, remaining)}
         try:
-            status, job = call(
-                url, "POST", "/api/v4/jobs/request", {"token": token, "wait": min(20.0, remaining)}
-            )
+            status, job = call(url, "POST", "/api/v4/jobs/request", request)
         except OSError as exc:
             say(f"Checking for jobs... failed ({exc}); retrying")
             time.sleep(1)
             continue
         if status == 403:
-            say("ERROR: Checking for jobs... forbidden: the runner was deleted; exiting")
-            return 0
+            # network/gitlab.go RequestJob: forbidden is "not healthy"; single.go then waits
+            # NotHealthyCheckInterval (300 s, common/consts.go) before asking again, and exits
+            # once --wait-timeout has passed without a job
+            say("ERROR: Checking for jobs... forbidden")
+            time.sleep(max(0.0, min(NOT_HEALTHY_WAIT, deadline - time.monotonic())))
+            continue
         if status != 201 or not job:
             continue
         builds += 1
         repo = job["git_info"]["repo_url"]
-        say(f"Checking for jobs... received job={job['id']} repo_url={repo} runner={runner_id}")
+        say(f"Checking for jobs... received job={job['id']} repo_url={repo}")
         say(f"Running job {job['job_info']['name']} ({job['job_info']['project_name']})")
         if job.get("fault") == "crash":
             say("crashing as configured")
@@ -209,7 +200,20 @@ def from_config(args: argparse.Namespace) -> bool:
     args.builds_dir = runner.get("builds_dir") or os.path.join(os.getcwd(), "builds")
     args.cache_dir = runner.get("cache_dir") or os.path.join(os.getcwd(), "cache")
     args.docker_image = (runner.get("docker") or {}).get("image", "")
+    args.system_id = system_id_beside(args.config) or args.system_id
     return True
+
+
+def system_id_beside(config: str) -> str:
+    """The runner manager's system id from ``.runner_system_id`` beside the config file, when it
+    holds one of the form ``s_`` or ``r_`` and 12 letters or digits (commands/internal/configfile
+    system_id_state.go; otherwise gitlab-runner makes one up)."""
+    try:
+        with open(os.path.join(os.path.dirname(config) or ".", ".runner_system_id")) as fh:
+            value = fh.read().strip()
+    except OSError:
+        return ""
+    return value if re.fullmatch(r"[sr]_[0-9a-zA-Z]{12}", value) else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     single.add_argument("-c", "--config", default=os.environ.get("CONFIG_FILE", ""))
     single.add_argument("-r", "--runner", default="", help="the runner of --config to run")
     args = parser.parse_args(argv)
+    args.system_id = "s_" + secrets.token_hex(6)  # GenerateUniqueSystemID when none is kept
     if args.runner and not from_config(args):
         return 2
     if args.max_builds <= 0:

@@ -1,7 +1,9 @@
 """The fake GitLab treats a runner's token as GitLab does (gitlabhq ``lib/api/ci/runner.rb`` and
 ``lib/api/ci/helpers/runner.rb``): a live token takes any pending job it matches, however many its
 runner runs already; a paused runner's token gets 204 and no job; a deleted runner's token gets
-403; a running job keeps reporting with its own job token after its runner is deleted."""
+403; a running job keeps reporting with its own job token after its runner is deleted. It keeps
+GitLab.com's runner cap over seven days, sends no job tags in its Job events, and the stand-in
+gitlab-runner calls only what ``run-single`` calls, as its runner manager (system id)."""
 
 from __future__ import annotations
 
@@ -89,3 +91,65 @@ def test_a_running_job_outlives_its_deleted_runner(fake: FakeGitLab) -> None:
     assert answer["runner"] is None  # GitLab names no runner once it is deleted
     assert call(fake, "PUT", f"/api/v4/jobs/{job}", {"token": taken["token"], "state": "success"})[0] == 200
     assert fake.job(job).status == "success"
+
+
+def test_job_events_carry_no_job_tags(fake: FakeGitLab) -> None:
+    """Item 8: gitlabhq lib/gitlab/data_builder/build.rb has the runner's tags only."""
+    fake.queue_job("acme/app", TAGS)
+    bodies = [json.loads(d.body) for d in fake.deliveries]
+    assert bodies and all("build_tags" not in b and "tag_list" not in b for b in bodies)
+
+
+def test_the_runner_cap_counts_runners_created_or_active_in_seven_days(fake: FakeGitLab) -> None:
+    clock = [1_000_000.0]
+    fake.now = lambda: clock[0]
+    fake.runner_cap = 2
+    first, _ = runner(fake)
+    runner(fake)
+    body = {"runner_type": "project_type", "project_id": 12, "tag_list": TAGS}
+    status, _ = call(fake, "POST", "/api/v4/user/runners", body, **{"PRIVATE-TOKEN": TOKEN})
+    assert status == 400 and fake.cap_refusals == 1
+    assert call(fake, "DELETE", f"/api/v4/runners/{first}", **{"PRIVATE-TOKEN": TOKEN})[0] == 204
+    assert (
+        call(fake, "POST", "/api/v4/user/runners", body, **{"PRIVATE-TOKEN": TOKEN})[0] == 400
+    )  # deleted counts
+    clock[0] += 7 * 86400 + 1
+    assert call(fake, "POST", "/api/v4/user/runners", body, **{"PRIVATE-TOKEN": TOKEN})[0] == 201
+
+
+def test_the_stand_in_runner_calls_only_what_run_single_does(fake: FakeGitLab, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, token = runner(fake)
+    job = fake.queue_job("acme/app", TAGS, ["true"])
+    (tmp_path / ".runner_system_id").write_text("s_0123456789ab\n")
+    (tmp_path / "config.toml").write_text(
+        f'[[runners]]\nname = "x"\nurl = "{fake.url}"\ntoken = "{token}"\nexecutor = "shell"\n'
+        f'builds_dir = "{tmp_path}/builds"\n'
+    )
+    stand_in = Path(__file__).resolve().parents[2] / "testkit" / "gitlab_runner" / "runner.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(stand_in),
+            "run-single",
+            "--config",
+            str(tmp_path / "config.toml"),
+            "--runner",
+            "x",
+            "--max-builds",
+            "1",
+            "--wait-timeout",
+            "20",
+        ],
+        capture_output=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout
+    assert fake.job(job).status == "success" and fake.job(job).system_id == "s_0123456789ab"
+    routes = {route for _, route, _ in fake.runner_calls}
+    assert routes <= {"/api/v4/jobs/request", "/api/v4/jobs/{id}/trace", "/api/v4/jobs/{id}"}
+    assert "/api/v4/runners/verify" not in routes  # run-single never verifies (commands/single.go)
