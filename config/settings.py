@@ -364,12 +364,17 @@ CATACLOUD_GITHUB_RUNNER_DIR = env.str("CATACLOUD_GITHUB_RUNNER_DIR", default="/o
 # Seconds between reconciles of an installation (runners, missed webhooks); at most the
 # reaper interval matters as the reaper's tick sends them.
 CATACLOUD_GITHUB_RECONCILE_INTERVAL = env.float("CATACLOUD_GITHUB_RECONCILE_INTERVAL", default=30.0)
-# GitHub calls per installation per hour Catacloud allows itself (background calls: 80 % of it).
-CATACLOUD_GITHUB_REQUEST_BUDGET = env.int("CATACLOUD_GITHUB_REQUEST_BUDGET", default=3000)
+# GitHub calls per installation per hour Catacloud allows itself: 90 % of the 5,000 GitHub grants
+# an installation at least (the reconciler's runner upkeep stops at 80 % of it, its polls at 50 %).
+CATACLOUD_GITHUB_REQUEST_BUDGET = env.int("CATACLOUD_GITHUB_REQUEST_BUDGET", default=4500)
 # Seconds a GitHub call may take.
 CATACLOUD_GITHUB_TIMEOUT = env.float("CATACLOUD_GITHUB_TIMEOUT", default=10.0)
 # The largest webhook delivery accepted (GitHub caps payloads at 25 MB; workflow_job ones are ~10 KB).
 CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES = env.int("CATACLOUD_GITHUB_WEBHOOK_MAX_BYTES", default=1_048_576)
+
+# Simulations only: the forges' documented limits' windows and waits (a minute, an hour, a week)
+# are this many times shorter, as the fakes' clocks run when they simulate a week in minutes.
+CATACLOUD_CI_LIMIT_TIME_SCALE = env.float("CATACLOUD_CI_LIMIT_TIME_SCALE", default=1.0)
 
 # ---- GitLab CI (apps/gitlab) -------------------------------------------------------------------
 # The gitlab-runner a machine's image provides (a runner class may name another one); the

@@ -8,3 +8,6 @@ class CiConfig(AppConfig):
     label = "ci"
     verbose_name = "CI (what the forges share)"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from apps.ci import metrics  # noqa: F401 - registers the CI limits' metrics

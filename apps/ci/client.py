@@ -1,11 +1,20 @@
 """The one client machinery every forge call goes through (GitHub's and GitLab's clients are
 subclasses that say how to authenticate and where the rate limit is read):
 
-- **Limits**: the forge's remaining calls and reset are recorded after every answer; a
-  rate-limited answer (429, or GitHub's 403) with ``Retry-After`` or an exhausted limit makes the
-  endpoint unavailable until then, without another call. Our own per-endpoint budget (the
-  forge's ``..._REQUEST_BUDGET`` calls per hour) keeps a reserve for dispatch: background calls
-  (the reconciler's polls) stop at 80 % of it.
+- **Limits as back pressure**: the forge's remaining calls and reset are recorded after every
+  answer. Every limit answer (429, or GitHub's 403 that says a rate limit; with ``Retry-After``,
+  with an exhausted limit, or with neither) makes the endpoint wait without another call: the
+  reset, the ``Retry-After``, or (a secondary limit saying neither) the forge's documented
+  minimum (GitHub: a minute), doubled while answers stay limited (up to 15 minutes). Its runner
+  jobs are held meanwhile with a pending reason naming the limit; each answer is counted
+  (``limited_total``, a metric) and recorded (``<forge>.rate_limited``).
+- **Our own budget, sized from the forge's documented limits**: calls per hour per endpoint
+  (``..._REQUEST_BUDGET``; the reconciler's runner upkeep stops at 80 % of it and its polls at
+  50 %, so dispatch always has the rest), and the forge's per-minute and per-hour windows
+  (:meth:`ForgeClient.windows`: GitHub's points per endpoint and content creation), kept below
+  the documented figure so the forge never has to refuse. A call over a window is not made: a
+  registration then waits (the endpoint is *paced*: its runner jobs are held until the window
+  turns), anything else stops until the next pass.
 - **Failures**: connection errors, timeouts and 5xx are retried twice with a short backoff;
   then the endpoint is unavailable for a backoff that doubles (15 s up to 5 min) and its queued
   runner jobs are held, so no machine is bought while the forge is down. The first successful
@@ -18,16 +27,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 import requests
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from apps.ci.availability import endpoint_available, endpoint_unavailable
+from apps.ci.availability import endpoint_available, endpoint_limited, endpoint_unavailable
 from apps.ci.errors import ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable, refused
 from apps.ci.forge import Forge
 
@@ -55,8 +66,40 @@ def iso_when(value: Any) -> datetime | None:
 
 RETRIES = 2
 RETRY_BACKOFF = (0.2, 0.6)
-BACKGROUND_SHARE = 0.8  # background calls stop at this share of the hourly budget
+BACKGROUND_SHARE = 0.8  # background calls (the reconciler's runner upkeep) stop at this share
+POLL_SHARE = 0.5  # the reconciler's polls for missed jobs stop at this share of the hourly budget
 LOW_REMAINING = 50  # the forge's own remaining calls below which background calls wait for the reset
+LONGEST_LIMIT_WAIT = 900.0  # a repeated secondary limit waits at most this long
+NO_WAIT_NAMED = 60.0  # a limit answer naming no wait (no Retry-After, no reset): at least this
+
+
+@dataclass(frozen=True)
+class Window:
+    """One of the forge's documented per-window limits, as our pacing keeps it: at most ``most``
+    (below the documented figure) per ``seconds``, a call costing ``cost``; ``what`` names it in
+    reasons ("GitHub's content-creation limit (500 an hour)")."""
+
+    key: str
+    seconds: float
+    cost: int
+    most: int
+    what: str
+
+
+def time_scale() -> float:
+    """Documented windows and waits are divided by this (``CATACLOUD_CI_LIMIT_TIME_SCALE``: 1,
+    except in simulations against the fakes, whose clock runs as many times faster)."""
+    return float(getattr(settings, "CATACLOUD_CI_LIMIT_TIME_SCALE", 1.0) or 1.0)
+
+
+def _seconds(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return max(1.0, float(value))
+    except ValueError:
+        return None
+
 
 SESSION = requests.Session()  # one connection pool per process, shared by the forges
 
@@ -71,12 +114,18 @@ class ForgeClient:
     reset_header: ClassVar[str] = "ratelimit-reset"
     # The statuses a rate limit may answer with (GitHub also limits with 403).
     limit_statuses: ClassVar[tuple[int, ...]] = (429,)
+    # Words of a limit answer's message (a 403 saying none of them is a refusal).
+    limit_words: ClassVar[tuple[str, ...]] = ("rate limit",)
+    # A secondary limit's documented shortest wait, even with a shorter Retry-After (GitHub: a
+    # minute); 0: a Retry-After is honoured as it is (GitLab).
+    secondary_minimum: ClassVar[float] = 0.0
 
     def __init__(self, endpoint: Any) -> None:
         self.endpoint = endpoint
         self.base = self.base_url().rstrip("/")
         # Called before every call (the reconciler renews its claim on the endpoint there).
         self.before_call: Callable[[], object] | None = None
+        self.last_headers: Any = {}  # the last successful answer's headers (a Link to page on)
 
     # ---- what a forge's client says -----------------------------------------------------------
 
@@ -91,6 +140,10 @@ class ForgeClient:
         """A 401: drop a cached credential and say whether a fresh one is worth a second try."""
         return False
 
+    def windows(self, method: str, path: str) -> list[Window]:
+        """The forge's documented per-window limits this call counts against (none by default)."""
+        return []
+
     # ---- the machinery ----------------------------------------------------------------------
 
     def request(
@@ -101,14 +154,16 @@ class ForgeClient:
         json: Any = None,
         params: Any = None,
         auth: str = "default",
-        background: bool = False,
+        background: bool | float = False,
     ) -> Any:
         """One call, with the limits, retries and availability rules above. Returns the
-        decoded JSON body (None for 204)."""
+        decoded JSON body (None for 204). ``background``: True (or a share of the hourly
+        budget, :data:`POLL_SHARE`) for the reconciler's calls, which yield to dispatch."""
         if self.before_call is not None:
             self.before_call()
         self._check_available()
-        self._spend(background=background)
+        windows = self.windows(method, path)
+        self._spend(background=background, windows=windows)
         attempt = 0
         refreshed = False
         while True:
@@ -129,11 +184,11 @@ class ForgeClient:
                 status = response.status_code
                 if status < 300:
                     self._succeeded()
+                    self.last_headers = response.headers
                     return response.json() if response.content else None
                 limited = self.rate_limit(response)
                 if limited is not None:
-                    self._mark_unavailable(str(limited), seconds=limited.retry_after)
-                    raise limited
+                    raise self._limited(limited, f"{method} {path}")
                 if status == 401 and not refreshed and self.refresh_credential(auth):
                     refreshed = True  # a revoked or expired token: a fresh one, once
                     continue
@@ -146,7 +201,7 @@ class ForgeClient:
                 raise failure
             time.sleep(RETRY_BACKOFF[attempt])
             attempt += 1
-            self._spend(background=background)
+            self._spend(background=background, windows=windows)
 
     def _check_available(self) -> None:
         model = self.forge.endpoint
@@ -165,29 +220,41 @@ class ForgeClient:
                 f"{self.forge.title} unavailable: {row['unavailable_reason']}", retry_after=wait
             )
 
-    def _spend(self, *, background: bool) -> None:
-        """Count one call against the endpoint's hourly budget (and in ``calls_total``); refuse
-        it when the budget (for background calls: its 80 %) is used up."""
+    def _spend(self, *, background: bool | float, windows: list[Window] | None = None) -> None:
+        """Count one call against the endpoint's hourly budget (and in ``calls_total``) and its
+        documented windows; refuse it (made not) when the budget (for background calls: their
+        share) or a window is used up."""
         budget = getattr(settings, self.forge.settings.request_budget)
+        share = (
+            1.0 if background is False else (BACKGROUND_SHARE if background is True else float(background))
+        )
         now = timezone.now()
         model = self.forge.endpoint
         with transaction.atomic():
             row = (
                 model.objects.select_for_update(no_key=True)
-                .only("window_started_at", "window_calls", "calls_total", "rate_remaining", "rate_reset_at")
+                .only(
+                    "window_started_at",
+                    "window_calls",
+                    "calls_total",
+                    "rate_remaining",
+                    "rate_reset_at",
+                    "spend",
+                )
                 .get(pk=self.endpoint.pk)
             )
             if row.window_started_at is None or now - row.window_started_at >= timedelta(hours=1):
                 row.window_started_at, row.window_calls = now, 0
-            limit = budget * BACKGROUND_SHARE if background else budget
             window_end = row.window_started_at + timedelta(hours=1)
-            if row.window_calls >= limit:
+            if row.window_calls >= budget * share:
                 raise ForgeRateLimited(
-                    f"request budget used: {row.window_calls}/{budget} calls this hour",
+                    f"request budget used: {row.window_calls}/{budget} calls this hour"
+                    + (f" ({share:.0%} for background calls)" if share < 1 else ""),
                     retry_after=(window_end - now).total_seconds(),
+                    paced=True,
                 )
             if (
-                background
+                share < 1
                 and row.rate_remaining is not None
                 and row.rate_remaining < LOW_REMAINING
                 and row.rate_reset_at is not None
@@ -197,12 +264,33 @@ class ForgeClient:
                     f"{self.forge.title} rate limit nearly used ({row.rate_remaining} left): "
                     "background calls wait",
                     retry_after=(row.rate_reset_at - now).total_seconds(),
+                    paced=True,
                 )
+            spend = self._windows_spent(row.spend or {}, windows or [], now.timestamp())
             model.objects.filter(pk=row.pk).update(
                 window_started_at=row.window_started_at,
                 window_calls=row.window_calls + 1,
                 calls_total=row.calls_total + 1,
+                spend=spend,
             )
+
+    def _windows_spent(self, spend: dict[str, Any], windows: list[Window], now: float) -> dict[str, Any]:
+        """``spend`` with this call counted in each of ``windows`` (expired windows dropped), or
+        :class:`ForgeRateLimited` (paced) naming the first window it would overrun."""
+        scale = time_scale()
+        fresh = {k: v for k, v in spend.items() if isinstance(v, list) and now - v[0] < v[2]}
+        for window in windows:
+            seconds = window.seconds / scale
+            start, used, _ = fresh.get(window.key, [now, 0, seconds])
+            if used + window.cost > window.most:
+                wait = start + seconds - now
+                raise ForgeRateLimited(
+                    f"{window.what}: {used}/{window.most} this window, next in {wait:.0f}s",
+                    retry_after=max(0.5, wait),
+                    paced=True,
+                )
+            fresh[window.key] = [start, used + window.cost, seconds]
+        return fresh
 
     def _record_limits(self, response: requests.Response) -> None:
         remaining = response.headers.get(self.remaining_header)
@@ -219,18 +307,22 @@ class ForgeClient:
         self.forge.endpoint.objects.filter(pk=self.endpoint.pk).update(**values)
 
     def rate_limit(self, response: requests.Response) -> ForgeRateLimited | None:
-        """A rate-limited answer: ``Retry-After`` (GitHub's secondary limits, GitLab's 429),
-        else an exhausted limit (remaining 0: wait for the reset), else a 429 (60 s)."""
-        if response.status_code not in self.limit_statuses:
+        """A limit answer, else None (a 403 that names no limit is a refusal). In the order the
+        forge's documentation gives (GitHub's "Exceeding the rate limit"): ``Retry-After``; an
+        exhausted limit (remaining 0: wait for its reset); else a secondary limit that names no
+        wait: the documented shortest one (a minute), longer when repeated."""
+        status = response.status_code
+        if status not in self.limit_statuses:
             return None
-        retry_after = response.headers.get("retry-after")
-        if retry_after is not None:
-            try:
-                wait = max(1.0, float(retry_after))
-            except ValueError:
-                wait = 60.0
+        said = message(response).lower()
+        named = status == 429 or any(word in said for word in self.limit_words)
+        retry_after = _seconds(response.headers.get("retry-after"))
+        if retry_after is not None and named:
             return ForgeRateLimited(
-                f"{self.limit_name(secondary=True)} (retry after {wait:.0f}s)", wait, response.status_code
+                f"{self.limit_name(secondary=True)} (HTTP {status}, retry-after {retry_after:.0f}s)",
+                retry_after,
+                status,
+                secondary=self.secondary_minimum > 0,
             )
         if response.headers.get(self.remaining_header) == "0":
             try:
@@ -238,11 +330,31 @@ class ForgeClient:
             except ValueError:
                 wait = 60.0
             return ForgeRateLimited(
-                f"{self.limit_name(secondary=False)} (resets in {wait:.0f}s)", wait, response.status_code
+                f"{self.limit_name(secondary=False)} (resets in {wait:.0f}s)", wait, status
             )
-        if response.status_code == 429:
-            return ForgeRateLimited("rate limited (429)", 60.0, 429)
+        if named:
+            return ForgeRateLimited(
+                f"{self.limit_name(secondary=True)} (HTTP {status}, no retry-after)",
+                (self.secondary_minimum or NO_WAIT_NAMED) / time_scale(),
+                status,
+                secondary=True,
+            )
         return None
+
+    def _limited(self, limited: ForgeRateLimited, call: str) -> ForgeRateLimited:
+        """A limit answer: the endpoint waits (a secondary limit at least the documented minimum,
+        doubled for each limited answer in a row, at most 15 minutes), and it is counted."""
+        if limited.secondary:
+            minimum = (self.secondary_minimum or NO_WAIT_NAMED) / time_scale()
+            streak = min(6, int(self.endpoint.failures or 0))
+            longest = LONGEST_LIMIT_WAIT / time_scale()
+            limited.retry_after = max(limited.retry_after, min(longest, minimum * 2**streak))
+            limited.detail = f"{limited.detail}: waiting {limited.retry_after:.0f}s"
+            limited.args = (limited.detail,)
+        self.forge.endpoint.objects.filter(pk=self.endpoint.pk).update(limited_total=F("limited_total") + 1)
+        self._mark_unavailable(str(limited), seconds=limited.retry_after)
+        endpoint_limited(forge=self.forge, endpoint_id=self.endpoint.pk, limited=limited, call=call)
+        return limited
 
     def limit_name(self, *, secondary: bool) -> str:
         return "rate limited" if secondary else "rate limit exhausted"
@@ -257,7 +369,7 @@ class ForgeClient:
             self.endpoint.unavailable_until = None
 
     def paged(
-        self, path: str, key: str | None, *, params: dict[str, Any] | None = None, background: bool
+        self, path: str, key: str | None, *, params: dict[str, Any] | None = None, background: bool | float
     ) -> list[dict[str, Any]]:
         """Every page (up to 10 of 100) of a list: the answer's ``key`` (GitHub wraps lists in an
         object), or the answer itself (GitLab answers a list)."""

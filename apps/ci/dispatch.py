@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
-from apps.ci.availability import hold_reason
+from apps.ci.availability import NOT_ON_A_MACHINE, endpoint_paced, hold_reason, limit_reason
 from apps.ci.choices import Handoff
 from apps.ci.errors import ForgeBusy, ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable
 from apps.ci.forge import Forge, ForgeOps, RunnerId, forge_named, ops_of
 from apps.core.broker import enqueue, enqueue_on_commit
-from apps.core.errors import InvalidTransition
+from apps.core.errors import ErrorCode, InvalidTransition
 from apps.core.ids import InstanceId, JobId
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE
@@ -95,16 +96,7 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
     try:
         created = ops.register(client, runner, name)
     except (ForgeUnavailable, ForgeRateLimited) as exc:
-        endpoint.refresh_from_db(fields=["unavailable_until", "unavailable_reason"])
-        job_handoff_failed(
-            job_id=job.pk,
-            instance_id=instance_id,
-            cause=forge.unavailable_cause,
-            detail=exc.detail,
-            actor=forge.actor,
-            hold_reason=hold_reason(forge, endpoint) or f"{forge.title} unavailable: {exc.detail}"[:300],
-        )
-        return forge.unavailable_outcome
+        return _handoff_waits(forge, runner, exc)
     except ForgeRefused as exc:
         with transaction.atomic():
             if job_handoff_failed(
@@ -130,12 +122,14 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
             job_id=job.pk, instance_id=instance_id, secret_env=created.secret_env, actor=forge.actor
         )
         if handed:
+            now = timezone.now()
             forge.runner.objects.filter(pk=runner.pk).update(
                 name=created.name,
                 **{forge.runner_id_field: created.runner_id},
+                **created.fields,
                 registered_instance=instance_id,
-                registered_at=timezone.now(),
-                online_at=None,
+                registered_at=now,
+                online_at=now if created.shared else None,
             )
             event_record(
                 kind=forge.events.runner_registered,
@@ -152,6 +146,37 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
         _delete_quietly(ops, client, runner, created.runner_id)
         return Handoff.JOB_MOVED_ON
     return Handoff.HANDED_OFF
+
+
+def _handoff_waits(forge: Forge, runner: Any, exc: ForgeError) -> Handoff:
+    """The forge is down or limits us: the job goes back to the queue, held with a pending
+    reason naming why (the limit, and until when), its machine released. A limit of our pacing
+    holds the endpoint's registrations until its window turns (a runner cap: this one only)."""
+    job, endpoint = runner.job, forge.endpoint_of(runner)
+    held_until = None
+    if isinstance(exc, ForgeRateLimited) and exc.paced:
+        held_until = timezone.now() + timedelta(seconds=exc.retry_after)
+        if not exc.scoped:
+            endpoint_paced(forge=forge, endpoint_id=endpoint.pk, reason=exc.detail, seconds=exc.retry_after)
+    endpoint.refresh_from_db(
+        fields=["unavailable_until", "unavailable_reason", "paced_until", "paced_reason"]
+    )
+    reason = (
+        limit_reason(forge, exc.detail, held_until)
+        if held_until is not None and isinstance(exc, ForgeRateLimited) and exc.scoped
+        else hold_reason(forge, endpoint) or f"{forge.title} unavailable: {exc.detail}"
+    )
+    with transaction.atomic():
+        if job_handoff_failed(
+            job_id=job.pk,
+            instance_id=job.instance_id,
+            cause=forge.unavailable_cause,
+            detail=exc.detail,
+            actor=forge.actor,
+            hold_reason=reason[:300],
+        ):
+            forge.runner.objects.filter(pk=runner.pk).update(held_until=held_until)
+    return forge.unavailable_outcome
 
 
 def _delete_quietly(ops: ForgeOps, client: Any, runner: Any, runner_id: int) -> None:
@@ -226,3 +251,40 @@ def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
 
 def retire_soon(forge: Forge, runner_pk: RunnerId) -> None:
     enqueue_on_commit(forge.tasks.retire, str(runner_pk))
+
+
+def runner_job_failed(*, job_id: JobId, exit_code: int | None) -> str:
+    """The ``handed_off_job_failed`` hook: a runner job failed. When its exit says its runner is a
+    version the forge no longer accepts (actions/runner's 7), its class is blocked (no runner
+    starts for it until it changes: each would fail the same way while the forge's job waits),
+    its runner jobs not on a machine yet are cancelled, and the job's failure code names the
+    cause (``runner_outdated``). Inside the report's transaction."""
+    by = Job.objects.filter(pk=job_id).values_list("handoff_by", flat=True).first()
+    forge = forge_named(by or "")
+    if forge is None or exit_code is None:
+        return ""
+    why = ops_of(forge).outdated(exit_code)
+    runner = forge.runner.objects.select_related("runner_class").filter(job_id=job_id).first()
+    if not why or runner is None:
+        return ""
+    rc = runner.runner_class
+    if forge.runner_class.objects.filter(pk=rc.pk, blocked_at__isnull=True).update(
+        blocked_at=timezone.now(), blocked_reason=why[:300]
+    ):
+        if forge.events.runner_outdated is not None:
+            event_record(
+                kind=forge.events.runner_outdated,
+                org=runner.org_id,
+                job=job_id,
+                actor=forge.actor,
+                reason=why[:500],
+                runner_class=rc.name,
+                exit_code=exit_code,
+            )
+        waiting = forge.runner.objects.filter(
+            runner_class=rc, job__status__in=NOT_ON_A_MACHINE, **forge.unbound()
+        ).select_related("job")
+        for other in waiting:
+            with contextlib.suppress(InvalidTransition):
+                job_cancel(job=other.job, actor=forge.actor)
+    return str(ErrorCode.RUNNER_OUTDATED)

@@ -18,11 +18,30 @@ class ForgeUnavailable(ForgeError):
 
 
 class ForgeRateLimited(ForgeError):
-    """A rate limit (the forge's, or our own budget): wait ``retry_after`` seconds."""
+    """A rate limit (the forge's, or our own budget): wait ``retry_after`` seconds.
 
-    def __init__(self, detail: str, retry_after: float, status: int = 0) -> None:
+    ``secondary``: the forge's answer was a secondary limit (GitHub: wait at least a minute,
+    longer when repeated). ``paced``: our own pacing below a documented limit (or a quota the
+    forge keeps, like GitLab's runner cap) refused the call before it was made: only what needs
+    that limit waits (a runner registration), not every call to the endpoint."""
+
+    def __init__(
+        self,
+        detail: str,
+        retry_after: float,
+        status: int = 0,
+        *,
+        secondary: bool = False,
+        paced: bool = False,
+        scoped: bool = False,
+    ) -> None:
         super().__init__(detail, status)
         self.retry_after = retry_after
+        self.secondary = secondary
+        self.paced = paced
+        # The limit is one project's or group's (GitLab's runner cap), not the endpoint's: only
+        # that runner waits.
+        self.scoped = scoped
 
 
 class ForgeRefused(ForgeError):

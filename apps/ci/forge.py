@@ -55,9 +55,11 @@ class ForgeEvents:
     runner_recycled: EventKind
     unavailable: EventKind
     available: EventKind
+    rate_limited: EventKind  # a limit answer, or our pacing holding registrations
     class_created: EventKind
     class_updated: EventKind
     class_deleted: EventKind
+    runner_outdated: EventKind | None = None  # a runner refused to start: too old for the forge
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Forge:
     refused_cause: Cause
     unavailable_outcome: Handoff
     generic_labels: frozenset[str] = field(default_factory=frozenset)
+    manager_field: str = ""  # a runner's runner-manager field (GitLab: system_id), if any
 
     def __str__(self) -> str:
         return self.name
@@ -133,11 +136,16 @@ class Forge:
 @dataclass(frozen=True)
 class Registration:
     """A runner created at the forge for one machine: what the agent gets (``secret_env``: the
-    secret, never logged, never returned by our API, erased when the job ends)."""
+    secret, never logged, never returned by our API, erased when the job ends). ``fields``: more
+    of the runner's row (GitLab's class runner mode: its runner manager's system id);
+    ``shared``: the runner serves the class's other machines too (never deleted for this job;
+    its online state is not the forge's to tell per machine, so it counts as online)."""
 
     runner_id: int
     name: str
     secret_env: dict[str, str]
+    fields: dict[str, Any] = field(default_factory=dict)
+    shared: bool = False
 
     def __repr__(self) -> str:  # a stray log line must not print the secret
         return f"Registration(runner_id={self.runner_id}, name={self.name!r})"
@@ -169,6 +177,7 @@ class JobReport:
     completed_at: datetime | None = None
     conclusion: str = ""
     update: dict[str, Any] = field(default_factory=dict)  # forge fields a move also writes
+    runner_manager: str = ""  # the runner manager (GitLab's system id) when the forge names it
 
 
 class ForgeOps(Protocol):
@@ -204,6 +213,16 @@ class ForgeOps(Protocol):
 
     def key_of(self, record: Any) -> tuple[Any, ...]: ...
 
+    # The fields of a job record (or through a runner's created_for) that decide which runners
+    # can take it; :meth:`scope_of` names the scope from their values ("" for runners of the
+    # class's organization or group, which take any of its jobs).
+    scope_fields: tuple[str, ...]
+
+    def scope_of(self, runner_class: Any, values: Mapping[str, Any]) -> str:
+        """The scope of a job whose ``scope_fields`` have ``values``: a repository or project its
+        runner registers in (and serves alone), or "" (any job of the class)."""
+        ...
+
     def look_up(self, forge: Forge, client: ForgeClient, record: Any) -> Applied:
         """A record the poll did not list: its job as the forge says it now, applied."""
         ...
@@ -221,6 +240,11 @@ class ForgeOps(Protocol):
 
     def check_class(self, runner_class: Any) -> None:
         """Refuse a runner class the forge cannot serve (ValidationFailed)."""
+        ...
+
+    def outdated(self, exit_code: int) -> str:
+        """Why a runner job that failed with ``exit_code`` says its runner is a version the forge
+        no longer accepts (its class is then blocked), or "" (an ordinary failure)."""
         ...
 
     def class_config(self, runner_class: Any) -> dict[str, Any]:

@@ -30,6 +30,15 @@ class ForgeEndpoint(models.Model):
     window_started_at = models.DateTimeField(null=True, blank=True, editable=False)
     window_calls = models.PositiveIntegerField(default=0, editable=False)
     calls_total = models.PositiveBigIntegerField(default=0, editable=False)
+    # Our pacing below the forge's documented per-minute and per-hour limits (apps.ci.client):
+    # {window key: [window start (epoch seconds), calls or points counted]}.
+    spend = models.JSONField(default=dict, blank=True, editable=False)
+    # Limit answers the forge gave (primary or secondary, 403 or 429): the metric counts them.
+    limited_total = models.PositiveIntegerField(default=0, editable=False)
+    # Runner registrations wait (our pacing below a documented creation limit) until then; every
+    # other call goes on.
+    paced_until = models.DateTimeField(null=True, blank=True, editable=False)
+    paced_reason = models.CharField(max_length=300, blank=True, editable=False)
     # The forge unreachable or limiting us: no call before this (runner jobs are held meanwhile).
     unavailable_until = models.DateTimeField(null=True, blank=True, editable=False)
     unavailable_reason = models.CharField(max_length=300, blank=True, editable=False)
@@ -45,6 +54,9 @@ class ForgeEndpoint(models.Model):
 
     def is_available(self, now: datetime | None = None) -> bool:
         return self.unavailable_until is None or self.unavailable_until <= (now or timezone.now())
+
+    def is_paced(self, now: datetime | None = None) -> bool:
+        return self.paced_until is not None and self.paced_until > (now or timezone.now())
 
     def event_ref(self) -> dict[str, Any]:
         """What the availability events name of the endpoint (never a secret)."""
@@ -68,6 +80,10 @@ class RunnerClassFields(models.Model):
     online_timeout_seconds = models.PositiveIntegerField(default=180, validators=[MinValueValidator(10)])
     # A registered runner idle (no job) this long: deleted and its machine released.
     idle_timeout_seconds = models.PositiveIntegerField(default=300, validators=[MinValueValidator(10)])
+    # No runner is started for the class while blocked (its runner refused to start: a version
+    # the forge no longer accepts); cleared when the class changes, or by hand.
+    blocked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    blocked_reason = models.CharField(max_length=300, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -111,6 +127,9 @@ class RunnerFields(models.Model):
     online_at = models.DateTimeField(null=True, blank=True)
     # No longer needed (demand fell): being deleted at the forge, then its job cancelled.
     retire_requested_at = models.DateTimeField(null=True, blank=True)
+    # Held in the queue by a limit (a registration's pacing, a runner cap) until then: the
+    # reaper releases it.
+    held_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

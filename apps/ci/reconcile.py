@@ -153,14 +153,7 @@ def _runners(
     forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
 ) -> dict[str, int]:
     deleted = recycled = idle = unregistered = 0
-    live = {
-        forge.runner_id_of(r): r
-        for r in forge.runner.objects.filter(
-            **forge.of_endpoint(endpoint),
-            job__status__in=JOB_LIVE,
-            **{f"{forge.runner_id_field}__isnull": False},
-        ).select_related("job", "runner_class")
-    }
+    rows, live = _live(forge, endpoint)
     ours = {rid: listed for rid, listed in seen.items() if instance_of(listed.name)}
     known = set(
         str(pk)
@@ -203,7 +196,7 @@ def _runners(
                     runner_id=rid,
                     reason="no live runner job holds it (its machine or job is gone)",
                 )
-    for runner in live.values():
+    for runner in rows:
         rid = forge.runner_id_of(runner) or 0
         if forge.bound_id_of(runner) or runner.job.instance_id is None or runner.registered_at is None:
             continue
@@ -226,6 +219,20 @@ def _runners(
         "runners_idle_retired": idle,
         "runners_with_their_job_deleted": unregistered,
     }
+
+
+def _live(forge: Forge, endpoint: Any) -> tuple[list[Any], dict[int | None, Any]]:
+    """The endpoint's live registered runners, and those of them the forge's runner id names
+    alone (a class runner's machines share its id, GitLab's class runner mode: not matched)."""
+    rows = list(
+        forge.runner.objects.filter(
+            **forge.of_endpoint(endpoint),
+            job__status__in=JOB_LIVE,
+            **{f"{forge.runner_id_field}__isnull": False},
+        ).select_related("job", "runner_class")
+    )
+    shared = forge.manager_field
+    return rows, {forge.runner_id_of(r): r for r in rows if not (shared and getattr(r, shared))}
 
 
 def _recycle(forge: Forge, runner: Any) -> int:

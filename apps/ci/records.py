@@ -105,7 +105,7 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
     if status in rules.done:
         fields["conclusion"] = report.conclusion[:32]
         fields["completed_at"] = report.completed_at or now
-    ours = _bind(forge, record, runner_name, report.runner_id) if runner_name else None
+    ours = _bind(forge, record, runner_name, report.runner_id, report.runner_manager) if runner_name else None
     if ours is not None:
         fields["job"] = ours.job_id
     forge.ci_job.objects.filter(pk=record.pk).update(**fields)
@@ -129,7 +129,7 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
         converge_soon(forge, record.runner_class_id)
 
 
-def _bind(forge: Forge, record: Any, runner_name: str, runner_id: object) -> Any:
+def _bind(forge: Forge, record: Any, runner_name: str, runner_id: object, manager: str = "") -> Any:
     """Our runner that took this job is no longer supply, and its Catacloud job now says which
     forge job it runs (costs by repository and workflow). Found by the forge's runner id when
     the report has one: a machine's runners share its name (the next one may be registered
@@ -139,6 +139,13 @@ def _bind(forge: Forge, record: Any, runner_name: str, runner_id: object) -> Any
     )
     if isinstance(runner_id, int):
         runners = runners.filter(**{forge.runner_id_field: runner_id})
+    if forge.manager_field:
+        # a class runner's machines share its name and id: its runner manager tells them apart
+        runners = (
+            runners.filter(**{forge.manager_field: manager})
+            if manager
+            else runners.filter(**{forge.manager_field: ""})
+        )
     runner = runners.order_by("-registered_at").first()
     if runner is None:
         return None

@@ -22,7 +22,7 @@ from apps.ci.choices import Applied
 from apps.ci.forge import Forge, forges
 from apps.events.kinds import EventKind
 from apps.events.models import Event
-from apps.jobs.choices import JOB_LIVE
+from apps.jobs.choices import JOB_LIVE, JobStatus
 
 DAY = timedelta(hours=24)
 # A delivery stored this long ago and still not acted on went wrong (the reaper's rule retries it).
@@ -31,7 +31,7 @@ NOT_ACTED_AFTER = timedelta(seconds=60)
 # or a status the adapter does not know.
 UNMATCHED = (Applied.NOT_COVERED, Applied.UNKNOWN_STATUS)
 # Why an endpoint was paused, when the reason is a limit rather than an outage (apps.ci.client).
-LIMIT_WORDS = ("rate limit", "budget")
+LIMIT_WORDS = ("rate limit", "budget", "limit", "cap")
 # Deliveries the forge could not hand us, found by its reconciler and sent again (GitHub only:
 # GitLab's are found by its poll of pending jobs instead).
 REDELIVERED = {"github": EventKind.GITHUB_REDELIVERED}
@@ -58,6 +58,9 @@ class EndpointOverview:
     not_acted_on: int  # stored, not acted on for over a minute (any age)
     unmatched_24h: int  # acted on, ran nothing: no class covers the labels, or unknown status
     redelivered_24h: int
+    limit_answers: int = 0  # limit answers the forge gave this endpoint, ever
+    paced_until: datetime | None = None  # our pacing holds registrations until then
+    paced_reason: str = ""
 
     @property
     def webhook_failures(self) -> list[str]:
@@ -85,6 +88,9 @@ class ClassBacklog:
     starting: int  # our runners not online yet
     online: int  # our runners online, not given a job yet
     running: int  # forge jobs started, not done
+    held: int = 0  # runner jobs held in the queue by a limit (a forge's, or our pacing below it)
+    blocked_reason: str = ""  # why the class starts no runner ("" : it does)
+    mode: str = ""  # GitLab: per_job | class
 
 
 def _window_calls(row: Any, now: datetime) -> int:
@@ -172,6 +178,9 @@ def _forge_endpoints(
                 unmatched_24h=got.get("unmatched", 0),
                 # per org: GitHub's redeliveries name the connection's org, not an installation
                 redelivered_24h=events.redelivered.get((forge.name, e.org_id), 0),
+                limit_answers=e.limited_total,
+                paced_until=e.paced_until if e.is_paced(now) else None,
+                paced_reason=e.paced_reason if e.is_paced(now) else "",
             )
         )
     return rows
@@ -217,6 +226,7 @@ def _forge_backlog(forge: Forge, now: datetime) -> list[ClassBacklog]:
         .annotate(
             starting=Count("pk", filter=Q(online_at__isnull=True)),
             online=Count("pk", filter=Q(online_at__isnull=False)),
+            held=Count("pk", filter=Q(job__status=JobStatus.QUEUED) & ~Q(job__hold_reason="")),
         )
         .order_by()
     }
@@ -240,6 +250,9 @@ def _forge_backlog(forge: Forge, now: datetime) -> list[ClassBacklog]:
                 starting=r.get("starting", 0),
                 online=r.get("online", 0),
                 running=j.get("running", 0),
+                held=r.get("held", 0),
+                blocked_reason=rc.blocked_reason if rc.blocked_at else "",
+                mode=str(getattr(rc, "runner_mode", "")),
             )
         )
     return rows

@@ -97,6 +97,7 @@ def runner_class_save(
     after = {k: getattr(rc, k) for k in fields_allowed}
     if not creating and after == before:
         return rc, False
+    rc.blocked_at, rc.blocked_reason = None, ""  # changed (its runner updated): runners start again
     config_fields: dict[str, Any] = {
         "name": f"{forge.name}-{rc.name}",
         "machine_type": rc.machine_type,

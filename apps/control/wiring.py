@@ -4,7 +4,7 @@ CI core: the one place upward calls are wired."""
 from __future__ import annotations
 
 from apps.ci import forge as ci_forge
-from apps.ci.dispatch import runner_handoff_soon
+from apps.ci.dispatch import runner_handoff_soon, runner_job_failed
 from apps.core import hooks
 from apps.github.forge import GITHUB
 from apps.github.ops import GitHubOps
@@ -23,6 +23,7 @@ def connect_hooks() -> None:
     hooks.pool_member_left.connect(request_refill)
     hooks.resource_slot_freed.connect(wake_waiting)
     hooks.job_needs_handoff.connect(runner_handoff_soon)
+    hooks.handed_off_job_failed.connect(runner_job_failed)
     hooks.jobs_waiting.connect(jobs_waiting)
     register_forges()
 

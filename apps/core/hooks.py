@@ -88,6 +88,14 @@ def job_needs_handoff(*, job_id: JobId) -> None:
 
 
 @Hook
+def handed_off_job_failed(*, job_id: JobId, exit_code: int | None) -> str:
+    """jobs → ci: a job an integration handed off (``handoff_by``) failed with ``exit_code``
+    (inside the report's transaction); the integration may name the cause: the job's
+    ``failure_code`` (an ErrorCode value), or ""."""
+    raise NotImplementedError
+
+
+@Hook
 def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     """pools (refill) → jobs: how many jobs of this grant wait for a machine (they take the
     machines outside pools before a refill may take them in)."""

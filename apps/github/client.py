@@ -17,18 +17,20 @@ every forge's client shares) that authenticates as GitHub wants:
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import jwt
 import requests
 from django.conf import settings
 from django.utils import timezone
 
-from apps.ci.client import SESSION, ForgeClient, int_or_none, iso_when, message
+from apps.ci.client import POLL_SHARE, SESSION, ForgeClient, Window, int_or_none, iso_when, message
 from apps.ci.errors import (
     ForgeConflict,
     ForgeError,
@@ -154,19 +156,36 @@ class WorkflowJobInfo:
         )
 
 
+def next_cursor(link: str) -> str | None:
+    """The ``cursor`` of a ``Link`` header's ``rel="next"`` URL, if any."""
+    for part in link.split(","):
+        url, _, rel = part.partition(";")
+        if 'rel="next"' in rel:
+            cursor = parse_qs(urlsplit(url.strip().strip("<>")).query).get("cursor")
+            return cursor[0] if cursor else None
+    return None
+
+
 @dataclass(frozen=True)
 class HookDelivery:
     """One delivery of the App's webhook (``GET /app/hook/deliveries``)."""
 
     id: int
     guid: str | None
-    status_code: int  # 0 when GitHub does not say
+    status_code: int  # 0 when GitHub does not say (no answer: a timeout, a connection refused)
     event: str | None
     action: str | None
+    delivered_at: datetime | None = None
 
     @property
     def ok(self) -> bool:
         return 200 <= self.status_code < 300
+
+    @property
+    def worth_redelivering(self) -> bool:
+        """Failed on our side's way (no answer, a 5xx, 408 or 429): a 4xx we answered (a bad
+        signature, 413, 415) would be answered the same again."""
+        return not self.ok and (self.status_code in (0, 408, 429) or self.status_code >= 500)
 
     @classmethod
     def from_api(cls, body: Mapping[str, Any]) -> HookDelivery:
@@ -177,6 +196,7 @@ class HookDelivery:
             status_code=int(body.get("status_code") or 0),
             event=None if event is None else str(event),
             action=None if action is None else str(action),
+            delivered_at=iso_when(body.get("delivered_at")),
         )
 
 
@@ -196,6 +216,24 @@ class InstallationToken:
         return cls(str(body["token"]), expires)
 
 
+# GitHub's documented secondary limits (docs.github.com, "Rate limits for the REST API"), and our
+# pacing below them (the figures we keep, ``most``): at most 900 points a minute for one REST
+# endpoint (a GET 1 point, a POST/PATCH/PUT/DELETE 5); at most 80 content-creating requests a
+# minute and 500 an hour (a just-in-time runner registration creates a runner).
+ENDPOINT_POINTS = (900, 720)
+CREATIONS_PER_MINUTE = (80, 72)
+CREATIONS_PER_HOUR = (500, 450)
+CREATING = re.compile(r"/(orgs/[^/]+|repos/[^/]+/[^/]+)/actions/runners/generate-jitconfig")
+
+
+def endpoint_of(method: str, path: str) -> str:
+    """A call's REST endpoint (its route: owners, repositories and ids as placeholders), what
+    GitHub counts points per."""
+    path = re.sub(r"^/repos/[^/]+/[^/]+", "/repos/{owner}/{repo}", path)
+    path = re.sub(r"^/orgs/[^/]+", "/orgs/{org}", path)
+    return f"{method} " + re.sub(r"/[0-9]+(?=/|$)", "/{id}", path)
+
+
 class GitHubClient(ForgeClient):
     """Calls to GitHub for one installation (and its connection's App)."""
 
@@ -203,6 +241,10 @@ class GitHubClient(ForgeClient):
     remaining_header = "x-ratelimit-remaining"
     reset_header = "x-ratelimit-reset"
     limit_statuses = (403, 429)
+    limit_words = ("rate limit", "abuse")
+    # "wait for at least one minute before retrying" (docs.github.com, "Rate limits for the REST
+    # API": exceeding a secondary rate limit)
+    secondary_minimum = 60.0
 
     def __init__(self, installation: GitHubInstallation) -> None:
         self.installation = installation
@@ -244,12 +286,15 @@ class GitHubClient(ForgeClient):
     def repositories(self) -> list[Repository]:
         return [
             Repository.from_api(r)
-            for r in self.paged("/installation/repositories", "repositories", background=True)
+            for r in self.paged("/installation/repositories", "repositories", background=POLL_SHARE)
         ]
 
     def runs(self, repository: str, status: str) -> list[WorkflowRun]:
         runs = self.paged(
-            f"/repos/{repository}/actions/runs", "workflow_runs", params={"status": status}, background=True
+            f"/repos/{repository}/actions/runs",
+            "workflow_runs",
+            params={"status": status},
+            background=POLL_SHARE,
         )
         return [WorkflowRun.from_api(r) for r in runs]
 
@@ -257,21 +302,64 @@ class GitHubClient(ForgeClient):
         return self.runs(repository, "queued")
 
     def run_jobs(self, repository: str, run_id: int) -> list[WorkflowJobInfo]:
-        jobs = self.paged(f"/repos/{repository}/actions/runs/{run_id}/jobs", "jobs", background=True)
+        jobs = self.paged(f"/repos/{repository}/actions/runs/{run_id}/jobs", "jobs", background=POLL_SHARE)
         return [WorkflowJobInfo.from_api(j) for j in jobs]
 
     def workflow_job(self, repository: str, job_id: int) -> WorkflowJobInfo:
-        body = self.request("GET", f"/repos/{repository}/actions/jobs/{job_id}", background=True)
+        body = self.request("GET", f"/repos/{repository}/actions/jobs/{job_id}", background=POLL_SHARE)
         return WorkflowJobInfo.from_api(dict(body))
 
-    def hook_deliveries(self) -> list[HookDelivery]:
-        answer = self.request(
-            "GET", "/app/hook/deliveries", params={"per_page": 100}, auth="app", background=True
-        )
-        return [HookDelivery.from_api(d) for d in answer] if isinstance(answer, list) else []
+    def hook_deliveries(self, *, since: datetime | None, pages: int = 10) -> list[HookDelivery]:
+        """The App's deliveries, newest first, back to ``since`` (or ``pages`` pages of 100): GitHub
+        pages them by a ``cursor`` its ``Link`` header names (REST docs, *List deliveries for an
+        app webhook*), never by page number."""
+        found: list[HookDelivery] = []
+        params: dict[str, Any] = {"per_page": 100}
+        for _ in range(pages):
+            answer = self.request("GET", "/app/hook/deliveries", params=params, auth="app", background=True)
+            batch = [HookDelivery.from_api(d) for d in answer] if isinstance(answer, list) else []
+            found += batch
+            cursor = next_cursor(str(self.last_headers.get("Link") or ""))
+            older = since is not None and any(d.delivered_at and d.delivered_at < since for d in batch)
+            if not batch or cursor is None or older:
+                break
+            params = {"per_page": 100, "cursor": cursor}
+        return found
 
     def redeliver(self, delivery_id: int) -> None:
         self.request("POST", f"/app/hook/deliveries/{delivery_id}/attempts", auth="app", background=True)
+
+    def windows(self, method: str, path: str) -> list[Window]:
+        endpoint = endpoint_of(method, path)
+        documented, most = ENDPOINT_POINTS
+        found = [
+            Window(
+                f"points {endpoint}",
+                60.0,
+                1 if method in ("GET", "HEAD", "OPTIONS") else 5,
+                most,
+                f"GitHub's secondary limit of {documented} points a minute for {endpoint}",
+            )
+        ]
+        if method == "POST" and CREATING.fullmatch(path):
+            (per_minute, most_minute), (per_hour, most_hour) = CREATIONS_PER_MINUTE, CREATIONS_PER_HOUR
+            found += [
+                Window(
+                    "creations a minute",
+                    60.0,
+                    1,
+                    most_minute,
+                    f"GitHub's content-creation limit ({per_minute} a minute; a runner registration is one)",
+                ),
+                Window(
+                    "creations an hour",
+                    3600.0,
+                    1,
+                    most_hour,
+                    f"GitHub's content-creation limit ({per_hour} an hour; a runner registration is one)",
+                ),
+            ]
+        return found
 
     # ---- how GitHub authenticates -----------------------------------------------------------
 
@@ -328,8 +416,7 @@ class GitHubClient(ForgeClient):
         if response.status_code >= 300:
             limited = self.rate_limit(response)
             if limited is not None:
-                self._mark_unavailable(str(limited), seconds=limited.retry_after)
-                raise limited
+                raise self._limited(limited, "POST /app/installations/{id}/access_tokens")
             detail = f"installation token: HTTP {response.status_code} {message(response)}"
             if response.status_code >= 500:
                 self._mark_unavailable(detail)

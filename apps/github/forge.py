@@ -46,9 +46,11 @@ GITHUB = Forge(
         runner_recycled=EventKind.GITHUB_RUNNER_RECYCLED,
         unavailable=EventKind.GITHUB_UNAVAILABLE,
         available=EventKind.GITHUB_AVAILABLE,
+        rate_limited=EventKind.GITHUB_RATE_LIMITED,
         class_created=EventKind.GITHUB_RUNNER_CLASS_CREATED,
         class_updated=EventKind.GITHUB_RUNNER_CLASS_UPDATED,
         class_deleted=EventKind.GITHUB_RUNNER_CLASS_DELETED,
+        runner_outdated=EventKind.GITHUB_RUNNER_OUTDATED,
     ),
     tasks=ForgeTasks(
         handoff=HANDOFF_TASK, retire=RETIRE_TASK, converge=CONVERGE_TASK, reconcile=RECONCILE_TASK

@@ -71,6 +71,13 @@ class GitHubInstallation(ForgeEndpoint):
     # The GitHub account it is installed on (organization runners register there); learned
     # from deliveries when not set.
     account = models.CharField(max_length=100, blank=True)
+    # "Organization" or "User" (learned from deliveries, or from a 404 on /orgs/{login}): a user
+    # account has no organization runners, so its runners are repository runners.
+    account_type = models.CharField(max_length=16, blank=True)
+    # The poll's turn over the active repositories: the last one it looked at.
+    poll_cursor = models.CharField(max_length=200, blank=True, editable=False)
+    # The last sweep of every repository the installation sees (hourly, when it is quiet).
+    swept_at = models.DateTimeField(null=True, blank=True, editable=False)
     # The cached installation token (encrypted) and its expiry.
     token_encrypted = models.TextField(blank=True, editable=False)
     token_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -161,6 +168,9 @@ class WorkflowJob(CIJobFields):
     workflow = models.CharField(max_length=300, blank=True)
     name = models.CharField(max_length=300, blank=True)
     labels = models.JSONField(default=list)
+    # A public repository's job: an organization runner in a group that serves private
+    # repositories only (the Default group) never takes it, so its runner is a repository runner.
+    public = models.BooleanField(default=False)
     status = models.CharField(max_length=16, choices=WorkflowJobStatus.choices)
     # The Catacloud job (a runner of ours) that ran it, when one did.
     job = models.ForeignKey("jobs.Job", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")

@@ -55,3 +55,14 @@ class Executor(models.TextChoices):
 
     SHELL = "shell"
     DOCKER = "docker"
+
+
+class RunnerMode(models.TextChoices):
+    """How a class's runners are made at GitLab (docs/walkthroughs/gitlab-ci.md says which fits
+    whom): a runner per job (created for the machine, deleted once it took its job: the
+    strongest isolation, one creation call a job, counted against GitLab.com's runner cap), or
+    one runner for the class whose token every machine of the class runs with, each its own
+    runner manager (no cap, no creation call a job; the token is rotated)."""
+
+    PER_JOB = "per_job", "a runner per job"
+    CLASS = "class", "one runner for the class, a runner manager per machine"

@@ -16,15 +16,28 @@ apps.gitlab.intake) write the rows.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from apps.ci.client import ForgeClient, int_or_none, iso_when
-from apps.ci.errors import ForgeNotFound
+from apps.ci.errors import ForgeNotFound, ForgeRateLimited, ForgeRefused
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.models import GitLabConnection
+
+# Limitable's refusal (gitlabhq app/models/concerns/limitable.rb: "Maximum number of %{name}
+# (%{count}) exceeded"), for the plan limits ci_registered_project_runners / _group_runners.
+CAP_REFUSAL = re.compile(r"Maximum number of ci registered (project|group) runners \((\d+)\) exceeded")
+
+
+class RunnerCapReached(ForgeRateLimited):
+    """GitLab's cap on the runners of a project (group) in seven days refused a new one."""
+
+    def __init__(self, detail: str, retry_after: float, *, cap: int, **kw: Any) -> None:
+        super().__init__(detail, retry_after, **kw)
+        self.cap = cap
 
 
 def parse_when(value: Any) -> datetime | None:
@@ -95,6 +108,7 @@ class JobInfo:
     pipeline: str  # the pipeline's name, else the ref
     runner_id: int | None
     runner_name: str  # the runner's description
+    runner_manager: str  # the runner manager's system id ("" when GitLab names none)
     started_at: datetime | None
     finished_at: datetime | None
     failure_reason: str
@@ -114,6 +128,7 @@ class JobInfo:
             pipeline=str(pipeline.get("name") or body.get("ref") or ""),
             runner_id=runner_id if isinstance(runner_id, int) else None,
             runner_name=str(runner.get("description") or ""),
+            runner_manager=str(mapping(body.get("runner_manager")).get("system_id") or ""),
             started_at=parse_when(body.get("started_at")),
             finished_at=parse_when(body.get("finished_at")),
             failure_reason=str(body.get("failure_reason") or ""),
@@ -145,8 +160,29 @@ class GitLabClient(ForgeClient):
     # ---- the endpoints Catacloud uses -------------------------------------------------------
 
     def create_runner(self, body: dict[str, Any]) -> CreatedRunner:
-        """``POST /user/runners``: a project or group runner; answers its id and ``glrt-`` token."""
-        return CreatedRunner.from_api(self.request("POST", "/user/runners", json=body))
+        """``POST /user/runners``: a project or group runner; answers its id and ``glrt-`` token.
+        GitLab.com's runner cap refusing it (a 400 "Maximum number of ci registered project
+        runners (50) exceeded") is a limit, not a refusal: :class:`RunnerCapReached`."""
+        try:
+            return CreatedRunner.from_api(self.request("POST", "/user/runners", json=body))
+        except ForgeRefused as exc:
+            cap = CAP_REFUSAL.search(exc.detail)
+            if cap is None:
+                raise
+            raise RunnerCapReached(
+                f"GitLab's runner cap: {cap.group(2)} runners created or active in the past seven days "
+                f"per {cap.group(1)} (GitLab.com Free 50, paid tiers 1,000)",
+                retry_after=3600.0,
+                status=exc.status,
+                paced=True,
+                scoped=True,
+                cap=int(cap.group(2)),
+            ) from None
+
+    def reset_runner_token(self, runner_id: int) -> str:
+        """``POST /runners/:id/reset_authentication_token``: a new token; the old one is refused
+        from now on (jobs already running go on with their own job tokens)."""
+        return str(self.request("POST", f"/runners/{runner_id}/reset_authentication_token")["token"])
 
     def delete_runner(self, runner_id: int, *, background: bool = False) -> bool:
         """``DELETE /runners/:id``; False when it was already gone (404)."""

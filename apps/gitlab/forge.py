@@ -46,6 +46,7 @@ GITLAB = Forge(
         runner_recycled=EventKind.GITLAB_RUNNER_RECYCLED,
         unavailable=EventKind.GITLAB_UNAVAILABLE,
         available=EventKind.GITLAB_AVAILABLE,
+        rate_limited=EventKind.GITLAB_RATE_LIMITED,
         class_created=EventKind.GITLAB_RUNNER_CLASS_CREATED,
         class_updated=EventKind.GITLAB_RUNNER_CLASS_UPDATED,
         class_deleted=EventKind.GITLAB_RUNNER_CLASS_DELETED,
@@ -68,4 +69,5 @@ GITLAB = Forge(
     unavailable_cause=Cause.GITLAB_UNAVAILABLE,
     refused_cause=Cause.GITLAB_REFUSED,
     unavailable_outcome=Handoff.GITLAB_UNAVAILABLE,
+    manager_field="system_id",
 )

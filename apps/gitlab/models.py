@@ -10,12 +10,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
 from apps.ci.models import CIJobFields, DeliveryFields, ForgeEndpoint, RunnerClassFields, RunnerFields
-from apps.core.crypto import encrypted
-from apps.gitlab.choices import Executor, GitLabJobStatus, RunnerScope
+from apps.core.crypto import decrypt_json, encrypted
+from apps.gitlab.choices import Executor, GitLabJobStatus, RunnerMode, RunnerScope
 
 DEFAULT_URL = "https://gitlab.com"
 
@@ -31,6 +32,10 @@ class GitLabConnection(ForgeEndpoint):
         max_length=300, default=DEFAULT_URL, help_text="https://gitlab.com, or a self-managed GitLab's URL"
     )
     secrets_encrypted = models.TextField(blank=True, editable=False)
+    # GitLab's cap on runners created or active in a project (or group) in the past seven days
+    # (GitLab.com: 50 on Free, 1,000 on paid tiers); learned from GitLab's refusal when not set.
+    # Runner-per-job classes never ask for more; empty: none known.
+    runner_cap = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -94,6 +99,13 @@ class GitLabRunnerClass(RunnerClassFields):
         null=True, blank=True, help_text="scope group: GitLab's group id"
     )
     executor = models.CharField(max_length=16, choices=Executor.choices, default=Executor.SHELL)
+    # A runner created for each job (deleted once it has its job), or one runner for the class
+    # (per project, or its group) whose token every machine of the class runs with, each its
+    # own runner manager (system id); its token is rotated every ``rotate_hours``.
+    runner_mode = models.CharField(max_length=8, choices=RunnerMode.choices, default=RunnerMode.PER_JOB)
+    rotate_hours = models.PositiveIntegerField(
+        default=168, validators=[MinValueValidator(1)], help_text="class runner mode: token rotation"
+    )
     # The image the runner job runs in (apps.jobs images), when the class names one.
     image = models.CharField(max_length=500, blank=True)
     # Empty: CATACLOUD_GITLAB_RUNNER (the gitlab-runner the machine's image provides).
@@ -218,6 +230,9 @@ class GitLabRunner(RunnerFields):
         GitLabJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="runners"
     )
     gitlab_runner_id = models.PositiveBigIntegerField(null=True, blank=True)
+    # Class runner mode: the runner manager's system id this job's gitlab-runner reports
+    # (``s_`` and 12 characters of the job's id), which names it in GitLab's job answers.
+    system_id = models.CharField(max_length=32, blank=True)
 
     class Meta:
         verbose_name = "GitLab runner"
@@ -225,3 +240,34 @@ class GitLabRunner(RunnerFields):
 
     def __str__(self) -> str:
         return self.name or f"runner for job {self.job_id}"
+
+
+class GitLabClassRunner(models.Model):
+    """A class runner (class runner mode): one runner at GitLab for a class and a scope (its
+    project, or its group: ``scope_key``), created once; every runner job of the class runs it
+    with its own system id. Its token is encrypted at rest and rotated on a schedule
+    (``GitLabRunnerClass.rotate_hours``) and on demand; runner jobs handed the old token and
+    not running a CI job yet are retired then."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    runner_class = models.ForeignKey(
+        GitLabRunnerClass, on_delete=models.CASCADE, related_name="class_runners"
+    )
+    scope_key = models.CharField(max_length=40)
+    gitlab_runner_id = models.PositiveBigIntegerField()
+    token_encrypted = models.TextField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    rotated_at = models.DateTimeField()
+
+    class Meta:
+        verbose_name = "GitLab class runner"
+        constraints = [
+            models.UniqueConstraint(fields=["runner_class", "scope_key"], name="gitlab_class_runner_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"class runner {self.gitlab_runner_id} of {self.runner_class_id} ({self.scope_key})"
+
+    @property
+    def token(self) -> str:
+        return str(decrypt_json(self.token_encrypted).get("token", ""))

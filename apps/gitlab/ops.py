@@ -17,21 +17,30 @@ job's ``runner_id`` is merely nulled later (``config/gitlab_loose_foreign_keys.y
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from apps.ci.choices import Applied
-from apps.ci.errors import ForgeBusy, ForgeNotFound, ForgeRefused
+from apps.ci.errors import ForgeBusy, ForgeNotFound
 from apps.ci.forge import Forge, JobReport, Listed, Registration
 from apps.ci.records import ci_job_apply
 from apps.core.broker import enqueue_on_commit
-from apps.gitlab.choices import DONE, GitLabJobStatus, RunnerScope
-from apps.gitlab.client import GitLabClient, JobInfo, mapping, parse_tags, parse_when
+from apps.gitlab.choices import DONE, GitLabJobStatus, RunnerMode, RunnerScope
+from apps.gitlab.client import GitLabClient, JobInfo, RunnerCapReached, mapping, parse_tags, parse_when
 from apps.gitlab.messages import RESOLVE_TASK
 from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
-from apps.gitlab.services import TOKEN_ENV, URL_ENV, check_class, runner_command
-
-MIN_MAXIMUM_TIMEOUT = 600  # GitLab refuses a runner's maximum_timeout below 10 minutes
+from apps.gitlab.runners import (
+    cap_check,
+    cap_learnt,
+    class_runner_for,
+    class_runner_name,
+    class_runners_rotate_due,
+    is_class_runner,
+    runner_body,
+    runner_scope,
+)
+from apps.gitlab.services import SYSTEM_ID_ENV, TOKEN_ENV, URL_ENV, check_class, runner_command
 
 
 def _report(
@@ -51,6 +60,7 @@ def _report(
     started: datetime | None,
     finished: datetime | None,
     failure_reason: str,
+    runner_manager: str = "",
 ) -> JobReport:
     return JobReport(
         key={"gitlab_id": gitlab_id},
@@ -72,6 +82,7 @@ def _report(
         completed_at=finished,
         conclusion=status if status in DONE else "",
         update={"failure_reason": failure_reason[:64]} if status == GitLabJobStatus.FAILED else {},
+        runner_manager=runner_manager,
     )
 
 
@@ -126,6 +137,7 @@ def api_report(job: JobInfo, project_id: int, project: str) -> JobReport | Appli
         started=job.started_at,
         finished=job.finished_at,
         failure_reason=job.failure_reason,
+        runner_manager=job.runner_manager,
     )
 
 
@@ -137,6 +149,15 @@ def job_known(connection: GitLabConnection, gitlab_id: int) -> bool:
 class GitLabOps:
     """The core's :class:`apps.ci.forge.ForgeOps` for GitLab."""
 
+    scope_fields = ("project_id",)
+
+    def scope_of(self, runner_class: GitLabRunnerClass, values: Mapping[str, Any]) -> str:
+        """A project runner serves its own project only; a group runner every project of it."""
+        if runner_class.scope == RunnerScope.GROUP:
+            return ""
+        project = values.get("project_id")
+        return str(project) if project is not None else ""
+
     def client(self, endpoint: GitLabConnection) -> GitLabClient:
         return GitLabClient(endpoint)
 
@@ -144,37 +165,41 @@ class GitLabOps:
         return {URL_ENV: record.connection.url}
 
     def register(self, client: GitLabClient, runner: GitLabRunner, name: str) -> Registration:
+        """Per job: a runner for this machine (never beyond a runner cap GitLab told us of); class
+        runner mode: the class's runner for the job's scope (made once), this machine one of its
+        runner managers (its own system id)."""
         rc: GitLabRunnerClass = runner.runner_class
-        body: dict[str, Any] = {
-            "description": name,
-            "tag_list": list(rc.tags),
-            "run_untagged": False,
-            "locked": True,
-            "paused": False,
-            "maximum_timeout": max(MIN_MAXIMUM_TIMEOUT, rc.timeout_seconds),
-        }
-        if rc.scope == RunnerScope.GROUP:
-            body.update(runner_type="group_type", group_id=rc.group_id)
-        else:
-            record = runner.created_for
-            project_id = record.project_id if record is not None else None
-            if project_id is None:
-                first = runner.connection.projects.order_by("path").first()
-                if first is None:
-                    raise ForgeRefused("no project to create the runner in: the connection lists none")
-                project_id = first.project_id
-            body.update(runner_type="project_type", project_id=project_id)
-        created = client.create_runner(body)
+        where = runner_scope(runner)
+        if rc.runner_mode == RunnerMode.CLASS:
+            class_runner = class_runner_for(client, rc, where)
+            system_id = "s_" + runner.job_id.hex[:12]
+            secret = {TOKEN_ENV: class_runner.token, SYSTEM_ID_ENV: system_id}
+            return Registration(
+                class_runner.gitlab_runner_id, class_runner_name(rc), secret, {"system_id": system_id}, True
+            )
+        cap_check(runner.connection, where)
+        try:
+            created = client.create_runner(runner_body(rc, name, where))
+        except RunnerCapReached as exc:
+            raise cap_learnt(runner.connection, where, exc) from None
         return Registration(created.id, name, {TOKEN_ENV: created.token})
 
     def delete(
         self, client: GitLabClient, runner: GitLabRunner, runner_id: int, *, background: bool = False
     ) -> bool:
+        if runner.system_id:
+            return False  # a class runner's machine: the runner serves the class's other machines
         return client.delete_runner(runner_id, background=background)
 
     def retire(self, client: GitLabClient, runner: GitLabRunner) -> bool:
-        """Paused first (it takes no job from now on), then deleted unless it runs one."""
+        """Paused first (it takes no job from now on), then deleted unless it runs one. A class
+        runner's machine: nothing to delete, unless its runner manager took a job meanwhile."""
         runner_id = int(runner.gitlab_runner_id or 0)
+        if runner.system_id:
+            running = client.runner_jobs(runner_id, status=GitLabJobStatus.RUNNING)
+            if any(job.runner_manager == runner.system_id for job in running):
+                raise ForgeBusy(f"runner manager {runner.system_id} runs a job")
+            return False
         try:
             client.pause_runner(runner_id)
             if client.runner_jobs(runner_id, status=GitLabJobStatus.RUNNING):
@@ -225,7 +250,8 @@ class GitLabOps:
     def reconcile_extra(
         self, forge: Forge, client: GitLabClient, endpoint: GitLabConnection, now: datetime
     ) -> dict[str, int]:
-        return {}
+        """Class runners whose token is due for its rotation (``rotate_hours``) are rotated."""
+        return {"class_runner_tokens_rotated": class_runners_rotate_due(client, endpoint, now)}
 
     def act(self, forge: Forge, delivery: GitLabDelivery, hint: Mapping[str, Any] | None) -> str | None:
         """A Job event. Its tags decide the class: GitLab's events do not carry a job's tags, so
@@ -238,12 +264,16 @@ class GitLabOps:
         project = conn.projects.filter(project_id=int(payload.get("project_id") or 0)).first()
         if project is None:
             return "ignored: not a connected project"
-        tags = parse_tags(payload.get("build_tags"))
-        if tags is None and hint is not None:
-            tags = parse_tags(hint.get("tag_list")) or []
+        # GitLab's Job events carry the runner's tags, never the job's (data_builder/build.rb)
+        tags = parse_tags(hint.get("tag_list")) or [] if hint is not None else None
         report = event_report(payload, project.path, tags or [])
         if isinstance(report, Applied):
             return report
+        if report.runner_id is not None and not report.runner_manager and is_class_runner(report.runner_id):
+            if hint is None or "runner_manager" not in hint:
+                enqueue_on_commit(RESOLVE_TASK, str(delivery.pk))  # which of its machines took it
+                return None
+            report = replace(report, runner_manager=str(hint["runner_manager"]))
         if tags is None and not job_known(conn, report.key["gitlab_id"]):
             if report.status == GitLabJobStatus.CREATED:
                 # Not demand yet (a later stage's job may wait for hours): its tags are looked up
@@ -256,6 +286,9 @@ class GitLabOps:
 
     def check_class(self, runner_class: GitLabRunnerClass) -> None:
         check_class(runner_class)
+
+    def outdated(self, exit_code: int) -> str:
+        return ""  # gitlab-runner has no such exit: GitLab serves older runners
 
     def class_config(self, runner_class: GitLabRunnerClass) -> dict[str, Any]:
         return {"command": runner_command(runner_class), "image": runner_class.image}

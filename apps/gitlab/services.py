@@ -15,7 +15,7 @@ from apps.ci import services as ci_services
 from apps.ci.services import invalid
 from apps.core.actors import Actor
 from apps.events.kinds import EventKind
-from apps.gitlab.choices import Executor, RunnerScope
+from apps.gitlab.choices import Executor, RunnerMode, RunnerScope
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.models import DEFAULT_URL, GitLabConnection, GitLabRunnerClass
 from apps.orgs.models import Organization
@@ -25,6 +25,9 @@ from apps.orgs.models import Organization
 # of the environment before gitlab-runner starts (:func:`runner_command`).
 TOKEN_ENV = "CI_SERVER_TOKEN"
 URL_ENV = "CI_SERVER_URL"
+# Class runner mode: the runner manager's system id the runner command keeps beside the config
+# (``.runner_system_id``, where gitlab-runner reads it), naming this machine in GitLab's answers.
+SYSTEM_ID_ENV = "CATACLOUD_GITLAB_SYSTEM_ID"
 # A docker executor's image for jobs that name none (a job's own ``image:`` wins).
 DOCKER_DEFAULT_IMAGE = "alpine:latest"
 # The runner's name in the config gitlab-runner reads (``run-single --runner``).
@@ -140,6 +143,8 @@ CLASS_FIELDS = (
     "scope",
     "group_id",
     "executor",
+    "runner_mode",
+    "rotate_hours",
     "image",
     "command",
     "runner_path",
@@ -191,6 +196,7 @@ def runner_command(runner_class: GitLabRunnerClass) -> str:
     config = '"$d/config.toml"'
     return (
         f'd=$(mktemp -d "$CATACLOUD_WORK_DIR/gitlab-runner.XXXXXX") && mkfifo {config} '
+        f'&& {{ [ -z "${SYSTEM_ID_ENV}" ] || printf %s "${SYSTEM_ID_ENV}" > "$d/.runner_system_id"; }} '
         f'&& t="${TOKEN_ENV}" && unset {TOKEN_ENV} '
         f'&& {{ printf {shlex.quote(_runner_config(executor))} "${URL_ENV}" "$t" '
         f'"$CATACLOUD_WORK_DIR" "$CATACLOUD_WORK_DIR" > {config} & }} && t= '
@@ -207,6 +213,8 @@ def check_class(rc: GitLabRunnerClass) -> None:
         raise invalid("group_id", "a group runner class names its GitLab group id")
     if rc.executor not in Executor.values:
         raise invalid("executor", f"one of {', '.join(Executor.values)}")
+    if rc.runner_mode not in RunnerMode.values:
+        raise invalid("runner_mode", f"one of {', '.join(RunnerMode.values)}")
 
 
 def runner_class_save(

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import transaction
 
-from apps.core import tracing
+from apps.core import hooks, tracing
 from apps.core.actors import Actor
 from apps.core.causes import FREE_REQUEUE_CAUSES, Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound, ValidationFailed
@@ -142,6 +142,8 @@ def job_finished(
         status = JobStatus.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
         if status == JobStatus.SUCCEEDED and exit_code not in (0, None):
             status = JobStatus.FAILED
+        if status == JobStatus.FAILED and job.handoff_by and not code:
+            code = hooks.handed_off_job_failed(job_id=job.pk, exit_code=exit_code)  # a CI runner's cause
         machine = MachineInstance.objects.filter(pk=instance.pk).values("status", "end_cause").first()
         stopped = status not in (JobStatus.SUCCEEDED, JobStatus.CANCELLED) or (
             status == JobStatus.CANCELLED and not job.cancel_requested

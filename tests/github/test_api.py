@@ -193,12 +193,17 @@ def test_rate_limits_are_honoured_without_calling_again(gh: GitHubWorld) -> None
     assert Event.objects.filter(kind="github.unavailable").count() == 1
 
 
-def test_a_secondary_limit_waits_for_retry_after(gh: GitHubWorld) -> None:
+def test_a_secondary_limit_waits_for_retry_after_and_at_least_the_documented_minute(gh: GitHubWorld) -> None:
     client = GitHubClient(GitHubInstallation.objects.get())
+    gh.fake.rate_limit_for(90, secondary=True)
+    with pytest.raises(GitHubRateLimited) as limited:
+        client.repositories()
+    assert 89 <= limited.value.retry_after <= 92  # its retry-after
+    GitHubInstallation.objects.update(unavailable_until=None, failures=0)
     gh.fake.rate_limit_for(5, secondary=True)
     with pytest.raises(GitHubRateLimited) as limited:
         client.repositories()
-    assert 1 <= limited.value.retry_after <= 7
+    assert limited.value.retry_after == 60  # "wait for at least one minute before retrying"
 
 
 def test_server_errors_are_retried_then_make_the_installation_unavailable(gh: GitHubWorld) -> None:

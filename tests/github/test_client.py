@@ -63,6 +63,7 @@ def test_a_polled_job_reports_as_a_delivered_one() -> None:
         "workflow": "",
         "name": "",
         "labels": ["x"],
+        "public": False,
     }
 
 

@@ -195,11 +195,14 @@ def test_polling_backs_off_while_it_finds_nothing(gh: GitHubWorld) -> None:
     assert intervals == [60.0, 120.0, 240.0]
     gh.fake.lost_rate = 1.0
     gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
-    reconcile(gh)
+    reconcile(gh)  # the hourly sweep of every repository was the first poll's: not yet again
+    assert GitHubInstallation.objects.get().poll_interval_seconds == 480.0
+    GitHubInstallation.objects.update(swept_at=timezone.now() - timedelta(hours=1, seconds=1))
+    reconcile(gh)  # an hour later, quiet: every repository again, and the lost job is found
     assert GitHubInstallation.objects.get().poll_interval_seconds == 30.0
     before = gh.fake.api_calls()
     installation_reconcile(installation_id=gh.installation.pk)  # not due: no poll calls
-    assert gh.fake.count("GET", "/installation/repositories") == 4  # one per poll, none now
+    assert gh.fake.count("GET", "/installation/repositories") == 2  # the two sweeps only
     assert gh.fake.api_calls() - before == 1  # the runners list only
 
 

@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ TOKEN = "glpat-acme-access-token-1234"
 SECRET = "gitlab-webhook-secret-of-acme"
 TAGS = ["catacloud", "linux-2cpu"]
 APP, LIB = 12, 13
+TAGS_OF_THE_JOB = "_tags_of_the_job"  # kept aside by job_event(), never sent (GitLab sends none)
 
 
 @pytest.fixture
@@ -49,17 +51,30 @@ def deliver(
     body: bytes | None = None,
     **headers: str,
 ) -> Any:
-    """POST a Job event to the webhook as GitLab would (its secret token, an idempotency key)."""
+    """POST a Job event to the webhook as GitLab would (its secret token, an idempotency key).
+    GitLab's events never carry the job's tags: a payload made with ``tags`` (:func:`job_event`)
+    is sent without them, and when the event waits for its tags, acted on with them as the
+    look-up task would (without its call: the tests' jobs are not the fake's)."""
     from django.test import Client
 
+    from apps.ci.intake import delivery_process
+    from apps.gitlab.forge import GITLAB
+
+    payload = dict(payload)
+    tags = payload.pop(TAGS_OF_THE_JOB, None)
     raw = body if body is not None else json.dumps(payload).encode()
+    key = key or str(uuid.uuid4())
     extra = {
         "HTTP_X_GITLAB_EVENT": event,
         "HTTP_X_GITLAB_TOKEN": token,
-        "HTTP_IDEMPOTENCY_KEY": key or str(uuid.uuid4()),
+        "HTTP_IDEMPOTENCY_KEY": key,
         **{f"HTTP_{k.upper()}": v for k, v in headers.items()},
     }
-    return Client().post("/api/integrations/gitlab/webhook", raw, content_type="application/json", **extra)
+    answer = Client().post("/api/integrations/gitlab/webhook", raw, content_type="application/json", **extra)
+    if tags is not None and answer.status_code == 200 and answer.json().get("status") == "deferred":
+        outcome = delivery_process(forge=GITLAB, key=key, hint={"tag_list": tags})
+        return SimpleNamespace(status_code=200, json=lambda: {"status": outcome}, content=b"")
+    return answer
 
 
 def job_event(
@@ -72,8 +87,8 @@ def job_event(
     pipeline: str = "CI",
     failure_reason: str = "unknown_failure",
 ) -> dict[str, Any]:
-    """A Job event's payload, shaped like GitLab's (``build_tags`` only when ``tags`` is given:
-    GitLab's documented payload has none)."""
+    """A Job event's payload, shaped like GitLab's (never the job's tags: ``tags`` are kept
+    aside for :func:`deliver`, which sends the event without them)."""
     payload: dict[str, Any] = {
         "object_kind": "build",
         "ref": "main",
@@ -95,7 +110,7 @@ def job_event(
         "commit": {"id": job_id * 10, "name": pipeline, "status": status},
     }
     if tags is not None:
-        payload["build_tags"] = tags
+        payload[TAGS_OF_THE_JOB] = tags
     return payload
 
 

@@ -194,7 +194,8 @@ def test_an_event_never_puts_off_a_poll_that_is_due_sooner(gl: GitLabWorld) -> N
 
 
 def test_the_reaper_acts_on_stored_events_and_redrives_lost_handoffs(gl: GitLabWorld) -> None:
-    payload: dict[str, Any] = job_event(9, "pending", tags=TAGS)
+    deliver(job_event(9, "waiting_for_resource", tags=TAGS))  # seen before: its class is known
+    payload: dict[str, Any] = job_event(9, "pending")
     GitLabDelivery.objects.create(
         key="crashed-before-acting",
         connection=gl.connection,
