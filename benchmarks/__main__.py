@@ -29,6 +29,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "ci": {"full": {}, "quick": {"samples": 3, "burst": 20, "pool_size": 4}},
     "images": {"full": {}, "quick": {"samples": 2, "cold_runs": 1, "jobs": 3}},
     "tail": {"full": {}, "quick": {"jobs": 12, "machines": 3}},
+    "hosts": {"full": {}, "quick": {"samples": 3, "hosts": 10, "window": 6.0, "rate": 5.0}},
 }
 
 

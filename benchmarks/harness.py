@@ -42,6 +42,7 @@ PARTS = (
     "ci",
     "images",
     "tail",
+    "hosts",
 )
 
 Progress = Callable[[str], None]

@@ -290,6 +290,23 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
     if "tail" in by and "start_ms" in by["tail"].data:
         _tail_plot(by["tail"].data, d, plt)
         made.append("tail.png")
+    if "hosts" in by and "warm_s" in by["hosts"].data:
+        data = by["hosts"].data
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for name, style in (("host slot", "o-"), ("warm machine", "s--")):
+            cdf(a, [v * 1000 for v in data["warm_s"][name]], style, ms=3, label=name)
+        cdf_axes(
+            a, xlabel="submit -> running (ms)", ylabel="share of jobs", title="A job's start, interleaved"
+        )
+        latency = [v * 1000 for v in data["simulated"]["latency_s"]]
+        cdf(b, latency, "o-", ms=2, label=f"{len(latency)} slots")
+        cdf_axes(
+            b,
+            xlabel="slot request -> its host's order (ms)",
+            ylabel="share of slots",
+            title="Simulated hosts",
+        )
+        made.append(save_figure(fig, d / "hosts.png"))
     return made
 
 
@@ -408,6 +425,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("fleet.png", "fleet"),
             ("ci.png", "ci"),
             ("tail.png", "tail"),
+            ("hosts.png", "hosts"),
         ):
             if part == r.part and png in made:
                 lines += [f"![{png}](docs/bench/{png})", ""]

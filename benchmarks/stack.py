@@ -25,6 +25,7 @@ class Stack:
     url: str
     tmp: Path
     state_dir: Path
+    agent_url: str = ""  # the agent server (the Agent API machines and hosts talk to)
 
 
 @contextlib.contextmanager
@@ -43,7 +44,7 @@ def live_stack(name: str, **extra: str) -> Iterator[Stack]:
                 env = {**settings, "CATACLOUD_PUBLIC_URL": url, "CATACLOUD_AGENT_URL": agent_url}
                 with BENCH.celery_worker(tmp, concurrency=2, **env), BENCH.celery_beat(tmp, **env):
                     try:
-                        yield Stack(url=url, tmp=tmp, state_dir=state_dir)
+                        yield Stack(url=url, tmp=tmp, state_dir=state_dir, agent_url=agent_url)
                     finally:
                         stop_local_machines(state_dir, stop_timeout=2, ignore_errors=True)
         finally:

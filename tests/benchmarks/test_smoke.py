@@ -226,3 +226,15 @@ def test_tail_report_keeps_percentiles_and_counts_every_slow_job(tmp_path: Path)
     assert len(saved["data"]["start_ms"]["all"]) == len(saved["data"]["quantiles"])
     text = report.write(report.load_all(tmp_path), tmp_path, report.environment(), {}).read_text()
     assert "tail.png" in text and (tmp_path / "docs" / "bench" / "tail.png").exists()
+
+
+def test_hosts(tmp_path: Path) -> None:
+    result = run_part("hosts", samples=1, pool_size=1, hosts=5, window=4.0, rate=4.0, progress=quiet)
+    sane(result, "hosts")
+    first = result.data["first"]
+    assert 0 < first["enrolled"] <= first["slot_ready"] <= first["running"]
+    sim = result.data["simulated"]
+    assert sim["requested"] and sim["ordered"] == sim["requested"] and sim["errors"] == 0
+    assert sim["most_on_a_host"] <= 4  # a host of 4 cpus, slots of 1
+    report.save(result, tmp_path)
+    assert "hosts.png" in report.plots(report.load_all(tmp_path), tmp_path)
