@@ -11,7 +11,7 @@ from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, Work
 from apps.gitlab.api.views import GitLabConnectionView, GitLabJobViewSet
 from apps.gitlab.api.views import RunnerClassViewSet as GitLabRunnerClassViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
-from apps.machines.api.views import InstanceViewSet, MachineTypeViewSet
+from apps.machines.api.views import EnrolmentTokenViewSet, HostViewSet, InstanceViewSet, MachineTypeViewSet
 from apps.orgs.api.registries import RegistryCredentialViewSet
 from apps.pools.api.views import PoolViewSet
 from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
@@ -19,6 +19,8 @@ from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 router = DefaultRouter(trailing_slash=True)
 router.register("machine-types", MachineTypeViewSet, basename="machine-type")
 router.register("instances", InstanceViewSet, basename="instance")
+router.register("hosts", HostViewSet, basename="host")
+router.register("enrolment-tokens", EnrolmentTokenViewSet, basename="enrolment-token")
 router.register("costs", CostViewSet, basename="cost")
 router.register("budgets", BudgetViewSet, basename="budget")
 router.register("job-configs", JobConfigurationViewSet, basename="job-config")

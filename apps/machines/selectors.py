@@ -6,7 +6,7 @@ from django.db.models import Count, Prefetch, Q, QuerySet
 
 from apps.core.ids import OrgId
 from apps.machines.choices import INSTANCE_COUNTED, InstanceStatus
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.machines.models import Host, MachineInstance, MachineType, OrgMachineType, ProviderAccount
 from apps.orgs.models import Organization
 
 BOOTING = (InstanceStatus.PENDING, InstanceStatus.PROVISIONING, InstanceStatus.WARMING)
@@ -52,3 +52,21 @@ def paid_capacity(*, org_id: OrgId, machine_type: MachineType) -> PaidCapacity:
         busy=Count("id", filter=Q(status=InstanceStatus.CLAIMED, claimed_for__startswith="job:")),
     )
     return PaidCapacity(**counts)
+
+
+# ---- enrolled hosts, as an organization sees them ------------------------------------------------
+
+
+def host_accounts_for_org(*, org: Organization) -> QuerySet[ProviderAccount]:
+    """Provider accounts on which ``org`` holds a grant of a machine type (any kind): the ones
+    whose shared hosts it sees, and, of kind ``hosts``, the ones it may enroll hosts on."""
+    return ProviderAccount.objects.filter(
+        pk__in=MachineType.objects.filter(grants__org=org).values("provider_account_id")
+    )
+
+
+def hosts_for_org(*, org: Organization) -> QuerySet[Host]:
+    """The hosts ``org`` sees: its own, and the shared ones (enrolled by the operator) of an
+    account where it holds a grant of a machine type; never another organization's."""
+    shared = Q(org__isnull=True, provider_account_id__in=host_accounts_for_org(org=org).values("pk"))
+    return Host.objects.filter(Q(org=org) | shared).select_related("org", "provider_account")

@@ -15,9 +15,11 @@ from django.utils import timezone
 
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
-from apps.machines.models import Budget, MachineType, OrgMachineType
+from apps.machines.hosts import enrolment_token_create, host_enroll
+from apps.machines.models import Budget, Host, MachineType, OrgMachineType
 from apps.resources.models import ResourceInstance, ResourceType
-from testkit.builders import instance_row, pool_row
+from catacloud.protocol import HostCapacity
+from testkit.builders import granted_type, instance_row, pool_row, provider_account
 from tests.conftest import World
 
 
@@ -60,7 +62,11 @@ def make_objects(world: World) -> dict[str, str]:
     rtype = ResourceType.objects.create(id="scratch", well="api_token")
     resource = ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
     budget = Budget.objects.create(org=world.org, amount=1000)
+    token, host, shared = make_hosts(world)
     return {
+        "host": str(host.pk),
+        "shared_host": str(shared.pk),
+        "enrolment_token": str(token.pk),
         "budget": str(budget.pk),
         "resource": str(resource.pk),
         "instance": str(instance.pk),
@@ -71,6 +77,24 @@ def make_objects(world: World) -> dict[str, str]:
         "drained_pool": str(drained.pk),
         "job": str(job.pk),
     }
+
+
+def make_hosts(world: World, name: str = "rack-1") -> tuple[Any, Host, Host]:
+    """A provider account of enrolled hosts (``hosts``) with a machine type granted to ``acme``
+    only; an enrolment token of ``acme``; a host of ``acme`` and a shared one (the operator's),
+    enrolled with their tokens as ``catacloud host`` does."""
+    from apps.machines.models import ProviderAccount
+
+    account = ProviderAccount.objects.filter(name="hosts").first()
+    if account is None:
+        account = provider_account("hosts", "hosts", {})
+        granted_type(world.org, account, "acme-hosts", cpus=1, memory_mb=1024)
+    token, secret = enrolment_token_create(provider_account=account, org=world.org, labels={"site": "fsn1"})
+    _, shared_secret = enrolment_token_create(provider_account=account, labels={"gpu": "a4000"})
+    capacity = HostCapacity(cpus=8, memory_mb=16384, disk_gb=100, arch="x86_64")
+    host, _ = host_enroll(enrolment_token=secret, hostname=name, capacity=capacity)
+    shared, _ = host_enroll(enrolment_token=shared_secret, hostname=f"{name}-shared", capacity=capacity)
+    return token, host, shared
 
 
 ENDPOINTS: list[Endpoint] = [
@@ -158,4 +182,29 @@ ENDPOINTS: list[Endpoint] = [
         ok=(201,),
         body=lambda ids: {"amount": "50", "period": "day", "machine_type": "acme-only"},
     ),
+    Endpoint("hosts", "get", "/api/v1/hosts/", "viewer"),
+    Endpoint("host", "get", "/api/v1/hosts/{host}/", "viewer"),
+    Endpoint(
+        "change host",
+        "patch",
+        "/api/v1/hosts/{host}/",
+        "admin",
+        body=lambda ids: {"monthly_price": "120.00", "labels": {"site": "fsn1", "rack": "2"}},
+    ),
+    Endpoint(
+        "drain host", "post", "/api/v1/hosts/{host}/cordon/", "admin", body=lambda ids: {"drain_seconds": 600}
+    ),
+    Endpoint("uncordon host", "post", "/api/v1/hosts/{host}/uncordon/", "admin"),
+    Endpoint("revoke host", "post", "/api/v1/hosts/{host}/revoke/", "admin"),
+    Endpoint("enrolment tokens", "get", "/api/v1/enrolment-tokens/", "viewer"),
+    Endpoint("enrolment token", "get", "/api/v1/enrolment-tokens/{enrolment_token}/", "viewer"),
+    Endpoint(
+        "create enrolment token",
+        "post",
+        "/api/v1/enrolment-tokens/",
+        "admin",
+        ok=(201,),
+        body=lambda ids: {"provider_account": "hosts", "labels": {"site": "fsn1"}, "max_uses": 3},
+    ),
+    Endpoint("revoke enrolment token", "post", "/api/v1/enrolment-tokens/{enrolment_token}/revoke/", "admin"),
 ]

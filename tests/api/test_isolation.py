@@ -23,7 +23,7 @@ def call(world: World, who: str, ep: Endpoint, ids: dict[str, str]):
 def snapshot() -> tuple:
     """Everything a write could change, except the events log's own growth from reads."""
     from apps.jobs.models import Job, JobConfiguration
-    from apps.machines.models import Budget, MachineInstance
+    from apps.machines.models import Budget, EnrolmentToken, Host, MachineInstance
     from apps.pools.models import InstancePool
     from apps.resources.models import ResourceInstance
 
@@ -34,6 +34,9 @@ def snapshot() -> tuple:
         sorted(Job.objects.values_list("id", "status", "cancel_requested")),
         sorted(ResourceInstance.objects.values_list("id", "status")),
         sorted(Budget.objects.values_list("id", "amount", "period")),
+        sorted(Host.objects.values_list("id", "status", "cordoned_at", "drain_deadline", "monthly_price")),
+        sorted((str(h.pk), h.labels) for h in Host.objects.all()),
+        sorted(EnrolmentToken.objects.values_list("id", "revoked_at", "uses")),
         Event.objects.exclude(kind__startswith="test.").count(),
     )
 

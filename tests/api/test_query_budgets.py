@@ -14,7 +14,7 @@ from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import Budget
 from apps.resources.models import ResourceInstance, ResourceType
 from testkit.builders import instance_row, pool_row
-from tests.api.endpoints import ENDPOINTS, Endpoint, make_objects
+from tests.api.endpoints import ENDPOINTS, Endpoint, make_hosts, make_objects
 from tests.conftest import World
 
 READS = [ep for ep in ENDPOINTS if ep.method == "get"]
@@ -40,6 +40,10 @@ BUDGETS = {
     "resource": 2,
     "budgets": 4,
     "budget": 3,
+    "hosts": 4,
+    "host": 3,
+    "enrolment tokens": 3,
+    "enrolment token": 2,
 }
 
 
@@ -59,6 +63,7 @@ def _more_objects(world: World, n: int) -> None:
             org=world.org, config=config, machine_type=world.machine_type, command="make"
         )
         ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
+        make_hosts(world, f"rack-more-{i}")  # a token, an own and a shared host
     for machine_type, period in ((world.machine_type, "month"), (None, "day"), (world.machine_type, "day")):
         Budget.objects.create(org=world.org, machine_type=machine_type, period=period, amount=10)
 

@@ -1,14 +1,27 @@
 from __future__ import annotations
 
 import uuid
+from decimal import Decimal
 from typing import Any
 
 from django.db.models import Q
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from apps.machines.models import MachineInstance, MachineType, OrgMachineType
+from apps.core.api import StrictFields
+from apps.machines.choices import ProviderKind
+from apps.machines.hosts import MAX_TTL_SECONDS
+from apps.machines.models import (
+    EnrolmentToken,
+    Host,
+    MachineInstance,
+    MachineType,
+    OrgMachineType,
+    ProviderAccount,
+)
+from apps.machines.selectors import host_accounts_for_org
 
 
 @extend_schema_field(OpenApiTypes.STR)
@@ -180,3 +193,220 @@ class InstanceSerializer(serializers.ModelSerializer):
     @extend_schema_field(AccessSerializer)
     def get_access(self, obj: MachineInstance) -> dict:
         return instance_access(obj)
+
+
+# ---- enrolled hosts and their enrolment tokens ---------------------------------------------------
+
+LABELS_HELP = "labels, {key: value} (at most 32; keys of 1-63 characters, values of 0-63)"
+MAX_DRAIN_SECONDS = 30 * 86_400
+
+
+def _labels_field(**kwargs: Any) -> serializers.DictField:
+    return serializers.DictField(
+        child=serializers.CharField(max_length=63, allow_blank=True, trim_whitespace=False),
+        help_text=LABELS_HELP,
+        **kwargs,
+    )
+
+
+@extend_schema_field(OpenApiTypes.STR)
+class HostAccountField(serializers.Field):
+    """A provider account of kind ``hosts`` by name or id, among those where the caller's org
+    holds a grant of a machine type. Left out: the org's only such account. One that is not
+    there is answered the same whether it exists for other organizations or not at all."""
+
+    default_error_messages = {
+        "not_granted": "no grant for a machine type on provider account {ref} in organization {org} "
+        "(accounts of enrolled hosts it may use: {usable})",
+        "not_hosts": "provider account {ref} is not for enrolled hosts (its kind is {kind}); "
+        "accounts of enrolled hosts it may use: {usable}",
+        "invalid": "a provider account's name or id (a string)",
+    }
+
+    def to_representation(self, value: ProviderAccount) -> str:
+        return value.name
+
+    def to_internal_value(self, data: Any) -> ProviderAccount:
+        if not isinstance(data, str) or not data.strip():
+            self.fail("invalid")
+        ref, org = data.strip(), self.context.get("org")
+        accounts = host_accounts_for_org(org=org) if org else ProviderAccount.objects.none()
+        try:
+            found = accounts.filter(Q(pk=uuid.UUID(ref)) | Q(name=ref)).first()
+        except ValueError:
+            found = accounts.filter(name=ref).first()
+        usable = ", ".join(
+            accounts.filter(kind=ProviderKind.HOSTS).order_by("name").values_list("name", flat=True)
+        )
+        if found is None:
+            self.fail("not_granted", ref=ref, org=getattr(org, "slug", "?"), usable=usable or "none")
+        elif found.kind != ProviderKind.HOSTS:
+            self.fail("not_hosts", ref=ref, kind=found.kind, usable=usable or "none")
+        return found
+
+
+class EnrolmentTokenSerializer(serializers.ModelSerializer):
+    provider_account = HostAccountField(read_only=True)
+    state = serializers.SerializerMethodField(help_text="active, revoked, expired or used_up")
+    revoked = serializers.SerializerMethodField()
+
+    class Meta:
+        model = EnrolmentToken
+        fields: tuple[str, ...] = (
+            "id",
+            "prefix",
+            "description",
+            "provider_account",
+            "labels",
+            "uses",
+            "max_uses",
+            "expires_at",
+            "state",
+            "revoked",
+            "revoked_at",
+            "created_by",
+            "created_at",
+        )
+        read_only_fields: tuple[str, ...] = fields
+
+    def get_state(self, obj: EnrolmentToken) -> str:
+        if obj.revoked_at is not None:
+            return "revoked"
+        if obj.uses >= obj.max_uses:
+            return "used_up"
+        return "expired" if obj.expires_at <= timezone.now() else "active"
+
+    def get_revoked(self, obj: EnrolmentToken) -> bool:
+        return obj.revoked_at is not None
+
+
+class EnrolmentTokenCreated(EnrolmentTokenSerializer):
+    token = serializers.CharField(
+        help_text="the enrolment token: shown this once (only its hash is stored); give it to "
+        "`catacloud host` on the host as CATACLOUD_ENROLMENT_TOKEN"
+    )
+
+    class Meta(EnrolmentTokenSerializer.Meta):
+        fields = (*EnrolmentTokenSerializer.Meta.fields, "token")
+        read_only_fields = fields
+
+
+class EnrolmentTokenIn(StrictFields):
+    provider_account = HostAccountField(
+        required=False,
+        help_text="a provider account of kind hosts (name or id) with a machine type granted to your "
+        "organization; may be left out when there is one",
+    )
+    labels = _labels_field(required=False, default=dict)
+    max_uses = serializers.IntegerField(
+        min_value=1, max_value=10_000, default=1, help_text="how many hosts may enroll with it"
+    )
+    ttl_seconds = serializers.IntegerField(
+        min_value=60, max_value=MAX_TTL_SECONDS, default=86_400, help_text="it expires after this"
+    )
+    description = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "provider_account" not in attrs:
+            org = self.context.get("org")
+            accounts = list(host_accounts_for_org(org=org).filter(kind=ProviderKind.HOSTS)[:2]) if org else []
+            if len(accounts) != 1:
+                names = ", ".join(a.name for a in accounts) or "none"
+                raise serializers.ValidationError(
+                    {"provider_account": [f"name the provider account of enrolled hosts (usable: {names})"]}
+                )
+            attrs["provider_account"] = accounts[0]
+        return attrs
+
+
+class HostCapacitySerializer(serializers.Serializer):
+    cpus = serializers.IntegerField()
+    memory_mb = serializers.IntegerField()
+    disk_gb = serializers.IntegerField()
+    gpus = serializers.IntegerField()
+    arch = serializers.CharField(allow_blank=True)
+
+
+class HostUsedSerializer(serializers.Serializer):
+    cpus = serializers.IntegerField()
+    memory_mb = serializers.IntegerField()
+    disk_gb = serializers.IntegerField()
+    gpus = serializers.IntegerField()
+    slots = serializers.IntegerField(help_text="live slots (machines) on the host, every organization's")
+
+
+USED_KEYS = ("cpus", "memory_mb", "disk_gb", "gpus", "slots")
+
+
+class HostSerializer(serializers.ModelSerializer):
+    """An enrolled host; ``used`` is what its live slots take now (set by the view)."""
+
+    org: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True, allow_null=True, help_text="null: shared by the operator"
+    )
+    shared = serializers.SerializerMethodField(help_text="enrolled by the operator for every granted org")
+    provider_account: serializers.SlugRelatedField[Any] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
+    capacity = HostCapacitySerializer(source="*", read_only=True)
+    used = serializers.SerializerMethodField()
+    cordoned = serializers.BooleanField(read_only=True)
+    draining = serializers.SerializerMethodField(help_text="cordoned with a deadline for its jobs")
+
+    class Meta:
+        model = Host
+        fields = (
+            "id",
+            "name",
+            "status",
+            "org",
+            "shared",
+            "provider_account",
+            "labels",
+            "capacity",
+            "used",
+            "cordoned",
+            "cordoned_at",
+            "draining",
+            "drain_deadline",
+            "last_seen_at",
+            "agent_version",
+            "monthly_price",
+            "enrolled_at",
+            "status_changed_at",
+        )
+        read_only_fields = fields
+
+    def get_shared(self, obj: Host) -> bool:
+        return obj.org_id is None
+
+    @extend_schema_field(HostUsedSerializer)
+    def get_used(self, obj: Host) -> dict[str, int]:
+        used = getattr(obj, "usage", None) or {}
+        return {key: int(used.get(key) or 0) for key in USED_KEYS}
+
+    def get_draining(self, obj: Host) -> bool:
+        return obj.drain_deadline is not None
+
+
+class HostUpdateIn(StrictFields):
+    monthly_price = serializers.DecimalField(
+        max_digits=12,
+        decimal_places=2,
+        min_value=Decimal("0"),
+        allow_null=True,
+        required=False,
+        help_text="what the host costs a month, for cost attribution only (null clears it)",
+    )
+    labels = _labels_field(required=False)
+
+
+class HostCordonIn(StrictFields):
+    drain_seconds = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_DRAIN_SECONDS,
+        required=False,
+        allow_null=True,
+        help_text="drain: its running jobs may finish for this long, then are requeued elsewhere "
+        "(0: at once); left out: cordon only (running jobs finish, nothing new starts)",
+    )

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import django_filters
 from django.conf import settings
 from django.db.models import QuerySet
@@ -11,12 +13,24 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import StrictFields
-from apps.machines.api.serializers import InstanceSerializer, MachineTypeSerializer
-from apps.machines.choices import InstanceStatus
+from apps.core.errors import PermissionDenied
+from apps.machines.api.serializers import (
+    EnrolmentTokenCreated,
+    EnrolmentTokenIn,
+    EnrolmentTokenSerializer,
+    HostCordonIn,
+    HostSerializer,
+    HostUpdateIn,
+    InstanceSerializer,
+    MachineTypeSerializer,
+)
+from apps.machines.choices import HostStatus, InstanceStatus
 from apps.machines.costs import instance_cost
+from apps.machines.hostops import host_cordon, host_revoke, host_uncordon, host_update
+from apps.machines.hosts import enrolment_token_create, enrolment_token_revoke, hosts_usage
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
-from apps.machines.models import MachineInstance, MachineType
-from apps.machines.selectors import machine_types_for_org
+from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType
+from apps.machines.selectors import hosts_for_org, machine_types_for_org
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
 
 
@@ -110,3 +124,137 @@ class InstanceViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveMo
             instance_id=self.get_object().pk, claim_id=body.validated_data.get("claim_id"), actor=self.actor()
         )
         return Response({"id": instance.pk, "status": instance.status}, status=status.HTTP_202_ACCEPTED)
+
+
+# ---- enrolled hosts and their enrolment tokens ---------------------------------------------------
+
+
+class EnrolmentTokenFilter(django_filters.FilterSet):
+    revoked = django_filters.BooleanFilter(field_name="revoked_at", lookup_expr="isnull", exclude=True)
+    id_prefix = IdPrefixFilter()
+
+    class Meta:
+        model = EnrolmentToken
+        fields = ("prefix", "revoked")
+
+
+class EnrolmentTokenViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """The organization's enrolment tokens: what its hosts enroll with (``catacloud host``).
+    Admins create them (the token is shown once, in the answer; only its hash is stored) and
+    revoke them; everyone reads their prefix, labels, uses and expiry. The operator's shared
+    tokens are not listed (the console has them)."""
+
+    queryset = EnrolmentToken.objects.select_related("provider_account")
+    serializer_class = EnrolmentTokenSerializer
+    filterset_class = EnrolmentTokenFilter
+    ordering_fields = ("created_at", "expires_at")
+    ordering = ("-created_at",)
+
+    @extend_schema(request=EnrolmentTokenIn, responses={201: EnrolmentTokenCreated})
+    def create(self, request: Request) -> Response:
+        """A token hosts enroll with, scoped to your organization (only its jobs run on them),
+        with labels the hosts get; single-use unless ``max_uses`` says more; it expires after
+        ``ttl_seconds``. The answer's ``token`` is shown this once."""
+        body = EnrolmentTokenIn(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        token, secret = enrolment_token_create(org=self.ctx.org, actor=self.actor(), **body.validated_data)
+        data = {**EnrolmentTokenSerializer(token).data, "token": secret}
+        return Response(data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=EnrolmentTokenSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        """No host enrolls with it any more (hosts that did keep their own credential: revoke
+        those one by one). A repeat answers the same."""
+        token = enrolment_token_revoke(token_id=self.get_object().pk, actor=self.actor())
+        return Response(EnrolmentTokenSerializer(token).data)
+
+
+class HostFilter(django_filters.FilterSet):
+    status = django_filters.MultipleChoiceFilter(choices=HostStatus.choices)
+    shared = django_filters.BooleanFilter(field_name="org", lookup_expr="isnull")
+    cordoned = django_filters.BooleanFilter(field_name="cordoned_at", lookup_expr="isnull", exclude=True)
+    id_prefix = IdPrefixFilter()
+
+    class Meta:
+        model = Host
+        fields = ("name", "status", "shared", "cordoned")
+
+
+SHARED_HOST = (
+    "host {name} is shared by the operator (it runs every granted organization's jobs): only the "
+    "operator manages it, in the console"
+)
+
+
+class HostViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """Enrolled hosts: the organization's own, and the operator's shared hosts where it holds a
+    grant (read only). Each with its capacity, what its live slots take now, cordon and drain,
+    and when its agent was last heard. Admins cordon, drain, uncordon, revoke and change their
+    own org's hosts."""
+
+    queryset = Host.objects.none()  # get_queryset: hosts_for_org
+    serializer_class = HostSerializer
+    filterset_class = HostFilter
+    ordering_fields = ("name", "status", "last_seen_at", "enrolled_at")
+    ordering = ("name",)
+    http_method_names = ["get", "post", "patch", "head", "options"]
+
+    def get_queryset(self) -> QuerySet[Host]:
+        if getattr(self, "swagger_fake_view", False):
+            return Host.objects.none()
+        return hosts_for_org(org=self.ctx.org)
+
+    def get_serializer(self, *args: Any, **kwargs: Any) -> Any:
+        """The hosts answered, each with what its live slots take now (one grouped query)."""
+        if args and not kwargs.get("data"):
+            hosts = list(args[0]) if kwargs.get("many") else [args[0]]
+            usage = hosts_usage(h.pk for h in hosts)
+            for host in hosts:
+                host.usage = usage.get(host.pk)
+            args = (hosts if kwargs.get("many") else hosts[0], *args[1:])
+        return super().get_serializer(*args, **kwargs)
+
+    def _own(self) -> Host:
+        """The host of the path, when the caller's org owns it; a shared one is 403."""
+        host = self.get_object()
+        if host.org_id != self.ctx.org.pk:
+            raise PermissionDenied(SHARED_HOST.format(name=host.name))
+        return host
+
+    def _answer(self, host: Host) -> Response:
+        return Response(self.get_serializer(hosts_for_org(org=self.ctx.org).get(pk=host.pk)).data)
+
+    @extend_schema(request=HostUpdateIn, responses=HostSerializer)
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Change a host's ``monthly_price`` (cost attribution only) or ``labels`` (which
+        machine types' slots it takes from now on; slots already on it stay)."""
+        host = self._own()
+        body = HostUpdateIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        host = host_update(host_id=host.pk, actor=self.actor(), **body.validated_data)
+        return self._answer(host)
+
+    @extend_schema(request=HostCordonIn, responses=HostSerializer)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk: str | None = None) -> Response:
+        """No new job on the host; its idle slots end and running jobs finish. With
+        ``drain_seconds``: jobs still running after that are requeued elsewhere (a drain)."""
+        host = self._own()
+        body = HostCordonIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        drain = body.validated_data.get("drain_seconds")
+        return self._answer(host_cordon(host_id=host.pk, actor=self.actor(), drain_seconds=drain))
+
+    @extend_schema(request=None, responses=HostSerializer)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk: str | None = None) -> Response:
+        """Jobs may be placed on the host again (a drain's deadline is dropped)."""
+        return self._answer(host_uncordon(host_id=self._own().pk, actor=self.actor()))
+
+    @extend_schema(request=None, responses=HostSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        """For good: the host's credential is refused from now on and its jobs are requeued
+        elsewhere. To use the machine again, enroll it with a new token."""
+        return self._answer(host_revoke(host_id=self._own().pk, actor=self.actor()))
