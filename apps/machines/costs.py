@@ -119,7 +119,7 @@ def machine_costs(instances: Iterable[MachineInstance], *, now: datetime) -> lis
     hosts = {h.pk: h for h in Host.objects.filter(pk__in={r.host_id for r in rows if r.host_id})}
     out = []
     for instance in rows:
-        billing = billing_of(instance.machine_type, hosts.get(instance.host_id))
+        billing = billing_of(instance.machine_type, hosts.get(instance.host_id) if instance.host_id else None)
         start = instance.provisioning_started_at
         live = instance.ended_at is None
         if start is None:
