@@ -326,8 +326,8 @@ places it on a warm machine in the same task, the handoff task asks the forge fo
 it. *Runner online* adds the agent's wake-up, the runner's start and its first contact with the
 fake. *Calls per job* counts every call the fake answered while the samples ran. GitHub: the
 registration, the installation token (once an hour), the reconciler's runner list and polls.
-GitLab: the job's tags looked up (a Job event does not carry them unless the GitLab is recent
-enough to send `build_tags`: then this call is skipped), the runner created, the runner deleted
+GitLab: the job's tags looked up (a Job event never carries them: GitLab's
+`lib/gitlab/data_builder/build.rb` names the runner's tags only), the runner created, the runner deleted
 once its job ended (GitLab keeps a created runner until it is deleted), and the reconciler's share.
 *The burst* queues 1,000 jobs at once against 10 machines (the grant allows no more): the
 runners start as machines free up, each machine serves one runner after another while its hour
@@ -336,8 +336,8 @@ USD an hour); its longest wait is the queue's length over the throughput.
 
 **GitLab's calls per job, 2.97** (3.03 the run before): the three a job costs (its tags, its
 runner, the runner's deletion) and the reconciler's share, so the target (<= 3) is met or missed
-by that share, run to run; a GitLab whose
-Job events carry `build_tags` saves the look-up (2 a job, tested in tests/gitlab/test_webhook.py).
+by that share, run to run; GitLab's Job events never carry the job's tags, so the look-up stays
+(a class runner, `runner_mode: class`, saves the creation and the deletion instead).
 Before this run a job's `created` and `pending` events each looked the job up (3.97 a job), and
 GitLab's request budget was 3,000 calls an hour: the first 1,000-job GitLab burst stopped at 779
 jobs with its runner jobs held ("request budget used: 3000/3000"), waiting for the hour to turn.

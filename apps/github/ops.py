@@ -239,7 +239,7 @@ def sweep_due(inst: GitHubInstallation) -> bool:
 class GitHubOps:
     """The core's :class:`apps.ci.forge.ForgeOps` for GitHub."""
 
-    scope_fields = ("repository", "public", "installation__account_type")
+    scope_fields: tuple[str, ...] = ("repository", "public", "installation__account_type")
 
     def scope_of(self, runner_class: RunnerClass, values: Mapping[str, Any]) -> str:
         scoped = repository_scoped(

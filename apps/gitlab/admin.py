@@ -11,8 +11,10 @@ from django.contrib import admin
 
 from apps.ci import forms as ci_forms
 from apps.ci.forms import ServiceSavedAdmin, ThroughService, id_pairs
+from apps.core.actors import Actor
 from apps.core.admin import ReadOnlyAdmin, neutral_bool
 from apps.gitlab.models import GitLabConnection, GitLabDelivery, GitLabJob, GitLabRunner, GitLabRunnerClass
+from apps.gitlab.runners import class_runners_rotate
 from apps.gitlab.services import CLASS_FIELDS, connection_set, runner_class_save
 
 
@@ -98,11 +100,22 @@ class GitLabRunnerClassAdmin(ServiceSavedAdmin):
         "pool",
         "scope",
         "executor",
+        "runner_mode",
         "priority",
         "job_config",
+        "blocked_reason",
     )
-    list_filter = ("org", "machine_type")
-    readonly_fields = ("job_config",)
+    list_filter = ("org", "machine_type", "runner_mode")
+    readonly_fields = ("job_config", "blocked_at", "blocked_reason")
+    actions = ("rotate_class_runner_tokens",)
+
+    @admin.action(description="Rotate class runner tokens now")
+    def rotate_class_runner_tokens(self, request: Any, queryset: Any) -> None:
+        """Class runner mode: a new token for each class runner of the selected classes (their
+        machines handed the old one and not running a CI job are retired)."""
+        actor = Actor.admin(request.user.get_username())
+        rotated = sum(class_runners_rotate(runner_class=rc, actor=actor) for rc in queryset)
+        self.message_user(request, f"{rotated} class runner token(s) rotated")
 
 
 @admin.register(GitLabJob)

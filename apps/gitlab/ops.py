@@ -149,7 +149,7 @@ def job_known(connection: GitLabConnection, gitlab_id: int) -> bool:
 class GitLabOps:
     """The core's :class:`apps.ci.forge.ForgeOps` for GitLab."""
 
-    scope_fields = ("project_id",)
+    scope_fields: tuple[str, ...] = ("project_id",)
 
     def scope_of(self, runner_class: GitLabRunnerClass, values: Mapping[str, Any]) -> str:
         """A project runner serves its own project only; a group runner every project of it."""
