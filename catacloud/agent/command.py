@@ -181,7 +181,13 @@ def cmd_host(args: argparse.Namespace) -> int:
     token = token or os.environ.pop(ENROLMENT_ENV, "").strip()
     if token:
         register_secret(token)
-    config: dict[str, Any] = {"disk_reserve_gb": args.disk_reserve_gb, "mounts": args.mount or []}
+    config: dict[str, Any] = {
+        "disk_reserve_gb": args.disk_reserve_gb,
+        "mounts": args.mount or [],
+        # A slot's agent keeps trying while the control plane is away (an upgrade must not end a
+        # host's running jobs); the host stops a slot the control plane no longer has.
+        "unreachable_limit_seconds": 0,
+    }
     host = HostAgent(
         AgentClient(args.url, user_agent=f"catacloud-host/{__version__}"),
         url=args.url,
