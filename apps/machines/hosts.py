@@ -26,6 +26,7 @@ machines' own deadline); it is active again when its agent returns, without a ne
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -341,9 +342,19 @@ def _eligible(org_id: Any, mt: MachineType) -> Any:
 
 
 def _used(host_ids: Iterable[Any]) -> dict[Any, Mapping[str, Any]]:
-    """What the live slots of each host take (one grouped query)."""
+    """What the slots of each host take: its live ones, and ended ones its host still reports
+    running (their sandbox not stopped yet: it still holds the host's cpus and memory). Two
+    queries, however many hosts."""
+    ids = list(host_ids)
+    still_running = [
+        slot
+        for running in Host.objects.filter(pk__in=ids).values_list("running", flat=True)
+        for slot in running or []
+        if _is_uuid(slot)
+    ]
     rows = (
-        MachineInstance.objects.filter(host_id__in=list(host_ids), status__in=_HOLDING)
+        MachineInstance.objects.filter(host_id__in=ids)
+        .filter(Q(status__in=_HOLDING) | Q(pk__in=still_running))
         .values("host_id")
         .annotate(
             cpus=Sum("machine_type__cpus"),
@@ -354,6 +365,14 @@ def _used(host_ids: Iterable[Any]) -> dict[Any, Mapping[str, Any]]:
         )
     )
     return {row["host_id"]: row for row in rows}
+
+
+def _is_uuid(value: object) -> bool:
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 def hosts_usage(host_ids: Iterable[Any]) -> dict[Any, Mapping[str, Any]]:

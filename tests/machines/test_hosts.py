@@ -173,3 +173,18 @@ def test_slots_go_only_to_hosts_of_the_org_or_shared_and_with_the_types_labels(w
     assert {instance_request(org=world.org, machine_type=gpu).host_id for _ in range(2)} == {shared.pk}
     assert instance_request(org=world.other_org, machine_type=gpu).host_id in {theirs.pk, shared.pk}
     assert not MachineInstance.objects.filter(host=plain).exists()
+
+
+@pytest.mark.django_db
+def test_an_ended_slot_its_host_still_runs_holds_its_room_until_the_host_stops_it(
+    world: World, rack: Any
+) -> None:
+    account, mt = rack
+    host, secret = enroll(account, world.org)  # 2 cpus
+    slots = [instance_request(org=world.org, machine_type=mt) for _ in range(2)]
+    MachineInstance.objects.filter(pk__in=[s.pk for s in slots]).update(status="terminated")
+    exchange(secret, running=[str(s.pk) for s in slots])  # their sandboxes still run
+    with pytest.raises(NoHostRoom):
+        instance_request(org=world.org, machine_type=mt)
+    exchange(secret, running=[])  # stopped
+    assert instance_request(org=world.org, machine_type=mt).host_id == host.pk
