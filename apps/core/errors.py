@@ -60,6 +60,7 @@ class ErrorCode(StrEnum):
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the agent server: one machine's budget
     SERVER_ERROR = "server_error"
     DATABASE_UNAVAILABLE = "database_unavailable"  # 503: PostgreSQL did not answer; retry
+    INSTALL_SCRIPT_UNAVAILABLE = "install_script_unavailable"  # 503: no agent wheel to pin in it
     ERROR = "error"  # a status with no code of its own
     # A job's failure_code (no HTTP status: the job ended failed with it), as its agent reported
     # it (catacloud.protocol.ImageFailure has the same values).

@@ -20,6 +20,9 @@ from pathlib import Path
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+from apps.core.errors import ErrorCode, error_payload
+from apps.machines.install_host import render_install_script
+
 WHEEL = re.compile(r"^catacloud_agent-(?P<version>[0-9][0-9A-Za-z.+!-]*)-py3-none-any\.whl$")
 PATH = "dist/"
 
@@ -74,4 +77,23 @@ def agent_wheel_view(request: HttpRequest, filename: str) -> HttpResponse:
     response = HttpResponse(wheel.read_bytes(), content_type="application/octet-stream")  # tens of kB
     response["Content-Disposition"] = f'attachment; filename="{wheel.name}"'
     response["X-Checksum-Sha256"] = wheel_sha256(wheel)
+    return response
+
+
+def install_host_view(request: HttpRequest) -> HttpResponse:
+    """``GET /api/agent/v1/dist/install-host.sh``: the script that makes a machine an enrolled
+    host (apps.machines.install_host), with this control plane's agent URL and its served wheel
+    pinned by sha256; to anyone, like the wheel (it holds no secret). 503
+    ``install_script_unavailable`` when there is no wheel to pin, or no agent URL a script may hold."""
+    agent_url = str(settings.CATACLOUD_AGENT_URL)
+    package = agent_package(agent_url)
+    try:
+        if not package:
+            raise ValueError("this control plane serves no agent wheel (set CATACLOUD_AGENT_WHEEL)")
+        script = render_install_script(agent_url=agent_url, wheel_url=package)
+    except ValueError as exc:
+        body = error_payload(ErrorCode.INSTALL_SCRIPT_UNAVAILABLE, f"no host install script here: {exc}")
+        return JsonResponse(body, status=503)
+    response = HttpResponse(script, content_type="text/x-shellscript; charset=utf-8")
+    response["Cache-Control"] = "no-cache"  # it names the wheel of the day
     return response

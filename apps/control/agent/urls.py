@@ -10,7 +10,8 @@ from django.urls import URLPattern, path, re_path
 
 from apps.control.agent import db, endpoints, hosts
 from apps.control.agent.views import heartbeat, work
-from apps.machines.agent_dist import agent_wheel_view
+from apps.machines.agent_dist import agent_wheel_view, install_host_view
+from apps.machines.install_host import SCRIPT_NAME
 
 
 def agent_urls() -> list[URLPattern]:
@@ -19,6 +20,7 @@ def agent_urls() -> list[URLPattern]:
     rest = [
         path("enroll", endpoints.EnrollView.as_view(), name="agent-enroll"),
         path("hosts/enroll", hosts.HostEnrollView.as_view(), name="agent-host-enroll"),
+        path(f"dist/{SCRIPT_NAME}", install_host_view, name="agent-install-host"),
         path("dist/<str:filename>", agent_wheel_view, name="agent-wheel"),
         path("jobs/<uuid:job_id>/started", endpoints.StartedView.as_view(), name="agent-job-started"),
         path("jobs/<uuid:job_id>/logs", endpoints.LogsView.as_view(), name="agent-job-logs"),
