@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from catacloud.client import billing, ci, events, jobs, registries
+from catacloud.client import billing, ci, events, hosts, jobs, registries
 from catacloud.client import run as one_off
 from catacloud.client.api import Api, ApiError
 from catacloud.client.base import (
@@ -73,6 +73,7 @@ def add_client_commands(subparsers: Any) -> None:
         _configs,
         _pools,
         _instances,
+        hosts.register,
         _artifacts,
         events.register,
         billing.register,

@@ -24,7 +24,7 @@ def test_help_lists_the_client_commands_first_and_no_hidden_one(capsys: pytest.C
     assert "SUPPRESS" not in out and "dev-cleanup" not in out
     listed = [m[1] for line in out.splitlines() if (m := re.match(r"^ {4}([a-z][\w-]*)", line))]
     client = [
-        "jobs", "run", "configs", "pools", "instances", "artifacts", "events", "costs", "budgets",
+        "jobs", "run", "configs", "pools", "instances", "hosts", "artifacts", "events", "costs", "budgets",
         "registry-credentials", "github", "gitlab", "auth",
     ]  # fmt: skip
     assert listed[: len(client)] == client, listed
@@ -39,12 +39,14 @@ def test_help_lists_the_client_commands_first_and_no_hidden_one(capsys: pytest.C
         ("github", "connection, classes, jobs"),
         ("budgets", "ls, set"),
         ("instances", "ls, show, terminate"),
+        ("hosts", "ls, show, cordon, uncordon, revoke, update, tokens"),
+        ("hosts tokens", "create, ls, revoke"),
     ],
 )
 def test_a_group_without_its_command_lists_its_commands(
     capsys: pytest.CaptureFixture[str], group: str, commands: str
 ) -> None:
-    code, _, err = _run(capsys, group)
+    code, _, err = _run(capsys, *group.split())
     assert code == 2
     assert f"catacloud {group}: error: name a command: {commands}" in err
     first = commands.split(", ")[0]
@@ -74,6 +76,10 @@ def test_a_mistyped_status_gets_a_suggestion(
         (["registries", "list"], ["registry-credentials", "ls"]),
         (["github", "classes", "list"], ["github", "classes", "ls"]),
         (["gitlab", "connection", "view"], ["gitlab", "connection", "show"]),
+        (["hosts", "list", "--all"], ["hosts", "ls", "--all"]),
+        (["hosts", "get", "rack-1"], ["hosts", "show", "rack-1"]),
+        (["hosts", "view", "rack-1"], ["hosts", "show", "rack-1"]),
+        (["hosts", "tokens", "list"], ["hosts", "tokens", "ls"]),
     ],
 )
 def test_gh_and_kubectl_verbs_are_aliases_of_the_same_command(typed: list[str], meant: list[str]) -> None:
@@ -145,3 +151,30 @@ def test_a_connections_installations_and_projects_as_the_api_takes_them() -> Non
         _children(GITLAB, ["42"])
     with pytest.raises(UsageError, match=r"--installation takes ID\[:ACCOUNT\]"):
         _children(GITHUB, ["acme"])
+
+
+def test_durations_and_labels_as_hosts_commands_take_them() -> None:
+    from catacloud.client.hosts import parse_duration, parse_labels
+
+    assert [parse_duration(v) for v in ("90", "90s", "10m", "24h", "7d", "0")] == [
+        90,
+        90,
+        600,
+        86400,
+        604800,
+        0,
+    ]
+    with pytest.raises(ValueError, match="--ttl takes seconds or 90s, 10m, 24h, 7d; got 'soon'"):
+        parse_duration("soon", "--ttl")
+    with pytest.raises(ValueError, match="takes seconds"):
+        parse_duration("1.5h")
+    assert parse_labels(["gpu=a4000", "site=fsn1", "empty=", "url=a=b"]) == {
+        "gpu": "a4000", "site": "fsn1", "empty": "", "url": "a=b",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="--label takes KEY=VALUE"):
+        parse_labels(["gpu"])
+    parsed = build_parser().parse_args(
+        ["hosts", "tokens", "create", "--label", "a=1", "--label", "b=2", "--uses", "3"]
+    )
+    assert (parsed.label, parsed.uses, parsed.ttl) == (["a=1", "b=2"], 3, "24h")
+    assert build_parser().parse_args(["hosts", "cordon", "rack-1", "--drain", "10m"]).drain == "10m"
