@@ -626,8 +626,8 @@ def test_the_dashboard_shows_each_ci_connection_its_limits_webhook_failures_and_
     github, gitlab = ci.split("GitHub · acme", 1)[1].split("GitLab · acme", 1)
     # GitHub: paused by its rate limit, our own budget's use, the day's limits, the webhook failures
     assert "installation 4242 (acme-gh)" in github
-    assert "unavailable until" in github and "rate limit exhausted (resets in 180s)" in github
-    assert "812/3000" in github
+    assert "waiting until" in github and "rate limit exhausted (resets in 180s)" in github
+    assert "812/4500" in github  # 90 % of the 5,000 GitHub grants an installation
     assert "2 limits, 3 pauses" in github
     assert "3 received: " in github
     assert "1 not acted on, 1 no class covers, 1 lost and sent again" in github
