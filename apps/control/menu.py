@@ -61,6 +61,12 @@ MENU: tuple[Group | AppGroup, ...] = (
                 "live, failed and lost; the status filter shows terminated ones",
             ),
             Entry("pools.instancepool", "Pools", "warm machines kept ready for jobs"),
+            Entry(
+                "machines.host",
+                "Enrolled hosts",
+                "machines users own, enrolled with a token: capacity, slots, cordon, drain, revoke",
+            ),
+            Entry("machines.enrolmenttoken", "Enrolment tokens", "what hosts enroll with (shown once)"),
             Entry("machines.machinetype"),
             Entry("machines.provideraccount"),
         ),

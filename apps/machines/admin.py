@@ -1,29 +1,43 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from django import forms
 from django.conf import settings
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.views.main import ChangeList
 from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 
 from apps.core.actors import Actor
 from apps.core.admin import NoLiveDeleteAdmin, neutral_bool, run_service_action, short_id_link
+from apps.core.errors import ValidationFailed
 from apps.core.templatetags.console import between, fine_money, human_seconds
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.api.serializers import MAX_DRAIN_SECONDS
+from apps.machines.choices import INSTANCE_LIVE, HostStatus, InstanceStatus, ProviderKind
 from apps.machines.costs import billing_of, instance_cost
+from apps.machines.hostops import host_cordon, host_revoke, host_uncordon, host_update
+from apps.machines.hosts import (
+    MAX_TTL_SECONDS,
+    clean_labels,
+    enrolment_token_create,
+    enrolment_token_revoke,
+    hosts_usage,
+)
 from apps.machines.lifecycle import instance_terminate
-from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import (
     machine_type_update,
     machine_type_upsert,
     provider_account_update,
     provider_account_upsert,
 )
+from catacloud.client.hosts import parse_duration
 
 
 class ProviderAccountForm(forms.ModelForm):
@@ -293,4 +307,335 @@ class MachineInstanceAdmin(NoLiveDeleteAdmin):
             queryset,
             "terminating",
             lambda i: instance_terminate(instance_id=i.pk, actor=actor, reason="terminated from the console"),
+        )
+
+
+# ---- enrolled hosts and their enrolment tokens ---------------------------------------------------
+
+
+class HostForm(forms.ModelForm):
+    """What an operator changes on a host: its labels and monthly price (through host_update)."""
+
+    class Meta:
+        model = Host
+        fields = ("labels", "monthly_price")
+
+    def clean_labels(self) -> dict[str, str]:
+        try:
+            return clean_labels(self.cleaned_data.get("labels") or {})
+        except ValidationFailed as exc:
+            raise forms.ValidationError(exc.detail) from None
+
+
+class HostActionForm(helpers.ActionForm):
+    drain_seconds = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=MAX_DRAIN_SECONDS,
+        label="drain deadline (seconds)",
+        help_text="for the drain action: jobs still running after this are requeued elsewhere",
+    )
+
+
+class HostChangeList(ChangeList):
+    """The page's hosts, each with what its live slots take now (one grouped query)."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        usage = hosts_usage(h.pk for h in self.result_list)
+        for host in self.result_list:
+            host.usage = usage.get(host.pk) or {}
+
+
+def _used(host: Host) -> Mapping[str, Any]:
+    used = getattr(host, "usage", None)
+    return used if used is not None else hosts_usage([host.pk]).get(host.pk) or {}
+
+
+@admin.register(Host)
+class HostAdmin(admin.ModelAdmin):
+    """Machines users own, enrolled with a token: never bought, never deleted by the reconciler.
+    Cordon, drain, uncordon and revoke go through the services (apps.machines.hostops)."""
+
+    form = HostForm
+    action_form = HostActionForm
+    list_display = (
+        "name",
+        "short_id",
+        "owner",
+        "status",
+        "label_list",
+        "cpus_used",
+        "memory_used",
+        "slots",
+        "scheduling",
+        "seen",
+    )
+    list_filter = (
+        "status",
+        ("cordoned_at", admin.EmptyFieldListFilter),
+        ("org", admin.RelatedOnlyFieldListFilter),
+        "provider_account",
+    )
+    search_fields = ("name", "id", "org__slug", "agent_version")
+    list_select_related = ("org", "provider_account")
+    readonly_fields = (
+        "name",
+        "id",
+        "owner",
+        "provider_account",
+        "status",
+        "capacity",
+        "usage_now",
+        "scheduling",
+        "cordoned_at",
+        "drain_deadline",
+        "arch",
+        "agent_version",
+        "enrolment",
+        "enrolled_at",
+        "last_seen_at",
+        "status_changed_at",
+    )
+    fields = (*readonly_fields[:4], "labels", "monthly_price", *readonly_fields[4:])
+    actions = ["cordon", "drain", "uncordon", "revoke"]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return HostChangeList
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # hosts enroll themselves, with a token (Enrolment tokens)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # revoke instead: its slots and their jobs are ended through the services
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: Host) -> str:
+        return short_id_link(obj.pk)
+
+    @admin.display(description="org", ordering="org__slug")
+    def owner(self, obj: Host) -> str:
+        if obj.org is None:
+            return format_html('<span title="{}">shared</span>', "any granted organization's jobs")
+        return obj.org.slug
+
+    @admin.display(description="labels")
+    def label_list(self, obj: Host) -> str:
+        return ", ".join(f"{k}={v}" for k, v in sorted(obj.labels.items())) or "-"
+
+    @admin.display(description="cpus used")
+    def cpus_used(self, obj: Host) -> str:
+        return f"{_used(obj).get('cpus') or 0} / {obj.cpus}"
+
+    @admin.display(description="memory used (MB)")
+    def memory_used(self, obj: Host) -> str:
+        return f"{_used(obj).get('memory_mb') or 0} / {obj.memory_mb}"
+
+    @admin.display(description="slots")
+    def slots(self, obj: Host) -> int:
+        return int(_used(obj).get("slots") or 0)
+
+    @admin.display(description="capacity")
+    def capacity(self, obj: Host) -> str:
+        gpus = f", {obj.gpus} gpus" if obj.gpus else ""
+        return f"{obj.cpus} cpus, {obj.memory_mb} MB memory, {obj.disk_gb} GB disk{gpus} ({obj.arch or '?'})"
+
+    @admin.display(description="used now")
+    def usage_now(self, obj: Host) -> str:
+        used = _used(obj)
+        return (
+            f"{used.get('cpus') or 0} cpus, {used.get('memory_mb') or 0} MB memory, "
+            f"{used.get('disk_gb') or 0} GB disk in {used.get('slots') or 0} slots"
+        )
+
+    @admin.display(description="scheduling", ordering="cordoned_at")
+    def scheduling(self, obj: Host) -> str:
+        if obj.status == HostStatus.REVOKED:
+            return "-"
+        if obj.drain_deadline is not None:
+            when = timezone.localtime(obj.drain_deadline).strftime("%Y-%m-%d %H:%M:%S")
+            return format_html('draining <span class="cc-muted">until {}</span>', when)
+        return "cordoned" if obj.cordoned_at is not None else "schedulable"
+
+    @admin.display(description="last seen", ordering="last_seen_at")
+    def seen(self, obj: Host) -> str:
+        if obj.last_seen_at is None:
+            return "-"
+        return format_html(
+            '<span title="{}">{} ago</span>',
+            timezone.localtime(obj.last_seen_at).strftime("%Y-%m-%d %H:%M:%S"),
+            human_seconds(between(obj.last_seen_at, None)),
+        )
+
+    def save_model(self, request: HttpRequest, obj: Host, form: forms.ModelForm, change: bool) -> None:
+        """Through ``host_update``: the event, and labels checked as the API checks them."""
+        changed = {name: form.cleaned_data[name] for name in form.changed_data}
+        if changed:
+            saved = host_update(host_id=obj.pk, actor=Actor.admin(request.user.get_username()), **changed)
+            obj.__dict__.update({k: v for k, v in saved.__dict__.items() if not k.startswith("_")})
+
+    def _act(self, request: HttpRequest, queryset: Any, verb: str, fn: Any) -> None:
+        actor = Actor.admin(request.user.get_username())
+        run_service_action(self, request, queryset, verb, lambda h: fn(host_id=h.pk, actor=actor))
+
+    @admin.action(description="Cordon selected hosts (no new job; running jobs finish)")
+    def cordon(self, request: HttpRequest, queryset: Any) -> None:
+        self._act(request, queryset, "cordoned", host_cordon)
+
+    @admin.action(description="Drain selected hosts (cordon; requeue jobs still running after the deadline)")
+    def drain(self, request: HttpRequest, queryset: Any) -> None:
+        raw = request.POST.get("drain_seconds", "").strip()
+        if not raw.isdigit() or int(raw) > MAX_DRAIN_SECONDS:
+            self.message_user(
+                request,
+                "drain: give the deadline in seconds (0 to requeue their jobs at once) beside the action",
+                messages.ERROR,
+            )
+            return
+        seconds = int(raw)
+        self._act(
+            request,
+            queryset,
+            f"draining (jobs still running in {human_seconds(seconds)} are requeued)",
+            lambda **kw: host_cordon(drain_seconds=seconds, **kw),
+        )
+
+    @admin.action(description="Uncordon selected hosts (jobs may run there again)")
+    def uncordon(self, request: HttpRequest, queryset: Any) -> None:
+        self._act(request, queryset, "uncordoned", host_uncordon)
+
+    @admin.action(description="Revoke selected hosts (refuse their agents for good; requeue their jobs)")
+    def revoke(self, request: HttpRequest, queryset: Any) -> None:
+        self._act(request, queryset, "revoked", host_revoke)
+
+
+class EnrolmentTokenForm(forms.ModelForm):
+    ttl = forms.CharField(
+        initial="24h", label="expires in", help_text="seconds, or 30m, 24h, 7d (at most a year)"
+    )
+
+    class Meta:
+        model = EnrolmentToken
+        fields = ("provider_account", "org", "labels", "max_uses", "description")
+        help_texts = {
+            "org": "only this organization's jobs run on its hosts; empty: shared by the operator (any "
+            "organization granted a machine type on the account)",
+            "labels": 'the labels its hosts get, e.g. {"gpu": "a4000", "site": "fsn1"}',
+            "max_uses": "how many hosts may enroll with it",
+        }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "provider_account" in self.fields:
+            self.fields["provider_account"].queryset = ProviderAccount.objects.filter(  # type: ignore[attr-defined]
+                kind=ProviderKind.HOSTS
+            )
+            self.fields["provider_account"].help_text = "an account of kind hosts"
+            self.fields["labels"].required = False
+
+    def clean_labels(self) -> dict[str, str]:
+        try:
+            return clean_labels(self.cleaned_data.get("labels") or {})
+        except ValidationFailed as exc:
+            raise forms.ValidationError(exc.detail) from None
+
+    def clean_max_uses(self) -> int:
+        value = self.cleaned_data["max_uses"]
+        if not 1 <= value <= 10_000:
+            raise forms.ValidationError("from 1 to 10000")
+        return int(value)
+
+    def clean_ttl(self) -> int:
+        try:
+            seconds = parse_duration(self.cleaned_data["ttl"], "expires in")
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        if not 60 <= seconds <= MAX_TTL_SECONDS:
+            raise forms.ValidationError("from a minute to a year")
+        return seconds
+
+
+@admin.register(EnrolmentToken)
+class EnrolmentTokenAdmin(admin.ModelAdmin):
+    """What hosts enroll with: made here (shown once), revoked with the action; never edited."""
+
+    form = EnrolmentTokenForm
+    list_display = (
+        "prefix",
+        "owner",
+        "provider_account",
+        "label_list",
+        "uses_of",
+        "state",
+        "expires_at",
+        "created_by",
+        "created_at",
+    )
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter), ("org", admin.RelatedOnlyFieldListFilter))
+    search_fields = ("prefix", "description", "org__slug")
+    list_select_related = ("org", "provider_account")
+    actions = ["revoke"]
+    shown = ("prefix", "provider_account", "org", "labels", "uses", "max_uses", "expires_at", "state")
+    more = ("revoked_at", "description", "created_by", "created_at")
+
+    def get_fields(self, request: HttpRequest, obj: EnrolmentToken | None = None) -> Any:
+        if obj is None:
+            return ("provider_account", "org", "labels", "max_uses", "ttl", "description")
+        return (*self.shown, *self.more)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: EnrolmentToken | None = None) -> Any:
+        return (*self.shown, *self.more) if obj is not None else ()
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # revoke it: its hosts keep pointing at it
+
+    @admin.display(description="org", ordering="org__slug")
+    def owner(self, obj: EnrolmentToken) -> str:
+        return obj.org.slug if obj.org is not None else "shared"
+
+    @admin.display(description="labels")
+    def label_list(self, obj: EnrolmentToken) -> str:
+        return ", ".join(f"{k}={v}" for k, v in sorted(obj.labels.items())) or "-"
+
+    @admin.display(description="uses")
+    def uses_of(self, obj: EnrolmentToken) -> str:
+        return f"{obj.uses} / {obj.max_uses}"
+
+    @admin.display(description="state")
+    def state(self, obj: EnrolmentToken) -> str:
+        if obj.revoked_at is not None:
+            return "revoked"
+        if obj.uses >= obj.max_uses:
+            return "used up"
+        return "expired" if obj.expires_at <= timezone.now() else "active"
+
+    def save_model(
+        self, request: HttpRequest, obj: EnrolmentToken, form: forms.ModelForm, change: bool
+    ) -> None:
+        if change:
+            return
+        data = form.cleaned_data
+        token, secret = enrolment_token_create(
+            provider_account=data["provider_account"],
+            org=data.get("org"),
+            labels=data.get("labels") or {},
+            max_uses=data["max_uses"],
+            ttl_seconds=data["ttl"],
+            description=data.get("description") or "",
+            actor=Actor.admin(request.user.get_username()),
+        )
+        obj.__dict__.update({k: v for k, v in token.__dict__.items() if not k.startswith("_")})
+        obj._state.adding = False
+        self.message_user(
+            request,
+            "New enrolment token (shown once, copy it now; on the host it is "
+            f"CATACLOUD_ENROLMENT_TOKEN): {secret}",
+            messages.WARNING,
+        )
+
+    @admin.action(description="Revoke selected tokens (no host enrolls with them; enrolled hosts stay)")
+    def revoke(self, request: HttpRequest, queryset: Any) -> None:
+        actor = Actor.admin(request.user.get_username())
+        run_service_action(
+            self, request, queryset, "revoked", lambda t: enrolment_token_revoke(token_id=t.pk, actor=actor)
         )
