@@ -83,6 +83,8 @@ def clean_labels(value: object, field: str = "labels") -> dict[str, str]:
             raise ValidationFailed.field(field, "each label is a string")
         if not (0 < len(key) <= 63 and len(str(item)) <= 63):
             raise ValidationFailed.field(field, "keys of 1-63, values of 0-63 characters")
+        if "\x00" in key or "\x00" in str(item):
+            raise ValidationFailed.field(field, "a label holds no NUL character")
         labels[key] = str(item)
     if len(labels) > MAX_LABELS:
         raise ValidationFailed.field(field, f"at most {MAX_LABELS} labels")

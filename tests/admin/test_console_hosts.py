@@ -139,6 +139,8 @@ def test_an_operator_prices_and_labels_a_host_through_the_service(world: World, 
     assert (
         refused.status_code == 200 and "keys of 1-63, values of 0-63 characters" in refused.content.decode()
     )
+    nul = ops.post(url, {"labels": json.dumps({"nul\u0000": "v"}), "monthly_price": "10"})
+    assert nul.status_code == 200 and "a label holds no NUL character" in nul.content.decode()
     host.refresh_from_db()
     assert host.monthly_price is None and not Event.objects.filter(kind="host.updated").exists()
 

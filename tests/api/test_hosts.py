@@ -130,6 +130,7 @@ def test_a_token_needs_an_account_of_enrolled_hosts_granted_to_the_organization(
         ({"labels": {"": "x"}}, "labels"),
         ({"labels": {"k": "v" * 64}}, "labels"),
         ({"labels": {f"k{i}": "v" for i in range(33)}}, "labels"),
+        ({"labels": {"a\u0000": "b"}}, "labels"),
         ({"max_uses": 0}, "max_uses"),
         ({"max_uses": 10_001}, "max_uses"),
         ({"ttl_seconds": 10}, "ttl_seconds"),
@@ -331,6 +332,7 @@ def test_an_admin_prices_and_labels_a_host_and_bad_values_change_nothing(world: 
         {"monthly_price": "123456789012.00"},
         {"labels": "gpu"},
         {"labels": {"k" * 64: "v"}},
+        {"labels": {"nul\u0000": "v"}},
         {"name": "renamed"},
         {"status": "active"},
     ):
