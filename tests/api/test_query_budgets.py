@@ -40,8 +40,8 @@ BUDGETS = {
     "resource": 2,
     "budgets": 4,
     "budget": 3,
-    "hosts": 4,
-    "host": 3,
+    "hosts": 5,
+    "host": 4,
     "enrolment tokens": 3,
     "enrolment token": 2,
 }
