@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     INVALID_SIGNATURE = "invalid_signature"  # a webhook delivery without a valid signature
     PERMISSION_DENIED = "permission_denied"
     MISSING_PRIVILEGE = "missing_privilege"
+    SHARED_HOST = "shared_host"  # an organization changing a host the operator shares
     METRICS_CLOSED = "metrics_closed"
     # 404 / 405 / 406 / 411 / 413 / 415
     NOT_FOUND = "not_found"

@@ -241,7 +241,7 @@ def test_a_shared_host_is_read_only_to_organizations(world: World) -> None:
     ]:
         response = getattr(admin, method)(f"/api/v1/hosts/{shared.pk}/{path}", body, format="json")
         assert response.status_code == 403, (path, response.content)
-        assert response.json()["code"] == "permission_denied"
+        assert response.json()["code"] == "shared_host"
         assert response.json()["detail"] == (
             "host rack-1-shared is shared by the operator (it runs every granted organization's jobs): "
             "only the operator manages it, in the console"

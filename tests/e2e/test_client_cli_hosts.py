@@ -139,7 +139,7 @@ def test_hosts_ls_show_cordon_drain_uncordon_update_and_revoke(tworld: World, cl
     assert (
         theirs.returncode == 1
         and "is shared by the operator" in theirs.stderr
-        and "HTTP 403" in theirs.stderr
+        and "(shared_host, HTTP 403)" in theirs.stderr
     )
     member = cli(tworld.tokens["member"], "hosts", "revoke", "rack-1")
     assert member.returncode == 1 and "this needs the admin role" in member.stderr

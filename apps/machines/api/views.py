@@ -13,7 +13,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from apps.core.api import StrictFields
-from apps.core.errors import PermissionDenied
+from apps.core.errors import ErrorCode, PermissionDenied
 from apps.machines.api.serializers import (
     EnrolmentTokenCreated,
     EnrolmentTokenIn,
@@ -219,7 +219,7 @@ class HostViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelM
         """The host of the path, when the caller's org owns it; a shared one is 403."""
         host = self.get_object()
         if host.org_id != self.ctx.org.pk:
-            raise PermissionDenied(SHARED_HOST.format(name=host.name))
+            raise PermissionDenied(SHARED_HOST.format(name=host.name), code=ErrorCode.SHARED_HOST)
         return host
 
     def _answer(self, host: Host) -> Response:
