@@ -101,7 +101,10 @@ class HostAgent:
             config={"state_dir": slots_dir, **(provider_config or {})}, credentials={}
         )
         self.poll_timeout = 20.0
-        self._busy: set[str] = set()  # slots being started or stopped now
+        # Slots being started now (reported as running meanwhile: not started twice), and being
+        # stopped now (reported while they still exist, not ordered to stop twice).
+        self._starting: set[str] = set()
+        self._stopping: set[str] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="slot")
 
@@ -163,28 +166,32 @@ class HostAgent:
                 log.warning("exchange failed: %s", exc)
                 self.stopping.wait(2.0)
                 continue
-            self._follow(answer)
+            if not self._follow(answer):  # the same orders again while they are carried out:
+                self.stopping.wait(0.5)  # ask again in a moment, not in a tight loop
         self._pool.shutdown(wait=True)
         return 0
 
     def _running(self) -> list[str]:
+        """The slots that exist here, and those being started. A slot being stopped is reported
+        only while it still exists: reported after, it would be ordered to stop again, and that
+        stop would report it again, for ever (the host's room never freed)."""
         with self._lock:
-            busy = set(self._busy)
-        return sorted({m.provider_id for m in self.provider.list({})} | busy)
+            starting = set(self._starting)
+        return sorted({m.provider_id for m in self.provider.list({})} | starting)
 
-    def _follow(self, answer: HostAnswer) -> None:
-        for slot in answer.start:
-            self._act(slot.instance_id, self._start, slot)
-        for slot_id in answer.stop:
-            self._act(slot_id, self.provider.delete, slot_id)
+    def _follow(self, answer: HostAnswer) -> bool:
+        """Carry out the answer's orders; False when each was being carried out already."""
+        acted = [self._act(slot.instance_id, self._start, slot, self._starting) for slot in answer.start]
+        acted += [self._act(i, self.provider.delete, i, self._stopping) for i in answer.stop]
+        return any(acted) or not acted
 
-    def _act(self, slot_id: str, action: Any, arg: Any) -> None:
-        """Start or stop a slot in the background (a stop waits for its agent to end): reported
-        as running meanwhile, so the answer does not ask for it again."""
+    def _act(self, slot_id: str, action: Any, arg: Any, busy: set[str]) -> bool:
+        """Start or stop a slot in the background (a stop waits for its agent to end), once: an
+        order repeated while it is carried out is left alone (False)."""
         with self._lock:
-            if slot_id in self._busy:
-                return
-            self._busy.add(slot_id)
+            if slot_id in self._starting or slot_id in self._stopping:
+                return False
+            busy.add(slot_id)
 
         def run() -> None:
             try:
@@ -193,9 +200,10 @@ class HostAgent:
                 log.warning("slot %s: %s", slot_id, exc)
             finally:
                 with self._lock:
-                    self._busy.discard(slot_id)
+                    busy.discard(slot_id)
 
         self._pool.submit(run)
+        return True
 
     def _start(self, slot: SlotStart) -> None:
         from catacloud.providers.base import Bootstrap, MachineSpec
