@@ -15,7 +15,9 @@ catalog (its scratch database on Catacloud's own server), ``$CATACLOUD_HOME/demo
 ``.env``, ``PORT``, the fake GitHub on ``GITHUB_FAKE_PORT`` and the fake GitLab on
 ``GITLAB_FAKE_PORT`` with the demo org connected to them. The images walkthrough starts its own
 registry (Debian's docker-registry on a free loopback port, in a folder of its own) and stops it
-at its end, as its reader does. The walkthroughs leave no file in the clone and no process
+at its end, as its reader does; the hosts walkthrough starts two ``catacloud host`` processes on
+this machine, each with a folder of its own, and revokes them at its end (they end their slots
+and exit). The walkthroughs leave no file in the clone and no process
 behind, and every wait in them has a time limit.
 """
 
@@ -61,6 +63,8 @@ EXPECTED = [
     "trace",
     "registry",
     "images",
+    "hosts",
+    "hosts-drain",
 ]
 # A job's command in a block: ``NAME=$(cat <<'EOF' … EOF`` (submitted by the block, never run by it).
 HEREDOC = re.compile(r"<<'(?P<tag>\w+)'\n(?P<body>.*?)\n(?P=tag)\n", re.S)
@@ -543,6 +547,52 @@ def _shell_env(stack: dict[str, Any], bin_dir: Path) -> dict[str, str]:
     }
 
 
+def _stop_hosts(home: str) -> list[str]:
+    """End the ``catacloud host`` processes the walkthrough started (found by the session's
+    CATACLOUD_HOME) and their slots, if a failure left them; returns what it found."""
+    import psutil
+
+    from testkit.processes import stop_local_machines
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "host" not in cmdline or "--slots-dir" not in cmdline:
+            continue
+        try:
+            if proc.environ().get("CATACLOUD_HOME") != home:
+                continue
+            found.append(" ".join(cmdline))
+            proc.kill()
+            proc.wait(10)
+        except (psutil.Error, OSError):
+            continue
+        stop_local_machines(cmdline[cmdline.index("--slots-dir") + 1], stop_timeout=1, ignore_errors=True)
+    return found
+
+
+def _check_hosts_walkthrough(out: str, err: str) -> None:
+    from apps.jobs.models import Job
+    from apps.machines.models import Host
+
+    assert len(re.findall(r"^\S+ +[0-9a-f]{8} +active +demo +0/2 ", out, re.M)) == 2, out  # hosts ls
+    assert re.search(r"^attempt 1 in slot cc-", out, re.M), out
+    assert '{"provider":"hosts","machine_type":"on-my-hosts"' in out, out
+    assert re.search(r"^attempt 2 done$", out, re.M) and out.count('{"status":"revoked"}') == 2, out
+    hosts = list(Host.objects.filter(provider_account__name="my-hosts"))
+    assert len(hosts) == 2 and {h.status for h in hosts} == {"revoked"}
+    assert {h.labels.get("site") for h in hosts} == {"lab"}
+    jobs = Job.objects.filter(config__name="on-my-hosts")
+    assert [j.status for j in jobs] == ["succeeded"] * 4
+    assert len({j.instance.host_id for j in jobs if j.instance}) == 2  # both hosts ran slots
+    long = Job.objects.get(config__name="long-on-my-hosts")
+    assert (long.status, long.attempt) == ("succeeded", 2), (long.status, long.attempt)
+    host_a = re.search(r"^\+ HOST_A=(\S+)$", err, re.M)
+    assert host_a and long.instance and str(long.instance.host_id) == host_a[1]  # the host taken back
+    folder = re.search(r"^\+ HOSTS_DIR=(\S+)$", err, re.M)
+    assert folder and not Path(folder[1]).exists(), "the hosts' folder is left"
+
+
 def _untracked() -> set[str]:
     """Files in the clone that git does not track (nor ignore)."""
     out = subprocess.run(
@@ -573,7 +623,11 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert not missing_tools(), f"the images walkthrough needs {missing_tools()}"
     # Every block that runs, in reading order, in one shell session.
     session = "\n".join(["set -x", *(blocks[name] for name in EXPECTED)])
-    out, err = _run_shell(session, env=env, cwd=clone, timeout=900, tmp=tmp_path)
+    try:
+        out, err = _run_shell(session, env=env, cwd=clone, timeout=900, tmp=tmp_path)
+    finally:
+        left_hosts = _stop_hosts(env["CATACLOUD_HOME"])
+    assert not left_hosts, f"the hosts walkthrough left host agents running: {left_hosts}"
     left = _untracked() - before  # (files others remove meanwhile are not the walkthroughs' doing)
     assert not left, f"the walkthroughs left files in the clone: {left}"
     # the images walkthrough's registry: its own port and folder, stopped and removed at its end
@@ -654,6 +708,11 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert "job.image_cached" in out and "hi from the image" in out
     assert '"code":"invalid_image_reference"' in out and "not-shown-again" not in out
     assert re.search(r'\{"status":"ready","images":\[[^]]*demo/hello:1', out), out
+
+    # enrolled hosts: two hosts on this machine ran the jobs in slots, nothing was bought; the
+    # drained host's job was requeued and finished on the host taken back; both were revoked,
+    # their agents ended their slots and exited, their folder is gone
+    _check_hosts_walkthrough(out, err)
 
     # Every event kind this run wrote is one the documentation names.
     text = EVENTS_PAGE.read_text()
