@@ -376,8 +376,8 @@ def test_the_console_shows_ci_the_unused_paid_tail_a_short_jobs_cost_and_live_ma
     assert page.inner_text("#cc-version") == catacloud.__version__
 
     github = page.locator("#cc-ci-endpoints tr", has_text="GitHub · acme").inner_text()
-    assert "installation 4242 (acme-gh)" in github and "unavailable until" in github
-    assert "rate limit exhausted (resets in 180s)" in github and "812/3000" in github
+    assert "installation 4242 (acme-gh)" in github and "waiting until" in github  # held by a limit
+    assert "rate limit exhausted (resets in 180s)" in github and "812/4500" in github
     assert "2 limits, 3 pauses" in github
     assert "1 not acted on, 1 no class covers, 1 lost and sent again" in github
     assert "available" in page.locator("#cc-ci-endpoints tr", has_text="GitLab · acme").inner_text()
