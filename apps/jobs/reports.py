@@ -24,9 +24,9 @@ from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
 from apps.machines.agents import IMAGE_DIGEST, instance_images_set
-from apps.machines.choices import InstanceStatus
+from apps.machines.choices import HostStatus, InstanceStatus
 from apps.machines.lifecycle import instance_terminate
-from apps.machines.models import MachineInstance
+from apps.machines.models import Host, MachineInstance
 from apps.machines.services import INSTANCE_STATES
 from apps.pools.refill import request_refill
 from apps.resources.choices import ResourceStatus
@@ -196,7 +196,9 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
         ):
             return False
         reuse = (
-            job.config.reuse == Reuse.REUSE and instance.machine_type_version == instance.machine_type.version
+            job.config.reuse == Reuse.REUSE
+            and instance.machine_type_version == instance.machine_type.version
+            and _host_takes_work(instance)
         )
         if reuse:
             if instance.pool_id:
@@ -272,6 +274,16 @@ def job_image_report(*, instance: MachineInstance, job_id: JobId, report: Images
             seconds=pull.seconds if pull.pulled else None,
         )
         instance_images_set(instance_id=instance.pk, held=report.held)
+
+
+def _host_takes_work(instance: MachineInstance) -> bool:
+    """A slot of an enrolled host is kept only while its host takes new work (not cordoned,
+    lost or revoked); any other machine always may be."""
+    if instance.host_id is None:
+        return True
+    return Host.objects.filter(
+        pk=instance.host_id, status=HostStatus.ACTIVE, cordoned_at__isnull=True
+    ).exists()
 
 
 def job_image_unrunnable(*, job: Job) -> bool:

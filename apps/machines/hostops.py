@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.core.actors import Actor
@@ -127,16 +128,18 @@ def host_revoke(*, host_id: Any, actor: Actor = Actor.UNNAMED) -> Host:
 
 
 def host_drain_due(*, now: Any = None) -> int:
-    """The reaper: busy slots of hosts whose drain deadline passed end (jobs requeued)."""
+    """The reaper, level-triggered: the idle slots of every cordoned, lost or revoked host end
+    (a busy slot that went back to ready after its job since the cordon, say), and the busy
+    slots of hosts whose drain deadline passed end too (their jobs requeued). Slots ended."""
     now = now or timezone.now()
     ended = 0
-    for host in Host.objects.filter(drain_deadline__lte=now).exclude(status=HostStatus.REVOKED):
+    closed = Host.objects.filter(Q(cordoned_at__isnull=False) | ~Q(status=HostStatus.ACTIVE))
+    for host in closed.filter(slots__status__in=INSTANCE_LIVE).distinct():
+        due = host.drain_deadline is not None and host.drain_deadline <= now
+        state = "cordoned" if host.status == HostStatus.ACTIVE else host.status
+        reason = "host drained: its deadline passed" if due else f"host {state}: it takes no new work"
         ended += _end_slots(
-            host,
-            actor=Actor.REAPER,
-            reason="host drained: its deadline passed",
-            idle_only=False,
-            cause=Cause.HOST_DRAINED,
+            host, actor=Actor.REAPER, reason=reason, idle_only=not due, cause=Cause.HOST_DRAINED
         )
     return ended
 

@@ -171,6 +171,8 @@ ExecStart=$VENV/bin/catacloud host --url $UNIT_AGENT_URL --enrolment-token-file 
 --state-file $STATE_FILE --slots-dir $SLOTS_DIR$options
 Restart=always
 RestartSec=5
+# A revoked host's agent exits 4 (catacloud/agent/host.py): restarting it would be refused again.
+RestartPreventExitStatus=4
 # The slots (each a sandbox with its own agent and jobs) outlive the host agent: a restart or
 # an upgrade of this service ends none of them; the agent finds them again when it starts.
 KillMode=process

@@ -39,6 +39,9 @@ from catacloud.protocol import HostAnswer, HostCapacity, HostReport, SlotStart
 log = logging.getLogger("catacloud.agent")
 
 GPU_GLOB = "/dev/nvidia[0-9]*"
+# The exit status of a revoked host's agent: its service is not restarted for it
+# (RestartPreventExitStatus in the unit install-host.sh writes).
+EXIT_REVOKED = 4
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ class HostAgent:
     # -- the exchange -----------------------------------------------------------------------
 
     def run(self) -> int:
-        """Until told to stop (or revoked: exit status 1)."""
+        """Until told to stop (or revoked: :data:`EXIT_REVOKED`, which its service does not restart)."""
         if not self._enrolled():
             return 2
         while not self.stopping.is_set():
@@ -161,7 +164,7 @@ class HostAgent:
             except Unauthorized:
                 log.error("the control plane refused this host's credential (revoked): ending its slots")
                 self._stop_all()
-                return 1
+                return EXIT_REVOKED
             except AgentAPIError as exc:
                 log.warning("exchange failed: %s", exc)
                 self.stopping.wait(2.0)

@@ -188,3 +188,25 @@ def test_an_ended_slot_its_host_still_runs_holds_its_room_until_the_host_stops_i
         instance_request(org=world.org, machine_type=mt)
     exchange(secret, running=[])  # stopped
     assert instance_request(org=world.org, machine_type=mt).host_id == host.pk
+
+
+@pytest.mark.django_db
+def test_a_slot_busy_when_its_host_was_cordoned_is_not_kept_for_another_job(world: World, rack: Any) -> None:
+    """A cordon ends the idle slots; a busy one ends after its job instead of going back to
+    ready (reuse), and the reaper ends any ready slot a cordoned host still has."""
+    from apps.jobs.reports import instance_release
+    from apps.machines.hostops import host_drain_due
+    from testkit.builders import job_config, job_row
+
+    account, mt = rack
+    host, _ = enroll(account, world.org)
+    busy, idle = (instance_request(org=world.org, machine_type=mt) for _ in range(2))
+    MachineInstance.objects.filter(pk=idle.pk).update(status="ready")
+    job = job_row(job_config(world.org, mt, "r", "true", reuse="reuse"), status="running", instance=busy)
+    MachineInstance.objects.filter(pk=busy.pk).update(status="claimed", claimed_for=f"job:{job.pk}")
+    host_cordon(host_id=host.pk)
+    assert MachineInstance.objects.get(pk=idle.pk).status == "terminating"
+    instance_release(instance_id=busy.pk, job=job)
+    assert MachineInstance.objects.get(pk=busy.pk).status == "terminating"  # not ready for the next
+    MachineInstance.objects.filter(pk=busy.pk).update(status="ready")  # one that slipped through
+    assert host_drain_due() == 1 and MachineInstance.objects.get(pk=busy.pk).status == "terminating"
