@@ -41,16 +41,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def lab() -> Iterator[netlab.Lab]:
-    why = netlab.available()
-    if why is not None:
-        pytest.skip(why)
-    started = netlab.Lab.start()
-    yield started
-    started.stop()
-
-
 class Machines:
     """Two organizations' machines on this host, and a way to start more."""
 

@@ -56,16 +56,6 @@ def refused_at_once(result: tuple[str, float]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def lab() -> Iterator[netlab.Lab]:
-    why = netlab.available()
-    if why is not None:
-        pytest.skip(why)
-    started = netlab.Lab.start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
 def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeAgentAPI]:
     group = Machines(tmp_path_factory.mktemp("side-doors") / "machines")
     try:
