@@ -6,6 +6,8 @@ Each is a bounded query plus idempotent services.
 - runner jobs assigned but not handed off for ``HANDOFF_REDRIVE`` seconds: the handoff sent
   again (a lost message or a killed worker);
 - runners whose retirement was asked more than ``RETIRE_REDRIVE`` seconds ago: asked again;
+- runner jobs held by a limit (``held_until``: our pacing below a documented limit, a runner
+  cap) whose wait is over: released, so admission takes them again;
 - ended runner jobs' runner secrets: erased;
 - endpoints due for a reconcile: one sent each.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from apps.ci.availability import held_release
 from apps.ci.demand import classes_converge, erase_ended_secrets
 from apps.ci.forge import Forge, forges
 from apps.ci.intake import deliveries_process
@@ -30,6 +33,7 @@ def forge_converge(*, forge: Forge, now: datetime) -> dict[str, int]:
     """One forge's rules; the report's keys carry the forge's name (``github_…``)."""
     name = forge.name
     report = {f"{name}_deliveries_processed": deliveries_process(forge=forge)}
+    report[f"{name}_held_released"] = held_release(forge=forge, now=now)
     report.update({f"{name}_runners_{k}": v for k, v in classes_converge(forge=forge).items()})
     handoffs = 0
     for job_id in forge.runner.objects.filter(
