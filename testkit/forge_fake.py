@@ -14,12 +14,19 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar, Self
 from urllib.parse import parse_qs, urlsplit
 
 RUNNER_FAULTS = ("crash", "hang", "never_connect", "deprecated")
+
+
+def clock() -> float:
+    """The fakes' clock: ``time.time`` looked up at each call, so a simulation that replaces it
+    (testkit.ci_sim.SimClock) moves every timestamp a fake makes, its records' defaults too."""
+    return time.time()
 
 
 def iso(ts: float | None) -> str | None:
@@ -73,7 +80,10 @@ class FakeForge:
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def start(self) -> Self:
+    def start(self, *, background: bool = True) -> Self:
+        """Serve the API in a thread; ``background``: also send the deliveries and sweep in
+        threads of their own (a simulation sends them itself, :meth:`send_outbox`, and sweeps,
+        :meth:`sweep`, at each of its steps, on its own thread and clock)."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -90,11 +100,13 @@ class FakeForge:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self._stop.clear()
-        for target, name in (
-            (self._server.serve_forever, f"fake-{self.name}"),
-            (self._send_loop, f"fake-{self.name}-webhooks"),
-            (self._sweep_loop, f"fake-{self.name}-sweeper"),
-        ):
+        loops = [(self._server.serve_forever, f"fake-{self.name}")]
+        if background:
+            loops += [
+                (self._send_loop, f"fake-{self.name}-webhooks"),
+                (self._sweep_loop, f"fake-{self.name}-sweeper"),
+            ]
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -275,20 +287,41 @@ class FakeForge:
     def _post(self, delivery: Any) -> None:
         if not self.webhook_url:
             return
-        headers = {"Content-Type": "application/json", **self._delivery_headers(delivery)}
-        started = time.time()
-        request = urllib.request.Request(self.webhook_url, data=delivery.body, headers=headers, method="POST")
+        self._sent(delivery, self._http_post)
+
+    def _http_post(self, body: bytes, headers: dict[str, str]) -> int:
+        request = urllib.request.Request(self.webhook_url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
-                status = response.status
+                return int(response.status)
         except urllib.error.HTTPError as exc:
-            status = exc.code
+            return int(exc.code)
         except OSError:
-            status = 0
+            return 0
+
+    def _sent(self, delivery: Any, transport: Callable[[bytes, dict[str, str]], int]) -> None:
+        headers = {"Content-Type": "application/json", **self._delivery_headers(delivery)}
+        started = time.time()
+        status = transport(delivery.body, headers)
         with self.lock:
             delivery.status_code = status
             delivery.duration = time.time() - started
             delivery.delivered_at = started
 
+    def send_outbox(self, transport: Callable[[bytes, dict[str, str]], int]) -> int:
+        """Send what is queued now, in order, through ``transport`` (body, headers -> the HTTP
+        status): a simulation's in-process webhook (started with ``background=False``)."""
+        with self.lock:
+            batch = list(self.outbox)
+            self.outbox.clear()
+        for delivery, _ in batch:
+            self._sent(delivery, transport)
+        return len(batch)
+
     def _sweep_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            self.sweep()
+
+    def sweep(self) -> None:
+        """What the service does on its own as time passes (a lost runner's job failed, ...)."""
         raise NotImplementedError

@@ -90,7 +90,7 @@ from typing import Any
 
 import jwt
 
-from testkit.forge_fake import FakeForge, HttpError, iso
+from testkit.forge_fake import FakeForge, HttpError, clock, iso
 
 # GitHub's documented limits (the module docstring): a test may shrink a fake's ``limits``.
 LIMITS = {
@@ -156,7 +156,7 @@ class Job:
     conclusion: str | None = None
     runner_id: int | None = None
     runner_name: str | None = None
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=clock)
     started_at: float | None = None
     completed_at: float | None = None
 
@@ -194,7 +194,7 @@ class Runner:
     session: bool = False
     last_seen: float = 0.0
     job_id: int | None = None
-    registered_at: float = field(default_factory=time.time)
+    registered_at: float = field(default_factory=clock)
     online_at: float | None = None
 
     def status(self, now: float, offline_after: float) -> str:
@@ -222,7 +222,7 @@ class Delivery:
     body: bytes
     redelivery: bool = False
     status_code: int = 0
-    delivered_at: float = field(default_factory=time.time)
+    delivered_at: float = field(default_factory=clock)
     duration: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -309,6 +309,7 @@ class FakeGitHub(FakeForge):
             self._fail_next: list[tuple[re.Pattern[str], int, int]] = []
             self.runner_online_at: dict[int, float] = {}  # runner id -> its session (names repeat)
             self.jit_issued_at: dict[str, float] = {}  # runner name -> generate-jitconfig
+            self.jit_issued: list[float] = []  # when each just-in-time configuration was issued
             self.issued_configs: list[str] = []  # every encoded config (tests: never in a log)
             self.max_runners_seen = 0
             self._ids = itertools.count(1000)
@@ -492,21 +493,16 @@ class FakeGitHub(FakeForge):
 
     # ---- runners: the sweeper --------------------------------------------------------------------
 
-    def _sweep_loop(self) -> None:
-        while not self._stop.wait(0.25):
-            with self.lock:
-                now = time.time()
-                for runner in list(self.runners.values()):
-                    if (
-                        runner.job_id is not None
-                        and runner.session
-                        and now - runner.last_seen > self.lost_after
-                    ):
-                        job = self.jobs.get(runner.job_id)
-                        runner.job_id = None
-                        self.runners.pop(runner.id, None)
-                        if job is not None and job.status != "completed":
-                            self._complete(job, "failure")  # the runner lost communication
+    def sweep(self) -> None:
+        with self.lock:
+            now = time.time()
+            for runner in list(self.runners.values()):
+                if runner.job_id is not None and runner.session and now - runner.last_seen > self.lost_after:
+                    job = self.jobs.get(runner.job_id)
+                    runner.job_id = None
+                    self.runners.pop(runner.id, None)
+                    if job is not None and job.status != "completed":
+                        self._complete(job, "failure")  # the runner lost communication
 
     def _complete(self, job: Job, conclusion: str) -> None:
         job.status, job.conclusion, job.completed_at = "completed", conclusion, time.time()
@@ -760,13 +756,27 @@ class FakeGitHub(FakeForge):
                 auth[7:],
                 self.public_key,
                 algorithms=["RS256"],
-                options={"require": ["iat", "exp", "iss"]},
-                leeway=5,
+                # its times are checked below against the fake's own clock (time.time: a
+                # simulated one in a simulation), not PyJWT's datetime.now
+                options={"require": ["iat", "exp", "iss"], "verify_exp": False, "verify_iat": False},
             )
         except jwt.PyJWTError as exc:
             raise HttpError(401, f"A JSON web token could not be decoded ({type(exc).__name__})") from None
         if str(claims["iss"]) != str(self.app_id):
             raise HttpError(401, "Integration not found")
+        now = time.time()
+        if not isinstance(claims["exp"], int | float) or claims["exp"] < now - 5:
+            raise HttpError(
+                401,
+                "'Expiration time' claim ('exp') must be a numeric value representing the future "
+                "time at which the assertion expires",
+            )
+        if not isinstance(claims["iat"], int | float) or claims["iat"] > now + 5:
+            raise HttpError(
+                401,
+                "'Issued at' claim ('iat') must be an Integer representing the time that the assertion "
+                "was issued",
+            )
         if claims["exp"] - claims["iat"] > 600:
             raise HttpError(401, "'Expiration time' claim ('exp') is too far in the future")
 
@@ -820,6 +830,7 @@ class FakeGitHub(FakeForge):
             )
             self.runners[runner.id] = runner
             self.jit_issued_at[name] = now
+            self.jit_issued.append(now)
             self.max_runners_seen = max(self.max_runners_seen, len(self.runners))
             config = {
                 "url": self.url,

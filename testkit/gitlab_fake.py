@@ -71,7 +71,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from testkit.forge_fake import FakeForge, HttpError, iso
+from testkit.forge_fake import FakeForge, HttpError, clock, iso
 
 DONE = ("success", "failed", "canceled", "skipped")
 
@@ -112,7 +112,7 @@ class Job:
     runner_id: int | None = None
     system_id: str | None = None  # the runner manager that took it
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))  # the job's CI_JOB_TOKEN
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=clock)
     started_at: float | None = None
     finished_at: float | None = None
     updated_at: float | None = None  # its last trace or state update (a running job's liveness)
@@ -158,7 +158,7 @@ class Runner:
     # Its runner managers (GitLab 16+: each gitlab-runner process with its own system_id that
     # asks for jobs with the runner's token): system_id -> last contact.
     managers: dict[str, float] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=clock)
 
     def status(self, now: float, offline_after: float) -> str:
         if self.contacted_at is None:
@@ -199,7 +199,7 @@ class Delivery:
     status: str
     body: bytes
     status_code: int = 0
-    delivered_at: float = field(default_factory=time.time)
+    delivered_at: float = field(default_factory=clock)
     duration: float = 0.0
 
 
@@ -252,7 +252,7 @@ class FakeGitLab(FakeForge):
             # the past seven days": MR 175877); None: no cap (self-managed by default here).
             self.runner_cap: int | None = None
             self.cap_refusals = 0
-            self.now = time.time  # the fake's clock: a test may run a simulated week on it
+            self.now = clock  # the fake's clock (time.time at each call: a simulation moves it)
             self.rate_limited_until = 0.0
             self.rate_limit = 2000
             self._rate_used = 0
@@ -426,17 +426,16 @@ class FakeGitLab(FakeForge):
 
     # ---- jobs and runners ------------------------------------------------------------------------
 
-    def _sweep_loop(self) -> None:
-        while not self._stop.wait(0.25):
-            with self.lock:
-                now = time.time()
-                for job in list(self.jobs.values()):
-                    if job.status != "running":
-                        continue
-                    # GitLab drops a running job nobody updated (its runner deleted or not)
-                    if now - (job.updated_at or job.started_at or now) > self.lost_after:
-                        job.failure_reason = "stuck_or_timeout_failure"
-                        self._finish(job, "failed")
+    def sweep(self) -> None:
+        with self.lock:
+            now = time.time()
+            for job in list(self.jobs.values()):
+                if job.status != "running":
+                    continue
+                # GitLab drops a running job nobody updated (its runner deleted or not)
+                if now - (job.updated_at or job.started_at or now) > self.lost_after:
+                    job.failure_reason = "stuck_or_timeout_failure"
+                    self._finish(job, "failed")
 
     def _finish(self, job: Job, status: str) -> None:
         job.status, job.finished_at = status, time.time()
