@@ -207,8 +207,12 @@ class ForgeOps(Protocol):
 
     def delete_listed(self, client: ForgeClient, listed: Listed) -> bool: ...
 
-    def poll(self, forge: Forge, client: ForgeClient, endpoint: Any) -> tuple[int, set[tuple[Any, ...]]]:
-        """Pending and running jobs we may have missed: (how many were news, their keys)."""
+    def poll(
+        self, forge: Forge, client: ForgeClient, endpoint: Any
+    ) -> tuple[int, set[tuple[Any, ...]], Any]:
+        """Pending and running jobs we may have missed: (how many were news, the keys of the jobs
+        it listed, and a ``Q`` of our records it would have listed were they still so: those of
+        them it did not list have moved on without us hearing, and are looked up)."""
         ...
 
     def key_of(self, record: Any) -> tuple[Any, ...]: ...

@@ -48,6 +48,11 @@ class ForgeEndpoint(models.Model):
     reconcile_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
     next_poll_at = models.DateTimeField(null=True, blank=True, editable=False)
     poll_interval_seconds = models.FloatField(default=0, editable=False)
+    # When the reconciler last listed the forge's runners (it lists them when something of ours
+    # is unaccounted for, and at least every few minutes), and when a delivery last came (at
+    # most a minute stale: a delivery after a quiet spell brings the poll back to its interval).
+    runners_listed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_delivery_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         abstract = True

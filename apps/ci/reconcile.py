@@ -9,12 +9,22 @@ default; sent by the reaper's tick): the forge's view compared with ours, both w
   ``online_timeout_seconds`` has its machine recycled (terminated: the job is requeued on
   another machine); a runner online and idle past ``idle_timeout_seconds`` is retired (deleted
   at the forge, its job cancelled, its machine released).
+- **Listing the runners costs calls, so it is done when something of ours is unaccounted for**:
+  a registered runner that took no job within two intervals (or its class's online timeout,
+  if shorter: is it online, idle, busy?), a runner that took its job and must be deleted (the
+  forge's ``finished`` task), a runner job that ended before its runner took a job (its
+  registration may be left), or the last listing older than :data:`LIST_EVERY` (what else may
+  be left: a registration a crash left before its id was recorded).
 - **Missed webhooks**: the forge's pending and running jobs are polled (by the adapter) for
-  jobs we never heard of or whose status we missed, then our unfinished records the poll did not
-  list are looked up one by one (a bounded number), with a backoff (the interval doubles, up to
-  10 minutes, while a poll finds nothing; it resets when one finds something, and when a
-  delivery comes: :func:`poll_soon`). A webhook lost while the endpoint is busy delays its job
-  by at most one interval; one lost after a quiet spell, by at most the backoff.
+  jobs we never heard of, with a backoff (the interval doubles while a poll finds nothing, up to
+  20 intervals and at most 10 minutes; it resets when one finds something, when a delivery
+  comes after a quiet spell of :data:`QUIET_FOR`, and when a delivery names a job we never saw
+  pending: :func:`poll_soon`). Our unfinished records are looked up one by one (a bounded
+  number) only on evidence that a delivery was missed (:func:`suspects`): a job our runner took
+  whose runner job has ended (its end was missed), or a pending job of a class whose runner
+  sits online without a job (the forge has no such pending job: it may have ended). A webhook
+  lost while the endpoint is busy delays its job by at most the backoff, and by one interval once
+  there is such evidence.
 """
 
 from __future__ import annotations
@@ -51,28 +61,46 @@ CLAIM_FOR = timedelta(seconds=60)
 CLAIM_RENEW = timedelta(seconds=10)
 REGISTERING_GRACE = timedelta(minutes=2)
 MAX_POLL_INTERVAL = 600.0
+MAX_POLL_INTERVALS = 20  # the poll's backoff: at most this many intervals (and MAX_POLL_INTERVAL)
 MAX_STALE_LOOKUPS = 50
+LIST_EVERY = timedelta(minutes=10)  # the runners are listed at least this often
+QUIET_FOR = timedelta(minutes=5)  # a delivery after this long without one resets the poll
+LAST_DELIVERY_STALE = timedelta(minutes=1)  # last_delivery_at is written at most this often
 
 
 def interval(forge: Forge) -> float:
     return float(getattr(settings, forge.settings.reconcile_interval))
 
 
-def poll_soon(*, forge: Forge, endpoint_id: EndpointId, now: datetime | None = None) -> None:
-    """A delivery came: the endpoint is busy, so a webhook lost now (the forge gave up on our
-    answer, or its own redelivery list has moved on) is found at the base interval, not at the
-    end of a backoff a quiet spell had stretched to minutes. One conditional write: a no-op
-    while the poll already runs at the base interval."""
+def max_poll_interval(forge: Forge) -> float:
+    return min(MAX_POLL_INTERVAL, MAX_POLL_INTERVALS * interval(forge))
+
+
+def poll_soon(
+    *, forge: Forge, endpoint_id: EndpointId, now: datetime | None = None, missed: bool = False
+) -> None:
+    """A delivery came. After a quiet spell (none for :data:`QUIET_FOR`), or naming a job we never
+    saw pending (``missed``: an earlier delivery was lost), the poll comes back to the base
+    interval, so a burst's lost webhooks are not left to a backoff a quiet spell had stretched to
+    minutes; during a busy stretch the poll keeps its backoff (each delivery would otherwise
+    bring it back to the interval, and a long burst would cost a poll a job). Conditional writes:
+    no-ops (no row written, none locked) unless quiet or missed, and the delivery's time written
+    at most once a minute."""
     now = now or timezone.now()
     base = interval(forge)
     soon = now + timedelta(seconds=base)
-    # never later than it was: a poll already due sooner (or now: NULL) keeps its time
-    forge.endpoint.objects.filter(pk=endpoint_id).filter(
-        Q(poll_interval_seconds__gt=base) | Q(next_poll_at__gt=soon)
-    ).update(
-        poll_interval_seconds=base,
-        next_poll_at=Least(Coalesce(F("next_poll_at"), Value(now)), Value(soon)),
-    )
+    rows = forge.endpoint.objects.filter(pk=endpoint_id)
+    reset = {
+        "poll_interval_seconds": base,
+        # never later than it was: a poll already due sooner (or now: NULL) keeps its time
+        "next_poll_at": Least(Coalesce(F("next_poll_at"), Value(now)), Value(soon)),
+    }
+    quiet = Q(last_delivery_at__isnull=True) | Q(last_delivery_at__lt=now - QUIET_FOR)
+    due = Q(poll_interval_seconds__gt=base) | Q(next_poll_at__gt=soon)
+    if missed:
+        rows.filter(due).update(**reset)
+    if not rows.filter(quiet).update(last_delivery_at=now, **reset):
+        rows.filter(last_delivery_at__lt=now - LAST_DELIVERY_STALE).update(last_delivery_at=now)
 
 
 def reconciles_due(*, forge: Forge, now: datetime) -> int:
@@ -107,7 +135,11 @@ def endpoint_reconcile(
         client = ops.client(endpoint)
         client.before_call = claim.renew
         try:
-            seen = ops.listed(client, endpoint)
+            seen: dict[int, Listed] = {}
+            if listing_due(forge, endpoint, now):
+                seen = ops.listed(client, endpoint)
+                model.objects.filter(pk=endpoint_id).update(runners_listed_at=now)
+                report["runners_listed"] = 1
             report.update(_runners(forge, ops, endpoint, client, seen, now))
             if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
                 report.update(_poll(forge, ops, endpoint, client, now))
@@ -147,6 +179,38 @@ class _Claim:
 
     def release(self) -> None:
         self._ours().update(reconcile_claimed_at=None)
+
+
+def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
+    """Whether this reconcile lists the forge's runners (see the module's docstring): never
+    listed, or not for :data:`LIST_EVERY`; a runner job of ours that ended since, its runner
+    registered and given no job (its registration may be left); a registered runner of ours
+    that took no job within two intervals (or its class's online timeout, if shorter) and is
+    not a class runner's machine (whose runner's state says nothing of the machine); a runner
+    that took its job and is to be deleted at the forge (its deletion may have failed)."""
+    listed = endpoint.runners_listed_at
+    if listed is None or listed <= now - LIST_EVERY:
+        return True
+    registered = forge.runner.objects.filter(
+        **forge.of_endpoint(endpoint), **{f"{forge.runner_id_field}__isnull": False}
+    )
+    if forge.manager_field:
+        registered = registered.filter(**{forge.manager_field: ""})
+    # a runner job that ended since the last listing before its runner took a job: its
+    # registration may be left at the forge (an orphan)
+    if registered.filter(**forge.unbound(), job__finished_at__gte=listed).exists():
+        return True
+    live = registered.filter(job__status__in=JOB_LIVE)
+    if forge.tasks.finished and live.exclude(**forge.unbound()).exists():
+        return True
+    grace = 2 * interval(forge)
+    waiting = live.filter(**forge.unbound(), registered_at__lt=now - timedelta(seconds=min(grace, 10.0)))
+    for registered_at, online_timeout in waiting.values_list(
+        "registered_at", "runner_class__online_timeout_seconds"
+    ):
+        if registered_at < now - timedelta(seconds=min(grace, online_timeout)):
+            return True
+    return False
 
 
 def _runners(
@@ -265,22 +329,47 @@ def _recycle(forge: Forge, runner: Any) -> int:
 def _poll(forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, now: datetime) -> dict[str, int]:
     """Jobs we missed: the forge's pending and running jobs, then our unfinished records the
     forge no longer lists as such (looked up one by one, a bounded number)."""
-    found, listed = ops.poll(forge, client, endpoint)
-    stale = forge.ci_job.objects.filter(
-        **forge.of_endpoint(endpoint),
-        status__in=forge.statuses.unfinished,
-        status_changed_at__lt=now - timedelta(seconds=interval(forge)),
-    ).order_by("status_changed_at")
+    found, listed, covered = ops.poll(forge, client, endpoint)
     looked = 0
-    for record in stale[: MAX_STALE_LOOKUPS * 2]:
+    for record in suspects(forge, endpoint, now, covered)[: MAX_STALE_LOOKUPS * 2]:
         if ops.key_of(record) in listed or looked >= MAX_STALE_LOOKUPS:
             continue
         looked += 1
         found += ops.look_up(forge, client, record).found
     base = interval(forge)
     current = endpoint.poll_interval_seconds or base
-    next_interval = base if found else min(MAX_POLL_INTERVAL, current * 2)
+    next_interval = base if found else min(max_poll_interval(forge), current * 2)
     forge.endpoint.objects.filter(pk=endpoint.pk).update(
         poll_interval_seconds=next_interval, next_poll_at=now + timedelta(seconds=next_interval)
     )
     return {"missed_jobs_found": found, "jobs_looked_up": looked}
+
+
+def suspects(forge: Forge, endpoint: Any, now: datetime, covered: Any) -> Any:
+    """Our unfinished records whose status we may have missed, oldest first: each look-up is a
+    call, so only those with evidence (see the module's docstring). Records the poll would have
+    listed (``covered``; the caller skips those it did list); started jobs our runner took whose
+    runner job ended more than an interval ago (their end was missed); and pending jobs of a
+    class one of whose runners has been online for two intervals without a job (the forge hands
+    a pending job to an idle runner that may run it: if it gives none, a job we count as pending
+    may have ended or been taken)."""
+    base = timedelta(seconds=interval(forge))
+    rules = forge.statuses
+    records = forge.ci_job.objects.filter(
+        **forge.of_endpoint(endpoint), status__in=rules.unfinished, status_changed_at__lt=now - base
+    )
+    ended = forge.runner.objects.filter(
+        **forge.of_endpoint(endpoint), **{f"{forge.bound_field}__isnull": False}
+    ).exclude(job__status__in=JOB_LIVE)
+    idle = forge.runner.objects.filter(
+        **forge.of_endpoint(endpoint),
+        **forge.unbound(),
+        job__status__in=JOB_LIVE,
+        retire_requested_at__isnull=True,
+        online_at__lt=now - 2 * base,
+    )
+    return records.filter(
+        covered
+        | Q(status__in=rules.started, pk__in=ended.values(forge.bound_field))
+        | Q(status__in=rules.pending, runner_class_id__in=idle.values("runner_class_id"))
+    ).order_by("status_changed_at")

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from apps.ci.choices import Applied
 from apps.ci.forge import Forge, JobReport, RunnerClassId
+from apps.ci.reconcile import poll_soon
 from apps.core.broker import enqueue_on_commit
 from apps.events.services import event_record
 from apps.jobs.models import Job
@@ -80,6 +81,10 @@ def ci_job_apply(*, forge: Forge, endpoint: Any, report: JobReport, source: str)
                     status=status,
                 )
                 _moved(forge, record, report, created=True, source=source)
+                if source == "webhook" and status not in rules.pending:
+                    # a job first heard of once it started or ended: its earlier deliveries were
+                    # lost, so others may be too (the poll finds them)
+                    poll_soon(forge=forge, endpoint_id=endpoint.pk, missed=True)
                 return record, Applied.CREATED
         old, new = rules.rank[record.status], rules.rank[status]
         lateral = old == new and record.status in rules.pending and status != record.status

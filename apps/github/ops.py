@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.ci.choices import Applied
@@ -227,11 +228,15 @@ def active_repositories(inst: GitHubInstallation) -> list[str]:
 
 
 def sweep_due(inst: GitHubInstallation) -> bool:
-    """Whether the poll looks at every repository this time: none was swept this hour and no
+    """Whether the poll looks at every repository this time: none was swept this hour, no
     delivery came lately (a busy installation's lost deliveries are found in its active
-    repositories, and by redelivery)."""
+    repositories, and by redelivery), and its registrations are not held by a limit (no
+    delivery comes then because none of its runners can start: it is busy, not quiet; a sweep
+    then would cost a call per repository and find nothing)."""
     now = timezone.now()
     if inst.swept_at is not None and inst.swept_at > now - SWEEP_EVERY:
+        return False
+    if inst.is_paced(now) or not inst.is_available(now):
         return False
     return not WebhookDelivery.objects.filter(installation=inst, received_at__gte=now - QUIET_FOR).exists()
 
@@ -305,14 +310,16 @@ class GitHubOps:
 
     def poll(
         self, forge: Forge, client: GitHubClient, endpoint: GitHubInstallation
-    ) -> tuple[int, set[tuple[Any, ...]]]:
+    ) -> tuple[int, set[tuple[Any, ...]], Q]:
         """The queued runs' jobs of the installation's active repositories (a job of ours not
         finished, or a delivery in the last hour), at most :data:`POLL_REPOSITORIES` a pass, in
         turn (the cursor), so a poll costs O(active repositories) and never all of them at once;
-        it stops where its share of the budget ends (dispatch keeps the rest). Jobs that went on
-        without us are found by the look-ups of our unfinished records."""
+        it stops where its share of the budget ends (dispatch keeps the rest). A queued record of
+        ours in a repository it polled whose run is no longer queued went on without us hearing:
+        it is looked up."""
         found = 0
         listed: set[tuple[Any, ...]] = set()
+        polled: list[str] = []
         active, cursor = active_repositories(endpoint), endpoint.poll_cursor
         turn = ([r for r in active if r > cursor] + [r for r in active if r <= cursor])[:POLL_REPOSITORIES]
         if sweep_due(endpoint):  # quiet for a while, and not swept this hour: every repository
@@ -326,6 +333,13 @@ class GitHubOps:
                     raise
                 break  # the polls' share is used: dispatch has the rest; the next pass goes on
             GitHubInstallation.objects.filter(pk=endpoint.pk).update(poll_cursor=full[:200])
+            polled.append(full)
+            # a run whose jobs' deliveries came is not listed again (a call each): the poll is for
+            # runs we never heard of
+            known = WorkflowJob.objects.filter(installation=endpoint, repository=full, run_id__in=list(runs))
+            for github_id, attempt, run_id in known.values_list("github_id", "run_attempt", "run_id"):
+                runs.pop(run_id, None)
+                listed.add((github_id, attempt))
             for run in runs.values():
                 for job in client.run_jobs(full, run.id):
                     if job.workflow_name is None:
@@ -340,7 +354,7 @@ class GitHubOps:
                         source="poll",
                     )
                     found += outcome.found
-        return found, listed
+        return found, listed, Q(repository__in=polled, status=WorkflowJobStatus.QUEUED)
 
     def key_of(self, record: WorkflowJob) -> tuple[Any, ...]:
         return (record.github_id, record.run_attempt)
@@ -360,12 +374,15 @@ class GitHubOps:
     def reconcile_extra(
         self, forge: Forge, client: GitHubClient, endpoint: GitHubInstallation, now: datetime
     ) -> dict[str, int]:
-        """Failed deliveries of the App (looked at by one installation of the connection, once per
-        interval): each one we never stored, and that no later attempt delivered, is sent again."""
+        """Failed deliveries of the App (looked at by one installation of the connection, when its
+        poll is due: at most once an interval, on the poll's backoff): each one we never stored,
+        and that no later attempt delivered, is sent again."""
         conn = endpoint.connection
         first = conn.installations.order_by("created_at", "pk").values_list("pk", flat=True).first()
         if first != endpoint.pk:
             return {}
+        if endpoint.next_poll_at is not None and endpoint.next_poll_at > now:
+            return {}  # read with the poll, on its backoff: both look for lost deliveries
         if conn.deliveries_checked_at and conn.deliveries_checked_at > now - timedelta(
             seconds=interval(forge)
         ):

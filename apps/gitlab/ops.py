@@ -21,6 +21,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+from django.db.models import Q
+
 from apps.ci.choices import Applied
 from apps.ci.errors import ForgeBusy, ForgeNotFound
 from apps.ci.forge import Forge, JobReport, Listed, Registration
@@ -146,6 +148,13 @@ def job_known(connection: GitLabConnection, gitlab_id: int) -> bool:
     return GitLabJob.objects.filter(connection=connection, gitlab_id=gitlab_id).exists()
 
 
+def job_bound(connection: GitLabConnection, gitlab_id: int) -> bool:
+    """Whether a runner of ours is bound to the job (which machine runs it is known)."""
+    return GitLabRunner.objects.filter(
+        connection=connection, gitlab_job__gitlab_id=gitlab_id, gitlab_job__connection=connection
+    ).exists()
+
+
 class GitLabOps:
     """The core's :class:`apps.ci.forge.ForgeOps` for GitLab."""
 
@@ -219,8 +228,9 @@ class GitLabOps:
 
     def poll(
         self, forge: Forge, client: GitLabClient, endpoint: GitLabConnection
-    ) -> tuple[int, set[tuple[Any, ...]]]:
-        """The connected projects' pending and running jobs."""
+    ) -> tuple[int, set[tuple[Any, ...]], Q]:
+        """The connected projects' pending and running jobs (a record of ours still pending or
+        running that they do not list has ended without us hearing)."""
         found = 0
         listed: set[tuple[Any, ...]] = set()
         for project in endpoint.projects.order_by("path"):
@@ -231,7 +241,7 @@ class GitLabOps:
                 listed.add((report.key["gitlab_id"],))
                 _, outcome = ci_job_apply(forge=forge, endpoint=endpoint, report=report, source="poll")
                 found += outcome.found
-        return found, listed
+        return found, listed, Q(status__in=(GitLabJobStatus.PENDING, GitLabJobStatus.RUNNING))
 
     def key_of(self, record: GitLabJob) -> tuple[Any, ...]:
         return (record.gitlab_id,)
@@ -269,7 +279,12 @@ class GitLabOps:
         report = event_report(payload, project.path, tags or [])
         if isinstance(report, Applied):
             return report
-        if report.runner_id is not None and not report.runner_manager and is_class_runner(report.runner_id):
+        if (
+            report.runner_id is not None
+            and not report.runner_manager
+            and is_class_runner(report.runner_id)
+            and not job_bound(conn, report.key["gitlab_id"])  # its machine is known: no call
+        ):
             if hint is None or "runner_manager" not in hint:
                 enqueue_on_commit(RESOLVE_TASK, str(delivery.pk))  # which of its machines took it
                 return None
