@@ -38,7 +38,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from apps.ci.availability import endpoint_available, endpoint_limited, endpoint_unavailable
+from apps.ci.availability import endpoint_available, endpoint_limited, endpoint_paced, endpoint_unavailable
 from apps.ci.errors import ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable, refused
 from apps.ci.forge import Forge
 
@@ -71,6 +71,7 @@ POLL_SHARE = 0.5  # the reconciler's polls for missed jobs stop at this share of
 LOW_REMAINING = 50  # the forge's own remaining calls below which background calls wait for the reset
 LONGEST_LIMIT_WAIT = 900.0  # a repeated secondary limit waits at most this long
 NO_WAIT_NAMED = 60.0  # a limit answer naming no wait (no Retry-After, no reset): at least this
+SECONDARY_STREAK = "secondary streak"  # spend's entry: [last answer (epoch s), streak, kept for s]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Window:
     cost: int
     most: int
     what: str
+    creates: bool = False  # a content-creating call's window (a runner registration's)
 
 
 def time_scale() -> float:
@@ -188,7 +190,8 @@ class ForgeClient:
                     return response.json() if response.content else None
                 limited = self.rate_limit(response)
                 if limited is not None:
-                    raise self._limited(limited, f"{method} {path}")
+                    creates = any(w.creates for w in windows)
+                    raise self._limited(limited, f"{method} {path}", creates=creates)
                 if status == 401 and not refreshed and self.refresh_credential(auth):
                     refreshed = True  # a revoked or expired token: a fresh one, once
                     continue
@@ -240,9 +243,17 @@ class ForgeClient:
                     "rate_remaining",
                     "rate_reset_at",
                     "spend",
+                    "paced_until",
+                    "paced_reason",
                 )
                 .get(pk=self.endpoint.pk)
             )
+            if windows and any(w.creates for w in windows) and row.is_paced(now):
+                raise ForgeRateLimited(  # registrations wait (a creation limit): no call
+                    row.paced_reason or "registrations paced",
+                    retry_after=(row.paced_until - now).total_seconds(),
+                    paced=True,
+                )
             if row.window_started_at is None or now - row.window_started_at >= timedelta(hours=1):
                 row.window_started_at, row.window_calls = now, 0
             window_end = row.window_started_at + timedelta(hours=1)
@@ -341,20 +352,58 @@ class ForgeClient:
             )
         return None
 
-    def _limited(self, limited: ForgeRateLimited, call: str) -> ForgeRateLimited:
+    def _limited(self, limited: ForgeRateLimited, call: str, *, creates: bool = False) -> ForgeRateLimited:
         """A limit answer: the endpoint waits (a secondary limit at least the documented minimum,
-        doubled for each limited answer in a row, at most 15 minutes), and it is counted."""
+        doubled for each limited answer in a row, at most 15 minutes), and it is counted. A
+        secondary limit answering a content-creating call (a runner registration: the creation
+        limits are GitHub's per-window count of those) holds the registrations only, as our own
+        pacing does, so the reconciler's other calls go on; any other limit answer makes the
+        whole endpoint wait."""
         if limited.secondary:
             minimum = (self.secondary_minimum or NO_WAIT_NAMED) / time_scale()
-            streak = min(6, int(self.endpoint.failures or 0))
+            streak = self._secondary_streak(minimum)
             longest = LONGEST_LIMIT_WAIT / time_scale()
             limited.retry_after = max(limited.retry_after, min(longest, minimum * 2**streak))
+            self._secondary_answered(streak, limited.retry_after + minimum)
             limited.detail = f"{limited.detail}: waiting {limited.retry_after:.0f}s"
             limited.args = (limited.detail,)
         self.forge.endpoint.objects.filter(pk=self.endpoint.pk).update(limited_total=F("limited_total") + 1)
-        self._mark_unavailable(str(limited), seconds=limited.retry_after)
+        if limited.secondary and creates:
+            endpoint_paced(
+                forge=self.forge,
+                endpoint_id=self.endpoint.pk,
+                reason=str(limited),
+                seconds=limited.retry_after,
+            )
+            limited.paced = True
+        else:
+            self._mark_unavailable(str(limited), seconds=limited.retry_after)
         endpoint_limited(forge=self.forge, endpoint_id=self.endpoint.pk, limited=limited, call=call)
         return limited
+
+    def _secondary_streak(self, minimum: float) -> int:
+        """Secondary-limit answers in a row before this one (0: the first): an answer counts in a
+        row when it comes within its predecessor's wait and a minimum more, whatever other calls
+        succeeded between (GitHub: "wait for an exponentially increasing amount of time between
+        retries" while the request keeps failing)."""
+        spend = (
+            self.forge.endpoint.objects.filter(pk=self.endpoint.pk).values_list("spend", flat=True).first()
+        )
+        last = (spend or {}).get(SECONDARY_STREAK)
+        now = time.time()
+        if isinstance(last, list) and len(last) == 3 and now - float(last[0]) < float(last[2]):
+            return min(6, int(last[1]) + 1)
+        return 0
+
+    def _secondary_answered(self, streak: int, remembered: float) -> None:
+        """Remember this answer's place in its streak for ``remembered`` seconds (a spend entry,
+        which expires as the windows' do)."""
+        model = self.forge.endpoint
+        with transaction.atomic():
+            row = model.objects.select_for_update(no_key=True).only("spend").get(pk=self.endpoint.pk)
+            spend = dict(row.spend or {})
+            spend[SECONDARY_STREAK] = [time.time(), streak, remembered]
+            model.objects.filter(pk=row.pk).update(spend=spend)
 
     def limit_name(self, *, secondary: bool) -> str:
         return "rate limited" if secondary else "rate limit exhausted"

@@ -350,6 +350,7 @@ class GitHubClient(ForgeClient):
                     1,
                     most_minute,
                     f"GitHub's content-creation limit ({per_minute} a minute; a runner registration is one)",
+                    creates=True,
                 ),
                 Window(
                     "creations an hour",
@@ -357,6 +358,7 @@ class GitHubClient(ForgeClient):
                     1,
                     most_hour,
                     f"GitHub's content-creation limit ({per_hour} an hour; a runner registration is one)",
+                    creates=True,
                 ),
             ]
         return found
