@@ -207,9 +207,7 @@ class ForgeOps(Protocol):
 
     def delete_listed(self, client: ForgeClient, listed: Listed) -> bool: ...
 
-    def poll(
-        self, forge: Forge, client: ForgeClient, endpoint: Any
-    ) -> tuple[int, set[tuple[Any, ...]], Any]:
+    def poll(self, forge: Forge, client: ForgeClient, endpoint: Any) -> tuple[int, set[tuple[Any, ...]], Any]:
         """Pending and running jobs we may have missed: (how many were news, the keys of the jobs
         it listed, and a ``Q`` of our records it would have listed were they still so: those of
         them it did not list have moved on without us hearing, and are looked up)."""

@@ -4,20 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('github', '0002_limits_user_accounts_public_repositories'),
+        ("github", "0002_limits_user_accounts_public_repositories"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='githubinstallation',
-            name='last_delivery_at',
+            model_name="githubinstallation",
+            name="last_delivery_at",
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='githubinstallation',
-            name='runners_listed_at',
+            model_name="githubinstallation",
+            name="runners_listed_at",
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
     ]

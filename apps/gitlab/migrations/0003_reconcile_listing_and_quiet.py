@@ -4,20 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('gitlab', '0002_limits_runner_cap_class_runners'),
+        ("gitlab", "0002_limits_runner_cap_class_runners"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='gitlabconnection',
-            name='last_delivery_at',
+            model_name="gitlabconnection",
+            name="last_delivery_at",
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='gitlabconnection',
-            name='runners_listed_at',
+            model_name="gitlabconnection",
+            name="runners_listed_at",
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
     ]
