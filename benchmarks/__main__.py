@@ -27,6 +27,18 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "cost": {"full": {}, "quick": {}},
     "fleet": {"full": {}, "quick": {"sizes": (20, 50), "baseline_sizes": (10,), "window": 6.0}},
     "ci": {"full": {}, "quick": {"samples": 3, "burst": 20, "pool_size": 4}},
+    "ci_limits": {
+        "full": {},
+        "quick": {
+            "github_jobs": 40,
+            "repositories": 10,
+            "github_machines": 10,
+            "gitlab_jobs": 40,
+            "days": 0.1,
+            "gitlab_machines": 5,
+            "per_job_days": 0.05,
+        },
+    },
     "images": {"full": {}, "quick": {"samples": 2, "cold_runs": 1, "jobs": 3}},
     "tail": {"full": {}, "quick": {"jobs": 12, "machines": 3}},
     "hosts": {"full": {}, "quick": {"samples": 3, "hosts": 10, "window": 6.0, "rate": 5.0}},

@@ -407,6 +407,42 @@ placed on one was requeued onto another machine); tests/machines/test_lifecycle.
 the deletion with two Hetzner accounts on one project and fails without the fix."""
 
 
+CI_LIMITS = """\
+**What the simulated-clock figures measure, and what they do not.** Issue 49's proofs against
+the strict fakes at the forges' documented limits (GitHub: an installation's 5,000 calls an hour
+and 50 more per repository above 20, 900 points a minute per REST endpoint, 80 content-creating
+requests a minute and 500 an hour, a just-in-time registration being one; GitLab.com Free: 50
+runners a project created or active in seven days). A real-time 1,000-job GitHub burst takes
+over two hours at 500 registrations an hour, and a week is a week, so both run on a simulated
+clock (`testkit/ci_sim.py`) in one process. *The clock*: `time.time` and Django's
+`timezone.now` (and the model fields that default to it) read a clock that moves only when the
+run advances it, a step of 5 s or straight to the next thing due. Nothing is scaled: GitHub's
+windows are its minute and hour, our pacing its 72 a minute and 450 an hour, a secondary limit's
+wait a minute, the reconcile interval 30 s, the reaper's tick 60 s, the request budget an hour,
+GitLab's cap seven days (`CATACLOUD_CI_LIMIT_TIME_SCALE` stays 1). *What runs for real*: every
+service of the CI core (webhook view, intake, demand, admission and placement, handoff,
+reconciler, the reaper's CI rules and scheduling pass), and every forge call as a real HTTP call
+to the fake, which counts it against its limits. *What is stood in for*: Celery (its messages
+run in the same process when due, one ideal worker), the machines (enrolled agents kept ready:
+no boot, no provider), the runners (the run plays them against the fake's own job hand-out:
+each job lasts a fixed simulated time) and PostgreSQL's own clock (machine claims stamp real
+time, so no machine deadline is exercised). So the figures prove what the control plane asks of
+the forges over hours, its pacing, its budget, its waits and its reconciler's cadence; they
+say nothing about latency (the `ci` part measures that on the live stack) nor about a worker
+falling behind.
+
+*Calls per job* counts every call the fake answered, divided by the jobs; the note splits them
+per endpoint. The floor is one: a just-in-time registration per job. What else a burst costs is
+the reconciler's: the installation token (once an hour), the App's deliveries read with the poll
+(cursor-paged, on the poll's backoff), the poll of active repositories (queued runs; a run whose
+jobs' deliveries came is not listed again) and the runner list (only while a registered runner
+has taken no job for two intervals, else every 10 minutes). Before these cuts the reconciler
+listed the runners every pass, read the deliveries every interval, came back to the 30 s poll
+at every delivery and looked up every queued job older than an interval (up to 50 a pass):
+9.5 calls a job for a 60-job burst over 12 repositories, against 1.15 after.
+"""
+
+
 EXPLANATIONS: dict[str, str] = {
     "claim": CLAIM,
     "rest": REST,
@@ -418,6 +454,7 @@ EXPLANATIONS: dict[str, str] = {
     "chaos": CHAOS,
     "fleet": FLEET,
     "ci": CI,
+    "ci_limits": CI_LIMITS,
     "images": IMAGES,
     "tail": TAIL,
 }

@@ -40,6 +40,7 @@ PARTS = (
     "cost",
     "fleet",
     "ci",
+    "ci_limits",
     "images",
     "tail",
     "hosts",

@@ -290,6 +290,10 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
     if "tail" in by and "start_ms" in by["tail"].data:
         _tail_plot(by["tail"].data, d, plt)
         made.append("tail.png")
+    if "ci_limits" in by and by["ci_limits"].data.get("github"):
+        from benchmarks.ci_limits import plot as ci_limits_plot
+
+        made.append(ci_limits_plot(by["ci_limits"], out))
     if "hosts" in by and "warm_s" in by["hosts"].data:
         data = by["hosts"].data
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -424,6 +428,7 @@ def write(results: list[PartResult], out: Path, env: dict[str, str], explanation
             ("chaos.png", "chaos"),
             ("fleet.png", "fleet"),
             ("ci.png", "ci"),
+            ("ci_limits.png", "ci_limits"),
             ("tail.png", "tail"),
             ("hosts.png", "hosts"),
         ):
