@@ -1,3 +1,3 @@
 """Catacloud's framework-free core: providers, agent, policy, CLI, embedded dev services."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -14,5 +14,5 @@ holding only those two.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # the catacloud-agent distribution's (agent/pyproject.toml)
+__version__ = "0.2.0"  # the catacloud-agent distribution's (agent/pyproject.toml)
 AGENT_API_PREFIX = "/api/agent/v1/"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import catacloud
 from apps.jobs.models import Job, JobConfiguration
 from apps.pools.models import InstancePool
 from testkit.builders import job_config, job_row
@@ -73,7 +74,7 @@ def test_global_flags_before_or_after_the_command_and_the_version(
     assert down.returncode == 1 and "cannot reach http://127.0.0.1:9" in down.stderr
 
     version = ok(cli(None, "--version"))
-    assert version.stdout.startswith("catacloud 0.1.0")
+    assert version.stdout.startswith(f"catacloud {catacloud.__version__}")
 
 
 def test_typos_get_one_clear_message_with_a_suggestion(tworld: World, cli: Cli) -> None:
