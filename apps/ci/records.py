@@ -110,7 +110,11 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
     if status in rules.done:
         fields["conclusion"] = report.conclusion[:32]
         fields["completed_at"] = report.completed_at or now
-    ours = _bind(forge, record, runner_name, report.runner_id, report.runner_manager) if runner_name else None
+    ours, bound_now = (
+        _bind(forge, record, runner_name, report.runner_id, report.runner_manager)
+        if runner_name
+        else (None, False)
+    )
     if ours is not None:
         fields["job"] = ours.job_id
     forge.ci_job.objects.filter(pk=record.pk).update(**fields)
@@ -126,15 +130,20 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
             ours=ours is not None,
             conclusion=fields.get("conclusion") or None,
         )
-    if ours is not None and forge.tasks.finished:
-        # Our runner has its job (started or ended): its registration is deleted now, so its
-        # token takes no other job (the forge lets the running job finish: apps.gitlab.ops).
+    if bound_now and forge.tasks.finished:
+        # Our runner has just taken its job (started or ended): its registration is deleted now,
+        # so its token takes no other job (the forge lets the running job finish:
+        # apps.gitlab.ops). Once, when the report binds it: the job's later reports name the
+        # same runner, and a deletion that failed is the reconciler's (a bound runner it still
+        # lists), not another call per report.
         enqueue_on_commit(forge.tasks.finished, str(ours.pk))
     if record.runner_class_id:
         converge_soon(forge, record.runner_class_id)
 
 
-def _bind(forge: Forge, record: Any, runner_name: str, runner_id: object, manager: str = "") -> Any:
+def _bind(
+    forge: Forge, record: Any, runner_name: str, runner_id: object, manager: str = ""
+) -> tuple[Any, bool]:
     """Our runner that took this job is no longer supply, and its Catacloud job now says which
     forge job it runs (costs by repository and workflow). Found by the forge's runner id when
     the report has one: a machine's runners share its name (the next one may be registered
@@ -153,13 +162,14 @@ def _bind(forge: Forge, record: Any, runner_name: str, runner_id: object, manage
         )
     runner = runners.order_by("-registered_at").first()
     if runner is None:
-        return None
-    if forge.bound_id_of(runner) is None:
-        forge.runner.objects.filter(pk=runner.pk).update(
-            **{forge.bound_field: record}, online_at=runner.online_at or timezone.now()
-        )
-        Job.objects.filter(pk=runner.job_id).update(labels=record.job_labels())
-    return runner
+        return None, False
+    if forge.bound_id_of(runner) is not None:
+        return runner, False
+    forge.runner.objects.filter(pk=runner.pk).update(
+        **{forge.bound_field: record}, online_at=runner.online_at or timezone.now()
+    )
+    Job.objects.filter(pk=runner.job_id).update(labels=record.job_labels())
+    return runner, True
 
 
 def converge_soon(forge: Forge, runner_class_id: RunnerClassId) -> None:
