@@ -187,7 +187,8 @@ def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
     registered and given no job (its registration may be left); a registered runner of ours
     that took no job within two intervals (or its class's online timeout, if shorter) and is
     not a class runner's machine (whose runner's state says nothing of the machine); a runner
-    that took its job and is to be deleted at the forge (its deletion may have failed)."""
+    that took its job and is to be deleted at the forge, while its job runs or once it ended
+    (its one deletion, when the job's first report bound it, may have failed)."""
     listed = endpoint.runners_listed_at
     if listed is None or listed <= now - LIST_EVERY:
         return True
@@ -196,9 +197,13 @@ def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
     )
     if forge.manager_field:
         registered = registered.filter(**{forge.manager_field: ""})
-    # a runner job that ended since the last listing before its runner took a job: its
-    # registration may be left at the forge (an orphan)
-    if registered.filter(**forge.unbound(), job__finished_at__gte=listed).exists():
+    # a runner job that ended since the last listing: before its runner took a job, its
+    # registration may be left at the forge (an orphan); after, where runners are deleted once
+    # they took their job (GitLab), that one deletion may have failed (a limit, an outage)
+    ended = registered.filter(job__finished_at__gte=listed)
+    if not forge.tasks.finished:
+        ended = ended.filter(**forge.unbound())
+    if ended.exists():
         return True
     live = registered.filter(job__status__in=JOB_LIVE)
     if forge.tasks.finished and live.exclude(**forge.unbound()).exists():

@@ -92,6 +92,27 @@ def test_a_runner_still_registered_after_taking_its_job_is_deleted(gl: GitLabWor
     assert job.status == "assigned" and not job.cancel_requested  # the runner job goes on
 
 
+def test_a_runner_whose_one_deletion_failed_is_deleted_once_its_job_ended(gl: GitLabWorld) -> None:
+    """A runner is deleted once, when its job's first report binds it. When that call failed
+    (a limit, an outage) and the job ended before the next reconcile, the runners are listed at
+    that reconcile (not only every 10 minutes) and the registration is deleted."""
+    job, instance, runner = handed_off(gl)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    taken = gl.fake.queue_job("acme/app", TAGS)
+    with gl.fake.lock:  # GitLab gave it this job
+        gl.fake.jobs[taken].status, gl.fake.jobs[taken].runner_id = "running", runner.gitlab_runner_id
+    deliver(job_event(taken, "running", tags=TAGS, runner=ours))  # its unregister task never runs here
+    with gl.fake.lock:  # the CI job ended, and run-single with it
+        gl.fake.jobs[taken].status = "success"
+    job_started(instance=instance, job_id=job.pk)
+    job_finished(instance=instance, job_id=job.pk, outcome="succeeded", exit_code=0)
+    listed = timezone.now() - timedelta(seconds=5)  # listed lately: no 10-minute listing due
+    GitLabConnection.objects.filter(pk=gl.connection.pk).update(runners_listed_at=listed)
+    assert runner.gitlab_runner_id in gl.fake.runners
+    assert reconcile(gl)["runners_deleted"] == 1
+    assert runner.gitlab_runner_id not in gl.fake.runners
+
+
 def test_a_runner_that_never_came_online_has_its_machine_recycled(gl: GitLabWorld) -> None:
     job, instance, runner = handed_off(gl)
     assert reconcile(gl)["runners_recycled"] == 0  # within its deadline
