@@ -352,7 +352,17 @@ took the other's machines for orphans): fixed, the reconciler leaves another acc
 to that account. Every job runs in its own network namespace (pasta, nftables) on this 2-core
 host.
 
-**Since the run before** (2026-11-29), two fixes. Celery workers keep their database connection
+**This run (2026-12-01), after the forges' limits work (issue 49)**: webhook -> credential p50
+117 ms (GitHub) and 157 ms (GitLab), against 61 and 76 ms on 2026-11-29, above the 100 ms issue
+49 asks; GitHub's acknowledgement p99 150 ms (3 of 90 above 100 ms, the rest 19-63 ms). Not
+profiled yet (the suspects: the class convergence's per-scope counting inside its locked
+transaction, and each forge call's availability read and locked spend row). GitHub's burst
+throughput, 39.9 jobs a minute, is below the 72-a-minute pacing: runner jobs held by the pacing
+are released on the reaper's tick, not when their window turns. GitLab's 3.97 calls a job were
+its runner deleted once per report naming it (1.67 DELETEs a job), fixed after this run (once,
+when the first report binds it).
+
+**The run of 2026-11-29**, two fixes. Celery workers keep their database connection
 between tasks: the class convergence, the handoff and the scheduling pass each opened a new
 PostgreSQL connection first (see the tail part). And a delivery locks only its own row: it had
 also locked its endpoint's, so a delivery that arrived while another of the same installation

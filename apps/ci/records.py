@@ -130,7 +130,7 @@ def _moved(forge: Forge, record: Any, report: JobReport, *, created: bool, sourc
             ours=ours is not None,
             conclusion=fields.get("conclusion") or None,
         )
-    if bound_now and forge.tasks.finished:
+    if bound_now and ours is not None and forge.tasks.finished:
         # Our runner has just taken its job (started or ended): its registration is deleted now,
         # so its token takes no other job (the forge lets the running job finish:
         # apps.gitlab.ops). Once, when the report binds it: the job's later reports name the
