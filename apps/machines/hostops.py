@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.conf import settings
@@ -15,11 +16,11 @@ from django.utils import timezone
 
 from apps.core.actors import Actor
 from apps.core.causes import Cause
-from apps.core.errors import Conflict, ErrorCode, InvalidTransition
+from apps.core.errors import Conflict, ErrorCode, InvalidTransition, ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.choices import INSTANCE_LIVE, HostStatus, InstanceStatus
-from apps.machines.hosts import host_available
+from apps.machines.hosts import clean_labels, host_available
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import Host, MachineInstance
 
@@ -86,11 +87,6 @@ def host_update(
 ) -> Host:
     """What an operator sets on a host: its monthly price (cost attribution only; None clears
     it) and its labels (which machine types' slots it takes: a slot already on it stays)."""
-    from decimal import Decimal, InvalidOperation
-
-    from apps.core.errors import ValidationFailed
-    from apps.machines.hosts import clean_labels
-
     with transaction.atomic():
         host = Host.objects.select_for_update().get(pk=host_id)
         changed: dict[str, Any] = {}
