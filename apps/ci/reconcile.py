@@ -136,11 +136,13 @@ def endpoint_reconcile(
         client.before_call = claim.renew
         try:
             seen: dict[int, Listed] = {}
-            if listing_due(forge, endpoint, now):
+            listing = listing_due(forge, endpoint, now)
+            if listing:
                 seen = ops.listed(client, endpoint)
-                model.objects.filter(pk=endpoint_id).update(runners_listed_at=now)
                 report["runners_listed"] = 1
             report.update(_runners(forge, ops, endpoint, client, seen, now))
+            if listing:  # counted once what it found is done: a deletion that failed lists again
+                model.objects.filter(pk=endpoint_id).update(runners_listed_at=now)
             if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
                 report.update(_poll(forge, ops, endpoint, client, now))
             report.update(ops.reconcile_extra(forge, client, endpoint, now))

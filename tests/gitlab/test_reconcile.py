@@ -75,6 +75,21 @@ def test_a_runner_whose_job_ended_is_deleted(gl: GitLabWorld) -> None:
     assert gl.fake.runners == {}
 
 
+def test_a_deletion_that_failed_is_tried_again_at_the_next_reconcile(gl: GitLabWorld) -> None:
+    """The listing that found a runner to delete counts only once the deletion is done: when
+    the call failed (an outage), the next reconcile lists again and deletes it, not the
+    10-minute listing (the two-forge e2e left registrations behind when it waited for that)."""
+    job, instance, runner = handed_off(gl)
+    job_started(instance=instance, job_id=job.pk)
+    job_finished(instance=instance, job_id=job.pk, outcome="succeeded", exit_code=0)
+    gl.fake.fail_next(r"^DELETE /runners/", status=503, times=3)  # and its two retries
+    assert reconcile(gl).get("runners_deleted", 0) == 0
+    assert runner.gitlab_runner_id in gl.fake.runners
+    GitLabConnection.objects.update(unavailable_until=timezone.now() - timedelta(seconds=1))  # it waited
+    assert reconcile(gl)["runners_deleted"] == 1
+    assert gl.fake.runners == {}
+
+
 def test_a_runner_still_registered_after_taking_its_job_is_deleted(gl: GitLabWorld) -> None:
     """Its deletion's message (or call) was lost: the next reconcile deletes the runner that runs
     a job, so its token takes no other; the job itself goes on."""
