@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from apps.ci.errors import ForgeRateLimited
 from apps.ci.forge import EndpointId, Forge
+from apps.core.broker import enqueue
 from apps.events.services import event_record
 from apps.jobs.choices import JobStatus
 from apps.jobs.handoff import jobs_hold, jobs_unhold
@@ -173,11 +174,29 @@ def endpoint_paced(*, forge: Forge, endpoint_id: EndpointId, reason: str, second
             )
         held = forge.runner.objects.filter(**forge.of_endpoint(row), job__status__in=NOT_ON_A_MACHINE)
         held.update(held_until=until)
+        release_when_over(forge, until)
         jobs_hold(
             job_ids=list(held.values_list("job_id", flat=True)),
             reason=limit_reason(forge, reason, until),
             actor=forge.actor,
         )
+
+
+# The task that releases a forge's held runner jobs when their wait is over (apps.ci.tasks), and
+# the longest wait it is sent for: a longer one (an hourly window) is left to the reaper's tick,
+# a message held that long being delivered again past the broker's visibility timeout.
+HELD_RELEASE_TASK = "apps.ci.tasks.held_release_task"
+RELEASE_AT_MOST = 300.0
+RELEASE_MARGIN = 0.2  # after the wait: held_until <= now holds when it runs
+
+
+def release_when_over(forge: Forge, until: datetime) -> None:
+    """Once this transaction commits, send the release of the forge's held runner jobs for the
+    moment their wait is over (``until``), so admission takes them then, not at the reaper's
+    next tick (a minute later by default); the reaper still releases any whose message was lost."""
+    seconds = (until - timezone.now()).total_seconds() + RELEASE_MARGIN
+    if 0 < seconds <= RELEASE_AT_MOST:
+        transaction.on_commit(lambda: enqueue(HELD_RELEASE_TASK, forge.name, countdown=seconds))
 
 
 def held_release(*, forge: Forge, now: datetime) -> int:

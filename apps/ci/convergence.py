@@ -7,7 +7,8 @@ Each is a bounded query plus idempotent services.
   again (a lost message or a killed worker);
 - runners whose retirement was asked more than ``RETIRE_REDRIVE`` seconds ago: asked again;
 - runner jobs held by a limit (``held_until``: our pacing below a documented limit, a runner
-  cap) whose wait is over: released, so admission takes them again;
+  cap) whose wait is over: released, so admission takes them again (a release is also sent for
+  the wait's end when they are held: this rule catches one that was lost);
 - ended runner jobs' runner secrets: erased;
 - endpoints due for a reconcile: one sent each.
 """

@@ -21,7 +21,13 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from apps.ci.availability import NOT_ON_A_MACHINE, endpoint_paced, hold_reason, limit_reason
+from apps.ci.availability import (
+    NOT_ON_A_MACHINE,
+    endpoint_paced,
+    hold_reason,
+    limit_reason,
+    release_when_over,
+)
 from apps.ci.choices import Handoff
 from apps.ci.errors import ForgeBusy, ForgeError, ForgeRateLimited, ForgeRefused, ForgeUnavailable
 from apps.ci.forge import Forge, ForgeOps, RunnerId, forge_named, ops_of
@@ -176,6 +182,8 @@ def _handoff_waits(forge: Forge, runner: Any, exc: ForgeError) -> Handoff:
             hold_reason=reason[:300],
         ):
             forge.runner.objects.filter(pk=runner.pk).update(held_until=held_until)
+            if held_until is not None:
+                release_when_over(forge, held_until)
     return forge.unavailable_outcome
 
 

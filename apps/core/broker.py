@@ -75,19 +75,21 @@ def mark_broker_down(exc: BaseException) -> None:
     _down_until = time.monotonic() + BROKER_BACKOFF_SECONDS
 
 
-def enqueue(task: Task[Any, Any] | str, *args: Any) -> bool:
+def enqueue(task: Task[Any, Any] | str, *args: Any, countdown: float = 0.0) -> bool:
     """Send ``task(*args)`` to the workers, best effort. ``task`` is the task or its registered
     name (``"apps.jobs.tasks.schedule_task"``): a service sends by name, so it never imports the
     tasks module that imports it. Returns False when the broker is unreachable (or failed
-    moments ago); the reaper's deadline rules re-drive the row later."""
+    moments ago); the reaper's deadline rules re-drive the row later. ``countdown`` (if not 0): run it
+    that many seconds from now (a worker holds it until then; keep it well under the broker's
+    visibility timeout, or it is delivered again)."""
     if broker_down():
         return False
     name = task if isinstance(task, str) else task.name
     try:
         if isinstance(task, str):
-            current_app.send_task(task, args=args, retry=False)
+            current_app.send_task(task, args=args, retry=False, countdown=countdown)
         else:
-            task.apply_async(args=args, retry=False)
+            task.apply_async(args=args, retry=False, countdown=countdown)
     except BROKER_ERRORS as exc:
         mark_broker_down(exc)
         return False

@@ -114,6 +114,16 @@ def workflow_job(
 
 @pytest.fixture
 def gh(world: World, fake_github: FakeGitHub, app_key: tuple[str, str]) -> GitHubWorld:
+    return _connected(world, fake_github, app_key)
+
+
+@pytest.fixture
+def tgh(tworld: World, fake_github: FakeGitHub, app_key: tuple[str, str]) -> GitHubWorld:
+    """The same, committed (for a test with a worker)."""
+    return _connected(tworld, fake_github, app_key)
+
+
+def _connected(world: World, fake_github: FakeGitHub, app_key: tuple[str, str]) -> GitHubWorld:
     from apps.github.services import connection_set, runner_class_save
 
     conn, _ = connection_set(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -104,6 +105,29 @@ def test_registrations_wait_below_the_content_creation_limit_and_the_reconciler_
 
     assert held_release(forge=GITHUB, now=timezone.now()) == 2
     assert not Job.objects.exclude(hold_reason="").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_registrations_held_by_our_pacing_are_released_when_the_window_turns(
+    tgh: GitHubWorld, tmp_path: Path
+) -> None:
+    """Held runner jobs were released only at the reaper's next tick (a minute by default) after
+    their window turned. The hold sends their release for the window's end: no beat runs here,
+    so only that message can release them."""
+    from testkit.processes import TESTS, purge_redis, wait_for
+
+    purge_redis()
+    turns_in = 4.0
+    GitHubInstallation.objects.update(spend={"creations a minute": [time.time() - 60 + turns_in, 72, 60.0]})
+    job, outcome = handed_off_or_held(tgh, 1)
+    assert outcome == "github unavailable" and job.hold_reason.startswith("waiting for GitHub's limit")
+
+    def released() -> bool:
+        return not Job.objects.filter(pk=job.pk).exclude(hold_reason="").exists()
+
+    with TESTS.celery_worker(tmp_path, concurrency=1):
+        wait_for(released, 60, "the held runner job released when the window turned")
+    assert Runner.objects.get(job_id=job.pk).held_until is None
 
 
 def test_a_poll_costs_the_active_repositories_not_all_of_them(gh: GitHubWorld) -> None:
