@@ -136,6 +136,9 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
                 registered_instance=instance_id,
                 registered_at=now,
                 online_at=now if created.shared else None,
+                # a new registration (this attempt's) has taken no job: an earlier attempt's
+                # runner may have, before its machine was lost
+                **{forge.bound_field: None},
             )
             event_record(
                 kind=forge.events.runner_registered,

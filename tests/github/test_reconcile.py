@@ -154,6 +154,39 @@ def test_an_online_runner_is_not_recycled_and_an_idle_one_is_retired(gh: GitHubW
     assert Runner.objects.get(pk=runner.pk).retire_requested_at is not None
 
 
+def test_a_runner_job_requeued_after_its_runner_took_a_job_registers_an_unbound_runner(
+    gh: GitHubWorld,
+) -> None:
+    """A machine lost while its runner ran a workflow job: the runner job is requeued, and its
+    next attempt registers a new runner that has taken no job. It kept the lost runner's binding,
+    so it was never retired when idle and stayed registered for ever (the sixty-job e2e's
+    leftover: an online, idle runner of attempt 3). Now it is retired as any idle runner is."""
+    from apps.core.causes import Cause
+    from apps.jobs.reports import jobs_requeue_for_instance
+
+    job, instance, runner = handed_off(gh)
+    github_id = gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    taken = workflow_job(github_id, "in_progress", runner_name=runner.name, runner_id=runner.github_runner_id)
+    assert deliver("workflow_job", taken).status_code == 200
+    assert Runner.objects.get(pk=runner.pk).workflow_job_id is not None  # it took the job
+    MachineInstance.objects.filter(pk=instance.pk).update(status="lost", ended_at=timezone.now())
+    assert jobs_requeue_for_instance(instance_id=instance.pk, cause=Cause.MACHINE_LOST) == 1
+    _, other = ready_agent(gh)
+    schedule()
+    assert runner_handoff(job_id=job.pk) == "handed off"
+    again = Runner.objects.get(pk=runner.pk)
+    assert again.github_runner_id != runner.github_runner_id and again.workflow_job_id is None
+    with gh.fake.lock:  # the new runner connected, and GitHub gives it nothing
+        fake_runner = gh.fake.runners[again.github_runner_id]
+        fake_runner.session, fake_runner.last_seen = True, time.time()
+    Runner.objects.filter(pk=runner.pk).update(registered_at=timezone.now() - timedelta(hours=1))
+    reconcile(gh)
+    Runner.objects.filter(pk=runner.pk).update(
+        online_at=timezone.now() - timedelta(seconds=gh.runner_class.idle_timeout_seconds + 1)
+    )
+    assert reconcile(gh)["runners_idle_retired"] == 1
+
+
 def test_a_lost_queued_webhook_is_found_by_polling(gh: GitHubWorld) -> None:
     gh.fake.lost_rate = 1.0  # GitHub never sends it
     github_id = gh.fake.queue_job("acme/lib", list(gh.runner_class.labels), ["true"], workflow="Nightly")
