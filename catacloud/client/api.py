@@ -57,6 +57,15 @@ class BearerAuth(requests.auth.AuthBase):
         return request
 
 
+# Whether a server answered this process yet (any HTTP answer): until one has, an unreachable
+# server is a wrong URL or a server that is down, said at once rather than retried.
+_answered = False
+
+
+def answered() -> bool:
+    return _answered
+
+
 class Api:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
@@ -121,6 +130,8 @@ class Api:
         except requests.RequestException as exc:
             reason = exc.__class__.__name__
             raise ApiError(0, "unreachable", f"cannot reach {self.config.url} ({reason})") from None
+        global _answered
+        _answered = True
         if response.status_code >= 400:
             raise _error(response)
         return response

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from catacloud.client.api import Api, ApiError
+from catacloud.client.api import Api, ApiError, answered
 from catacloud.client.config import ConfigError, print_warnings, resolve
 from catacloud.client.output import print_json, short, table, table_row
 from catacloud.client.usage import add_global_flags
@@ -164,12 +164,14 @@ def show_error(exc: ApiError, args: argparse.Namespace, *, url: str) -> None:
 
 
 def retrying(call: Callable[[], Any]) -> Any:
-    """While waiting, ride out a restarting server or a dropped connection."""
+    """While waiting, ride out a restarting server or a dropped connection: once the server
+    has answered this command (before, a server that cannot be reached is a wrong URL or one
+    that is down, said at once instead of after a minute of retries)."""
     for attempt in range(RETRIES_WHILE_WAITING):
         try:
             return call()
         except ApiError as exc:
-            if not exc.transient or attempt == RETRIES_WHILE_WAITING - 1:
+            if not exc.transient or not answered() or attempt == RETRIES_WHILE_WAITING - 1:
                 raise
             time.sleep(min(10.0, 0.5 * 2**attempt))
     raise AssertionError("unreachable")

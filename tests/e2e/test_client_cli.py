@@ -217,7 +217,8 @@ def test_api_errors_are_shown_with_a_nonzero_exit_and_never_the_token(
     assert none.returncode == 2 and "no API token" in none.stderr
     bad = cli(member, "jobs", "submit", "--config", "x", "--env", "NOEQUALS")
     assert bad.returncode == 2 and "NAME=VALUE" in bad.stderr
-    down = cli(member, "jobs", "ls", CATACLOUD_URL="http://127.0.0.1:9")
+    # said at once, not after a minute of retries (those ride out a restart once it answered)
+    down = cli(member, "jobs", "ls", CATACLOUD_URL="http://127.0.0.1:9", timeout=20)
     assert down.returncode == 1 and "cannot reach http://127.0.0.1:9" in down.stderr
     assert member not in down.stderr
 

@@ -70,7 +70,7 @@ def test_global_flags_before_or_after_the_command_and_the_version(
     before = ok(cli(member, "--url", live_server.url, "--json", "configs", "ls", **no_env_url))
     after = ok(cli(member, "configs", "ls", "--url", live_server.url, "--json", **no_env_url))
     assert json.loads(before.stdout) == json.loads(after.stdout) != []
-    down = cli(member, "--url", "http://127.0.0.1:9", "jobs", "ls", **no_env_url)
+    down = cli(member, "--url", "http://127.0.0.1:9", "jobs", "ls", timeout=20, **no_env_url)
     assert down.returncode == 1 and "cannot reach http://127.0.0.1:9" in down.stderr
 
     version = ok(cli(None, "--version"))
