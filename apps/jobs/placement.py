@@ -72,10 +72,17 @@ def place(
         by_key: dict[tuple, list[Job]] = defaultdict(list)
         for job in jobs:
             by_key[(job.org_id, job.machine_type_id)].append(job)
+        # Lock order: the grants first (each serialises counting and buying machines of its
+        # org and machine type with pool refills), all of them, in one order, before anything
+        # else: a buy locks the org's budgets, which a pool refill of another of these types
+        # takes after its own grant (one grant at a time, budgets between, deadlocked with it).
+        # Then instances (the claims below).
+        grants = {
+            key: grant_lock(org_id=key[0], machine_type_id=key[1], nowait=nowait)
+            for key in sorted(by_key, key=lambda key: (str(key[0]), str(key[1])))
+        }
         for (org_id, mt_id), group in by_key.items():
-            # Lock order: the grant first (it serialises counting and buying machines of this
-            # org and machine type with pool refills), then instances (the claims below).
-            locked = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
+            locked = grants[(org_id, mt_id)]
             mt = MachineType.objects.get(pk=mt_id)
             pools = list(
                 InstancePool.objects.filter(

@@ -4,9 +4,13 @@ Services are called directly; the fake provider stands in for the cloud."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
+from django.db import transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from apps.jobs.admission import admit
@@ -116,3 +120,69 @@ def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
 
 
 # ---- the submit's own scheduling (no worker runs in these tests) -------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)
+def test_a_placement_of_two_types_beside_a_pool_refill_under_one_budget_never_deadlocks(
+    tworld: World,
+) -> None:
+    """Placement gave the waiting jobs of several machine types machines in one transaction,
+    locking each type's grant in turn, and the organization's budgets when it bought for the
+    first: a pool refill of the second type (its grant, then the budgets) and the placement each
+    waited for the other, and PostgreSQL ended one ("deadlock detected", seen in the sixty-job
+    e2e). Every grant is locked first now, in one order, then the budgets."""
+    import threading
+
+    from django.db import connection
+
+    from apps.billing.budgets import budget_set
+    from apps.machines.budgets import budget_check
+    from apps.machines.services import grant_lock
+    from testkit.builders import fake_machine_type, granted_type
+
+    org = tworld.org
+    grant = {"max_concurrent_jobs": 10, "max_instances": 10, "max_pool_size": 10}
+    first, _ = fake_machine_type(
+        org, account="jobs", name="first", price_per_hour=Decimal("0.50"), grant=grant
+    )
+    second, _ = granted_type(
+        org, first.provider_account, "second", price_per_hour=Decimal("0.50"), grant=grant
+    )
+    kinds = [first, second]
+    budget_set(org=org, amount="100.00", period="month", actor="test")
+    for mt in kinds:  # the first type's job is admitted first, so placement takes its grant first
+        job_submit(org=org, config=job_config(org, mt, f"on-{mt.name}"))
+        assert admit(limit=10) == 1
+    errors: list[BaseException] = []
+    holding = threading.Event()
+
+    def refill_of_the_second() -> None:
+        """What a pool refill of the second type does: its grant, then the budgets."""
+        try:
+            with transaction.atomic():
+                grant_lock(org_id=org.pk, machine_type_id=kinds[1].pk)
+                holding.set()
+                with connection.cursor() as cursor:  # until the placement waits for a lock
+                    for _ in range(100):
+                        cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                        if cursor.fetchone()[0]:
+                            break
+                        time.sleep(0.05)
+                budget_check(org_id=org.pk, machine_type=kinds[1], now=timezone.now())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    refill = threading.Thread(target=refill_of_the_second)
+    refill.start()
+    assert holding.wait(10)
+    try:
+        place()
+    except BaseException as exc:
+        errors.append(exc)
+    refill.join(30)
+    assert errors == []
+    assert Job.objects.filter(status=J.WAITING_FOR_MACHINE).count() == 2  # machines bought for both
+    assert MachineInstance.objects.filter(org=org).count() == 2
