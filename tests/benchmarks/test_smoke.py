@@ -182,6 +182,13 @@ def test_ci(tmp_path: Path) -> None:
         assert len(latency["handoff_s"]) == 2 and burst["jobs"] == 4
         assert all(x > 0 for x in latency["handoff_s"] + latency["online_s"])
         assert latency["calls"] >= 2  # at least a registration per job
+        # the hand-off split by stage: every stage of every sample, adding up to the hand-off
+        from benchmarks.ci import STAGES
+
+        counts = {kind: len(latency["stages_s"].get(kind, [])) for kind, _ in STAGES}
+        assert counts == {kind: 2 for kind, _ in STAGES}
+        for i, total in enumerate(latency["handoff_s"]):
+            assert abs(sum(latency["stages_s"][k][i] for k, _ in STAGES) - total) < 1e-3
     assert runs["github"]["burst"]["outcomes"] == {"success": 4}
     assert runs["gitlab"]["burst"]["outcomes"] == {"success": 4}
     report.save(result, tmp_path)
