@@ -48,7 +48,7 @@ from apps.core.broker import enqueue
 from apps.core.causes import Cause
 from apps.core.errors import InvalidTransition
 from apps.events.services import event_record
-from apps.jobs.choices import JOB_LIVE
+from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import MachineInstance
 
@@ -141,7 +141,10 @@ def endpoint_reconcile(
                 seen = ops.listed(client, endpoint)
                 report["runners_listed"] = 1
             report.update(_runners(forge, ops, endpoint, client, seen, now))
-            if listing:  # counted once what it found is done: a deletion that failed lists again
+            # A listing counts once what it found is done: a deletion that failed, or one left
+            # for a later pass (a registration of that machine in flight, a busy runner), lists
+            # again at the next reconcile.
+            if listing and not report.get("runners_deferred"):
                 model.objects.filter(pk=endpoint_id).update(runners_listed_at=now)
             if endpoint.next_poll_at is None or endpoint.next_poll_at <= now:
                 report.update(_poll(forge, ops, endpoint, client, now))
@@ -190,7 +193,9 @@ def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
     that took no job within two intervals (or its class's online timeout, if shorter) and is
     not a class runner's machine (whose runner's state says nothing of the machine); a runner
     that took its job and is to be deleted at the forge, while its job runs or once it ended
-    (its one deletion, when the job's first report bound it, may have failed)."""
+    (its one deletion, when the job's first report bound it, may have failed); where the forge
+    removes a runner that ran its job (GitHub's just-in-time runners), a runner job that took one
+    and did not succeed (a runner that crashed in it stays registered, offline)."""
     listed = endpoint.runners_listed_at
     if listed is None or listed <= now - LIST_EVERY:
         return True
@@ -203,8 +208,8 @@ def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
     # registration may be left at the forge (an orphan); after, where runners are deleted once
     # they took their job (GitLab), that one deletion may have failed (a limit, an outage)
     ended = registered.filter(job__finished_at__gte=listed)
-    if not forge.tasks.finished:
-        ended = ended.filter(**forge.unbound())
+    if not forge.tasks.finished:  # a runner that ran its job to its end is gone (GitHub's JIT)
+        ended = ended.filter(Q(**forge.unbound()) | ~Q(job__status=JobStatus.SUCCEEDED))
     if ended.exists():
         return True
     live = registered.filter(job__status__in=JOB_LIVE)
@@ -223,7 +228,7 @@ def listing_due(forge: Forge, endpoint: Any, now: datetime) -> bool:
 def _runners(
     forge: Forge, ops: ForgeOps, endpoint: Any, client: Any, seen: dict[int, Listed], now: datetime
 ) -> dict[str, int]:
-    deleted = recycled = idle = unregistered = 0
+    deleted = recycled = idle = unregistered = deferred = 0
     rows, live = _live(forge, endpoint)
     ours = {rid: listed for rid, listed in seen.items() if instance_of(listed.name)}
     known = set(
@@ -254,6 +259,7 @@ def _runners(
         )
         held_now = forge.runner.objects.filter(**{forge.runner_id_field: rid}, job__status__in=JOB_LIVE)
         if listed.busy or registering.exists() or held_now.exists():
+            deferred += 1  # the next reconcile lists again (not the 10-minute listing)
             continue
         if ops.delete_listed(client, listed):
             deleted += 1
@@ -289,6 +295,7 @@ def _runners(
         "runners_recycled": recycled,
         "runners_idle_retired": idle,
         "runners_with_their_job_deleted": unregistered,
+        "runners_deferred": deferred,
     }
 
 

@@ -53,6 +53,7 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         webhook_token="two-forges-gitlab",
         webhook_url=stack.url + gitlab_kit.WEBHOOK_PATH,
     ).start()
+    stop = threading.Event()  # the sampler's end (also when a wait failed: it must not outlive the test)
     try:
         github.add_installation(8, "acme", ["acme/app"])
         gitlab.add_project(12, "acme/app")
@@ -104,7 +105,6 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         gitlab.runner_faults.append("never_connect")
 
         over: list[str] = []
-        stop = threading.Event()
 
         def sample() -> None:
             from django.db import connection
@@ -192,5 +192,6 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         # one cost report: GitHub's workflow and GitLab's pipeline side by side
         assert {"gh-ci", "gl-ci"} <= {r["key"] for r in costs["results"]}, costs["results"]
     finally:
+        stop.set()
         github.stop()
         gitlab.stop()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from apps.jobs.models import Job, JobConfiguration
@@ -498,7 +499,11 @@ def test_a_watch_can_be_interrupted(tworld: World, cli: Cli) -> None:
     try:
         wait_for(lambda: lines_of(out) or "watching" in err.read_text(), 30, "the watch to start", 0.2)
         watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 130
+        try:
+            code = watcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # what it was doing (seen once in a full run)
+            code = f"still running: {psutil.Process(watcher.pid).status()}; {err.read_text()[-2000:]!r}"
+        assert code == 130
     finally:
         if watcher.poll() is None:
             watcher.kill()

@@ -187,6 +187,45 @@ def test_a_runner_job_requeued_after_its_runner_took_a_job_registers_an_unbound_
     assert reconcile(gh)["runners_idle_retired"] == 1
 
 
+def test_a_runner_that_crashed_in_its_job_has_its_registration_deleted_at_the_next_reconcile(
+    gh: GitHubWorld,
+) -> None:
+    """A just-in-time runner that ended its job normally is gone from GitHub; one that crashed
+    in it stays registered (offline; GitHub removes it only after a day). Its runner job's
+    failure makes the next reconcile list the runners and delete it, not the 10-minute listing
+    (the two-forge e2e's leftover: an offline runner, no live runner job)."""
+    from apps.jobs.reports import job_finished, job_started
+
+    job, instance, runner = handed_off(gh)
+    github_id = gh.fake.queue_job("acme/app", list(gh.runner_class.labels), ["true"])
+    taken = workflow_job(github_id, "in_progress", runner_name=runner.name, runner_id=runner.github_runner_id)
+    assert deliver("workflow_job", taken).status_code == 200
+    job_started(instance=instance, job_id=job.pk)
+    job_finished(instance=instance, job_id=job.pk, outcome="failed", exit_code=1)  # it crashed
+    GitHubInstallation.objects.update(runners_listed_at=timezone.now() - timedelta(seconds=5))
+    assert runner.github_runner_id in gh.fake.runners
+    assert reconcile(gh)["runners_deleted"] == 1
+    assert runner.github_runner_id not in gh.fake.runners
+
+
+def test_a_registration_left_for_a_later_pass_is_deleted_at_the_next_reconcile(gh: GitHubWorld) -> None:
+    """A runner whose job ended is not deleted while a registration of its machine is in flight
+    (a machine kept for reuse, already registering the next runner job's runner: it may be that
+    one). That listing is not counted: the next reconcile lists again and deletes it, instead
+    of the 10-minute listing (the two-forge e2e's leftover: an offline runner, no live job)."""
+    from apps.jobs.reports import job_finished, job_started
+
+    job, instance, runner = handed_off(gh)
+    job_started(instance=instance, job_id=job.pk)
+    job_finished(instance=instance, job_id=job.pk, outcome="failed", exit_code=1)  # it never took a job
+    nxt = queue(gh, 2)
+    Runner.objects.filter(job=nxt).update(registering_instance=instance.pk, registering_at=timezone.now())
+    assert reconcile(gh)["runners_deleted"] == 0  # it may be the one in flight: left for now
+    Runner.objects.filter(job=nxt).update(registering_at=timezone.now() - timedelta(hours=1))
+    assert reconcile(gh)["runners_deleted"] == 1
+    assert runner.github_runner_id not in gh.fake.runners
+
+
 def test_a_lost_queued_webhook_is_found_by_polling(gh: GitHubWorld) -> None:
     gh.fake.lost_rate = 1.0  # GitHub never sends it
     github_id = gh.fake.queue_job("acme/lib", list(gh.runner_class.labels), ["true"], workflow="Nightly")
