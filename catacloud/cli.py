@@ -207,6 +207,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
         supervisor = Supervisor(
             programs,
             on_orphan=cleanup,  # if this process is SIGKILLed: what its watchdog stops
+            # The machines end while the programs stop (a worker may take its whole stop
+            # timeout: its database gone, a task to finish); the stop below ends what a
+            # worker's last seconds started.
+            on_stop=lambda: _stop_local_machines(home),
             state_file=home / DEV_STATE,
         )
         base = f"http://127.0.0.1:{port}"

@@ -15,7 +15,9 @@ machinery for four processes in a terminal. This is the part we need, on ``subpr
   group: it stops its own children in order (a Celery worker finishes the tasks in flight, then
   ends its pool; a pool child signalled directly died under its task). It waits up to
   ``stop_timeout`` seconds, then SIGKILLs what is left of each group; output that can no
-  longer be written (a closed terminal: EIO) is dropped, never the stop;
+  longer be written (a closed terminal: EIO) is dropped, never the stop; ``on_stop`` (optional)
+  runs in a thread meanwhile, and the stop returns once it has too (``make dev``: end the local
+  machines, which must not wait for a worker that takes its ``stop_timeout``);
 - **nothing outlives it**, not even when it is SIGKILLed (the OOM killer, a CI timeout, a
   closed terminal): a small watchdog process in a session of its own holds the read end of a
   pipe only the supervisor writes to, and learns from it every program's process group. When
@@ -83,6 +85,7 @@ class Supervisor:
         poll_interval: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
         on_orphan: Sequence[str] = (),
+        on_stop: Callable[[], None] | None = None,
         state_file: Path | None = None,
     ) -> None:
         names = [p.name for p in programs]
@@ -100,6 +103,7 @@ class Supervisor:
         self._write_lock = threading.Lock()
         self._width = max((len(n) for n in names), default=0)
         self.on_orphan = list(on_orphan)
+        self.on_stop = on_stop
         self.state_file = state_file
         self.watchdog: subprocess.Popen[bytes] | None = None
 
@@ -235,8 +239,18 @@ class Supervisor:
     def stop(self) -> None:
         self._stopping.set()
 
+    def _on_stop(self) -> None:
+        try:
+            self.on_stop()  # type: ignore[misc]
+        except Exception as exc:  # the stop goes on: its programs must end all the same
+            self.log(f"while stopping: {type(exc).__name__}: {exc}")
+
     def _shutdown(self) -> None:
         self._stopping.set()
+        beside = None
+        if self.on_stop is not None:
+            beside = threading.Thread(target=self._on_stop, name="on-stop", daemon=True)
+            beside.start()
         live = [c for c in self.children.values() if c.popen is not None and c.popen.poll() is None]
         if live:
             self.log(f"stopping {', '.join(c.program.name for c in live)}")
@@ -258,6 +272,8 @@ class Supervisor:
             child.popen.wait()
             if child.reader is not None:
                 child.reader.join(2)
+        if beside is not None:
+            beside.join()
         if self.state_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.state_file.unlink()

@@ -94,6 +94,9 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
     if instance_id is None:  # awaits_handoff: assigned, so on a machine
         return Handoff.NOTHING_TO_DO
     name = runner_name(instance_id)
+    # An earlier attempt's registration (its machine lost, or its task killed while it asked) is
+    # named by no row once this one is recorded: only a listing finds it.
+    replaces = runner.registering_at is not None or bool(forge.runner_id_of(runner))
     forge.runner.objects.filter(pk=runner.pk).update(
         name=name, registering_instance=instance_id, registering_at=timezone.now()
     )
@@ -140,6 +143,8 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
                 # runner may have, before its machine was lost
                 **{forge.bound_field: None},
             )
+            if replaces:  # the next reconcile lists (and deletes it, once it is idle)
+                forge.endpoint.objects.filter(pk=endpoint.pk).update(runners_listed_at=None)
             event_record(
                 kind=forge.events.runner_registered,
                 org=job.org_id,
@@ -152,7 +157,7 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
                 **{forge.labels_field: rc.match_labels},
             )
     if not handed:  # the job moved on while we asked: the runner is nobody's
-        _delete_quietly(ops, client, runner, created.runner_id)
+        _delete_quietly(forge, ops, client, runner, created.runner_id)
         return Handoff.JOB_MOVED_ON
     return Handoff.HANDED_OFF
 
@@ -190,11 +195,12 @@ def _handoff_waits(forge: Forge, runner: Any, exc: ForgeError) -> Handoff:
     return forge.unavailable_outcome
 
 
-def _delete_quietly(ops: ForgeOps, client: Any, runner: Any, runner_id: int) -> None:
+def _delete_quietly(forge: Forge, ops: ForgeOps, client: Any, runner: Any, runner_id: int) -> None:
     try:
         ops.delete(client, runner, runner_id)
-    except ForgeError as exc:  # the reconciler deletes it later (its machine is not its own)
+    except ForgeError as exc:  # no row records it: the next reconcile lists, and deletes it
         log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
+        forge.endpoint.objects.filter(pk=forge.endpoint_of(runner).pk).update(runners_listed_at=None)
 
 
 def runner_retire(*, forge: Forge, job_id: JobId) -> Handoff:

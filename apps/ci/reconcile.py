@@ -13,8 +13,9 @@ default; sent by the reaper's tick): the forge's view compared with ours, both w
   a registered runner that took no job within two intervals (or its class's online timeout,
   if shorter: is it online, idle, busy?), a runner that took its job and must be deleted (the
   forge's ``finished`` task), a runner job that ended before its runner took a job (its
-  registration may be left), or the last listing older than :data:`LIST_EVERY` (what else may
-  be left: a registration a crash left before its id was recorded).
+  registration may be left), a registration that replaced an earlier attempt's (its machine
+  lost, or its task killed while it asked: the earlier one is named by no row; the hand-off
+  clears ``runners_listed_at``), or the last listing older than :data:`LIST_EVERY`.
 - **Missed webhooks**: the forge's pending and running jobs are polled (by the adapter) for
   jobs we never heard of, with a backoff (the interval doubles while a poll finds nothing, up to
   20 intervals and at most 10 minutes; it resets when one finds something, when a delivery
@@ -251,10 +252,12 @@ def _runners(
             continue
         # A registration of this machine asked for lately may be this very runner, its id not
         # recorded yet (in flight), or recorded since ``live`` was read: left for a later pass.
+        # (Not for a runner job that has ended: its hand-off deletes what it made, or failed to.)
         registering = forge.runner.objects.filter(
             **forge.of_endpoint(endpoint),
             registering_instance=instance_id,
             registering_at__gt=now - REGISTERING_GRACE,
+            job__status__in=JOB_LIVE,
             **{f"{forge.runner_id_field}__isnull": True},
         )
         held_now = forge.runner.objects.filter(**{forge.runner_id_field: rid}, job__status__in=JOB_LIVE)

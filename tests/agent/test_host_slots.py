@@ -16,6 +16,7 @@ import pytest
 
 from catacloud.agent.host import HostAgent
 from catacloud.protocol import HostAnswer, SlotStart
+from testkit.processes import wait_for
 
 
 class Slots:
@@ -54,7 +55,9 @@ def host(tmp_path: Path) -> Iterator[HostAgent]:
 
 
 def settle(host: HostAgent) -> None:
-    host._pool.submit(lambda: None).result(10)  # every action submitted before has returned
+    """Every start and stop handed to the agent's threads has returned. (A no-op submitted to its
+    pool is no such proof: another of its threads runs it while a stop is still returning.)"""
+    wait_for(lambda: not host._starting and not host._stopping, 10, "the slots' starts and stops")
 
 
 def test_a_slot_being_stopped_is_reported_while_it_exists_and_never_after(host: HostAgent) -> None:

@@ -231,6 +231,27 @@ def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
     assert programs["web"].stop_signal == signal.SIGINT
 
 
+def test_what_runs_on_stop_does_not_wait_for_a_program_that_takes_its_stop_timeout() -> None:
+    """`make dev` ends its local machines when stopped. It did so only once every program had
+    ended: a worker whose database had gone (`make clean`) took the whole stop timeout, and the
+    machines ran on meanwhile. What runs on a stop now starts with the stop, and the stop returns
+    only after it."""
+    from catacloud.supervisor import Program
+
+    out = Output()
+    ran: list[float] = []
+    stubborn = Program("worker", [sys.executable, "-c", STUBBORN])  # ignores SIGTERM
+    supervisor = Supervisor([stubborn], out=out, stop_timeout=4, on_stop=lambda: ran.append(time.monotonic()))
+    thread = threading.Thread(target=supervisor.run)
+    thread.start()
+    wait_for(lambda: "worker | up" in out.getvalue(), 30, "the program to start")
+    started = time.monotonic()
+    supervisor.stop()
+    thread.join(30)
+    assert ran and ran[0] - started < 1.5, (ran, started)  # with the stop, not after the program's 4 s
+    assert time.monotonic() - started >= 4 and "ignored SIGTERM for 4s: SIGKILL" in out.getvalue()
+
+
 @contextlib.contextmanager
 def readyz(not_ready: int = 0) -> Iterator[str]:
     """A /readyz on loopback that answers 503 ``not_ready`` times, then 200 ready; yields its URL."""

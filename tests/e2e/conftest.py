@@ -15,7 +15,7 @@ import psutil
 import pytest
 from django.test import override_settings
 
-from testkit.processes import TESTS, Proc, purge_redis, stop_local_machines, wait_for
+from testkit.processes import TESTS, Proc, TimedOut, purge_redis, stop_local_machines, wait_for
 from tests.conftest import World
 
 FAST = {
@@ -66,11 +66,13 @@ class Stack:
     def wait(self, predicate: Any, timeout: float, what: str) -> Any:
         try:
             return wait_for(predicate, timeout, what, interval=0.1)
-        except AssertionError:
+        except TimedOut as exc:
             print("---- worker log ----\n", self.worker.output()[-6000:])
-            if self.on_timeout is not None:
-                print("---- left ----\n", self.on_timeout())
-            raise
+            if self.on_timeout is None:
+                raise
+            # In the message, not only printed: a run's summary shows it where the captured
+            # output is cut.
+            raise TimedOut(f"{exc}; left: {self.on_timeout()}") from None
 
 
 @pytest.fixture

@@ -30,6 +30,32 @@ def _runner_jobs() -> tuple[object, object]:
     return Job.objects.filter(runner__isnull=False), Job.objects.filter(gitlab_runner__isnull=False)
 
 
+def _history(runners: list[dict[str, object]]) -> list[object]:
+    """What Catacloud recorded of runners still registered at a forge: the events naming each
+    (or its machine, after its registration), and the runner jobs that named it."""
+    from apps.events.models import Event
+    from apps.github.models import Runner
+
+    told = []
+    for runner in runners:
+        name, rid = str(runner["name"]), runner["id"]
+        named = Event.objects.filter(data__runner=name) | Event.objects.filter(data__runner_id=rid)
+        first = named.order_by("id").first()
+        machine = Event.objects.none()
+        if first is not None and first.instance_id is not None:
+            machine = Event.objects.filter(instance_id=first.instance_id, id__gte=first.id)
+        events = (named | machine).order_by("id").values_list("created_at", "kind", "job_id", "reason")
+        rows = Runner.objects.filter(name=name).values_list("job_id", "job__status", "job__attempt")
+        told.append(
+            (
+                name,
+                [(t.strftime("%H:%M:%S.%f")[:-3], k, str(j)[:8], r[:80]) for t, k, j, r in events[:40]],
+                [(str(j)[:8], st, a) for j, st, a in rows],
+            )
+        )
+    return told
+
+
 @pytest.mark.timeout(900)
 def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack) -> None:
     from django.utils import timezone
@@ -162,7 +188,8 @@ def test_github_and_gitlab_jobs_interleaved_on_one_pool_all_finish(stack: Stack)
         stack.on_timeout = lambda: (
             f"runners at GitHub: {github.summary()['runners']}; at GitLab: {gitlab.summary()['runners']}; "
             f"live runner jobs: {list(gh_jobs.filter(status__in=JOB_LIVE).values_list(*fields))} "
-            f"{list(gl_jobs.filter(status__in=JOB_LIVE).values_list(*fields))}"
+            f"{list(gl_jobs.filter(status__in=JOB_LIVE).values_list(*fields))}; "
+            f"what happened to GitHub's: {_history(github.summary()['runners'])}"
         )
         stack.wait(
             lambda: (

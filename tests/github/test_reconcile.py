@@ -226,6 +226,87 @@ def test_a_registration_left_for_a_later_pass_is_deleted_at_the_next_reconcile(g
     assert runner.github_runner_id not in gh.fake.runners
 
 
+@pytest.mark.parametrize("earlier", ["machine lost", "answer lost"])
+def test_an_earlier_attempts_registration_is_deleted_at_the_next_reconcile(
+    gh: GitHubWorld, earlier: str
+) -> None:
+    """A runner job's registration replaced by a later attempt's is named by no row: only a
+    listing finds it. The two-forge e2e left two such runners registered (offline) at GitHub
+    past its 3-minute wait, until the 10-minute listing: one whose machine was lost (the runner
+    job was requeued and registered again elsewhere). Likewise a registration GitHub made whose
+    answer never came (a timeout, a 5xx): the job was requeued and registered on another
+    machine. The next reconcile lists now."""
+    from apps.core.causes import Cause
+    from apps.jobs.handoff import job_handoff_failed
+    from apps.jobs.reports import jobs_requeue_for_instance
+
+    _, instance = ready_agent(gh)
+    job = queue(gh, 1)
+    schedule()
+    if earlier == "machine lost":
+        assert runner_handoff(job_id=job.pk) == "handed off"
+        old_id = Runner.objects.get(job=job).github_runner_id
+        reconcile(gh)  # a listing: the next one is 10 minutes away
+        MachineInstance.objects.filter(pk=instance.pk).update(status="lost", ended_at=timezone.now())
+        assert jobs_requeue_for_instance(instance_id=instance.pk, cause=Cause.MACHINE_LOST) == 1
+        ready_agent(gh)
+        schedule()
+    else:
+        reconcile(gh)
+        # the hand-off asked, GitHub made the runner, its answer was lost: the job is requeued
+        Runner.objects.filter(job=job).update(registering_instance=instance.pk, registering_at=timezone.now())
+        old_id = register(gh, runner_name(instance.pk))
+        assert job_handoff_failed(
+            job_id=job.pk,
+            instance_id=instance.pk,
+            cause=Cause.GITHUB_UNAVAILABLE,
+            detail="timed out",
+            actor="test",
+        )
+        MachineInstance.objects.filter(pk=instance.pk).update(status="terminated", ended_at=timezone.now())
+        ready_agent(gh)
+        schedule()
+    assert runner_handoff(job_id=job.pk) == "handed off"
+    assert Runner.objects.get(job=job).github_runner_id != old_id
+    assert old_id in gh.fake.runners
+    report = reconcile(gh)
+    assert report["runners_listed"] == 1 and report["runners_deleted"] == 1, report
+    assert old_id not in gh.fake.runners and Runner.objects.get(job=job).github_runner_id in gh.fake.runners
+
+
+def test_a_runner_made_for_a_job_that_moved_on_is_deleted_by_the_next_reconcile(
+    gh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner job was cancelled (demand fell) while its hand-off asked GitHub for a runner:
+    the runner made is nobody's and is deleted at once; when that deletion fails, no row names
+    it, so it waited for the 10-minute listing. The next reconcile lists now."""
+    from apps.github.ops import GitHubOps
+    from apps.jobs.submission import job_cancel
+
+    _, instance = ready_agent(gh)
+    job = queue(gh, 1)
+    schedule()
+    reconcile(gh)  # a listing: the next one is 10 minutes away
+    register_now = GitHubOps.register
+
+    def register_while_cancelled(self: Any, client: Any, runner: Any, name: str) -> Any:
+        made = register_now(self, client, runner, name)
+        job_cancel(job=Job.objects.get(pk=job.pk), actor="test")  # meanwhile, demand fell
+        gh.fake.fail_next("DELETE .*/actions/runners/", 503, times=10)  # and GitHub errs a while
+        return made
+
+    monkeypatch.setattr(GitHubOps, "register", register_while_cancelled)
+    assert runner_handoff(job_id=job.pk) == "job moved on"
+    monkeypatch.undo()
+    made = [r["id"] for r in gh.fake.summary()["runners"]]
+    assert len(made) == 1 and Runner.objects.get(job=job).github_runner_id is None
+    gh.fake._fail_next.clear()
+    GitHubInstallation.objects.update(unavailable_until=None)  # its 15 s back-off has passed
+    report = reconcile(gh)
+    assert report.get("runners_listed") == 1 and report["runners_deleted"] == 1, report
+    assert not gh.fake.summary()["runners"]
+
+
 def test_a_lost_queued_webhook_is_found_by_polling(gh: GitHubWorld) -> None:
     gh.fake.lost_rate = 1.0  # GitHub never sends it
     github_id = gh.fake.queue_job("acme/lib", list(gh.runner_class.labels), ["true"], workflow="Nightly")
