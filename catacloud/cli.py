@@ -207,9 +207,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
         supervisor = Supervisor(
             programs,
             on_orphan=cleanup,  # if this process is SIGKILLed: what its watchdog stops
-            # The machines end while the programs stop (a worker may take its whole stop
-            # timeout: its database gone, a task to finish); the stop below ends what a
-            # worker's last seconds started.
+            # the machines end beside the programs' stop (a worker may take its stop timeout)
             on_stop=lambda: _stop_local_machines(home),
             state_file=home / DEV_STATE,
         )
@@ -232,7 +230,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     finally:
         stopping.set()
         _say("catacloud: stopping the local machines and the embedded services…")
-        _stop_local_machines(home)
+        _stop_local_machines(home)  # again (see on_stop): what a worker's last seconds started
         services.stop()
         give_back_terminal()
         for sig, handler in previous.items():
