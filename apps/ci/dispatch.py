@@ -143,8 +143,8 @@ def runner_handoff(*, forge: Forge, job_id: JobId) -> Handoff:
                 # runner may have, before its machine was lost
                 **{forge.bound_field: None},
             )
-            if replaces:  # the next reconcile lists (and deletes it, once it is idle)
-                forge.endpoint.objects.filter(pk=endpoint.pk).update(runners_listed_at=None)
+            if replaces:  # the earlier one is deleted once it is idle
+                list_runners_next(forge, endpoint.pk)
             event_record(
                 kind=forge.events.runner_registered,
                 org=job.org_id,
@@ -198,9 +198,15 @@ def _handoff_waits(forge: Forge, runner: Any, exc: ForgeError) -> Handoff:
 def _delete_quietly(forge: Forge, ops: ForgeOps, client: Any, runner: Any, runner_id: int) -> None:
     try:
         ops.delete(client, runner, runner_id)
-    except ForgeError as exc:  # no row records it: the next reconcile lists, and deletes it
+    except ForgeError as exc:  # no row records it
         log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
-        forge.endpoint.objects.filter(pk=forge.endpoint_of(runner).pk).update(runners_listed_at=None)
+        list_runners_next(forge, forge.endpoint_of(runner).pk)
+
+
+def list_runners_next(forge: Forge, endpoint_id: Any) -> None:
+    """A registration of ours that no row names may be left at the forge: the endpoint's next
+    reconcile lists its runners (and deletes it), instead of the 10-minute listing."""
+    forge.endpoint.objects.filter(pk=endpoint_id).update(runners_listed_at=None)
 
 
 def runner_retire(*, forge: Forge, job_id: JobId) -> Handoff:

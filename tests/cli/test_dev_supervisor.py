@@ -211,6 +211,18 @@ time.sleep(300)
 """
 
 
+def run_then_stop(supervisor: Supervisor, name: str) -> float:
+    """Run ``supervisor`` until its one program (STUBBORN) says it is up, then stop it (Ctrl-C)
+    and wait for the stop; returns when the stop was asked (time.monotonic())."""
+    thread = threading.Thread(target=supervisor.run)
+    thread.start()
+    wait_for(lambda: f"{name} | up" in supervisor.out.getvalue(), 30, "the program to start")  # type: ignore[attr-defined]
+    started = time.monotonic()
+    supervisor.stop()
+    thread.join(30)
+    return started
+
+
 def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
     """gunicorn's SIGTERM waits for open requests (agents' long polls) up to its graceful
     timeout; `make dev` asks it with SIGINT, its quick shutdown, so Ctrl-C needs no SIGKILL."""
@@ -219,12 +231,7 @@ def test_a_program_stops_on_its_own_stop_signal_without_a_kill() -> None:
     out = Output()
     web = Program("web", [sys.executable, "-c", STUBBORN], stop_signal=signal.SIGINT)
     supervisor = Supervisor([web], out=out, stop_timeout=10)
-    thread = threading.Thread(target=supervisor.run)
-    thread.start()
-    wait_for(lambda: "web | up" in out.getvalue(), 30, "the program to start")
-    started = time.monotonic()
-    supervisor.stop()
-    thread.join(30)
+    started = run_then_stop(supervisor, "web")
     assert time.monotonic() - started < 5
     assert "SIGKILL" not in out.getvalue()
     programs = {p.name: p for p in dev_programs(env={}, home=Path("/tmp"), port=1, flower_port=2)}
@@ -242,12 +249,7 @@ def test_what_runs_on_stop_does_not_wait_for_a_program_that_takes_its_stop_timeo
     ran: list[float] = []
     stubborn = Program("worker", [sys.executable, "-c", STUBBORN])  # ignores SIGTERM
     supervisor = Supervisor([stubborn], out=out, stop_timeout=4, on_stop=lambda: ran.append(time.monotonic()))
-    thread = threading.Thread(target=supervisor.run)
-    thread.start()
-    wait_for(lambda: "worker | up" in out.getvalue(), 30, "the program to start")
-    started = time.monotonic()
-    supervisor.stop()
-    thread.join(30)
+    started = run_then_stop(supervisor, "worker")
     assert ran and ran[0] - started < 1.5, (ran, started)  # with the stop, not after the program's 4 s
     assert time.monotonic() - started >= 4 and "ignored SIGTERM for 4s: SIGKILL" in out.getvalue()
 
