@@ -91,7 +91,9 @@ def delivery_store(
             )
     except IntegrityError:
         return False
-    poll_soon(forge=forge, endpoint_id=endpoint.pk)
+    poll_soon(
+        forge=forge, endpoint_id=endpoint.pk, last_delivery_at=getattr(endpoint, "last_delivery_at", None)
+    )
     return True
 
 

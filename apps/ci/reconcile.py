@@ -78,7 +78,12 @@ def max_poll_interval(forge: Forge) -> float:
 
 
 def poll_soon(
-    *, forge: Forge, endpoint_id: EndpointId, now: datetime | None = None, missed: bool = False
+    *,
+    forge: Forge,
+    endpoint_id: EndpointId,
+    now: datetime | None = None,
+    missed: bool = False,
+    last_delivery_at: datetime | None = None,
 ) -> None:
     """A delivery came. After a quiet spell (none for :data:`QUIET_FOR`), or naming a job we never
     saw pending (``missed``: an earlier delivery was lost), the poll comes back to the base
@@ -86,8 +91,11 @@ def poll_soon(
     minutes; during a busy stretch the poll keeps its backoff (each delivery would otherwise
     bring it back to the interval, and a long burst would cost a poll a job). Conditional writes:
     no-ops (no row written, none locked) unless quiet or missed, and the delivery's time written
-    at most once a minute."""
+    at most once a minute. ``last_delivery_at``: what the caller read of the endpoint (a busy
+    endpoint's delivery, read within the minute, needs neither write: no query at all)."""
     now = now or timezone.now()
+    if not missed and last_delivery_at is not None and last_delivery_at >= now - LAST_DELIVERY_STALE:
+        return
     base = interval(forge)
     soon = now + timedelta(seconds=base)
     rows = forge.endpoint.objects.filter(pk=endpoint_id)

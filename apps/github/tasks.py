@@ -7,6 +7,7 @@ from uuid import UUID
 
 from celery import shared_task
 
+from apps.ci.dispatch import handoffs_inline
 from apps.github.demand import class_converge
 from apps.github.dispatch import runner_handoff, runner_retire
 from apps.github.reconcile import installation_reconcile
@@ -28,7 +29,8 @@ def retire_task(job_id: str) -> None:
 
 @shared_task(ignore_result=True)
 def converge_task(runner_class_id: str) -> None:
-    class_converge(runner_class_id=UUID(runner_class_id))
+    with handoffs_inline():
+        class_converge(runner_class_id=UUID(runner_class_id))
 
 
 @shared_task(ignore_result=True)

@@ -8,7 +8,7 @@ from uuid import UUID
 from celery import shared_task
 
 from apps.ci.demand import class_converge
-from apps.ci.dispatch import runner_handoff, runner_retire, runner_unregister
+from apps.ci.dispatch import handoffs_inline, runner_handoff, runner_retire, runner_unregister
 from apps.ci.reconcile import endpoint_reconcile
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.intake import delivery_resolve
@@ -36,7 +36,8 @@ def finished_task(job_id: str) -> None:
 
 @shared_task(ignore_result=True)
 def converge_task(runner_class_id: str) -> None:
-    class_converge(forge=GITLAB, runner_class_id=UUID(runner_class_id))
+    with handoffs_inline():
+        class_converge(forge=GITLAB, runner_class_id=UUID(runner_class_id))
 
 
 @shared_task(ignore_result=True)

@@ -44,10 +44,13 @@ def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     """Admit and place the queued jobs of one grant now, in queue order, if nobody else is
     doing it: a grant another transaction holds (a scheduling pass, a refill, another submit)
     is left to the pass already enqueued instead of waited for, and so is any failure (the job
-    is committed and queued; the pass and the reaper find it). Returns how many were assigned."""
+    is committed and queued; the pass and the reaper find it). Returns how many were assigned.
+    One transaction for both steps (the grant locked once, one commit): a job admitted here is
+    on its machine when anyone else sees it admitted, and a failure leaves it queued."""
     try:
-        admit_grant(org_id=org_id, machine_type_id=machine_type_id, limit=FAST_PATH_LIMIT, nowait=True)
-        assigned, _, _ = place(limit=FAST_PATH_LIMIT, grant=(org_id, machine_type_id), nowait=True)
+        with transaction.atomic():
+            admit_grant(org_id=org_id, machine_type_id=machine_type_id, limit=FAST_PATH_LIMIT, nowait=True)
+            assigned, _, _ = place(limit=FAST_PATH_LIMIT, grant=(org_id, machine_type_id), nowait=True)
         return assigned
     except OperationalError:  # the grant is held right now: the enqueued pass will do it
         return 0

@@ -66,6 +66,56 @@ def test_the_agent_gets_the_job_only_with_its_runner_registration(gh: GitHubWorl
     assert runner_handoff(job_id=job.pk) == "nothing to do"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_convergence_task_hands_off_the_first_placed_runner_job_itself_and_sends_the_rest_to_tasks(
+    tgh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.ci import dispatch
+    from apps.github.tasks import converge_task
+
+    sent: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args, **kw: sent.append((str(task), args)) or True)
+    agents = dict(ready_agent(tgh)[::-1] for _ in range(2))  # machine -> its agent
+    for github_id in (1, 2):
+        assert deliver("workflow_job", workflow_job(github_id, "queued")).status_code == 200
+    sent.clear()  # what the deliveries sent (the convergence's task, run here instead)
+
+    converge_task(str(tgh.runner_class.pk))  # a worker's task, called as the worker calls it
+
+    jobs = list(Job.objects.filter(runner__isnull=False).order_by("queued_at"))
+    assert [j.status for j in jobs] == ["assigned", "assigned"]
+    first, second = jobs
+    # the first one's runner was registered and handed to its machine in the convergence task:
+    # its agent gets it on its next poll, no worker needed
+    assert first.handed_off_to == first.instance_id
+    assert poll(agents[first.instance]).status_code == 200
+    # the second waits for its own hand-off task
+    assert second.handed_off_to is None and poll(agents[second.instance]).status_code == 204
+    assert [args for task, args in sent if task.endswith("handoff_task")] == [(str(second.pk),)]
+    assert len(tgh.fake.summary()["runners"]) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handoff_that_fails_in_the_convergence_task_is_left_to_its_task(
+    tgh: GitHubWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.ci import dispatch
+    from apps.github.tasks import converge_task
+
+    sent: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args, **kw: sent.append((str(task), args)) or True)
+    agent, _ = ready_agent(tgh)
+    assert deliver("workflow_job", workflow_job(1, "queued")).status_code == 200
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "runner_handoff", lambda **kw: 1 / 0)  # a bug, or the database gone
+        converge_task(str(tgh.runner_class.pk))
+    job = Job.objects.get(runner__isnull=False)
+    assert job.status == "assigned" and job.handed_off_to is None
+    assert [args for task, args in sent if task.endswith("handoff_task")] == [(str(job.pk),)]
+    assert runner_handoff(job_id=job.pk) == "handed off"  # what the task does
+    assert poll(agent).status_code == 200
+
+
 def test_at_most_two_github_calls_for_a_job_and_one_once_the_token_is_cached(gh: GitHubWorld) -> None:
     ready_agent(gh)
     ready_agent(gh)
