@@ -163,9 +163,8 @@ class ForgeClient:
         budget, :data:`POLL_SHARE`) for the reconciler's calls, which yield to dispatch."""
         if self.before_call is not None:
             self.before_call()
-        self._check_available()
         windows = self.windows(method, path)
-        self._spend(background=background, windows=windows)
+        self._spend(background=background, windows=windows, check_available=True)
         attempt = 0
         refreshed = False
         while True:
@@ -206,27 +205,23 @@ class ForgeClient:
             attempt += 1
             self._spend(background=background, windows=windows)
 
-    def _check_available(self) -> None:
-        model = self.forge.endpoint
-        row = (
-            model.objects.filter(pk=self.endpoint.pk)
-            .values("unavailable_until", "unavailable_reason", "failures")
-            .first()
-        )
-        if row is None:
-            raise ForgeRefused(f"this {self.forge.title} endpoint is no longer connected")
-        self.endpoint.failures = row["failures"]
-        self.endpoint.unavailable_until = row["unavailable_until"]
-        if row["unavailable_until"] and row["unavailable_until"] > timezone.now():
-            wait = (row["unavailable_until"] - timezone.now()).total_seconds()
+    def _check_available(self, row: Any) -> None:
+        """Refuse the call (made not) while the endpoint is paused; learn its failure count."""
+        self.endpoint.failures = row.failures
+        self.endpoint.unavailable_until = row.unavailable_until
+        if row.unavailable_until and row.unavailable_until > timezone.now():
+            wait = (row.unavailable_until - timezone.now()).total_seconds()
             raise ForgeRateLimited(
-                f"{self.forge.title} unavailable: {row['unavailable_reason']}", retry_after=wait
+                f"{self.forge.title} unavailable: {row.unavailable_reason}", retry_after=wait
             )
 
-    def _spend(self, *, background: bool | float, windows: list[Window] | None = None) -> None:
+    def _spend(
+        self, *, background: bool | float, windows: list[Window] | None = None, check_available: bool = False
+    ) -> None:
         """Count one call against the endpoint's hourly budget (and in ``calls_total``) and its
         documented windows; refuse it (made not) when the budget (for background calls: their
-        share) or a window is used up."""
+        share) or a window is used up, or (``check_available``: a call's first try) while the
+        endpoint is paused. One locked read of the endpoint's row for all of it."""
         budget = getattr(settings, self.forge.settings.request_budget)
         share = (
             1.0 if background is False else (BACKGROUND_SHARE if background is True else float(background))
@@ -245,9 +240,17 @@ class ForgeClient:
                     "spend",
                     "paced_until",
                     "paced_reason",
+                    "unavailable_until",
+                    "unavailable_reason",
+                    "failures",
                 )
-                .get(pk=self.endpoint.pk)
+                .filter(pk=self.endpoint.pk)
+                .first()
             )
+            if row is None:
+                raise ForgeRefused(f"this {self.forge.title} endpoint is no longer connected")
+            if check_available:
+                self._check_available(row)
             if windows and any(w.creates for w in windows) and row.is_paced(now):
                 raise ForgeRateLimited(  # registrations wait (a creation limit): no call
                     row.paced_reason or "registrations paced",
