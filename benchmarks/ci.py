@@ -63,6 +63,7 @@ class ForgeBench:
     received_at: Callable[[Any], Any]  # the fake's delivery -> our stored row's received_at
     core: Any  # the CI core's Forge (apps.ci.forge): its runner records
     id_field: str  # the forge job's id on its record: github_id, gitlab_id
+    registered: Callable[[], int]  # runners registered at the fake now
 
     def runner_job(self, job_id: int) -> tuple[Any, Any]:
         """The forge job's runner here: (runner pk, Catacloud job id)."""
@@ -114,6 +115,7 @@ def _github(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
         received_at=lambda d: WebhookDelivery.objects.get(guid=d.guid).received_at,
         core=GITHUB,
         id_field="github_id",
+        registered=lambda: len(fake.summary()["runners"]),
     )
     return bench, (t, pool)
 
@@ -151,6 +153,7 @@ def _gitlab(stack: Stack, pool_size: int) -> tuple[ForgeBench, Any]:
         received_at=lambda d: GitLabDelivery.objects.get(key=d.key).received_at,
         core=GITLAB,
         id_field="gitlab_id",
+        registered=lambda: len(fake.runners),
     )
     return bench, (t, pool)
 
@@ -187,6 +190,7 @@ def _latency(forge: ForgeBench, t: Any, samples: int, progress: Progress) -> dic
     wait_for(lambda: _ready(t) >= 1, 90, "a ready machine", 0.05)
     warm = forge.queue("warm-up")
     wait_for(lambda: forge.job(warm).done, 60, f"the {forge.title} warm-up job to finish", 0.02)
+    wait_for(lambda: not forge.registered(), 30, "the warm-up's runner to be deleted", 0.02)  # not counted
     calls_before = fake.api_calls()
     with fake.lock:
         first = len(fake.calls)

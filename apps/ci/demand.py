@@ -17,9 +17,10 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from apps.ci.availability import NOT_ON_A_MACHINE, hold_reason
-from apps.ci.dispatch import retire_soon
+from apps.ci.dispatch import handoffs_inline, retire_soon
 from apps.ci.forge import Forge, RunnerClassId, ops_of
 from apps.ci.records import converge_soon
+from apps.core.broker import enqueue
 from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.handoff import awaits_handoff
 from apps.jobs.models import Job
@@ -189,6 +190,21 @@ def class_converge(*, forge: Forge, runner_class_id: RunnerClassId) -> dict[str,
     if started or retired:
         log.info("%s runner class %s: %d started, %d retired", forge, rc, started, retired)
     return {"started": started, "retired": retired}
+
+
+def converge_here(*, forge: Forge, runner_class_ids: list[RunnerClassId]) -> None:
+    """Converge these classes in this task (apps.ci.records.converges_inline), handing off the
+    first runner job placed here too (apps.ci.dispatch.handoffs_inline); a failure leaves the
+    class to its convergence task."""
+    for runner_class_id in runner_class_ids:
+        try:
+            with handoffs_inline():
+                class_converge(forge=forge, runner_class_id=runner_class_id)
+        except Exception:
+            log.exception(
+                "converging %s runner class %s in place failed; its task will", forge, runner_class_id
+            )
+            enqueue(forge.tasks.converge, str(runner_class_id))
 
 
 def classes_converge(*, forge: Forge) -> dict[str, int]:

@@ -9,7 +9,9 @@ job (its name, and its id where the forge gives one).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -172,8 +174,33 @@ def _bind(
     return runner, True
 
 
+# The classes a task running inside :func:`converges_inline` converges itself (None: outside).
+_CONVERGE_HERE: contextvars.ContextVar[list[RunnerClassId] | None] = contextvars.ContextVar(
+    "ci_converge_inline", default=None
+)
+
+
+@contextlib.contextmanager
+def converges_inline() -> Iterator[list[RunnerClassId]]:
+    """Within it (a worker's task that acts on a delivery: GitLab's look-up of a new job's tags),
+    the first class to converge is not sent to a convergence task: once the delivery's
+    transaction committed, its id is added to the list yielded, for the task to converge itself
+    (apps.ci.demand.converge_here) and save the job that made the demand the queue's hops."""
+    wanted: list[RunnerClassId] = []
+    token = _CONVERGE_HERE.set(wanted)
+    try:
+        yield wanted
+    finally:
+        _CONVERGE_HERE.reset(token)
+
+
 def converge_soon(forge: Forge, runner_class_id: RunnerClassId) -> None:
     """Ask for the class's convergence after commit. Each delivery asks; a convergence is a
     few counting queries, so a burst's many are cheap, and the reaper converges every class
     each tick whatever happens to the messages."""
+    wanted = _CONVERGE_HERE.get()
+    if wanted is not None:
+        _CONVERGE_HERE.set(None)  # the first class only; any other goes to its task
+        transaction.on_commit(lambda: wanted.append(runner_class_id))
+        return
     enqueue_on_commit(forge.tasks.converge, str(runner_class_id))

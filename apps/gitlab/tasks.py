@@ -7,9 +7,10 @@ from uuid import UUID
 
 from celery import shared_task
 
-from apps.ci.demand import class_converge
+from apps.ci.demand import class_converge, converge_here
 from apps.ci.dispatch import handoffs_inline, runner_handoff, runner_retire, runner_unregister
 from apps.ci.reconcile import endpoint_reconcile
+from apps.ci.records import converges_inline
 from apps.gitlab.forge import GITLAB
 from apps.gitlab.intake import delivery_resolve
 
@@ -49,5 +50,8 @@ def reconcile_task(connection_id: str) -> None:
 
 @shared_task(ignore_result=True)
 def resolve_task(key: str) -> None:
-    """A Job event about a job new to us, without its tags: look the job up, then act on it."""
-    delivery_resolve(key=key)
+    """A Job event about a job new to us, without its tags: look the job up, act on it, and
+    converge its class here (apps.ci.records.converges_inline)."""
+    with converges_inline() as wanted:
+        delivery_resolve(key=key)
+    converge_here(forge=GITLAB, runner_class_ids=wanted)

@@ -116,6 +116,16 @@ def job_event(
 
 @pytest.fixture
 def gl(world: World, fake_gitlab: FakeGitLab) -> GitLabWorld:
+    return _connected(world, fake_gitlab)
+
+
+@pytest.fixture
+def tgl(tworld: World, fake_gitlab: FakeGitLab) -> GitLabWorld:
+    """The same, committed (for a test whose code commits: a task run as a worker runs it)."""
+    return _connected(tworld, fake_gitlab)
+
+
+def _connected(world: World, fake_gitlab: FakeGitLab) -> GitLabWorld:
     from apps.core.actors import Actor
     from apps.gitlab.services import connection_set, runner_class_save
 

@@ -44,6 +44,38 @@ def handoff(job: Job) -> str:
     return runner_handoff(forge=GITLAB, job_id=job.pk)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_look_up_task_converges_the_class_and_hands_off_the_runner_itself(
+    tgl: GitLabWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pending job's event carries no tags: the task that looks them up also starts, places
+    and hands off its runner, once the delivery committed, with no other task in between (a
+    failure there leaves it to the convergence task)."""
+    from apps.ci import demand, dispatch
+    from apps.gitlab.tasks import resolve_task
+
+    sent: list[str] = []
+    for module in (dispatch, demand):
+        monkeypatch.setattr(module, "enqueue", lambda task, *args, **kw: sent.append(str(task)) or True)
+    agent, instance = ready_agent(tgl)
+    first, second = (tgl.fake.queue_job("acme/app", TAGS) for _ in range(2))
+    for job_id, key in ((first, "first-event"), (second, "second-event")):
+        assert deliver(job_event(job_id, "pending"), key=key).json()["status"] == "deferred"
+
+    resolve_task("first-event")  # a worker's task, called as the worker calls it
+    job = Job.objects.get(gitlab_runner__created_for__gitlab_id=first)
+    assert (job.status, job.instance_id, job.handed_off_to) == ("assigned", instance.pk, instance.pk)
+    answer = poll(agent)
+    assert answer.status_code == 200 and TOKEN_ENV in answer.json()["job"]["secret_env_names"]
+    assert not [t for t in sent if t.endswith(("converge_task", "handoff_task"))], sent
+
+    with monkeypatch.context() as m:  # a bug, or the database gone, while it converges
+        m.setattr(demand, "class_converge", lambda **kw: 1 / 0)
+        resolve_task("second-event")
+    assert GitLabJob.objects.get(gitlab_id=second).runner_class_id == tgl.runner_class.pk
+    assert [t for t in sent if t.endswith("converge_task")] == ["apps.gitlab.tasks.converge_task"]
+
+
 def test_the_agent_gets_the_job_only_with_its_runner_token(gl: GitLabWorld) -> None:
     agent, instance = ready_agent(gl)
     job = queue(gl, 1)
