@@ -33,6 +33,20 @@ def ready_agent(forge_world: Any) -> tuple[Any, Any]:
     return client, instance
 
 
+def tasks_sent(monkeypatch: Any, *modules: Any) -> list[tuple[str, tuple[Any, ...]]]:
+    """What these modules send to the workers (their ``enqueue``): recorded, not sent, so a test
+    can run a task itself and see what it leaves to other tasks."""
+    sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    def enqueue(task: Any, *args: Any, **_: Any) -> bool:
+        sent.append((str(task), args))
+        return True
+
+    for module in modules:
+        monkeypatch.setattr(module, "enqueue", enqueue)
+    return sent
+
+
 def poll(agent: Any) -> Any:
     """The agent asks for work, without waiting."""
     return agent.get("/api/agent/v1/work?wait=0")

@@ -22,7 +22,7 @@ from apps.jobs.models import Job
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_cancel
 from apps.machines.models import MachineInstance
-from tests.ci_common import poll, ready_agent
+from tests.ci_common import poll, ready_agent, tasks_sent
 from tests.github.conftest import GitHubWorld, deliver, workflow_job
 
 pytestmark = pytest.mark.django_db
@@ -73,8 +73,7 @@ def test_the_convergence_task_hands_off_the_first_placed_runner_job_itself_and_s
     from apps.ci import dispatch
     from apps.github.tasks import converge_task
 
-    sent: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args, **kw: sent.append((str(task), args)) or True)
+    sent = tasks_sent(monkeypatch, dispatch)
     agents = dict(ready_agent(tgh)[::-1] for _ in range(2))  # machine -> its agent
     for github_id in (1, 2):
         assert deliver("workflow_job", workflow_job(github_id, "queued")).status_code == 200
@@ -102,8 +101,7 @@ def test_a_handoff_that_fails_in_the_convergence_task_is_left_to_its_task(
     from apps.ci import dispatch
     from apps.github.tasks import converge_task
 
-    sent: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args, **kw: sent.append((str(task), args)) or True)
+    sent = tasks_sent(monkeypatch, dispatch)
     agent, _ = ready_agent(tgh)
     assert deliver("workflow_job", workflow_job(1, "queued")).status_code == 200
     with monkeypatch.context() as m:

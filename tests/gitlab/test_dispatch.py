@@ -27,7 +27,7 @@ from apps.jobs.models import Job
 from apps.jobs.scheduler import schedule
 from apps.jobs.submission import job_cancel
 from apps.machines.models import MachineInstance
-from tests.ci_common import poll, ready_agent
+from tests.ci_common import poll, ready_agent, tasks_sent
 from tests.gitlab.conftest import APP, TAGS, GitLabWorld, deliver, job_event
 
 pytestmark = pytest.mark.django_db
@@ -54,9 +54,7 @@ def test_the_look_up_task_converges_the_class_and_hands_off_the_runner_itself(
     from apps.ci import demand, dispatch
     from apps.gitlab.tasks import resolve_task
 
-    sent: list[str] = []
-    for module in (dispatch, demand):
-        monkeypatch.setattr(module, "enqueue", lambda task, *args, **kw: sent.append(str(task)) or True)
+    sent = tasks_sent(monkeypatch, dispatch, demand)
     agent, instance = ready_agent(tgl)
     first, second = (tgl.fake.queue_job("acme/app", TAGS) for _ in range(2))
     for job_id, key in ((first, "first-event"), (second, "second-event")):
@@ -67,13 +65,13 @@ def test_the_look_up_task_converges_the_class_and_hands_off_the_runner_itself(
     assert (job.status, job.instance_id, job.handed_off_to) == ("assigned", instance.pk, instance.pk)
     answer = poll(agent)
     assert answer.status_code == 200 and TOKEN_ENV in answer.json()["job"]["secret_env_names"]
-    assert not [t for t in sent if t.endswith(("converge_task", "handoff_task"))], sent
+    assert not [t for t, _ in sent if t.endswith(("converge_task", "handoff_task"))], sent
 
     with monkeypatch.context() as m:  # a bug, or the database gone, while it converges
         m.setattr(demand, "class_converge", lambda **kw: 1 / 0)
         resolve_task("second-event")
     assert GitLabJob.objects.get(gitlab_id=second).runner_class_id == tgl.runner_class.pk
-    assert [t for t in sent if t.endswith("converge_task")] == ["apps.gitlab.tasks.converge_task"]
+    assert [t for t, _ in sent if t.endswith("converge_task")] == ["apps.gitlab.tasks.converge_task"]
 
 
 def test_the_agent_gets_the_job_only_with_its_runner_token(gl: GitLabWorld) -> None:
