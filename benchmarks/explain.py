@@ -323,8 +323,8 @@ delivery (GitHub's `queued`, GitLab's `pending`; `received_at`, written by the w
 `job.handed_off` event: the class convergence (a task; for GitLab, the task that looked the
 job's tags up) creates the runner job, admits and places it on a warm machine, and asks the
 forge for the credential in the same task (GitHub: a just-in-time configuration; GitLab: `POST
-/user/runners`, a `glrt-` token) and stores it. *Runner online* adds the agent's wake-up, the runner's start and its first contact with the
-fake. *Calls per job* counts every call the fake answered while the samples ran. GitHub: the
+/user/runners`, a `glrt-` token) and stores it. *Runner online* adds the agent's wake-up, the
+runner's start and its first contact with the fake. *Calls per job* counts every call the fake answered while the samples ran. GitHub: the
 registration, the installation token (once an hour), the reconciler's runner list and polls.
 GitLab: the job's tags looked up (a Job event never carries them: GitLab's
 `lib/gitlab/data_builder/build.rb` names the runner's tags only), the runner created, the runner deleted
