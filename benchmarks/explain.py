@@ -313,31 +313,30 @@ scale out.
 """
 
 CI = """\
-**What the CI figures measure.** Both forges run in the same invocation, one after the other,
-each with its own tenant and pool of local machines on one live stack (gunicorn, the agent
-server, one Celery worker of 2 processes, beat). The fake GitHub (`testkit/github_fake.py`) sends
-signed `workflow_job` deliveries, the fake GitLab (`testkit/gitlab_fake.py`) Job events with
+**What the CI figures measure.** Both forges run in the same invocation, one after the other, each
+with its own tenant and pool of local machines on one live stack (gunicorn, the agent server, one
+Celery worker of 2 processes, beat). The fake GitHub (`testkit/github_fake.py`) sends signed
+`workflow_job` deliveries, the fake GitLab (`testkit/gitlab_fake.py`) Job events with
 `X-Gitlab-Token`; the agents run the stand-in runners (`testkit/github_runner`,
 `testkit/gitlab_runner`). *Webhook → credential handed to the agent* runs from the stored demand
 delivery (GitHub's `queued`, GitLab's `pending`; `received_at`, written by the web) to the
-`job.handed_off` event: the class convergence (a task; for GitLab, the task that looked the
-job's tags up) creates the runner job, admits and places it on a warm machine, and asks the
-forge for the credential in the same task (GitHub: a just-in-time configuration; GitLab: `POST
-/user/runners`, a `glrt-` token) and stores it. *Runner online* adds the agent's wake-up, the
-runner's start and its first contact with the fake. *Calls per job* counts every call the fake answered while the samples ran. GitHub: the
-registration, the installation token (once an hour), the reconciler's runner list and polls.
-GitLab: the job's tags looked up (a Job event never carries them: GitLab's
-`lib/gitlab/data_builder/build.rb` names the runner's tags only), the runner created, the runner deleted
-once its job ended (GitLab keeps a created runner until it is deleted), and the reconciler's share.
-*The burst* queues 400 jobs at once against 10 machines (the grant allows no more): the
-runners start as machines free up, each machine serves one runner after another while its hour
-is paid, so the burst is bought as ~10 machine-hours instead of 400 (hourly billing, 0.0095
-USD an hour); its longest wait is the queue's length over the throughput. It was 1,000 jobs
-until the fakes enforced the forges' documented limits (issue 49): GitHub allows 80
-registrations a minute and 500 an hour, which Catacloud paces at 72 and 450, so a real-time
-1,000-job GitHub burst lasts over two hours whatever the machines, and GitHub's throughput here
-is bounded by 72 jobs a minute, not by the control plane. The 1,000-job burst runs on a
-simulated clock in the `ci_limits` part.
+`job.handed_off` event: the class convergence (a task; for GitLab, the task that looked the job's
+tags up) creates the runner job, admits and places it on a warm machine, and asks the forge for the
+credential in the same task (GitHub: a just-in-time configuration; GitLab: `POST /user/runners`, a
+`glrt-` token) and stores it. *Runner online* adds the agent's wake-up, the runner's start and its
+first contact with the fake. *Calls per job* counts every call the fake answered while the samples
+ran. GitHub: the registration, the installation token (once an hour), the reconciler's runner list
+and polls. GitLab: the job's tags looked up (a Job event never carries them: GitLab's
+`lib/gitlab/data_builder/build.rb` names the runner's tags only), the runner created, the runner
+deleted once its job ended (GitLab keeps a created runner until it is deleted), and the reconciler's
+share. *The burst* queues 400 jobs at once against 10 machines (the grant allows no more): the
+runners start as machines free up, each machine serves one runner after another while its hour is
+paid, so the burst is bought as ~10 machine-hours instead of 400 (hourly billing, 0.0095 USD an
+hour); its longest wait is the queue's length over the throughput. It was 1,000 jobs until the fakes
+enforced the forges' documented limits (issue 49): GitHub allows 80 registrations a minute and 500
+an hour, which Catacloud paces at 72 and 450, so a real-time 1,000-job GitHub burst lasts over two
+hours whatever the machines, and GitHub's throughput here is bounded by 72 jobs a minute, not by the
+control plane. The 1,000-job burst runs on a simulated clock in the `ci_limits` part.
 
 **GitLab's calls per job, 3**: the three a job costs (its tags, its runner, the runner's
 deletion); the reconciler made none while the samples ran. The runs before read 2.97 and 3.03:
