@@ -91,7 +91,8 @@ def test_ci_jobs_run_on_catacloud_machines(gitlab: GitLabStack) -> None:
     ran_on = {fake.runners_seen[fake.job(i).runner_id or 0] for i in ids}
     assert all(name.startswith("catacloud-") for name in ran_on)
     # a runner for each job; a machine whose paid hour goes on may serve several
-    assert len({fake.job(i).runner_id for i in ids}) == 4 and 1 <= len(ran_on) <= 4
+    took = [fake.job(i).runner_id for i in ids]
+    assert len(set(took)) == 4 and 1 <= len(ran_on) <= 4, (took, ran_on)
     stack.on_timeout = lambda: list(_runner_jobs().values_list("status", "pending_reason", "exit_code"))
     stack.wait(lambda: not _runner_jobs().filter(status__in=JOB_LIVE).exists(), 90, "the runner jobs to end")
     ended = list(_runner_jobs().values_list("status", flat=True))
@@ -113,7 +114,16 @@ def test_ci_jobs_run_on_catacloud_machines(gitlab: GitLabStack) -> None:
     costs = stack.api("viewer").get("/api/v1/costs/?group_by=repository").json()
     assert {"acme/app", "acme/web"} <= {r["key"] for r in costs["results"]}
     # per job: its tags looked up, its runner created, its runner deleted (reconciles aside)
-    assert fake.count("POST", "/user/runners") == 4 and fake.count("DELETE", "/runners/") == 4
+    made, deleted = fake.count("POST", "/user/runners"), fake.count("DELETE", "/runners/")
+    assert made == 4 and deleted == 4, (
+        made,
+        deleted,
+        list(
+            _runner_jobs().values_list(
+                "status", "attempt", "failure_reason", "gitlab_runner__retire_requested_at"
+            )
+        ),
+    )
 
 
 def _sampler(
