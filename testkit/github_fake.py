@@ -816,6 +816,10 @@ class FakeGitHub(FakeForge):
             if not isinstance(name, str) or not name:
                 raise HttpError(422, "Invalid request: name is required")
             if any(r.name == name for r in mine):
+                # GitHub's REST docs, "Create configuration for a just-in-time runner for an
+                # organization" (and "... for a repository"): status codes 201, 404, 409 Conflict,
+                # 422; a name already registered where the runner would go is the 409 (what
+                # actions/runner's config.sh reports as "A runner exists with the same name").
                 raise HttpError(409, "Already exists - A runner with the name already exists.")
             fault = self.runner_faults.popleft() if self.runner_faults else None
             runner = Runner(
