@@ -324,6 +324,9 @@ class Soak:
     # redis_outage_empty_pool faults: [fault index, when Redis answered again, when the pool was
     # back at target (None: not yet)]
     pool_watches: list[list[Any]] = field(default_factory=list)
+    # (soak time, reaper ticks ended by then), one per check: a deadline counts the reaper's
+    # own ticks too (_ticks_since), so a reaper late under load is not read as a row it left.
+    ticks: list[tuple[float, int]] = field(default_factory=list)
     # When Redis was down: [start, end (None: still down)]. No task runs then, so what needs one
     # (jobs, resources, artifacts) gets its deadline counted from when the broker answers again.
     broker_down: list[list[Any]] = field(default_factory=list)
@@ -917,6 +920,15 @@ def _injector(
         done.set()
 
 
+def _ticks_since(soak: Soak, at: float) -> int:
+    """Reaper ticks ended since soak time ``at``, from the checks' samples (none known: 2, the
+    clock alone decides)."""
+    if not soak.ticks:
+        return 2
+    before = [n for t, n in soak.ticks if t <= at]
+    return soak.ticks[-1][1] - (before[-1] if before else soak.ticks[0][1])
+
+
 def _reaper_ticks() -> int:
     """How many reaper ticks have ended (the ``reaper`` heartbeat's count: apps/control/reaper.py)."""
     from apps.core.models import Heartbeat
@@ -1130,6 +1142,7 @@ def _age(now: datetime, since: datetime | None) -> float:
 
 def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
     """Check the invariants once; returns whether the system is consistent right now."""
+    from django.db import DatabaseError
     from django.db.models import Max
     from django.utils import timezone
 
@@ -1145,6 +1158,8 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
     p = soak.p
     budget = deadlines(p)
     grace = p.reaper_interval  # "past its deadline plus one reaper interval"
+    with contextlib.suppress(DatabaseError):
+        soak.ticks.append((soak.now(), _reaper_ticks()))
     bad: set[str] = set()  # what is not converged right now (row keys)
     org = world.tenant.org
     provider = LocalProvider(config={"state_dir": str(world.state_dir)}, credentials={})
@@ -1189,7 +1204,9 @@ def _sample(soak: Soak, world: World, *, final: bool = False) -> bool:
                 )
         if kind != "instance":  # a task moves it: the broker's downtime does not count
             allowed += soak.broker_downtime(soak.now() - age)
-        if age > allowed + grace:
+        # ...and, by the reaper's own clock, 2 ticks ended since its deadline (the first may have
+        # begun before it): the reaper's lateness is its own deadline (its tick metric).
+        if age > allowed + grace and _ticks_since(soak, soak.now() - age + allowed) >= 2:
             bad.add(f"{kind}:{row_id}:{state}")
             soak.violate(
                 "deadline",
