@@ -36,8 +36,9 @@ Invariants (each violation is recorded once per row and state, with an example):
   Redis back on the same port), every pool is back at its target (members counting toward it:
   live, unclaimed, not outdated) within 2 reaper intervals of Redis answering again (by the
   reaper's own clock: 3 ticks ended, so a reaper late under load is not counted against the
-  refill), unless a limit (max_size, quota, budget) holds it: while the soak still holds the claims, max_size
-  (members including claimed ones) does; once they are released the pool must refill.
+  refill), unless a limit (max_size, quota, budget) holds it: while the soak still holds the
+  claims, max_size (members including claimed ones) does; once they are released the pool must
+  refill.
 
 Time to converge: for each fault, from the fault to the first sample at which the system is
 consistent again (no running machine without a live row, no ready/claimed row without its
@@ -1067,7 +1068,7 @@ def _check_pools_back(soak: Soak, world: World) -> set[str]:
         return set()
     short = _pools_short(world)
     bad: set[str] = set()
-    ticks = _reaper_ticks() if short else 0
+    ticks = soak.ticks[-1][1] if soak.ticks else 0  # read by this check (_sample)
     for watch in open_watches:
         since = soak.now() - watch[1]
         if not short:

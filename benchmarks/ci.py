@@ -6,12 +6,12 @@ fakes' deliveries (GitHub's signed ``workflow_job``, GitLab's Job events); the s
 run on the machines. Each forge gets its own tenant and pool, one after the other. Per forge:
 
 - **latency** on a warm pool, one job at a time (after one job not counted, which warms each
-  process's path): the demand delivery received (the web's stored
-  row: GitHub's ``queued``, GitLab's ``pending``) -> the runner credential handed to the agent
-  (``job.handed_off``: GitHub's just-in-time configuration, GitLab's ``glrt-`` token) and -> the
-  agent running it (``job.started``); delivery sent -> the stand-in runner online at the fake;
-  every delivery's acknowledgement (the fake's round trip); forge calls per job (every call the
-  fake answered while the samples ran, the reconciler's included, at the default interval).
+  process's path): the demand delivery received (the web's stored row: GitHub's ``queued``,
+  GitLab's ``pending``) -> the runner credential handed to the agent (``job.handed_off``:
+  GitHub's just-in-time configuration, GitLab's ``glrt-`` token) and -> the agent running it
+  (``job.started``); delivery sent -> the stand-in runner online at the fake; every delivery's
+  acknowledgement (the fake's round trip); forge calls per job (every call the fake answered
+  while the samples ran, the reconciler's included, at the default interval).
 - **burst**: ``burst`` jobs queued at once against a pool of ``pool_size`` machines (the grant
   allows no more): throughput, the longest wait for a runner (queued -> started at the forge),
   and what the machines cost with billing-aware reuse against one machine per job.

@@ -136,9 +136,9 @@ def disk_limit_exceeded(finished: dict[str, Any]) -> bool:
     return finished["outcome"] == "failed" and finished["reason"].startswith("disk_limit_exceeded:")
 
 
-def area_image(machine: Machine) -> Path:
-    """The file that holds the machine's job area (sparse: its blocks are what the host lent)."""
-    return Path(str(machine.provider.state_dir / f"{machine.id}.disk"))
+def area_lent(machine: Machine) -> int:
+    """Bytes the host has lent the machine's job area: the blocks of the sparse file holding it."""
+    return Path(str(machine.provider.state_dir / f"{machine.id}.disk")).stat().st_blocks * 512
 
 
 def printed_or_ended(seen: str, key: str, *expected: str) -> None:
@@ -172,7 +172,7 @@ def test_a_deleted_file_held_open_counts_and_is_refused_at_once(bounded: Machine
     assert "ALLOCATED" not in seen, seen
     printed_or_ended(seen, "REFUSED", "REFUSED 28")
     assert disk_limit_exceeded(finished), (finished, seen)
-    assert area_image(bounded).stat().st_blocks * 512 <= area_file_size(GB)  # never more than the area
+    assert area_lent(bounded) <= area_file_size(GB)  # never more than the area
     assert "SURVIVED" not in seen and took < 8, (took, seen)
     assert host_free(bounded.folder) > before - 0.2 * GB  # the host lent it nothing
 
@@ -184,12 +184,11 @@ def test_a_single_allocation_past_the_limit_never_reaches_the_host(bounded: Mach
     )
     printed_or_ended(seen, "status=", "status=1", "No space left on device")
     assert disk_limit_exceeded(finished) and "SURVIVED" not in seen, (finished, seen)
-    assert area_image(bounded).stat().st_blocks * 512 <= area_file_size(GB)
+    assert area_lent(bounded) <= area_file_size(GB)
     assert host_free(bounded.folder) > before - 0.2 * GB
 
 
 def test_data_written_past_the_limit_is_refused_and_its_room_returns_to_the_host(bounded: Machine) -> None:
-    image = area_image(bounded)
     finished, seen, _ = bounded.run(
         "dd if=/dev/zero of=big bs=1M count=1500 status=none; echo status=$?", disk_limit_bytes=GB
     )
@@ -199,11 +198,11 @@ def test_data_written_past_the_limit_is_refused_and_its_room_returns_to_the_host
     assert disk_limit_exceeded(finished), (finished, seen)
     printed_or_ended(seen, "dd:", "No space left on device")
     printed_or_ended(seen, "status=", "status=1")
-    assert image.stat().st_blocks * 512 <= area_file_size(GB)  # never more than the area
+    assert area_lent(bounded) <= area_file_size(GB)  # never more than the area
     # Its folder removed, the blocks it held go back to the host's disk (discard), and the next
     # job finds its disk empty.
     bounded.api.wait_for(
-        lambda: image.stat().st_blocks * 512 < 0.1 * GB,
+        lambda: area_lent(bounded) < 0.1 * GB,
         timeout=20,
         what="the area's room to return to the host",
     )
