@@ -284,6 +284,9 @@ class JobAdmin(ReadOnlyAdmin):
         stages = [
             (s["name"], "-" if s["ms"] is None else f"{s['ms']:.1f} ms", s["what"]) for s in timing["stages"]
         ]
+        if timing["launch"]:  # after running: what its command waited for on its machine
+            launch = timing["launch"]
+            stages.append((f"then {launch['name']}", f"{launch['ms']:.1f} ms", launch["what"]))
         if timing["trace_id"]:
             stages.append(("trace", timing["trace_id"], "this job's trace in the tracing backend"))
         return format_html(

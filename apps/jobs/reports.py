@@ -114,9 +114,12 @@ def job_finished(
     reason: str = "",
     uploads_pending: int | None = None,
     code: str = "",
+    launch: dict[str, Any] | None = None,
 ) -> Job:
     """The agent reports the end of a job; the machine is kept for reuse or destroyed.
     ``code`` (its image could not be had: image_not_found, …) becomes the job's ``failure_code``.
+    ``launch`` (``launch_ms``, ``network``: when the command was launched after the start, how
+    its network came) goes to the event, for the job's timing.
 
     With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
     until the agent's ``uploads-done``: the job's status is final at once, its outputs follow
@@ -164,7 +167,12 @@ def job_finished(
             failure_reason=_final_reason(job, status, reason),
             failure_code=_failure_code(status, code),
             pending_reason="",
-            event_data={"exit_code": exit_code, "attempt": job.attempt, **({"code": code} if code else {})},
+            event_data={
+                "exit_code": exit_code,
+                "attempt": job.attempt,
+                **({"code": code} if code else {}),
+                **(launch or {}),
+            },
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
         if uploads_pending is None or (uploads_pending == 0 and job.config.reuse == Reuse.REUSE):

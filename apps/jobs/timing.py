@@ -84,4 +84,36 @@ def job_timing(job: Job) -> dict[str, Any]:
         "submit_to_running_ms": total,
         "trace_id": trace_id(job.traceparent),
         "stages": [asdict(s) for s in stages],
+        "launch": _launch(job),
+    }
+
+
+NETWORK_CAME = {
+    "ahead": "its network made before it came",
+    "at start": "its network made at its start",
+    "none": "no job network on its machine",
+}
+
+
+def _launch(job: Job) -> dict[str, Any] | None:
+    """After running: the start's confirmation -> the command launched (its folder, sandbox and
+    network), as its agent reported it with the outcome (``None`` until then, or from an agent
+    that does not report it)."""
+    if not job.started_at:
+        return None
+    data = (
+        Event.objects.filter(job_id=job.pk, created_at__gte=job.started_at, data__has_key="launch_ms")
+        .order_by("-id")
+        .values_list("data", flat=True)
+        .first()
+    )
+    if not data:
+        return None
+    network = str(data.get("network") or "")
+    return {
+        "name": "command launch",
+        "what": "started -> command launched: its folder, sandbox and network"
+        + (f" ({NETWORK_CAME[network]})" if network in NETWORK_CAME else ""),
+        "ms": round(float(data["launch_ms"]), 1),
+        "network": network,
     }

@@ -534,11 +534,14 @@ class AgentClient:
         code: str = "",
         retry_for: float = 300.0,
         traceparent: str = "",
+        launch_ms: float | None = None,
+        network: str = "",
     ) -> None:
         """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
 
         ``uploads_pending`` output files follow; the machine stays the job's until
-        :meth:`uploads_done`.
+        :meth:`uploads_done`. ``launch_ms``: from the start's confirmation to the command's
+        launch; ``network``: how its network came (``ahead``, ``at start``, ``none``).
         """
         response = self.request(
             "POST",
@@ -549,6 +552,8 @@ class AgentClient:
                 reason=reason,
                 uploads_pending=uploads_pending,
                 code=code,
+                launch_ms=launch_ms,
+                network=network,
             ).to_json(),
             retry_for=retry_for,
             traceparent=traceparent,

@@ -15,7 +15,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from catacloud.agent.client import (
@@ -38,6 +38,7 @@ from catacloud.agent.files import (
 from catacloud.agent.imagejob import JobImages, image_cwd, image_process
 from catacloud.agent.images import ImageError, PullCancelled, Pulled
 from catacloud.agent.meta import SOCKET_ENV, TOKEN_ENV, MetaServer
+from catacloud.agent.netns import Allow
 from catacloud.agent.outputs import (
     FINISHED_RETRY_SECONDS,
     STOPPING_RETRY_SECONDS,
@@ -84,6 +85,12 @@ class Attempt:
     cancel: Cancellation
     streamer: LogStreamer
     started: float
+    # When its command was launched (after ``started``: its folder, sandbox and network) and how
+    # its network came: reported with its outcome, for the job's timing.
+    launch: dict[str, Any] = field(default_factory=dict)
+
+    def launched(self, network: str) -> None:
+        self.launch.update(ms=round((time.monotonic() - self.started) * 1000, 1), network=network)
 
 
 class JobRunning:
@@ -106,6 +113,9 @@ class JobRunning:
     _cancelled: collections.OrderedDict[str, None]
     _stop_job_reason: str
     _report_on_stop: bool
+    network_ahead: bool
+    _next_uid: int | None  # the next job's, chosen when its network is made ahead
+    _next_allow: tuple[Allow, ...]  # what the last job's machine type allows
 
     def fatal(self, message: str) -> None:
         raise NotImplementedError
@@ -208,7 +218,8 @@ class JobRunning:
         )
         streamer.start()
         work_dir: str | None = None
-        uid = self.job_uids.take() if self.job_uids is not None else None
+        launch: dict[str, Any] = {}
+        uid = self._job_uid()
         try:
             work_dir = self._job_dir(job, uid)
             for folder in ("output", "checkpoint"):
@@ -217,13 +228,32 @@ class JobRunning:
         except OSError as exc:
             result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
+            run = Attempt(job, work_dir, uid, token, cancel, streamer, started)
+            launch = run.launch
             try:
-                result = self._execute(Attempt(job, work_dir, uid, token, cancel, streamer, started))
+                result = self._execute(run)
             finally:
                 forget_secret(token)
                 for value in job.secret_values:
                     forget_secret(value)
-        self._report(job, result, streamer, work_dir)
+        self._report(job, result, streamer, work_dir, launch)
+
+    def _job_uid(self) -> int | None:
+        """The uid of the job starting now: the one its network was made for (:meth:`prepare_next`),
+        else the range's next."""
+        uid, self._next_uid = self._next_uid, None
+        if uid is None and self.job_uids is not None:
+            uid = self.job_uids.take()
+        return uid
+
+    def prepare_next(self) -> None:
+        """Choose the next job's uid and make its network now, while this machine idles (at the
+        agent's start and after each job): the job then waits for neither. It is made for the
+        allow list of the last job (this machine's type's); a job with another gets its own."""
+        if self.work_root is None or self.stopping.is_set() or not self.network_ahead:
+            return
+        self._next_uid = self.job_uids.take() if self.job_uids is not None else None
+        self.launcher.prepare_network(self._next_uid, self._next_uid, self._next_allow, self.work_root)
 
     def _claim_start(self, job: Job, received: float) -> bool:
         """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""
@@ -326,7 +356,7 @@ class JobRunning:
         checkpointer.start()
         log.info("job %s: running in %s", job.id, work_dir)
         try:
-            allow = allow_list(job.network.allow)
+            allow = self._next_allow = allow_list(job.network.allow)
             root = None
             if image is not None:
                 root = ImageRoot(
@@ -350,6 +380,7 @@ class JobRunning:
                 streamer=run.streamer,
                 mask=job.secret_values,
                 watch=watch,
+                on_launch=run.launched,
             )
         finally:
             self.meta.revoke()
@@ -371,7 +402,14 @@ class JobRunning:
             baseline_bytes=self.area_baseline,
         )
 
-    def _report(self, job: Job, result: JobResult, streamer: LogStreamer, work_dir: str | None) -> None:
+    def _report(
+        self,
+        job: Job,
+        result: JobResult,
+        streamer: LogStreamer,
+        work_dir: str | None,
+        launch: dict[str, Any] | None = None,
+    ) -> None:
         """Deliver the job's output, report its outcome, upload its output files, remove its
         folder (the next job, maybe of another uid, finds nothing of this one)."""
         if self.stopping.is_set() and not self._report_on_stop:
@@ -397,6 +435,8 @@ class JobRunning:
                 code=result.code,
                 retry_for=retry_for,
                 traceparent=job.traceparent,
+                launch_ms=(launch or {}).get("ms"),
+                network=(launch or {}).get("network", ""),
             )
         except Unauthorized:
             raise

@@ -47,6 +47,7 @@ from catacloud.agent.jobrun import (
     JobRunning,
 )
 from catacloud.agent.meta import MetaServer
+from catacloud.agent.netns import Allow
 from catacloud.agent.sandbox import (
     Launcher,
     UidAllocator,
@@ -81,6 +82,7 @@ class Agent(JobRunning):
         sandbox: bool = True,
         shared_dirs: tuple[str, ...] = (),
         network: bool = True,
+        network_ahead: bool = True,
         disk_reserve_bytes: int = 0,
         disk_limit_bytes: int | None = None,
         unreachable_limit: float | None = None,
@@ -102,6 +104,7 @@ class Agent(JobRunning):
         self.limits_file = limits_file
         self.sandbox = sandbox
         self.network = network  # False: jobs get a namespace with a loopback only
+        self.network_ahead = network_ahead  # the next job's network made while this machine idles
         self.disk_reserve_bytes = disk_reserve_bytes  # a job ends before the disk's free space does
         self.disk_limit_bytes = disk_limit_bytes  # the machine type's disk_gb: the jobs' area's size
         self.area: Area | None = None  # the jobs' file system of fixed size (catacloud/agent/disk.py)
@@ -129,6 +132,8 @@ class Agent(JobRunning):
         self._report_on_stop = True
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._heartbeat_failures = 0
+        self._next_uid: int | None = None
+        self._next_allow: tuple[Allow, ...] = ()
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -246,6 +251,7 @@ class Agent(JobRunning):
             self._prefetch_images(enrollment)  # a pool member has its images before it is ready
             # the handshake: enroll + heartbeat = ready
             self._heartbeat_once(retry_for=min(60.0, self.unreachable_limit or 60.0))
+            self.prepare_next()
             threads = [
                 threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
                 threading.Thread(target=self._work_loop, name="work", daemon=True),
@@ -258,6 +264,7 @@ class Agent(JobRunning):
                 self._give_up_if_unreachable()
             self._wait_idle(timeout=30.0)
         finally:
+            self.launcher.discard_network()
             self.meta.close()
         log.info("agent stopped (exit code %d)", self.exit_code)
         return self.exit_code
@@ -441,6 +448,7 @@ class Agent(JobRunning):
                         self._current = None
                         self._busy = False
                         self._idle.notify_all()
+                self.prepare_next()
         except Unauthorized as exc:
             self.fatal(f"the control plane rejected this agent's credentials ({exc})")
         except Exception:

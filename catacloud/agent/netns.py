@@ -356,6 +356,71 @@ class Egress:
     def policy(self, allow: Iterable[Allow]) -> Policy:
         return Policy(allow=tuple(allow), host_addresses=self.host_addresses)
 
+    def pasta_argv(self, policy: Policy) -> list[str]:
+        """pasta and its options for a job network (its namespaces are added by the helper)."""
+        forwards = ",".join(str(p) for p in policy.forwarded_ports) or "none"
+        argv = [self.pasta, "--config-net", "--quiet", "--no-map-gw", "--tcp-ports", "none"]
+        argv += ["--udp-ports", "none", "--tcp-ns", forwards, "--udp-ns", "none"]
+        return [*argv, "--dns-forward", DNS_ADDRESS]
+
+    def _helper(self, argv: list[str], policy: Policy, pass_fds: Sequence[int] = ()) -> str | None:
+        """Run this file as the helper; ``None`` when it (and so pasta) is ready, else why not."""
+        try:
+            helper = subprocess.run(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv, *self.pasta_argv(policy)],
+                input=policy.ruleset().encode(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=SETUP_TIMEOUT_SECONDS,
+                close_fds=True,
+                pass_fds=pass_fds,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            )
+        except subprocess.TimeoutExpired:
+            return "the job's network took too long to set up"
+        if helper.returncode != 0:
+            return _last_line(helper.stderr)
+        return None
+
+    def prepare(
+        self, folder: str, *, uid: int | None, gid: int | None, policy: Policy
+    ) -> tuple[int, int] | str:
+        """A job network made before its job: new user and network namespaces owned by ``uid``
+        (the next job's), its rules loaded, its pasta running (pid in ``folder``/pasta.pid).
+        Returns file descriptors of the user and network namespaces, or why not.
+
+        The helper's child creates the namespaces (mapping only its own uid and gid into them),
+        loads the rules there and waits; this agent opens its namespaces, then lets it go: the
+        descriptors (and pasta) hold them until the job's sandbox joins them (``nsenter``)."""
+        if self.mode != "pasta":
+            return "no job network on this machine"
+        ids = [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
+        keep, let_go = os.pipe()
+        try:
+            why = self._helper(["prepare", *ids, folder, str(keep)], policy, pass_fds=(keep,))
+            os.close(keep)
+            keep = -1
+            if why is not None:
+                return why
+            try:
+                with open(os.path.join(folder, "holder.pid")) as fh:
+                    holder = int(fh.read().strip())
+                user = os.open(f"/proc/{holder}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            except (OSError, ValueError) as exc:
+                stop_pasta(os.path.join(folder, "pasta.pid"))
+                return f"cannot open the prepared namespaces: {exc}"
+            try:
+                net = os.open(f"/proc/{holder}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                os.close(user)
+                stop_pasta(os.path.join(folder, "pasta.pid"))
+                return f"cannot open the prepared namespaces: {exc}"
+            return user, net
+        finally:
+            for fd in (keep, let_go):
+                if fd >= 0:
+                    os.close(fd)
+
     def attach(
         self, pid_file: str, *, pid: int, uid: int | None, gid: int | None, policy: Policy
     ) -> str | None:
@@ -369,26 +434,7 @@ class Egress:
         if self.mode != "pasta":
             return None  # a namespace with a loopback only
         ids = [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
-        forwards = ",".join(str(p) for p in policy.forwarded_ports) or "none"
-        argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "attach", str(pid), *ids, pid_file]
-        argv += [self.pasta, "--config-net", "--quiet", "--no-map-gw", "--tcp-ports", "none"]
-        argv += ["--udp-ports", "none", "--tcp-ns", forwards, "--udp-ns", "none"]
-        argv += ["--dns-forward", DNS_ADDRESS]
-        try:
-            helper = subprocess.run(
-                argv,
-                input=policy.ruleset().encode(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                timeout=SETUP_TIMEOUT_SECONDS,
-                close_fds=True,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-            )
-        except subprocess.TimeoutExpired:
-            return "the job's network took too long to set up"
-        if helper.returncode != 0:
-            return _last_line(helper.stderr)
-        return None
+        return self._helper(["attach", str(pid), *ids, pid_file], policy)
 
 
 def stop_pasta(pid_file: str) -> None:
@@ -401,12 +447,23 @@ def stop_pasta(pid_file: str) -> None:
     except (OSError, ValueError):
         return
     try:
-        with open(f"/proc/{pid}/comm") as fh:
-            if not fh.read().strip().startswith(("pasta", "passt")):
-                return  # gone, and the number reused
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            args = fh.read().split(b"\0")
+        if os.fsencode(pid_file) not in args:  # pasta was told this file: else the number was reused
+            return
         os.kill(pid, signal.SIGKILL)
     except OSError:
         return
+
+
+def sweep(folder: str) -> None:
+    """End the pastas an earlier agent left in ``folder`` (networks made ahead of a job that never
+    came: it was killed before it could end them) and remove their folders."""
+    import glob
+
+    for path in glob.glob(os.path.join(glob.escape(folder), ".net-*")):
+        stop_pasta(os.path.join(path, "pasta.pid"))
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _last_line(data: bytes) -> str:
@@ -482,6 +539,11 @@ def load_rules(net: int, user: int, ruleset: str, lib: Any) -> None:
     and load ``ruleset`` there with ``lib`` (libnftables)."""
     _setns(user, _CLONE_NEWUSER, "user")
     _setns(net, _CLONE_NEWNET, "network")
+    _load(ruleset, lib)
+
+
+def _load(ruleset: str, lib: Any) -> None:
+    """Load ``ruleset`` into this process's network namespace with ``lib`` (libnftables)."""
     lib.nft_ctx_new.restype = ctypes.c_void_p
     lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
     lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
@@ -497,9 +559,8 @@ def load_rules(net: int, user: int, ruleset: str, lib: Any) -> None:
         raise OSError(f"nftables refused the job's rules: {message or 'no message'}")
 
 
-def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: list[str]) -> int:
-    import fcntl
-
+def _as_job(uid: int | None, gid: int | None) -> tuple[str, Any]:
+    """The rules (from stdin) and libnftables, then this helper becomes the job's uid."""
     ruleset = sys.stdin.read()
     try:  # before the uid change (the library's folder may be private); by its soname: quick
         lib = ctypes.CDLL("libnftables.so.1")
@@ -509,6 +570,19 @@ def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: li
         os.setgroups([])
         os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid, -1)
         os.setresuid(uid, uid, uid)
+    return ruleset, lib
+
+
+def _report(exc: OSError) -> None:
+    print(exc.strerror if exc.strerror and len(exc.args) > 1 else str(exc), file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: list[str]) -> int:
+    """Rules, then pasta, for the namespaces of the running sandbox ``pid``."""
+    import fcntl
+
+    ruleset, lib = _as_job(uid, gid)
     net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     # The sandbox's first process may already sit in a nested user namespace (bubblewrap's
     # --disable-userns): the one that owns the network namespace is what pasta and the rules need.
@@ -519,19 +593,80 @@ def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: li
         try:
             load_rules(net, user, ruleset, lib)
         except OSError as exc:
-            print(exc.strerror if exc.strerror and len(exc.args) > 1 else str(exc), file=sys.stderr)
+            _report(exc)
             code = 1
         finally:
-            sys.stderr.flush()
             os._exit(code)
     if os.waitpid(child, 0)[1] != 0:
         return 1
-    os.set_inheritable(net, True)
-    os.set_inheritable(user, True)
+    return _become_pasta(net, user, pid_file, pasta)
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def _prepare(uid: int | None, gid: int | None, folder: str, keep: int, pasta: list[str]) -> int:
+    """Namespaces for the next job, made now: a child of this helper (as the job's uid) unshares
+    new user and network namespaces, maps its own uid and gid into them and nothing else, loads
+    the rules there (it holds every capability in them) and waits until ``keep`` closes (the agent
+    has opened its namespaces by then); this helper writes the child's pid in
+    ``folder``/holder.pid and becomes their pasta."""
+    ruleset, lib = _as_job(uid, gid)
+    ready, told = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 0
+        try:
+            os.close(ready)
+            libc = ctypes.CDLL(None, use_errno=True)
+            # The uid change cleared it, which leaves /proc/self/* to root: the maps below are
+            # written there, and the agent (and this helper) open this process's namespaces next.
+            libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+            me, group = os.geteuid(), os.getegid()  # unmapped (65534) in the new namespace
+            if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"cannot make the job's namespaces: {os.strerror(errno)}")
+            for name, line in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{me} {me} 1"),
+                ("gid_map", f"{group} {group} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as fh:
+                    fh.write(line + "\n")
+            _load(ruleset, lib)
+            os.write(told, b"1")
+            os.close(told)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # the agent waits for the helper's stderr to close
+                os.dup2(devnull, fd)
+            while os.read(keep, 64):
+                pass
+        except OSError as exc:
+            _report(exc)
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(told)
+    os.close(keep)
+    if os.read(ready, 1) != b"1":
+        os.waitpid(child, 0)
+        return 1
+    os.close(ready)
+    with open(os.path.join(folder, "holder.pid"), "w") as fh:
+        fh.write(f"{child}\n")
+    net = os.open(f"/proc/{child}/ns/net", os.O_RDONLY)
+    user = os.open(f"/proc/{child}/ns/user", os.O_RDONLY)
+    return _become_pasta(net, user, os.path.join(folder, "pasta.pid"), pasta)
+
+
+def _become_pasta(net: int, user: int, pid_file: str, pasta: list[str]) -> int:
+    """Exec pasta for the namespaces ``net`` and ``user``: it connects the namespace, writes its
+    pid in ``pid_file`` and goes to the background (the helper's exit says ready)."""
     import signal
 
+    os.set_inheritable(net, True)
+    os.set_inheritable(user, True)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; pasta refuses to start so
-    # pasta connects the namespace, writes its pid and goes to the background: this exit says ready
     os.execv(
         pasta[0],
         [*pasta, "--pid", pid_file, "--userns", f"/proc/self/fd/{user}", "--netns", f"/proc/self/fd/{net}"],
@@ -540,19 +675,26 @@ def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: li
 
 
 def _main(argv: Sequence[str]) -> int:
-    if len(argv) < 6 or argv[0] != "attach" or not argv[1].isdigit():
-        print(
-            "usage: netns.py attach PID UID|- GID|- PID_FILE PASTA [ARGS...]  (rules on stdin)",
-            file=sys.stderr,
-        )
-        return 2
-    uid = int(argv[2]) if argv[2] != "-" else None
-    gid = int(argv[3]) if argv[3] != "-" else None
+    usage = (
+        "usage: netns.py attach PID UID|- GID|- PID_FILE PASTA [ARGS...]\n"
+        "       netns.py prepare UID|- GID|- FOLDER KEEP_FD PASTA [ARGS...]  (rules on stdin)"
+    )
     try:
-        return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]))
+        if len(argv) >= 6 and argv[0] == "attach" and argv[1].isdigit():
+            uid, gid = _ids(argv[2], argv[3])
+            return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]))
+        if len(argv) >= 6 and argv[0] == "prepare" and argv[4].isdigit():
+            uid, gid = _ids(argv[1], argv[2])
+            return _prepare(uid, gid, argv[3], int(argv[4]), list(argv[5:]))
     except OSError as exc:
         print(f"cannot set the job's network up: {exc}", file=sys.stderr)
         return 1
+    print(usage, file=sys.stderr)
+    return 2
+
+
+def _ids(uid: str, gid: str) -> tuple[int | None, int | None]:
+    return (int(uid) if uid != "-" else None), (int(gid) if gid != "-" else None)
 
 
 def read_child_pid(fd: int, timeout: float = SETUP_TIMEOUT_SECONDS) -> int | None:

@@ -475,6 +475,7 @@ def run_job_process(
     poll_interval: float = 0.1,
     mask: Iterable[str] = (),
     watch: Watch | None = None,
+    on_launch: Callable[[str], None] | None = None,
 ) -> JobResult:
     """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
 
@@ -515,6 +516,8 @@ def run_job_process(
                 launch.network.abort(proc)
         if why is not None:
             return JobResult(None, FAILED, f"could not set up the job's network: {why}")
+    if on_launch is not None:  # the command runs now (or is about to: bubblewrap's last steps)
+        on_launch(launch.network_kind())
     assert proc.stdout is not None and proc.stderr is not None
     masker = OutputMasker(mask, streamer.feed, streamer.end_stream)  # both streams as one sequence
     readers = [

@@ -39,12 +39,21 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from catacloud.agent.images import let_in
-from catacloud.agent.netns import Allow, Egress, Policy, read_child_pid, resolv_conf, stop_pasta
+from catacloud.agent.netns import (
+    SETUP_TIMEOUT_SECONDS,
+    Allow,
+    Egress,
+    Policy,
+    read_child_pid,
+    resolv_conf,
+    stop_pasta,
+)
 
 log = logging.getLogger("catacloud.agent")
 
@@ -62,7 +71,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # ranges at 1879048191), below 2^31 (tools that read uids as signed ints).
 JOB_UID_BASE = 2_000_000_000
 # The environment of the processes that start a job (bubblewrap, the supervisor): fixed.
-LAUNCH_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LAUNCH_ENV = {"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"}
 # Devices a job on a GPU machine needs, passed through when the machine has them.
 GPU_DEVICES = (
     "/dev/nvidiactl",
@@ -303,6 +313,50 @@ class NetworkSetup:
 
 
 @dataclass
+class ReadyNetwork:
+    """A job network made before its job (:meth:`BubblewrapLauncher.prepare_network`): its own
+    user and network namespaces (``user``, ``net``: this agent's descriptors), the rules loaded,
+    its pasta running; for one job of ``uid`` whose machine type allows ``allow``. The job's
+    sandbox joins both namespaces (``nsenter``) instead of making a network namespace, so its
+    start waits for nothing; nothing of it serves a second job."""
+
+    uid: int | None
+    gid: int | None
+    allow: tuple[Allow, ...]
+    folder: str  # pasta's pid file: the agent's, hidden from the job
+    user: int
+    net: int
+    made_ms: float  # what making it took (the job would have waited that long)
+
+    def fits(self, place: JobPlace) -> bool:
+        return (self.uid, self.gid, self.allow) == (place.uid, place.gid, tuple(place.allow))
+
+    # What run_job_process asks of a job's network (as of NetworkSetup): it is ready already.
+    def run(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        """The sandbox did not start: nothing will use this network."""
+        self.finish()
+
+    def abort(self, proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.communicate()
+        self.finish()
+
+    def finish(self) -> None:
+        """After the job (or unused): its pasta ends, its folder goes."""
+        for fd in (self.user, self.net):  # -1 once a launch took them (it closes them)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.user = self.net = -1
+        stop_pasta(os.path.join(self.folder, "pasta.pid"))
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@dataclass
 class Launch:
     """How to start one job: ``subprocess.Popen(argv, env=env, pass_fds=fds, user=, group=)``,
     then ``network.run()`` when there is one (the command waits for it).
@@ -315,8 +369,14 @@ class Launch:
     user: int | None = None
     group: int | None = None
     socket_env: str = ""  # CATACLOUD_AGENT_SOCKET as the job sees it
-    network: NetworkSetup | None = None
+    network: NetworkSetup | ReadyNetwork | None = None
     after_start: Callable[[], None] | None = None  # once the launcher's copies are closed
+
+    def network_kind(self) -> str:
+        """How the job got its network: ``ahead`` (made before it came), ``at start``, ``none``."""
+        if isinstance(self.network, ReadyNetwork):
+            return "ahead"
+        return "at start" if self.network is not None else "none"
 
     def popen_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"env": self.env, "pass_fds": self.fds}
@@ -397,7 +457,78 @@ class BubblewrapLauncher:
     # The job's network namespace gets the internet through this (catacloud/agent/netns.py);
     # "none" (or no pasta on this host): a loopback and nothing else. Never the host's network.
     egress: Egress = field(default_factory=lambda: Egress("none", detail="not set up"))
+    # util-linux's nsenter: how a sandbox joins a network made before its job (none: every job's
+    # network is made at its start).
+    nsenter: str | None = field(default_factory=lambda: shutil.which("nsenter", path=_SYSTEM_PATH))
     kind: str = field(default="bubblewrap", init=False)
+    _spare: ReadyNetwork | None = field(default=None, init=False, repr=False)
+    _making: threading.Thread | None = field(default=None, init=False, repr=False)
+    _spare_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def prepare_network(
+        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str
+    ) -> None:
+        """Make the network of the next job (of ``uid``, allowed ``allow``) now, in the background,
+        while this machine idles: :meth:`launch` gives it to that job when it fits (same uid, same
+        allow list), else ends it and makes the job's own at its start, as without it."""
+        if self.egress.mode != "pasta" or self.nsenter is None:
+            return
+        self.discard_network()
+        making = threading.Thread(
+            target=self._make_network,
+            args=(uid, gid, tuple(allow), state_dir),
+            name="job-network",
+            daemon=True,
+        )
+        with self._spare_lock:
+            self._making = making
+        making.start()
+
+    def _make_network(
+        self, uid: int | None, gid: int | None, allow: tuple[Allow, ...], state_dir: str
+    ) -> None:
+        began = time.monotonic()
+        folder = tempfile.mkdtemp(prefix=".net-", dir=state_dir)
+        try:
+            if uid is not None:
+                os.chown(folder, uid, gid if gid is not None else uid)
+            got = self.egress.prepare(folder, uid=uid, gid=gid, policy=self.egress.policy(allow))
+        except OSError as exc:
+            got = str(exc)
+        if isinstance(got, str):
+            log.warning("could not make the next job's network ahead (it is made at its start): %s", got)
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        ready = ReadyNetwork(uid, gid, allow, folder, *got, made_ms=(time.monotonic() - began) * 1000)
+        with self._spare_lock:
+            old, self._spare = self._spare, ready
+        if old is not None:
+            old.finish()
+
+    def _take_network(self, place: JobPlace) -> ReadyNetwork | None:
+        """The network made for this job, when there is one that fits (one being made is waited
+        for: it is ready sooner than a new one)."""
+        with self._spare_lock:
+            making, self._making = self._making, None
+        if making is not None:
+            making.join(SETUP_TIMEOUT_SECONDS)
+        with self._spare_lock:
+            ready, self._spare = self._spare, None
+        if ready is not None and not ready.fits(place):
+            ready.finish()
+            return None
+        return ready
+
+    def discard_network(self) -> None:
+        """End the network made for a next job (the agent stops, or the next job's changes)."""
+        with self._spare_lock:
+            making, self._making = self._making, None
+        if making is not None:
+            making.join(SETUP_TIMEOUT_SECONDS)
+        with self._spare_lock:
+            ready, self._spare = self._spare, None
+        if ready is not None:
+            ready.finish()
 
     def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
         uid = place.uid if place.uid is not None else os.geteuid()
@@ -409,14 +540,24 @@ class BubblewrapLauncher:
             fds.append(memfd(resolv_conf()))
         fds.append(memfd(env_script(env)))
         resolver = fds[2] if len(fds) > 3 else None
+        ready = self._take_network(place) if self.egress.mode == "pasta" else None
+        own_net = ready is None
         if image is not None:
-            args = self._image_options(place, image, env_file=fds[-1], resolver=resolver)
+            args = self._image_options(place, image, env_file=fds[-1], resolver=resolver, own_net=own_net)
         else:
-            args = self._options(place, env_file=fds[-1], resolver=resolver)
+            args = self._options(place, env_file=fds[-1], resolver=resolver, own_net=own_net)
         args += ["--perms", "0644", "--ro-bind-data", str(fds[0]), "/etc/passwd"]
         args += ["--perms", "0644", "--ro-bind-data", str(fds[1]), "/etc/group"]
-        network: NetworkSetup | None = None
-        if self.egress.mode == "pasta":
+        network: NetworkSetup | ReadyNetwork | None = None
+        enter: list[str] = []
+        if ready is not None:  # its namespaces first (its owner is the job's uid), then the sandbox
+            assert self.nsenter is not None
+            fds += [ready.user, ready.net]
+            enter = [self.nsenter, f"--user=/proc/self/fd/{ready.user}", f"--net=/proc/self/fd/{ready.net}"]
+            enter += ["--preserve-credentials", "--"]
+            ready.user = ready.net = -1  # the launch's now: closed with its other descriptors
+            network = ready
+        elif self.egress.mode == "pasta":
             info_read, info_write = os.pipe()
             release_read, release_write = os.pipe()
             fds += [info_write, release_read]
@@ -449,7 +590,7 @@ class BubblewrapLauncher:
         else:
             process = [f'{_READ_ENV} && exec /bin/sh -c "$1"', "sh", command]
         return Launch(
-            argv=[self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", *process],
+            argv=[*enter, self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", *process],
             env=dict(LAUNCH_ENV),
             fds=(*fds, args_fd),
             user=place.uid,
@@ -459,16 +600,17 @@ class BubblewrapLauncher:
             after_start=after_start,
         )
 
-    def _namespace_options(self, *, root: str) -> list[str]:
+    def _namespace_options(self, *, root: str, own_net: bool = True) -> list[str]:
         """What every sandbox starts with, on the machine or in an image: its own namespaces and
-        host name, ``root`` read-only at ``/``, ``/dev``, ``/proc`` and the GPU devices there are."""
+        host name, ``root`` read-only at ``/``, ``/dev``, ``/proc`` and the GPU devices there are.
+        ``own_net`` False: the sandbox already sits in its job's network namespace (made ahead)."""
         args = [
             "--unshare-user",
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
             "--unshare-cgroup-try",
-            "--unshare-net",
+            *(["--unshare-net"] if own_net else []),
             "--disable-userns",
             "--hostname",
             self.hostname,
@@ -485,8 +627,10 @@ class BubblewrapLauncher:
             args += ["--dev-bind", device, device]
         return args
 
-    def _options(self, place: JobPlace, *, env_file: int, resolver: int | None = None) -> list[str]:
-        args = self._namespace_options(root="/")
+    def _options(
+        self, place: JobPlace, *, env_file: int, resolver: int | None = None, own_net: bool = True
+    ) -> list[str]:
+        args = self._namespace_options(root="/", own_net=own_net)
         hidden = [
             p for p in ("/tmp", "/var/tmp", "/run", "/dev/shm", *_HOMES, *self.hidden) if os.path.isdir(p)
         ]
@@ -520,7 +664,7 @@ class BubblewrapLauncher:
         return args
 
     def _image_options(
-        self, place: JobPlace, image: ImageRoot, *, env_file: int, resolver: int | None
+        self, place: JobPlace, image: ImageRoot, *, env_file: int, resolver: int | None, own_net: bool = True
     ) -> list[str]:
         """The sandbox of a job inside an image: the image's root read-only at ``/`` (nothing of
         the machine's file system), then what every job gets: private ``/tmp``, ``/var/tmp``,
@@ -528,7 +672,7 @@ class BubblewrapLauncher:
         no other job's folder is there), the shared folders, the agent's socket, the resolver,
         its env file, ``/etc/passwd`` and ``/etc/group``. The store made every mount point in
         the image's root when it unpacked it (a read-only root cannot get one later)."""
-        args = self._namespace_options(root=image.rootfs)
+        args = self._namespace_options(root=image.rootfs, own_net=own_net)
         for folder in ("/tmp", "/var/tmp", "/run", "/dev/shm", image.mount_root):
             args += ["--tmpfs", folder]
         for folder in self.shared:
@@ -582,6 +726,14 @@ class UidLauncher:
             fds=(fd,),
             socket_env=place.socket_path,
         )
+
+    def prepare_network(
+        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str
+    ) -> None:
+        """No job network without the sandbox: nothing to make ahead."""
+
+    def discard_network(self) -> None:
+        """Nothing made ahead."""
 
     def describe(self) -> dict[str, Any]:
         # No sandbox, no namespace: such a job shares the machine's network (SECURITY.md).

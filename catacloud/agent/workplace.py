@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from catacloud.agent.netns import Egress, egress_problem, find_pasta, host_addresses
+from catacloud.agent.netns import Egress, egress_problem, find_pasta, host_addresses, sweep
 from catacloud.agent.sandbox import (
     BubblewrapLauncher,
     JobPlace,
@@ -46,6 +46,7 @@ def prepare_site(work_root: str | None, sample_uid: int | None) -> JobSite | str
         work_root = tempfile.mkdtemp(prefix="catacloud-work-")
     else:
         os.makedirs(work_root, mode=0o700, exist_ok=True)
+        sweep(work_root)  # what an agent killed here before left running
     if sample_uid is not None:
         # Jobs pass through (to their own 0700 folder, the socket) but cannot list the others.
         os.chmod(work_root, 0o711)

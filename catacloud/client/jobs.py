@@ -400,6 +400,9 @@ def _show_timing(timing: dict, args: argparse.Namespace) -> int:
             for s in timing["stages"]
         ],
     )
+    launch = timing.get("launch")
+    if launch:
+        print(f"\nthen {launch['name']}: {ms(launch['ms'])} ({launch['what']})")
     return 0
 
 

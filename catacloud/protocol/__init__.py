@@ -308,6 +308,8 @@ class Finished(Message):
     reason: str = ""
     uploads_pending: int = 0
     code: str = ""  # an ImageFailure value when the job's image could not be had
+    launch_ms: float | None = None  # the start's confirmation -> the command launched
+    network: str = ""  # how the job's network came: "ahead" (made before it), "at start", "none"
 
 
 @dataclasses.dataclass(frozen=True)

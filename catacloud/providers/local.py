@@ -27,6 +27,9 @@ Config:
       file system of that size of its own (catacloud/agent/disk.py), loop-mounted on its work
       folder where the control plane runs as root; False leaves its jobs to the disk watchdog
       alone (weaker: an instant allocation passes it), for hosts without loop devices.
+  ``network_ahead`` (bool, default True): the agent makes the next job's network (namespaces,
+      rules, pasta) while the machine idles, so a job's start waits for none of it; False makes
+      each at its job's start (about 0.1 s more a job), as before (the benchmark compares both).
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
   ``unreachable_limit_seconds`` (float, default ``CATACLOUD_LOCAL_UNREACHABLE_LIMIT`` or 600; 0:
@@ -188,6 +191,7 @@ class LocalProvider(Provider):
         sandbox = self.config.get("sandbox")
         self.sandbox = sandbox_default() if sandbox is None else bool(sandbox)
         self.job_areas = bool(self.config.get("job_areas", True))
+        self.network_ahead = bool(self.config.get("network_ahead", True))
         try:
             self.mounts = [Mount.parse(raw) for raw in self.config.get("mounts") or []]
             self.pids_max = int(self.config.get("pids_max", DEFAULT_PIDS_MAX))
@@ -372,6 +376,8 @@ class LocalProvider(Provider):
             args += ["--job-uids", str(uids)]
         args += ["--limits-file", self._inside(folder, LIMITS_FILE)]
         args += ["--disk-reserve-gb", f"{self.disk_reserve_gb:g}"]
+        if not self.network_ahead:
+            args.append("--no-network-ahead")
         if spec.disk_gb:
             args += ["--disk-gb", str(spec.disk_gb)]
         for mount in self.mounts:

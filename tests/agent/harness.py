@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -41,6 +42,11 @@ def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.05)
     return [pid for pid in pids if alive(pid)]
+
+
+def outcome(finished: dict[str, Any]) -> dict[str, Any]:
+    """A finished report without its launch timing (``launch_ms``, ``network``)."""
+    return {k: v for k, v in finished.items() if k not in ("launch_ms", "network")}
 
 
 def values(output: str, key: str) -> list[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import stat
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from catacloud.agent import __version__
@@ -30,6 +33,7 @@ from tests.agent.harness import (
     assert_no_secrets,
     host_pids,
     leftovers,
+    outcome,
     values,
     wait_gone,
 )
@@ -127,7 +131,7 @@ def test_output_reaches_the_server_while_the_job_still_runs(
     )
 
     finished = api.wait_finished(job)
-    assert finished == {
+    assert outcome(finished) == {
         "exit_code": 0,
         "outcome": "succeeded",
         "reason": "exit code 0",
@@ -157,7 +161,7 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
     )
     leaving_a_child = api.assign("sleep 1001 & echo bg=$!")
 
-    assert api.wait_finished(failing) == {
+    assert outcome(api.wait_finished(failing)) == {
         "exit_code": 3,
         "outcome": "failed",
         "reason": "exit code 3",
@@ -174,6 +178,59 @@ def test_exit_codes_are_reported_and_the_agent_takes_the_next_job(
     assert values(output, "wd") == values(output, "pwd")
     assert Path(values(output, "wd")[0]).parent == work_dir
     assert Path(values(output, "wd")[0]).name.endswith("-2")
+
+
+def pastas(agent: AgentProcess) -> list[int]:
+    """The job networks' pasta processes on the agent's machine."""
+    found = []
+    with contextlib.suppress(psutil.Error):
+        for process in psutil.Process(agent.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if process.name().startswith(("pasta", "passt")) and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process.pid)
+    return found
+
+
+PY_IN_JOB = "python3"
+LINGER = (
+    "import socket\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 47123)); s.listen()\n"
+    "c = socket.create_connection(('127.0.0.1', 47123)); a, _ = s.accept()\n"
+    "c.close(); a.recv(1); a.close()\n"
+    "n = sum(':B813 ' in line and line.split()[3] == '06' for line in open('/proc/net/tcp'))\n"
+    "print('left', n)"
+)
+
+
+def test_the_next_jobs_network_is_made_while_the_machine_idles_and_serves_that_job_alone(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    agent = start_agent()
+    enrolled = api.wait_for(lambda: api.calls("POST", "enroll"), timeout=20, what="the enrollment")
+    isolation = enrolled[0].body["machine"]["isolation"]
+    if isolation["network"] != "pasta":
+        pytest.skip(f"no job network here: {isolation['network_detail']}")
+    # Idle after enrolling: the first job's network is made already (its pasta runs).
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="the next job's network")
+    # Each job counts the connections to port 47123 its namespace holds, then leaves one there:
+    # closed first on its side, it stays in TIME_WAIT after the job's processes end, for as long
+    # as the namespace lives. A job that found one would share an earlier job's namespace.
+    jobs = [
+        api.assign(f"grep -c ':B813 ' /proc/net/tcp; {PY_IN_JOB} -c {shlex.quote(LINGER)}") for _ in range(3)
+    ]
+    reports = [api.wait_finished(job, timeout=30) for job in jobs]
+
+    assert [r["network"] for r in reports] == ["ahead"] * 3, reports
+    assert all(0 < r["launch_ms"] < 60_000 for r in reports), reports
+    counts = [api.output(job, "stdout").split() for job in jobs]
+    errors = [api.output(job, "stderr") for job in jobs]
+    assert counts == [["0", "left", "1"]] * 3, (
+        f"each job in a network namespace of its own: {counts} {errors}"
+    )
+    # Each job's pasta ended with it; only the next job's runs while the machine idles.
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="one pasta: the next job's")
+    time.sleep(0.5)
+    assert len(pastas(agent)) == 1, "a job network outlived its job"
 
 
 def test_a_job_with_thousands_of_env_variables_gets_each_exactly(
@@ -359,7 +416,7 @@ def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
     agent.signal(signal.SIGTERM)
 
     assert agent.wait(10) == 0
-    assert api.finished[job][0] == {
+    assert outcome(api.finished[job][0]) == {
         "exit_code": None,
         "outcome": "cancelled",
         "reason": "agent stopped",
@@ -380,7 +437,7 @@ def test_terminate_from_heartbeat_stops_the_job_and_the_agent(
     api.terminate = True
 
     assert agent.wait(10) == 0
-    assert api.finished[job][0] == {
+    assert outcome(api.finished[job][0]) == {
         "exit_code": None,
         "outcome": "cancelled",
         "reason": "machine terminating",

@@ -22,7 +22,7 @@ from catacloud.agent.files import (
     url_quote_name,
 )
 from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
-from tests.agent.harness import PY, AgentProcess, assert_no_secrets, values
+from tests.agent.harness import PY, AgentProcess, assert_no_secrets, outcome, values
 
 
 def make_tar(files: dict[str, bytes], extra: Callable[[tarfile.TarFile], None] | None = None) -> bytes:
@@ -85,7 +85,7 @@ def test_outputs_arrive_byte_for_byte_after_finished_then_uploads_done_releases_
     done = api.wait_uploads_done(job)
 
     finished, finished_at = api.finished[job]
-    assert finished == {
+    assert outcome(finished) == {
         "exit_code": 0,
         "outcome": "succeeded",
         "reason": "exit code 0",

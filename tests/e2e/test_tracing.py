@@ -111,6 +111,9 @@ def test_a_job_is_one_trace_from_its_submit_to_its_agents_reports(tworld: World,
                 assert all(st["ms"] is not None for st in timing["stages"]), timing
                 parts = sum(st["ms"] for st in timing["stages"])
                 assert abs(parts - timing["submit_to_running_ms"]) < 1.0, timing
+                # then, on the machine: started -> its command launched, as its agent reported it
+                launch = timing["launch"]
+                assert launch and launch["ms"] > 0 and launch["network"] in ("ahead", "at start", "none")
     finally:
         stop_local_machines(state_dir)
 

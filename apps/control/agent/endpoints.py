@@ -158,6 +158,10 @@ class FinishedIn(serializers.Serializer):
     outcome = serializers.ChoiceField(choices=[o.value for o in Outcome])
     reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
     code = serializers.CharField(allow_blank=True, required=False, default="", max_length=32)
+    launch_ms = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=86_400_000)
+    network = serializers.ChoiceField(
+        choices=["ahead", "at start", "none"], required=False, allow_blank=True, default=""
+    )
 
 
 class FinishedView(AgentView):
@@ -172,6 +176,11 @@ class FinishedView(AgentView):
             reason=body.validated_data["reason"],
             uploads_pending=body.validated_data.get("uploads_pending"),
             code=body.validated_data["code"],
+            launch={
+                k: body.validated_data[k]
+                for k in ("launch_ms", "network")
+                if body.validated_data.get(k) not in (None, "")
+            },
         )
         return Response({"ok": True, "status": job.status})
 
