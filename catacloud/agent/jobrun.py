@@ -246,14 +246,17 @@ class JobRunning:
             uid = self.job_uids.take()
         return uid
 
-    def prepare_next(self) -> None:
-        """Choose the next job's uid and make its network now, while this machine idles (at the
-        agent's start and after each job): the job then waits for neither. It is made for the
-        allow list of the last job (this machine's type's); a job with another gets its own."""
+    def prepare_next(self, *, wait: bool = False) -> None:
+        """Choose the next job's uid and make its network now, while this machine idles (before
+        the agent reports ready, ``wait``, and after each job): the job then waits for neither.
+        It is made for the allow list of the last job (this machine's type's); a job with
+        another gets its own."""
         if self.work_root is None or self.stopping.is_set() or not self.network_ahead:
             return
         self._next_uid = self.job_uids.take() if self.job_uids is not None else None
-        self.launcher.prepare_network(self._next_uid, self._next_uid, self._next_allow, self.work_root)
+        self.launcher.prepare_network(
+            self._next_uid, self._next_uid, self._next_allow, self.work_root, wait=wait
+        )
 
     def _claim_start(self, job: Job, received: float) -> bool:
         """Tell the control plane the job starts; False: it is not (or no longer) this machine's."""

@@ -249,9 +249,9 @@ class Agent(JobRunning):
         self.meta.start()
         try:
             self._prefetch_images(enrollment)  # a pool member has its images before it is ready
+            self.prepare_next(wait=True)  # and its first job's network
             # the handshake: enroll + heartbeat = ready
             self._heartbeat_once(retry_for=min(60.0, self.unreachable_limit or 60.0))
-            self.prepare_next()
             threads = [
                 threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
                 threading.Thread(target=self._work_loop, name="work", daemon=True),

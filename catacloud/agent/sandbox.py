@@ -466,14 +466,18 @@ class BubblewrapLauncher:
     _spare_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def prepare_network(
-        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str
+        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str, *, wait: bool = False
     ) -> None:
-        """Make the network of the next job (of ``uid``, allowed ``allow``) now, in the background,
-        while this machine idles: :meth:`launch` gives it to that job when it fits (same uid, same
-        allow list), else ends it and makes the job's own at its start, as without it."""
+        """Make the network of the next job (of ``uid``, allowed ``allow``) now, in the background
+        (``wait``: before returning), while this machine idles: :meth:`launch` gives it to that
+        job when it fits (same uid, same allow list), else ends it and makes the job's own at its
+        start, as without it."""
         if self.egress.mode != "pasta" or self.nsenter is None:
             return
         self.discard_network()
+        if wait:
+            self._make_network(uid, gid, tuple(allow), state_dir)
+            return
         making = threading.Thread(
             target=self._make_network,
             args=(uid, gid, tuple(allow), state_dir),
@@ -728,7 +732,7 @@ class UidLauncher:
         )
 
     def prepare_network(
-        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str
+        self, uid: int | None, gid: int | None, allow: Sequence[Allow], state_dir: str, *, wait: bool = False
     ) -> None:
         """No job network without the sandbox: nothing to make ahead."""
 
