@@ -509,30 +509,23 @@ class BubblewrapLauncher:
         if old is not None:
             old.finish()
 
-    def _take_network(self, place: JobPlace) -> ReadyNetwork | None:
-        """The network made for this job, when there is one that fits (one being made is waited
-        for: it is ready sooner than a new one)."""
+    def _take_network(self, place: JobPlace | None = None) -> ReadyNetwork | None:
+        """The network made for this job, when there is one that fits ``place`` (one being made
+        is waited for: it is ready sooner than a new one); one that does not fit ends."""
         with self._spare_lock:
             making, self._making = self._making, None
         if making is not None:
             making.join(SETUP_TIMEOUT_SECONDS)
         with self._spare_lock:
             ready, self._spare = self._spare, None
-        if ready is not None and not ready.fits(place):
+        if ready is not None and (place is None or not ready.fits(place)):
             ready.finish()
             return None
         return ready
 
     def discard_network(self) -> None:
         """End the network made for a next job (the agent stops, or the next job's changes)."""
-        with self._spare_lock:
-            making, self._making = self._making, None
-        if making is not None:
-            making.join(SETUP_TIMEOUT_SECONDS)
-        with self._spare_lock:
-            ready, self._spare = self._spare, None
-        if ready is not None:
-            ready.finish()
+        self._take_network(None)
 
     def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
         uid = place.uid if place.uid is not None else os.geteuid()
