@@ -30,7 +30,7 @@ import psutil
 from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
 from catacloud.agent.masking import OutputMasker
-from catacloud.agent.sandbox import JobPlace, Launcher
+from catacloud.agent.sandbox import JobPlace, Launch, Launcher
 from catacloud.protocol import Outcome
 
 log = logging.getLogger("catacloud.agent")
@@ -507,15 +507,9 @@ def run_job_process(
         return JobResult(None, FAILED, f"could not start the command: {exc}")
     finally:
         launch.close()
-    if launch.network is not None:  # the command waits until its network namespace is ready
-        why: str | None = "agent error"
-        try:
-            why = launch.network.run()
-        finally:
-            if why is not None:  # ended before the release end closes: that would let it start
-                launch.network.abort(proc)
-        if why is not None:
-            return JobResult(None, FAILED, f"could not set up the job's network: {why}")
+    why = _network_up(launch, proc)
+    if why is not None:
+        return JobResult(None, FAILED, f"could not set up the job's network: {why}")
     if on_launch is not None:  # the command runs now (or is about to: bubblewrap's last steps)
         on_launch(launch.network_kind())
     assert proc.stdout is not None and proc.stderr is not None
@@ -545,6 +539,20 @@ def run_job_process(
     if stopped is not None:
         return JobResult(None, *stopped)
     return _exit_result(returncode)
+
+
+def _network_up(launch: Launch, proc: subprocess.Popen[bytes]) -> str | None:
+    """Set the started sandbox's network up (its command waits for it); why not, else ``None``
+    (a network made ahead is ready already)."""
+    if launch.network is None:
+        return None
+    why: str | None = "agent error"
+    try:
+        why = launch.network.run()
+    finally:
+        if why is not None:  # ended before the release end closes: that would let it start
+            launch.network.abort(proc)
+    return why
 
 
 def _exit_result(returncode: int) -> JobResult:
