@@ -96,8 +96,13 @@ while the machine idles and given to the next job alone, whose sandbox joins it 
 rows "made ahead" and "no network"). The "late" pool's jobs, interleaved in the same run, make
 their network at their start (`network_ahead: false`), the path before: the ratio of the first
 instruction figure compares the two. Its target (50 ms) is not met yet: submit -> running alone
-is above it on this host, and started -> first instruction still holds the start's report, the
-job's folder and checkpoint set-up and the sandbox's own start."""
+is above it on this host. What the agent spends is small: timed inside the agent on an idle
+host, from the poll's answer to the command's launch about 9 ms (the `started` report 2.6 ms,
+the job's folder and the socket's grant 1 ms, the launch 5 ms), then about 14 ms until the job's
+first program runs (bubblewrap's own start and the shell). Here the same stretch reads about
+40 ms: each job takes an ephemeral pool member whose replacement starts (a new agent process,
+its sandbox, its first job's network) on the same 2 cores at that very moment, as the two pools'
+refills do for every sample; on a cloud the replacement boots on another host."""
 
 REPLENISH = """\
 The claim's after-commit refill task reaches the provision task in well under a second: the
