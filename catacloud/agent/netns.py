@@ -394,28 +394,25 @@ class Egress:
         descriptors (and pasta) hold them until the job's sandbox joins them (``nsenter``)."""
         if self.mode != "pasta":
             return "no job network on this machine"
-        ids = [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
         keep, let_go = os.pipe()
         try:
-            why = self._helper(["prepare", *ids, folder, str(keep)], policy, pass_fds=(keep,))
+            why = self._helper(["prepare", *_id_args(uid, gid), folder, str(keep)], policy, pass_fds=(keep,))
             os.close(keep)
             keep = -1
             if why is not None:
                 return why
+            opened: list[int] = []
             try:
                 with open(os.path.join(folder, "holder.pid")) as fh:
                     holder = int(fh.read().strip())
-                user = os.open(f"/proc/{holder}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+                for kind in ("user", "net"):
+                    opened.append(os.open(f"/proc/{holder}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
             except (OSError, ValueError) as exc:
+                for fd in opened:
+                    os.close(fd)
                 stop_pasta(os.path.join(folder, "pasta.pid"))
                 return f"cannot open the prepared namespaces: {exc}"
-            try:
-                net = os.open(f"/proc/{holder}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                os.close(user)
-                stop_pasta(os.path.join(folder, "pasta.pid"))
-                return f"cannot open the prepared namespaces: {exc}"
-            return user, net
+            return opened[0], opened[1]
         finally:
             for fd in (keep, let_go):
                 if fd >= 0:
@@ -433,8 +430,7 @@ class Egress:
         to), loads the rules in a child that joins both, then becomes pasta."""
         if self.mode != "pasta":
             return None  # a namespace with a loopback only
-        ids = [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
-        return self._helper(["attach", str(pid), *ids, pid_file], policy)
+        return self._helper(["attach", str(pid), *_id_args(uid, gid), pid_file], policy)
 
 
 def stop_pasta(pid_file: str) -> None:
@@ -691,6 +687,11 @@ def _main(argv: Sequence[str]) -> int:
         return 1
     print(usage, file=sys.stderr)
     return 2
+
+
+def _id_args(uid: int | None, gid: int | None) -> list[str]:
+    """The helper's UID GID arguments (``-``: stay the agent's); :func:`_ids` reads them."""
+    return [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
 
 
 def _ids(uid: str, gid: str) -> tuple[int | None, int | None]:

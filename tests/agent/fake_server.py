@@ -51,8 +51,10 @@ class _FakeBase:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            # As the agent server: uvicorn's asyncio transports set TCP_NODELAY. Without it the
-            # body, written after the headers, waits for the agent's delayed ACK (40 ms a call).
+            # As the agent server: uvicorn runs on asyncio, whose socket transports set
+            # TCP_NODELAY on every TCP connection (CPython's asyncio/selector_events.py,
+            # _SelectorSocketTransport: base_events._set_nodelay). Without it this server's body,
+            # written after its headers, waits for the agent's delayed ACK (40 ms a call).
             disable_nagle_algorithm = True
 
             def log_message(self, format: str, *args: Any) -> None:
