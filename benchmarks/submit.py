@@ -34,19 +34,23 @@ from benchmarks.stack import live_stack, wait_quiet
 from testkit.builders import job_config
 from testkit.processes import wait_for
 
-STAGES = ("admitted", "assigned", "started")
+STAGES = ("admitted", "assigned", "delivered", "started")
 
 
 def _one(t: Any, cfg: Any, breakdown: dict[str, list[float]] | None = None) -> float:
     """Submit one job and wait for it; returns submit -> running (seconds). With
-    ``breakdown``, appends each stage's share: queued -> admitted (the scheduler task's hop),
-    admitted -> assigned (placement), assigned -> started (agent wake-up, fetch, start)."""
-    stamps = ("started_at", "queued_at", "admitted_at", "assigned_at")
+    ``breakdown``, appends each stage's share: queued -> admitted (the rest of the submit's
+    transaction, then admission), admitted -> assigned (placement), assigned -> delivered (the
+    commit, the agent woken, its long poll answered), delivered -> started (the agent confirms)."""
+    stamps = ("started_at", "queued_at", "admitted_at", "assigned_at", "delivered_at")
     job_id, started = job_until(t, cfg, "started_at", stamps, 90)
     if breakdown is not None:
-        start, queued, admitted, assigned = started
+        start, queued, admitted, assigned, delivered = started
+        delivered = delivered or assigned
         for stage, (a, b) in zip(
-            STAGES, ((queued, admitted), (admitted, assigned), (assigned, start)), strict=True
+            STAGES,
+            ((queued, admitted), (admitted, assigned), (assigned, delivered), (delivered, start)),
+            strict=True,
         ):
             breakdown.setdefault(stage, []).append((b - a).total_seconds())
     finished = job_when(job_id, "finished_at", ("finished_at",), 60, 0.02)
@@ -207,6 +211,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
     cold_s: list[float] = []
     stages: dict[str, list[float]] = {}
     late: dict[str, list[float]] = {}  # the same jobs, their network made at their start
+    reused: dict[str, list[float]] = {}  # the same jobs on a machine kept for reuse
     progress("submit: starting gunicorn, worker, beat")
     with live_stack("submit") as stack:
         tw = tenant("warm", kind="local", state_dir=stack.state_dir, max_pool_size=20, max_instances=40)
@@ -220,9 +225,14 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
             max_pool_size=20,
             max_instances=40,
         )
+        # A warm machine with nothing to replace: one kept for reuse, idle between its jobs (a
+        # pool member a job takes is replaced at that moment, its new agent booting on the same
+        # cores as the job's start).
+        tr = tenant("reused", kind="local", state_dir=stack.state_dir, max_instances=40)
         tc = tenant("cold", kind="local", state_dir=stack.state_dir, max_instances=40)
         cfg_w = job_config(tw.org, tw.machine_type, "w", FIRST, reuse="ephemeral")
         cfg_l = job_config(tl.org, tl.machine_type, "l", FIRST, reuse="ephemeral")
+        cfg_r = job_config(tr.org, tr.machine_type, "r", FIRST, reuse="reuse")
         cfg_c = job_config(tc.org, tc.machine_type, "c", "true", reuse="ephemeral")
         pools = [
             pool_create(org=t.org, name=name, machine_type=t.machine_type, target_size=pool_size, max_size=20)
@@ -233,14 +243,20 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         progress(f"submit: warming two pools of {pool_size} local machines")
         for pool in pools:
             wait_quiet(pool.pk, pool_size)
+        progress("submit: a machine kept for reuse (its first job buys it)")
+        _one(tr, cfg_r)
         for i in range(warm):
-            for which in (0, 1) if i % 2 else (1, 0):
-                wait_quiet(pools[which].pk, pool_size)
+            for which in (0, 1, 2)[i % 3 :] + (0, 1, 2)[: i % 3]:
                 if which == 0:
+                    wait_quiet(pools[0].pk, pool_size)
                     progress(f"submit: warm job {i + 1}/{warm}")
                     warm_s.append(_one(tw, cfg_w, stages))
-                else:
+                elif which == 1:
+                    wait_quiet(pools[1].pk, pool_size)
                     _one(tl, cfg_l, late)
+                else:
+                    wait_for(lambda: _idle(tr), 60, "the reused machine to be idle again", 0.02)
+                    _one(tr, cfg_r, reused)
         for i in range(cold):
             _retire_idle(tc)  # an idle machine left by a previous sample would make it warm
             wait_for(lambda: _no_live_machines(tc), 60, "the cold machine type to have no machine", 0.02)
@@ -259,6 +275,7 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         "pool_size": pool_size,
         "warm_stages_s": stages,
         "network_at_start_stages_s": late,
+        "reused_stages_s": reused,
         "job_start_s": starts,
         "loopback_mb_per_s": throughput,
         "disk_bounds_s": disks,
@@ -286,17 +303,18 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
                 (
                     "admitted",
                     "queued -> admitted",
-                    "admission in the submit's own request, after its commit",
+                    "the rest of the submit's transaction, then admission in it",
                 ),
-                ("assigned", "admitted -> assigned", "placement: the pool claim, in the same request"),
+                ("assigned", "admitted -> assigned", "placement: the pool claim, same transaction"),
                 (
-                    "started",
-                    "assigned -> started",
-                    "agent woken from its long poll, fetches the job, starts it",
+                    "delivered",
+                    "assigned -> delivered",
+                    "the commit wakes the agent's long poll, which answers with the job",
                 ),
+                ("started", "delivered -> started", "the agent confirms the start (its report)"),
             )
         ),
-        *_first_figures(stages, late),
+        *_first_figures(stages, late, reused),
         Figure(
             "warm: started -> finished p50 (`date`)",
             round(percentile(stages.get("finished", [0.0]), 50) * 1000, 1),
@@ -358,9 +376,11 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
     return result
 
 
-def _first_figures(ahead: dict[str, list[float]], late: dict[str, list[float]]) -> list[Figure]:
+def _first_figures(
+    ahead: dict[str, list[float]], late: dict[str, list[float]], reused: dict[str, list[float]]
+) -> list[Figure]:
     """Submit -> the job's first instruction on a warm machine, its network made ahead (the
-    default) against made at its start (same run, interleaved)."""
+    default) against made at its start, and on a machine kept for reuse (same run, interleaved)."""
     first, old = ahead.get("first") or [float("nan")], late.get("first") or [float("nan")]
     p50, p99 = percentile(first, 50) * 1000, percentile(first, 99) * 1000
     launched = percentile(ahead.get("launched") or [float("nan")], 50) * 1000
@@ -385,6 +405,7 @@ def _first_figures(ahead: dict[str, list[float]], late: dict[str, list[float]]) 
             None,
             p99 <= 150,
         ),
+        *_reused_figures(reused),
         Figure(
             "warm: started -> first instruction p50",
             round(launched, 1),
@@ -394,6 +415,34 @@ def _first_figures(ahead: dict[str, list[float]], late: dict[str, list[float]]) 
             note="its folder, its sandbox and its network, then the shell runs `date`",
         ),
     ]
+
+
+def _reused_figures(reused: dict[str, list[float]]) -> list[Figure]:
+    """The same jobs on a machine kept for reuse: nothing boots beside them."""
+    first = reused.get("first") or [float("nan")]
+    p50, p99 = percentile(first, 50) * 1000, percentile(first, 99) * 1000
+    stages = ", ".join(
+        f"{stage} {percentile(reused.get(stage) or [float('nan')], 50) * 1000:.1f}"
+        for stage in (*STAGES, "launched")
+    )
+    return [
+        Figure(
+            "reused machine: submit -> first instruction p50",
+            round(p50, 1),
+            "ms",
+            "<= 50 ms",
+            f"p99 {p99:.1f} ms",
+            None,
+            p50 <= 50,
+            note=f"a machine kept for reuse, idle; no replacement boots beside it. Stages p50 (ms): {stages}",
+        ),
+    ]
+
+
+def _idle(t: Any) -> bool:
+    from apps.machines.models import MachineInstance
+
+    return MachineInstance.objects.filter(machine_type=t.machine_type, status="ready", pool=None).exists()
 
 
 def _disk_figures(disks: Timings) -> list[Figure]:

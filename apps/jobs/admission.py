@@ -102,24 +102,29 @@ def admit(*, limit: int = 1000) -> int:
     return total
 
 
-def admit_grant(*, org_id: OrgId, machine_type_id: MachineTypeId, limit: int, nowait: bool = False) -> int:
-    """Admit the queued jobs of one grant that fit (in priority, then FIFO, order)."""
-    return _admit_for(org_id, machine_type_id, limit, nowait=nowait)
+def admit_grant(
+    *, org_id: OrgId, machine_type_id: MachineTypeId, limit: int, locked: OrgMachineType | None = None
+) -> int:
+    """Admit the queued jobs of one grant that fit (in priority, then FIFO, order). ``locked``:
+    the grant, already locked by the caller's transaction (``grant_lock(with_type=True)``)."""
+    return _admit_for(org_id, machine_type_id, limit, locked=locked)
 
 
-def _admit_for(org_id: OrgId, mt_id: MachineTypeId, limit: int, *, nowait: bool = False) -> int:
+def _admit_for(
+    org_id: OrgId, mt_id: MachineTypeId, limit: int, *, locked: OrgMachineType | None = None
+) -> int:
     now = timezone.now()
     began = time.time()
     # Held jobs (apps.jobs.handoff.jobs_hold) keep their hold reason and are not admitted.
     queued = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status=JobStatus.QUEUED, hold_reason="")
     with transaction.atomic():
-        grant = grant_lock(org_id=org_id, machine_type_id=mt_id, nowait=nowait)
+        grant = locked or grant_lock(org_id=org_id, machine_type_id=mt_id, with_type=True)
         if grant is None:
             queued.exclude(pending_reason="machine type no longer granted").update(
                 pending_reason="machine type no longer granted"
             )
             return 0
-        mt = MachineType.objects.get(pk=mt_id)
+        mt = grant.machine_type
         running = Job.objects.filter(org_id=org_id, machine_type_id=mt_id, status__in=JOB_ADMITTED).count()
         slots = min(_slots(grant, mt, running), limit)
         budget_reason = ""

@@ -53,11 +53,11 @@ from catacloud.policy import placement
 
 
 def place(
-    *, limit: int = 500, grant: tuple[Any, Any] | None = None, nowait: bool = False
+    *, limit: int = 500, grant: tuple[Any, Any] | None = None, locked: OrgMachineType | None = None
 ) -> tuple[int, int, int]:
     """Give waiting jobs machines (only ``grant``'s, an (org, machine type) pair, when given).
-    Returns (assigned, machines requested, still waiting). ``nowait``: raise OperationalError
-    rather than wait for a grant another transaction holds."""
+    Returns (assigned, machines requested, still waiting). ``locked``: ``grant``'s row, already
+    locked by the caller's transaction (``grant_lock(with_type=True)``)."""
     assigned = requested = waiting = 0
     now = timezone.now()
     waiting_jobs = Job.objects.filter(status=JobStatus.WAITING_FOR_MACHINE)
@@ -78,12 +78,14 @@ def place(
         # takes after its own grant (one grant at a time, budgets between, deadlocked with it).
         # Then instances (the claims below).
         grants = {
-            key: grant_lock(org_id=key[0], machine_type_id=key[1], nowait=nowait)
+            key: locked
+            if locked is not None and key == grant
+            else grant_lock(org_id=key[0], machine_type_id=key[1], with_type=True)
             for key in sorted(by_key, key=lambda key: (str(key[0]), str(key[1])))
         }
         for (org_id, mt_id), group in by_key.items():
-            locked = grants[(org_id, mt_id)]
-            mt = MachineType.objects.get(pk=mt_id)
+            held = grants[(org_id, mt_id)]
+            mt = held.machine_type if held is not None else MachineType.objects.get(pk=mt_id)
             pools = list(
                 InstancePool.objects.filter(
                     org_id=org_id, machine_type_id=mt_id, status__in=POOL_ACTIVE
@@ -102,7 +104,7 @@ def place(
                 assigned += 1
             remaining = _overflow(remaining, mt, now)
             if remaining:
-                requested += _provision_or_wait(locked, org_id, mt, [p for p, _ in pools], remaining, now)
+                requested += _provision_or_wait(held, org_id, mt, [p for p, _ in pools], remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
 

@@ -2,11 +2,13 @@
 Triggered after commit by a submit, a job's end, a machine becoming ready or a quota change;
 the reaper runs it as a safety net. Any number may run at once on any number of workers.
 
-A submit also tries :func:`schedule_grant_now` in its own request, after its commit: the same
-two steps for the submitted job's grant only, so a job that fits goes to a warm machine without
-waiting for a worker to pick up the pass (the pass is enqueued all the same). So do a job's end
-that hands its machine back for reuse and a machine becoming ready: a paid machine goes to the
-job waiting for it at once, before that job waits long enough for the cost policy to buy."""
+A submit does :func:`schedule_grant_here` in its own transaction: the same two steps for the
+submitted job's grant only, so a job that fits goes to a warm machine in the submit's own commit,
+without waiting for a worker to pick up a pass (one is enqueued only when the grant was held by
+another transaction, or the step failed). So do, right after their commit
+(:func:`schedule_grant_after_commit`), a job's end that hands its machine back for reuse and a
+machine becoming ready: a paid machine goes to the job waiting for it at once, before that job
+waits long enough for the cost policy to buy."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.admission import admit, admit_grant
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.placement import place
+from apps.machines.services import grant_lock
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +43,38 @@ def schedule(*, limit: int = 500) -> ScheduleReport:
     return report
 
 
-def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
+def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int | None:
     """Admit and place the queued jobs of one grant now, in queue order, if nobody else is
     doing it: a grant another transaction holds (a scheduling pass, a refill, another submit)
     is left to the pass already enqueued instead of waited for, and so is any failure (the job
-    is committed and queued; the pass and the reaper find it). Returns how many were assigned.
-    One transaction for both steps (the grant locked once, one commit): a job admitted here is
-    on its machine when anyone else sees it admitted, and a failure leaves it queued."""
+    is committed and queued; the pass and the reaper find it). Returns how many were assigned,
+    or None when it did not run (the grant held, or a failure).
+    One transaction for both steps (the grant locked once, one commit; a savepoint of the
+    caller's when called inside one): a job admitted here is on its machine when anyone else
+    sees it admitted, and a failure leaves it queued."""
     try:
         with transaction.atomic():
-            admit_grant(org_id=org_id, machine_type_id=machine_type_id, limit=FAST_PATH_LIMIT, nowait=True)
-            assigned, _, _ = place(limit=FAST_PATH_LIMIT, grant=(org_id, machine_type_id), nowait=True)
+            locked = grant_lock(org_id=org_id, machine_type_id=machine_type_id, nowait=True, with_type=True)
+            if locked is None:  # no longer granted: the pass says so on the jobs
+                return None
+            admit_grant(org_id=org_id, machine_type_id=machine_type_id, limit=FAST_PATH_LIMIT, locked=locked)
+            assigned, _, _ = place(limit=FAST_PATH_LIMIT, grant=(org_id, machine_type_id), locked=locked)
         return assigned
     except OperationalError:  # the grant is held right now: the enqueued pass will do it
-        return 0
+        return None
     except Exception:
         log.exception("scheduling a submitted job at once failed; the scheduling pass will")
-        return 0
+        return None
+
+
+def schedule_grant_here(*, org_id: OrgId, machine_type_id: MachineTypeId) -> bool:
+    """:func:`schedule_grant_now` inside the caller's transaction, as a savepoint (a submit: the
+    job is admitted and on its machine in the submit's own commit, and its agent woken by it),
+    when ``CATACLOUD_SCHEDULE_ON_SUBMIT`` is on. True when it ran: the grant's scheduling pass
+    is done and none need be enqueued for it; False: the caller enqueues one."""
+    if not settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
+        return False
+    return schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id) is not None
 
 
 def schedule_grant_after_commit(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:

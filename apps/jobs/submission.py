@@ -15,7 +15,7 @@ from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.handoff import awaits_handoff, job_cancel_before_handoff
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduler import schedule_grant_after_commit
+from apps.jobs.scheduler import schedule_grant_here
 from apps.jobs.services import JOB_STATES, cancelled_by, check_env, check_env_size
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
@@ -93,9 +93,14 @@ def job_submit(
             config=config.name,
             priority=job.priority,
         )
-        schedule_after_commit()
-        if schedule_now and not hold_reason:
-            schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
+        # Admitted and on a warm machine in this very commit when it fits (its agent woken by
+        # the commit); a scheduling pass only when that could not run here.
+        if not (
+            schedule_now
+            and not hold_reason
+            and schedule_grant_here(org_id=org.pk, machine_type_id=config.machine_type_id)
+        ):
+            schedule_after_commit()
     return job
 
 

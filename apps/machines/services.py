@@ -214,7 +214,7 @@ def grant_check_privilege(*, org: Organization, machine_type: MachineType) -> No
 
 
 def grant_lock(
-    *, org_id: OrgId, machine_type_id: MachineTypeId, nowait: bool = False
+    *, org_id: OrgId, machine_type_id: MachineTypeId, nowait: bool = False, with_type: bool = False
 ) -> OrgMachineType | None:
     """Lock the grant row of (org, machine type) until the transaction ends, or None.
 
@@ -222,13 +222,12 @@ def grant_lock(
     machines or admitting jobs takes. Only this row: a plain ``select_for_update().first()``
     would join (the default ordering) and lock the organization and machine type rows too,
     and every insert that references the organization would wait on it. ``nowait``: raise
-    ``OperationalError`` instead of waiting when another transaction holds it."""
-    return (
-        OrgMachineType.objects.select_for_update(of=("self",), nowait=nowait)
-        .filter(org_id=org_id, machine_type_id=machine_type_id)
-        .order_by()
-        .first()
-    )
+    ``OperationalError`` instead of waiting when another transaction holds it. ``with_type``:
+    its machine type read in the same statement (joined, not locked)."""
+    rows = OrgMachineType.objects.select_for_update(of=("self",), nowait=nowait)
+    if with_type:
+        rows = rows.select_related("machine_type")
+    return rows.filter(org_id=org_id, machine_type_id=machine_type_id).order_by().first()
 
 
 def not_granted_message(*, org: Organization, machine_type: MachineType | Any) -> str:

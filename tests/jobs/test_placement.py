@@ -31,6 +31,7 @@ S = InstanceStatus
 
 
 @pytest.mark.django_db
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_placement_takes_an_idle_machine_before_a_warm_pool_member(world: World) -> None:
     mt, _ = setup_type(world)
     pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1, max_size=2)
@@ -59,6 +60,7 @@ def test_placement_reuses_the_idle_machine_that_ran_the_same_config(world: World
 
 
 @pytest.mark.django_db
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_placement_provisions_within_max_instances_then_waits(world: World) -> None:
     mt, _ = setup_type(world, max_instances=2)
     cfg = job_config(world.org, mt)
@@ -111,6 +113,7 @@ def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: Wo
 
 
 @pytest.mark.django_db
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
     mt, _ = setup_type(world, max_instances=1)
     job_submit(org=world.org, config=job_config(world.org, mt))
@@ -186,3 +189,80 @@ def test_a_placement_of_two_types_beside_a_pool_refill_under_one_budget_never_de
     assert errors == []
     assert Job.objects.filter(status=J.WAITING_FOR_MACHINE).count() == 2  # machines bought for both
     assert MachineInstance.objects.filter(org=org).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_a_warm_machine_can_take_is_on_it_in_the_submits_own_commit(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One commit from submit to machine: the job is queued, admitted and assigned in the
+    submit's transaction, the commit wakes the machine's agent, and no scheduling pass is sent
+    to a worker for it (a worker's pass would find nothing to do)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    mt, _ = setup_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt)
+    sent: list[tuple] = []
+    woken: list[tuple] = []
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: sent.append(a))
+    monkeypatch.setattr(
+        "apps.jobs.placement.wake_agent",
+        lambda instance_id, **k: woken.append((instance_id, Job.objects.get(instance_id=instance_id).status)),
+    )
+    with CaptureQueriesContext(connection) as queries:
+        job = job_submit(org=tworld.org, config=cfg)
+    job.refresh_from_db()
+    assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)
+    assert job.queued_at <= job.admitted_at <= job.assigned_at
+    assert [q["sql"] for q in queries.captured_queries].count("COMMIT") == 1
+    assert woken == [(machine.pk, J.ASSIGNED)]  # after the commit: the agent finds it assigned
+    assert sent == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_submit_whose_grant_another_transaction_holds_is_queued_and_left_to_a_pass(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduling pass holding the grant: the submit does not wait for it; its job is
+    committed queued and a scheduling pass is sent, which assigns it."""
+    import threading
+
+    from django.db import connection
+
+    from apps.machines.services import grant_lock
+
+    mt, _ = setup_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt)
+    sent: list[tuple] = []
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: sent.append(a))
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_grant() -> None:
+        try:
+            with transaction.atomic():
+                grant_lock(org_id=tworld.org.pk, machine_type_id=mt.pk)
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_grant)
+    holder.start()
+    assert holding.wait(10)
+    try:
+        began = time.monotonic()
+        job = job_submit(org=tworld.org, config=cfg)
+        waited = time.monotonic() - began
+    finally:
+        release.set()
+        holder.join(30)
+    job.refresh_from_db()
+    assert job.status == J.QUEUED
+    assert waited < 5  # not held up by the grant's holder (it held it for up to 30 s)
+    assert sent == [("apps.jobs.tasks.schedule_task",)]
+    schedule()  # what the worker does with it
+    job.refresh_from_db()
+    assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)
