@@ -247,15 +247,18 @@ def run(*, warm: int = 30, cold: int = 4, pool_size: int = 2, progress: Progress
         _one(tr, cfg_r)
         for i in range(warm):
             for which in (0, 1, 2)[i % 3 :] + (0, 1, 2)[: i % 3]:
+                # Each sample starts on a quiet host: the last sample's replacement booted, the
+                # reused machine idle again (a pool member's own replacement boots during its
+                # job all the same: the claim asks for it).
+                for pool in pools:
+                    wait_quiet(pool.pk, pool_size)
+                wait_for(lambda: _idle(tr), 60, "the reused machine to be idle again", 0.02)
                 if which == 0:
-                    wait_quiet(pools[0].pk, pool_size)
                     progress(f"submit: warm job {i + 1}/{warm}")
                     warm_s.append(_one(tw, cfg_w, stages))
                 elif which == 1:
-                    wait_quiet(pools[1].pk, pool_size)
                     _one(tl, cfg_l, late)
                 else:
-                    wait_for(lambda: _idle(tr), 60, "the reused machine to be idle again", 0.02)
                     _one(tr, cfg_r, reused)
         for i in range(cold):
             _retire_idle(tc)  # an idle machine left by a previous sample would make it warm

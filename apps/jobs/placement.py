@@ -63,7 +63,9 @@ def place(
     waiting_jobs = Job.objects.filter(status=JobStatus.WAITING_FOR_MACHINE)
     if grant is not None:
         waiting_jobs = waiting_jobs.filter(org_id=grant[0], machine_type_id=grant[1])
-    with transaction.atomic():
+    # No savepoint of its own inside a caller's transaction (the submit's: two round trips
+    # less); a failure here ends the caller's transaction or savepoint, which no caller continues.
+    with transaction.atomic(savepoint=False):
         jobs = list(
             waiting_jobs.order_by("-priority", "admitted_at")
             .select_for_update(skip_locked=True, of=("self",))
