@@ -182,14 +182,15 @@ def tenant(
 
 
 def job_until(
-    t: Any, cfg: Any, stamp: str, fields: tuple[str, ...], timeout: float
+    t: Any, cfg: Any, stamp: str, fields: tuple[str, ...], timeout: float, interval: float = 0.005
 ) -> tuple[Any, tuple[Any, ...]]:
-    """Submit a job of ``cfg`` for ``t``'s org and wait (:func:`job_when`, every 5 ms) until its
-    ``stamp`` (``started_at``, ``finished_at``) is set: its id, and its ``fields`` then."""
+    """Submit a job of ``cfg`` for ``t``'s org and wait (:func:`job_when`, every ``interval``
+    seconds) until its ``stamp`` (``started_at``, ``finished_at``) is set: its id, and its
+    ``fields`` then."""
     from apps.jobs.submission import job_submit
 
     job = job_submit(org=t.org, config=cfg, actor="bench")
-    return job.pk, job_when(job.pk, stamp, fields, timeout, 0.005)
+    return job.pk, job_when(job.pk, stamp, fields, timeout, interval)
 
 
 def job_when(

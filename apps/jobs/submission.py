@@ -15,7 +15,7 @@ from apps.jobs.choices import JOB_LIVE, JobStatus
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.handoff import awaits_handoff, job_cancel_before_handoff
 from apps.jobs.models import Job, JobConfiguration
-from apps.jobs.scheduler import schedule_grant_here
+from apps.jobs.scheduler import schedule_grant_after_commit, schedule_grant_here
 from apps.jobs.services import JOB_STATES, cancelled_by, check_env, check_env_size
 from apps.machines.choices import INSTANCE_TERMINAL
 from apps.machines.models import MachineInstance, OrgMachineType
@@ -63,6 +63,10 @@ def job_submit(
     check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
     # The job's image, when it names one, overrides its configuration's.
     image = check_image_reference(image) if image else config.image
+    # A submit of its own (the API's, the CLI's): its job is scheduled in its own transaction.
+    # Inside a caller's transaction (a CI convergence submitting runner jobs), right after that
+    # commits: the grant's lock is not held for the rest of the caller's work.
+    own_transaction = not transaction.get_connection().in_atomic_block
     with tracing.span("job.submit", config=config.name), transaction.atomic():
         job = Job.objects.create(
             traceparent=tracing.current_traceparent(),  # the job's trace: every later span joins it
@@ -95,12 +99,15 @@ def job_submit(
         )
         # Admitted and on a warm machine in this very commit when it fits (its agent woken by
         # the commit); a scheduling pass only when that could not run here.
+        now = schedule_now and not hold_reason
         if not (
-            schedule_now
-            and not hold_reason
+            now
+            and own_transaction
             and schedule_grant_here(org_id=org.pk, machine_type_id=config.machine_type_id)
         ):
             schedule_after_commit()
+            if now and not own_transaction:
+                schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
     return job
 
 

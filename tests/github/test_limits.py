@@ -20,7 +20,6 @@ from apps.github.dispatch import runner_handoff
 from apps.github.models import GitHubInstallation, Runner, RunnerClass, WorkflowJob
 from apps.github.reconcile import installation_reconcile
 from apps.github.services import runner_class_save
-from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job
 from apps.jobs.reports import job_finished, job_started
 from apps.jobs.scheduler import schedule
@@ -209,7 +208,7 @@ def test_two_repositories_jobs_on_one_class_count_their_own_runners(gh: GitHubWo
     deliver("workflow_job", workflow_job(1, "completed", repository="acme/app", conclusion="cancelled"))
     # acme/app's runner is no use to acme/lib's job: one started for it, acme/app's retired
     assert class_converge(runner_class_id=gh.runner_class.pk) == {"started": 1, "retired": 1}
-    live = Runner.objects.filter(job__status__in=JOB_LIVE)
+    live = Runner.objects.filter(job__status="queued")
     assert [r.created_for.repository for r in live] == ["acme/lib"]
 
 

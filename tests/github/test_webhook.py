@@ -115,8 +115,7 @@ def test_a_queued_job_of_a_class_becomes_a_catacloud_job_with_where_it_comes_fro
 
     class_converge(runner_class_id=gh.runner_class.pk)  # the task the delivery sent
     job = Job.objects.get()
-    # admitted in its submit's own commit; its machine is on its way
-    assert job.config == gh.runner_class.job_config and job.status == "waiting_for_machine"
+    assert job.config == gh.runner_class.job_config and job.status == "queued"
     assert job.labels["repository"] == "acme/app" and job.labels["workflow"] == "CI"
     assert job.handoff_by == "github" and job.org == gh.world.org
     assert gh.installation.__class__.objects.get().account == "acme"

@@ -23,7 +23,6 @@ S = InstanceStatus
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_kueue_example_cpu_quota_admits_two_of_three(world: World) -> None:
     mt, _ = setup_type(world, cpus=32, cpu_quota=64)
     cfg = job_config(world.org, mt)
@@ -39,7 +38,6 @@ def test_kueue_example_cpu_quota_admits_two_of_three(world: World) -> None:
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_priority_then_fifo_and_a_blocked_type_does_not_block_others(world: World) -> None:
     mt, _ = setup_type(world, max_concurrent_jobs=1)
     small = MachineType.objects.create(

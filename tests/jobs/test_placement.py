@@ -31,7 +31,6 @@ S = InstanceStatus
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_placement_takes_an_idle_machine_before_a_warm_pool_member(world: World) -> None:
     mt, _ = setup_type(world)
     pool = pool_create(org=world.org, name="warm", machine_type=mt, target_size=1, max_size=2)
@@ -60,7 +59,6 @@ def test_placement_reuses_the_idle_machine_that_ran_the_same_config(world: World
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_placement_provisions_within_max_instances_then_waits(world: World) -> None:
     mt, _ = setup_type(world, max_instances=2)
     cfg = job_config(world.org, mt)
@@ -113,7 +111,6 @@ def test_cost_policy_waits_for_a_paid_machine_then_buys_after_max_wait(world: Wo
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_place_alone_is_idempotent_for_waiting_jobs(world: World) -> None:
     mt, _ = setup_type(world, max_instances=1)
     job_submit(org=world.org, config=job_config(world.org, mt))
@@ -264,5 +261,37 @@ def test_a_submit_whose_grant_another_transaction_holds_is_queued_and_left_to_a_
     assert waited < 5  # not held up by the grant's holder (it held it for up to 30 s)
     assert sent == [("apps.jobs.tasks.schedule_task",)]
     schedule()  # what the worker does with it
+    job.refresh_from_db()
+    assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_submit_inside_a_callers_transaction_holds_no_grant_and_is_placed_after_its_commit(
+    tworld: World,
+) -> None:
+    """A CI convergence submits runner jobs inside its own transaction: the grant stays free for
+    everyone else while the caller goes on, and the job is on its machine once the caller commits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from apps.machines.services import grant_lock
+
+    mt, _ = setup_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt)
+
+    def grant_is_free() -> bool:
+        try:
+            with transaction.atomic():
+                return grant_lock(org_id=tworld.org.pk, machine_type_id=mt.pk, nowait=True) is not None
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        job = job_submit(org=tworld.org, config=cfg)
+        with ThreadPoolExecutor(1) as other:
+            assert other.submit(grant_is_free).result(timeout=30)
+        assert Job.objects.get(pk=job.pk).status == J.QUEUED
     job.refresh_from_db()
     assert (job.status, job.instance_id) == (J.ASSIGNED, machine.pk)

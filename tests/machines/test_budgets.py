@@ -8,7 +8,6 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.test import override_settings
 from django.utils import timezone
 
 from apps.billing.budgets import budget_set
@@ -101,7 +100,6 @@ def test_budget_stops_buying_paid_machines_still_run_and_raising_it_lets_the_job
 
 
 @pytest.mark.django_db
-@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)  # the scheduling pass alone, here
 def test_placement_buys_only_what_the_budget_allows_and_says_why(world: World) -> None:
     mt, _ = setup_type(world)
     cfg = job_config(world.org, mt)
