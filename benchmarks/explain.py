@@ -64,20 +64,21 @@ query) ~11% and the claim ~11%; the rest is gunicorn's request parsing, Django's
 middleware, DRF's dispatch and rendering, i.e. the framework the issue asked to keep."""
 
 SUBMIT = """\
-**Warm submit -> running, broken down (target 50 ms, met).** p50 29 and 35 ms in two runs of 30
-warm jobs each on an otherwise idle host (load average about 1 on 2 cores, the stack included).
-Runs of 12 jobs, as this part used to take, read 51-59 ms for the same code: the first jobs of a
-fresh stack pay for its warm-up (each ephemeral job meets a newly booted pool member and
-gunicorn's threads open their connections), and with 12 samples they set the median; 30 show the
-steady state. queued -> admitted and admitted -> assigned: the submit admits and places its
-grant's jobs in its own request, right after its commit, when no other transaction holds the
-grant (`FOR UPDATE NOWAIT`; else, and as a safety net, the scheduling pass it enqueued does it);
-placement tries an idle paid machine before a pool member (paid capacity first). assigned ->
-started (about 20 ms) is the agent being woken from its long poll through Redis by the agent
-server, the poll answered with the job, and the agent's `started` report: two HTTP round trips
-and two Python processes waking on a 2-core machine that also runs the web, the worker, beat and
-PostgreSQL. `started` stays the agent's word (a job is never called running that its agent may
-not have received).
+**Warm submit -> running, broken down (target 50 ms, not met on this host).** A submit admits
+its job and claims the warm machine in its own transaction (one commit from submit to machine,
+28 statements; two commits and 35 before), and that commit wakes the machine's agent through
+Redis; no scheduling task goes to a worker for it. The stages are the rows' own stamps:
+queued -> admitted is the rest of the submit's transaction (the job's and its event's inserts)
+and admission, admitted -> assigned the claim, assigned -> delivered the commit, the wake-up and
+the long poll's answer, delivered -> started the answer's travel, the agent's `started` report
+and its handling (the agent's own share, reported by it, is under a millisecond). The host of
+the run of 2026-12-02 was slower than earlier runs' (a job's start in the sandbox 18-20 ms here,
+13 ms on 2026-12-01; pasta's start 170-180 ms, 122 ms), and its load stayed above 3 on 2 cores
+(the stack, two pools' agents, the bench): the earlier runs' 29-35 ms (2026-11) and 73 ms
+(2026-12-01) were on quieter hosts. What is left is the ORM's Python for about 28 statements and
+four processes waking in turn; each sample now starts on a quiet host (the previous sample's
+replacement booted) and the bench looks at a job's row every 50 ms (its stamps are what is
+measured), so that its own looking does not take the cores the job starts on.
 
 **The sandbox's cost per job start.** `running` is reported before the command is spawned, so
 the sandbox is not in submit -> running; it is in started -> finished of the warm `true` jobs
@@ -102,7 +103,9 @@ the job's folder and the socket's grant 1 ms, the launch 5 ms), then about 14 ms
 first program runs (bubblewrap's own start and the shell). Here the same stretch reads about
 40 ms: each job takes an ephemeral pool member whose replacement starts (a new agent process,
 its sandbox, its first job's network) on the same 2 cores at that very moment, as the two pools'
-refills do for every sample; on a cloud the replacement boots on another host."""
+refills do for every sample; on a cloud the replacement boots on another host. The "reused
+machine" row is the same job on a machine kept for reuse between its jobs (its configuration's
+`reuse`), with nothing booting beside it: the closest this host comes to the target."""
 
 REPLENISH = """\
 The claim's after-commit refill task reaches the provision task in well under a second: the
