@@ -99,14 +99,14 @@ def job_submit(
         )
         # Admitted and on a warm machine in this very commit when it fits (its agent woken by
         # the commit); a scheduling pass only when that could not run here.
-        now = schedule_now and not hold_reason
+        at_once = schedule_now and not hold_reason
         if not (
-            now
+            at_once
             and own_transaction
             and schedule_grant_here(org_id=org.pk, machine_type_id=config.machine_type_id)
         ):
             schedule_after_commit()
-            if now and not own_transaction:
+            if at_once and not own_transaction:
                 schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
     return job
 
