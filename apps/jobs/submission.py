@@ -46,18 +46,7 @@ def job_submit(
     (they hand the job to its machine's agent themselves, see apps.jobs.handoff) and
     ``hold_reason`` (queued but not admitted until they release it); ``schedule_now`` False
     leaves the admission to the caller (one pass after a batch of submits)."""
-    if config.org_id != org.pk:
-        raise NotFound("job configuration not found")
-    grant_check_privilege(org=org, machine_type=config.machine_type)
-    for rt in config.resource_types.all():
-        if not org.has_privilege(rt.required_privilege):
-            raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
-    if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
-        raise Conflict(
-            f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
-            "ask an operator for one, or change the configuration's machine type",
-            code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
-        )
+    _check_may_submit(org, config)
     merged = {**config.env, **check_env(env or {})}
     secret = check_env(secret_env or {})
     check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
@@ -97,18 +86,35 @@ def job_submit(
             config=config.name,
             priority=job.priority,
         )
-        # Admitted and on a warm machine in this very commit when it fits (its agent woken by
-        # the commit); a scheduling pass only when that could not run here.
-        at_once = schedule_now and not hold_reason
-        if not (
-            at_once
-            and own_transaction
-            and schedule_grant_here(org_id=org.pk, machine_type_id=config.machine_type_id)
-        ):
-            schedule_after_commit()
-            if at_once and not own_transaction:
-                schedule_grant_after_commit(org_id=org.pk, machine_type_id=config.machine_type_id)
+        _schedule(job, at_once=schedule_now and not hold_reason, own_transaction=own_transaction)
     return job
+
+
+def _check_may_submit(org: Organization, config: JobConfiguration) -> None:
+    """The organization may run ``config`` now: its own, privileged, machine type granted."""
+    if config.org_id != org.pk:
+        raise NotFound("job configuration not found")
+    grant_check_privilege(org=org, machine_type=config.machine_type)
+    for rt in config.resource_types.all():
+        if not org.has_privilege(rt.required_privilege):
+            raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+    if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
+        raise Conflict(
+            f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
+            "ask an operator for one, or change the configuration's machine type",
+            code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
+        )
+
+
+def _schedule(job: Job, *, at_once: bool, own_transaction: bool) -> None:
+    """Admitted and on a warm machine in the submit's very commit when it fits (its agent woken
+    by the commit); a scheduling pass only when that could not run here."""
+    org_id, machine_type_id = job.org_id, job.machine_type_id
+    if at_once and own_transaction and schedule_grant_here(org_id=org_id, machine_type_id=machine_type_id):
+        return
+    schedule_after_commit()
+    if at_once and not own_transaction:
+        schedule_grant_after_commit(org_id=org_id, machine_type_id=machine_type_id)
 
 
 IDEMPOTENCY_KEY_MAX = 200
