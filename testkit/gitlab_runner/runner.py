@@ -11,7 +11,7 @@ folder, not the project checkout). Like the real runner's ``run-single`` (gitlab
 the config. It never verifies the token (the real one does not): it asks for a job (``POST
 /api/v4/jobs/request``, its system id with it) until ``--wait-timeout`` seconds pass (a 403 makes
 it wait 300 s before asking again, as the real one), one job at a time, runs the job's
-script lines in ``--builds-dir``, keeps the job alive with trace updates, reports success or
+script lines in ``--builds-dir``, keeps the job alive with trace updates on an interval, reports success or
 failure (``PUT /api/v4/jobs/:id``) and, after ``--max-builds`` jobs, exits 0. The fake may ask it
 to misbehave: ``crash`` (exit 3 right after taking a job), ``hang`` (take a job and never
 report), ``never_connect``.
@@ -33,15 +33,17 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
 import urllib.request
 from typing import Any
 
-KEEPALIVE = 2.0  # seconds between trace updates while a script line runs
+KEEPALIVE = 2.0  # seconds between trace updates while a job runs (the update interval)
 NOT_HEALTHY_WAIT = 300.0  # common/consts.go NotHealthyCheckInterval
 
 
@@ -94,6 +96,17 @@ def job_env(executor: str, variables: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **variables}
 
 
+def keep_alive(url: str, job: dict[str, Any], done: threading.Event, canceled: threading.Event) -> None:
+    """From the job's start to its end, a trace update every KEEPALIVE seconds, whatever the
+    script is doing (gitlab-runner ``network/trace.go``: ``clientJobTrace.watch`` sends
+    ``incrementalUpdate`` on its update interval, its ``touchJob`` a state update when nothing
+    was sent for ``forceSendInterval``); a refused one (the job was canceled) sets ``canceled``."""
+    while not done.wait(KEEPALIVE):
+        if not alive(url, job):
+            canceled.set()
+            return
+
+
 def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) -> str:
     """The job's script lines, one shell each, in its build folder: success, failed or canceled."""
     variables = {v["key"]: v["value"] for v in job.get("variables") or []}
@@ -102,22 +115,30 @@ def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) ->
     os.makedirs(work, exist_ok=True)
     env = job_env(executor, variables)
     lines = [line for step in job.get("steps") or [] for line in step.get("script") or []]
-    for line in lines:
-        say(f"$ {line}")
-        proc = subprocess.Popen(["/bin/sh", "-c", line], cwd=work, env=env)
-        while True:
-            try:
-                code = proc.wait(timeout=KEEPALIVE)
-                break
-            except subprocess.TimeoutExpired:
-                if not alive(url, job):
-                    proc.kill()
-                    say("the job was canceled")
-                    return "canceled"
-        if code != 0:
-            say(f"ERROR: Job failed: exit status {code}")
-            return "failed"
-    return "success"
+    done, canceled = threading.Event(), threading.Event()
+    threading.Thread(target=keep_alive, args=(url, job, done, canceled), daemon=True).start()
+    try:
+        for line in lines:
+            say(f"$ {line}")
+            # in a process group of its own, stopped whole (gitlab-runner ``helpers/process``:
+            # ``job_unix.go`` sets Setpgid, ``killer_unix.go`` signals -pid, the whole group)
+            proc = subprocess.Popen(["/bin/sh", "-c", line], cwd=work, env=env, process_group=0)
+            while True:
+                try:
+                    code = proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if canceled.is_set():
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        say("the job was canceled")
+                        return "canceled"
+            if code != 0:
+                say(f"ERROR: Job failed: exit status {code}")
+                return "failed"
+        return "success"
+    finally:
+        done.set()
 
 
 def run_single(args: argparse.Namespace) -> int:

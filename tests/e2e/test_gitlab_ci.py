@@ -167,6 +167,25 @@ def _sampler(
         connection.close()
 
 
+def _failed(fake: Any, ids: list[int]) -> list[str]:
+    """Each failed CI job: why GitLab failed it, when, and how the runner job here ended."""
+    from apps.gitlab.models import GitLabJob
+
+    here = {g.gitlab_id: g.job for g in GitLabJob.objects.filter(gitlab_id__in=ids).select_related("job")}
+    failed = []
+    for i in ids:
+        job = fake.job(i)
+        if job.status != "failed":
+            continue
+        ran = here.get(i)
+        failed.append(
+            f"{i}: {job.failure_reason}, ran {(job.finished_at or 0) - (job.started_at or 0):.1f}s, "
+            f"last update {(job.finished_at or 0) - (job.updated_at or job.started_at or 0):.1f}s before; "
+            f"runner job here: {ran.status + ' ' + ran.failure_reason if ran else 'none'}"
+        )
+    return failed
+
+
 @pytest.mark.timeout(900)
 def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_left(
     gitlab: GitLabStack,
@@ -228,7 +247,7 @@ def test_sixty_jobs_over_three_classes_with_faults_all_finish_and_nothing_is_lef
     stop.set()
     sampler.join(5)
     statuses = [fake.job(i).status for i in ids]
-    assert statuses.count("canceled") >= 3 and statuses.count("success") >= 50, statuses
+    assert statuses.count("canceled") >= 3 and statuses.count("success") >= 50, _failed(fake, ids)
     assert set(statuses) <= set(DONE)
     assert not violations, violations[:5]
     assert budget_held(budget)

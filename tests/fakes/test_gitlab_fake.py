@@ -8,10 +8,13 @@ gitlab-runner calls only what ``run-single`` calls, as its runner manager (syste
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,39 +120,58 @@ def test_the_runner_cap_counts_runners_created_or_active_in_seven_days(fake: Fak
     assert call(fake, "POST", "/api/v4/user/runners", body, **{"PRIVATE-TOKEN": TOKEN})[0] == 201
 
 
-def test_the_stand_in_runner_calls_only_what_run_single_does(fake: FakeGitLab, tmp_path: Any) -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
+def _stand_in(tmp_path: Path) -> list[str]:
+    """The stand-in's ``run-single`` for one job, with the runner ``x`` of ``config.toml``."""
+    stand_in = Path(__file__).resolve().parents[2] / "testkit" / "gitlab_runner" / "runner.py"
+    config = str(tmp_path / "config.toml")
+    return [sys.executable, str(stand_in), "run-single", "--config", config, "--runner", "x"] + [
+        "--max-builds",
+        "1",
+        "--wait-timeout",
+        "20",
+    ]
 
+
+def _configure(fake: FakeGitLab, tmp_path: Path) -> None:
     _, token = runner(fake)
-    job = fake.queue_job("acme/app", TAGS, ["true"])
     (tmp_path / ".runner_system_id").write_text("s_0123456789ab\n")
     (tmp_path / "config.toml").write_text(
         f'[[runners]]\nname = "x"\nurl = "{fake.url}"\ntoken = "{token}"\nexecutor = "shell"\n'
         f'builds_dir = "{tmp_path}/builds"\n'
     )
-    stand_in = Path(__file__).resolve().parents[2] / "testkit" / "gitlab_runner" / "runner.py"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(stand_in),
-            "run-single",
-            "--config",
-            str(tmp_path / "config.toml"),
-            "--runner",
-            "x",
-            "--max-builds",
-            "1",
-            "--wait-timeout",
-            "20",
-        ],
-        capture_output=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+
+
+def test_the_stand_in_runner_calls_only_what_run_single_does(fake: FakeGitLab, tmp_path: Path) -> None:
+    job = fake.queue_job("acme/app", TAGS, ["true"])
+    _configure(fake, tmp_path)
+    done = subprocess.run(_stand_in(tmp_path), capture_output=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stdout
     assert fake.job(job).status == "success" and fake.job(job).system_id == "s_0123456789ab"
     routes = {route for _, route, _ in fake.runner_calls}
     assert routes <= {"/api/v4/jobs/request", "/api/v4/jobs/{id}/trace", "/api/v4/jobs/{id}"}
     assert "/api/v4/runners/verify" not in routes  # run-single never verifies (commands/single.go)
+
+
+def test_the_stand_in_keeps_a_quiet_job_alive_and_stops_a_canceled_one(
+    fake: FakeGitLab, tmp_path: Path
+) -> None:
+    """Like gitlab-runner's trace watcher, it updates the job on an interval from its start,
+    whatever the script does: a job quiet for longer than GitLab's stuck limit succeeds; a job
+    canceled at GitLab is stopped in its running line, and the runner does not report it."""
+    fake.lost_after = 3.0
+    _configure(fake, tmp_path)
+    quiet = fake.queue_job("acme/app", TAGS, ["sleep 5", "true"])
+    done = subprocess.run(_stand_in(tmp_path), capture_output=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and fake.job(quiet).status == "success", done.stdout
+
+    long = fake.queue_job("acme/app", TAGS, ["sleep 60"])
+    runner = subprocess.Popen(_stand_in(tmp_path), stdout=subprocess.PIPE, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 20
+        while fake.job(long).status != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fake.cancel_job(long)
+        out, _ = runner.communicate(timeout=15)  # its keep-alive is refused within an interval
+    finally:
+        runner.kill()
+    assert b"the job was canceled" in out and fake.job(long).status == "canceled"
