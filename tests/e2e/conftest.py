@@ -95,6 +95,12 @@ def stack(tworld: World, live_server: Any, tmp_path: Path) -> Iterator[Stack]:
             yield Stack(
                 world=tworld, url=live_server.url, worker=worker, beat=beat, tmp=tmp_path, shared=shared
             )
+            # Ended at once, as a crash ends them: a warm shutdown waits for the tasks in hand
+            # (3-7 s a test); nothing of them is kept (the next test starts with an empty
+            # broker and database; the machines are stopped below), and `make dev`'s own stop
+            # is tested on its own (tests/cli/test_dev_stop.py).
+            worker.kill()
+            beat.kill()
     finally:
         # Once the worker and beat are stopped: a pool refill of the worker's last seconds
         # started a machine after an earlier clean-up, and it outlived the run.
