@@ -313,6 +313,9 @@ CATACLOUD_REDRIVE_AFTER = env.float("CATACLOUD_REDRIVE_AFTER", default=60.0)
 # A machine outside a pool that has not become ready this long after its request is
 # terminated (pool members use their pool's warmup_grace_seconds).
 CATACLOUD_BOOT_TIMEOUT = env.float("CATACLOUD_BOOT_TIMEOUT", default=600.0)
+# A provider's capacity error cools its machine type down this long: none of it is bought, and
+# waiting jobs move to their next candidate (apps/machines/capacity.py; Karpenter: 3 minutes).
+CATACLOUD_CAPACITY_COOLDOWN = env.float("CATACLOUD_CAPACITY_COOLDOWN", default=180.0)
 # A job assigned to a machine whose agent has not started it within this is requeued
 # (not_started) and the machine terminated.
 CATACLOUD_ASSIGN_TIMEOUT = env.float("CATACLOUD_ASSIGN_TIMEOUT", default=300.0)

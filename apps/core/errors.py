@@ -40,6 +40,7 @@ class ErrorCode(StrEnum):
     LENGTH_REQUIRED = "length_required"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    NO_MACHINE_TYPE_FITS = "no_machine_type_fits"  # requirements no granted type meets
     # 409
     CONFLICT = "conflict"  # a concurrent change won
     INVALID_STATE = "invalid_state"  # the object's state does not allow this

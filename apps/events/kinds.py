@@ -28,6 +28,8 @@ class EventKind(StrEnum):
     PROVIDER_ACCOUNT_UPDATED = "provider_account.updated"
     MACHINE_TYPE_CREATED = "machine_type.created"
     MACHINE_TYPE_UPDATED = "machine_type.updated"
+    # A provider had no capacity for it: cooling down (apps.machines.capacity)
+    MACHINE_TYPE_CAPACITY_ERROR = "machine_type.capacity_error"
     BUDGET_CREATED = "budget.created"
     BUDGET_UPDATED = "budget.updated"
     BUDGET_WARNING = "budget.warning"
@@ -75,6 +77,7 @@ class EventKind(StrEnum):
     POOL_DRAINING = "pool.draining"
     POOL_DRAINED = "pool.drained"
     POOL_AT_MAX_SIZE = "pool.pool_at_max_size"
+    POOL_CAPACITY_COOLING = "pool.capacity_cooling"  # its type is cooling down after a capacity error
     POOL_NO_HOST_ROOM = "pool.no_host_room"  # a pool of an enrolled host type: its hosts are full
     POOL_QUOTA_EXCEEDED = "pool.quota_exceeded"
     POOL_BUDGET_EXCEEDED = "pool.budget_exceeded"
@@ -99,6 +102,7 @@ class EventKind(StrEnum):
     JOB_STARTED = "job.started"
     JOB_FINISHED = "job.finished"
     JOB_REQUEUED = "job.requeued"
+    JOB_FELL_OVER = "job.fell_over"  # its type had no capacity: to its next candidate
     JOB_OVERFLOWED = "job.overflowed"  # waited past its bound for an enrolled host: to its overflow type
     JOB_CANCEL_REQUESTED = "job.cancel_requested"
     JOB_HANDED_OFF = "job.handed_off"

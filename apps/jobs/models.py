@@ -58,6 +58,10 @@ class JobConfiguration(SecretEnvMixin, models.Model):
         blank=True,
         help_text="with overflow_machine_type: seconds a job waits for a slot before it overflows",
     )
+    # What a job needs ({"cpus": 4, "memory_mb": 8192, "gpus": 0}): set, its jobs may run on
+    # any machine type the org is granted that has at least that, the cheapest first
+    # (apps.machines.capacity); machine_type is then the cheapest fitting at save time.
+    requirements = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -36,7 +36,7 @@ from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
 from apps.jobs.models import Job
 from apps.jobs.services import JOB_STATES, job_claim_label
-from apps.machines import claims
+from apps.machines import capacity, claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import InstanceStatus, Policy, ProviderKind
 from apps.machines.hosts import NoHostRoom, hosts_room, no_room_reason
@@ -105,7 +105,10 @@ def place(
                     _assign(job, instance)
                 assigned += 1
             remaining = _overflow(remaining, mt, now)
-            if remaining:
+            if remaining and capacity.is_cooling(mt, now):  # the provider has none: buy none
+                remaining = _fall_over(remaining, mt, now)
+                waiting += len(remaining)
+            elif remaining:
                 requested += _provision_or_wait(held, org_id, mt, [p for p, _ in pools], remaining, now)
                 waiting += len(remaining)
     return assigned, requested, waiting
@@ -143,6 +146,42 @@ def _overflow(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
             event_data={"from": str(mt.pk), "to": str(config.overflow_machine_type_id), "after": bound},
         )
         release_for_job(job_id=job.pk, reason="job overflowed to another machine type")
+        schedule_after_commit()
+    return staying
+
+
+def _fall_over(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
+    """``mt`` is cooling down after a provider's capacity error: each job whose configuration
+    has another candidate not cooling down goes to the cheapest such (queued again, admitted
+    under that type's grant: its quotas and budgets). The others stay, returned, their pending
+    reason naming every candidate's cool-down."""
+    staying = []
+    by_config: dict[Any, list[MachineType]] = {}
+    for job in jobs:
+        if job.config_id not in by_config:
+            by_config[job.config_id] = capacity.candidates(org_id=job.org_id, config=job.config)
+        others = [c for c in by_config[job.config_id] if c.pk != mt.pk]
+        to = capacity.choose(others, now)
+        if to is None:
+            staying.append(job)
+            reason = capacity.cooling_reason([mt, *others])
+            if job.pending_reason != reason:
+                Job.objects.filter(pk=job.pk).update(pending_reason=reason)
+            continue
+        reason = f"no capacity for {mt.name} ({mt.capacity_error}): fell over to {to.name}"
+        JOB_STATES.move(
+            job.pk,
+            to=JobStatus.QUEUED,
+            from_=[JobStatus.WAITING_FOR_MACHINE],
+            actor=Actor.SCHEDULER,
+            reason=reason,
+            event=EventKind.JOB_FELL_OVER,
+            machine_type_id=to.pk,
+            admitted_at=None,
+            pending_reason=reason[:300],
+            event_data={"from": mt.name, "to": to.name, "error": mt.capacity_error},
+        )
+        release_for_job(job_id=job.pk, reason="job fell over to another machine type")
         schedule_after_commit()
     return staying
 

@@ -17,6 +17,7 @@ from apps.events.models import Event
 from apps.events.services import event_record, events_record
 from apps.jobs.choices import JOB_TERMINAL, JOB_TRANSITIONS, JobStatus
 from apps.jobs.models import Job, JobConfiguration
+from apps.machines import capacity
 from apps.machines.models import MachineType
 from apps.machines.services import grant_check_privilege, grant_for
 from apps.orgs.models import Organization
@@ -182,6 +183,9 @@ def job_config_save(
     if "secret_env" in fields:
         config.secret_env = check_env(fields["secret_env"] or {})
     check_env_size(config.env, config.secret_env, owner="a job configuration")
+    config.requirements = capacity.clean_requirements(config.requirements)
+    if config.requirements:  # its jobs may run on any type meeting them; named: the cheapest
+        config.machine_type = capacity.cheapest_fitting(org_id=org.pk, requirements=config.requirements)
     types = (
         list(resource_types)
         if resource_types is not None

@@ -17,8 +17,9 @@ from apps.jobs.handoff import awaits_handoff, job_cancel_before_handoff
 from apps.jobs.models import Job, JobConfiguration
 from apps.jobs.scheduler import schedule_grant_after_commit, schedule_grant_here
 from apps.jobs.services import JOB_STATES, cancelled_by, check_env, check_env_size
+from apps.machines import capacity
 from apps.machines.choices import INSTANCE_TERMINAL
-from apps.machines.models import MachineInstance, OrgMachineType
+from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.services import grant_check_privilege, not_granted_message
 from apps.orgs.models import Organization
 from apps.orgs.registries import check_image_reference
@@ -46,7 +47,7 @@ def job_submit(
     (they hand the job to its machine's agent themselves, see apps.jobs.handoff) and
     ``hold_reason`` (queued but not admitted until they release it); ``schedule_now`` False
     leaves the admission to the caller (one pass after a batch of submits)."""
-    _check_may_submit(org, config)
+    machine_type = _check_may_submit(org, config)
     merged = {**config.env, **check_env(env or {})}
     secret = check_env(secret_env or {})
     check_env_size(merged, {**config.secret_env, **secret}, owner="a job")
@@ -61,7 +62,7 @@ def job_submit(
             traceparent=tracing.current_traceparent(),  # the job's trace: every later span joins it
             org=org,
             config=config,
-            machine_type_id=config.machine_type_id,
+            machine_type=machine_type,
             command=config.command,
             image=image,
             env=merged,
@@ -90,20 +91,30 @@ def job_submit(
     return job
 
 
-def _check_may_submit(org: Organization, config: JobConfiguration) -> None:
-    """The organization may run ``config`` now: its own, privileged, machine type granted."""
+def _check_may_submit(org: Organization, config: JobConfiguration) -> MachineType:
+    """The organization may run ``config`` now: its own, privileged, a machine type granted.
+    Returns the type its job goes to: the cheapest candidate not cooling down after a capacity
+    error (apps.machines.capacity), else the cheapest candidate, whose cool-down it waits out."""
     if config.org_id != org.pk:
         raise NotFound("job configuration not found")
-    grant_check_privilege(org=org, machine_type=config.machine_type)
+    several = bool(config.requirements or config.machine_type.alternatives)
+    if not several:
+        grant_check_privilege(org=org, machine_type=config.machine_type)
     for rt in config.resource_types.all():
         if not org.has_privilege(rt.required_privilege):
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+    if several:
+        types = capacity.candidates(org_id=org.pk, config=config)
+        if types:
+            return capacity.choose(types) or types[0]
+        grant_check_privilege(org=org, machine_type=config.machine_type)
     if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
         raise Conflict(
             f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
             "ask an operator for one, or change the configuration's machine type",
             code=ErrorCode.MACHINE_TYPE_NOT_GRANTED,
         )
+    return config.machine_type
 
 
 def _schedule(job: Job, *, at_once: bool, own_transaction: bool) -> None:

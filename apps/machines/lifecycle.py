@@ -29,6 +29,7 @@ from apps.core.ids import ClaimId, InstanceId, OrgId, PoolId, ProviderAccountId
 from apps.core.selectors import installation_id
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
+from apps.machines import capacity
 from apps.machines.agent_dist import agent_package
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, ProviderKind
 from apps.machines.hosts import slot_host
@@ -233,6 +234,20 @@ def instance_fail(*, instance_id: InstanceId, reason: str, actor: Actor = Actor.
         return
     if instance.pool_id:
         hooks.pool_member_left(instance.pool_id)  # the pool sees the deficit
+
+
+def instance_no_capacity(*, instance_id: InstanceId, reason: str) -> None:
+    """The provider has no capacity for the instance's type now: the type cools down (nothing
+    of it bought meanwhile), the instance has failed, and its grant's waiting jobs are placed
+    again at once, on their next candidate (apps.jobs.placement). Not retried in place: the
+    cool-down is the wait, and another candidate may serve sooner."""
+    row = MachineInstance.objects.filter(pk=instance_id).values("org_id", "machine_type_id").first()
+    if row is None:
+        return
+    with transaction.atomic():
+        capacity.cool_down(machine_type_id=row["machine_type_id"], reason=reason)
+        instance_fail(instance_id=instance_id, reason=reason)
+        hooks.machine_available(org_id=row["org_id"], machine_type_id=row["machine_type_id"])
 
 
 # ---- terminate -------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class MachineType(models.Model):
         "network",
         "image_cache_mb",
         "host_labels",
+        "alternatives",
     )
     REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
@@ -128,6 +129,18 @@ class MachineType(models.Model):
         blank=True,
         help_text='enrolled hosts only: labels a host must carry, e.g. {"gpu": "a4000"}',
     )
+    # Candidates (apps.machines.capacity): other machine types (names) that can run this type's
+    # jobs: another location, server type, provider account, spot or on-demand. Placement buys
+    # the cheapest candidate the organization is granted that is not cooling down.
+    alternatives = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='names of machine types that may run its jobs instead, e.g. ["cx33-nbg1"]',
+    )
+    # A provider's capacity error (Hetzner resource_unavailable, EC2 InsufficientInstanceCapacity)
+    # cools the type down until then: nothing of it is bought, its jobs fall over to a candidate.
+    capacity_cooling_until = models.DateTimeField(null=True, blank=True, editable=False)
+    capacity_error = models.CharField(max_length=300, blank=True, editable=False)
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -24,6 +25,8 @@ from apps.machines.models import MachineInstance, MachineType, OrgMachineType, P
 from apps.orgs.models import Organization, Privilege
 from catacloud.agent.netns import normalize_network
 from catacloud.policy.billing import Billing
+
+SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 
 
 def _invalid(field: str, message: str) -> ValidationFailed:
@@ -134,7 +137,18 @@ def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
         if price < 0 or not price.is_finite():
             raise _invalid("price_per_hour", "must not be negative")
         out["price_per_hour"] = price
+    if "alternatives" in out:
+        out["alternatives"] = _clean_alternatives(out["alternatives"])
     return out
+
+
+def _clean_alternatives(value: Any) -> list[str]:
+    """A list of machine type names, each once (they may be defined later in a catalog; a name
+    that names no type is skipped when candidates are chosen, apps.machines.capacity)."""
+    value = value or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and SLUG.fullmatch(v) for v in value):
+        raise _invalid("alternatives", "must be a list of machine type names")
+    return list(dict.fromkeys(value))
 
 
 @transaction.atomic

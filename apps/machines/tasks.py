@@ -10,7 +10,7 @@ from celery import Task, shared_task
 
 from apps.core.broker import task_backoff
 from apps.machines import lifecycle
-from catacloud.providers import ProviderError
+from catacloud.providers import InsufficientCapacity, ProviderError
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,9 @@ MAX_RETRIES = 8
 def provision_instance_task(self: Task, instance_id: str) -> None:
     try:
         lifecycle.instance_provision(instance_id=UUID(instance_id))
+    except InsufficientCapacity as exc:
+        log.warning("provisioning %s: %s: its machine type cools down", instance_id, exc.code)
+        lifecycle.instance_no_capacity(instance_id=UUID(instance_id), reason=f"{exc.code}: {exc}")
     except ProviderError as exc:
         if exc.retryable and self.request.retries < MAX_RETRIES:
             log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)

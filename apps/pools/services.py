@@ -23,7 +23,7 @@ from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
 from apps.events.services import event_record, events_record
-from apps.machines import claims
+from apps.machines import capacity, claims
 from apps.machines.budgets import budget_bought, budget_check
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.hosts import NoHostRoom
@@ -121,6 +121,7 @@ LIMIT_EVENTS = {
     "quota_exceeded": EventKind.POOL_QUOTA_EXCEEDED,
     "budget_exceeded": EventKind.POOL_BUDGET_EXCEEDED,
     "no_host_room": EventKind.POOL_NO_HOST_ROOM,
+    "capacity_cooling": EventKind.POOL_CAPACITY_COOLING,
 }
 
 # Every pool status change: POOL_STATES.move(pool_id, to=..., ...).
@@ -399,6 +400,8 @@ def _buy(pool: InstancePool, mt: MachineType, count: int, *, actor: Actor) -> tu
     """Request ``count`` members, as many as the org's budgets allow (lock order: grant, pool,
     budget); how many, and the budget's limit when it held some back."""
     limit = ""
+    if count and capacity.is_cooling(mt):  # the provider said it has none: wait out the cool-down
+        return 0, f"capacity_cooling: {capacity.cooling_reason([mt])}"[:200]
     if count:
         now = timezone.now()
         check = budget_check(org_id=pool.org_id, machine_type=mt, now=now, actor=actor)

@@ -103,7 +103,15 @@ def _configs(at: Commands) -> None:
 
 def _config_flags(p: argparse.ArgumentParser, *, creating: bool) -> None:
     """The fields of a job configuration, as ``configs create`` and ``configs update`` take them."""
-    p.add_argument("--machine-type", required=creating, metavar="TYPE", help="machine type name or id")
+    p.add_argument("--machine-type", metavar="TYPE", help="machine type name or id (or --requires)")
+    p.add_argument(
+        "--requires",
+        action="append",
+        default=[],
+        metavar="K=N",
+        help="what a job needs instead of a machine type: cpus=N, memory_mb=N, gpus=N (repeatable); "
+        "its jobs run on the cheapest granted type with at least that",
+    )
     p.add_argument("--command", required=creating, help="what the job runs, under /bin/sh -c")
     p.add_argument("--image", metavar="REF", help="a container image the command runs in ('' for none)")
     env = "env of every run (repeatable)" if creating else "set or change one env variable (repeatable)"
@@ -542,6 +550,7 @@ def cmd_configs_show(api: Api, args: argparse.Namespace) -> int:
         [
             ("config", f"{c['name']} {c['id']}"),
             ("type", c.get("machine_type_name") or c["machine_type"]),
+            ("requires", " ".join(f"{k}={v}" for k, v in (c.get("requirements") or {}).items())),
             ("command", c["command"]),
             ("image", c.get("image")),
             ("env", env),
@@ -569,6 +578,7 @@ def _config_body(args: argparse.Namespace, current: dict | None = None) -> dict[
         secret_env = {}
     given = {
         "machine_type": args.machine_type,
+        "requirements": _requirements(args.requires) if args.requires else None,
         "command": args.command,
         "image": args.image,
         "env": env,
@@ -582,7 +592,20 @@ def _config_body(args: argparse.Namespace, current: dict | None = None) -> dict[
     return {key: value for key, value in given.items() if value is not None}
 
 
+def _requirements(pairs: list[str]) -> dict[str, int]:
+    """``["cpus=6", "memory_mb=8192"]`` -> ``{"cpus": 6, "memory_mb": 8192}`` (the API checks the names)."""
+    out: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, amount = pair.partition("=")
+        if not sep or not amount.strip().isdigit():
+            raise UsageError(f"--requires {pair!r}: give NAME=N, e.g. cpus=4")
+        out[name.strip()] = int(amount)
+    return out
+
+
 def cmd_configs_create(api: Api, args: argparse.Namespace) -> int:
+    if not args.machine_type and not args.requires:
+        raise UsageError("give --machine-type TYPE, or --requires cpus=N (the cheapest type that fits)")
     config = api.post("job-configs/", {"name": args.name, **_config_body(args)})
     if args.json:
         print_json(config)

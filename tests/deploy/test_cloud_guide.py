@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import yaml
-from celery.exceptions import Retry
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -141,14 +140,19 @@ def test_a_refusing_cloud_fails_the_machine_with_the_reason_the_guide_names(
     assert fake_hetzner.servers == {}  # nothing bought, nothing to leak
 
 
-def test_no_capacity_is_retried_with_backoff(hetzner: MachineType, fake_hetzner: FakeHetzner) -> None:
-    assert "`insufficient_capacity:`" in GUIDE.read_text()
+def test_no_capacity_fails_the_machine_and_cools_its_type_down(
+    hetzner: MachineType, fake_hetzner: FakeHetzner
+) -> None:
+    """What the guide's table says of ``insufficient_capacity:``: no retry of the same create."""
+    assert "`insufficient_capacity:` | Hetzner `resource_unavailable`" in GUIDE.read_text()
     instance = lifecycle.instance_request(org=hetzner.grants.get().org, machine_type=hetzner)
     fake_hetzner.fail_next("POST /servers", "resource_unavailable", times=5)
-    with pytest.raises(Retry):
-        provision_instance_task.apply(args=[str(instance.pk)], throw=True)
+    provision_instance_task.apply(args=[str(instance.pk)], throw=True)
     instance.refresh_from_db()
-    assert instance.status == "provisioning"  # waiting for the next try, not failed
+    hetzner.refresh_from_db()
+    assert instance.status == "failed" and instance.failure_reason.startswith("insufficient_capacity:")
+    assert hetzner.capacity_cooling_until is not None
+    assert fake_hetzner.pending_faults() == 4  # asked once, not again
 
 
 # ---- the first admin, the machines' egress and prerequisites, backups ---------------------------

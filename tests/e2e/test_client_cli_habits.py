@@ -144,6 +144,16 @@ def test_configs_and_pools_are_created_by_machine_type_name(tworld: World, cli: 
     )
     assert viewer.returncode == 1 and "HTTP 403" in viewer.stderr
 
+    # What a job needs instead of a type: the cheapest granted type with at least that.
+    sized = ok(cli(admin, "configs", "create", "sized", "--requires", "cpus=2",
+                   "--requires", "memory_mb=1024", "--command", "true"))  # fmt: skip
+    assert "created (machine type small)" in sized.stdout
+    assert "requires cpus=2 memory_mb=1024" in ok(cli(member, "configs", "show", "sized")).stdout
+    too_big = cli(admin, "configs", "create", "huge", "--requires", "cpus=999", "--command", "true")
+    assert too_big.returncode == 1 and "the largest is small (2 cpus" in too_big.stderr
+    neither = cli(admin, "configs", "create", "bare", "--command", "true")
+    assert neither.returncode != 0 and "--machine-type TYPE, or --requires" in neither.stderr
+
 
 def test_jobs_show_ends_with_the_events_and_says_who_cancelled(tworld: World, cli: Cli) -> None:
     job_config(tworld.org, tworld.machine_type, "nightly")

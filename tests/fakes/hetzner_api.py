@@ -278,6 +278,9 @@ class FakeHetzner:
             self._faults: dict[str, deque[_Fault]] = {}
             self._action_faults: deque[dict[str, str]] = deque()
             self._ids = itertools.count(1000)
+            self.sold_out: set[tuple[str, str]] = set()  # (server type, location) with no capacity
+            self.capacity_refusals: list[tuple[str, str, float]] = []  # each refused create, when
+            self.creates: list[tuple[str, str, float]] = []  # each server made: type, location, when
 
     # ---- test controls ------------------------------------------------------------------------
 
@@ -294,6 +297,14 @@ class FakeHetzner:
             raise ValueError(f"kind must be one of {FAULT_KINDS}")
         with self._lock:
             self._faults.setdefault(endpoint, deque()).extend(_Fault(kind, retry_after) for _ in range(times))
+
+    def sell_out(self, server_type: str, location: str, *, sold_out: bool = True) -> None:
+        """Every create of ``server_type`` at ``location`` fails with ``resource_unavailable``
+        until restocked (``sold_out=False``), as a location out of a server type answers (Hetzner
+        Cloud API "Errors": ``resource_unavailable``, "the requested resource is currently
+        unavailable"); other types and locations are unaffected."""
+        with self._lock:
+            (self.sold_out.add if sold_out else self.sold_out.discard)((server_type, location))
 
     def fail_next_action(self, code: str = "server_create_failed", message: str = "could not create") -> None:
         """The next create action ends in ``error`` instead of ``success``."""
@@ -541,6 +552,11 @@ class FakeHetzner:
             raise ApiError(
                 409, "uniqueness_error", "server name is already used", {"fields": [{"name": "name"}]}
             )
+        location = data.get("location", "fsn1")
+        if (data["server_type"], location) in self.sold_out:
+            self.capacity_refusals.append((data["server_type"], location, time.time()))
+            status, code, _ = ERRORS["resource_unavailable"]
+            raise ApiError(status, code, f"server type {data['server_type']} is unavailable in {location}")
         if self.server_limit is not None and len(self.servers) >= self.server_limit:
             raise ApiError(
                 403,
@@ -553,6 +569,7 @@ class FakeHetzner:
         )
         self.user_data[server["id"]] = data.get("user_data") or ""
         self.created_names.append(name)
+        self.creates.append((data["server_type"], location, time.time()))
         action = _Action(next(self._ids), "create_server", server["id"], self.action_polls)
         if self._action_faults:
             action.outcome, action.error = "error", self._action_faults.popleft()

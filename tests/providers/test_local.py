@@ -17,7 +17,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from catacloud.providers import LABEL_INSTALLATION, LABEL_POOL, MachineSpec, MachineState, NotFound, Permanent
+from catacloud.providers import (
+    LABEL_INSTALLATION,
+    LABEL_POOL,
+    InsufficientCapacity,
+    MachineSpec,
+    MachineState,
+    NotFound,
+    Permanent,
+)
 from catacloud.providers.base import Bootstrap
 from catacloud.providers.local import LocalProvider
 
@@ -92,6 +100,19 @@ def test_create_starts_a_detached_process_with_the_spec_env(provider: LocalProvi
     assert os.getsid(pid) == pid != os.getsid(0)  # own session: survives a worker restart
     log = state_dir / f"{spec.instance_id}.log"
     assert wait_for(lambda: "agent for hello-42" in log.read_text())
+
+
+def test_an_account_full_to_max_machines_answers_no_capacity_until_one_ends(state_dir: Path) -> None:
+    room = LocalProvider(config={"state_dir": str(state_dir), "max_machines": 2}, credentials={})
+    first, second, third = make_spec(), make_spec(), make_spec()
+    room.create(first)
+    room.create(second)
+    room.create(first)  # adopting a machine it holds is no new machine
+    with pytest.raises(InsufficientCapacity, match="at most 2 machines"):
+        room.create(third)
+    assert not (state_dir / f"{third.instance_id}.json").exists()
+    room.delete(second.instance_id)
+    room.create(third)
 
 
 def test_create_twice_starts_one_process(provider: LocalProvider, state_dir: Path) -> None:

@@ -51,7 +51,17 @@ def secret_env_field() -> serializers.DictField:
 
 
 class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.ModelSerializer):
-    machine_type = OrgMachineTypeField()
+    machine_type = OrgMachineTypeField(
+        required=False,
+        help_text="a machine type's name or id (one your organization has a grant for); with "
+        "requirements: set for you, the cheapest type meeting them",
+    )
+    requirements = serializers.JSONField(
+        required=False,
+        help_text='what a job needs, e.g. {"cpus": 4, "memory_mb": 8192, "gpus": 0}: its jobs run on '
+        "the cheapest granted machine type with at least that (and fall over to the next on a "
+        "provider's capacity error); {} for none",
+    )
     machine_type_name = serializers.CharField(source="machine_type.name", read_only=True)
     resources = serializers.SlugRelatedField(
         source="resource_types",
@@ -112,6 +122,7 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
             "checkpoint_interval_seconds",
             "overflow_machine_type",
             "overflow_after_seconds",
+            "requirements",
             "created_at",
             "updated_at",
         )
@@ -120,6 +131,15 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
 
     def get_secret_env_keys(self, obj: JobConfiguration) -> list[str]:
         return sorted(obj.secret_env)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("requirements") and "machine_type" in attrs:
+            raise serializers.ValidationError(
+                {"machine_type": ["leave it out with requirements: the cheapest type meeting them is chosen"]}
+            )
+        if self.instance is None and "machine_type" not in attrs and not attrs.get("requirements"):
+            raise serializers.ValidationError({"machine_type": ["this field is required (or requirements)"]})
+        return super().validate(attrs)
 
     def validate_command(self, value: str) -> str:
         # An empty command is refused by job_config_save unless an image names the process.

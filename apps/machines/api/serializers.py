@@ -73,11 +73,35 @@ class MachineTypeSerializer(serializers.ModelSerializer):
     )
     quota = serializers.SerializerMethodField()
     usable = serializers.SerializerMethodField(help_text="false when the org lacks the required privilege")
+    alternatives = serializers.SerializerMethodField(
+        help_text="machine types (names) that may run this type's jobs instead (those your org may use)"
+    )
 
     class Meta:
         model = MachineType
-        fields = ("id", "name", "provider", *MachineType.SETTABLE_FIELDS, "version", "quota", "usable")
+        fields = (
+            "id",
+            "name",
+            "provider",
+            *MachineType.SETTABLE_FIELDS,
+            "capacity_cooling_until",
+            "capacity_error",
+            "version",
+            "quota",
+            "usable",
+        )
         read_only_fields = fields
+
+    def get_alternatives(self, obj: MachineType) -> list[str]:
+        """Only the ones granted to the caller's organization: no tenant learns what others use."""
+        org = self.context.get("org")
+        if not obj.alternatives or org is None:
+            return []
+        names: set[str] | None = getattr(self.root, "_granted_names", None)
+        if names is None:  # one query for the whole answer, not one a type
+            names = set(MachineType.objects.filter(grants__org=org).values_list("name", flat=True))
+            setattr(self.root, "_granted_names", names)  # noqa: B010 (a serializer has no such field)
+        return [name for name in obj.alternatives if name in names]
 
     @extend_schema_field(QuotaSerializer)
     def get_quota(self, obj: MachineType) -> dict:
