@@ -44,6 +44,7 @@ PARTS = (
     "images",
     "tail",
     "hosts",
+    "selection",
 )
 
 Progress = Callable[[str], None]

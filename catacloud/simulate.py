@@ -22,6 +22,13 @@ machines; a claim refills at once, like the real pool) and ``pool:N:speed`` / ``
 (a warm pool in front of reusable machines). A pool's ``max_size`` is N unless
 ``Params.pool_max_size`` says more (``pool_create``'s default is its target).
 
+Spot (``Params.spot_price``): machines are bought as spot first, on-demand when the spot
+candidate is cooling down after a capacity error (each spot buy is refused with probability
+``capacity_error_rate``; a refusal cools it down ``cooldown`` seconds, and the buy falls over to
+on-demand at once, as apps/machines/capacity.py does). A spot machine is interrupted after an
+exponential time of rate ``interruptions_per_hour``: its job is requeued at the front and resumes
+from its last checkpoint (every ``checkpoint_seconds`` of its run; 0: it starts over).
+
 A trace is CSV with a header: ``submit_time_seconds,duration_seconds,config``.
 """
 
@@ -32,6 +39,7 @@ import csv
 import heapq
 import itertools
 import math
+import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -47,7 +55,7 @@ DEFAULT_PRICE = "0.0095"
 
 # Event kinds, in the order they are handled at the same instant: machines finish booting and
 # jobs end before arrivals are placed, so a freed machine is seen by the job arriving with it.
-_READY, _FINISH, _ARRIVE, _REAPER, _SCHEDULER = range(5)
+_READY, _FINISH, _INTERRUPT, _ARRIVE, _REAPER, _SCHEDULER = range(6)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class Machine:
     warm_until: float | None = None  # age of its first claim (unheld time before it is warm)
     holds: list[attribution.Hold] = field(default_factory=list)
     images: set[str] = field(default_factory=set)  # the configurations whose image it holds
+    spot: bool = False
+    job: tuple[int, TraceJob] | None = None  # what it runs (busy)
 
 
 @dataclass
@@ -95,6 +105,10 @@ class Result:
     budget_reached_at: float | None = None  # when the budget first refused a machine
     # what machines live at that moment billed after it: spend never passes budget + this
     after_reached: Decimal = Decimal(0)
+    spot_machines: int = 0  # of machines_created
+    interruptions: int = 0  # spot machines reclaimed under a job
+    capacity_errors: int = 0  # spot buys refused (each fell over to on-demand)
+    lost_seconds: float = 0.0  # job seconds run again after interruptions (since their checkpoint)
     # (billing start, end) of every machine, in trace seconds
     timeline: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
@@ -114,6 +128,10 @@ class Result:
             "wait_max": round(self.wait_max, 1),
             "by_kind": {k: float(v) for k, v in self.by_kind.items()},
             "shares": self.shares(),
+            "spot_machines": self.spot_machines,
+            "interruptions": self.interruptions,
+            "capacity_errors": self.capacity_errors,
+            "lost_seconds": round(self.lost_seconds, 1),
             **(
                 {
                     "budget": float(self.budget),
@@ -155,10 +173,21 @@ class Params:
     # pulled every configuration's image before it was ready (a pool's ``images``).
     pull_seconds: float = 0.0
     pool_images: bool = False
+    # Spot first (None: on-demand only, at price_per_hour), with on-demand as its fallback.
+    spot_price: Decimal | None = None
+    interruptions_per_hour: float = 0.0  # per spot machine
+    capacity_error_rate: float = 0.0  # the chance a spot buy is refused
+    cooldown: float = 180.0  # CATACLOUD_CAPACITY_COOLDOWN
+    checkpoint_seconds: float = 0.0  # a job checkpoints this often (0: an interrupted job restarts)
+    seed: int = 1
 
     @property
     def billing(self) -> Billing:
         return Billing(self.billing_increment, self.min_billed, self.price_per_hour)
+
+    def billing_of(self, spot: bool) -> Billing:
+        price = self.spot_price if spot and self.spot_price is not None else self.price_per_hour
+        return Billing(self.billing_increment, self.min_billed, price)
 
     @property
     def margin(self) -> float:
@@ -236,7 +265,7 @@ class Simulation:
         self.seq = itertools.count()
         self.events: list[tuple[float, int, int, Any]] = []
         self.waiting: deque[tuple[int, TraceJob]] = deque()  # (index, job), FIFO
-        self.waits: list[float] = []
+        self.wait_of: dict[int, float] = {}  # each job's wait (all its attempts')
         self.runtimes: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=placement.RECENT_RUNS))
         self.created = 0
         self.pending_jobs = len(self.jobs)
@@ -248,6 +277,10 @@ class Simulation:
         self.reached: tuple[float, dict[int, Decimal]] | None = None
         self.next_sample = 0.0
         self.pool_open = bool(self.pool_size)
+        self.random = random.Random(params.seed)
+        self.spot_cooling_until = -math.inf
+        self.interruptions = self.capacity_errors = 0
+        self.lost_seconds = 0.0
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -273,6 +306,8 @@ class Simulation:
                         self.refill_pool()  # a member became ready: the pool re-counts
             elif kind == _FINISH:
                 self.finish(data)
+            elif kind == _INTERRUPT:
+                self.interrupt(data)
             elif kind == _ARRIVE:
                 self.waiting.append(data)
                 self.arrivals_left -= 1
@@ -317,12 +352,11 @@ class Simulation:
         """The budget's spend in the current period, as the server counts it: machines whose
         billing started in the period, ended ones at their cost, live ones committed to the end
         of their paid period."""
-        billing = self.p.billing
         period = self.period_of(self.now)
         total = self.ended_cost.get(period, Decimal(0))
         for m in self.live():
             if self.period_of(m.started) == period:
-                total += billing.cost(self.now - m.started)
+                total += self.p.billing_of(m.spot).cost(self.now - m.started)
         return total
 
     def period_of(self, t: float) -> int:
@@ -339,10 +373,9 @@ class Simulation:
         if allowed == 0 and self.reached is None:
             # the budget refuses its first machine: what live machines committed now (the
             # periods they bill after this are the bound on passing the budget)
-            billing = self.p.billing
             self.reached = (
                 self.now,
-                {m.id: billing.cost(self.now - m.started) for m in self.live()},
+                {m.id: self.p.billing_of(m.spot).cost(self.now - m.started) for m in self.live()},
             )
         return allowed
 
@@ -391,38 +424,80 @@ class Simulation:
             ready_at=self.now + boot,
             pool=pool,
             born_in_pool=pool,
+            spot=self.buy_spot(),
         )
         self.machines[m.id] = m
         self.created += 1
         self.push(m.ready_at, _READY, m.id)
+        if m.spot and self.p.interruptions_per_hour > 0:
+            self.push(
+                self.now + self.random.expovariate(self.p.interruptions_per_hour / 3600), _INTERRUPT, m.id
+            )
         if self.p.budget is not None:
             self.spend_curve.append((self.now, self.spend()))
         return m
 
+    def buy_spot(self) -> bool:
+        """Spot when there is a spot candidate not cooling down and the cloud has capacity;
+        a refusal cools it down and this buy falls over to on-demand."""
+        if self.p.spot_price is None or self.now < self.spot_cooling_until:
+            return False
+        if self.p.capacity_error_rate and self.random.random() < self.p.capacity_error_rate:
+            self.capacity_errors += 1
+            self.spot_cooling_until = self.now + self.p.cooldown
+            return False
+        return True
+
+    def interrupt(self, machine_id: int) -> None:
+        """The cloud reclaims a spot machine: its job goes back to the front of the queue with
+        what its last checkpoint saved (the attempt is free), the machine is gone."""
+        m = self.machines[machine_id]
+        if m.state == "gone":
+            return
+        if m.state == "busy" and m.job is not None:
+            index, job = m.job
+            ran = self.now - m.job_started
+            every = self.p.checkpoint_seconds
+            kept = min(job.duration, math.floor(ran / every) * every) if every > 0 else 0.0
+            self.lost_seconds += max(0.0, min(ran, job.duration) - kept)
+            last = m.holds[-1]
+            m.holds[-1] = attribution.Hold(last.start, self.now - m.started, last.ref)
+            self.waiting.appendleft((index, TraceJob(self.now, job.duration - kept, job.config)))
+            self.pending_jobs += 1
+            self.interruptions += 1
+        member = m.pool
+        self.destroy(m)
+        if member:
+            self.refill_pool()
+
     def destroy(self, m: Machine, at: float | None = None) -> None:
         m.state, m.destroyed = "gone", self.now if at is None else at
         period = self.period_of(m.started)
-        self.ended_cost[period] = self.ended_cost.get(period, Decimal(0)) + self.p.billing.cost(
+        self.ended_cost[period] = self.ended_cost.get(period, Decimal(0)) + self.p.billing_of(m.spot).cost(
             m.destroyed - m.started
         )
 
     def start(self, index: int, job: TraceJob, m: Machine) -> None:
         if m.warm_until is None:
             m.warm_until = self.now - m.started
-        m.state, m.job_started, m.job_config = "busy", self.now, job.config
+        m.state, m.job_started, m.job_config, m.job = "busy", self.now, job.config, (index, job)
         # its image first, unless the machine holds it (a pool member that pulled the pool's)
         hot = job.config in m.images or (m.born_in_pool and self.p.pool_images)
         pull = 0.0 if hot else self.p.pull_seconds
         m.images.add(job.config)
         held = pull + job.duration + self.p.job_overhead  # the agent starts and ends the job around it
         m.holds.append(attribution.Hold(self.now - m.started, self.now + held - m.started, str(index)))
-        self.waits.append(self.now + pull - job.submit)  # until its command runs
+        # until its command runs; a job an interruption requeued waits again, from then
+        self.wait_of[index] = self.wait_of.get(index, 0.0) + self.now + pull - job.submit
         self.pending_jobs -= 1
         self.push(self.now + held, _FINISH, (m.id, held))
 
     def finish(self, data: tuple[int, float]) -> None:
         machine_id, duration = data
         m = self.machines[machine_id]
+        if m.state != "busy":
+            return  # interrupted: the job ends on another machine
+        m.job = None
         self.unfinished -= 1
         self.runtimes[m.job_config].append(duration)
         member = m.pool
@@ -434,10 +509,11 @@ class Simulation:
             self.refill_pool()  # a member left the pool
 
     def reap(self) -> None:
-        billing = self.p.billing
         for m in self.live(pool=False):
             if m.state == "idle" and should_retire(
-                billing=billing, runtime_seconds=self.now - m.started, margin_seconds=self.p.margin
+                billing=self.p.billing_of(m.spot),
+                runtime_seconds=self.now - m.started,
+                margin_seconds=self.p.margin,
             ):
                 self.destroy(m)
 
@@ -514,8 +590,11 @@ class Simulation:
 
     # ---- result -------------------------------------------------------------------------------
 
+    @property
+    def waits(self) -> list[float]:
+        return list(self.wait_of.values())
+
     def result(self) -> Result:
-        billing = self.p.billing
         cost = Decimal(0)
         seconds = 0
         by_kind = {k: Decimal(0) for k in attribution.KINDS}
@@ -524,7 +603,10 @@ class Simulation:
             # born in the pool: unheld time before its first claim (all of it, if never) is warm
             warm_until = (runtime if m.warm_until is None else m.warm_until) if m.born_in_pool else 0.0
             a = attribution.attribute(
-                billing=billing, runtime_seconds=runtime, holds=m.holds, warm_until=warm_until
+                billing=self.p.billing_of(m.spot),
+                runtime_seconds=runtime,
+                holds=m.holds,
+                warm_until=warm_until,
             )
             cost += a.cost
             seconds += a.billed_seconds
@@ -552,17 +634,21 @@ class Simulation:
                 (m.started, m.destroyed if m.destroyed is not None else self.now)
                 for m in self.machines.values()
             ],
+            spot_machines=sum(1 for m in self.machines.values() if m.spot),
+            interruptions=self.interruptions,
+            capacity_errors=self.capacity_errors,
+            lost_seconds=self.lost_seconds,
         )
 
     def after_reached(self) -> Decimal:
         if self.reached is None:
             return Decimal(0)
-        billing, (_, committed) = self.p.billing, self.reached
+        _, committed = self.reached
         total = Decimal(0)
         for machine_id, then in committed.items():
             m = self.machines[machine_id]
             end = m.destroyed if m.destroyed is not None else self.now
-            total += billing.cost(end - m.started) - then
+            total += self.p.billing_of(m.spot).cost(end - m.started) - then
         return total
 
 
@@ -628,6 +714,12 @@ def params_from_args(args: argparse.Namespace) -> Params:
         budget=Decimal(str(args.budget)) if args.budget is not None else None,
         budget_period=86400.0 if args.budget_period == "day" else 30 * 86400.0,
         pool_max_size=args.pool_max_size,
+        spot_price=Decimal(str(args.spot_price)) if args.spot_price is not None else None,
+        interruptions_per_hour=args.interruptions_per_hour,
+        capacity_error_rate=args.capacity_error_rate,
+        cooldown=args.cooldown,
+        checkpoint_seconds=args.checkpoint_every,
+        seed=args.seed,
     )
 
 
@@ -647,6 +739,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if params.budget is not None:
         print(f"budget: {params.budget} per {args.budget_period}; no machine is bought past it")
     print(format_table(results, lower_bound(jobs, params)))
+    if params.spot_price is not None:
+        print(
+            f"spot at {params.spot_price}/h first, on-demand at {params.price_per_hour}/h after a capacity "
+            f"error ({params.capacity_error_rate:.0%} of spot buys; {params.cooldown:.0f} s cool-down); "
+            f"{params.interruptions_per_hour:g} interruptions per spot machine-hour; checkpoints every "
+            f"{params.checkpoint_seconds:g} s"
+        )
+        for r in results:
+            print(
+                f"{r.policy}: {r.spot_machines} of {r.machines_created} machines spot, {r.interruptions} "
+                f"interrupted under a job, {r.capacity_errors} capacity errors, "
+                f"{r.lost_seconds / 3600:.2f} job-hours run again"
+            )
     if params.budget is not None:
         for r in results:
             print(format_spend_curve(r))
@@ -684,6 +789,18 @@ def add_simulate_command(subparsers: Any) -> None:
         default=None,
         help="pool:N policies: the pool's max_size (default N, like a pool created without one)",
     )
+    sim.add_argument("--spot-price", type=float, default=None, help="buy spot first at this price per hour")
+    sim.add_argument(
+        "--interruptions-per-hour", type=float, default=0.0, help="spot: interruptions per machine-hour"
+    )
+    sim.add_argument(
+        "--capacity-error-rate", type=float, default=0.0, help="spot: the chance a buy is refused (0..1)"
+    )
+    sim.add_argument("--cooldown", type=float, default=180.0, help="seconds a refused candidate cools down")
+    sim.add_argument(
+        "--checkpoint-every", type=float, default=0.0, help="a job checkpoints this often (0: restarts)"
+    )
+    sim.add_argument("--seed", type=int, default=1, help="random seed of interruptions and capacity errors")
     sim.add_argument(
         "--until-done",
         action="store_true",

@@ -40,5 +40,8 @@ class Cause(StrEnum):
             return default
 
 
-# Requeues the operator caused: they do not use up the job's max_attempts.
-FREE_REQUEUE_CAUSES = frozenset({Cause.MACHINE_TERMINATED, Cause.POOL_DRAINED, Cause.HOST_DRAINED})
+# Requeues the operator or the cloud caused, not the job: they do not use up its max_attempts
+# (a spot interruption is an interrupted attempt, not a failed one).
+FREE_REQUEUE_CAUSES = frozenset(
+    {Cause.MACHINE_TERMINATED, Cause.POOL_DRAINED, Cause.HOST_DRAINED, Cause.SPOT_INTERRUPTION}
+)

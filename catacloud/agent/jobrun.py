@@ -62,6 +62,10 @@ log = logging.getLogger("catacloud.agent")
 REASON_CANCELLED = "cancelled by the control plane"
 REASON_TERMINATING = "machine terminating"
 REASON_AGENT_STOPPED = "agent stopped"
+REASON_INTERRUPTED = "spot interruption"
+# A spot interruption notice: the job gets SIGTERM and this long to write its checkpoint (EC2's
+# notice comes two minutes ahead; the rest is for the upload and the report), then SIGKILL.
+INTERRUPTION_GRACE_SECONDS = 30.0
 
 
 @dataclass
@@ -71,6 +75,7 @@ class CurrentJob:
     job: Job
     cancel: Cancellation
     checkpointer: Checkpointer | None = None  # while its command runs
+    interrupted: str = ""  # the spot interruption notice that ends it, when one does
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ class JobRunning:
         raise NotImplementedError
 
     def _cancel_job(self, job_id: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def _report_interruption_now(self, detail: str) -> None:
         raise NotImplementedError
 
     def _report_crash(self, job: Job, exc: Exception) -> None:
@@ -387,10 +395,23 @@ class JobRunning:
             )
         finally:
             self.meta.revoke()
+            if cancel.reason == REASON_INTERRUPTED:
+                self._save_before_interruption(job, checkpointer)
             with self._lock:
                 if self._current is not None:
                     self._current.checkpointer = None
             checkpointer.close()
+
+    def _save_before_interruption(self, job: Job, checkpointer: Checkpointer) -> None:
+        """The job had its SIGTERM and grace to write its checkpoint directory; upload what it
+        holds now (if it changed since the last save), before the interruption is reported:
+        the control plane requeues the job on that report and refuses its checkpoints after."""
+        try:
+            checkpointer.save(REASON_INTERRUPTED, only_if_changed=True)
+        except Unauthorized:
+            raise
+        except Exception as exc:  # whatever happens, the interruption must still be reported
+            log.warning("job %s: no checkpoint before the interruption: %s", job.id, exc)
 
     def _disk_watch(self, job: Job, work_dir: str) -> DiskWatch:
         """The job's disk watchdog: its area's use, where the machine has one (the kernel bounds
@@ -414,7 +435,19 @@ class JobRunning:
         launch: dict[str, Any] | None = None,
     ) -> None:
         """Deliver the job's output, report its outcome, upload its output files, remove its
-        folder (the next job, maybe of another uid, finds nothing of this one)."""
+        folder (the next job, maybe of another uid, finds nothing of this one). A job a spot
+        interruption ended is not reported as ended: the interruption is (it is requeued)."""
+        with self._lock:
+            notice = self._current.interrupted if self._current is not None else ""
+        if notice and result.reason == REASON_INTERRUPTED:
+            streamer.close(timeout=STOPPING_RETRY_SECONDS)
+            log.info("job %s: ended by the spot interruption; reporting it", job.id)
+            self._report_interruption_now(notice)
+            with self._lock:
+                self._current = None
+            if work_dir is not None:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            return
         if self.stopping.is_set() and not self._report_on_stop:
             streamer.close(timeout=0.0)
             log.info("job %s: %s (%s); not reported", job.id, result.outcome, result.reason)
@@ -447,6 +480,8 @@ class JobRunning:
             log.error("job %s: could not report its outcome: %s", job.id, exc)
         with self._lock:
             self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
+        if notice:  # it ended on its own as the notice came: the machine's interruption still counts
+            self._report_interruption_now(notice)
         try:
             upload_outputs(self.client, job, outputs, stopping=self.stopping)
         finally:

@@ -40,8 +40,10 @@ from catacloud.agent.files import (
 from catacloud.agent.imagejob import JobImages, image_dir_for
 from catacloud.agent.imds import SpotWatcher
 from catacloud.agent.jobrun import (
+    INTERRUPTION_GRACE_SECONDS,
     REASON_AGENT_STOPPED,
     REASON_CANCELLED,
+    REASON_INTERRUPTED,
     REASON_TERMINATING,
     CurrentJob,
     JobRunning,
@@ -391,18 +393,39 @@ class Agent(JobRunning):
     # -- spot interruption ------------------------------------------------------------------
 
     def _report_interruption(self, detail: str) -> None:
-        """Save the running job's checkpoint (if it changed), then report the interruption: the
-        control plane requeues the job on that report and would refuse a later checkpoint."""
+        """A spot interruption notice. A running job is told first: SIGTERM, and
+        ``INTERRUPTION_GRACE_SECONDS`` to write its checkpoint directory (a trap that writes its
+        state, ``catacloud checkpoint``) before SIGKILL; its run then saves the checkpoint if it
+        changed and reports the interruption instead of an outcome (the control plane requeues
+        the job on it). With no job running, the interruption is reported at once."""
         with self._lock:
-            checkpointer = self._current.checkpointer if self._current else None
-        if checkpointer is not None:
+            current = self._current
+            told = (
+                current is not None
+                and not current.cancel.is_set()
+                and current.cancel.cancel(REASON_INTERRUPTED, grace=INTERRUPTION_GRACE_SECONDS)
+            )
+            if told and current is not None:
+                current.interrupted = detail
+        if told and current is not None:
+            log.warning(
+                "job %s: spot interruption: SIGTERM now, SIGKILL after %.0f s; its checkpoint follows",
+                current.job.id,
+                INTERRUPTION_GRACE_SECONDS,
+            )
+            return
+        checkpointer = current.checkpointer if current is not None else None
+        if checkpointer is not None:  # a job ending for another reason: save what it has
             try:
-                checkpointer.save("spot interruption", only_if_changed=True)
+                checkpointer.save(REASON_INTERRUPTED, only_if_changed=True)
             except Unauthorized as exc:
                 self.fatal(f"the control plane rejected this agent's credentials ({exc})")
                 return
             except Exception as exc:  # whatever happens, the interruption must still be reported
                 log.warning("job %s: no checkpoint before the interruption: %s", checkpointer.job_id, exc)
+        self._report_interruption_now(detail)
+
+    def _report_interruption_now(self, detail: str) -> None:
         try:
             self.client.interruption("spot", detail)
         except Unauthorized as exc:

@@ -38,6 +38,8 @@ log = logging.getLogger("catacloud.agent")
 SUCCEEDED, FAILED, TIMED_OUT, CANCELLED = Outcome  # how a job ends: the protocol's one enum
 
 KILL_GRACE_SECONDS = 3.0
+# What holds a job's sandbox, never the job itself (ProcessTree.tell passes them by).
+LAUNCHER_NAMES = frozenset({"bwrap", "nsenter"})
 
 
 class Watch(Protocol):
@@ -66,13 +68,18 @@ class Cancellation:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self.reason = ""
+        self.grace: float | None = None
 
-    def cancel(self, reason: str) -> bool:
-        """Request cancellation; ``True`` if this call was the first."""
+    def cancel(self, reason: str, *, grace: float | None = None) -> bool:
+        """Request cancellation; ``True`` if this call was the first. ``grace``: the job is told
+        first (SIGTERM to its own processes, not its sandbox) and has this long to end by itself
+        before its whole tree is killed; without it the tree is killed at once (SIGTERM, a short
+        grace, SIGKILL)."""
         with self._lock:
             if self._event.is_set():
                 return False
             self.reason = reason
+            self.grace = grace
             self._event.set()
             return True
 
@@ -372,6 +379,19 @@ class ProcessTree:
             with contextlib.suppress(psutil.Error):
                 process.send_signal(signum)  # psutil refuses a reused pid
 
+    def tell(self, signum: int) -> int:
+        """Signal the job's own processes only, not what holds its sandbox (the launcher this
+        agent started, bubblewrap, nsenter): those would end the sandbox, and every process in
+        it, at once. How many were signalled."""
+        told = 0
+        for process in self.members():
+            with contextlib.suppress(psutil.Error):
+                if process.pid == self.pid or process.name() in LAUNCHER_NAMES:
+                    continue
+                process.send_signal(signum)
+                told += 1
+        return told
+
     def kill(self, proc: subprocess.Popen[bytes] | None, grace: float = KILL_GRACE_SECONDS) -> None:
         """SIGTERM the tree, wait up to ``grace`` s, then SIGKILL what is left.
 
@@ -436,6 +456,7 @@ def _supervise(
     started = time.monotonic()
     deadline = started + timeout_seconds if timeout_seconds and timeout_seconds > 0 else None
     next_snapshot = started
+    told_until: float | None = None  # a cancellation with a grace: the job was told, and has until
     while True:
         try:
             proc.wait(timeout=poll_interval)
@@ -443,13 +464,23 @@ def _supervise(
             pass
         else:  # ended: what it left on the disk still counts
             why = watch(force=True) if watch is not None else None
+            if why is None and told_until is not None:
+                return (CANCELLED, cancel.reason)  # it ended because it was told to
             return (FAILED, why) if why is not None else None
         now = time.monotonic()
         if now >= next_snapshot:
             tree.snapshot()
             next_snapshot = now + 0.5
         stopped: tuple[Outcome, str] | None = None
-        if cancel.is_set():
+        if cancel.is_set() and cancel.grace is not None and told_until is None:
+            # Told first (SIGTERM to its own processes): it may save its work and exit.
+            log.info("job told to stop (%s): SIGTERM, %.0f s before SIGKILL", cancel.reason, cancel.grace)
+            tree.tell(signal.SIGTERM)
+            told_until = now + cancel.grace
+        if told_until is not None:
+            if now >= told_until:
+                stopped = (CANCELLED, cancel.reason)
+        elif cancel.is_set():
             stopped = (CANCELLED, cancel.reason or "cancelled")
         elif deadline is not None and now >= deadline:
             stopped = (TIMED_OUT, f"timed out after {timeout_seconds:g} s")

@@ -392,9 +392,15 @@ class FakeIMDS(_FakeBase):
         super().__init__()
         self.tokens: set[str] = set()
         self.notice: str | None = None
+        # Several machines' metadata services on one server: ``{url}/{machine}/latest/...`` is
+        # that machine's own, its notice here (each cloud machine asks its own IMDS).
+        self.notices: dict[str, str] = {}
 
     def _dispatch(self, handler: BaseHTTPRequestHandler) -> None:
         path, query, body = self._read(handler)
+        machine = ""
+        if not path.startswith("/latest/") and path.count("/") >= 2:
+            machine, path = path.split("/", 2)[1], "/" + path.split("/", 2)[2]
         with self.cond:
             self.requests.append(Recorded(handler.command, path, query, dict(handler.headers.items()), body))
             self.cond.notify_all()
@@ -408,7 +414,8 @@ class FakeIMDS(_FakeBase):
         if handler.command == "GET" and path == "/latest/meta-data/spot/instance-action":
             if handler.headers.get("X-aws-ec2-metadata-token") not in self.tokens:
                 return self._reply(handler, 401, text="unauthorized")
-            if self.notice is None:
+            notice = self.notices.get(machine) if machine else self.notice
+            if notice is None:
                 return self._reply(handler, 404, text="not found")
-            return self._reply(handler, 200, text=self.notice)
+            return self._reply(handler, 200, text=notice)
         return self._reply(handler, 404, text="not found")

@@ -8,6 +8,7 @@ import os
 import secrets
 import stat
 import tarfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -290,6 +291,33 @@ def test_a_spot_notice_saves_the_checkpoint_before_reporting_the_interruption(
     [(data, saved_at)] = api.checkpoints[job]
     assert tar_files(data) == {"epoch": b"3\n"}
     assert saved_at < api.calls("POST", "interruption")[0].at
+    time.sleep(0.5)
+    assert job not in api.finished, "an interrupted job is requeued, not reported ended"
+
+
+def test_a_spot_notice_gives_the_job_sigterm_to_write_its_checkpoint_first(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], imds: FakeIMDS
+) -> None:
+    agent = start_agent("--imds-url", imds.url)
+    job = api.assign(
+        "trap 'echo 7 > \"$CATACLOUD_CHECKPOINT_DIR/epoch\"; echo saved on TERM; exit 0' TERM\n"
+        "echo ready; while true; do sleep 0.1; done",
+        job_id="told",
+        checkpoint={"available": False, "interval_seconds": None},
+    )
+    api.wait_output(job, "ready")
+
+    imds.notice = '{"action": "stop", "time": "2030-01-01T00:00:00Z"}'
+    api.wait_for(lambda: api.interruptions, timeout=10, what="the interruption report")
+
+    assert job in api.checkpoints, agent.log()
+    [(data, saved_at)] = api.checkpoints[job]
+    assert tar_files(data) == {"epoch": b"7\n"}, "what the job wrote on SIGTERM is what is saved"
+    assert saved_at < api.calls("POST", "interruption")[0].at
+    assert "saved on TERM" in api.output(job)
+    assert api.interruptions == [{"kind": "spot", "detail": imds.notice}]
+    time.sleep(0.5)
+    assert job not in api.finished
 
 
 # -- in-process units ---------------------------------------------------------------------------

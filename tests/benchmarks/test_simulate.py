@@ -217,3 +217,53 @@ def test_the_busy_window_is_two_hours_of_pushes_each_a_burst_of_jobs() -> None:
     assert all(0 <= j.submit < 7200 for j in jobs)
     pushes = {round(j.submit / 10) for j in jobs}  # jobs of one push arrive within seconds
     assert len(jobs) >= 2 * len(pushes) > 100
+
+
+# ---- spot, capacity errors and interruptions ------------------------------------------------------
+
+SPOT = replace(HOURLY, billing_increment=1, spot_price=Decimal("0.3"))
+
+
+def test_spot_first_costs_its_price_and_a_capacity_error_falls_over_to_on_demand_for_the_cooldown() -> None:
+    jobs = [TraceJob(0, 3600, "a")]
+    spot = simulate(jobs, "ephemeral", SPOT)
+    assert (spot.spot_machines, spot.cost) == (1, Decimal("0.3038"))  # 3,645 s (boot + job) at 0.3/h
+    refused = simulate(
+        [TraceJob(0, 600, "a"), TraceJob(100, 600, "a"), TraceJob(400, 600, "a")],
+        "ephemeral",
+        replace(SPOT, capacity_error_rate=1.0, cooldown=300),
+    )
+    # every spot try is refused; inside its cool-down none is tried: the first and the last
+    # buys tried spot (the last after the cool-down ended), the middle one went on-demand at once
+    assert (refused.capacity_errors, refused.spot_machines, refused.machines_created) == (2, 0, 3)
+    assert refused.wait_max == 45  # falling over costs no wait
+
+
+def test_an_interrupted_job_resumes_from_its_last_checkpoint_on_another_machine() -> None:
+    jobs = [TraceJob(0, 7200, "train")]
+    often = replace(SPOT, interruptions_per_hour=2.0, checkpoint_seconds=60, seed=3)
+    result = simulate(jobs, "ephemeral", often)
+    assert result.interruptions >= 1
+    assert result.machines_created >= result.interruptions + 1  # a new machine after each (some die booting)
+    assert result.jobs == 1 and result.not_run == 0
+    # each interruption loses at most one checkpoint interval of work
+    assert 0 < result.lost_seconds <= 60 * result.interruptions
+    restart = simulate(jobs, "ephemeral", replace(often, checkpoint_seconds=0))
+    assert restart.lost_seconds > result.lost_seconds  # without checkpoints it starts over
+    assert restart.cost > result.cost
+
+
+def test_a_week_on_spot_costs_less_than_on_demand_and_says_what_it_costs_in_wait() -> None:
+    from catacloud.trace import generate
+
+    jobs = generate(days=1, seed=5)
+    ondemand = simulate(jobs, "speed", replace(HOURLY, billing_increment=1))
+    spot = simulate(
+        jobs,
+        "speed",
+        replace(SPOT, interruptions_per_hour=0.05, capacity_error_rate=0.05, checkpoint_seconds=300),
+    )
+    assert spot.cost < ondemand.cost
+    assert spot.interruptions > 0 and spot.capacity_errors > 0
+    assert spot.wait_p95 >= ondemand.wait_p95 - 1e-9  # interruptions only add waiting
+    assert spot.jobs == ondemand.jobs and spot.not_run == 0

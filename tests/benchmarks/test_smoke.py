@@ -245,3 +245,12 @@ def test_hosts(tmp_path: Path) -> None:
     assert sim["most_on_a_host"] <= 4  # a host of 4 cpus, slots of 1
     report.save(result, tmp_path)
     assert "hosts.png" in report.plots(report.load_all(tmp_path), tmp_path)
+
+
+def test_selection() -> None:
+    result = run_part("selection", samples=2, days=1, progress=quiet)
+    sane(result, "selection")
+    assert len(result.data["delays_s"]) == 2 and all(d > 0 for d in result.data["delays_s"])
+    week = result.data["week"]
+    assert week["spot"]["cost"] < week["on_demand"]["cost"]
+    assert week["spot"]["spot_machines"] > 0

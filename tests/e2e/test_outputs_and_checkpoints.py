@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 
 import pytest
 
@@ -72,3 +73,50 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(stack: Stack) -> None:
     result = viewer.get(f"/api/v1/jobs/{job_id}/artifacts/result.txt")
     assert b"".join(result.streaming_content) == b"done at 6\n"
     assert Job.objects.get(pk=job_id).attempt == 2
+
+
+def test_a_spot_interruption_hands_the_job_on_with_its_checkpoint(stack: Stack) -> None:
+    """A job checkpointing every second on a spot machine gets its machine's interruption notice
+    at second 5 (the fake IMDS, as EC2's two-minute notice): it is told (SIGTERM: its trap saves
+    its step), its last checkpoint is uploaded, the attempt is recorded as interrupted (free: a
+    job of max_attempts 1 runs again), and it finishes on another machine, resumed from that
+    step (its output says so), well within the notice window; both machines' cost is its."""
+    from apps.machines.models import MachineType
+    from tests.agent.fake_server import FakeIMDS
+
+    with FakeIMDS() as imds:
+        stack.world.account.config["imds_url"] = imds.url
+        stack.world.account.save(update_fields=["config"])
+        MachineType.objects.filter(pk=stack.world.machine_type.pk).update(spot=True)
+        command = (
+            "S=$CATACLOUD_CHECKPOINT_DIR/step; step=$(cat $S 2>/dev/null || echo 0); "
+            'echo "attempt $CATACLOUD_ATTEMPT starts at $step"; '
+            "trap 'echo $step > $S; echo \"told at step $step\"; exit 0' TERM; "
+            "while [ $step -lt 8 ]; do step=$((step + 1)); echo $step > $S; "
+            f'{PY} -m catacloud.agent checkpoint || exit 9; echo "step $step"; sleep 1; done; '
+            'echo "done at $step"'
+        )
+        job_id = submit(stack, job_config(stack, "spotty", command, max_attempts=1, reuse="ephemeral"))
+        stack.wait(lambda: "step 5" in logs(stack, job_id), 60, "five steps of attempt 1")
+        first = job(stack, job_id)["instance"]
+        imds.notices[first] = '{"action": "terminate", "time": "2030-01-01T00:02:00Z"}'
+        noticed = time.monotonic()
+        stack.wait(lambda: job(stack, job_id)["attempt"] == 2, 60, "the job requeued by the interruption")
+        requeued_in = time.monotonic() - noticed
+        done = stack.wait(
+            lambda: (j := job(stack, job_id))["status"] == "succeeded" and j,
+            120,
+            "the second attempt to finish",
+        )
+
+    first_log = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=1").json()["text"]
+    second_log = stack.api("viewer").get(f"/api/v1/jobs/{job_id}/logs/?attempt=2").json()["text"]
+    told = int(first_log.split("told at step ")[1].split()[0])
+    assert told >= 5
+    assert f"attempt 2 starts at {told}\n" in second_log  # resumed from the step saved on SIGTERM
+    assert "step 1\n" not in second_log and "done at 8" in second_log
+    assert requeued_in < 120, f"requeued {requeued_in:.1f} s after the notice: past EC2's two minutes"
+    assert (done["requeue_reason"], done["free_requeues"], done["instance"] != first) == (
+        "spot_interruption", 1, True,
+    )  # fmt: skip
+    assert {m["instance"] for m in done["cost"]["machines"]} >= {first, done["instance"]}

@@ -133,6 +133,8 @@ def test_a_spot_interruption_requeues_the_job_and_retires_the_machine(world: Wor
     job.refresh_from_db()
     instance.refresh_from_db()
     assert (job.status, job.attempt, job.instance_id) == ("queued", 2, None)
+    # interrupted, not failed: the attempt is free (a job of max_attempts 1 runs again)
+    assert (job.requeue_reason, job.free_requeues) == ("spot_interruption", 1)
     assert instance.status == S.TERMINATING
     beat = agent.post("/api/agent/v1/heartbeat", {}, format="json")
     assert beat.json()["terminate"] is True
