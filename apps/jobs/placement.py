@@ -132,22 +132,33 @@ def _overflow(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
         ):
             staying.append(job)
             continue
-        reason = f"no machine of {mt.name} within {bound} s: overflowed to its overflow machine type"
-        JOB_STATES.move(
-            job.pk,
-            to=JobStatus.QUEUED,
-            from_=[JobStatus.WAITING_FOR_MACHINE],
-            actor=Actor.SCHEDULER,
-            reason=reason,
-            event=EventKind.JOB_OVERFLOWED,
-            machine_type_id=config.overflow_machine_type_id,
-            admitted_at=None,
-            pending_reason=reason[:300],
-            event_data={"from": str(mt.pk), "to": str(config.overflow_machine_type_id), "after": bound},
+        _requeue_on(
+            job,
+            config.overflow_machine_type_id,
+            f"no machine of {mt.name} within {bound} s: overflowed to its overflow machine type",
+            EventKind.JOB_OVERFLOWED,
+            {"from": str(mt.pk), "to": str(config.overflow_machine_type_id), "after": bound},
         )
-        release_for_job(job_id=job.pk, reason="job overflowed to another machine type")
-        schedule_after_commit()
     return staying
+
+
+def _requeue_on(job: Job, machine_type_id: Any, reason: str, event: EventKind, data: dict[str, Any]) -> None:
+    """Back to the queue bound to another machine type, to be admitted under its grant (its
+    quotas and budgets), the resources it held released; a scheduling pass after commit."""
+    JOB_STATES.move(
+        job.pk,
+        to=JobStatus.QUEUED,
+        from_=[JobStatus.WAITING_FOR_MACHINE],
+        actor=Actor.SCHEDULER,
+        reason=reason,
+        event=event,
+        machine_type_id=machine_type_id,
+        admitted_at=None,
+        pending_reason=reason[:300],
+        event_data=data,
+    )
+    release_for_job(job_id=job.pk, reason=f"job moved to another machine type: {reason}"[:200])
+    schedule_after_commit()
 
 
 def _fall_over(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
@@ -168,21 +179,13 @@ def _fall_over(jobs: list[Job], mt: MachineType, now: datetime) -> list[Job]:
             if job.pending_reason != reason:
                 Job.objects.filter(pk=job.pk).update(pending_reason=reason)
             continue
-        reason = f"no capacity for {mt.name} ({mt.capacity_error}): fell over to {to.name}"
-        JOB_STATES.move(
-            job.pk,
-            to=JobStatus.QUEUED,
-            from_=[JobStatus.WAITING_FOR_MACHINE],
-            actor=Actor.SCHEDULER,
-            reason=reason,
-            event=EventKind.JOB_FELL_OVER,
-            machine_type_id=to.pk,
-            admitted_at=None,
-            pending_reason=reason[:300],
-            event_data={"from": mt.name, "to": to.name, "error": mt.capacity_error},
+        _requeue_on(
+            job,
+            to.pk,
+            f"no capacity for {mt.name} ({mt.capacity_error}): fell over to {to.name}",
+            EventKind.JOB_FELL_OVER,
+            {"from": mt.name, "to": to.name, "error": mt.capacity_error},
         )
-        release_for_job(job_id=job.pk, reason="job fell over to another machine type")
-        schedule_after_commit()
     return staying
 
 

@@ -65,6 +65,7 @@ EXPECTED = [
     "images",
     "hosts",
     "hosts-drain",
+    "selection",
 ]
 # A job's command in a block: ``NAME=$(cat <<'EOF' … EOF`` (submitted by the block, never run by it).
 HEREDOC = re.compile(r"<<'(?P<tag>\w+)'\n(?P<body>.*?)\n(?P=tag)\n", re.S)
