@@ -286,7 +286,10 @@ class _Applier:
                 account.name, AccountOfferings(account.kind, dict(account.config), dict(account.credentials))
             )
             offering = Offering(
-                str(node["server_type"]), str(node.get("image") or ""), str(node.get("location") or "")
+                str(node["server_type"]),
+                str(node.get("image") or ""),
+                str(node.get("location") or ""),
+                str(node.get("arch") or "x86_64"),
             )
             asked.wanted.append((offering, str(node["name"]), node.line))
 

@@ -26,11 +26,17 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.models import MachineType, OrgMachineType
 
-REQUIREMENTS = ("cpus", "memory_mb", "gpus")
+SIZES = ("cpus", "memory_mb", "gpus")  # at least this much
+REQUIREMENTS = (*SIZES, "arch", "labels")
 
 
-def clean_requirements(value: Any) -> dict[str, int]:
-    """``{"cpus": 4, "memory_mb": 8192, "gpus": 0}``, each optional, whole numbers (400 otherwise)."""
+def clean_requirements(value: Any) -> dict[str, Any]:
+    """``{"cpus": 4, "memory_mb": 8192, "gpus": 0, "arch": "arm64", "labels": {"disk": "nvme"}}``,
+    each optional: sizes are whole numbers (at least that much), ``arch`` one of the machine
+    types' (``x86_64``, ``arm64``), ``labels`` what the type's labels must hold. 400 otherwise."""
+    from apps.machines.hosts import clean_labels
+    from apps.machines.services import ARCHES
+
     value = value or {}
     if not isinstance(value, dict):
         raise ValidationFailed.field("requirements", f"must be an object with {', '.join(REQUIREMENTS)}")
@@ -39,14 +45,38 @@ def clean_requirements(value: Any) -> dict[str, int]:
         raise ValidationFailed.field(
             "requirements", f"unknown requirement {unknown[0]!r}: known are {', '.join(REQUIREMENTS)}"
         )
-    for name, amount in value.items():
+    for name in SIZES:
+        amount = value.get(name, 0)
         if not isinstance(amount, int) or isinstance(amount, bool) or amount < 0 or amount > 1_000_000_000:
             raise ValidationFailed.field("requirements", f"{name} must be a whole number of at least 0")
-    return {name: value[name] for name in REQUIREMENTS if name in value}
+    if "arch" in value and value["arch"] not in ARCHES:
+        raise ValidationFailed.field("requirements", f"arch must be one of {', '.join(ARCHES)}")
+    out = {name: value[name] for name in REQUIREMENTS if name in value}
+    if "labels" in out:
+        out["labels"] = clean_labels(out["labels"], "requirements")
+        if not out["labels"]:
+            del out["labels"]
+    return out
 
 
-def fits(mt: MachineType, requirements: dict[str, int]) -> bool:
-    return all(getattr(mt, name) >= amount for name, amount in requirements.items())
+def fits(mt: MachineType, requirements: dict[str, Any]) -> bool:
+    """At least the sizes asked, the arch asked, and every label asked (an enrolled host type's
+    ``host_labels`` are labels of its machines too)."""
+    if any(getattr(mt, name) < requirements[name] for name in SIZES if name in requirements):
+        return False
+    if "arch" in requirements and mt.arch != requirements["arch"]:
+        return False
+    labels = {**(mt.host_labels or {}), **(mt.labels or {})}
+    return all(labels.get(key) == item for key, item in (requirements.get("labels") or {}).items())
+
+
+def _wanted(requirements: dict[str, Any]) -> str:
+    """``cpus 6, arch arm64, labels gpu=a4000``: what requirements ask, for a message."""
+    parts = [f"{name} {amount}" for name, amount in requirements.items() if name != "labels"]
+    labels = requirements.get("labels") or {}
+    if labels:
+        parts.append("labels " + ", ".join(f"{k}={v}" for k, v in labels.items()))
+    return ", ".join(parts)
 
 
 def is_cooling(mt: MachineType, now: datetime | None = None) -> bool:
@@ -89,21 +119,21 @@ def choose(candidate_types: list[MachineType], now: datetime | None = None) -> M
     return next((mt for mt in candidate_types if not is_cooling(mt, now)), None)
 
 
-def cheapest_fitting(*, org_id: Any, requirements: dict[str, int]) -> MachineType:
+def cheapest_fitting(*, org_id: Any, requirements: dict[str, Any]) -> MachineType:
     """The cheapest granted type meeting ``requirements``: what a configuration stating them
     names as its machine type. None fits: 400 ``no_machine_type_fits``, naming the largest."""
     granted = _granted(org_id)
     fitting = _cheapest_first((mt for mt in granted if fits(mt, requirements)), None)
     if fitting:
         return fitting[0]
-    wanted = ", ".join(f"{name} {amount}" for name, amount in requirements.items())
+    wanted = _wanted(requirements)
     if not granted:
         message = f"no machine type is granted to this organization; the job asks for {wanted}"
     else:
         largest = max(granted, key=lambda mt: (mt.cpus, mt.memory_mb, mt.gpus))
         message = (
             f"no machine type this organization may use has {wanted}: the largest is {largest.name} "
-            f"({largest.cpus} cpus, {largest.memory_mb} MB memory, {largest.gpus} gpus)"
+            f"({largest.cpus} cpus, {largest.memory_mb} MB memory, {largest.gpus} gpus, {largest.arch})"
         )
     raise ValidationFailed(message, fields={"requirements": [message]}, code=ErrorCode.NO_MACHINE_TYPE_FITS)
 

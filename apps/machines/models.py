@@ -68,6 +68,8 @@ class MachineType(models.Model):
         "image_cache_mb",
         "host_labels",
         "alternatives",
+        "arch",
+        "labels",
     )
     REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
@@ -136,6 +138,13 @@ class MachineType(models.Model):
         default=list,
         blank=True,
         help_text='names of machine types that may run its jobs instead, e.g. ["cx33-nbg1"]',
+    )
+    # What a job configuration's requirements may ask besides its size (apps.machines.capacity).
+    arch = models.CharField(max_length=16, default="x86_64", help_text="x86_64 or arm64")
+    labels = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='what requirements may ask of it, e.g. {"gpu": "a4000", "disk": "nvme"}',
     )
     # A provider's capacity error (Hetzner resource_unavailable, EC2 InsufficientInstanceCapacity)
     # cools the type down until then: nothing of it is bought, its jobs fall over to a candidate.

@@ -27,6 +27,7 @@ from catacloud.agent.netns import normalize_network
 from catacloud.policy.billing import Billing
 
 SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")
+ARCHES = ("x86_64", "arm64")  # EC2's names (Hetzner: x86 and arm)
 
 
 def _invalid(field: str, message: str) -> ValidationFailed:
@@ -139,6 +140,12 @@ def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
         out["price_per_hour"] = price
     if "alternatives" in out:
         out["alternatives"] = _clean_alternatives(out["alternatives"])
+    if "labels" in out:
+        from apps.machines.hosts import clean_labels
+
+        out["labels"] = clean_labels(out["labels"] or {}, "labels")
+    if "arch" in out and (not isinstance(out["arch"], str) or out["arch"] not in ARCHES):
+        raise _invalid("arch", f"one of {', '.join(ARCHES)}")
     return out
 
 

@@ -109,8 +109,9 @@ def _config_flags(p: argparse.ArgumentParser, *, creating: bool) -> None:
         action="append",
         default=[],
         metavar="K=N",
-        help="what a job needs instead of a machine type: cpus=N, memory_mb=N, gpus=N (repeatable); "
-        "its jobs run on the cheapest granted type with at least that",
+        help="what a job needs instead of a machine type: cpus=N, memory_mb=N, gpus=N, arch=arm64, "
+        "or a label the type must carry, e.g. disk=nvme (repeatable); its jobs run on the cheapest "
+        "granted type with at least that",
     )
     p.add_argument("--command", required=creating, help="what the job runs, under /bin/sh -c")
     p.add_argument("--image", metavar="REF", help="a container image the command runs in ('' for none)")
@@ -550,7 +551,7 @@ def cmd_configs_show(api: Api, args: argparse.Namespace) -> int:
         [
             ("config", f"{c['name']} {c['id']}"),
             ("type", c.get("machine_type_name") or c["machine_type"]),
-            ("requires", " ".join(f"{k}={v}" for k, v in (c.get("requirements") or {}).items())),
+            ("requires", _shown_requirements(c.get("requirements") or {})),
             ("command", c["command"]),
             ("image", c.get("image")),
             ("env", env),
@@ -592,15 +593,32 @@ def _config_body(args: argparse.Namespace, current: dict | None = None) -> dict[
     return {key: value for key, value in given.items() if value is not None}
 
 
-def _requirements(pairs: list[str]) -> dict[str, int]:
-    """``["cpus=6", "memory_mb=8192"]`` -> ``{"cpus": 6, "memory_mb": 8192}`` (the API checks the names)."""
-    out: dict[str, int] = {}
+SIZES = ("cpus", "memory_mb", "gpus")
+
+
+def _requirements(pairs: list[str]) -> dict[str, Any]:
+    """``["cpus=6", "arch=arm64", "gpu=a4000"]`` -> ``{"cpus": 6, "arch": "arm64", "labels":
+    {"gpu": "a4000"}}``: sizes are numbers, ``arch`` a name, any other NAME=VALUE a label."""
+    out: dict[str, Any] = {}
     for pair in pairs:
-        name, sep, amount = pair.partition("=")
-        if not sep or not amount.strip().isdigit():
-            raise UsageError(f"--requires {pair!r}: give NAME=N, e.g. cpus=4")
-        out[name.strip()] = int(amount)
+        name, sep, value = (part.strip() for part in pair.partition("="))
+        if not sep or not name:
+            raise UsageError(f"--requires {pair!r}: give NAME=VALUE, e.g. cpus=4")
+        if name in SIZES:
+            if not value.isdigit():
+                raise UsageError(f"--requires {pair!r}: {name} is a whole number")
+            out[name] = int(value)
+        elif name == "arch":
+            out["arch"] = value
+        else:
+            out.setdefault("labels", {})[name] = value
     return out
+
+
+def _shown_requirements(requirements: dict[str, Any]) -> str:
+    labels = requirements.get("labels") or {}
+    shown = [f"{k}={v}" for k, v in requirements.items() if k != "labels"]
+    return " ".join([*shown, *(f"{k}={v}" for k, v in labels.items())])
 
 
 def cmd_configs_create(api: Api, args: argparse.Namespace) -> int:

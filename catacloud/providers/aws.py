@@ -237,6 +237,13 @@ class AwsProvider(Provider):
         kind = types.get(offering.server_type)
         if kind is None:
             say(f"no instance type {offering.server_type!r} is offered in {self.region}")
+        elif offering.arch and offering.arch not in (
+            supported := kind.get("ProcessorInfo", {}).get("SupportedArchitectures") or [offering.arch]
+        ):
+            say(
+                f"instance type {offering.server_type} is {', '.join(supported)}, "
+                f"not {offering.arch} as its machine type says"
+            )
         image = images.get(offering.image)
         if image is None:
             say(f"no image {offering.image!r} in {self.region} that this account may launch")

@@ -173,6 +173,7 @@ class Offering:
     server_type: str
     image: str
     location: str = ""  # empty: the account's default (or the provider's choice)
+    arch: str = ""  # what the machine type says its machines are (x86_64, arm64); empty: unchecked
 
 
 @dataclasses.dataclass(frozen=True)

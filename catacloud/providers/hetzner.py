@@ -378,6 +378,15 @@ class _Catalog:
             say(f"image {offering.image!r} has no {server_type.architecture} build for {server_type.name}")
         elif all(i.deprecation is not None for i in images):
             say(f"image {offering.image!r} is deprecated{_until(images[0].deprecation)}", refused=False)
+        if server_type is not None and offering.arch:
+            # The API names x86 and arm (docs.hetzner.cloud, Server Types: "architecture").
+            named = str(server_type.architecture)
+            actual = {"x86": "x86_64", "arm": "arm64"}.get(named, named)
+            if actual != offering.arch:
+                say(
+                    f"server type {server_type.name} is {actual}, "
+                    f"not {offering.arch} as its machine type says"
+                )
         if server_type is not None and location:
             self._at_location(server_type, location, say)
         return found

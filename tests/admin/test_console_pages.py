@@ -247,6 +247,9 @@ def machine_type_post(world: World, **changes: object) -> dict:
         "disk_gb": "",
         "network": "{}",  # what the form shows for a machine type that allows nothing more
         "image_cache_mb": mt.image_cache_mb,
+        "alternatives": "[]",
+        "arch": mt.arch,  # the form shows it filled (x86_64 by default)
+        "labels": "{}",
     }
     data.update(changes)
     return data

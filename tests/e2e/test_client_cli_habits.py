@@ -151,6 +151,9 @@ def test_configs_and_pools_are_created_by_machine_type_name(tworld: World, cli: 
     assert "requires cpus=2 memory_mb=1024" in ok(cli(member, "configs", "show", "sized")).stdout
     too_big = cli(admin, "configs", "create", "huge", "--requires", "cpus=999", "--command", "true")
     assert too_big.returncode == 1 and "the largest is small (2 cpus" in too_big.stderr
+    odd = cli(admin, "configs", "create", "odd", "--requires", "arch=arm64", "--requires", "disk=nvme",
+              "--command", "true")  # fmt: skip
+    assert odd.returncode == 1 and "has arch arm64, labels disk=nvme" in odd.stderr
     neither = cli(admin, "configs", "create", "bare", "--command", "true")
     assert neither.returncode != 0 and "--machine-type TYPE, or --requires" in neither.stderr
 

@@ -89,6 +89,29 @@ def test_requirements_choose_the_cheapest_type_that_fits_and_too_much_is_a_400_n
     assert neither.status_code == 400 and "machine_type" in neither.json()["fields"]
 
 
+def test_requirements_may_ask_an_arch_and_labels(world: World) -> None:
+    types = sizes(world)
+    MachineType.objects.filter(pk=types["c8"].pk).update(labels={"disk": "nvme"})
+    MachineType.objects.filter(pk=types["c32"].pk).update(
+        arch="arm64", labels={"disk": "nvme", "gpu": "a4000"}
+    )
+    cases = (
+        ({"cpus": 2, "labels": {"disk": "nvme"}}, "c8"),
+        ({"cpus": 2, "arch": "arm64"}, "c32"),
+        ({"labels": {"gpu": "a4000"}}, "c32"),
+        ({"cpus": 2, "arch": "x86_64"}, "c2"),
+    )
+    for i, (requirements, expected) in enumerate(cases):
+        answer = post_config(world, f"r{i}", requirements=requirements)
+        assert answer.status_code == 201, answer.content
+        assert answer.json()["machine_type_name"] == expected, requirements
+    none = post_config(world, "none", requirements={"arch": "arm64", "labels": {"disk": "hdd"}})
+    assert none.status_code == 400 and "arch arm64, labels disk=hdd" in none.json()["detail"]
+    for bad in ({"arch": "sparc"}, {"labels": ["gpu"]}, {"labels": {"gpu": None}}):
+        answer = post_config(world, "bad", requirements=bad)
+        assert answer.status_code == 400 and answer.json()["code"] == "invalid", (bad, answer.content)
+
+
 def test_a_type_another_org_may_not_use_is_no_candidate(world: World) -> None:
     types = sizes(world)
     types["c8"].grants.filter(org=world.org).delete()

@@ -485,6 +485,12 @@ def test_offerings_are_checked_against_the_regions_lists_with_one_call_each(
     assert sent == {"DescribeInstanceTypes": 1, "DescribeImages": 1, "DescribeAvailabilityZones": 1}
 
 
+def test_an_offering_whose_arch_the_instance_type_lacks_is_refused(provider: AwsProvider, ami: str) -> None:
+    (refusal,) = provider.check_offerings([Offering("m7i.large", ami, "", "arm64")])
+    assert refusal.refused and "not arm64 as its machine type says" in refusal.message
+    assert provider.check_offerings([Offering("m7i.large", ami, "", "x86_64")]) == []
+
+
 def test_checking_offerings_with_a_refused_key_is_a_permanent_error(provider: AwsProvider, ami: str) -> None:
     Faults(provider).fail_next("DescribeInstanceTypes", "AuthFailure", status=401)
     with pytest.raises(Permanent, match="AuthFailure"):

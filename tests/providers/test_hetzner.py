@@ -431,6 +431,16 @@ def test_offerings_are_checked_against_the_lists_with_one_call_each(
     assert [fake.count("GET", path) for path in ("/server_types", "/images", "/locations")] == [1, 1, 1]
 
 
+def test_an_offering_whose_arch_is_not_the_server_types_is_refused(provider: HetznerProvider) -> None:
+    """A machine type that says arm64 on an x86 server type would be chosen for arm jobs."""
+    (refusal,) = provider.check_offerings([Offering("cx23", "ubuntu-24.04", "fsn1", "arm64")])
+    assert (
+        refusal.refused
+        and "server type cx23 is x86_64, not arm64 as its machine type says" in refusal.message
+    )
+    assert provider.check_offerings([Offering("cx23", "ubuntu-24.04", "fsn1", "x86_64")]) == []
+
+
 def test_a_type_deprecated_at_a_location_is_a_warning_until_it_is_gone(
     fake: FakeHetzner, provider: HetznerProvider
 ) -> None:
