@@ -87,6 +87,11 @@ def test_requirements_choose_the_cheapest_type_that_fits_and_too_much_is_a_400_n
     assert both.status_code == 400 and "machine_type" in both.json()["fields"]
     neither = post_config(world, "neither")
     assert neither.status_code == 400 and "machine_type" in neither.json()["fields"]
+    # a configuration that states requirements names a type only once it states none
+    admin, url = world.client("admin"), f"/api/v1/job-configs/{JobConfiguration.objects.get(name='six').pk}/"
+    assert admin.patch(url, {"machine_type": "c32"}, format="json").status_code == 400
+    named = admin.patch(url, {"machine_type": "c32", "requirements": {}}, format="json")
+    assert named.status_code == 200 and named.json()["machine_type_name"] == "c32"
 
 
 def test_requirements_may_ask_an_arch_and_labels(world: World) -> None:

@@ -133,9 +133,17 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
         return sorted(obj.secret_env)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if attrs.get("requirements") and "machine_type" in attrs:
+        stated = (
+            attrs["requirements"] if "requirements" in attrs else getattr(self.instance, "requirements", {})
+        )
+        if stated and "machine_type" in attrs:
             raise serializers.ValidationError(
-                {"machine_type": ["leave it out with requirements: the cheapest type meeting them is chosen"]}
+                {
+                    "machine_type": [
+                        "leave it out with requirements: the cheapest type meeting them is chosen "
+                        "(send requirements {} to name a machine type instead)"
+                    ]
+                }
             )
         if self.instance is None and "machine_type" not in attrs and not attrs.get("requirements"):
             raise serializers.ValidationError({"machine_type": ["this field is required (or requirements)"]})
