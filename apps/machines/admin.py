@@ -32,6 +32,7 @@ from apps.machines.hosts import (
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType, ProviderAccount
 from apps.machines.services import (
+    machine_type_clean,
     machine_type_update,
     machine_type_upsert,
     provider_account_update,
@@ -98,8 +99,27 @@ class ProviderAccountAdmin(admin.ModelAdmin):
         obj._state.adding = False
 
 
+class MachineTypeForm(forms.ModelForm):
+    class Meta:
+        model = MachineType
+        fields = ("name", "provider_account", *MachineType.SETTABLE_FIELDS)
+
+    def clean(self) -> dict:
+        """The service's rules (alternatives, labels, arch, sizes, network), checked before
+        anything is written: a bad value is a message on the form, not an error page."""
+        data = super().clean() or {}
+        if self.errors:
+            return data
+        try:
+            machine_type_clean({k: v for k, v in data.items() if k not in ("name", "provider_account")})
+        except ValidationFailed as exc:
+            raise forms.ValidationError(exc.detail) from None
+        return data
+
+
 @admin.register(MachineType)
 class MachineTypeAdmin(admin.ModelAdmin):
+    form = MachineTypeForm
     list_display = (
         "name",
         "provider_account",

@@ -97,7 +97,9 @@ def provider_account_update(
     return account, True
 
 
-def _validate_machine_type(fields: dict[str, Any]) -> dict[str, Any]:
+def machine_type_clean(fields: dict[str, Any]) -> dict[str, Any]:
+    """A machine type's settable fields as the catalog, the admin and the services take them
+    (400 ``invalid`` naming the field otherwise)."""
     out = dict(fields)
     for name in ("cpus", "memory_mb"):
         if name in out and (not isinstance(out[name], int) or out[name] < 1):
@@ -167,7 +169,7 @@ def machine_type_upsert(
     **fields: Any,
 ) -> tuple[MachineType, bool]:
     """Create or update a machine type; a change to how machines are built bumps ``version``."""
-    fields = _validate_machine_type(fields)
+    fields = machine_type_clean(fields)
     unknown = set(fields) - {f.name for f in MachineType._meta.get_fields()}
     if unknown:
         raise _invalid(sorted(unknown)[0], "unknown machine type field")
@@ -189,7 +191,7 @@ def machine_type_update(
 ) -> tuple[MachineType, bool]:
     """Change a machine type in place (its name too). The one place ``version`` grows: a
     change to how machines are built (``BUILD_FIELDS``) makes existing machines outdated."""
-    fields = _validate_machine_type(fields)
+    fields = machine_type_clean(fields)
     mt = MachineType.objects.select_for_update(of=("self",)).get(pk=machine_type.pk)
     wanted: dict[str, Any] = {}
     for key, value in fields.items():

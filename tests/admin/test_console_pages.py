@@ -270,6 +270,24 @@ def test_machine_type_edits_bump_the_version_in_the_service(world: World, ops: C
     assert Event.objects.filter(kind="machine_type.updated", data__version=2, actor="admin:ops").exists()
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"alternatives": '"cx33"'}, "must be a list of machine type names"),
+        ({"arch": "sparc"}, "one of x86_64, arm64"),
+        ({"labels": '["gpu"]'}, "must be an object of strings"),
+    ],
+)
+def test_a_machine_type_with_a_bad_candidate_field_is_refused_with_a_message(
+    world: World, ops: Client, change: dict, message: str
+) -> None:
+    url = f"/admin/machines/machinetype/{world.machine_type.pk}/change/"
+    response = ops.post(url, machine_type_post(world, description="changed", **change))
+    assert response.status_code == 200 and message in response.content.decode()
+    world.machine_type.refresh_from_db()
+    assert world.machine_type.description != "changed"  # nothing written
+
+
 def test_a_job_configuration_with_a_bad_env_is_refused_with_a_message(world: World, ops: Client) -> None:
     response = ops.post(
         "/admin/jobs/jobconfiguration/add/",
