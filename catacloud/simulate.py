@@ -83,6 +83,7 @@ class Machine:
     images: set[str] = field(default_factory=set)  # the configurations whose image it holds
     spot: bool = False
     job: tuple[int, TraceJob] | None = None  # what it runs (busy)
+    job_pull: float = 0.0  # seconds of that job's start spent pulling its image
 
 
 @dataclass
@@ -295,6 +296,8 @@ class Simulation:
         end_of_jobs = None
         while self.events:
             when, kind, _, data = heapq.heappop(self.events)
+            if kind == _INTERRUPT and self.machines[data].state == "gone":
+                continue  # the machine ended before the cloud reclaimed it: no event, no clock
             if self.until is not None and when > self.until:
                 break
             self.now = when
@@ -456,7 +459,7 @@ class Simulation:
             return
         if m.state == "busy" and m.job is not None:
             index, job = m.job
-            ran = self.now - m.job_started
+            ran = max(0.0, self.now - m.job_started - m.job_pull)  # its image pull is no progress
             every = self.p.checkpoint_seconds
             kept = min(job.duration, math.floor(ran / every) * every) if every > 0 else 0.0
             self.lost_seconds += max(0.0, min(ran, job.duration) - kept)
@@ -484,6 +487,7 @@ class Simulation:
         # its image first, unless the machine holds it (a pool member that pulled the pool's)
         hot = job.config in m.images or (m.born_in_pool and self.p.pool_images)
         pull = 0.0 if hot else self.p.pull_seconds
+        m.job_pull = pull
         m.images.add(job.config)
         held = pull + job.duration + self.p.job_overhead  # the agent starts and ends the job around it
         m.holds.append(attribution.Hold(self.now - m.started, self.now + held - m.started, str(index)))
@@ -614,7 +618,7 @@ class Simulation:
                 by_kind[kind] += amount
         return Result(
             policy=self.policy,
-            jobs=len(self.waits),
+            jobs=len(set(self.wait_of) - {index for index, _ in self.waiting}),  # requeued: not run
             cost=cost.quantize(Decimal("0.0001")),
             machine_hours=seconds / 3600,
             machines_created=self.created,

@@ -289,7 +289,7 @@ class _Applier:
                 str(node["server_type"]),
                 str(node.get("image") or ""),
                 str(node.get("location") or ""),
-                str(node.get("arch") or "x86_64"),
+                str(node.get("arch") or ""),  # checked when the catalog states it
             )
             asked.wanted.append((offering, str(node["name"]), node.line))
 

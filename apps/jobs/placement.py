@@ -106,7 +106,10 @@ def place(
                 assigned += 1
             remaining = _overflow(remaining, mt, now)
             if remaining and capacity.is_cooling(mt, now):  # the provider has none: buy none
-                remaining = _fall_over(remaining, mt, now)
+                # The machines of it already booting serve the first jobs; the others move on.
+                paid = paid_capacity(org_id=org_id, machine_type=mt)
+                coming = paid.booting + paid.pool_booting
+                remaining = remaining[:coming] + _fall_over(remaining[coming:], mt, now)
                 waiting += len(remaining)
             elif remaining:
                 requested += _provision_or_wait(held, org_id, mt, [p for p, _ in pools], remaining, now)

@@ -186,6 +186,8 @@ def job_config_save(
     config.requirements = capacity.clean_requirements(config.requirements)
     if config.requirements:  # its jobs may run on any type meeting them; named: the cheapest
         config.machine_type = capacity.cheapest_fitting(org_id=org.pk, requirements=config.requirements)
+    elif config.machine_type_id is None:
+        raise ValidationFailed.field("machine_type", "this field is required (or requirements)")
     types = (
         list(resource_types)
         if resource_types is not None

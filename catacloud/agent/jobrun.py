@@ -479,11 +479,14 @@ class JobRunning:
         except AgentAPIError as exc:
             log.error("job %s: could not report its outcome: %s", job.id, exc)
         with self._lock:
+            # A notice that came while the outcome was reported was left to this run: read it
+            # under the lock that ends the run (after this, the watcher reports a notice itself).
+            notice = self._current.interrupted if self._current is not None else notice
             self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
-        if notice:  # it ended on its own as the notice came: the machine's interruption still counts
-            self._report_interruption_now(notice)
         try:
             upload_outputs(self.client, job, outputs, stopping=self.stopping)
         finally:
             if work_dir is not None:
                 shutil.rmtree(work_dir, ignore_errors=True)
+            if notice:  # it ended on its own as the notice came: its outputs first, then the machine's end
+                self._report_interruption_now(notice)

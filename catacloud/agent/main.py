@@ -427,9 +427,12 @@ class Agent(JobRunning):
 
     def _report_interruption_now(self, detail: str) -> None:
         try:
-            self.client.interruption("spot", detail)
+            self.client.interruption("spot", detail, retry_for=90.0)  # the notice gives two minutes
         except Unauthorized as exc:
             self.fatal(f"the control plane rejected this agent's credentials ({exc})")
+            return
+        except AgentAPIError as exc:  # never a job's failure: the reconciler finds the machine gone
+            log.error("could not report the spot interruption: %s", exc)
             return
         log.info("reported the spot interruption to the control plane")
 

@@ -326,6 +326,19 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (``SigCgt`` of /proc/PID/status, a mask
+    whose bit ``signum - 1`` is set for each caught signal: proc(5))."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 class ProcessTree:
     """Every process a job started: its process group plus descendants seen along the way."""
 
@@ -380,13 +393,18 @@ class ProcessTree:
                 process.send_signal(signum)  # psutil refuses a reused pid
 
     def tell(self, signum: int) -> int:
-        """Signal the job's own processes only, not what holds its sandbox (the launcher this
-        agent started, bubblewrap, nsenter): those would end the sandbox, and every process in
-        it, at once. How many were signalled."""
+        """Send ``signum`` to the job's processes that catch it (a program with a handler, a
+        shell with a ``trap``), and to no other: not what holds its sandbox (the launcher this
+        agent started, bubblewrap, nsenter), and not a process that would die of it, such as the
+        shell running ``cd dir && python train.py``: its end would end the sandbox, and every
+        process in it, before the program that handles the signal had its time. How many
+        processes were told."""
         told = 0
         for process in self.members():
             with contextlib.suppress(psutil.Error):
                 if process.pid == self.pid or process.name() in LAUNCHER_NAMES:
+                    continue
+                if not catches(process.pid, signum):
                     continue
                 process.send_signal(signum)
                 told += 1
@@ -473,10 +491,13 @@ def _supervise(
             next_snapshot = now + 0.5
         stopped: tuple[Outcome, str] | None = None
         if cancel.is_set() and cancel.grace is not None and told_until is None:
-            # Told first (SIGTERM to its own processes): it may save its work and exit.
-            log.info("job told to stop (%s): SIGTERM, %.0f s before SIGKILL", cancel.reason, cancel.grace)
-            tree.tell(signal.SIGTERM)
-            told_until = now + cancel.grace
+            # Told first (SIGTERM to its processes that handle it): it may save its work and
+            # exit. None handles it: nothing to wait for.
+            told = tree.tell(signal.SIGTERM)
+            log.info(
+                "job told to stop (%s): SIGTERM to %d process(es), %.0f s", cancel.reason, told, cancel.grace
+            )
+            told_until = now + (cancel.grace if told else 0.0)
         if told_until is not None:
             if now >= told_until:
                 stopped = (CANCELLED, cancel.reason)

@@ -133,6 +133,11 @@ def _config_flags(p: argparse.ArgumentParser, *, creating: bool) -> None:
         p.add_argument(
             "--unset-env", action="append", default=[], metavar="NAME", help="remove an env variable"
         )
+        p.add_argument(
+            "--no-requires",
+            action="store_true",
+            help="state no requirements (with --machine-type: run there)",
+        )
         p.add_argument("--no-secret-env", action="store_true", help="remove every secret env value")
 
 
@@ -579,7 +584,9 @@ def _config_body(args: argparse.Namespace, current: dict | None = None) -> dict[
         secret_env = {}
     given = {
         "machine_type": args.machine_type,
-        "requirements": _requirements(args.requires) if args.requires else None,
+        "requirements": _requirements(args.requires)
+        if args.requires
+        else ({} if getattr(args, "no_requires", False) else None),
         "command": args.command,
         "image": args.image,
         "env": env,

@@ -200,7 +200,9 @@ class LocalProvider(Provider):
         self.network_ahead = bool(self.config.get("network_ahead", True))
         self.imds_url = str(self.config.get("imds_url") or "").rstrip("/")
         room = self.config.get("max_machines")
-        self.max_machines = int(room) if room is not None else None
+        if room is not None and (not isinstance(room, int) or isinstance(room, bool) or room < 0):
+            raise Permanent(f"max_machines must be a whole number of at least 0, not {room!r}")
+        self.max_machines = room
         try:
             self.mounts = [Mount.parse(raw) for raw in self.config.get("mounts") or []]
             self.pids_max = int(self.config.get("pids_max", DEFAULT_PIDS_MAX))

@@ -320,6 +320,48 @@ def test_a_spot_notice_gives_the_job_sigterm_to_write_its_checkpoint_first(
     assert job not in api.finished
 
 
+def test_a_program_under_a_shell_list_is_told_and_the_shell_is_not(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], imds: FakeIMDS
+) -> None:
+    """``cd dir && python train.py``: the shell has no trap and would die of SIGTERM, ending the
+    sandbox (and the program) at once; only the program, which handles it, is told, takes its
+    second to save, and the job ends when it exits."""
+    handler = (
+        "import os, signal, sys, time\n"
+        "def saved(*_):\n"
+        "    time.sleep(1); open(os.environ['CATACLOUD_CHECKPOINT_DIR'] + '/epoch', 'w').write('9')\n"
+        "    print('saved on TERM', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, saved); print('ready', flush=True)\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    start_agent("--imds-url", imds.url)
+    job = api.assign(
+        'cd "$CATACLOUD_CHECKPOINT_DIR" && "$PY" -c "$HANDLER"; echo "after, status $?"',
+        job_id="listed",
+        env={"PY": PY, "HANDLER": handler},
+        checkpoint={"available": False, "interval_seconds": None},
+    )
+    api.wait_output(job, "ready")
+    imds.notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+    api.wait_for(lambda: api.interruptions, timeout=15, what="the interruption report")
+    [(data, _)] = api.checkpoints[job]
+    assert tar_files(data) == {"epoch": b"9"}
+    assert "saved on TERM" in api.output(job) and "after, status 0" in api.output(job)
+    assert job not in api.finished
+
+
+def test_a_notice_while_the_outcome_is_being_reported_is_still_reported(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], imds: FakeIMDS
+) -> None:
+    start_agent("--imds-url", imds.url)
+    api.fail_next["jobs/late/finished"] = 4  # the outcome's report is retried for a while
+    job = api.assign("echo done", job_id="late", checkpoint={"available": False, "interval_seconds": None})
+    api.wait_for(lambda: api.calls("POST", "jobs/late/finished"), timeout=10, what="the first outcome report")
+    imds.notice = '{"action": "terminate", "time": "2030-01-01T00:00:00Z"}'
+    api.wait_for(lambda: api.interruptions, timeout=15, what="the interruption report")
+    assert api.wait_finished(job, timeout=10)["outcome"] == "succeeded"
+
+
 # -- in-process units ---------------------------------------------------------------------------
 
 

@@ -267,3 +267,17 @@ def test_a_week_on_spot_costs_less_than_on_demand_and_says_what_it_costs_in_wait
     assert spot.interruptions > 0 and spot.capacity_errors > 0
     assert spot.wait_p95 >= ondemand.wait_p95 - 1e-9  # interruptions only add waiting
     assert spot.jobs == ondemand.jobs and spot.not_run == 0
+
+
+def test_a_reclaimed_idle_machine_moves_no_clock_and_a_requeued_job_is_not_counted_as_run() -> None:
+    """An interruption scheduled for a machine that already ended moved the clock to it (a run
+    of 30 minutes billed to day 2); a job interrupted and still waiting at the cut-off counted as
+    run and as not run."""
+    jobs = [TraceJob(0, 600, "a")]
+    rare = replace(SPOT, interruptions_per_hour=0.01, seed=2, budget=Decimal(10))  # long after the job
+    result = simulate(jobs, "ephemeral", rare)
+    assert result.interruptions == 0
+    assert result.spend_curve[-1][0] <= 700  # the spend curve ends when the work did
+    sure = replace(SPOT, interruptions_per_hour=3600.0)  # within a second of each boot
+    cut = simulate(jobs, "ephemeral", replace(sure, boot_seconds=0.0), until=100)
+    assert cut.jobs + cut.not_run == 1

@@ -149,6 +149,8 @@ def test_configs_and_pools_are_created_by_machine_type_name(tworld: World, cli: 
                    "--requires", "memory_mb=1024", "--command", "true"))  # fmt: skip
     assert "created (machine type small)" in sized.stdout
     assert "requires cpus=2 memory_mb=1024" in ok(cli(member, "configs", "show", "sized")).stdout
+    ok(cli(admin, "configs", "update", "sized", "--no-requires", "--machine-type", "small"))
+    assert "requires" not in ok(cli(member, "configs", "show", "sized")).stdout
     too_big = cli(admin, "configs", "create", "huge", "--requires", "cpus=999", "--command", "true")
     assert too_big.returncode == 1 and "the largest is small (2 cpus" in too_big.stderr
     odd = cli(admin, "configs", "create", "odd", "--requires", "arch=arm64", "--requires", "disk=nvme",

@@ -87,6 +87,8 @@ def test_requirements_choose_the_cheapest_type_that_fits_and_too_much_is_a_400_n
     assert both.status_code == 400 and "machine_type" in both.json()["fields"]
     neither = post_config(world, "neither")
     assert neither.status_code == 400 and "machine_type" in neither.json()["fields"]
+    empty = post_config(world, "empty", requirements={"labels": {}})  # states nothing
+    assert empty.status_code == 400 and "machine_type" in empty.json()["fields"]
     # a configuration that states requirements names a type only once it states none
     admin, url = world.client("admin"), f"/api/v1/job-configs/{JobConfiguration.objects.get(name='six').pk}/"
     assert admin.patch(url, {"machine_type": "c32"}, format="json").status_code == 400
@@ -161,6 +163,30 @@ def test_a_capacity_error_cools_the_type_and_its_waiting_job_falls_over_to_the_n
     assert job_submit(org=world.org, config=config).machine_type_id == types["c32"].pk
     MachineType.objects.filter(pk=types["c8"].pk).update(capacity_cooling_until=timezone.now())
     assert job_submit(org=world.org, config=config).machine_type_id == types["c8"].pk
+
+
+def test_machines_already_booting_keep_their_jobs_when_a_later_buy_hits_a_capacity_error(
+    world: World,
+) -> None:
+    """Three jobs bought three machines; two were made, the third refused: two jobs wait for the
+    two booting machines, only the third moves on (a machine nobody waits for is money lost)."""
+    types = sizes(world)
+    config = job_config(world.org, types["c8"], "six", "true", requirements={"cpus": 6})
+    for _ in range(3):
+        job_submit(org=world.org, config=config)
+    schedule()
+    bought = list(MachineInstance.objects.filter(machine_type=types["c8"]).order_by("created_at"))
+    assert len(bought) == 3
+    MachineInstance.objects.filter(pk__in=[m.pk for m in bought[:2]]).update(
+        status=InstanceStatus.PROVISIONING
+    )
+    capacity_error(bought[2])
+    schedule()
+    schedule()
+    on = sorted(MachineType.objects.get(pk=j.machine_type_id).name for j in JobConfiguration.objects.get(
+        pk=config.pk).jobs.all())  # fmt: skip
+    assert on == ["c32", "c8", "c8"]
+    assert MachineInstance.objects.filter(machine_type=types["c32"]).count() == 1
 
 
 def test_when_every_candidate_cools_the_job_waits_saying_so_and_buys_nothing(world: World) -> None:

@@ -7,6 +7,7 @@ from rest_framework import serializers
 from apps.core.api import StrictFields
 from apps.jobs.models import Artifact, Job, JobConfiguration
 from apps.machines.api.serializers import OrgMachineTypeField
+from apps.machines.capacity import clean_requirements
 from apps.orgs.api.base import org_context
 from apps.orgs.choices import Role
 from apps.resources.models import ResourceType
@@ -133,7 +134,7 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
         return sorted(obj.secret_env)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        stated = (
+        stated = clean_requirements(  # {"labels": {}} states nothing
             attrs["requirements"] if "requirements" in attrs else getattr(self.instance, "requirements", {})
         )
         if stated and "machine_type" in attrs:
@@ -145,7 +146,7 @@ class JobConfigurationSerializer(StrictFields, EnvForMembersMixin, serializers.M
                     ]
                 }
             )
-        if self.instance is None and "machine_type" not in attrs and not attrs.get("requirements"):
+        if self.instance is None and "machine_type" not in attrs and not stated:
             raise serializers.ValidationError({"machine_type": ["this field is required (or requirements)"]})
         return super().validate(attrs)
 
