@@ -97,17 +97,15 @@ def _check_may_submit(org: Organization, config: JobConfiguration) -> MachineTyp
     error (apps.machines.capacity), else the cheapest candidate, whose cool-down it waits out."""
     if config.org_id != org.pk:
         raise NotFound("job configuration not found")
-    several = bool(config.requirements or config.machine_type.alternatives)
-    if not several:
+    several = config.requirements or config.machine_type.alternatives
+    types = capacity.candidates(org_id=org.pk, config=config) if several else []
+    if not types:
         grant_check_privilege(org=org, machine_type=config.machine_type)
     for rt in config.resource_types.all():
         if not org.has_privilege(rt.required_privilege):
             raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
-    if several:
-        types = capacity.candidates(org_id=org.pk, config=config)
-        if types:
-            return capacity.choose(types) or types[0]
-        grant_check_privilege(org=org, machine_type=config.machine_type)
+    if types:
+        return capacity.choose(types) or types[0]
     if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
         raise Conflict(
             f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "

@@ -25,6 +25,7 @@ from apps.core.errors import ErrorCode, ValidationFailed
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.models import MachineType, OrgMachineType
+from apps.orgs.models import Organization
 
 SIZES = ("cpus", "memory_mb", "gpus")  # at least this much
 REQUIREMENTS = (*SIZES, "arch", "labels")
@@ -85,8 +86,6 @@ def is_cooling(mt: MachineType, now: datetime | None = None) -> bool:
 
 def _granted(org_id: Any, extra: Q | None = None) -> list[MachineType]:
     """The machine types the organization is granted (and privileged for)."""
-    from apps.orgs.models import Organization
-
     org = Organization.objects.get(pk=org_id)
     rows = MachineType.objects.filter(
         pk__in=OrgMachineType.objects.filter(org_id=org_id).values("machine_type_id")
