@@ -415,14 +415,12 @@ class Agent(JobRunning):
             )
             return
         checkpointer = current.checkpointer if current is not None else None
-        if checkpointer is not None:  # a job ending for another reason: save what it has
+        if current is not None and checkpointer is not None:  # a job ending for another reason
             try:
-                checkpointer.save(REASON_INTERRUPTED, only_if_changed=True)
+                self._save_before_interruption(current.job, checkpointer)
             except Unauthorized as exc:
                 self.fatal(f"the control plane rejected this agent's credentials ({exc})")
                 return
-            except Exception as exc:  # whatever happens, the interruption must still be reported
-                log.warning("job %s: no checkpoint before the interruption: %s", checkpointer.job_id, exc)
         self._report_interruption_now(detail)
 
     def _report_interruption_now(self, detail: str) -> None:
