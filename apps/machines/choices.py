@@ -7,6 +7,7 @@ class ProviderKind(models.TextChoices):
     LOCAL = "local", "local (agent processes on this host)"
     HETZNER = "hetzner", "Hetzner Cloud"
     AWS = "aws", "AWS EC2"
+    AZURE = "azure", "Azure Virtual Machines"
     HOSTS = "hosts", "enrolled hosts (machines you own, never bought)"
 
 

@@ -23,6 +23,7 @@ from catacloud.agent.client import (
 from catacloud.agent.files import (
     checkpoint_command,
 )
+from catacloud.agent.imds import KINDS
 from catacloud.agent.jobrun import REASON_AGENT_STOPPED
 from catacloud.agent.main import Agent
 from catacloud.agent.meta import job_meta_command
@@ -142,6 +143,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         heartbeat_interval=args.heartbeat_interval,
         imds_url=args.imds_url,
+        imds_kind=args.imds_kind,
         state_file=args.state_file,
         job_uids=job_uids,
         bootstrap_token_file=args.bootstrap_token_file,
@@ -384,7 +386,15 @@ def _agent_state_options(agent: argparse.ArgumentParser) -> None:
         "(default: keep trying; local machines get 600 s, their provider's unreachable_limit_seconds)",
     )
     agent.add_argument(
-        "--imds-url", metavar="URL", help="watch for spot interruptions (on AWS: http://169.254.169.254)"
+        "--imds-url",
+        metavar="URL",
+        help="watch for spot interruptions at this metadata service (on AWS and Azure: http://169.254.169.254)",
+    )
+    agent.add_argument(
+        "--imds-kind",
+        choices=KINDS,
+        default="ec2",
+        help="what the metadata service is: EC2's (spot/instance-action) or Azure's (Scheduled Events)",
     )
     agent.add_argument(
         "--log-level",

@@ -6,7 +6,8 @@ with ``--exit-when-unreachable`` a control plane silent for too long);
 a heartbeat thread; a work thread that long-polls and runs one job at a time (restore its
 checkpoint, run it, report it, upload its outputs); the job socket server (job-meta and
 checkpoint requests); with ``interval_seconds``, a checkpointer thread per job; and, with
-``--imds-url``, the spot watcher (which saves the checkpoint before reporting the notice).
+``--imds-url``, the spot watcher (EC2's, or with ``--imds-kind azure`` Azure's Scheduled Events;
+it saves the checkpoint before reporting the notice).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from catacloud.agent.files import (
     CheckpointError,
 )
 from catacloud.agent.imagejob import JobImages, image_dir_for
-from catacloud.agent.imds import SpotWatcher
+from catacloud.agent.imds import NOTICE_GRACE_SECONDS, spot_watcher
 from catacloud.agent.jobrun import (
     INTERRUPTION_GRACE_SECONDS,
     REASON_AGENT_STOPPED,
@@ -76,6 +77,7 @@ class Agent(JobRunning):
         work_dir: str | None = None,
         heartbeat_interval: float | None = None,
         imds_url: str | None = None,
+        imds_kind: str = "ec2",
         hostname: str | None = None,
         state_file: str | None = None,
         job_uids: UidRange | None = None,
@@ -120,6 +122,9 @@ class Agent(JobRunning):
         self.job_bin: str | None = None  # holds the `catacloud` wrapper jobs call
         self.heartbeat_override = heartbeat_interval
         self.imds_url = imds_url
+        self.imds_kind = imds_kind  # ec2 or azure: whose interruption notices (catacloud/agent/imds.py)
+        # How long a job has to write its checkpoint after a notice: what the notice leaves.
+        self.interruption_grace = NOTICE_GRACE_SECONDS.get(imds_kind, INTERRUPTION_GRACE_SECONDS)
         self.hostname = hostname or socket.gethostname()
         self.stopping = threading.Event()
         self.exit_code = 0
@@ -261,7 +266,8 @@ class Agent(JobRunning):
             for thread in threads:
                 thread.start()
             if self.imds_url:
-                SpotWatcher(self.imds_url, self._report_interruption, stop=self.stopping).start()
+                report = self._report_interruption
+                spot_watcher(self.imds_kind, self.imds_url, report, stop=self.stopping).start()
             while not self.stopping.wait(0.5):
                 self._give_up_if_unreachable()
             self._wait_idle(timeout=30.0)
@@ -394,7 +400,7 @@ class Agent(JobRunning):
 
     def _report_interruption(self, detail: str) -> None:
         """A spot interruption notice. A running job is told first: SIGTERM, and
-        ``INTERRUPTION_GRACE_SECONDS`` to write its checkpoint directory (a trap that writes its
+        ``interruption_grace`` s to write its checkpoint directory (a trap that writes its
         state, ``catacloud checkpoint``) before SIGKILL; its run then saves the checkpoint if it
         changed and reports the interruption instead of an outcome (the control plane requeues
         the job on it). With no job running, the interruption is reported at once."""
@@ -403,7 +409,7 @@ class Agent(JobRunning):
             told = (
                 current is not None
                 and not current.cancel.is_set()
-                and current.cancel.cancel(REASON_INTERRUPTED, grace=INTERRUPTION_GRACE_SECONDS)
+                and current.cancel.cancel(REASON_INTERRUPTED, grace=self.interruption_grace)
             )
             if told and current is not None:
                 current.interrupted = detail
@@ -411,7 +417,7 @@ class Agent(JobRunning):
             log.warning(
                 "job %s: spot interruption: SIGTERM now, SIGKILL after %.0f s; its checkpoint follows",
                 current.job.id,
-                INTERRUPTION_GRACE_SECONDS,
+                self.interruption_grace,
             )
             return
         checkpointer = current.checkpointer if current is not None else None

@@ -59,6 +59,7 @@ DRIVERS: dict[str, str] = {
     "local": "catacloud.providers.local.LocalProvider",
     "hetzner": "catacloud.providers.hetzner.HetznerProvider",
     "aws": "catacloud.providers.aws.AwsProvider",
+    "azure": "catacloud.providers.azure.AzureProvider",
     "fake": "catacloud.providers.fake.FakeProvider",
 }
 

@@ -117,6 +117,7 @@ class AwsProvider(Provider):
     }
 
     checks_offerings = True
+    spot_notices = "ec2"
 
     def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
         super().__init__(config=config, credentials=credentials)
@@ -281,7 +282,7 @@ class AwsProvider(Provider):
                 "HttpEndpoint": "enabled",
             },
         }
-        if user_data := spec.cloud_init:
+        if user_data := spec.cloud_init_for(self.spot_notices):  # a spot machine's agent watches IMDS
             params["UserData"] = user_data  # boto3 base64-encodes it
         if spec.spot:
             params["InstanceMarketOptions"] = {

@@ -97,7 +97,9 @@ class Bootstrap:
     # none, and then no cloud machine can be made (local machines run the agent in place).
     package: str = ""
 
-    def user_data(self, *, disk_gb: int | None = None) -> str:
+    def user_data(self, *, disk_gb: int | None = None, spot_notices: str = "") -> str:
+        """``spot_notices``: whose interruption notices the agent watches on a spot machine
+        (``ec2``, ``azure``; empty: none)."""
         from catacloud.providers.userdata import render_user_data
 
         if not self.package:
@@ -106,7 +108,11 @@ class Bootstrap:
                 "catacloud_agent wheel): a cloud machine installs its agent only from there"
             )
         return render_user_data(
-            agent_url=self.agent_url, bootstrap_token=self.token, package=self.package, disk_gb=disk_gb
+            agent_url=self.agent_url,
+            bootstrap_token=self.token,
+            package=self.package,
+            disk_gb=disk_gb,
+            spot_notices=spot_notices,
         )
 
     def local_command(self) -> tuple[str, ...]:
@@ -147,10 +153,16 @@ class MachineSpec:
 
     @property
     def cloud_init(self) -> str:
-        """The user data a cloud machine boots with."""
+        """The user data a cloud machine boots with (its agent watching no interruption notices)."""
+        return self.cloud_init_for("")
+
+    def cloud_init_for(self, spot_notices: str) -> str:
+        """The user data a cloud machine of a provider whose spot interruption notices come as
+        ``spot_notices`` says (:attr:`Provider.spot_notices`) boots with: a spot machine's agent
+        watches them, an on-demand machine's does not."""
         if self.user_data or self.bootstrap is None:
             return self.user_data
-        return self.bootstrap.user_data(disk_gb=self.disk_gb)
+        return self.bootstrap.user_data(disk_gb=self.disk_gb, spot_notices=spot_notices if self.spot else "")
 
     @property
     def local_command(self) -> tuple[str, ...]:
@@ -227,6 +239,9 @@ class Provider(abc.ABC):
     # Drivers that buy machines from a price list check a catalog's server types, images and
     # locations against it (``check_offerings``); the others have nothing to check.
     checks_offerings: ClassVar[bool] = False
+    # Where a spot machine's agent reads interruption notices: "ec2" (the instance metadata
+    # service's spot/instance-action) or "azure" (Scheduled Events); empty: the provider has none.
+    spot_notices: ClassVar[str] = ""
 
     def __init__(self, *, config: Mapping[str, Any], credentials: Mapping[str, str]) -> None:
         self.config = dict(config)
@@ -257,6 +272,12 @@ class Provider(abc.ABC):
         kind (server types, images, locations), never one per offering. Raises the typed errors
         of any call (a wrong credential, the API unreachable)."""
         return ()
+
+    def check_credentials(self) -> None:
+        """One cheap read call the account's credentials and settings must pass (an
+        organization's own account is checked with it before it is stored). Raises the typed
+        errors, with the provider's own message. Default: list this installation's machines."""
+        self.list({LABEL_INSTALLATION: "credential-check"})
 
     def find_by_instance(self, instance_id: str, owner_labels: Mapping[str, str]) -> ProviderMachine | None:
         """Find the machine labelled with ``instance_id`` (used to adopt after a crash)."""

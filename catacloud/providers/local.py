@@ -36,6 +36,8 @@ Config:
   ``imds_url`` (URL, default none): a spot machine's (machine type ``spot``) agent watches
       ``{imds_url}/{instance_id}`` for spot interruption notices as an EC2 machine watches its
       own metadata service (IMDSv2): a stand-in for spot handling on a laptop and in tests.
+  ``imds_kind`` (``ec2`` or ``azure``, default ``ec2``): whose notices those are: EC2's
+      ``spot/instance-action`` or Azure's Scheduled Events (a ``Preempt`` event).
   ``stop_timeout_seconds`` (float, default 5): grace between SIGTERM and SIGKILL on delete.
   ``keep_logs`` (bool, default False): keep ``<instance_id>.log`` after delete.
   ``unreachable_limit_seconds`` (float, default ``CATACLOUD_LOCAL_UNREACHABLE_LIMIT`` or 600; 0:
@@ -199,6 +201,9 @@ class LocalProvider(Provider):
         self.job_areas = bool(self.config.get("job_areas", True))
         self.network_ahead = bool(self.config.get("network_ahead", True))
         self.imds_url = str(self.config.get("imds_url") or "").rstrip("/")
+        self.imds_kind = str(self.config.get("imds_kind") or "ec2")
+        if self.imds_kind not in ("ec2", "azure"):
+            raise Permanent(f"imds_kind must be ec2 or azure, not {self.imds_kind!r}")
         room = self.config.get("max_machines")
         if room is not None and (not isinstance(room, int) or isinstance(room, bool) or room < 0):
             raise Permanent(f"max_machines must be a whole number of at least 0, not {room!r}")
@@ -406,7 +411,7 @@ class LocalProvider(Provider):
         if not self.network_ahead:
             args.append("--no-network-ahead")
         if self.imds_url and spec.spot:
-            args += ["--imds-url", f"{self.imds_url}/{spec.instance_id}"]
+            args += ["--imds-url", f"{self.imds_url}/{spec.instance_id}", "--imds-kind", self.imds_kind]
         if spec.disk_gb:
             args += ["--disk-gb", str(spec.disk_gb)]
         for mount in self.mounts:

@@ -28,6 +28,10 @@ STATE_FILE = "/var/lib/catacloud/agent/agent.json"
 WORK_DIR = "/var/lib/catacloud/work"
 UNIT_NAME = "catacloud-agent.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT_NAME}"
+# The instance metadata service, at the same link-local address on EC2 and Azure; the kinds of
+# interruption notices the agent reads from it (catacloud/agent/imds.py).
+IMDS_URL = "http://169.254.169.254"
+SPOT_NOTICES = ("", "ec2", "azure")
 
 # No whitespace, quotes, backslashes or control characters anywhere: nothing can break out of
 # the YAML scalar, the systemd ExecStart line or pip's argument.
@@ -52,13 +56,22 @@ _Dumper.add_representer(str, _str)
 
 
 def render_user_data(
-    *, agent_url: str, bootstrap_token: str, package: str = "", disk_gb: int | None = None
+    *,
+    agent_url: str,
+    bootstrap_token: str,
+    package: str = "",
+    disk_gb: int | None = None,
+    spot_notices: str = "",
 ) -> str:
     """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs.
 
     ``package`` is the pinned agent wheel's URL; anything else is refused. Empty, the document
     installs no agent (what ``Bootstrap.user_data`` never renders: it refuses to make a cloud
-    machine without a served wheel)."""
+    machine without a served wheel).
+
+    ``spot_notices`` (``ec2`` or ``azure``, for a spot machine) makes the agent watch the machine's
+    metadata service at 169.254.169.254 for interruption notices of that kind (EC2's
+    spot/instance-action, Azure's Scheduled Events); empty, it watches none."""
     parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("agent_url must be an http(s) URL without spaces, quotes or control characters")
@@ -71,6 +84,8 @@ def render_user_data(
         )
     if disk_gb is not None and (not isinstance(disk_gb, int) or isinstance(disk_gb, bool) or disk_gb < 1):
         raise ValueError("disk_gb must be a whole number of at least 1")
+    if spot_notices not in SPOT_NOTICES:
+        raise ValueError(f"spot_notices must be one of {', '.join(map(repr, SPOT_NOTICES))}")
 
     # systemd expands "%" specifiers and "$" variables in ExecStart: double them.
     url_for_systemd = agent_url.replace("%", "%%").replace("$", "$$")
@@ -85,7 +100,9 @@ def render_user_data(
             f"ExecStart={VENV}/bin/catacloud agent --url {url_for_systemd}"
             f" --bootstrap-token-file {TOKEN_FILE} --state-file {STATE_FILE} --work-dir {WORK_DIR}"
             # The jobs' disk: the agent (root) mounts a file system of this size on the work root.
-            + (f" --disk-gb {disk_gb}" if disk_gb else ""),
+            + (f" --disk-gb {disk_gb}" if disk_gb else "")
+            # A spot machine's agent watches its metadata service for the interruption notice.
+            + (f" --imds-url {IMDS_URL} --imds-kind {spot_notices}" if spot_notices else ""),
             "Restart=always",
             "RestartSec=5",
             "",

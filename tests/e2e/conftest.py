@@ -105,3 +105,37 @@ def stack(tworld: World, live_server: Any, tmp_path: Path) -> Iterator[Stack]:
         # Once the worker and beat are stopped: a pool refill of the worker's last seconds
         # started a machine after an earlier clean-up, and it outlived the run.
         stop_local_machines(state_dir)
+
+
+@contextlib.contextmanager
+def cloud_control_plane(
+    live_server: Any, tmp_path: Path, *, cooldown: float = 180.0, **settings: Any
+) -> Iterator[None]:
+    """A worker and beat of the live server's database serving an agent wheel (without one no
+    cloud machine is made), with a capacity ``cooldown`` and ``settings`` (JSON in the
+    processes' environment, themselves in this one)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "catacloud_agent-0.1.0-py3-none-any.whl").write_bytes(b"an agent wheel")
+    purge_redis()
+    env = {
+        **FAST,
+        "CATACLOUD_PUBLIC_URL": live_server.url,
+        "CATACLOUD_CAPACITY_COOLDOWN": str(cooldown),
+        "CATACLOUD_AGENT_WHEEL": str(wheels),
+        **{k: json.dumps(v) for k, v in settings.items()},
+    }
+    with (
+        override_settings(
+            **{k: float(v) for k, v in FAST.items()},
+            CATACLOUD_PUBLIC_URL=live_server.url,
+            CATACLOUD_CAPACITY_COOLDOWN=cooldown,
+            CATACLOUD_AGENT_WHEEL=str(wheels),
+            **settings,
+        ),
+        TESTS.celery_worker(tmp_path, concurrency=2, **env) as worker,
+        TESTS.celery_beat(tmp_path, **env) as beat,
+    ):
+        yield
+        worker.kill()
+        beat.kill()

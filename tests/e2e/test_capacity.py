@@ -6,59 +6,28 @@ scheduler tick or a retry's backoff); the first cools down and is bought again a
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import override_settings
 
 from apps.events.models import Event
 from apps.jobs.models import Job
 from apps.machines.models import MachineInstance, MachineType
 from testkit.builders import enroll, granted_type, job_config, provider_account
-from testkit.processes import TESTS, purge_redis, wait_for
+from testkit.processes import wait_for
 from testkit.servers import Ec2Capacity, moto_client, moto_server
 from tests.conftest import HETZNER_TOKEN, World
-from tests.e2e.conftest import FAST
+from tests.e2e.conftest import cloud_control_plane
 from tests.fakes.hetzner_api import FakeHetzner
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 COOLDOWN = 6.0  # CATACLOUD_CAPACITY_COOLDOWN for the worker (180 s by default)
 FALLOVER_WITHIN = 5.0  # the issue's bound: the next candidate's create this soon after the error
-
-
-@contextlib.contextmanager
-def control_plane(live_server: Any, tmp_path: Path) -> Iterator[None]:
-    """A worker and beat of the live server's database, with a short cool-down, serving an agent
-    wheel (without one no cloud machine is made)."""
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    (wheels / "catacloud_agent-0.1.0-py3-none-any.whl").write_bytes(b"an agent wheel")
-    purge_redis()
-    env = {
-        **FAST,
-        "CATACLOUD_PUBLIC_URL": live_server.url,
-        "CATACLOUD_CAPACITY_COOLDOWN": str(COOLDOWN),
-        "CATACLOUD_AGENT_WHEEL": str(wheels),
-    }
-    with (
-        override_settings(
-            **{k: float(v) for k, v in FAST.items()},
-            CATACLOUD_PUBLIC_URL=live_server.url,
-            CATACLOUD_CAPACITY_COOLDOWN=COOLDOWN,
-            CATACLOUD_AGENT_WHEEL=str(wheels),
-        ),
-        TESTS.celery_worker(tmp_path, concurrency=2, **env) as worker,
-        TESTS.celery_beat(tmp_path, **env) as beat,
-    ):
-        yield
-        worker.kill()
-        beat.kill()
 
 
 def submit(world: World, config_name: str) -> Job:
@@ -149,7 +118,7 @@ def test_hetzner_capacity_error_falls_over_to_the_next_location_and_cools_down(
     def refusals() -> list[float]:
         return [at for _, _, at in fake_hetzner.capacity_refusals]
 
-    with control_plane(live_server, tmp_path):
+    with cloud_control_plane(live_server, tmp_path, cooldown=COOLDOWN):
         # restocked once refused: only the cool-down keeps the type unused
         def refused_then_restocked() -> list[float]:
             if fake_hetzner.capacity_refusals:
@@ -202,7 +171,7 @@ def test_ec2_insufficient_capacity_falls_over_to_the_next_zone_and_cools_down(
             def launched(zone: str) -> bool:
                 return any(z == zone for _, z, _ in ec2.launches)
 
-            with control_plane(live_server, tmp_path):
+            with cloud_control_plane(live_server, tmp_path, cooldown=COOLDOWN):
                 falls_over(tworld, first, second, refused_then_restocked, launched)
         finally:
             ec2.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -75,17 +77,58 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(stack: Stack) -> None:
     assert Job.objects.get(pk=job_id).attempt == 2
 
 
-def test_a_spot_interruption_hands_the_job_on_with_its_checkpoint(stack: Stack) -> None:
-    """A job checkpointing every second on a spot machine gets its machine's interruption notice
-    at second 5 (the fake IMDS, as EC2's two-minute notice): it is told (SIGTERM: its trap saves
-    its step), its last checkpoint is uploaded, the attempt is recorded as interrupted (free: a
-    job of max_attempts 1 runs again), and it finishes on another machine, resumed from that
-    step (its output says so), well within the notice window; both machines' cost is its."""
-    from apps.machines.models import MachineType
+@contextlib.contextmanager
+def ec2_notices() -> Iterator[tuple[str, str, Callable[[str], None]]]:
+    """EC2's metadata service (the fake IMDSv2): its URL, kind, and how a machine gets its notice."""
     from tests.agent.fake_server import FakeIMDS
 
     with FakeIMDS() as imds:
-        stack.world.account.config["imds_url"] = imds.url
+
+        def notify(instance_id: str) -> None:
+            imds.notices[instance_id] = '{"action": "terminate", "time": "2030-01-01T00:02:00Z"}'
+
+        yield imds.url, "ec2", notify
+
+
+@contextlib.contextmanager
+def azure_notices() -> Iterator[tuple[str, str, Callable[[str], None]]]:
+    """Azure's Scheduled Events (the fake Azure's metadata service): a Spot VM of the machine's
+    name, evicted with Azure's 30 s notice (a ``Preempt`` event)."""
+    from tests.fakes.azure_arm import FakeAzure
+
+    with FakeAzure() as azure:
+
+        def notify(instance_id: str) -> None:
+            # The machine's agent watches from its start; its VM (the name its metadata service
+            # answers) exists from now, and its events reach it once it has asked (the first
+            # request enables Scheduled Events), as on Azure.
+            azure.add_vm(instance_id, priority="Spot")
+            deadline = time.monotonic() + 30
+            while not any(
+                vm == instance_id and p == "/metadata/scheduledevents" for _, vm, p, _ in azure.imds_requests
+            ):
+                assert time.monotonic() < deadline, "the agent never asked for its scheduled events"
+                time.sleep(0.1)
+            azure.evict(instance_id, notice=30)
+
+        yield azure.imds_url, "azure", notify
+
+
+@pytest.mark.parametrize("notices", [ec2_notices, azure_notices], ids=["ec2", "azure"])
+def test_a_spot_interruption_hands_the_job_on_with_its_checkpoint(
+    stack: Stack,
+    notices: Callable[[], contextlib.AbstractContextManager[tuple[str, str, Callable[[str], None]]]],
+) -> None:
+    """A job checkpointing every second on a spot machine gets its machine's interruption notice
+    at second 5 (EC2's two-minute notice from the fake IMDSv2, or Azure's 30 s Preempt event from
+    the fake Scheduled Events): it is told (SIGTERM: its trap saves its step), its last
+    checkpoint is uploaded, the attempt is recorded as interrupted (free: a job of max_attempts 1
+    runs again), and it finishes on another machine, resumed from that step (its output says
+    so), well within the notice window; both machines' cost is its."""
+    from apps.machines.models import MachineType
+
+    with notices() as (imds_url, kind, notify):
+        stack.world.account.config.update(imds_url=imds_url, imds_kind=kind)
         stack.world.account.save(update_fields=["config"])
         MachineType.objects.filter(pk=stack.world.machine_type.pk).update(spot=True)
         command = (
@@ -99,7 +142,7 @@ def test_a_spot_interruption_hands_the_job_on_with_its_checkpoint(stack: Stack) 
         job_id = submit(stack, job_config(stack, "spotty", command, max_attempts=1, reuse="ephemeral"))
         stack.wait(lambda: "step 5" in logs(stack, job_id), 60, "five steps of attempt 1")
         first = job(stack, job_id)["instance"]
-        imds.notices[first] = '{"action": "terminate", "time": "2030-01-01T00:02:00Z"}'
+        notify(first)
         noticed = time.monotonic()
         stack.wait(lambda: job(stack, job_id)["attempt"] == 2, 60, "the job requeued by the interruption")
         requeued_in = time.monotonic() - noticed
@@ -115,7 +158,8 @@ def test_a_spot_interruption_hands_the_job_on_with_its_checkpoint(stack: Stack) 
     assert told >= 5
     assert f"attempt 2 starts at {told}\n" in second_log  # resumed from the step saved on SIGTERM
     assert "step 1\n" not in second_log and "done at 8" in second_log
-    assert requeued_in < 120, f"requeued {requeued_in:.1f} s after the notice: past EC2's two minutes"
+    window = 120 if kind == "ec2" else 30  # EC2's two minutes; Azure's Preempt: at least 30 s
+    assert requeued_in < window, f"requeued {requeued_in:.1f} s after the notice: past {kind}'s {window} s"
     assert (done["requeue_reason"], done["free_requeues"], done["instance"] != first) == (
         "spot_interruption", 1, True,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 
 import boto3
 import pytest
+import yaml
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ReadTimeoutError
 
@@ -37,10 +38,12 @@ from catacloud.providers import (
     build_provider,
 )
 from catacloud.providers.aws import AwsProvider
+from catacloud.providers.base import Bootstrap
 from testkit.processes import free_port
 from testkit.servers import moto_server
 
 REGION = "eu-central-1"
+WHEEL = "https://cc.example.com/api/agent/v1/dist/catacloud_agent-1.2.3-py3-none-any.whl#sha256=" + "ab" * 32
 CREDENTIALS = {"access_key_id": "AKIAFAKEFAKEFAKE", "secret_access_key": "moto-secret-key-123"}
 
 
@@ -192,6 +195,25 @@ def test_spot_specs_request_one_time_spot(
     machine = provider.create(make_spec(ami, installation, spot=True))
     (instance,) = ec2.describe_instances(InstanceIds=[machine.provider_id])["Reservations"][0]["Instances"]
     assert instance["InstanceLifecycle"] == "spot"
+
+
+def test_a_spot_instances_agent_watches_imds_for_the_interruption_an_on_demand_ones_does_not(
+    ec2: Any, ami: str, provider: AwsProvider, installation: dict[str, str]
+) -> None:
+    """A spot machine's agent is started with --imds-url: without it, nobody reads the two-minute
+    notice and the job dies with the machine, its checkpoint unsaved."""
+    bootstrap = Bootstrap(agent_url="https://cc.example.com", token="bt_0123456789abcdefXYZ", package=WHEEL)
+
+    def exec_start(instance_id: str) -> str:
+        attribute = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+        document = yaml.safe_load(base64.b64decode(attribute["UserData"]["Value"]))
+        unit = next(f["content"] for f in document["write_files"] if f["path"].endswith(".service"))
+        return next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+
+    spot = provider.create(make_spec(ami, installation, spot=True, bootstrap=bootstrap))
+    on_demand = provider.create(make_spec(ami, installation, bootstrap=bootstrap))
+    assert exec_start(spot.provider_id).endswith(" --imds-url http://169.254.169.254 --imds-kind ec2")
+    assert "--imds" not in exec_start(on_demand.provider_id)
 
 
 def test_create_twice_launches_one_instance(

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from catacloud.providers import Permanent
+from catacloud.providers import MachineSpec, Permanent
 from catacloud.providers.base import Bootstrap
 from catacloud.providers.userdata import render_user_data
 
@@ -109,3 +109,36 @@ def test_a_cloud_machine_is_never_made_without_the_wheel_its_control_plane_serve
     text = Bootstrap(agent_url="https://cc.example.com", token=TOKEN, package=WHEEL).user_data()
     install = [cmd for cmd in yaml.safe_load(text)["runcmd"] if "install" in cmd]
     assert install == [["/opt/catacloud/bin/pip", "install", "--upgrade", WHEEL]]
+
+
+def exec_start(text: str) -> str:
+    unit = file_at(yaml.safe_load(text), "/etc/systemd/system/catacloud-agent.service")["content"]
+    return next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+
+
+@pytest.mark.parametrize("kind", ["ec2", "azure"])
+def test_a_spot_machines_agent_watches_its_metadata_service_for_the_notice(kind: str) -> None:
+    """Without --imds-url the agent never looks: a spot machine's job would die with it, unwarned."""
+    line = exec_start(
+        render_user_data(agent_url="https://cc.example.com", bootstrap_token=TOKEN, spot_notices=kind)
+    )
+    assert line.endswith(f" --imds-url http://169.254.169.254 --imds-kind {kind}")
+    assert "--imds" not in exec_start(
+        render_user_data(agent_url="https://cc.example.com", bootstrap_token=TOKEN)
+    )
+    with pytest.raises(ValueError, match="spot_notices"):
+        render_user_data(agent_url="https://cc.example.com", bootstrap_token=TOKEN, spot_notices="gcp --evil")
+
+
+def test_only_spot_machines_of_a_provider_with_notices_watch_for_them() -> None:
+    bootstrap = Bootstrap(agent_url="https://cc.example.com", token=TOKEN, package=WHEEL)
+
+    def spec(spot: bool) -> MachineSpec:
+        return MachineSpec(
+            instance_id="i-1", labels={}, server_type="t", image="i", spot=spot, bootstrap=bootstrap
+        )
+
+    assert "--imds-kind ec2" in exec_start(spec(spot=True).cloud_init_for("ec2"))
+    assert "--imds" not in exec_start(spec(spot=False).cloud_init_for("ec2"))  # on-demand: no notices
+    assert "--imds" not in exec_start(spec(spot=True).cloud_init_for(""))  # a provider without them
+    assert spec(spot=True).cloud_init == spec(spot=True).cloud_init_for("")
