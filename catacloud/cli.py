@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -268,8 +268,12 @@ def _dev_data(env: dict[str, str], home: Path, port: int) -> tuple[list[DevForge
         fakes.append(DevGitHub.prepare(home, port))
     if os.environ.get("CATACLOUD_DEV_GITLAB") == "fake":
         fakes.append(DevGitLab.prepare(home, port))  # after GitHub's: its catalog keeps GitHub's mount
+    if os.environ.get("CATACLOUD_DEV_CLOUD") == "fake":
+        fakes.append(DevCloud.prepare(home, port))
     for fake in fakes:
-        _manage("apply", str(fake.catalog), env=env)
+        if fake.catalog is not None:
+            _manage("apply", str(fake.catalog), env=env)
+        env.update(fake.env)  # the web's, the worker's and the beat's
     creds: dict[str, str] = json.loads(
         _manage("dev_bootstrap", env=env, capture=True).strip().splitlines()[-1]
     )
@@ -516,17 +520,18 @@ def dev_started_at(environ: Mapping[str, str]) -> float:
 
 @dataclass(frozen=True)
 class DevForge:
-    """A fake forge ``make dev`` runs beside the stack, and the demo org connected to it. The
-    test kit prepares it (``python -m testkit.dev_<forge>``, by name: product code imports
-    nothing of the test kit) and answers where it listens, the catalog to apply and the command
-    that runs it."""
+    """A fake forge (or cloud) ``make dev`` runs beside the stack, and the demo org connected to
+    it. The test kit prepares it (``python -m testkit.dev_<forge>``, by name: product code
+    imports nothing of the test kit) and answers where it listens, the catalog to apply (if
+    any), the command that runs it and the settings the stack's programs get (if any)."""
 
     forge: str
     title: str
     walkthrough: str
     url: str
-    catalog: Path
+    catalog: Path | None
     command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def _prepare(
@@ -545,8 +550,9 @@ class DevForge:
             title=title,
             walkthrough=walkthrough,
             url=data["url"],
-            catalog=Path(data["catalog"]),
+            catalog=Path(data["catalog"]) if data.get("catalog") else None,
             command=data["command"],
+            env=dict(data.get("env") or {}),
         )
 
 
@@ -557,6 +563,16 @@ class DevGitHub(DevForge):
     def prepare(cls, home: Path, port: int) -> DevForge:
         fake_port = os.environ.get("GITHUB_FAKE_PORT", "8070")
         return cls._prepare("github", "GitHub", "docs/walkthroughs/github-actions.md", home, port, fake_port)
+
+
+class DevCloud(DevForge):
+    """``CATACLOUD_DEV_CLOUD=fake make dev``: a fake Hetzner Cloud API that organizations' own
+    Hetzner accounts call (the operator's ``CATACLOUD_ORG_PROVIDER_SETTINGS`` says so)."""
+
+    @classmethod
+    def prepare(cls, home: Path, port: int) -> DevForge:
+        fake_port = os.environ.get("HETZNER_FAKE_PORT", "8072")
+        return cls._prepare("cloud", "Hetzner", "docs/walkthroughs/own-cloud.md", home, port, fake_port)
 
 
 class DevGitLab(DevForge):

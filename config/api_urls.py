@@ -11,13 +11,20 @@ from apps.github.api.views import GitHubConnectionView, RunnerClassViewSet, Work
 from apps.gitlab.api.views import GitLabConnectionView, GitLabJobViewSet
 from apps.gitlab.api.views import RunnerClassViewSet as GitLabRunnerClassViewSet
 from apps.jobs.api.views import JobConfigurationViewSet, JobViewSet
-from apps.machines.api.views import EnrolmentTokenViewSet, HostViewSet, InstanceViewSet, MachineTypeViewSet
+from apps.machines.api.views import (
+    EnrolmentTokenViewSet,
+    HostViewSet,
+    InstanceViewSet,
+    MachineTypeViewSet,
+    ProviderAccountViewSet,
+)
 from apps.orgs.api.registries import RegistryCredentialViewSet
 from apps.pools.api.views import PoolViewSet
 from apps.resources.api.views import ResourceTypeViewSet, ResourceViewSet
 
 router = DefaultRouter(trailing_slash=True)
 router.register("machine-types", MachineTypeViewSet, basename="machine-type")
+router.register("provider-accounts", ProviderAccountViewSet, basename="provider-account")
 router.register("instances", InstanceViewSet, basename="instance")
 router.register("hosts", HostViewSet, basename="host")
 router.register("enrolment-tokens", EnrolmentTokenViewSet, basename="enrolment-token")

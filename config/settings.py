@@ -313,6 +313,13 @@ CATACLOUD_REDRIVE_AFTER = env.float("CATACLOUD_REDRIVE_AFTER", default=60.0)
 # A machine outside a pool that has not become ready this long after its request is
 # terminated (pool members use their pool's warmup_grace_seconds).
 CATACLOUD_BOOT_TIMEOUT = env.float("CATACLOUD_BOOT_TIMEOUT", default=600.0)
+# Organizations' own cloud accounts (apps/machines/owned.py): the provider kinds an organization
+# admin may add an account of (empty: none). Only cloud kinds: local, fake and hosts never.
+CATACLOUD_ORG_PROVIDER_KINDS = env.list("CATACLOUD_ORG_PROVIDER_KINDS", default=["hetzner", "aws", "azure"])
+# Where organizations' accounts send their calls, per kind, set by the operator alone (an
+# organization never points the control plane at an address of its choosing); empty: the
+# provider's public API. E.g. {"hetzner": {"api_endpoint": "https://..."}, "aws": {"endpoint_url": "..."}}.
+CATACLOUD_ORG_PROVIDER_SETTINGS = env.json("CATACLOUD_ORG_PROVIDER_SETTINGS", default={})
 # A provider's capacity error cools its machine type down this long: none of it is bought, and
 # waiting jobs move to their next candidate (apps/machines/capacity.py; Karpenter: 3 minutes).
 CATACLOUD_CAPACITY_COOLDOWN = env.float("CATACLOUD_CAPACITY_COOLDOWN", default=180.0)

@@ -22,11 +22,17 @@ if TYPE_CHECKING:
 
 
 def provider_account(
-    kind: str, name: str, config: Mapping[str, Any], credentials: Mapping[str, Any] | None = None
+    kind: str,
+    name: str,
+    config: Mapping[str, Any],
+    credentials: Mapping[str, Any] | None = None,
+    *,
+    org: Any = None,
 ) -> ProviderAccount:
+    """A provider account: the operator's, or ``org``'s own."""
     from apps.machines.models import ProviderAccount
 
-    account = ProviderAccount(name=name, kind=kind, config=dict(config))
+    account = ProviderAccount(name=name, kind=kind, config=dict(config), org=org)
     if credentials is not None:
         account.credentials = dict(credentials)
     account.save()

@@ -24,10 +24,25 @@ from apps.machines.models import MachineInstance
 from apps.orgs.models import Organization
 from catacloud.policy.attribution import JOB, KINDS, TAIL
 
-GROUPS = ("day", "config", "pool", "machine_type", "kind", "machine", "repository", "workflow", "owner")
+GROUPS = (
+    "day",
+    "config",
+    "pool",
+    "machine_type",
+    "kind",
+    "machine",
+    "repository",
+    "workflow",
+    "owner",
+    "payer",
+)
 # ``owner``: who owns the machine a part was paid on: an enrolled host of the user's (its monthly
 # price attributed by the second) or a machine bought from a provider.
 OWNED, BOUGHT = "owned", "bought"
+# ``payer``: whose cloud account the machine was bought on: the operator's, or the
+# organization's own (apps/machines/owned.py), which its cloud bills directly.
+OPERATOR, ORGANIZATION = "operator", "organization"
+PAYERS = (OPERATOR, ORGANIZATION)
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class PartRow:
     amount: Decimal
     live: bool
     owned: bool = False  # a slot of an enrolled host
+    payer: str = OPERATOR  # whose cloud account paid: the operator's or the organization's own
 
 
 def _in_window(start: datetime, end: datetime) -> Any:
@@ -113,6 +129,7 @@ def part_rows(*, org: Organization, start: datetime, end: datetime, now: datetim
                     amount=p.amount,
                     live=mc.live,
                     owned=inst.host_id is not None,
+                    payer=ORGANIZATION if inst.machine_type.org_id is not None else OPERATOR,
                 )
             )
     return rows
@@ -135,6 +152,8 @@ def _key(row: PartRow, group_by: str) -> str | None:
         return row.workflow
     if group_by == "owner":
         return OWNED if row.owned else BOUGHT
+    if group_by == "payer":
+        return row.payer
     return row.kind
 
 
@@ -147,10 +166,12 @@ def cost_report(
     rows = part_rows(org=org, start=start, end=end, now=now)
     groups: dict[str | None, dict[str, Decimal]] = defaultdict(lambda: {k: Decimal(0) for k in KINDS})
     totals = {k: Decimal(0) for k in KINDS}
+    payers = {p: Decimal(0) for p in PAYERS}
     committed_live = Decimal(0)
     for row in rows:
         groups[_key(row, group_by)][row.kind] += row.amount
         totals[row.kind] += row.amount
+        payers[row.payer] += row.amount
         if row.live and row.kind == TAIL:
             committed_live += row.amount
     total = sum(totals.values(), Decimal(0))
@@ -169,6 +190,8 @@ def cost_report(
         "currency": settings.CATACLOUD_CURRENCY,
         "total": money(total),
         "by_kind": {k: money(v) for k, v in totals.items()},
+        # whose cloud account paid: the operator's, or the organization's own (billed to it directly)
+        "by_payer": {p: money(v) for p, v in payers.items()},
         "shares": {k: (round(float(v / total), 4) if total else 0.0) for k, v in totals.items()},
         # of the total, what live machines committed but have not used yet (their paid tail)
         "committed_not_yet_used": money(committed_live),

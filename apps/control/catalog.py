@@ -4,7 +4,7 @@ Provider accounts, privileges, machine types, organizations with members and gra
 resource types), kept in git and applied idempotently and atomically: a bad file changes
 nothing and names the line that is wrong; applying the same file twice changes nothing the
 second time. Credentials are never inline: each value is ``{env: NAME}`` or ``{file: PATH}``.
-Machine types of a Hetzner or AWS account are checked against what that account can buy
+Machine types of a Hetzner, AWS or Azure account are checked against what that account can buy
 (apps/control/offerings.py) before anything is written.
 """
 
@@ -100,7 +100,7 @@ class _Applier:
     def __init__(self, source: str) -> None:
         self.source = source
         self.report = Report()
-        # what each Hetzner or AWS account is asked for, by account name
+        # what each Hetzner, AWS or Azure account is asked for, by account name
         self.offerings: dict[str, AccountOfferings] = {}
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class _Applier:
 
     def named_machine_type(self, node: _Map) -> MachineType:
         """The machine type ``node`` names under ``machine_type``; an error at that key if none."""
-        mt = MachineType.objects.filter(name=str(node["machine_type"])).first()
+        mt = MachineType.objects.filter(name=str(node["machine_type"]), org__isnull=True).first()
         if mt is None:
             raise self.error(f"unknown machine type {node['machine_type']!r}", node, "machine_type")
         return mt
@@ -227,7 +227,7 @@ class _Applier:
         if creds_node is not None:
             creds_node = self.mapping(creds_node, "credentials", node, "credentials")
             credentials = {k: self.secret_ref(v, creds_node, k) for k, v in creds_node.items()}
-        existed = ProviderAccount.objects.filter(name=node["name"]).exists()
+        existed = ProviderAccount.objects.filter(name=node["name"], org__isnull=True).exists()
         _, changed = self.guard(
             node,
             lambda: provider_account_upsert(
@@ -264,7 +264,7 @@ class _Applier:
         required = {"name", "provider_account", *MachineType.REQUIRED_FIELDS}
         optional = set(MachineType.SETTABLE_FIELDS) - required
         self.fields(node, "machine type", required, optional)
-        account = ProviderAccount.objects.filter(name=str(node["provider_account"])).first()
+        account = ProviderAccount.objects.filter(name=str(node["provider_account"]), org__isnull=True).first()
         if account is None:
             raise self.error(
                 f"unknown provider account {node['provider_account']!r}", node, "provider_account"
@@ -273,7 +273,7 @@ class _Applier:
         values = {
             k: v for k, v in node.items() if k not in {"name", "provider_account", "required_privilege"}
         }
-        existed = MachineType.objects.filter(name=str(node["name"])).exists()
+        existed = MachineType.objects.filter(name=str(node["name"]), org__isnull=True).exists()
         _, changed = self.guard(
             node,
             lambda: machine_type_upsert(

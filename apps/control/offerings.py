@@ -1,5 +1,5 @@
 """A catalog's machine types against what their providers sell: ``manage.py apply`` asks each
-Hetzner or AWS account for its server types, images and locations (one list call of each kind)
+Hetzner, AWS or Azure account for its server types, images and locations (one list call of each kind)
 and refuses a catalog naming one that does not exist there, before anything is written.
 
 No transaction is open during these calls: the catalog is first applied and rolled back (which

@@ -8,14 +8,14 @@ from typing import Any
 from django.db import transaction
 
 from apps.core.actors import Actor
-from apps.core.errors import Conflict, ErrorCode, ValidationFailed
+from apps.core.errors import Conflict, ErrorCode
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_LIVE
 from apps.jobs.models import Job
-from apps.machines.choices import INSTANCE_LIVE, Policy
+from apps.machines.choices import INSTANCE_LIVE
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
-from apps.machines.services import grant_check_privilege, grant_lock
+from apps.machines.services import grant_check_owner, grant_check_privilege, grant_clean_quota, grant_lock
 from apps.orgs.models import Organization
 from apps.pools.choices import PoolStatus
 from apps.pools.models import InstancePool
@@ -26,15 +26,8 @@ def grant_upsert(
     *, org: Organization, machine_type: MachineType, **quota: Any
 ) -> tuple[OrgMachineType, bool]:
     """Grant ``machine_type`` to ``org`` with the given quotas (create or update)."""
-    unknown = set(quota) - set(OrgMachineType.QUOTA_FIELDS)
-    if unknown:
-        raise ValidationFailed.field(sorted(unknown)[0], "unknown quota field")
-    for key, value in quota.items():
-        if key == "policy":
-            if value not in Policy.values:
-                raise ValidationFailed.field("policy", f"must be one of {', '.join(Policy.values)}")
-        elif value is not None and (not isinstance(value, int) or value < 0):
-            raise ValidationFailed.field(key, "must be a whole number of at least 0")
+    grant_clean_quota(quota)
+    grant_check_owner(org=org, machine_type=machine_type)
     grant_check_privilege(org=org, machine_type=machine_type)
     grant = grant_lock(org_id=org.pk, machine_type_id=machine_type.pk)
     if grant is None:

@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_CONFIG = "unknown_config"  # a job submitted with no such configuration id or name
     ENV_TOO_LARGE = "env_too_large"  # a job's env and secret_env past their limits
     INVALID_IMAGE_REFERENCE = "invalid_image_reference"  # an image reference that is not one
+    PROVIDER_CHECK_FAILED = "provider_check_failed"  # an own account's credentials the cloud refused
     # 401 / 403
     NOT_AUTHENTICATED = "not_authenticated"
     AUTHENTICATION_FAILED = "authentication_failed"
@@ -31,6 +32,8 @@ class ErrorCode(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     MISSING_PRIVILEGE = "missing_privilege"
     SHARED_HOST = "shared_host"  # an organization changing a host the operator shares
+    OPERATORS_OWN = "operators_own"  # an organization changing the operator's account or type
+    PROVIDER_KIND_NOT_ALLOWED = "provider_kind_not_allowed"  # own accounts of a kind the operator forbids
     METRICS_CLOSED = "metrics_closed"
     # 404 / 405 / 406 / 411 / 413 / 415
     NOT_FOUND = "not_found"

@@ -26,8 +26,10 @@ class EventKind(StrEnum):
     # the catalog
     PROVIDER_ACCOUNT_CREATED = "provider_account.created"
     PROVIDER_ACCOUNT_UPDATED = "provider_account.updated"
+    PROVIDER_ACCOUNT_DELETED = "provider_account.deleted"  # an organization's own account
     MACHINE_TYPE_CREATED = "machine_type.created"
     MACHINE_TYPE_UPDATED = "machine_type.updated"
+    MACHINE_TYPE_DELETED = "machine_type.deleted"  # an organization's own machine type
     # A provider had no capacity for it: cooling down (apps.machines.capacity)
     MACHINE_TYPE_CAPACITY_ERROR = "machine_type.capacity_error"
     BUDGET_CREATED = "budget.created"

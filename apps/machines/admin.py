@@ -53,6 +53,16 @@ class ProviderAccountForm(forms.ModelForm):
         model = ProviderAccount
         fields = ("name", "kind", "config")
 
+    def clean_name(self) -> str:
+        """Names are unique per owner (the operator, or one organization's own accounts)."""
+        name = self.cleaned_data["name"]
+        same = ProviderAccount.objects.filter(name=name, org_id=self.instance.org_id).exclude(
+            pk=self.instance.pk
+        )
+        if same.exists():
+            raise forms.ValidationError(f"a provider account named {name} already exists")
+        return name
+
     def clean_new_credentials(self) -> dict | None:
         raw = self.cleaned_data.get("new_credentials")
         if not raw:
@@ -69,8 +79,8 @@ class ProviderAccountForm(forms.ModelForm):
 @admin.register(ProviderAccount)
 class ProviderAccountAdmin(admin.ModelAdmin):
     form = ProviderAccountForm
-    list_display = ("name", "kind", "has_credentials", "created_at", "updated_at")
-    list_filter = ("kind",)
+    list_display = ("name", "kind", "org", "has_credentials", "created_at", "updated_at")
+    list_filter = ("kind", ("org", admin.EmptyFieldListFilter))
     search_fields = ("name",)
 
     @admin.display(description="credentials set")
@@ -104,6 +114,21 @@ class MachineTypeForm(forms.ModelForm):
         model = MachineType
         fields = ("name", "provider_account", *MachineType.SETTABLE_FIELDS)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A type stays with its owner: the operator's on the operator's accounts, an
+        # organization's own on that organization's.
+        if "provider_account" in self.fields:
+            field = self.fields["provider_account"]
+            field.queryset = ProviderAccount.objects.filter(org_id=self.instance.org_id)  # type: ignore[attr-defined]
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        same = MachineType.objects.filter(name=name, org_id=self.instance.org_id).exclude(pk=self.instance.pk)
+        if same.exists():
+            raise forms.ValidationError(f"a machine type named {name} already exists")
+        return name
+
     def clean(self) -> dict:
         """The service's rules (alternatives, labels, arch, sizes, network), checked before
         anything is written: a bad value is a message on the form, not an error page."""
@@ -123,6 +148,7 @@ class MachineTypeAdmin(admin.ModelAdmin):
     list_display = (
         "name",
         "provider_account",
+        "org",
         "server_type",
         "location",
         "cpus",

@@ -110,7 +110,10 @@ def candidates(*, org_id: Any, config: Any) -> list[MachineType]:
     primary = config.machine_type
     if not primary.alternatives:
         return [primary]
-    return _cheapest_first(_granted(org_id, Q(name__in=primary.alternatives) | Q(pk=primary.pk)), primary.pk)
+    # An operator's type falls over to the operator's types only (an organization's own type of
+    # the same name is another thing); its own types may name any type it may use.
+    named = Q(name__in=primary.alternatives) & (Q(org__isnull=True) if primary.org_id is None else Q())
+    return _cheapest_first(_granted(org_id, named | Q(pk=primary.pk)), primary.pk)
 
 
 def choose(candidate_types: list[MachineType], now: datetime | None = None) -> MachineType | None:

@@ -34,6 +34,7 @@ from apps.machines.agent_dist import agent_package
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus, ProviderKind
 from apps.machines.hosts import slot_host
 from apps.machines.models import MachineInstance, MachineType, ProviderAccount
+from apps.machines.owned import operator_settings
 from apps.machines.services import INSTANCE_STATES
 from apps.orgs.models import Organization
 from catacloud.providers import (
@@ -68,15 +69,17 @@ def provider_for(account: ProviderAccount) -> Provider:
     """The driver for ``account`` (cached per process until the account changes). Keyed by
     what the driver is built from, not ``updated_at``: a change saved without touching it
     (``update_fields``, a queryset update) must still reach the next machine."""
+    # An organization's own account: the operator's settings for its kind on top (endpoints...).
+    operators = operator_settings(account.kind) if account.org_id is not None else {}
     built_from = json.dumps(
-        [account.kind, account.name, account.config, account.credentials_encrypted], default=str
+        [account.kind, account.name, account.config, account.credentials_encrypted, operators], default=str
     )
     key = (str(account.pk), hashlib.sha256(built_from.encode()).hexdigest())
     provider = _providers.get(key)
     if provider is None:
         for old in [k for k in _providers if k[0] == key[0]]:  # the account's outdated driver
             del _providers[old]
-        config = dict(account.config)
+        config = {**account.config, **operators}
         if account.kind == ProviderKind.HOSTS:  # its slots are this account's (apps.machines.hostdriver)
             config["account_id"] = str(account.pk)
         if get_driver_class(account.kind).needs_state_dir:

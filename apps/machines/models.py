@@ -24,11 +24,23 @@ def validate_network(value: object) -> None:
 
 
 class ProviderAccount(models.Model):
-    """Credentials for one cloud project or account. Credentials are encrypted at rest."""
+    """Credentials for one cloud project or account. Credentials are encrypted at rest.
+
+    ``org`` None: the operator's (its machine types are granted to organizations). Otherwise an
+    organization's own cloud account (apps/machines/owned.py): its machine types are that
+    organization's alone and its machines are paid by it. Names are unique per owner."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.SlugField(max_length=64, unique=True)
+    name = models.SlugField(max_length=64)
     kind = models.CharField(max_length=16, choices=ProviderKind.choices)
+    org = models.ForeignKey(
+        "orgs.Organization",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="provider_accounts",
+        help_text="empty: the operator's; else the organization's own cloud account",
+    )
     # Non-secret driver settings: location/region, endpoint, network, boot delay…
     config = models.JSONField(default=dict, blank=True)
     credentials_encrypted = models.TextField(blank=True, editable=False)
@@ -37,6 +49,16 @@ class ProviderAccount(models.Model):
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name"], condition=Q(org__isnull=True), name="provider_account_name_unique"
+            ),
+            models.UniqueConstraint(
+                fields=["org", "name"],
+                condition=Q(org__isnull=False),
+                name="provider_account_org_name_unique",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.kind})"
@@ -85,10 +107,20 @@ class MachineType(models.Model):
     )
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.SlugField(max_length=64, unique=True)
+    name = models.SlugField(max_length=64)
     description = models.CharField(max_length=300, blank=True)
     provider_account = models.ForeignKey(
         ProviderAccount, on_delete=models.PROTECT, related_name="machine_types"
+    )
+    # Its provider account's owner, kept here for the per-owner name constraint: None for the
+    # operator's types, else the organization whose own account it buys on (only it sees it).
+    org = models.ForeignKey(
+        "orgs.Organization",
+        null=True,
+        blank=True,
+        editable=False,
+        on_delete=models.PROTECT,
+        related_name="own_machine_types",
     )
     server_type = models.CharField(max_length=64, help_text="Hetzner server type or EC2 instance type")
     location = models.CharField(max_length=64, blank=True, help_text="Hetzner location or AWS region/AZ")
@@ -157,6 +189,12 @@ class MachineType(models.Model):
     class Meta:
         ordering = ["name"]
         constraints = [
+            models.UniqueConstraint(
+                fields=["name"], condition=Q(org__isnull=True), name="machine_type_name_unique"
+            ),
+            models.UniqueConstraint(
+                fields=["org", "name"], condition=Q(org__isnull=False), name="machine_type_org_name_unique"
+            ),
             models.CheckConstraint(
                 condition=Q(price_per_hour__gte=0), name="machine_type_price_non_negative"
             ),

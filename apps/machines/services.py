@@ -19,6 +19,7 @@ from apps.machines.choices import (
     INSTANCE_TERMINAL,
     INSTANCE_TRANSITIONS,
     InstanceStatus,
+    Policy,
     ProviderKind,
 )
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType, ProviderAccount
@@ -45,7 +46,7 @@ def provider_account_upsert(
     if kind not in ProviderKind.values:
         raise _invalid("kind", f"unknown provider kind {kind!r}; known: {', '.join(ProviderKind.values)}")
     config = dict(config or {})
-    account = ProviderAccount.objects.select_for_update().filter(name=name).first()
+    account = ProviderAccount.objects.select_for_update().filter(name=name, org__isnull=True).first()
     if account is None:
         account = ProviderAccount(name=name, kind=kind, config=config)
         account.credentials = credentials or {}
@@ -72,7 +73,9 @@ def provider_account_update(
     config, its credentials (None keeps them). The kind never changes. Returns (account, changed)."""
     account = ProviderAccount.objects.select_for_update().get(pk=account.pk)
     config = dict(config or {})
-    if name != account.name and ProviderAccount.objects.filter(name=name).exclude(pk=account.pk).exists():
+    if name != account.name and (
+        ProviderAccount.objects.filter(name=name, org_id=account.org_id).exclude(pk=account.pk).exists()
+    ):
         raise _invalid("name", f"a provider account named {name} already exists")
     fields = [
         f for f, changed in (("name", name != account.name), ("config", account.config != config)) if changed
@@ -89,6 +92,7 @@ def provider_account_update(
     account.save()
     event_record(
         kind=EventKind.PROVIDER_ACCOUNT_UPDATED,
+        org=account.org_id,
         actor=actor,
         account=name,
         **({"renamed_from": previous} if previous != name else {}),
@@ -173,7 +177,7 @@ def machine_type_upsert(
     unknown = set(fields) - {f.name for f in MachineType._meta.get_fields()}
     if unknown:
         raise _invalid(sorted(unknown)[0], "unknown machine type field")
-    mt = MachineType.objects.select_for_update().filter(name=name).first()
+    mt = MachineType.objects.select_for_update().filter(name=name, org__isnull=True).first()
     if mt is None:
         mt = MachineType.objects.create(
             name=name, provider_account=provider_account, required_privilege=required_privilege, **fields
@@ -208,7 +212,9 @@ def machine_type_update(
     unknown = set(wanted) - known
     if unknown:
         raise _invalid(sorted(unknown)[0], "unknown machine type field")
-    if "name" in wanted and MachineType.objects.filter(name=wanted["name"]).exclude(pk=mt.pk).exists():
+    if "name" in wanted and (
+        MachineType.objects.filter(name=wanted["name"], org_id=mt.org_id).exclude(pk=mt.pk).exists()
+    ):
         raise _invalid("name", f"a machine type named {wanted['name']} already exists")
     changed = {k: v for k, v in wanted.items() if getattr(mt, k) != v}
     if not changed:
@@ -220,12 +226,38 @@ def machine_type_update(
     mt.save()
     event_record(
         kind=EventKind.MACHINE_TYPE_UPDATED,
+        org=mt.org_id,
         actor=actor,
         machine_type=mt.name,
         version=mt.version,
         fields=sorted(changed),
     )
     return mt, True
+
+
+def grant_clean_quota(quota: dict[str, Any]) -> None:
+    """A grant's quota fields as the catalog, the admin and an organization's own types take them."""
+    unknown = set(quota) - set(OrgMachineType.QUOTA_FIELDS)
+    if unknown:
+        raise _invalid(sorted(unknown)[0], "unknown quota field")
+    for key, value in quota.items():
+        if key == "policy":
+            if value not in Policy.values:
+                raise _invalid("policy", f"must be one of {', '.join(Policy.values)}")
+        elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise _invalid(key, "must be a whole number of at least 0")
+
+
+def grant_check_owner(*, org: Organization, machine_type: MachineType) -> None:
+    """An organization's own machine type is granted to it alone, and an operator's type is not
+    granted beside an own type of the same name (an organization names each type it uses once)."""
+    if machine_type.org_id is not None and machine_type.org_id != org.pk:
+        raise _invalid("machine_type", f"machine type {machine_type.name} is another organization's own")
+    if machine_type.org_id is None and MachineType.objects.filter(org=org, name=machine_type.name).exists():
+        message = f"organization {org.slug} has a machine type of its own named {machine_type.name}"
+        raise ValidationFailed(
+            f"machine_type: {message}", fields={"machine_type": [message]}, code=ErrorCode.DUPLICATE_NAME
+        )
 
 
 def grant_check_privilege(*, org: Organization, machine_type: MachineType) -> None:

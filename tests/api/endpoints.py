@@ -16,7 +16,7 @@ from django.utils import timezone
 from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.hosts import enrolment_token_create, host_enroll
-from apps.machines.models import Budget, Host, MachineType, OrgMachineType
+from apps.machines.models import Budget, Host, MachineType, OrgMachineType, ProviderAccount
 from apps.resources.models import ResourceInstance, ResourceType
 from catacloud.protocol import HostCapacity
 from testkit.builders import granted_type, instance_row, pool_row, provider_account
@@ -63,7 +63,11 @@ def make_objects(world: World) -> dict[str, str]:
     resource = ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
     budget = Budget.objects.create(org=world.org, amount=1000)
     token, host, shared = make_hosts(world)
+    own_account, spare_account, own_type = make_own_cloud(world)
     return {
+        "own_account": str(own_account.pk),
+        "spare_account": str(spare_account.pk),
+        "own_type": str(own_type.pk),
         "host": str(host.pk),
         "shared_host": str(shared.pk),
         "enrolment_token": str(token.pk),
@@ -77,6 +81,19 @@ def make_objects(world: World) -> dict[str, str]:
         "drained_pool": str(drained.pk),
         "job": str(job.pk),
     }
+
+
+def make_own_cloud(world: World) -> tuple[ProviderAccount, ProviderAccount, MachineType]:
+    """``acme``'s own Hetzner accounts (one unused) and a machine type on the first."""
+    own = provider_account(
+        "hetzner", "acme-cloud", {"location": "fsn1"}, {"token": "acme-token"}, org=world.org
+    )
+    spare = provider_account("hetzner", "acme-spare", {}, {"token": "acme-token"}, org=world.org)
+    own_type = MachineType.objects.create(
+        name="acme-own", provider_account=own, org=world.org, server_type="cx23", cpus=2, memory_mb=4096
+    )
+    OrgMachineType.objects.create(org=world.org, machine_type=own_type)
+    return own, spare, own_type
 
 
 def make_hosts(world: World, name: str = "rack-1") -> tuple[Any, Host, Host]:
@@ -182,6 +199,40 @@ ENDPOINTS: list[Endpoint] = [
         ok=(201,),
         body=lambda ids: {"amount": "50", "period": "day", "machine_type": "acme-only"},
     ),
+    Endpoint("provider accounts", "get", "/api/v1/provider-accounts/", "viewer"),
+    Endpoint("provider account", "get", "/api/v1/provider-accounts/{own_account}/", "viewer"),
+    Endpoint(
+        "rename provider account",
+        "patch",
+        "/api/v1/provider-accounts/{own_account}/",
+        "admin",
+        body=lambda ids: {"name": "acme-cloud-2"},
+    ),
+    Endpoint(
+        "delete provider account", "delete", "/api/v1/provider-accounts/{spare_account}/", "admin", ok=(204,)
+    ),
+    Endpoint(
+        "create own machine type",
+        "post",
+        "/api/v1/machine-types/",
+        "admin",
+        ok=(201,),
+        body=lambda ids: {
+            "name": "acme-new",
+            "provider_account": "acme-cloud",
+            "server_type": "cx33",
+            "cpus": 4,
+            "memory_mb": 8192,
+        },
+    ),
+    Endpoint(
+        "change own machine type",
+        "patch",
+        "/api/v1/machine-types/{own_type}/",
+        "admin",
+        body=lambda ids: {"description": "ours", "limits": {"max_instances": 2}},
+    ),
+    Endpoint("delete own machine type", "delete", "/api/v1/machine-types/{own_type}/", "admin", ok=(204,)),
     Endpoint("hosts", "get", "/api/v1/hosts/", "viewer"),
     Endpoint("host", "get", "/api/v1/hosts/{host}/", "viewer"),
     Endpoint(

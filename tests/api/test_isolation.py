@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from apps.events.models import Event
+from apps.machines.models import OrgMachineType
 from tests.api.endpoints import ENDPOINTS, Endpoint, make_objects
 from tests.conftest import World
 
@@ -23,7 +24,14 @@ def call(world: World, who: str, ep: Endpoint, ids: dict[str, str]):
 def snapshot() -> tuple:
     """Everything a write could change, except the events log's own growth from reads."""
     from apps.jobs.models import Job, JobConfiguration
-    from apps.machines.models import Budget, EnrolmentToken, Host, MachineInstance
+    from apps.machines.models import (
+        Budget,
+        EnrolmentToken,
+        Host,
+        MachineInstance,
+        MachineType,
+        ProviderAccount,
+    )
     from apps.pools.models import InstancePool
     from apps.resources.models import ResourceInstance
 
@@ -37,6 +45,9 @@ def snapshot() -> tuple:
         sorted(Host.objects.values_list("id", "status", "cordoned_at", "drain_deadline", "monthly_price")),
         sorted((str(h.pk), h.labels) for h in Host.objects.all()),
         sorted(EnrolmentToken.objects.values_list("id", "revoked_at", "uses")),
+        sorted(ProviderAccount.objects.values_list("id", "name", "credentials_encrypted")),
+        sorted(MachineType.objects.values_list("id", "name", "description", "version")),
+        sorted(OrgMachineType.objects.values_list("id", "max_instances")),
         Event.objects.exclude(kind__startswith="test.").count(),
     )
 
@@ -56,7 +67,10 @@ def test_outsider_sees_nothing_of_another_org(world: World, ep: Endpoint) -> Non
         # exists nowhere).
         assert response.status_code == 400, response.content
         fields = str(response.json()["fields"])
-        assert "does not exist" in fields or "no grant for" in fields and "in organization rival" in fields
+        assert "does not exist" in fields or (
+            ("no grant for" in fields or "no provider account" in fields)
+            and "in organization rival" in fields
+        )
     else:
         assert response.status_code == 404, response.content
         assert response.json()["code"] == "not_found"

@@ -1,28 +1,30 @@
-"""README and the documentation work as written: their walkthroughs run, as a reader pastes them,
-in reading order (README's first session, then the pages of docs/ in the order of mkdocs.yml's
-navigation), in one shell session, against a real stack (gunicorn, a Celery worker and beat,
-the local provider's agents, PostgreSQL, Redis).
+"""README and the documentation work as written: their walkthroughs run, as a reader pastes them, in
+reading order (README's first session, then the pages of docs/ in the order of mkdocs.yml's
+navigation), in one shell session, against a real stack (gunicorn, a Celery worker and beat, the
+local provider's agents, PostgreSQL, Redis).
 
-Every ```` ```sh ```` block in README and in docs/ carries a marker on the line right above it: either
-``<!-- readme-test: NAME -->`` (it runs) or ``<!-- readme-skip: REASON -->`` (it does not, and
-says why), so a new block cannot go untested by accident. The blocks that run do so one after
-the other in one ``bash -e -o pipefail`` session, as one person's shell, from the clone's
-folder, with ``curl`` made strict (``--fail-with-body``: an error answer fails the run). A
-job's command is never pasted into the reader's shell: a block submits it as a job (a heredoc
-in a variable, the configuration's ``command``). The only things the test provides are what
-README says ``CATACLOUD_DEV_GITHUB=fake CATACLOUD_DEV_GITLAB=fake make dev`` provides: the demo
-catalog (its scratch database on Catacloud's own server), ``$CATACLOUD_HOME/demo_token`` and
-``.env``, ``PORT``, the fake GitHub on ``GITHUB_FAKE_PORT`` and the fake GitLab on
-``GITLAB_FAKE_PORT`` with the demo org connected to them. The images walkthrough starts its own
-registry (Debian's docker-registry on a free loopback port, in a folder of its own) and stops it
-at its end, as its reader does; the hosts walkthrough starts two ``catacloud host`` processes on
-this machine, each with a folder of its own, and revokes them at its end (they end their slots
-and exit). The walkthroughs leave no file in the clone and no process
-behind, and every wait in them has a time limit.
+Every ```` ```sh ```` block in README and in docs/ carries a marker on the line right above it:
+either ``<!-- readme-test: NAME -->`` (it runs) or ``<!-- readme-skip: REASON -->`` (it does not,
+and says why), so a new block cannot go untested by accident. The blocks that run do so one after
+the other in one ``bash -e -o pipefail`` session, as one person's shell, from the clone's folder,
+with ``curl`` made strict (``--fail-with-body``: an error answer fails the run). A job's command
+is never pasted into the reader's shell: a block submits it as a job (a heredoc in a variable, the
+configuration's ``command``). The only things the test provides are what README says
+``CATACLOUD_DEV_GITHUB=fake CATACLOUD_DEV_GITLAB=fake CATACLOUD_DEV_CLOUD=fake make dev``
+provides: the demo catalog (its scratch database on Catacloud's own server),
+``$CATACLOUD_HOME/demo_token`` and ``.env``, ``PORT``, the fake GitHub on ``GITHUB_FAKE_PORT`` and
+the fake GitLab on ``GITLAB_FAKE_PORT`` with the demo org connected to them, and the fake Hetzner
+Cloud API on ``HETZNER_FAKE_PORT`` that organizations' own Hetzner accounts call. The images
+walkthrough starts its own registry (Debian's docker-registry on a free loopback port, in a folder
+of its own) and stops it at its end, as its reader does; the hosts walkthrough starts two
+``catacloud host`` processes on this machine, each with a folder of its own, and revokes them at
+its end (they end their slots and exit). The walkthroughs leave no file in the clone and no
+process behind, and every wait in them has a time limit.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -66,6 +68,7 @@ EXPECTED = [
     "hosts",
     "hosts-drain",
     "selection",
+    "own-cloud",
 ]
 # A job's command in a block: ``NAME=$(cat <<'EOF' … EOF`` (submitted by the block, never run by it).
 HEREDOC = re.compile(r"<<'(?P<tag>\w+)'\n(?P<body>.*?)\n(?P=tag)\n", re.S)
@@ -499,8 +502,28 @@ def fake_gitlab(demo: dict[str, Any], fake_github: Any, monkeypatch: pytest.Monk
 
 
 @pytest.fixture
+def fake_cloud(demo: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """What ``CATACLOUD_DEV_CLOUD=fake`` adds to ``make dev``: its fake Hetzner Cloud API (here a
+    thread of this process, with the token ``make dev`` keeps in $CATACLOUD_HOME) and the
+    operator's setting that sends organizations' own Hetzner accounts there
+    (``catacloud.cli.DevCloud``'s settings, given to the stack's programs as is)."""
+    from catacloud.cli import DevCloud
+    from testkit.processes import free_port
+    from tests.fakes.hetzner_api import FakeHetzner
+
+    port = free_port()
+    monkeypatch.setenv("HETZNER_FAKE_PORT", str(port))
+    dev = DevCloud.prepare(demo["home"], 0)
+    fake = FakeHetzner(token=(demo["home"] / "hetzner-fake-token").read_text().strip(), port=port).start()
+    try:
+        yield dev, fake
+    finally:
+        fake.stop()
+
+
+@pytest.fixture
 def stack(
-    demo: dict[str, Any], fake_github: Any, fake_gitlab: Any, tmp_path: Path
+    demo: dict[str, Any], fake_github: Any, fake_gitlab: Any, fake_cloud: Any, tmp_path: Path
 ) -> Iterator[dict[str, Any]]:
     from django.test import override_settings
 
@@ -509,11 +532,17 @@ def stack(
     from testkit.processes import TESTS, purge_redis
 
     purge_redis()
+    cloud, hetzner = fake_cloud
+    programs = {**FAST, **cloud.env}
     with (
-        TESTS.gunicorn(tmp_path, workers=2, threads=16, **FAST) as (url, web),
-        override_settings(**{k: float(v) for k, v in FAST.items()}, CATACLOUD_PUBLIC_URL=url),
-        TESTS.celery_worker(tmp_path, concurrency=4, CATACLOUD_PUBLIC_URL=url, **FAST) as worker,
-        TESTS.celery_beat(tmp_path, CATACLOUD_PUBLIC_URL=url, **FAST) as beat,
+        TESTS.gunicorn(tmp_path, workers=2, threads=16, **programs) as (url, web),
+        override_settings(
+            **{k: float(v) for k, v in FAST.items()},
+            CATACLOUD_PUBLIC_URL=url,
+            CATACLOUD_ORG_PROVIDER_SETTINGS=json.loads(cloud.env["CATACLOUD_ORG_PROVIDER_SETTINGS"]),
+        ),
+        TESTS.celery_worker(tmp_path, concurrency=4, CATACLOUD_PUBLIC_URL=url, **programs) as worker,
+        TESTS.celery_beat(tmp_path, CATACLOUD_PUBLIC_URL=url, **programs) as beat,
     ):
         fake_github.webhook_url = url + WEBHOOK_PATH
         fake_github.start()
@@ -526,6 +555,7 @@ def stack(
                 "port": url.rsplit(":", 1)[1],
                 "github": fake_github,
                 "gitlab": fake_gitlab,
+                "hetzner": hetzner,
             }
         except BaseException:
             for proc in (web, worker, beat):
@@ -544,6 +574,7 @@ def _shell_env(stack: dict[str, Any], bin_dir: Path) -> dict[str, str]:
         "PORT": stack["port"],
         "GITHUB_FAKE_PORT": str(stack["github"].port),
         "GITLAB_FAKE_PORT": str(stack["gitlab"].port),
+        "HETZNER_FAKE_PORT": str(stack["hetzner"].port),
         "CATACLOUD_HOME": str(stack["home"]),
     }
 
@@ -592,6 +623,30 @@ def _check_hosts_walkthrough(out: str, err: str) -> None:
     assert host_a and long.instance and str(long.instance.host_id) == host_a[1]  # the host taken back
     folder = re.search(r"^\+ HOSTS_DIR=(\S+)$", err, re.M)
     assert folder and not Path(folder[1]).exists(), "the hosts' folder is left"
+
+
+def _check_own_cloud_walkthrough(out: str, hetzner: Any) -> None:
+    """The wrong token refused with Hetzner's words, nothing of it stored; the right one stored
+    and never shown; the org's machine bought in its own (fake) project and deleted there."""
+    from apps.machines.models import MachineInstance, ProviderAccount
+
+    assert '{"code":"provider_check_failed","detail":"the provider refused' in out, out
+    assert "unable to authenticate" in out
+    assert (
+        '{"name":"our-hetzner","kind":"hetzner","config":{"location":"fsn1"},"credential_keys":["token"]}'
+        in out
+    )
+    assert '{"name":"our-cx23","own":true,"provider_account":"our-hetzner","quota":2}' in out, out
+    (account,) = ProviderAccount.objects.filter(org__slug="demo")
+    assert account.credentials["token"] not in out
+    (machine,) = MachineInstance.objects.filter(machine_type__name="our-cx23")
+    assert machine.provider_account_id == account.pk and '"provider":"hetzner"' in out
+    assert machine.status in ("terminating", "terminated"), machine.status
+    created = [
+        call for call in hetzner.requests if call[0] == "POST" and call[1] in ("/servers", "/v1/servers")
+    ]
+    assert len(created) == 1 and created[0][2] == 201, hetzner.requests
+    assert re.search(r'^\{"operator":"[\d.]+","organization":"0\.008000"\}$', out, re.M), out
 
 
 def _untracked() -> set[str]:
@@ -714,6 +769,7 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     # drained host's job was requeued and finished on the host taken back; both were revoked,
     # their agents ended their slots and exited, their folder is gone
     _check_hosts_walkthrough(out, err)
+    _check_own_cloud_walkthrough(out, stack["hetzner"])
 
     # Every event kind this run wrote is one the documentation names.
     text = EVENTS_PAGE.read_text()

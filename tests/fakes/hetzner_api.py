@@ -228,8 +228,10 @@ class FakeHetzner:
         action_polls: int = 1,
         stall_seconds: float = 1.0,
         server_limit: int | None = None,
+        port: int = 0,
     ) -> None:
         self.token = token
+        self.port = port
         self.action_polls = action_polls
         self.stall_seconds = stall_seconds
         self.server_limit = server_limit
@@ -241,7 +243,9 @@ class FakeHetzner:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> FakeHetzner:
-        self._server = make_server("127.0.0.1", 0, self._wsgi, threaded=True, request_handler=_QuietHandler)
+        self._server = make_server(
+            "127.0.0.1", self.port, self._wsgi, threaded=True, request_handler=_QuietHandler
+        )
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hetzner", daemon=True)
         self._thread.start()
         return self
@@ -696,3 +700,25 @@ def _image_json(image: Mapping[str, Any]) -> dict[str, Any]:
 def _find(catalog: list[dict[str, Any]], ref: Any) -> dict[str, Any] | None:
     """Look up a catalog entry by name or id (the API accepts both)."""
     return next((item for item in catalog if ref in (item["id"], item["name"], str(item["id"]))), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.fakes.hetzner_api --port P --token-file F``: the fake on a fixed port
+    until interrupted (``CATACLOUD_DEV_CLOUD=fake make dev`` runs it, testkit/dev_cloud.py)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m tests.fakes.hetzner_api")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token-file", required=True, help="the one API token it accepts")
+    args = parser.parse_args(argv)
+    fake = FakeHetzner(token=Path(args.token_file).read_text().strip(), port=args.port).start()
+    print(f"fake Hetzner Cloud API at {fake.url}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+    fake.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

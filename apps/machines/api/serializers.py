@@ -76,6 +76,10 @@ class MachineTypeSerializer(serializers.ModelSerializer):
     alternatives = serializers.SerializerMethodField(
         help_text="machine types (names) that may run this type's jobs instead (those your org may use)"
     )
+    own = serializers.SerializerMethodField(help_text="true: on your organization's own provider account")
+    provider_account = serializers.SerializerMethodField(
+        help_text="your own provider account's name (null on the operator's machine types)"
+    )
 
     class Meta:
         model = MachineType
@@ -83,6 +87,8 @@ class MachineTypeSerializer(serializers.ModelSerializer):
             "id",
             "name",
             "provider",
+            "own",
+            "provider_account",
             *MachineType.SETTABLE_FIELDS,
             "capacity_cooling_until",
             "capacity_error",
@@ -91,6 +97,12 @@ class MachineTypeSerializer(serializers.ModelSerializer):
             "usable",
         )
         read_only_fields = fields
+
+    def get_own(self, obj: MachineType) -> bool:
+        return obj.org_id is not None
+
+    def get_provider_account(self, obj: MachineType) -> str | None:
+        return obj.provider_account.name if obj.org_id is not None else None
 
     def get_alternatives(self, obj: MachineType) -> list[str]:
         """Only the ones granted to the caller's organization: no tenant learns what others use."""
@@ -115,7 +127,8 @@ class MachineTypeSerializer(serializers.ModelSerializer):
 
 # Who logs in on a fresh machine of each provider, unless the provider account's config says
 # ``ssh_user``. AWS has no such default: it depends on the AMI (ubuntu, ec2-user, admin, …).
-DEFAULT_SSH_USER = {"hetzner": "root"}
+# Azure: the admin user the driver makes (``admin_username``, catacloud/providers/azure.py).
+DEFAULT_SSH_USER = {"hetzner": "root", "azure": "catacloud"}
 
 
 class AccessSerializer(serializers.Serializer):
@@ -142,7 +155,9 @@ def instance_access(obj: MachineInstance) -> dict:
     account, mt = obj.provider_account, obj.machine_type
     kind = account.kind
     host = obj.public_ip or obj.private_ip or None
-    user = (account.config or {}).get("ssh_user") or DEFAULT_SSH_USER.get(kind)
+    config = account.config or {}
+    user = config.get("ssh_user") or (config.get("admin_username") if kind == "azure" else None)
+    user = user or DEFAULT_SSH_USER.get(kind)
     note = ""
     if kind == "local":
         user, host = None, host or "127.0.0.1"
@@ -434,3 +449,86 @@ class HostCordonIn(StrictFields):
         help_text="drain: its running jobs may finish for this long, then are requeued elsewhere "
         "(0: at once); left out: cordon only (running jobs finish, nothing new starts)",
     )
+
+
+# ---- an organization's own cloud (apps/machines/owned.py) -------------------------------------------
+
+
+class ProviderAccountSerializer(serializers.ModelSerializer):
+    """An organization's own provider account: the credentials are never shown, only their keys."""
+
+    credential_keys = serializers.SerializerMethodField(
+        help_text="the credentials' names (never their values)"
+    )
+    machine_types = serializers.SerializerMethodField(help_text="its machine types (names)")
+
+    class Meta:
+        model = ProviderAccount
+        fields = (
+            "id",
+            "name",
+            "kind",
+            "config",
+            "credential_keys",
+            "machine_types",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields = fields
+
+    def get_credential_keys(self, obj: ProviderAccount) -> list[str]:
+        return sorted(obj.credentials)
+
+    def get_machine_types(self, obj: ProviderAccount) -> list[str]:
+        return sorted(mt.name for mt in obj.machine_types.all())
+
+
+def _credentials_field(**kwargs: Any) -> serializers.DictField:
+    return serializers.DictField(
+        child=serializers.CharField(max_length=10_000, trim_whitespace=False),
+        write_only=True,
+        help_text="write-only, stored encrypted: hetzner {token}; aws {access_key_id, secret_access_key}; "
+        "azure {tenant_id, client_id, client_secret}",
+        **kwargs,
+    )
+
+
+class ProviderAccountIn(StrictFields):
+    name = serializers.CharField(max_length=64)
+    kind = serializers.CharField(max_length=16, help_text="hetzner, aws or azure (as the operator allows)")
+    config = serializers.DictField(
+        required=False, default=dict, help_text="e.g. hetzner {location}, aws {region}"
+    )
+    credentials = _credentials_field()
+
+
+class ProviderAccountUpdateIn(StrictFields):
+    name = serializers.CharField(max_length=64, required=False)
+    config = serializers.DictField(required=False)
+    credentials = _credentials_field(required=False)
+
+
+class OwnMachineTypeIn(StrictFields, serializers.ModelSerializer):
+    """A machine type on your organization's own provider account."""
+
+    name = serializers.CharField(max_length=64)
+    provider_account = serializers.CharField(max_length=64, help_text="your own provider account's name")
+    limits = QuotaSerializer(required=False, help_text="your own limits on it (a grant's quota fields)")
+
+    class Meta:
+        model = MachineType
+        fields = (
+            "name",
+            "provider_account",
+            *(f for f in MachineType.SETTABLE_FIELDS if f not in ("required_privilege", "host_labels")),
+            "limits",
+        )
+        validators: list[Any] = []  # the service checks names within the organization
+
+    def validate_provider_account(self, value: str) -> ProviderAccount:
+        org = self.context.get("org")
+        account = ProviderAccount.objects.filter(org=org, name=value).first() if org else None
+        if account is None:
+            slug = getattr(org, "slug", "?")
+            raise serializers.ValidationError(f"no provider account {value} in organization {slug}")
+        return account

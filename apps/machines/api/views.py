@@ -23,13 +23,26 @@ from apps.machines.api.serializers import (
     HostUpdateIn,
     InstanceSerializer,
     MachineTypeSerializer,
+    OwnMachineTypeIn,
+    ProviderAccountIn,
+    ProviderAccountSerializer,
+    ProviderAccountUpdateIn,
 )
 from apps.machines.choices import HostStatus, InstanceStatus
 from apps.machines.costs import instance_cost
 from apps.machines.hostops import host_cordon, host_revoke, host_uncordon, host_update
 from apps.machines.hosts import enrolment_token_create, enrolment_token_revoke, hosts_usage
 from apps.machines.lifecycle import instance_release_claim, instance_terminate
-from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType
+from apps.machines.models import EnrolmentToken, Host, MachineInstance, MachineType, ProviderAccount
+from apps.machines.owned import (
+    org_account_create,
+    org_account_delete,
+    org_account_update,
+    org_machine_type_create,
+    org_machine_type_delete,
+    org_machine_type_update,
+    own_machine_type,
+)
 from apps.machines.selectors import hosts_for_org, machine_types_for_org
 from apps.orgs.api.base import IdPrefixFilter, OrgScopedFilterSet, OrgScopedViewSet
 
@@ -43,7 +56,9 @@ class MachineTypeFilter(OrgScopedFilterSet):
 
 
 class MachineTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
-    """Machine types the organization may use, with its quota on each."""
+    """Machine types the organization may use, with its quota on each: the operator's granted
+    ones, and its own (on its own provider accounts), which its admins create, change and
+    delete here."""
 
     queryset = MachineType.objects.all()
     serializer_class = MachineTypeSerializer
@@ -57,6 +72,82 @@ class MachineTypeViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.Retriev
         return machine_types_for_org(org=self.ctx.org)
 
     needs_privileges = True
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    def _answer(self, mt: MachineType, status_code: int = status.HTTP_200_OK) -> Response:
+        return Response(self.get_serializer(self.get_queryset().get(pk=mt.pk)).data, status=status_code)
+
+    @extend_schema(request=OwnMachineTypeIn, responses={201: MachineTypeSerializer})
+    def create(self, request: Request) -> Response:
+        """A machine type on your organization's own provider account: only your organization
+        sees and uses it, and ``limits`` are your own guard rails on it (quota fields)."""
+        body = OwnMachineTypeIn(data=request.data, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        fields = dict(body.validated_data)
+        mt = org_machine_type_create(
+            org=self.ctx.org,
+            actor=self.actor(),
+            name=fields.pop("name"),
+            account=fields.pop("provider_account"),
+            limits=fields.pop("limits", None),
+            **fields,
+        )
+        return self._answer(mt, status.HTTP_201_CREATED)
+
+    @extend_schema(request=OwnMachineTypeIn, responses=MachineTypeSerializer)
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Change one of your own machine types (the operator's: 403 ``operators_own``)."""
+        mt = own_machine_type(org=self.ctx.org, machine_type=self.get_object())
+        body = OwnMachineTypeIn(data=request.data, partial=True, context=self.get_serializer_context())
+        body.is_valid(raise_exception=True)
+        fields = dict(body.validated_data)
+        limits = fields.pop("limits", None)
+        mt = org_machine_type_update(
+            org=self.ctx.org, machine_type=mt, actor=self.actor(), limits=limits, **fields
+        )
+        return self._answer(mt)
+
+    def destroy(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Delete one of your own machine types that no machine, pool or configuration uses."""
+        org_machine_type_delete(org=self.ctx.org, machine_type=self.get_object(), actor=self.actor())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ProviderAccountViewSet(OrgScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
+    """Your organization's own cloud accounts (hetzner, aws, azure, as the operator allows):
+    admins add them (the credentials are checked with the provider first, stored encrypted and
+    never shown again), change and delete them. The operator's accounts are not listed."""
+
+    queryset = ProviderAccount.objects.prefetch_related("machine_types")
+    serializer_class = ProviderAccountSerializer
+    ordering_fields = ("name", "created_at")
+    ordering = ("name",)
+    http_method_names = ["get", "post", "patch", "delete", "head", "options"]
+
+    @extend_schema(request=ProviderAccountIn, responses={201: ProviderAccountSerializer})
+    def create(self, request: Request) -> Response:
+        """Add an account once one cheap read call with its credentials succeeded at the
+        provider (its refusal: 400 ``provider_check_failed`` with the provider's words)."""
+        body = ProviderAccountIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        account = org_account_create(org=self.ctx.org, actor=self.actor(), **body.validated_data)
+        return Response(self.get_serializer(account).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=ProviderAccountUpdateIn, responses=ProviderAccountSerializer)
+    def partial_update(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Rename it, or change its config or credentials (checked with the provider again)."""
+        account = self.get_object()
+        body = ProviderAccountUpdateIn(data=request.data)
+        body.is_valid(raise_exception=True)
+        account = org_account_update(
+            org=self.ctx.org, account=account, actor=self.actor(), **body.validated_data
+        )
+        return Response(self.get_serializer(account).data)
+
+    def destroy(self, request: Request, *args: object, **kwargs: object) -> Response:
+        """Delete an account no machine type uses any more."""
+        org_account_delete(org=self.ctx.org, account=self.get_object(), actor=self.actor())
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class InstanceFilter(OrgScopedFilterSet):

@@ -33,6 +33,7 @@ COLUMNS = (
     "repository",
     "workflow",
     "live",
+    "payer",
 )
 
 
@@ -91,6 +92,7 @@ class Command(BaseCommand):
                         r.repository or "",
                         r.workflow or "",
                         "yes" if r.live else "no",
+                        r.payer,
                     ]
                 )
         finally:

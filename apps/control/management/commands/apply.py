@@ -16,7 +16,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--no-check",
             action="store_true",
-            help="do not ask Hetzner or AWS whether each machine type's server type, image and "
+            help="do not ask Hetzner, AWS or Azure whether each machine type's server type, image and "
             "location exist (offline; their API down)",
         )
 

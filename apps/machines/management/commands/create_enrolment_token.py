@@ -32,7 +32,7 @@ class Command(BaseCommand):
         parser.add_argument("--description", default="", help="what it is for")
 
     def handle(self, *args: object, **options: object) -> None:
-        account = ProviderAccount.objects.filter(name=options["account"]).first()
+        account = ProviderAccount.objects.filter(name=options["account"], org__isnull=True).first()
         if account is None:
             raise CommandError(f"no provider account {options['account']!r}")
         org = None
