@@ -120,7 +120,7 @@ def account_check(*, kind: str, config: dict[str, Any], credentials: dict[str, s
     try:
         provider = build_provider(kind, config={**config, **operator_settings(kind)}, credentials=credentials)
         provider.check_credentials()
-    except ProviderError as exc:
+    except (ProviderError, ValueError, TypeError) as exc:  # a driver refusing a setting's value too
         raise ValidationFailed(
             f"the provider refused these credentials or settings: {exc}",
             fields={"credentials": [str(exc)]},

@@ -97,6 +97,7 @@ def test_credentials_the_provider_refuses_are_a_400_with_its_words_and_nothing_i
             "operator",
         ),
         ({"credentials": {}}, 400, "invalid", "credentials"),
+        ({"config": {"network": "not-an-id"}}, 400, "provider_check_failed", "not-an-id"),
         ({"name": "no spaces"}, 400, "invalid", "name"),
     ],
 )
