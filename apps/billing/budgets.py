@@ -21,11 +21,21 @@ from apps.orgs.models import Organization
 def spend_grouped(*, since: datetime, now: datetime) -> dict[tuple[str, str], Decimal]:
     """Spent plus committed since ``since`` for every (org slug, machine type name), by the
     rule of :func:`apps.machines.budgets.machine_spends` (the dashboard's cost figures)."""
+    return spend_grouped_and_own(since=since, now=now)[0]
+
+
+def spend_grouped_and_own(
+    *, since: datetime, now: datetime
+) -> tuple[dict[tuple[str, str], Decimal], dict[str, Decimal]]:
+    """:func:`spend_grouped`, and per org slug what of it its own cloud accounts paid (one query)."""
     out: dict[tuple[str, str], Decimal] = {}
+    own: dict[str, Decimal] = {}
     for m in machine_spends(since=since, now=now):
         key = (m.org_slug, m.machine_type_name)
         out[key] = out.get(key, Decimal(0)) + m.amount
-    return out
+        if m.own:
+            own[m.org_slug] = own.get(m.org_slug, Decimal(0)) + m.amount
+    return out, own
 
 
 def budget_set(

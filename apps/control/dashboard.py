@@ -34,7 +34,7 @@ from django.db.models.functions import Coalesce, TruncMinute
 from django.urls import reverse
 from django.utils import timezone
 
-from apps.billing.budgets import spend_grouped
+from apps.billing.budgets import spend_grouped, spend_grouped_and_own
 from apps.billing.costs import kind_totals
 from apps.ci.selectors import class_backlog, endpoints_overview
 from apps.events.kinds import EventKind
@@ -332,7 +332,7 @@ def _costs(now: datetime) -> dict[str, Any]:
     """Per org: spent + committed today and this month (the budgets' rule), the budgets, and
     what the live fleet costs per hour."""
     day = spend_grouped(since=period_start("day", now), now=now)
-    month = spend_grouped(since=period_start("month", now), now=now)
+    month, month_own = spend_grouped_and_own(since=period_start("month", now), now=now)
     # What the live fleet costs per hour, and how many of its machines are idle right now
     # outside pools (kept for reuse while their paid period lasts).
     fleet = {
@@ -378,6 +378,8 @@ def _costs(now: datetime) -> dict[str, Any]:
             "org": org,
             "today": sum((v for (o, _), v in day.items() if o == org), Decimal(0)),
             "month": sum((v for (o, _), v in month.items() if o == org), Decimal(0)),
+            # of it, what the organization's own cloud accounts paid (its cloud bills it)
+            "month_own": month_own.get(org) or Decimal(0),
             "per_hour": burn.get(org) or Decimal(0),
             "idle_share": _share(kinds.get(org), "idle"),
             "tail_share": _share(kinds.get(org), "tail"),

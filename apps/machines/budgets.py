@@ -70,6 +70,7 @@ class MachineSpend:
     machine_type_name: str
     started: datetime | None
     amount: Decimal
+    own: bool = False  # on the organization's own cloud account (apps/machines/owned.py)
 
 
 def machine_spends(
@@ -92,6 +93,7 @@ def machine_spends(
         "org__slug",
         "machine_type_id",
         "machine_type__name",
+        "machine_type__org_id",
         "status",
         "cost",
         "provisioning_started_at",
@@ -122,6 +124,7 @@ def machine_spends(
                 row["machine_type__name"],
                 started,
                 amount,
+                own=row["machine_type__org_id"] is not None,
             )
         )
     return spends

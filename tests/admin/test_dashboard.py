@@ -216,3 +216,28 @@ def test_machines_that_ended_with_the_previous_make_dev_are_not_failures(
     instance_mark_lost(instance_id=lost_later.pk, actor="reaper", reason="agent silent for 90s")
     trouble = ops.get("/admin/dashboard/").context["trouble"]
     assert [t["instance_id"] for t in trouble] == [lost_later.pk]
+
+
+def test_the_cost_rows_say_what_organizations_own_accounts_paid(world: World, ops: Client) -> None:
+    """Of an organization's month, what its own cloud account paid (its cloud bills it, not the
+    operator) stands apart."""
+    from apps.machines.models import MachineType, OrgMachineType
+    from testkit.builders import provider_account
+
+    own_account = provider_account("hetzner", "acme-cloud", {}, {"token": "t"}, org=world.org)
+    own = MachineType.objects.create(
+        name="acme-own", provider_account=own_account, org=world.org, server_type="cx23", cpus=2,
+        memory_mb=4096, price_per_hour=Decimal("0.5"), billing_increment_seconds=3600,
+    )  # fmt: skip
+    OrgMachineType.objects.create(org=world.org, machine_type=own)
+    now = timezone.now()
+    for machine_type in (own, world.machine_type):  # an hour's period of each, ended this month
+        instance_row(
+            world.org, machine_type, status="terminated", provisioning_started_at=now - timedelta(seconds=20),
+            ended_at=now - timedelta(seconds=10), cost=machine_type.price_per_hour,
+        )  # fmt: skip
+    response = ops.get("/admin/dashboard/")
+    (cost,) = response.context["costs"]["rows"]
+    assert cost["month_own"] == Decimal("0.5")
+    assert cost["month"] == Decimal("0.5") + world.machine_type.price_per_hour
+    assert '<td class="cc-num cc-own">0.50</td>' in response.content.decode()
