@@ -32,6 +32,8 @@ class EventKind(StrEnum):
     MACHINE_TYPE_DELETED = "machine_type.deleted"  # an organization's own machine type
     # A provider had no capacity for it: cooling down (apps.machines.capacity)
     MACHINE_TYPE_CAPACITY_ERROR = "machine_type.capacity_error"
+    # a refusal every machine of the type gets (quota, credential, setting): it cools down too
+    MACHINE_TYPE_REFUSED = "machine_type.refused"
     BUDGET_CREATED = "budget.created"
     BUDGET_UPDATED = "budget.updated"
     BUDGET_WARNING = "budget.warning"

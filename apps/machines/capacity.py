@@ -26,6 +26,7 @@ from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.machines.models import MachineType, OrgMachineType
 from apps.orgs.models import Organization
+from catacloud.providers.base import InsufficientCapacity
 
 SIZES = ("cpus", "memory_mb", "gpus")  # at least this much
 REQUIREMENTS = (*SIZES, "arch", "labels")
@@ -143,24 +144,27 @@ def cheapest_fitting(*, org_id: Any, requirements: dict[str, Any]) -> MachineTyp
 def cooling_reason(types: Iterable[MachineType]) -> str:
     """``every candidate is cooling down after a capacity error: cx23 until 12:03:00 UTC
     (resource_unavailable: ...)``: the pending reason of a job that none can serve now."""
+    cooling = [mt for mt in types if mt.capacity_cooling_until is not None]
     parts = [
-        f"{mt.name} until {mt.capacity_cooling_until:%H:%M:%S} UTC ({mt.capacity_error})"
-        for mt in types
-        if mt.capacity_cooling_until is not None
+        f"{mt.name} until {mt.capacity_cooling_until:%H:%M:%S} UTC ({mt.capacity_error})" for mt in cooling
     ]
-    return ("every candidate is cooling down after a capacity error: " + "; ".join(parts))[:300]
+    capacity = all(mt.capacity_error.startswith(InsufficientCapacity.code) for mt in cooling)
+    after = "a capacity error" if capacity else "the provider's refusal"
+    return (f"every candidate is cooling down after {after}: " + "; ".join(parts))[:300]
 
 
 def cool_down(*, machine_type_id: Any, reason: str, actor: Actor = Actor.PROVISIONER) -> datetime:
-    """The provider has no capacity for this type now: buy none of it for the cool-down (its
-    version is not touched: no machine of it is outdated by this). Returns when it ends."""
+    """The provider has no capacity for this type now, or refuses every machine of it (``reason``
+    says which, by its code): buy none of it for the cool-down (its version is not touched: no
+    machine of it is outdated by this). Returns when it ends."""
     until = timezone.now() + timedelta(seconds=settings.CATACLOUD_CAPACITY_COOLDOWN)
     MachineType.objects.filter(pk=machine_type_id).update(
         capacity_cooling_until=until, capacity_error=reason[:300]
     )
     name = MachineType.objects.filter(pk=machine_type_id).values_list("name", flat=True).first()
+    capacity = reason.startswith(InsufficientCapacity.code)
     event_record(
-        kind=EventKind.MACHINE_TYPE_CAPACITY_ERROR,
+        kind=EventKind.MACHINE_TYPE_CAPACITY_ERROR if capacity else EventKind.MACHINE_TYPE_REFUSED,
         actor=actor,
         machine_type=name,
         reason=reason[:300],

@@ -240,10 +240,11 @@ def instance_fail(*, instance_id: InstanceId, reason: str, actor: Actor = Actor.
 
 
 def instance_no_capacity(*, instance_id: InstanceId, reason: str) -> None:
-    """The provider has no capacity for the instance's type now: the type cools down (nothing
-    of it bought meanwhile), the instance has failed, and its grant's waiting jobs are placed
-    again at once, on their next candidate (apps.jobs.placement). Not retried in place: the
-    cool-down is the wait, and another candidate may serve sooner."""
+    """The provider has no capacity for the instance's type now, or refuses every machine of it
+    (a quota, a credential or setting it refuses): the type cools down (nothing of it bought
+    meanwhile), the instance has failed, and its grant's waiting jobs are placed again at once,
+    on their next candidate (apps.jobs.placement). Not retried in place: the cool-down is the
+    wait, and another candidate may serve sooner."""
     row = MachineInstance.objects.filter(pk=instance_id).values("org_id", "machine_type_id").first()
     if row is None:
         return

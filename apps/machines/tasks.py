@@ -28,7 +28,14 @@ def provision_instance_task(self: Task, instance_id: str) -> None:
         if exc.retryable and self.request.retries < MAX_RETRIES:
             log.warning("provisioning %s: %s (retry %d)", instance_id, exc.code, self.request.retries + 1)
             raise self.retry(countdown=task_backoff(self.request.retries, exc.retry_after)) from None
-        lifecycle.instance_fail(instance_id=UUID(instance_id), reason=f"{exc.code}: {exc}")
+        if exc.retryable:  # a passing trouble that outlasted the retries
+            lifecycle.instance_fail(instance_id=UUID(instance_id), reason=f"{exc.code}: {exc}")
+            return
+        # A refusal every machine of the type would get (a quota reached, a credential or setting
+        # the provider refuses): the type cools down as after a capacity error, instead of a new
+        # machine bought and refused at every scheduler tick while a job waits.
+        log.warning("provisioning %s: %s: its machine type cools down", instance_id, exc.code)
+        lifecycle.instance_no_capacity(instance_id=UUID(instance_id), reason=f"{exc.code}: {exc}")
 
 
 @shared_task(bind=True, max_retries=MAX_RETRIES, acks_late=True)

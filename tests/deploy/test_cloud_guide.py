@@ -136,8 +136,12 @@ def test_a_refusing_cloud_fails_the_machine_with_the_reason_the_guide_names(
     fake_hetzner.fail_next("POST /servers", fault, times=5)
     provision_instance_task(str(instance.pk))
     instance.refresh_from_db()
+    hetzner.refresh_from_db()
     assert instance.status == "failed" and instance.failure_reason.startswith(reason), instance.failure_reason
     assert fake_hetzner.servers == {}  # nothing bought, nothing to leak
+    # every machine of the type would be refused: it cools down, not bought again every tick
+    assert hetzner.capacity_cooling_until is not None and hetzner.capacity_error.startswith(reason)
+    assert fake_hetzner.pending_faults() == 4  # asked once, not again
 
 
 def test_no_capacity_fails_the_machine_and_cools_its_type_down(

@@ -249,3 +249,32 @@ def test_the_reconciler_ends_a_machine_of_ours_leaked_in_an_organizations_own_ac
     assert any(r.orphans_deleted for r in reports), reports
     assert leaked not in hetzner.servers or hetzner.servers[leaked]["status"] == "deleting"
     assert theirs in hetzner.servers
+
+
+def test_a_revoked_token_cools_the_type_down_instead_of_a_refused_buy_every_tick(
+    world: World, hetzner: FakeHetzner, tmp_path: Path
+) -> None:
+    """The organization revoked the token it gave: its cloud refuses every create. The machine
+    fails with Hetzner's words, the type cools down (as after a capacity error) and nothing more
+    is bought while the job waits, saying why: not one refused create per scheduler tick."""
+    (tmp_path / "catacloud_agent-0.1.0-py3-none-any.whl").write_bytes(b"an agent wheel")
+    add_account(world)
+    own = MachineType.objects.get(pk=add_type(world).json()["id"])
+    job = job_submit(org=world.org, config=job_config(world.org, own, "on-ours", "true"))
+    hetzner.token = "rotated"  # the organization revoked the token Catacloud holds
+    with override_settings(CATACLOUD_AGENT_WHEEL=str(tmp_path), CATACLOUD_PUBLIC_URL="http://127.0.0.1:1"):
+        for _ in range(3):  # three scheduler ticks, each running what it enqueued
+            schedule()
+            for machine in MachineInstance.objects.filter(machine_type=own, status="pending"):
+                provision_instance_task.run(str(machine.pk))
+    (failed,) = MachineInstance.objects.filter(machine_type=own)
+    assert failed.status == "failed" and failed.failure_reason.startswith("permanent:")
+    assert "unable to authenticate" in failed.failure_reason
+    own.refresh_from_db()
+    assert own.capacity_cooling_until is not None and own.capacity_error.startswith("permanent:")
+    assert Event.objects.filter(kind="machine_type.refused", data__machine_type="own-cx23").count() == 1
+    assert hetzner.count("POST", "/servers") == 1
+    job.refresh_from_db()
+    assert job.pending_reason.startswith(
+        "every candidate is cooling down after the provider's refusal: own-cx23"
+    )
