@@ -13,7 +13,7 @@ from apps.events.services import event_record
 from apps.jobs.models import Job, JobConfiguration
 from apps.machines.models import Budget
 from apps.resources.models import ResourceInstance, ResourceType
-from testkit.builders import instance_row, pool_row
+from testkit.builders import instance_row, pool_row, provider_account
 from tests.api.endpoints import ENDPOINTS, Endpoint, make_hosts, make_objects
 from tests.conftest import World
 
@@ -44,6 +44,8 @@ BUDGETS = {
     "host": 4,
     "enrolment tokens": 3,
     "enrolment token": 2,
+    "provider accounts": 4,
+    "provider account": 3,
 }
 
 
@@ -64,6 +66,7 @@ def _more_objects(world: World, n: int) -> None:
         )
         ResourceInstance.objects.create(resource_type=rtype, org=world.org, job=job, status="held")
         make_hosts(world, f"rack-more-{i}")  # a token, an own and a shared host
+        provider_account("hetzner", f"acme-cloud-{i}", {}, {"token": "t"}, org=world.org)
     for machine_type, period in ((world.machine_type, "month"), (None, "day"), (world.machine_type, "day")):
         Budget.objects.create(org=world.org, machine_type=machine_type, period=period, amount=10)
 
