@@ -132,8 +132,7 @@ def org_account_create(
     *, org: Organization, actor: Actor, name: str, kind: str, config: Any, credentials: Any
 ) -> ProviderAccount:
     """Add an organization's own provider account once the provider accepted its credentials."""
-    if not isinstance(name, str) or not SLUG.fullmatch(name):
-        raise ValidationFailed.field("name", "letters, digits, - and _ (at most 64)")
+    _clean_name(name)
     if not credentials:
         raise ValidationFailed.field("credentials", "this field is required")
     config, credentials = _clean_account(kind, config, credentials)
@@ -165,8 +164,8 @@ def org_account_update(
 ) -> ProviderAccount:
     """Rename an own account or change its config or credentials (checked again first)."""
     account = own_account(org=org, account=account)
-    if name is not None and not SLUG.fullmatch(name):
-        raise ValidationFailed.field("name", "letters, digits, - and _ (at most 64)")
+    if name is not None:
+        _clean_name(name)
     new_config, new_credentials = _clean_account(
         account.kind, account.config if config is None else config, credentials
     )
@@ -210,6 +209,12 @@ def own_account(*, org: Organization, account: ProviderAccount) -> ProviderAccou
     return account
 
 
+def _clean_name(name: Any) -> None:
+    """An account's or a type's name: a slug, as the operator's are."""
+    if not isinstance(name, str) or not SLUG.fullmatch(name):
+        raise ValidationFailed.field("name", "letters, digits, - and _ (at most 64)")
+
+
 def _duplicate(field: str, message: str) -> ValidationFailed:
     return ValidationFailed(f"{field}: {message}", fields={field: [message]}, code=ErrorCode.DUPLICATE_NAME)
 
@@ -247,8 +252,7 @@ def org_machine_type_create(
     """A machine type on the organization's own account, granted to it alone with ``limits``
     (the grant's quota fields: its own guard rails on its own bill)."""
     own_account(org=org, account=account)
-    if not isinstance(name, str) or not SLUG.fullmatch(name):
-        raise ValidationFailed.field("name", "letters, digits, - and _ (at most 64)")
+    _clean_name(name)
     missing = [f for f in MachineType.REQUIRED_FIELDS if f not in fields]
     if missing:
         raise ValidationFailed.field(missing[0], "this field is required")
@@ -293,8 +297,7 @@ def org_machine_type_update(
     fields = _clean_type_fields(org, fields)
     with transaction.atomic():
         if name is not None and name != mt.name:
-            if not isinstance(name, str) or not SLUG.fullmatch(name):
-                raise ValidationFailed.field("name", "letters, digits, - and _ (at most 64)")
+            _clean_name(name)
             if _usable(org).filter(name=name).exclude(pk=mt.pk).exists():
                 raise _duplicate("name", f"your organization already uses a machine type named {name}")
             fields["name"] = name
