@@ -56,6 +56,7 @@ def job_payload(job: Job) -> dict[str, Any]:
         network=Network(allow=tuple(sorted({*(mt.network or {}).get("allow", []), *endpoints}))),
         disk_limit_bytes=mt.disk_gb * 10**9 if mt.disk_gb else None,
         image=job_image_pull(job),
+        containers=mt.containers,
         traceparent=job.traceparent,
     ).to_json()
 

@@ -171,6 +171,7 @@ def machine_spec(instance: MachineInstance) -> MachineSpec:
         gpus=mt.gpus,
         spot=mt.spot,
         disk_gb=mt.disk_gb,
+        containers=mt.containers,
         bootstrap=Bootstrap(agent_url=url, token=token, package=agent_package(url)),
     )
 

@@ -92,6 +92,7 @@ class MachineType(models.Model):
         "alternatives",
         "arch",
         "labels",
+        "containers",
     )
     REQUIRED_FIELDS = ("server_type", "cpus", "memory_mb")
     BUILD_FIELDS = (
@@ -104,6 +105,7 @@ class MachineType(models.Model):
         "gpus",
         "spot",
         "host_labels",
+        "containers",
     )
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -177,6 +179,13 @@ class MachineType(models.Model):
         default=dict,
         blank=True,
         help_text='what requirements may ask of it, e.g. {"gpu": "a4000", "disk": "nvme"}',
+    )
+    # Its jobs get a container engine of their own (rootless Podman with Docker's API, inside
+    # their sandbox: catacloud/agent/containers.py); their sandbox then allows user namespaces.
+    containers = models.BooleanField(
+        default=False,
+        help_text="jobs get their own Docker-compatible engine (rootless Podman); their sandbox "
+        "then allows nested user namespaces",
     )
     # A provider's capacity error (Hetzner resource_unavailable, EC2 InsufficientInstanceCapacity)
     # cools the type down until then: nothing of it is bought, its jobs fall over to a candidate.

@@ -127,6 +127,8 @@ def machine_type_clean(fields: dict[str, Any]) -> dict[str, Any]:
         or out["image_cache_mb"] < 1
     ):
         raise _invalid("image_cache_mb", "must be a whole number of at least 1 (MB)")
+    if "containers" in out and not isinstance(out["containers"], bool):
+        raise _invalid("containers", "must be true or false")
     if "host_labels" in out:  # enrolled hosts: the labels a host must carry
         from apps.machines.hosts import clean_labels
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from catacloud.agent import containers
 from catacloud.agent.client import (
     AgentAPIError,
     AgentClient,
@@ -376,14 +377,18 @@ class JobRunning:
                     cwd=image_cwd(image.image, work_dir),
                     mount_root=self.work_root,
                 )
-            place = JobPlace(
-                work_dir=work_dir, socket_path=self.meta.path, uid=uid, gid=uid, allow=allow, image=root
-            )
+            engine = job.containers and root is None
+            if engine and (why := self._engine_missing()) is not None:
+                return JobResult(None, Outcome.FAILED, why)
+            place = JobPlace(work_dir, self.meta.path, uid, uid, allow=allow, image=root, containers=engine)
             socket_env = SANDBOX_SOCKET if self.launcher.kind == "bubblewrap" else self.meta.path
             image_env = image.image.config.env_map() if image is not None else None
+            env = self._job_env(job, work_dir, run.token, socket_env, image_env)
+            if engine:
+                env = containers.prepare(work_dir, uid, env)
             return run_job_process(
                 job.command,
-                env=self._job_env(job, work_dir, run.token, socket_env, image_env),
+                env=env,
                 place=place,
                 launcher=self.launcher,
                 timeout_seconds=timeout,
@@ -412,6 +417,17 @@ class JobRunning:
             raise
         except Exception as exc:  # whatever happens, the interruption must still be reported
             log.warning("job %s: no checkpoint before the interruption: %s", job.id, exc)
+
+    def _engine_missing(self) -> str | None:
+        """Why this machine cannot give a job its own container engine, or None."""
+        if self.launcher.kind != "bubblewrap":
+            return "its machine type allows containers, but this machine runs jobs without the sandbox"
+        if containers.engine_path() is None:
+            return (
+                "its machine type allows containers, but this machine has no podman "
+                "(apt-get install podman crun)"
+            )
+        return None
 
     def _disk_watch(self, job: Job, work_dir: str) -> DiskWatch:
         """The job's disk watchdog: its area's use, where the machine has one (the kernel bounds

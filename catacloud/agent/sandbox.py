@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from catacloud.agent import containers
 from catacloud.agent.images import let_in
 from catacloud.agent.netns import (
     SETUP_TIMEOUT_SECONDS,
@@ -439,6 +440,9 @@ class JobPlace:
     gid: int | None
     allow: tuple[Allow, ...] = ()
     image: ImageRoot | None = None
+    # Its own container engine (its machine type's ``containers``; catacloud/agent/containers.py):
+    # its sandbox allows user namespaces of its own. Never inside an image (no engine there).
+    containers: bool = False
 
 
 @dataclass
@@ -584,6 +588,12 @@ class BubblewrapLauncher:
         # shell then becomes the image's process.
         if image is not None:
             process = [f'{_READ_ENV} && exec "$@"', "sh", *image.args]
+        elif place.containers:  # the job's engine first: its command may call it at once
+            process = [
+                f'{_READ_ENV} && {{ {containers.start_script(uid)}; }} && exec /bin/sh -c "$1"',
+                "sh",
+                command,
+            ]
         else:
             process = [f'{_READ_ENV} && exec /bin/sh -c "$1"', "sh", command]
         return Launch(
@@ -597,10 +607,12 @@ class BubblewrapLauncher:
             after_start=after_start,
         )
 
-    def _namespace_options(self, *, root: str, own_net: bool = True) -> list[str]:
+    def _namespace_options(self, *, root: str, own_net: bool = True, nested: bool = False) -> list[str]:
         """What every sandbox starts with, on the machine or in an image: its own namespaces and
         host name, ``root`` read-only at ``/``, ``/dev``, ``/proc`` and the GPU devices there are.
-        ``own_net`` False: the sandbox already sits in its job's network namespace (made ahead)."""
+        ``own_net`` False: the sandbox already sits in its job's network namespace (made ahead).
+        ``nested``: the job may make user namespaces of its own (its container engine); else the
+        kernel refuses it any."""
         args = [
             "--unshare-user",
             "--unshare-pid",
@@ -608,7 +620,7 @@ class BubblewrapLauncher:
             "--unshare-uts",
             "--unshare-cgroup-try",
             *(["--unshare-net"] if own_net else []),
-            "--disable-userns",
+            *([] if nested else ["--disable-userns"]),
             "--hostname",
             self.hostname,
             "--die-with-parent",
@@ -627,7 +639,7 @@ class BubblewrapLauncher:
     def _options(
         self, place: JobPlace, *, env_file: int, resolver: int | None = None, own_net: bool = True
     ) -> list[str]:
-        args = self._namespace_options(root="/", own_net=own_net)
+        args = self._namespace_options(root="/", own_net=own_net, nested=place.containers)
         hidden = [
             p for p in ("/tmp", "/var/tmp", "/run", "/dev/shm", *_HOMES, *self.hidden) if os.path.isdir(p)
         ]
@@ -654,6 +666,8 @@ class BubblewrapLauncher:
         if resolver is not None:  # the job's DNS goes to its own namespace's resolver address
             bind("--ro-bind-data", str(resolver), _resolv_conf_path(), perms="0644")
         bind("--file", str(env_file), SANDBOX_ENV, perms="0600")  # in the private /tmp
+        if place.containers:
+            args += containers.sandbox_options(place.uid if place.uid is not None else os.geteuid())
         for folder in hidden:  # what hides the agent's folders and the homes is not a scratch space
             if folder not in ("/tmp", "/var/tmp", "/dev/shm"):
                 args += ["--remount-ro", folder]

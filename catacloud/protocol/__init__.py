@@ -203,6 +203,9 @@ class JobPayload(Message):
     network: Network = Network()
     disk_limit_bytes: int | None = None  # the machine type's disk_gb; None: no limit of its own
     image: ImagePull | None = None  # None: the command runs on the machine's own root, as before
+    # Its machine type allows containers: the job gets a container engine of its own
+    # (catacloud/agent/containers.py). Not for a job inside an image.
+    containers: bool = False
     # The job's trace (W3C traceparent; "" when the control plane does not trace): the agent
     # sends it back as the ``traceparent`` header of its reports of this job.
     traceparent: str = ""

@@ -97,9 +97,11 @@ class Bootstrap:
     # none, and then no cloud machine can be made (local machines run the agent in place).
     package: str = ""
 
-    def user_data(self, *, disk_gb: int | None = None, spot_notices: str = "") -> str:
+    def user_data(
+        self, *, disk_gb: int | None = None, spot_notices: str = "", containers: bool = False
+    ) -> str:
         """``spot_notices``: whose interruption notices the agent watches on a spot machine
-        (``ec2``, ``azure``; empty: none)."""
+        (``ec2``, ``azure``; empty: none); ``containers``: the machine installs the jobs' engine."""
         from catacloud.providers.userdata import render_user_data
 
         if not self.package:
@@ -113,6 +115,7 @@ class Bootstrap:
             package=self.package,
             disk_gb=disk_gb,
             spot_notices=spot_notices,
+            containers=containers,
         )
 
     def local_command(self) -> tuple[str, ...]:
@@ -139,6 +142,8 @@ class MachineSpec:
     spot: bool = False
     # The machine type's disk_gb: its jobs write to a file system of this size (None: no limit).
     disk_gb: int | None = None
+    # The machine type's containers: its jobs get a container engine (the machine installs Podman).
+    containers: bool = False
     bootstrap: Bootstrap | None = None
     # Explicit overrides of what ``bootstrap`` derives (tests and drivers' own uses): cloud
     # user data, and the local driver's command line and environment.
@@ -162,7 +167,9 @@ class MachineSpec:
         watches them, an on-demand machine's does not."""
         if self.user_data or self.bootstrap is None:
             return self.user_data
-        return self.bootstrap.user_data(disk_gb=self.disk_gb, spot_notices=spot_notices if self.spot else "")
+        return self.bootstrap.user_data(
+            disk_gb=self.disk_gb, spot_notices=spot_notices if self.spot else "", containers=self.containers
+        )
 
     @property
     def local_command(self) -> tuple[str, ...]:

@@ -433,6 +433,7 @@ class LocalProvider(Provider):
             tun=tun_device(self.state_dir),
             unset_env=[MACHINE_ENV],  # a mark for this host, not a thing the machine needs
             devices=gpu_devices() if spec.gpus else (),  # a GPU type's machine sees the host's GPUs
+            containers=spec.containers,
         )
         return ["/bin/sh", "-c", KEEPER, "catacloud-machine", *sandbox.argv(argv)]
 

@@ -108,6 +108,11 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+# A machine whose jobs run containers starts with this: its own /proc, then CAP_SYS_ADMIN dropped
+# (catacloud/providers/fresh_proc.py says why).
+FRESH_PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_proc.py")
+
+
 @dataclass
 class MachineSandbox:
     """The bubblewrap command line of one local machine."""
@@ -121,15 +126,20 @@ class MachineSandbox:
     tun: str | None = None  # a tun device every uid may open: pasta gives jobs the internet with it
     unset_env: Sequence[str] = ()  # variables of bubblewrap's own environment the command does not get
     devices: Sequence[str] = ()  # device nodes of the host the machine gets (an enrolled host's GPUs)
+    # A machine whose type allows containers (its jobs' engines): the host's /sys, read-only (a
+    # cloud machine has its own; Podman reads the cgroup file system's kind there), and, as root,
+    # a /proc of the machine's own that a job's sandbox may mount again (see FRESH_PROC).
+    containers: bool = False
 
     def argv(self, command: Sequence[str]) -> list[str]:
         args = [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", self.hostname]
         # The sandbox ends with the process that started it: SIGKILL to each of its processes in
         # turn (bubblewrap, its first process inside, the command), whatever ended the parent.
         args += ["--die-with-parent", *(a for name in self.unset_env for a in ("--unsetenv", name))]
+        fresh_proc = self.containers and self.as_root
         if self.as_root:
             args += ["--cap-drop", "ALL"]
-            for cap in AGENT_CAPABILITIES:
+            for cap in (*AGENT_CAPABILITIES, *(["CAP_SYS_ADMIN", "CAP_SETPCAP"] if fresh_proc else [])):
                 args += ["--cap-add", cap]
         else:
             args += ["--unshare-user"]
@@ -143,7 +153,9 @@ class MachineSandbox:
             args += ["--perms", "0755", "--dir", "/dev/net", "--dev-bind", self.tun, "/dev/net/tun"]
         for device in self.devices:
             args += ["--dev-bind", device, device]
-        args += ["--perms", "1777", "--dir", "/var/tmp"]
+        if self.containers:
+            args += ["--ro-bind", "/sys", "/sys"]
+        args += ["--perms", "1777", "--dir", "/var/tmp", "--symlink", "/run", "/var/run"]  # as Debian has it
         made = {"/tmp", "/run", "/var", *SYSTEM_FOLDERS}
         binds = [(p, p, False) for p in runtime_paths()]
         binds += [(m.source, m.target, m.writable) for m in self.mounts]
@@ -160,8 +172,10 @@ class MachineSandbox:
             for source, target, _w in binds:
                 if secret == source or secret.startswith(source.rstrip("/") + "/"):
                     args += ["--tmpfs", target + secret[len(source) :]]
-        args += ["--chdir", MACHINE_DIR, "--", *command]
-        return args
+        args += ["--chdir", MACHINE_DIR, "--"]
+        if fresh_proc:
+            args += [sys.executable, "-I", FRESH_PROC]
+        return [*args, *command]
 
     def check(self) -> str | None:
         """Start ``true`` in such a sandbox; ``None`` when this host can, else what went wrong."""

@@ -55,6 +55,14 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
+# passt (pasta) and nftables: each job's network reaches the internet and nothing else
+# (catacloud/agent/netns.py); without them jobs get no network at all. skopeo and umoci pull and
+# unpack jobs' images (catacloud/agent/images.py).
+PACKAGES = ("python3-venv", "passt", "nftables", "skopeo", "umoci")
+# A job's container engine (catacloud/agent/containers.py), on machine types that allow containers.
+CONTAINER_PACKAGES = ("podman", "crun", "docker-compose", "netavark", "aardvark-dns")
+
+
 def render_user_data(
     *,
     agent_url: str,
@@ -62,6 +70,7 @@ def render_user_data(
     package: str = "",
     disk_gb: int | None = None,
     spot_notices: str = "",
+    containers: bool = False,
 ) -> str:
     """Render a ``#cloud-config`` document; ``ValueError`` for unsafe or malformed inputs.
 
@@ -71,7 +80,8 @@ def render_user_data(
 
     ``spot_notices`` (``ec2`` or ``azure``, for a spot machine) makes the agent watch the machine's
     metadata service at 169.254.169.254 for interruption notices of that kind (EC2's
-    spot/instance-action, Azure's Scheduled Events); empty, it watches none."""
+    spot/instance-action, Azure's Scheduled Events); empty, it watches none. ``containers``
+    installs :data:`CONTAINER_PACKAGES`."""
     parts = urlsplit(agent_url) if _URL_CHARS.match(agent_url) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("agent_url must be an http(s) URL without spaces, quotes or control characters")
@@ -113,10 +123,7 @@ def render_user_data(
     )
     document: dict[str, Any] = {
         "package_update": True,
-        # passt (pasta) and nftables: each job's network reaches the internet and nothing else
-        # (catacloud/agent/netns.py); without them jobs get no network at all. skopeo and umoci
-        # pull and unpack jobs' images (catacloud/agent/images.py).
-        "packages": ["python3-venv", "passt", "nftables", "skopeo", "umoci"],
+        "packages": [*PACKAGES, *(CONTAINER_PACKAGES if containers else ())],
         "write_files": [
             {
                 "path": TOKEN_FILE,

@@ -205,6 +205,7 @@ class FakeAgentAPI(_FakeBase):
         secret_env_names: list[str] | None = None,
         network: dict[str, Any] | None = None,
         disk_limit_bytes: int | None = None,
+        containers: bool = False,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -223,6 +224,8 @@ class FakeAgentAPI(_FakeBase):
             job["network"] = network
         if disk_limit_bytes is not None:
             job["disk_limit_bytes"] = disk_limit_bytes
+        if containers:
+            job["containers"] = True
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

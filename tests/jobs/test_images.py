@@ -101,6 +101,11 @@ def test_the_payload_pins_the_resolved_digest_and_carries_only_that_registrys_cr
     assert image["reference"] == f"registry.example.com/team/tool@{DIGEST}"  # a retry runs exactly it
     plain = job_row(job_config(world.org, world.machine_type, "b", "true"), status="assigned")
     assert job_payload(plain)["image"] is None
+    assert job_payload(plain)["containers"] is False
+    world.machine_type.containers = True  # the type's setting reaches the agent with each job
+    world.machine_type.save(update_fields=["containers"])
+    plain.refresh_from_db()
+    assert job_payload(plain)["containers"] is True
 
 
 def image_job_polled_by(world: World, machine: dict[str, Any] | None) -> Job:

@@ -31,6 +31,8 @@ def test_unknown_provider_kind_is_refused() -> None:
         ("billing_increment_seconds", 0),
         ("gpus", -1),
         ("disk_gb", 0),
+        ("containers", "yes"),
+        ("containers", 1),
         ("network", {"allow": ["cache.internal:3128"]}),
         ("network", {"allow": ["127.0.0.1"]}),
         ("network", {"allow": ["10.0.0.5:70000"]}),

@@ -142,3 +142,18 @@ def test_only_spot_machines_of_a_provider_with_notices_watch_for_them() -> None:
     assert "--imds" not in exec_start(spec(spot=False).cloud_init_for("ec2"))  # on-demand: no notices
     assert "--imds" not in exec_start(spec(spot=True).cloud_init_for(""))  # a provider without them
     assert spec(spot=True).cloud_init == spec(spot=True).cloud_init_for("")
+
+
+def test_a_containers_machine_installs_the_jobs_engine_and_no_other_does() -> None:
+    packages = render(containers=True)["packages"]
+    assert {"podman", "crun", "docker-compose", "netavark", "aardvark-dns"} <= set(packages)
+    assert "podman" not in render()["packages"]  # a type without the setting gets no engine
+    spec = MachineSpec(
+        instance_id="1",
+        labels={},
+        server_type="cx22",
+        image="debian-12",
+        containers=True,
+        bootstrap=Bootstrap(agent_url="https://cc.example.com/agent", token=TOKEN, package=WHEEL),
+    )
+    assert "podman" in yaml.safe_load(spec.cloud_init)["packages"]

@@ -9,6 +9,7 @@ import pytest
 from tests.agent.harness import api, start_agent, work_dir  # noqa: F401 - fixtures
 from tests.jobs.test_artifacts import moto_s3  # noqa: F401 - fixtures
 from tests.security import netlab
+from tests.security.test_network_isolation import service  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def needs_root_and_loop() -> str | None:
 class Machine:
     """One local machine with its own fake Agent API."""
 
-    def __init__(self, provider: LocalProvider, *, disk_gb: int | None) -> None:
+    def __init__(self, provider: LocalProvider, *, disk_gb: int | None, containers: bool = False) -> None:
         self.provider = provider
         self.api = FakeAgentAPI(heartbeat_interval=0.2, poll_timeout=0.5).start()
         self.id = str(uuid.uuid4())
@@ -75,6 +75,7 @@ class Machine:
             cpus=1,
             memory_mb=1024,
             disk_gb=disk_gb,
+            containers=containers,
             bootstrap=Bootstrap(agent_url=self.api.url, token=self.api.bootstrap_token),
         )
         provider.create(spec)

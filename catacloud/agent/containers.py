@@ -1,0 +1,182 @@
+"""A job's own container engine, on machine types that allow containers (``containers: true``).
+
+Such a job gets rootless Podman (Debian's ``podman`` and ``crun``) running as the job's own uid
+inside the job's sandbox, its Docker API at ``$DOCKER_HOST`` (also ``/run/docker.sock``), a
+``docker`` command that is Podman (``docker compose`` is Debian's ``docker-compose``, which speaks
+that API), its images and containers under the job's work folder (so inside the job's disk
+bound), and all of it ends with the job (the sandbox's PID namespace; the work folder goes).
+
+What that costs in isolation (SECURITY.md, "Containers in jobs"): the sandbox of such a job
+allows user namespaces of its own (``--disable-userns`` is left out; Podman needs one to be
+"root" in a container). Nothing else changes: the job's uid is still unprivileged on the machine,
+a container's root is that uid outside, and containers use the job's own network namespace
+(``netns = "host"`` here is the *job's* namespace: every rule of the job network holds for
+them). A compose file's own network is made by Podman inside that namespace (slirp4netns over
+the machine's ``/dev/net/tun``), so it leaves through the job's rules too.
+
+Why Podman: it runs without a daemon of root's and without subordinate uid ranges (one uid
+mapped: the job's; image files of other owners become the job's, ``ignore_chown_errors``), and
+its API service speaks Docker's API (the GitHub runner, GitLab's docker executor, docker-py and
+docker-compose call it). Why these settings (measured on Debian 12, Podman 4.3.1, a cgroup v1
+hybrid host): crun refuses a hybrid host's cgroup v2 mount (``cgroups in hybrid mode not
+supported``), so the sandbox hides ``/sys/fs/cgroup/unified`` and containers get no cgroup of
+their own (``cgroups = "disabled"``: they stay in the job's, under the machine's limits).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+
+# Where the engine's run-time files and socket live inside the sandbox: a private tmpfs of the job's.
+RUN_DIR = "/run/user/{uid}"
+SOCKET_NAME = "docker.sock"
+# How long the job waits for its engine's socket before it fails (exit 125, Docker's "the engine
+# could not run it"), and how often it looks.
+START_TIMEOUT_SECONDS = 30
+_POLL_SECONDS = 0.02
+
+# Inside the job's sandbox. Containers share the job's network namespace (its rules hold) unless a
+# compose file asks for a network of its own; no cgroup of their own (see the module docstring).
+CONTAINERS_CONF = """\
+# Written by the Catacloud agent for this job (catacloud/agent/containers.py).
+[containers]
+netns = "host"
+cgroups = "disabled"
+log_driver = "k8s-file"
+
+[engine]
+runtime = "crun"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+image_copy_tmp_dir = "storage"
+
+[network]
+network_backend = "netavark"
+"""
+# Images and containers in the job's work folder (inside its disk bound, removed with it). The
+# kernel's own rootless overlay; files of other owners in an image become the job's.
+STORAGE_CONF = """\
+# Written by the Catacloud agent for this job (catacloud/agent/containers.py).
+[storage]
+driver = "overlay"
+rootless_storage_path = "{storage}"
+
+[storage.options.overlay]
+ignore_chown_errors = "true"
+"""
+# `docker` is Podman; `docker compose` is docker-compose against the job's engine.
+DOCKER_SHIM = """\
+#!/bin/sh
+# The job's Docker is its own rootless Podman (catacloud/agent/containers.py).
+if [ "$1" = compose ]; then
+    shift
+    exec docker-compose "$@"
+fi
+exec podman "$@"
+"""
+
+
+def engine_path() -> str | None:
+    """Podman on this machine, or None (the machine cannot give jobs containers)."""
+    return shutil.which("podman", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+
+
+def run_dir(uid: int) -> str:
+    return RUN_DIR.format(uid=uid)
+
+
+def socket_path(uid: int) -> str:
+    return os.path.join(run_dir(uid), SOCKET_NAME)
+
+
+def prepare(work_dir: str, uid: int | None, env: dict[str, str]) -> dict[str, str]:
+    """Make the job's engine ready to start (its files in the job's folder) and return the job's
+    ``env`` with what it needs (``uid`` None: the agent's own, in a user namespace)."""
+    write_engine_files(work_dir, uid)
+    added = engine_env(uid if uid is not None else os.geteuid(), work_dir)
+    return {**env, **added, "PATH": f"{bin_dir(work_dir)}:{env.get('PATH', '')}"}
+
+
+def engine_env(uid: int, work_dir: str) -> dict[str, str]:
+    """What the job's environment gains: where its engine answers, where its run-time files go,
+    and the ``docker`` command first in its PATH (the caller prepends :func:`bin_dir`)."""
+    return {
+        "DOCKER_HOST": f"unix://{socket_path(uid)}",
+        "XDG_RUNTIME_DIR": run_dir(uid),
+        "CONTAINERS_CONF": os.path.join(config_dir(work_dir), "containers.conf"),
+        "CONTAINERS_STORAGE_CONF": os.path.join(config_dir(work_dir), "storage.conf"),
+    }
+
+
+def config_dir(work_dir: str) -> str:
+    return os.path.join(work_dir, ".catacloud", "containers")
+
+
+def bin_dir(work_dir: str) -> str:
+    return os.path.join(work_dir, ".catacloud", "bin")
+
+
+def write_engine_files(work_dir: str, uid: int | None) -> None:
+    """The engine's settings and the ``docker`` command, in the job's work folder (the job's own:
+    it may change them for its own engine)."""
+    storage = os.path.join(work_dir, ".local", "share", "containers", "storage")
+    files = {
+        os.path.join(config_dir(work_dir), "containers.conf"): (CONTAINERS_CONF, 0o644),
+        os.path.join(config_dir(work_dir), "storage.conf"): (STORAGE_CONF.format(storage=storage), 0o644),
+        os.path.join(bin_dir(work_dir), "docker"): (DOCKER_SHIM, 0o755),
+    }
+    for path, (text, mode) in files.items():
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+        os.chmod(path, mode)
+    if uid is not None:
+        for root, dirs, names in os.walk(os.path.join(work_dir, ".catacloud")):
+            for name in [*dirs, *names]:
+                os.chown(os.path.join(root, name), uid, uid)
+        os.chown(os.path.join(work_dir, ".catacloud"), uid, uid)
+
+
+def start_script(uid: int) -> str:
+    """Shell run in the sandbox as the job, before its command: the engine's API service starts
+    (a child of the job: it ends with the job's PID namespace) and the command waits for its
+    socket; an engine that does not start fails the job with its own words."""
+    folder, sock = run_dir(uid), socket_path(uid)
+    log = os.path.join(folder, "engine.log")
+    tries = int(START_TIMEOUT_SECONDS / _POLL_SECONDS)
+    failed = (
+        "echo 'catacloud: the job'\"'\"'s container engine did not start:' >&2; "
+        f"cat {shlex.quote(log)} >&2; exit 125"
+    )
+    return (
+        f"podman system service --time=0 unix://{shlex.quote(sock)} >{shlex.quote(log)} 2>&1 & "
+        f"_cc_e=$! _cc_i=0; while [ ! -S {shlex.quote(sock)} ]; do "
+        f'_cc_i=$((_cc_i+1)); if [ $_cc_i -gt {tries} ] || ! kill -0 "$_cc_e" 2>/dev/null; '
+        f"then {failed}; fi; "
+        f"sleep {_POLL_SECONDS}; done; unset _cc_e _cc_i"
+    )
+
+
+def sandbox_options(uid: int) -> list[str]:
+    """What the sandbox of such a job gains (bubblewrap options, after its private ``/run``):
+    the engine's run-time folder (a tmpfs of the job's own, still writable once ``/run`` is
+    made read-only), ``/run/docker.sock`` leading to the socket, the machine's tun device (a
+    compose network's slirp4netns; the job's namespace is where it leads), and a hybrid host's
+    cgroup v2 mount hidden (crun refuses to run beside it)."""
+    args = ["--perms", "0755", "--dir", "/run/user", "--perms", "0700", "--tmpfs", run_dir(uid)]
+    args += ["--symlink", socket_path(uid), "/run/docker.sock"]
+    if _usable_tun():
+        args += ["--perms", "0755", "--dir", "/dev/net", "--dev-bind", "/dev/net/tun", "/dev/net/tun"]
+    if os.path.isdir("/sys/fs/cgroup/unified"):
+        args += ["--tmpfs", "/sys/fs/cgroup/unified"]
+    return args
+
+
+def _usable_tun() -> bool:
+    """The machine's tun device opens for every uid (Debian's default mode 0666)."""
+    try:
+        return os.stat("/dev/net/tun").st_mode & 0o006 == 0o006
+    except OSError:
+        return False

@@ -1,0 +1,250 @@
+"""Containers inside jobs (a machine type's ``containers``), and what they may not reach.
+
+Local machines run on this host as `make dev` runs them (each a sandbox, its agent enrolled with
+a fake Agent API of its own); a job there gets rootless Podman of its own
+(catacloud/agent/containers.py) with Docker's API and a ``docker`` command. The image comes from
+a real registry (Debian's ``docker-registry``) on this host's loopback, which the job's machine
+type allows (``network.allow``: one loopback port, as an operator's mirror would be).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from catacloud.agent.containers import engine_path
+from catacloud.providers.local import LocalProvider
+from catacloud.providers.machine_sandbox import network_problem
+from testkit.registry import Registry, build_image, missing_tools, push
+from tests.security import netlab
+from tests.security.netlab import LINK_LOCAL, PRIVATE, PUBLIC
+from tests.security.test_disk_bounds import Machine, needs_root_and_loop
+from tests.security.test_network_isolation import Service
+
+pytestmark = [
+    pytest.mark.skipif(
+        network_problem(Path("/tmp")) is not None,
+        reason=f"no job network here: {network_problem(Path('/tmp'))}",
+    ),
+    pytest.mark.skipif(engine_path() is None, reason="no podman here (apt-get install podman crun)"),
+    pytest.mark.skipif(bool(missing_tools()), reason=f"no registry tools: {missing_tools()}"),
+]
+
+
+class Lab:
+    def __init__(self, registry: Registry, machine: Machine, plain: Machine) -> None:
+        self.registry, self.machine, self.plain = registry, machine, plain
+
+    @property
+    def image(self) -> str:
+        return f"{self.registry.host}/busybox:1"
+
+    def run(self, command: str, machine: Machine | None = None, **payload: Any) -> tuple[dict[str, Any], str]:
+        payload.setdefault("network", {"allow": [self.registry.host]})
+        finished, output, _took = (machine or self.machine).run(command, **payload)
+        return finished, output
+
+
+@pytest.fixture(scope="module")
+def ct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    why = needs_root_and_loop()
+    if why is not None:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("containers")
+    provider = LocalProvider(
+        config={"state_dir": str(tmp / "machines"), "stop_timeout_seconds": 2}, credentials={}
+    )
+
+    def tools(root: Path) -> None:  # wget and nc in the image: what the probes below use
+        for applet in ("wget", "nc", "dd", "httpd", "rm", "timeout", "grep", "seq"):
+            (root / "bin" / applet).symlink_to("busybox")
+
+    image = build_image(tmp / "image", "1", prepare=tools)
+    with Registry(tmp / "registry") as registry:
+        push(image, f"{registry.host}/busybox:1")
+        machine = Machine(provider, disk_gb=1, containers=True)
+        plain = Machine(provider, disk_gb=None)
+        try:
+            yield Lab(registry, machine, plain)
+        finally:
+            machine.stop()
+            plain.stop()
+
+
+def test_a_job_builds_an_image_and_runs_it_with_docker(ct: Lab) -> None:
+    dockerfile = f'FROM {ct.image}\nRUN echo built-in-a-container > /built\nCMD ["cat", "/built"]\n'
+    command = (
+        f"printf %s {shlex.quote(dockerfile)} > Dockerfile && "
+        "docker build --tls-verify=false -q -t mine . >/dev/null && "
+        "docker run --rm mine && docker run --rm mine id -u"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    assert "built-in-a-container" in output
+    assert "\n0\n" in f"\n{output}"  # root in its container (the job's own uid outside)
+
+
+# From inside a container: one line per target, "TRY host:port open <what answered>" or "closed".
+# Each is asked an HTTP/1.0 request (the registry answers it; the lab's servers and the host's
+# service answer anything with their address or secret, and close).
+CONTAINER_PROBE = (
+    'for t in "$@"; do a=$(printf "GET /v2/ HTTP/1.0\\r\\n\\r\\n" | timeout 5 nc "${t%:*}" "${t##*:}" 2>&1); '
+    'if [ -n "$a" ] && ! echo "$a" | grep -q -i -e refused -e unreachable -e "timed out"; '
+    'then echo "TRY $t open $(echo "$a" | head -1)"; else echo "TRY $t closed"; fi; done'
+)
+
+
+def container_tries(output: str) -> dict[str, str]:
+    return {line.split()[1]: line.split()[2] for line in output.splitlines() if line.startswith("TRY ")}
+
+
+def test_a_container_reaches_the_internet_and_nothing_the_job_may_not(
+    ct: Lab, lab: netlab.Lab, service: Service
+) -> None:
+    """Containers use the job's own network namespace: every rule of the job network holds for
+    them (tests/security/test_network_isolation.py holds them for the job itself)."""
+    targets = {
+        "internet": f"{PUBLIC}:8080",
+        "lan": f"{PRIVATE}:8080",
+        "metadata range": f"{LINK_LOCAL}:8080",
+        "host loopback": f"127.0.0.1:{service.port}",
+        "the registry (allowed)": ct.registry.host,
+    }
+    command = (
+        f"docker run --rm --tls-verify=false {ct.image} sh -c {shlex.quote(CONTAINER_PROBE)} sh "
+        + " ".join(targets.values())
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    seen = container_tries(output)
+    assert seen[targets["internet"]] == "open", output
+    assert seen[targets["the registry (allowed)"]] == "open", output  # HTTP answers a bare connect
+    for name in ("lan", "metadata range", "host loopback"):
+        assert seen[targets[name]] == "closed", f"{name}: {output}"
+    assert service.secret not in output
+
+
+def test_a_service_container_answers_the_job(ct: Lab) -> None:
+    """What CI's ``services:`` are: a container started in the background that the job's steps
+    talk to (on the job's own loopback: containers share its namespace)."""
+    command = (
+        "mkdir -p site && echo hello-from-a-service > site/index.html && "
+        f'docker run -d --tls-verify=false --name web -v "$PWD/site:/srv" {ct.image} '
+        "httpd -f -p 8089 -h /srv >/dev/null && for i in $(seq 50); do "
+        "busybox wget -q -O - http://127.0.0.1:8089/ 2>/dev/null && break; sleep 0.1; done"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    assert "hello-from-a-service" in output
+
+
+def test_the_docker_api_answers_at_docker_host_and_the_usual_socket(ct: Lab) -> None:
+    command = (
+        "echo host=$DOCKER_HOST; "
+        'curl -s --unix-socket "${DOCKER_HOST#unix://}" http://docker/_ping; echo; '
+        "curl -s --unix-socket /var/run/docker.sock http://docker/version"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    assert "host=unix:///run/user/" in output and "\nOK\n" in output
+    assert '"ApiVersion"' in output  # Docker's API, as the GitHub runner and docker-compose call it
+
+
+def test_only_a_containers_job_may_make_user_namespaces(ct: Lab) -> None:
+    finished, output = ct.run("unshare -U true && echo made-one", containers=True)
+    assert finished["outcome"] == "succeeded" and "made-one" in output, output
+    finished, output = ct.run("unshare -U true && echo made-one", machine=ct.plain)
+    assert finished["outcome"] == "failed" and "made-one" not in output, output
+    # The same machine's job without the setting (as a type without it is, on any machine).
+    finished, output = ct.run("unshare -U true && echo made-one")
+    assert finished["outcome"] == "failed" and "made-one" not in output, output
+
+
+def test_a_container_writing_past_the_jobs_disk_gets_enospc_and_nothing_is_left(ct: Lab) -> None:
+    """Images and containers live in the job's work folder: the machine type's disk_gb bounds
+    them (the kernel's file system, catacloud/agent/disk.py); the job's end leaves nothing."""
+    command = (
+        f"docker run --rm --tls-verify=false {ct.image} sh -c "
+        "'dd if=/dev/zero of=/big bs=1M count=1500 2>&1; echo dd-exit=$?'"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert "No space left on device" in output, output
+    assert "dd-exit=1" in output, output
+    machine = ct.machine
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the job's folder goes once its report is in
+        work = machine.folder / "work"
+        left = [p.name for p in work.iterdir() if p.name.startswith("job-")] if work.exists() else []
+        engines = [
+            p.info["name"]
+            for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] in ("podman", "conmon", "catatonit", "crun")
+            or "system service" in " ".join(p.info["cmdline"] or [])
+        ]
+        if not left and not engines:
+            break
+        time.sleep(0.2)
+    assert left == [] and engines == [], (left, engines)
+
+
+def test_the_machine_of_a_containers_type_holds_no_cap_sys_admin(ct: Lab) -> None:
+    """A local machine of such a type mounts a /proc of its own first (catacloud/providers/
+    machine_sandbox.py, FRESH_PROC); nothing of it, its agent least, keeps CAP_SYS_ADMIN
+    (nor CAP_SETPCAP, held to drop it from the bounding set), in any set."""
+    record = json.loads((ct.machine.provider.state_dir / f"{ct.machine.id}.json").read_text())
+    processes = psutil.Process(record["pid"]).children(recursive=True)
+    agents = [p for p in processes if "catacloud.agent" in " ".join(p.cmdline()) and p.name() != "bwrap"]
+    assert agents, [p.cmdline() for p in processes]
+    sys_admin = 1 << 21 | 1 << 8  # CAP_SYS_ADMIN, CAP_SETPCAP (linux/capability.h)
+    machine_userns = os.readlink(f"/proc/{agents[0].pid}/ns/user")
+    for process in processes:
+        if process.name() == "bwrap" or os.readlink(f"/proc/{process.pid}/ns/user") != machine_userns:
+            continue  # bubblewrap itself; a job network's pasta (its caps hold in the job's namespace)
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+        )
+        for field in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb"):
+            assert not int(status[field], 16) & sys_admin, (process.cmdline(), field, status[field])
+
+
+COMPOSE = """\
+services:
+  web:
+    image: {image}
+    network_mode: host
+    command: ["httpd", "-f", "-p", "8080", "-h", "/srv"]
+    volumes: ["./site:/srv"]
+  client:
+    image: {image}
+    network_mode: host
+    depends_on: [web]
+    command:
+      - sh
+      - -c
+      - for i in $$(seq 10); do wget -q -O - http://127.0.0.1:8080/ && exit 0; sleep 0.5; done; exit 1
+"""
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose here")
+def test_docker_compose_runs_a_service_the_job_s_other_container_reaches(ct: Lab) -> None:
+    """``docker compose`` (Debian's docker-compose against the job's engine): a service and a
+    client of it, both in the job's own network namespace (``network_mode: host``). A compose
+    file's own bridge network does not start under Podman 4.3 in a job (its rootless network
+    namespace fails to mount its resolv.conf): SECURITY.md and the guide say so."""
+    command = (
+        "mkdir -p site && echo hello-from-a-compose-service > site/index.html && "
+        f"printf %s {shlex.quote(COMPOSE.format(image=ct.image))} > docker-compose.yml && "
+        f"docker pull -q --tls-verify=false {ct.image} >/dev/null && "
+        "docker compose up --abort-on-container-exit --exit-code-from client 2>&1; echo compose-exit=$?"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert "hello-from-a-compose-service" in output and "compose-exit=0" in output, output
