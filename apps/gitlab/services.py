@@ -213,6 +213,12 @@ def check_class(rc: GitLabRunnerClass) -> None:
         raise invalid("group_id", "a group runner class names its GitLab group id")
     if rc.executor not in Executor.values:
         raise invalid("executor", f"one of {', '.join(Executor.values)}")
+    if rc.executor == Executor.DOCKER and not rc.machine_type.containers:
+        raise invalid(
+            "executor",
+            f"docker needs a machine type with containers: true (machine type {rc.machine_type.name} "
+            "has containers: false), or use executor shell",
+        )
     if rc.runner_mode not in RunnerMode.values:
         raise invalid("runner_mode", f"one of {', '.join(RunnerMode.values)}")
 

@@ -104,12 +104,28 @@ def test_runner_classes_through_the_api(gl: GitLabWorld) -> None:
     refused = [
         ({"name": "g", "tags": ["x"], "machine_type": mt, "scope": "group"}, "group_id"),
         ({"name": "e", "tags": ["y"], "machine_type": mt, "executor": "kubernetes"}, "executor"),
+        # its machine type gives jobs no container engine
+        ({"name": "d", "tags": ["w"], "machine_type": mt, "executor": "docker"}, "executor"),
         ({"name": "i", "tags": ["z"], "machine_type": mt, "image": "not an image"}, "image"),
         ({"name": "t", "tags": [], "machine_type": mt}, "tags"),
     ]
     for body, field in refused:
         answer = admin.post("/api/v1/gitlab/runner-classes/", body, format="json")
         assert answer.status_code == 400 and field in answer.json().get("fields", {}), (body, answer.content)
+    docker = admin.post(
+        "/api/v1/gitlab/runner-classes/",
+        {"name": "d", "tags": ["w"], "machine_type": mt, "executor": "docker"},
+        format="json",
+    )
+    assert "containers: true" in docker.json()["fields"]["executor"][0], docker.content
+    gl.world.machine_type.containers = True
+    gl.world.machine_type.save(update_fields=["containers"])
+    docker = admin.post(
+        "/api/v1/gitlab/runner-classes/",
+        {"name": "d", "tags": ["w"], "machine_type": mt, "executor": "docker"},
+        format="json",
+    )
+    assert docker.status_code == 201, docker.content
     same = admin.post(
         "/api/v1/gitlab/runner-classes/",
         {"name": "twin", "tags": ["big", "catacloud"], "machine_type": mt},
