@@ -286,9 +286,14 @@ class Cgroup:
     def _make(self, root: str, own: str) -> tuple[str, str]:
         """The installation's folder (made if missing) and this machine's, under ``root/own``."""
         parent = os.path.join(root + own.rstrip("/"), self.parent)
-        os.makedirs(parent, exist_ok=True)
         folder = os.path.join(parent, self.name)
-        os.makedirs(folder, exist_ok=True)
+        for attempt in range(3):  # the installation's last machine may remove the parent meanwhile
+            try:
+                os.makedirs(folder, exist_ok=True)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         self.folders.append(folder)
         self.where = f"{own.rstrip('/')}/{self.parent}/{self.name}"
         return parent, folder
@@ -338,8 +343,11 @@ class Cgroup:
         return ["/bin/sh", "-c", join, "sh", str(len(self.procs)), *self.procs, *argv]
 
     def remove(self, wait: float = 2.0) -> None:
-        """Remove the folders. A cgroup whose last process is still exiting refuses (EBUSY) for
-        a moment after the kill: try again for up to ``wait`` seconds rather than leave it."""
+        """Remove the folders, then the installation's where this was its last machine (left, one
+        a test or a `make dev` run, they piled up by the hundred: every empty cgroup still costs
+        the kernel's scheduler and memory accounting). A cgroup whose last process is still
+        exiting refuses (EBUSY) for a moment after the kill: try again for up to ``wait`` seconds
+        rather than leave it."""
         deadline = time.monotonic() + wait
         for folder in reversed(self.folders):
             while True:
@@ -350,6 +358,10 @@ class Cgroup:
                         time.sleep(0.05)
                         continue
                 break
+            parent = os.path.dirname(folder)
+            if os.path.basename(parent).startswith("catacloud-"):
+                with contextlib.suppress(OSError):  # another machine of it lives on: kept
+                    os.rmdir(parent)
 
 
 def installation_cgroup(installation: str) -> str:

@@ -351,8 +351,10 @@ def test_machine_cgroups_live_under_their_installations_own_and_never_exceed_the
     finally:
         for provider, instance_id in made:
             provider.delete(instance_id)
-    for record in limits.values():  # gone with their machines
+    for record in limits.values():  # gone with their machines, and so is the installation's own
         assert not any(Path(root + record["cgroup"]).exists() for root in _cgroup_roots())
+        installation = record["cgroup"].rsplit("/", 1)[0]
+        assert not any(Path(root + installation).exists() for root in _cgroup_roots()), installation
 
 
 def _cgroup_roots() -> list[str]:
