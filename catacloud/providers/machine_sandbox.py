@@ -126,8 +126,9 @@ class MachineSandbox:
     tun: str | None = None  # a tun device every uid may open: pasta gives jobs the internet with it
     unset_env: Sequence[str] = ()  # variables of bubblewrap's own environment the command does not get
     devices: Sequence[str] = ()  # device nodes of the host the machine gets (an enrolled host's GPUs)
-    # A machine whose type allows containers (its jobs' engines): the host's /sys, read-only (a
-    # cloud machine has its own; Podman reads the cgroup file system's kind there), and, as root,
+    # A machine whose type allows containers (its jobs' engines): the host's /sys, read-only but
+    # for an empty /sys/fs/cgroup (a cloud machine has its own /sys; Podman reads the cgroup file
+    # system's kind there, and its containers get no cgroup of their own), and, as root,
     # a /proc of the machine's own that a job's sandbox may mount again (see FRESH_PROC).
     containers: bool = False
 
@@ -153,8 +154,16 @@ class MachineSandbox:
             args += ["--perms", "0755", "--dir", "/dev/net", "--dev-bind", self.tun, "/dev/net/tun"]
         for device in self.devices:
             args += ["--dev-bind", device, device]
-        if self.containers:
-            args += ["--ro-bind", "/sys", "/sys"]
+        if self.containers:  # /sys, but not the host's cgroup tree (other machines' names, limits)
+            args += [
+                "--ro-bind",
+                "/sys",
+                "/sys",
+                "--tmpfs",
+                "/sys/fs/cgroup",
+                "--remount-ro",
+                "/sys/fs/cgroup",
+            ]
         args += ["--perms", "1777", "--dir", "/var/tmp", "--symlink", "/run", "/var/run"]  # as Debian has it
         made = {"/tmp", "/run", "/var", *SYSTEM_FOLDERS}
         binds = [(p, p, False) for p in runtime_paths()]

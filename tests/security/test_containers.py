@@ -248,3 +248,12 @@ def test_docker_compose_runs_a_service_the_job_s_other_container_reaches(ct: Lab
     )
     finished, output = ct.run(command, containers=True)
     assert "hello-from-a-compose-service" in output and "compose-exit=0" in output, output
+
+
+def test_a_containers_machine_sees_no_cgroup_of_the_host(ct: Lab) -> None:
+    """The host's /sys is there (Podman reads it), its cgroup tree is not: other machines'
+    cgroups (their names are their instance ids) and the installation's limits stay hidden."""
+    finished, output = ct.run("ls -A /sys/fs/cgroup | wc -l; ls /sys/class | head -3", containers=True)
+    assert finished["outcome"] == "succeeded", output
+    assert output.splitlines()[0].strip() == "0", output
+    assert "catacloud-" not in output
