@@ -11,8 +11,10 @@ allows user namespaces of its own (``--disable-userns`` is left out; Podman need
 "root" in a container). Nothing else changes: the job's uid is still unprivileged on the machine,
 a container's root is that uid outside, and containers use the job's own network namespace
 (``netns = "host"`` here is the *job's* namespace: every rule of the job network holds for
-them). A compose file's own network is made by Podman inside that namespace (slirp4netns over
-the machine's ``/dev/net/tun``), so it leaves through the job's rules too.
+them). A compose file's own bridge network would be made by Podman inside that namespace
+(slirp4netns over the machine's ``/dev/net/tun``, which such a job gets), so it would leave
+through the job's rules too; under Podman 4.3.1 it does not start (its rootless network namespace
+fails to mount its resolv.conf): compose services use ``network_mode: host``.
 
 Why Podman: it runs without a daemon of root's and without subordinate uid ranges (one uid
 mapped: the job's; image files of other owners become the job's, ``ignore_chown_errors``), and
@@ -92,16 +94,17 @@ def socket_path(uid: int) -> str:
 
 
 def prepare(work_dir: str, uid: int | None, env: dict[str, str]) -> dict[str, str]:
-    """Make the job's engine ready to start (its files in the job's folder) and return the job's
-    ``env`` with what it needs (``uid`` None: the agent's own, in a user namespace)."""
-    write_engine_files(work_dir, uid)
+    """Make the job's engine ready to start (its files in the job's folder, under
+    :func:`own_dir`: the caller gives that folder to the job's uid) and return the job's ``env``
+    with what it needs (``uid`` None: the agent's own, in a user namespace)."""
+    write_engine_files(work_dir)
     added = engine_env(uid if uid is not None else os.geteuid(), work_dir)
     return {**env, **added, "PATH": f"{bin_dir(work_dir)}:{env.get('PATH', '')}"}
 
 
 def engine_env(uid: int, work_dir: str) -> dict[str, str]:
-    """What the job's environment gains: where its engine answers, where its run-time files go,
-    and the ``docker`` command first in its PATH (the caller prepends :func:`bin_dir`)."""
+    """What the job's environment gains: where its engine answers, where its run-time files and
+    settings are (:func:`prepare` also puts :func:`bin_dir` first in its PATH)."""
     return {
         "DOCKER_HOST": f"unix://{socket_path(uid)}",
         "XDG_RUNTIME_DIR": run_dir(uid),
@@ -110,15 +113,20 @@ def engine_env(uid: int, work_dir: str) -> dict[str, str]:
     }
 
 
+def own_dir(work_dir: str) -> str:
+    """What the agent writes for the engine in the job's folder (settings, the ``docker`` command)."""
+    return os.path.join(work_dir, ".catacloud")
+
+
 def config_dir(work_dir: str) -> str:
-    return os.path.join(work_dir, ".catacloud", "containers")
+    return os.path.join(own_dir(work_dir), "containers")
 
 
 def bin_dir(work_dir: str) -> str:
-    return os.path.join(work_dir, ".catacloud", "bin")
+    return os.path.join(own_dir(work_dir), "bin")
 
 
-def write_engine_files(work_dir: str, uid: int | None) -> None:
+def write_engine_files(work_dir: str) -> None:
     """The engine's settings and the ``docker`` command, in the job's work folder (the job's own:
     it may change them for its own engine)."""
     storage = os.path.join(work_dir, ".local", "share", "containers", "storage")
@@ -132,11 +140,6 @@ def write_engine_files(work_dir: str, uid: int | None) -> None:
         with open(path, "w") as fh:
             fh.write(text)
         os.chmod(path, mode)
-    if uid is not None:
-        for root, dirs, names in os.walk(os.path.join(work_dir, ".catacloud")):
-            for name in [*dirs, *names]:
-                os.chown(os.path.join(root, name), uid, uid)
-        os.chown(os.path.join(work_dir, ".catacloud"), uid, uid)
 
 
 def start_script(uid: int) -> str:

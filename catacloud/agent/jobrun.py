@@ -386,6 +386,7 @@ class JobRunning:
             env = self._job_env(job, work_dir, run.token, socket_env, image_env)
             if engine:
                 env = containers.prepare(work_dir, uid, env)
+                give(containers.own_dir(work_dir), uid)
             return run_job_process(
                 job.command,
                 env=env,
