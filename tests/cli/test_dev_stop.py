@@ -28,6 +28,8 @@ from typing import Any
 import psutil
 import pytest
 
+from catacloud.agent.disk import mounts_under
+from catacloud.providers.local import release_areas
 from testkit.processes import ROOT, WATCHED_FOLDERS, free_port, wait_for
 
 
@@ -86,6 +88,21 @@ class DevStack:
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
+    def runner(self) -> psutil.Process:
+        """The dev runner itself (`python -m catacloud.cli dev`), not the shell `make` runs it
+        through: that shell dies of the stop signal at once, while the runner still stops."""
+        for proc in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                ours = proc.info["cmdline"] and proc.environ().get("CATACLOUD_HOME") == str(self.home)
+                if ours and proc.info["cmdline"][-3:] == ["-m", "catacloud.cli", "dev"]:
+                    return proc
+        raise AssertionError("no dev runner of this home is running")
+
+    def wait_stopped(self, runner: psutil.Process) -> None:
+        """Until the dev runner has ended: its stop's last step (the machines' job areas
+        released) comes after its programs and machines have ended."""
+        wait_for(lambda: not runner.is_running() or runner.status() == "zombie", 60, "make dev to end")
+
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as response:
@@ -114,6 +131,7 @@ def home() -> Iterator[Path]:
         yield path
     finally:
         end_everything_of(path)
+        release_areas(path)  # what a failed test left mounted
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -139,6 +157,7 @@ def test_sigterm_once_make_clean_took_the_services_down_leaves_no_local_machine(
     )
     try:
         stack.start_machines(2)
+        runner = stack.runner()
 
         wipe = f"import pathlib, catacloud.embedded as e; e.wipe(pathlib.Path({str(home)!r}))"
         subprocess.run([sys.executable, "-c", wipe], cwd=ROOT, env=stack.env, check=True, timeout=60)
@@ -147,6 +166,11 @@ def test_sigterm_once_make_clean_took_the_services_down_leaves_no_local_machine(
 
         assert machine_processes(home, stack.agent_port) == []
         assert dev.wait(30) is not None
+        stack.wait_stopped(runner)
+        assert mounts_under(str(home)) == [], "the machines' job areas are still mounted"
+    except AssertionError:
+        print(Path(log.name).read_text(errors="replace")[-5000:])
+        raise
     finally:
         log.close()
         with contextlib.suppress(ProcessLookupError):
@@ -213,14 +237,14 @@ def test_closing_the_terminal_of_make_dev_stops_its_local_machines(home: Path) -
     reader.start()
     try:
         stack.start_machines(1)
-        below = psutil.Process(shell.pid).children(recursive=True)
-        runner = next(p for p in below if "catacloud.cli" in " ".join(p.cmdline()))
+        runner = stack.runner()
 
         closing.set()  # the window closes
         reader.join(5)
 
         wait_for(lambda: not machine_processes(home, stack.agent_port), 15, "the local machines to stop")
-        wait_for(lambda: not runner.is_running() or runner.status() == "zombie", 30, "make dev to end")
+        stack.wait_stopped(runner)
+        assert mounts_under(str(home)) == [], "the machines' job areas are still mounted"
     except AssertionError:
         print(stack.output.decode(errors="replace")[-5000:])
         raise
