@@ -40,6 +40,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         },
     },
     "images": {"full": {}, "quick": {"samples": 2, "cold_runs": 1, "jobs": 3}},
+    "containers": {"full": {}, "quick": {"samples": 3, "jobs": 1, "runs": 5}},
     "tail": {"full": {}, "quick": {"jobs": 12, "machines": 3}},
     "hosts": {"full": {}, "quick": {"samples": 3, "hosts": 10, "window": 6.0, "rate": 5.0}},
     "selection": {"full": {}, "quick": {"samples": 3, "days": 1}},

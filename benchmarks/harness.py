@@ -42,6 +42,7 @@ PARTS = (
     "ci",
     "ci_limits",
     "images",
+    "containers",
     "tail",
     "hosts",
     "selection",

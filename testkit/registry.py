@@ -30,7 +30,22 @@ from pathlib import Path
 from testkit.processes import free_port
 
 BUSYBOX = "/bin/busybox"
-APPLETS = ("sh", "cat", "echo", "ls", "env", "id", "pwd", "head", "wc", "sleep", "touch", "mkdir", "printf")
+APPLETS = (
+    "sh",
+    "cat",
+    "echo",
+    "ls",
+    "env",
+    "id",
+    "pwd",
+    "head",
+    "wc",
+    "sleep",
+    "touch",
+    "mkdir",
+    "printf",
+    "true",
+)
 INSTALL = "apt install docker-registry skopeo umoci busybox-static"
 
 

@@ -11,6 +11,7 @@ import pytest
 from benchmarks import report
 from benchmarks.__main__ import run_part
 from benchmarks.harness import PartResult
+from catacloud.agent.containers import engine_path
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -205,6 +206,17 @@ def test_images(tmp_path: Path) -> None:
         "images, cold pools",
         "images, image-hot pools",
     }
+
+
+@pytest.mark.skipif(engine_path() is None, reason="no podman here (apt-get install podman crun)")
+def test_containers() -> None:
+    result = run_part("containers", samples=1, jobs=1, runs=2, progress=quiet)
+    sane(result, "containers")
+    starts = result.data["starts"]
+    assert all(len(starts[kind]["first"]) == 1 for kind in ("plain", "containers"))
+    # each figure a time the job itself took: its first instruction after its submit
+    assert 0 < starts["containers"]["running"][0] < starts["containers"]["first"][0]
+    assert len(result.data["first_run_s"]) == 1 and len(result.data["cached_run_s"]) == 2
 
 
 def test_tail_report_keeps_percentiles_and_counts_every_slow_job(tmp_path: Path) -> None:
