@@ -28,10 +28,12 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 ## Run web + agent server + worker + beat + Flower on embedded PostgreSQL and Redis, with demo data.
 ## Ctrl-C stops everything (exit status 0).
 # The time `make dev` started (expanded when make reads this file, before the bootstrap): the
-# "ready" banner counts the user's whole wait from it.
+# "ready" banner counts the user's whole wait from it. `exec`: the runner replaces the shell make
+# starts it through, so a stop signal to make's process group reaches no shell that would die of
+# it at once, and make returns only once the runner has stopped everything.
 dev: DEV_STARTED := $(shell date +%s)
 dev: $(STAMP)
-	@CATACLOUD_DEV_STARTED=$(DEV_STARTED) $(PY) -m catacloud.cli dev
+	@CATACLOUD_DEV_STARTED=$(DEV_STARTED) exec $(PY) -m catacloud.cli dev
 
 ## Run the test suite against real PostgreSQL and Redis (embedded unless DATABASE_URL/REDIS_URL are set).
 test: $(TEST_STAMP)

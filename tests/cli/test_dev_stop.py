@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,9 +53,15 @@ def end_everything_of(home: Path) -> None:
                 proc.kill()
 
 
+def dev_recipe() -> str:
+    """The command line of the project's own `make dev` (its Makefile's recipe), as it is."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    return lines[lines.index("dev: $(STAMP)") + 1].strip().lstrip("@")
+
+
 class DevStack:
-    """`make dev` (a Makefile running ``catacloud dev``, as the project's does) on its own home
-    and ports, its output gathered from a file or a terminal."""
+    """`make dev` (a Makefile running the project's own recipe) on its own home and ports, its
+    output gathered from a file or a terminal."""
 
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home = home
@@ -70,7 +75,8 @@ class DevStack:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(ROOT),
         }
-        (home / "Makefile").write_text(f"dev:\n\t@cd {ROOT} && {sys.executable} -m catacloud.cli dev\n")
+        variables = f"PY := {sys.executable}\nDEV_STARTED := $(shell date +%s)\n"
+        (home / "Makefile").write_text(f"{variables}dev:\n\t@cd {ROOT} && {dev_recipe()}\n")
         self.output = b""
 
     @property
@@ -89,8 +95,8 @@ class DevStack:
             return json.loads(response.read())
 
     def runner(self) -> psutil.Process:
-        """The dev runner itself (`python -m catacloud.cli dev`), not the shell `make` runs it
-        through: that shell dies of the stop signal at once, while the runner still stops."""
+        """The dev runner itself (`python -m catacloud.cli dev`, of this home): `make`'s child,
+        which the recipe's `exec` made of the shell `make` starts it through."""
         for proc in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
                 ours = proc.info["cmdline"] and proc.environ().get("CATACLOUD_HOME") == str(self.home)
@@ -149,7 +155,7 @@ def test_sigterm_once_make_clean_took_the_services_down_leaves_no_local_machine(
     stops `make dev` with SIGTERM to its process group. The machines' records had gone with the
     home, so the stop found no machine to stop and every one kept running, retrying a control
     plane that no longer answers. Now the stop finds them by their processes' mark: none is left
-    10 s later."""
+    when `make` returns, and nothing is left mounted."""
     stack = DevStack(home, own_services_env())
     log = (home.parent / f"{home.name}.log").open("wb")
     dev = subprocess.Popen(
@@ -162,11 +168,12 @@ def test_sigterm_once_make_clean_took_the_services_down_leaves_no_local_machine(
         wipe = f"import pathlib, catacloud.embedded as e; e.wipe(pathlib.Path({str(home)!r}))"
         subprocess.run([sys.executable, "-c", wipe], cwd=ROOT, env=stack.env, check=True, timeout=60)
         os.killpg(dev.pid, signal.SIGTERM)
-        time.sleep(10)
 
+        # make returns once the runner has stopped everything (no shell between them that
+        # dies of the signal at once, letting make return while the runner still stops)
+        assert dev.wait(60) is not None
+        assert not runner.is_running(), "make dev returned while its runner was still stopping"
         assert machine_processes(home, stack.agent_port) == []
-        assert dev.wait(30) is not None
-        stack.wait_stopped(runner)
         assert mounts_under(str(home)) == [], "the machines' job areas are still mounted"
     except AssertionError:
         print(Path(log.name).read_text(errors="replace")[-5000:])
