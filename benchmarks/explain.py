@@ -461,7 +461,9 @@ before it, so submit -> running barely differs). *docker run*: five jobs on the 
 each running `docker run --rm busybox true` once into its empty engine (the pull from the
 registry, then the run) and 20 times more with the image held, each timed by the job's own shell
 (Podman, crun, one uid mapped, the container in the job's network namespace). Measured
-2026-12-03 with nothing else running (the stack's own processes: 1-minute load 2.1-2.6).
+2026-12-03 with no test suite or helper running, but with an idle `make dev` stack left over from
+an interrupted test run beside it (found later; 1-minute load 2.1-2.6 in all): read the figures
+as upper bounds.
 """
 
 TAIL = """\
