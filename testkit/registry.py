@@ -44,7 +44,7 @@ APPLETS = (
     "touch",
     "mkdir",
     "printf",
-    "true",
+    "true",  # `docker run --rm busybox true` as the issue writes it (benchmarks/containers.py)
 )
 INSTALL = "apt install docker-registry skopeo umoci busybox-static"
 
