@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from catacloud.agent.signals import STOP_SIGNALS
 from catacloud.supervisor import Program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,17 +184,18 @@ def cmd_dev(args: argparse.Namespace) -> int:
     metrics_dir = _fresh_metrics_dir(home)
     env = dev_env({**os.environ, **services.env}, port=port, agent_port=agent_port, metrics_dir=metrics_dir)
     supervisor: Supervisor | None = None
-    stopping = threading.Event()
+    stopping = threading.Event()  # set by the main thread's own code, never by a handler
+    asked: list[int] = []  # the stop signal received outside the supervisor's run
 
-    def on_signal(signum: int, frame: object) -> None:
-        if stopping.is_set():
+    def on_signal(signum: int, frame: object) -> None:  # takes no lock: catacloud/agent/signals.py
+        if asked or stopping.is_set():
             return  # already stopping: a second Ctrl-C must not break the clean-up half way
-        stopping.set()
+        asked.append(signum)
         if supervisor is None:
             raise KeyboardInterrupt  # still setting up: unwind to the clean-up below
+        supervisor.stop()  # before its run took the signals (its main thread is not in its Event)
 
-    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # HUP: a closed terminal
-    previous = {sig: signal.signal(sig, on_signal) for sig in stop_signals}
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     give_back_terminal = _own_terminal()
     _watch_hangup(stopping)
     try:
@@ -220,11 +222,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
             name="announce",
             daemon=True,
         ).start()
-        if not stopping.is_set():
-            supervisor.run()
+        supervisor.run()  # returns at once if a signal came since it was made
         return 0
     except (KeyboardInterrupt, subprocess.CalledProcessError):
-        if not stopping.is_set():
+        if not asked:
             raise
         return 0  # Ctrl-C while setting up (a manage.py step dies of it too): a clean stop
     finally:

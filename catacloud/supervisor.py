@@ -48,6 +48,8 @@ from typing import IO
 
 import psutil
 
+from catacloud.agent.signals import STOP_SIGNALS, handle_signals
+
 
 @dataclass
 class Program:
@@ -222,18 +224,19 @@ class Supervisor:
 
     def run(self) -> int:
         """Start everything and supervise until ``stop()`` or SIGINT/SIGTERM; then stop all."""
-        previous = {}
+        restore = None
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: a closed terminal
-                previous[signum] = signal.signal(signum, lambda *_: self._stopping.set())
+            # the handler itself must not call Event.set (catacloud/agent/signals.py)
+            restore = handle_signals(STOP_SIGNALS, lambda signum: self._stopping.set())
         try:
-            self.start()
+            if not self._stopping.is_set():  # (a stop() before the run starts nothing)
+                self.start()
             while not self._stopping.wait(self.poll_interval):
                 self.check()
         finally:
             self._shutdown()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            if restore is not None:
+                restore()
         return 0
 
     def stop(self) -> None:

@@ -11,7 +11,6 @@ import signal
 import sys
 import tempfile
 import threading
-from types import FrameType
 from typing import Any
 
 from catacloud.agent import __version__
@@ -33,6 +32,7 @@ from catacloud.agent.sandbox import (
     can_switch_to,
     make_undumpable,
 )
+from catacloud.agent.signals import handle_signals
 
 log = logging.getLogger("catacloud.agent")
 
@@ -159,13 +159,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         insecure_registries=tuple(args.insecure_registry or ()),
     )
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:
         log.info("received %s; stopping", signal.Signals(signum).name)
         agent.request_stop(REASON_AGENT_STOPPED, 130 if signum == signal.SIGINT else 0)
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        handle_signals((signal.SIGTERM, signal.SIGINT), on_signal)  # request_stop takes a lock
     return agent.run()
 
 
@@ -201,13 +200,12 @@ def cmd_host(args: argparse.Namespace) -> int:
         provider_config=config,
     )
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int) -> None:
         log.info("received %s; stopping (the slots keep running)", signal.Signals(signum).name)
         host.request_stop()
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        handle_signals((signal.SIGTERM, signal.SIGINT), on_signal)  # request_stop takes a lock
     code = host.run()
     if code == 0 and args.enrolment_token_file:  # used: it is no longer anywhere on this host
         with contextlib.suppress(OSError):

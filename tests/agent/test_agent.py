@@ -29,6 +29,7 @@ from tests.agent.fake_server import FakeAgentAPI, FakeIMDS
 from tests.agent.harness import (
     PY,
     AgentProcess,
+    agent_pid,
     alive,
     assert_no_secrets,
     host_pids,
@@ -425,6 +426,30 @@ def test_sigterm_to_the_agent_kills_the_running_job_and_reports_it(
     }
     assert wait_gone([pid]) == []
     assert_no_secrets(api, agent)
+
+
+def test_stop_signals_coming_all_the_while_still_stop_the_agent_and_its_job(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """A service manager's SIGTERM and an operator's Ctrl-C close together: a handler that took
+    the agent's lock, run again inside itself by the next signal, waited for that lock forever
+    (the job ran on, the agent never exited)."""
+    agent = start_agent()
+    job = api.assign("echo pid=$$; exec sleep 1000")
+    [pid] = host_pids(agent, int(values(api.wait_output(job, "pid="), "pid")[0]))
+
+    # until the agent reports the job ended (not after: a Python on its way out has put the
+    # default handlers back, and a SIGTERM then would end it with 143)
+    target, until = agent_pid(agent), time.monotonic() + 3
+    with contextlib.suppress(ProcessLookupError):
+        while not api.finished.get(job) and time.monotonic() < until:
+            os.kill(target, signal.SIGTERM)
+            os.kill(target, signal.SIGINT)
+
+    code = agent.wait(10)
+    assert code in (0, 130), agent.log()[-3000:]  # whichever came first: SIGTERM's 0 or Ctrl-C's 130
+    assert outcome(api.finished[job][0])["reason"] == "agent stopped"
+    assert wait_gone([pid]) == []
 
 
 def test_terminate_from_heartbeat_stops_the_job_and_the_agent(

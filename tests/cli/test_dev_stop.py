@@ -175,7 +175,7 @@ def test_sigterm_once_make_clean_took_the_services_down_leaves_no_local_machine(
         assert not runner.is_running(), "make dev returned while its runner was still stopping"
         assert machine_processes(home, stack.agent_port) == []
         assert mounts_under(str(home)) == [], "the machines' job areas are still mounted"
-    except AssertionError:
+    except (AssertionError, subprocess.TimeoutExpired):
         print(Path(log.name).read_text(errors="replace")[-5000:])
         raise
     finally:

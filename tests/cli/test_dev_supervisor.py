@@ -202,6 +202,41 @@ def test_ctrl_c_stops_every_program(tmp_path: Path) -> None:
             proc.wait()
 
 
+def test_a_burst_of_stop_signals_still_stops_every_program(tmp_path: Path) -> None:
+    """`make` and the `kill` that stops it each send SIGTERM, a user presses Ctrl-C again: the
+    stop signals come close together. A handler that called Event.set() was entered again inside
+    it by the next signal and waited for its own lock forever (`make dev` never returned)."""
+    # as in `make dev`, whose own handlers come back after the run and ignore what comes late
+    late = "import signal\nfor s in (2, 1, 15):\n    signal.signal(s, signal.SIG_IGN)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", late + SCRIPT],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        started = 0
+        while started < 2:
+            line = proc.stdout.readline()
+            assert line, "the supervisor exited before starting its programs"
+            started += "started" in line
+        # signals all the while (one handler's run inside another's needs a signal to come
+        # while a handler runs: those that come together are handled once, one after the other)
+        until = time.monotonic() + 3
+        with contextlib.suppress(ProcessLookupError):
+            while proc.poll() is None and time.monotonic() < until:
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    os.kill(proc.pid, signum)
+        assert proc.wait(30) == 0, "the supervisor hung in its own signal handler"
+        assert "stopping a, b" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 STUBBORN = """
 import signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like gunicorn waiting out long polls on SIGTERM
