@@ -64,14 +64,26 @@ V4_ADDRESSES = (PUBLIC, PRIVATE, LINK_LOCAL, *(a for a in SIDE_DOORS if ":" not 
 V6_ADDRESSES = tuple(a for a in (*PUBLIC_ADDRESSES, *SIDE_DOORS) if ":" in a)
 _HOST_LINK_LOCAL = "fe80::1"  # this host's end of the veth: the lab's IPv6 gateway back
 
+# Each connection is answered, then closed only once the client has closed its side (or after
+# 5 s): a close with the client's bytes unread sends a RST instead of a FIN (RFC 1122 4.2.2.13),
+# and a RST can overtake the answer on its way through pasta, which would read as "refused".
 SERVER = r"""
 import ipaddress, socket, sys, threading
+def answer(conn):
+    with conn:
+        host, port = conn.getsockname()[:2]
+        conn.sendall(f"LAB:{ipaddress.ip_address(host)}:{port}\n".encode())
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(5)
+        try:
+            while conn.recv(4096):
+                pass
+        except OSError:
+            pass
 def serve(sock):
     while True:
         conn, _ = sock.accept()
-        host, port = conn.getsockname()[:2]
-        conn.sendall(f"LAB:{ipaddress.ip_address(host)}:{port}\n".encode())
-        conn.close()
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
 for port in map(int, sys.argv[1:]):
     for family, any_address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
