@@ -27,9 +27,11 @@ their own (``cgroups = "disabled"``: they stay in the job's, under the machine's
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
+from collections.abc import Sequence
 
 # Where the engine's run-time files and socket live inside the sandbox: a private tmpfs of the job's.
 RUN_DIR = "/run/user/{uid}"
@@ -68,6 +70,18 @@ rootless_storage_path = "{storage}"
 [storage.options.overlay]
 ignore_chown_errors = "true"
 """
+# Image names as Docker reads them (containers-registries.conf(5)): a short name is Docker Hub's
+# (``busybox`` is docker.io/library/busybox; Debian's own file names no registry to search, and
+# Podman refused such names), and a registry on the job's loopback is reached over plain HTTP, as
+# Docker's daemon allows for 127.0.0.0/8, as are those the machine's operator named (the agent's
+# ``--insecure-registry``). A location without a port matches every port of its host (Podman
+# 4.3's prefix match; tests/security/test_containers.py pulls from a random port through it).
+REGISTRIES_CONF = """\
+# Written by the Catacloud agent for this job (catacloud/agent/containers.py).
+unqualified-search-registries = ["docker.io"]
+"""
+INSECURE_REGISTRY = "\n[[registry]]\nlocation = {location}\ninsecure = true\n"
+LOOPBACK_REGISTRIES = ("localhost", "127.0.0.1")
 # `docker` is Podman; `docker compose` is docker-compose against the job's engine.
 DOCKER_SHIM = """\
 #!/bin/sh
@@ -93,11 +107,13 @@ def socket_path(uid: int) -> str:
     return os.path.join(run_dir(uid), SOCKET_NAME)
 
 
-def prepare(work_dir: str, uid: int | None, env: dict[str, str]) -> dict[str, str]:
+def prepare(
+    work_dir: str, uid: int | None, env: dict[str, str], insecure_registries: Sequence[str] = ()
+) -> dict[str, str]:
     """Make the job's engine ready to start (its files in the job's folder, under
     :func:`own_dir`: the caller gives that folder to the job's uid) and return the job's ``env``
     with what it needs (``uid`` None: the agent's own, in a user namespace)."""
-    write_engine_files(work_dir)
+    write_engine_files(work_dir, insecure_registries)
     added = engine_env(uid if uid is not None else os.geteuid(), work_dir)
     return {**env, **added, "PATH": f"{bin_dir(work_dir)}:{env.get('PATH', '')}"}
 
@@ -110,6 +126,7 @@ def engine_env(uid: int, work_dir: str) -> dict[str, str]:
         "XDG_RUNTIME_DIR": run_dir(uid),
         "CONTAINERS_CONF": os.path.join(config_dir(work_dir), "containers.conf"),
         "CONTAINERS_STORAGE_CONF": os.path.join(config_dir(work_dir), "storage.conf"),
+        "CONTAINERS_REGISTRIES_CONF": os.path.join(config_dir(work_dir), "registries.conf"),
     }
 
 
@@ -126,13 +143,17 @@ def bin_dir(work_dir: str) -> str:
     return os.path.join(own_dir(work_dir), "bin")
 
 
-def write_engine_files(work_dir: str) -> None:
+def write_engine_files(work_dir: str, insecure_registries: Sequence[str] = ()) -> None:
     """The engine's settings and the ``docker`` command, in the job's work folder (the job's own:
     it may change them for its own engine)."""
     storage = os.path.join(work_dir, ".local", "share", "containers", "storage")
+    plain_http = dict.fromkeys([*LOOPBACK_REGISTRIES, *insecure_registries])
+    entries = [INSECURE_REGISTRY.format(location=json.dumps(h)) for h in plain_http]  # TOML as JSON
+    registries = REGISTRIES_CONF + "".join(entries)
     files = {
         os.path.join(config_dir(work_dir), "containers.conf"): (CONTAINERS_CONF, 0o644),
         os.path.join(config_dir(work_dir), "storage.conf"): (STORAGE_CONF.format(storage=storage), 0o644),
+        os.path.join(config_dir(work_dir), "registries.conf"): (registries, 0o644),
         os.path.join(bin_dir(work_dir), "docker"): (DOCKER_SHIM, 0o755),
     }
     for path, (text, mode) in files.items():

@@ -122,6 +122,7 @@ class JobRunning:
     network_ahead: bool
     _next_uid: int | None  # the next job's, chosen when its network is made ahead
     _next_allow: tuple[Allow, ...]  # what the last job's machine type allows
+    insecure_registries: tuple[str, ...]  # the operator's registries over plain HTTP (--insecure-registry)
 
     def fatal(self, message: str) -> None:
         raise NotImplementedError
@@ -385,7 +386,7 @@ class JobRunning:
             image_env = image.image.config.env_map() if image is not None else None
             env = self._job_env(job, work_dir, run.token, socket_env, image_env)
             if engine:
-                env = containers.prepare(work_dir, uid, env)
+                env = containers.prepare(work_dir, uid, env, self.insecure_registries)
                 give(containers.own_dir(work_dir), uid)
             return run_job_process(
                 job.command,
