@@ -107,6 +107,7 @@ class Job:
     stage: str
     tags: list[str]
     script: list[str]
+    image: str | None = None  # the job's ``image:`` (.gitlab-ci.yml), for a docker executor
     status: str = "created"
     failure_reason: str | None = None
     runner_id: int | None = None
@@ -286,6 +287,7 @@ class FakeGitLab(FakeForge):
         name: str = "build",
         stage: str = "test",
         ref: str = "main",
+        image: str | None = None,
     ) -> int:
         """A pipeline with one job: created, then pending (each with its Job event)."""
         with self.lock:
@@ -301,6 +303,7 @@ class FakeGitLab(FakeForge):
                 stage=stage,
                 tags=[str(t) for t in tags],
                 script=list(script or ["echo hello from $(uname -n)"]),
+                image=image,
             )
             self.jobs[job.id] = job
             self._event(job)
@@ -497,6 +500,7 @@ class FakeGitLab(FakeForge):
             name=str(body.get("name", "build")),
             stage=str(body.get("stage", "test")),
             ref=str(body.get("ref", "main")),
+            image=str(body["image"]) if body.get("image") else None,
         )
 
     def _job_json(self, job: Job) -> dict[str, Any]:
@@ -833,6 +837,10 @@ class FakeGitLab(FakeForge):
                     "when": "on_success",
                 }
             ],
+            # gitlabhq lib/api/entities/ci/job_request/image.rb: name, entrypoint, ports (and
+            # pull_policy behind a feature flag); ``image`` is null for a job that names none
+            "image": {"name": job.image, "entrypoint": None, "ports": []} if job.image else None,
+            "services": [],
             "fault": runner.fault,
         }
 

@@ -171,7 +171,11 @@ def _runner_config(executor: str) -> str:
         'cache_dir = "%s/cache"',
     ]
     if executor == Executor.DOCKER:
-        lines += ["[runners.docker]", f'image = "{DOCKER_DEFAULT_IMAGE}"']
+        # network_mode "host" (gitlab-runner's [runners.docker] network_mode, its NetworkMode):
+        # the CI job's containers use the job's own network namespace, where every rule of the job
+        # network holds. Docker's default, a bridge, is a network the job's rootless engine cannot
+        # make on these hosts (catacloud/agent/containers.py).
+        lines += ["[runners.docker]", f'image = "{DOCKER_DEFAULT_IMAGE}"', 'network_mode = "host"']
     return "\\n".join(lines) + "\\n"
 
 

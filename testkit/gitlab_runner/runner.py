@@ -22,17 +22,31 @@ The job's environment is what the real executor gives it (:func:`job_env`):
   (``executors/shell/shell.go``: ``Env: os.Environ()``). Whatever the runner was started with
   (``CI_SERVER_TOKEN`` included) reaches the job's script.
 - ``docker``: the job's variables only (``executors/docker/docker.go``: the container's ``Env``
-  is ``prepareContainerEnvVariables()``, the build's variables). This stand-in has no Docker:
-  it runs the script on the machine with that environment (and a PATH), not in a container.
+  is ``prepareContainerEnvVariables()``, the build's variables), in a container of the job's
+  image, through the Docker API at ``$DOCKER_HOST`` (:func:`run_in_container`).
+
+The docker executor, as gitlab-runner's (``executors/docker``): the image is the job's
+``image.name`` (GitLab's job payload, gitlabhq ``lib/api/entities/ci/job_request/image.rb``),
+else the config's ``[runners.docker] image``, else the job fails with "no Docker image specified
+to run the build in" (``executor_docker.go``, ``getImageName``); it is pulled (the default pull
+policy, ``always``), a container is made of it with the job's variables and its build folder,
+started, its output copied to the job's log (demultiplexed, as ``stdcopy.StdCopy``), waited
+for, killed if the job is canceled, and removed. One difference: gitlab-runner attaches to the
+container and writes the script to its shell's stdin (``internal/exec/exec.go``); this stand-in
+gives the container the script as its command, and reads its output with ``logs?follow``. The
+build folder is the job's work folder, bound at the same path (the real runner's builds are in
+a volume at ``builds_dir``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,6 +56,8 @@ import tomllib
 import urllib.error
 import urllib.request
 from typing import Any
+
+from docker_api import Docker, DockerError  # beside this file (the module docstring)
 
 KEEPALIVE = 2.0  # seconds between trace updates while a job runs (the update interval)
 NOT_HEALTHY_WAIT = 300.0  # common/consts.go NotHealthyCheckInterval
@@ -107,8 +123,10 @@ def keep_alive(url: str, job: dict[str, Any], done: threading.Event, canceled: t
             return
 
 
-def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) -> str:
-    """The job's script lines, one shell each, in its build folder: success, failed or canceled."""
+def run_script(
+    url: str, job: dict[str, Any], builds_dir: str, executor: str, docker: dict[str, str] | None = None
+) -> str:
+    """The job's script lines, in its build folder: success, failed or canceled."""
     variables = {v["key"]: v["value"] for v in job.get("variables") or []}
     project = job.get("job_info", {}).get("project_name", "project")
     work = os.path.join(builds_dir, project, str(job["id"]))
@@ -118,6 +136,8 @@ def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) ->
     done, canceled = threading.Event(), threading.Event()
     threading.Thread(target=keep_alive, args=(url, job, done, canceled), daemon=True).start()
     try:
+        if executor == "docker":
+            return run_in_container(job, lines, work, variables, canceled, docker or {})
         for line in lines:
             say(f"$ {line}")
             # in a process group of its own, stopped whole (gitlab-runner ``helpers/process``:
@@ -139,6 +159,72 @@ def run_script(url: str, job: dict[str, Any], builds_dir: str, executor: str) ->
         return "success"
     finally:
         done.set()
+
+
+def run_in_container(
+    job: dict[str, Any],
+    lines: list[str],
+    work: str,
+    variables: dict[str, str],
+    canceled: threading.Event,
+    docker_config: dict[str, str],
+) -> str:
+    """The docker executor (the module docstring): the script in a container of the job's image."""
+    image = (job.get("image") or {}).get("name") or docker_config.get("image", "")
+    network_mode = docker_config.get("network_mode", "")
+    if not image:
+        say("ERROR: Job failed (system failure): no Docker image specified to run the build in")
+        return "failed"
+    docker = Docker(os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock"))
+    script = "set -e\n" + "".join(f"echo {shlex.quote('$ ' + line)}\n{line}\n" for line in lines)
+    container = ""
+    try:
+        say(f"Pulling docker image {image} ...")
+        docker.pull(image)
+        made = docker.call(
+            "POST",
+            f"/containers/create?name=runner-{job['id']}-build",
+            {
+                "Image": image,
+                "Cmd": ["sh", "-c", script],
+                "Env": [f"{k}={v}" for k, v in variables.items()],
+                "WorkingDir": work,
+                "Labels": {
+                    "com.gitlab.gitlab-runner.job.id": str(job["id"]),
+                    "com.gitlab.gitlab-runner.type": "build",
+                },
+                # [runners.docker] network_mode, as is (Docker's default bridge when empty)
+                "HostConfig": {"Binds": [f"{work}:{work}"], "NetworkMode": network_mode},
+            },
+        )
+        container = made["Id"]
+        docker.call("POST", f"/containers/{container}/start")
+        threading.Thread(target=kill_when, args=(docker, container, canceled), daemon=True).start()
+        for piece in docker.output(container):
+            sys.stdout.write(piece.decode(errors="replace"))
+            sys.stdout.flush()
+        code = docker.call("POST", f"/containers/{container}/wait")["StatusCode"]
+    except (DockerError, OSError, KeyError) as exc:
+        say(f"ERROR: Job failed (system failure): {exc}")
+        return "failed"
+    finally:
+        if container:
+            with contextlib.suppress(DockerError, OSError):
+                docker.call("DELETE", f"/containers/{container}?force=1&v=1")
+    if canceled.is_set():
+        say("the job was canceled")
+        return "canceled"
+    if code != 0:
+        say(f"ERROR: Job failed: exit code {code}")
+        return "failed"
+    return "success"
+
+
+def kill_when(docker: Docker, container: str, canceled: threading.Event) -> None:
+    """A canceled job's container is killed (its output then ends)."""
+    canceled.wait()
+    with contextlib.suppress(DockerError, OSError):
+        docker.call("POST", f"/containers/{container}/kill")
 
 
 def run_single(args: argparse.Namespace) -> int:
@@ -186,7 +272,8 @@ def run_single(args: argparse.Namespace) -> int:
             say("hanging as configured")
             while True:
                 time.sleep(3600)
-        result = run_script(url, job, args.builds_dir, args.executor)
+        docker = {"image": args.docker_image, "network_mode": args.network_mode}  # [runners.docker]
+        result = run_script(url, job, args.builds_dir, args.executor, docker)
         if result != "canceled":
             body = {"token": job["token"], "state": result}
             if result == "failed":
@@ -221,6 +308,7 @@ def from_config(args: argparse.Namespace) -> bool:
     args.builds_dir = runner.get("builds_dir") or os.path.join(os.getcwd(), "builds")
     args.cache_dir = runner.get("cache_dir") or os.path.join(os.getcwd(), "cache")
     args.docker_image = (runner.get("docker") or {}).get("image", "")
+    args.network_mode = (runner.get("docker") or {}).get("network_mode", "")
     args.system_id = system_id_beside(args.config) or args.system_id
     return True
 
@@ -249,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     single.add_argument("--builds-dir", default=os.path.join(os.getcwd(), "builds"))
     single.add_argument("--cache-dir", default=os.path.join(os.getcwd(), "cache"))
     single.add_argument("--docker-image", default="")
+    single.add_argument("--docker-network-mode", dest="network_mode", default="")
     single.add_argument("--name", default="")
     single.add_argument("-c", "--config", default=os.environ.get("CONFIG_FILE", ""))
     single.add_argument("-r", "--runner", default="", help="the runner of --config to run")

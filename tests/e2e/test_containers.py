@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from apps.jobs.choices import JOB_LIVE
+from apps.jobs.models import Job, JobLogChunk
 from apps.machines.services import machine_type_update
 from catacloud.agent.containers import engine_path
+from testkit.gitlab_kit import RUNNER_PATH
 from testkit.registry import INSTALL, Registry, build_image, missing_tools, push
 from tests.e2e.conftest import Stack
+from tests.e2e.test_gitlab_ci import GitLabStack, gitlab  # noqa: F401  (the fixture)
 from tests.e2e.test_images import ended, job_config, logs, submit
 
 pytestmark = [
@@ -55,3 +59,51 @@ def test_a_job_on_a_type_that_allows_containers_builds_and_runs_them(
     machine_type_update(machine_type=mt, actor="test", containers=False)
     done = ended(stack, submit(stack, job_config(stack, "no-docker", "docker info")), timeout=120)
     assert done["status"] == "failed", (done, logs(stack, done["id"]))
+
+
+DOCKER_TAGS = ["catacloud", "docker"]
+
+
+def test_gitlabs_docker_executor_runs_each_ci_job_in_its_image(
+    gitlab: GitLabStack,  # noqa: F811
+    registry: Registry,
+) -> None:
+    """A GitLab runner class with ``executor: docker`` on a machine type that allows containers:
+    the stand-in gitlab-runner (testkit/gitlab_runner) pulls each CI job's ``image:`` through the
+    job's own Docker API, runs the job's script in a container of it (its /etc/os-release is the
+    image's), reports the script's exit status, and removes the container."""
+    from apps.gitlab.models import GitLabRunner
+    from apps.gitlab.services import runner_class_save
+
+    fake, stack = gitlab.fake, gitlab.stack
+    mt = stack.world.machine_type
+    allow = [*(mt.network or {}).get("allow", []), registry.host]  # the fake GitLab's, the registry
+    machine_type_update(machine_type=mt, actor="test", containers=True, network={"allow": allow})
+    mt.refresh_from_db()
+    runner_class_save(
+        org=stack.world.org,
+        name="docker",
+        tags=DOCKER_TAGS,
+        machine_type=mt,
+        pool=gitlab.pool,
+        executor="docker",
+        runner_path=RUNNER_PATH,
+    )
+    image = f"{registry.host}/team/busybox:1"
+    passing = fake.queue_job("acme/app", DOCKER_TAGS, ["grep ^ID= /etc/os-release", "pwd"], image=image)
+    failing = fake.queue_job("acme/app", DOCKER_TAGS, ["echo before", "exit 3", "echo never"], image=image)
+    stack.wait(lambda: not fake.unfinished([passing, failing]), 240, "the docker executor's CI jobs")
+
+    def runner_log(ci_job: int) -> str:
+        ours = GitLabRunner.objects.get(gitlab_runner_id=fake.job(ci_job).runner_id)
+        stack.wait(
+            lambda: not Job.objects.filter(pk=ours.job_id, status__in=JOB_LIVE).exists(), 60, "its end"
+        )
+        return "".join(JobLogChunk.objects.filter(job_id=ours.job_id).values_list("data", flat=True))
+
+    text = runner_log(passing)
+    assert fake.job(passing).status == "success", text
+    assert f"Pulling docker image {image}" in text and "ID=catacloud-test" in text, text
+    text = runner_log(failing)
+    assert fake.job(failing).status == "failed", text
+    assert "before" in text and "ERROR: Job failed: exit code 3" in text and "\nnever" not in text, text
