@@ -108,6 +108,7 @@ class Job:
     tags: list[str]
     script: list[str]
     image: str | None = None  # the job's ``image:`` (.gitlab-ci.yml), for a docker executor
+    services: list[dict[str, Any]] = field(default_factory=list)  # its ``services:`` (name, command)
     status: str = "created"
     failure_reason: str | None = None
     runner_id: int | None = None
@@ -288,6 +289,7 @@ class FakeGitLab(FakeForge):
         stage: str = "test",
         ref: str = "main",
         image: str | None = None,
+        services: Iterable[dict[str, Any]] = (),
     ) -> int:
         """A pipeline with one job: created, then pending (each with its Job event)."""
         with self.lock:
@@ -304,6 +306,7 @@ class FakeGitLab(FakeForge):
                 tags=[str(t) for t in tags],
                 script=list(script or ["echo hello from $(uname -n)"]),
                 image=image,
+                services=[dict(service) for service in services],
             )
             self.jobs[job.id] = job
             self._event(job)
@@ -501,6 +504,7 @@ class FakeGitLab(FakeForge):
             stage=str(body.get("stage", "test")),
             ref=str(body.get("ref", "main")),
             image=str(body["image"]) if body.get("image") else None,
+            services=list(body.get("services") or []),
         )
 
     def _job_json(self, job: Job) -> dict[str, Any]:
@@ -840,7 +844,19 @@ class FakeGitLab(FakeForge):
             # gitlabhq lib/api/entities/ci/job_request/image.rb: name, entrypoint, ports (and
             # pull_policy behind a feature flag); ``image`` is null for a job that names none
             "image": {"name": job.image, "entrypoint": None, "ports": []} if job.image else None,
-            "services": [],
+            # gitlabhq lib/api/entities/ci/job_request/service.rb: name, entrypoint, ports, alias,
+            # command, variables
+            "services": [
+                {
+                    "name": service["name"],
+                    "entrypoint": service.get("entrypoint"),
+                    "ports": [],
+                    "alias": service.get("alias"),
+                    "command": service.get("command"),
+                    "variables": service.get("variables") or [],
+                }
+                for service in job.services
+            ],
             "fault": runner.fault,
         }
 

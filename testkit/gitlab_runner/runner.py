@@ -31,7 +31,8 @@ else the config's ``[runners.docker] image``, else the job fails with "no Docker
 to run the build in" (``executor_docker.go``, ``getImageName``); it is pulled (the default pull
 policy, ``always``), a container is made of it with the job's variables and its build folder,
 started, its output copied to the job's log (demultiplexed, as ``stdcopy.StdCopy``), waited
-for, killed if the job is canceled, and removed. One difference: gitlab-runner attaches to the
+for, killed if the job is canceled, and removed; the job's ``services:`` start before it and are
+removed with it (:func:`start_service`). One difference: gitlab-runner attaches to the
 container and writes the script to its shell's stdin (``internal/exec/exec.go``); this stand-in
 gives the container the script as its command, and reads its output with ``logs?follow``. The
 build folder is the job's work folder, bound at the same path (the real runner's builds are in
@@ -177,8 +178,10 @@ def run_in_container(
         return "failed"
     docker = Docker(os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock"))
     script = "set -e\n" + "".join(f"echo {shlex.quote('$ ' + line)}\n{line}\n" for line in lines)
-    container = ""
+    container, services = "", []  # what to remove at the end, whatever happens
     try:
+        for number, service in enumerate(job.get("services") or []):
+            services.append(start_service(docker, job, number, service, variables, network_mode))
         say(f"Pulling docker image {image} ...")
         docker.pull(image)
         made = docker.call(
@@ -208,9 +211,10 @@ def run_in_container(
         say(f"ERROR: Job failed (system failure): {exc}")
         return "failed"
     finally:
-        if container:
-            with contextlib.suppress(DockerError, OSError):
-                docker.call("DELETE", f"/containers/{container}?force=1&v=1")
+        for made_here in [container, *services]:
+            if made_here:
+                with contextlib.suppress(DockerError, OSError):
+                    docker.call("DELETE", f"/containers/{made_here}?force=1&v=1")
     if canceled.is_set():
         say("the job was canceled")
         return "canceled"
@@ -218,6 +222,48 @@ def run_in_container(
         say(f"ERROR: Job failed: exit code {code}")
         return "failed"
     return "success"
+
+
+def start_service(
+    docker: Docker,
+    job: dict[str, Any],
+    number: int,
+    service: dict[str, Any],
+    variables: dict[str, str],
+    network_mode: str,
+) -> str:
+    """One of the job's ``services:``, started before the build container (gitlab-runner's
+    ``executors/docker`` ``createService``): its image pulled, its container made with the job's
+    variables and its own, its ``command``/``entrypoint``, the runner's network mode (with
+    ``host``, the build reaches it on localhost), and started. gitlab-runner then waits for its
+    exposed ports with a helper container (up to ``wait_for_services_timeout``, 30 s); this
+    stand-in waits until the engine says it runs, and the job's script retries its first call."""
+    name = service["name"]
+    say(f"Starting service {name} ...")
+    docker.pull(name)
+    own = {v["key"]: v["value"] for v in service.get("variables") or []}
+    config: dict[str, Any] = {
+        "Image": name,
+        "Env": [f"{k}={v}" for k, v in {**variables, **own}.items()],
+        "Labels": {
+            "com.gitlab.gitlab-runner.job.id": str(job["id"]),
+            "com.gitlab.gitlab-runner.type": "service",
+        },
+        "HostConfig": {"NetworkMode": network_mode},
+    }
+    if service.get("command"):
+        config["Cmd"] = list(service["command"])
+    if service.get("entrypoint"):
+        config["Entrypoint"] = list(service["entrypoint"])
+    made = docker.call("POST", f"/containers/create?name=runner-{job['id']}-service-{number}", config)
+    docker.call("POST", f"/containers/{made['Id']}/start")
+    say("Waiting for services to be up and running ...")
+    deadline = time.monotonic() + 30
+    while not docker.call("GET", f"/containers/{made['Id']}/json")["State"]["Running"]:
+        if time.monotonic() > deadline:
+            raise DockerError(f"service {name} did not start within 30 s")
+        time.sleep(0.2)
+    return str(made["Id"])
 
 
 def kill_when(docker: Docker, container: str, canceled: threading.Event) -> None:

@@ -32,8 +32,14 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     if missing_tools():
         pytest.fail(f"images need {', '.join(missing_tools())}: {INSTALL}")
     work = tmp_path_factory.mktemp("registry")
+
+    def tools(root: Path) -> None:  # what the services' and CI jobs' scripts below use
+        for applet in ("httpd", "wget", "seq", "sleep", "grep", "mkdir"):
+            if not (root / "bin" / applet).exists():
+                (root / "bin" / applet).symlink_to("busybox")
+
     with Registry(work / "registry") as running:
-        push(build_image(work / "img", "1"), f"{running.host}/team/busybox:1")
+        push(build_image(work / "img", "1", prepare=tools), f"{running.host}/team/busybox:1")
         yield running
 
 
@@ -71,7 +77,8 @@ def test_gitlabs_docker_executor_runs_each_ci_job_in_its_image(
     """A GitLab runner class with ``executor: docker`` on a machine type that allows containers:
     the stand-in gitlab-runner (testkit/gitlab_runner) pulls each CI job's ``image:`` through the
     job's own Docker API, runs the job's script in a container of it (its /etc/os-release is the
-    image's), reports the script's exit status, and removes the container."""
+    image's) with its ``services:`` beside it (reached on localhost: the runner's network mode is
+    the job's own network), reports the script's exit status, and removes the containers."""
     from apps.gitlab.models import GitLabRunner
     from apps.gitlab.services import runner_class_save
 
@@ -90,7 +97,16 @@ def test_gitlabs_docker_executor_runs_each_ci_job_in_its_image(
         runner_path=RUNNER_PATH,
     )
     image = f"{registry.host}/team/busybox:1"
-    passing = fake.queue_job("acme/app", DOCKER_TAGS, ["grep ^ID= /etc/os-release", "pwd"], image=image)
+    web = "mkdir -p /www && echo hello-from-a-service > /www/index.html && "
+    web += "exec httpd -f -p 127.0.0.1:18080 -h /www"
+    ask = "for i in $(seq 40); do wget -q -O - http://127.0.0.1:18080/ && break; sleep 0.25; done"
+    passing = fake.queue_job(
+        "acme/app",
+        DOCKER_TAGS,
+        ["grep ^ID= /etc/os-release", ask],
+        image=image,
+        services=[{"name": image, "command": ["sh", "-c", web]}],
+    )
     failing = fake.queue_job("acme/app", DOCKER_TAGS, ["echo before", "exit 3", "echo never"], image=image)
     stack.wait(lambda: not fake.unfinished([passing, failing]), 240, "the docker executor's CI jobs")
 
@@ -104,6 +120,7 @@ def test_gitlabs_docker_executor_runs_each_ci_job_in_its_image(
     text = runner_log(passing)
     assert fake.job(passing).status == "success", text
     assert f"Pulling docker image {image}" in text and "ID=catacloud-test" in text, text
+    assert f"Starting service {image}" in text and "hello-from-a-service" in text, text  # on localhost
     text = runner_log(failing)
     assert fake.job(failing).status == "failed", text
     assert "before" in text and "ERROR: Job failed: exit code 3" in text and "\nnever" not in text, text
