@@ -172,9 +172,10 @@ def _runner_config(executor: str) -> str:
     ]
     if executor == Executor.DOCKER:
         # network_mode "host" (gitlab-runner's [runners.docker] network_mode, its NetworkMode):
-        # the CI job's containers use the job's own network namespace, where every rule of the job
-        # network holds. Docker's default, a bridge, is a network the job's rootless engine cannot
-        # make on these hosts (catacloud/agent/containers.py).
+        # the CI job's containers and services use the job's own network namespace, where every
+        # rule of the job network holds, and services answer on localhost. Docker's default (its
+        # bridge, with links between containers) is Docker's own: Podman's compatible API made a
+        # rootless network of it that needs slirp4netns.
         lines += ["[runners.docker]", f'image = "{DOCKER_DEFAULT_IMAGE}"', 'network_mode = "host"']
     return "\\n".join(lines) + "\\n"
 

@@ -11,10 +11,12 @@ allows user namespaces of its own (``--disable-userns`` is left out; Podman need
 "root" in a container). Nothing else changes: the job's uid is still unprivileged on the machine,
 a container's root is that uid outside, and containers use the job's own network namespace
 (``netns = "host"`` here is the *job's* namespace: every rule of the job network holds for
-them). A compose file's own bridge network would be made by Podman inside that namespace
-(slirp4netns over the machine's ``/dev/net/tun``, which such a job gets), so it would leave
-through the job's rules too; under Podman 4.3.1 it does not start (its rootless network namespace
-fails to mount its resolv.conf): compose services use ``network_mode: host``.
+them). A network the job makes (``docker network create``, a compose file's, the GitHub
+runner's) lives in Podman's rootless network namespace, made inside the job's, whose only way out
+is slirp4netns (over the machine's ``/dev/net/tun``, which such a job gets), a process of the
+job's in the job's namespace: it leaves through the job's rules too. It needs ``slirp4netns`` and
+``iptables`` (netavark's firewall inside that namespace), the job's resolv.conf bound from a
+file that exists (catacloud/agent/sandbox.py) and :data:`CNI_DIR`.
 
 Why Podman: it runs without a daemon of root's and without subordinate uid ranges (one uid
 mapped: the job's; image files of other owners become the job's, ``ignore_chown_errors``), and
@@ -27,6 +29,7 @@ their own (``cgroups = "disabled"``: they stay in the job's, under the machine's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -82,6 +85,10 @@ unqualified-search-registries = ["docker.io"]
 """
 INSECURE_REGISTRY = "\n[[registry]]\nlocation = {location}\ninsecure = true\n"
 LOOPBACK_REGISTRIES = ("localhost", "127.0.0.1")
+# Podman's rootless bridge networks bind a folder of theirs over /var/lib/cni, or over its nearest
+# existing parent (libpod networking_linux.go, RootlessNetNS.Do): over /var/lib, which would hide
+# /var/lib/catacloud (the job's folder, its engine's network settings) from the network's set-up.
+CNI_DIR = "/var/lib/cni"
 # `docker` is Podman; `docker compose` is docker-compose against the job's engine.
 DOCKER_SHIM = """\
 #!/bin/sh
@@ -114,6 +121,8 @@ def prepare(
     :func:`own_dir`: the caller gives that folder to the job's uid) and return the job's ``env``
     with what it needs (``uid`` None: the agent's own, in a user namespace)."""
     write_engine_files(work_dir, insecure_registries)
+    with contextlib.suppress(OSError):  # see CNI_DIR
+        os.makedirs(CNI_DIR, mode=0o755, exist_ok=True)
     added = engine_env(uid if uid is not None else os.geteuid(), work_dir)
     return {**env, **added, "PATH": f"{bin_dir(work_dir)}:{env.get('PATH', '')}"}
 
@@ -133,6 +142,11 @@ def engine_env(uid: int, work_dir: str) -> dict[str, str]:
 def own_dir(work_dir: str) -> str:
     """What the agent writes for the engine in the job's folder (settings, the ``docker`` command)."""
     return os.path.join(work_dir, ".catacloud")
+
+
+def resolver_file(work_dir: str) -> str:
+    """The job's /etc/resolv.conf, a file in its folder (see :func:`write_engine_files`)."""
+    return os.path.join(own_dir(work_dir), "resolv.conf")
 
 
 def config_dir(work_dir: str) -> str:

@@ -60,7 +60,16 @@ _Dumper.add_representer(str, _str)
 # unpack jobs' images (catacloud/agent/images.py).
 PACKAGES = ("python3-venv", "passt", "nftables", "skopeo", "umoci")
 # A job's container engine (catacloud/agent/containers.py), on machine types that allow containers.
-CONTAINER_PACKAGES = ("podman", "crun", "docker-compose", "netavark", "aardvark-dns")
+# slirp4netns and iptables: the networks a job makes (catacloud/agent/containers.py)
+CONTAINER_PACKAGES = (
+    "podman",
+    "crun",
+    "docker-compose",
+    "netavark",
+    "aardvark-dns",
+    "slirp4netns",
+    "iptables",
+)
 
 
 def render_user_data(

@@ -146,7 +146,9 @@ def test_only_spot_machines_of_a_provider_with_notices_watch_for_them() -> None:
 
 def test_a_containers_machine_installs_the_jobs_engine_and_no_other_does() -> None:
     packages = render(containers=True)["packages"]
-    assert {"podman", "crun", "docker-compose", "netavark", "aardvark-dns"} <= set(packages)
+    assert {"podman", "crun", "docker-compose", "netavark", "aardvark-dns", "slirp4netns", "iptables"} <= set(
+        packages
+    )
     assert "podman" not in render()["packages"]  # a type without the setting gets no engine
     spec = MachineSpec(
         instance_id="1",

@@ -143,6 +143,33 @@ def test_a_container_reaches_the_internet_and_nothing_the_job_may_not(
     assert service.secret not in output
 
 
+def test_a_container_on_a_network_of_the_jobs_reaches_the_internet_and_nothing_else(
+    ct: Lab, lab: netlab.Lab, service: Service
+) -> None:
+    """A network the job makes (``docker network create``, a compose file's, the GitHub runner's):
+    its containers sit in Podman's rootless network namespace, whose only way out is slirp4netns,
+    a process of the job's in the job's own namespace (its --disable-host-loopback set): every
+    rule of the job network holds for what they send. Their names resolve on the network."""
+    targets = {
+        "internet": f"{PUBLIC}:8080",
+        "lan": f"{PRIVATE}:8080",
+        "metadata range": f"{LINK_LOCAL}:8080",
+        "host loopback": f"127.0.0.1:{service.port}",
+        "the registry on the job's loopback": ct.registry.host,
+    }
+    command = (
+        f"docker network create mine >/dev/null && docker run --rm --network mine {ct.image} "
+        f"sh -c {shlex.quote(CONTAINER_PROBE)} sh " + " ".join(targets.values())
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    seen = container_tries(output)
+    assert seen[targets["internet"]] == "open", output
+    for name in ("lan", "metadata range", "host loopback", "the registry on the job's loopback"):
+        assert seen[targets[name]] == "closed", f"{name}: {output}"
+    assert service.secret not in output
+
+
 def test_a_service_container_answers_the_job(ct: Lab) -> None:
     """What CI's ``services:`` are: a container started in the background that the job's steps
     talk to (on the job's own loopback: containers share its namespace)."""
@@ -242,26 +269,23 @@ COMPOSE = """\
 services:
   web:
     image: {image}
-    network_mode: host
     command: ["httpd", "-f", "-p", "8080", "-h", "/srv"]
     volumes: ["./site:/srv"]
   client:
     image: {image}
-    network_mode: host
     depends_on: [web]
     command:
       - sh
       - -c
-      - for i in $$(seq 10); do wget -q -O - http://127.0.0.1:8080/ && exit 0; sleep 0.5; done; exit 1
+      - for i in $$(seq 20); do wget -q -O - http://web:8080/ && exit 0; sleep 0.5; done; exit 1
 """
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose here")
 def test_docker_compose_runs_a_service_the_job_s_other_container_reaches(ct: Lab) -> None:
     """``docker compose`` (Debian's docker-compose against the job's engine): a service and a
-    client of it, both in the job's own network namespace (``network_mode: host``). A compose
-    file's own bridge network does not start under Podman 4.3 in a job (its rootless network
-    namespace fails to mount its resolv.conf): SECURITY.md and the guide say so."""
+    client of it on the compose file's own network, the client reaching the service by its name
+    (the network's DNS, aardvark-dns)."""
     command = (
         "mkdir -p site && echo hello-from-a-compose-service > site/index.html && "
         f"printf %s {shlex.quote(COMPOSE.format(image=ct.image))} > docker-compose.yml && "
