@@ -152,6 +152,8 @@ class Job:
     name: str
     labels: list[str]
     steps: list[str]
+    container: str | None = None  # the job's ``container:`` image (its steps run in it)
+    services: dict[str, str] = field(default_factory=dict)  # ``services:``, name -> image
     status: str = "queued"
     conclusion: str | None = None
     runner_id: int | None = None
@@ -346,6 +348,8 @@ class FakeGitHub(FakeForge):
         workflow: str = "CI",
         name: str = "build",
         installation_id: int | None = None,
+        container: str | None = None,
+        services: dict[str, str] | None = None,
     ) -> int:
         """A workflow run with one queued job (its ``workflow_job.queued`` delivery is sent)."""
         with self.lock:
@@ -363,6 +367,8 @@ class FakeGitHub(FakeForge):
                 name=name,
                 labels=list(labels),
                 steps=list(steps or ["echo hello from $(uname -n)"]),
+                container=container,
+                services=dict(services or {}),
             )
             self.runs[run_id] = {"id": run_id, "name": workflow, "repository": repository, "run_attempt": 1}
             self.jobs[job.id] = job
@@ -550,6 +556,8 @@ class FakeGitHub(FakeForge):
             list(body.get("steps") or []) or None,
             workflow=str(body.get("workflow", "CI")),
             name=str(body.get("name", "build")),
+            container=body.get("container"),
+            services=body.get("services"),
         )
 
     def _job_json(self, job: Job) -> dict[str, Any]:
@@ -939,6 +947,11 @@ class FakeGitHub(FakeForge):
                                 "name": job.name,
                                 "repository": job.repository,
                                 "steps": job.steps,
+                                # the workflow's job container and service containers (what
+                                # the real runner gets in its job message's JobContainer and
+                                # JobServiceContainers)
+                                "container": job.container,
+                                "services": job.services,
                             }
                         }
                     remaining = deadline - time.time()

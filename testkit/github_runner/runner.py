@@ -15,6 +15,7 @@ import argparse
 import base64
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -51,6 +52,8 @@ def call(
 def run_steps(job: dict[str, Any]) -> str:
     work = os.path.join(os.getcwd(), "_work", str(job["id"]))
     os.makedirs(work, exist_ok=True)
+    if job.get("container") or job.get("services"):
+        return run_in_containers(job, work)
     for number, step in enumerate(job.get("steps") or [], start=1):
         say(f"step {number}: {step}")
         code = subprocess.call(["/bin/sh", "-c", step], cwd=work)
@@ -58,6 +61,98 @@ def run_steps(job: dict[str, Any]) -> str:
             say(f"step {number} failed with exit code {code}")
             return "failure"
     return "success"
+
+
+class DockerFailed(Exception):
+    pass
+
+
+def docker(*args: str) -> str:
+    """One ``docker`` command, as the real runner runs them (src/Runner.Worker/Container/
+    DockerCommandManager.cs: the docker CLI, never the API directly); its output, stripped."""
+    done = subprocess.run(["docker", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DockerFailed(f"docker {args[0]} failed with exit code {done.returncode}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def run_in_containers(job: dict[str, Any], work: str) -> str:
+    """A job with ``container:`` (and ``services:``), as actions/runner runs it
+    (src/Runner.Worker/ContainerOperationProvider.cs): a network of the job's own
+    (``docker network create github_network_<guid>``); each service pulled, created on it with its
+    name as network alias, started; the job container pulled, created on it with the work folder
+    mounted at ``/__w`` and ``tail -f /dev/null`` as its entrypoint, started; each step run in it
+    with ``docker exec``; at the end every container removed (``docker rm --force``) and the
+    network too. The real runner also runs services without a job container (reached through
+    published ``ports:``); this stand-in does not."""
+    if not job.get("container"):
+        say("services without a job container need ports: mappings, which this stand-in does not do")
+        return "failure"
+    guid = secrets.token_hex(16)
+    network, label = f"github_network_{guid}", f"catacloud-standin-{guid[:8]}"
+    made: list[str] = []
+    try:
+        say("Create local container network")
+        docker("network", "create", "--label", label, network)
+        for name, image in (job.get("services") or {}).items():
+            say(f"Starting service container {name} ({image})")
+            docker("pull", image)
+            made.append(
+                docker(
+                    "create",
+                    "--name",
+                    f"{name}_{guid[:6]}",
+                    "--label",
+                    label,
+                    "--network",
+                    network,
+                    "--network-alias",
+                    name,
+                    image,
+                )
+            )
+            docker("start", made[-1])
+        image = job["container"]
+        say(f"Starting job container ({image})")
+        docker("pull", image)
+        made.append(
+            docker(
+                "create",
+                "--name",
+                f"{guid}_job",
+                "--label",
+                label,
+                "--workdir",
+                "/__w",
+                "--network",
+                network,
+                "-v",
+                f"{work}:/__w",
+                "--entrypoint",
+                "tail",
+                image,
+                "-f",
+                "/dev/null",
+            )
+        )
+        docker("start", made[-1])
+        for number, step in enumerate(job.get("steps") or [], start=1):
+            say(f"step {number}: {step}")
+            code = subprocess.call(
+                ["docker", "exec", "-i", "--workdir", "/__w", made[-1], "sh", "-e", "-c", step]
+            )
+            if code != 0:
+                say(f"step {number} failed with exit code {code}")
+                return "failure"
+        return "success"
+    except DockerFailed as exc:
+        say(f"##[error]{exc}")
+        return "failure"
+    finally:
+        say("Stop and remove the containers, remove the network")
+        for container in made:
+            subprocess.run(["docker", "rm", "--force", container], capture_output=True)
+        subprocess.run(["docker", "network", "rm", network], capture_output=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from catacloud.agent.containers import engine_path
 from testkit.gitlab_kit import RUNNER_PATH
 from testkit.registry import INSTALL, Registry, build_image, missing_tools, push
 from tests.e2e.conftest import Stack
+from tests.e2e.test_github_actions import LABELS, GitHubStack, github  # noqa: F401  (the fixture)
 from tests.e2e.test_gitlab_ci import GitLabStack, gitlab  # noqa: F401  (the fixture)
 from tests.e2e.test_images import ended, job_config, logs, submit
 
@@ -34,12 +35,17 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     work = tmp_path_factory.mktemp("registry")
 
     def tools(root: Path) -> None:  # what the services' and CI jobs' scripts below use
-        for applet in ("httpd", "wget", "seq", "sleep", "grep", "mkdir"):
+        for applet in ("httpd", "wget", "seq", "sleep", "grep", "mkdir", "tail"):
             if not (root / "bin" / applet).exists():
                 (root / "bin" / applet).symlink_to("busybox")
 
+    page = {"www/index.html": b"hello-from-a-service-image\n"}
+    httpd = ("httpd", "-f", "-p", "80", "-h", "/www")  # a service image's own command, as nginx's
     with Registry(work / "registry") as running:
         push(build_image(work / "img", "1", prepare=tools), f"{running.host}/team/busybox:1")
+        push(
+            build_image(work / "web", "1", prepare=tools, files=page, cmd=httpd), f"{running.host}/team/web:1"
+        )
         yield running
 
 
@@ -124,3 +130,32 @@ def test_gitlabs_docker_executor_runs_each_ci_job_in_its_image(
     text = runner_log(failing)
     assert fake.job(failing).status == "failed", text
     assert "before" in text and "ERROR: Job failed: exit code 3" in text and "\nnever" not in text, text
+
+
+def test_github_container_and_services_jobs_run_in_their_images_on_a_network_of_their_own(
+    github: GitHubStack,  # noqa: F811
+    registry: Registry,
+) -> None:
+    """A workflow job with ``container:`` and ``services:`` on a runner class whose machine type
+    allows containers: the stand-in runner does what actions/runner does with the job's Docker
+    (testkit/github_runner): a network of the job's own, the service on it under its name, the job
+    container on it, every step run in that container with ``docker exec``, all removed after."""
+    from apps.github.models import Runner
+
+    fake, stack = github.fake, github.stack
+    mt = stack.world.machine_type
+    allow = [*(mt.network or {}).get("allow", []), registry.host]  # the fake GitHub's, the registry
+    machine_type_update(machine_type=mt, actor="test", containers=True, network={"allow": allow})
+    image = f"{registry.host}/team/busybox:1"
+    steps = [
+        "grep ^ID= /etc/os-release",
+        "for i in $(seq 40); do wget -q -O - http://web/ && break; sleep 0.25; done",  # by its name
+    ]
+    service = f"{registry.host}/team/web:1"
+    job = fake.queue_job("acme/app", LABELS, steps, container=image, services={"web": service}, name="in-one")
+    stack.wait(lambda: github.all_completed([job]), 240, "the container workflow job")
+    runner = Runner.objects.get(name=fake.job(job).runner_name)
+    stack.wait(lambda: not Job.objects.filter(pk=runner.job_id, status__in=JOB_LIVE).exists(), 60, "its end")
+    text = "".join(JobLogChunk.objects.filter(job_id=runner.job_id).values_list("data", flat=True))
+    assert fake.job(job).conclusion == "success", text
+    assert "ID=catacloud-test" in text and "hello-from-a-service-image" in text, text
