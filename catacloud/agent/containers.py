@@ -89,13 +89,22 @@ LOOPBACK_REGISTRIES = ("localhost", "127.0.0.1")
 # existing parent (libpod networking_linux.go, RootlessNetNS.Do): over /var/lib, which would hide
 # /var/lib/catacloud (the job's folder, its engine's network settings) from the network's set-up.
 CNI_DIR = "/var/lib/cni"
-# `docker` is Podman; `docker compose` is docker-compose against the job's engine.
+# `docker` is Podman; `docker compose` is docker-compose against the job's engine. `docker rm`
+# kills a running container it is forced to remove at once, as Docker's does ("--force: uses
+# SIGKILL", docker rm's reference); Podman's first sends the stop signal and waits its stop
+# timeout, 10 s for a PID 1 that ignores SIGTERM (the GitHub runner's `docker rm --force` of each
+# service and job container paid it).
 DOCKER_SHIM = """\
 #!/bin/sh
 # The job's Docker is its own rootless Podman (catacloud/agent/containers.py).
 if [ "$1" = compose ]; then
     shift
     exec docker-compose "$@"
+fi
+if [ "$1" = rm ] || { [ "$1" = container ] && [ "$2" = rm ]; }; then
+    [ "$1" = container ] && shift
+    shift
+    exec podman rm --time 0 "$@"
 fi
 exec podman "$@"
 """

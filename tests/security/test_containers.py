@@ -184,6 +184,20 @@ def test_a_service_container_answers_the_job(ct: Lab) -> None:
     assert "hello-from-a-service" in output
 
 
+def test_docker_rm_force_kills_at_once_as_dockers_does(ct: Lab) -> None:
+    """``docker rm --force`` sends SIGKILL and nothing else (Docker's reference for ``rm``);
+    Podman's sent SIGTERM first and waited 10 s for a container that ignores it."""
+    trap = "trap 'echo got-term >> /shared/signals' TERM; while true; do sleep 0.1; done"
+    command = (
+        f'mkdir -p shared && docker run -d --name c -v "$PWD/shared:/shared" {ct.image} sh -c '
+        f"{shlex.quote(trap)} >/dev/null && sleep 1 && docker rm --force c >/dev/null && "
+        "docker container ls -a --format '{{.Names}}' | grep -c . ; cat shared/signals 2>/dev/null; echo end"
+    )
+    finished, output = ct.run(command, containers=True)
+    assert finished["outcome"] == "succeeded", output
+    assert "got-term" not in output and output.strip().splitlines()[-2:] == ["0", "end"], output
+
+
 def test_the_docker_api_answers_at_docker_host_and_the_usual_socket(ct: Lab) -> None:
     command = (
         "echo host=$DOCKER_HOST; "
