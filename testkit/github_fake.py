@@ -947,9 +947,10 @@ class FakeGitHub(FakeForge):
                                 "name": job.name,
                                 "repository": job.repository,
                                 "steps": job.steps,
-                                # the workflow's job container and service containers (what
-                                # the real runner gets in its job message's JobContainer and
-                                # JobServiceContainers)
+                                # the workflow's job container and service containers (the
+                                # real runner gets mappings in its job message, JobContainer and
+                                # JobServiceContainers: image, options, env, ports, ...; only
+                                # the image here)
                                 "container": job.container,
                                 "services": job.services,
                             }

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -41,6 +42,15 @@ ENROLMENT_ENV = "CATACLOUD_ENROLMENT_TOKEN"
 
 
 # -- commands -----------------------------------------------------------------------------------
+
+
+def registry_host(text: str) -> str:
+    """``--insecure-registry``: ``HOST[:PORT]``, lowercased, as skopeo and each containers job's
+    registries.conf take it (a scheme or a path there broke every Podman command of such jobs)."""
+    value = text.strip().lower()
+    if not re.fullmatch(r"(\[[0-9a-f:]+\]|[a-z0-9]([a-z0-9.-]*[a-z0-9])?)(:[0-9]{1,5})?", value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HOST[:PORT], e.g. mirror.internal:5000")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -350,6 +360,7 @@ def _agent_options(agent: argparse.ArgumentParser) -> None:
     agent.add_argument(
         "--insecure-registry",
         action="append",
+        type=registry_host,
         metavar="HOST[:PORT]",
         help="a registry reached over plain HTTP (repeatable; one on this machine's loopback always is)",
     )

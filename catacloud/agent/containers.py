@@ -36,6 +36,8 @@ import shlex
 import shutil
 from collections.abc import Sequence
 
+from catacloud.agent.netns import resolv_conf
+
 # Where the engine's run-time files and socket live inside the sandbox: a private tmpfs of the job's.
 RUN_DIR = "/run/user/{uid}"
 SOCKET_NAME = "docker.sock"
@@ -104,7 +106,12 @@ fi
 if [ "$1" = rm ] || { [ "$1" = container ] && [ "$2" = rm ]; }; then
     [ "$1" = container ] && shift
     shift
-    exec podman rm --time 0 "$@"
+    for a in "$@"; do
+        case "$a" in
+            --force|--force=true|-[!-]*f*) exec podman rm --time 0 "$@" ;;  # (Podman: --time needs it)
+        esac
+    done
+    exec podman rm "$@"
 fi
 exec podman "$@"
 """
@@ -154,7 +161,9 @@ def own_dir(work_dir: str) -> str:
 
 
 def resolver_file(work_dir: str) -> str:
-    """The job's /etc/resolv.conf, a file in its folder (see :func:`write_engine_files`)."""
+    """The job's /etc/resolv.conf, a file in its folder, written with the engine's other files
+    (before the folder is the job's): the sandbox binds it (catacloud/agent/sandbox.py), since
+    Podman's networks mount over /etc/resolv.conf, which a file bound from a deleted one refuses."""
     return os.path.join(own_dir(work_dir), "resolv.conf")
 
 
@@ -177,6 +186,7 @@ def write_engine_files(work_dir: str, insecure_registries: Sequence[str] = ()) -
         os.path.join(config_dir(work_dir), "containers.conf"): (CONTAINERS_CONF, 0o644),
         os.path.join(config_dir(work_dir), "storage.conf"): (STORAGE_CONF.format(storage=storage), 0o644),
         os.path.join(config_dir(work_dir), "registries.conf"): (registries, 0o644),
+        resolver_file(work_dir): (resolv_conf().decode(), 0o644),  # the job's, see resolver_file
         os.path.join(bin_dir(work_dir), "docker"): (DOCKER_SHIM, 0o755),
     }
     for path, (text, mode) in files.items():

@@ -539,9 +539,6 @@ class BubblewrapLauncher:
         fds = [memfd(passwd), memfd(group)]
         if self.egress.mode == "pasta":
             fds.append(memfd(resolv_conf()))
-            if place.containers:  # (see _options)
-                with open(containers.resolver_file(place.work_dir), "wb") as fh:
-                    fh.write(resolv_conf())
         fds.append(memfd(env_script(env)))
         resolver = fds[2] if len(fds) > 3 else None
         ready = self._take_network(place) if self.egress.mode == "pasta" else None
@@ -667,9 +664,9 @@ class BubblewrapLauncher:
         if place.socket_path:
             bind("--bind", place.socket_path, SANDBOX_SOCKET)
         if resolver is not None and place.containers:
-            # from a file that exists: Podman's bridge networks mount over /etc/resolv.conf, and
-            # the kernel refuses a mount on a file bound from a deleted one (ENOENT; bubblewrap's
-            # --ro-bind-data binds a deleted temporary file)
+            # from a file that exists (containers.resolver_file): Podman's networks mount over
+            # /etc/resolv.conf, and the kernel refuses a mount on a file bound from a deleted one
+            # (ENOENT; bubblewrap's --ro-bind-data binds a deleted temporary file)
             bind("--ro-bind", containers.resolver_file(place.work_dir), _resolv_conf_path())
         elif resolver is not None:  # the job's DNS goes to its own namespace's resolver address
             bind("--ro-bind-data", str(resolver), _resolv_conf_path(), perms="0644")

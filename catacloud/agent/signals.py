@@ -15,6 +15,7 @@ it, where taking locks is safe.
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal
 import threading
@@ -36,7 +37,10 @@ def handle_signals(signums: Iterable[signal.Signals], on_signal: Callable[[int],
 
     def relay() -> None:
         while (signum := received.get()) is not None:
-            on_signal(signum)
+            try:
+                on_signal(signum)
+            except Exception:  # the next signal must still be acted on
+                logging.getLogger("catacloud").exception("acting on signal %s", signum)
 
     threading.Thread(target=relay, name="signals", daemon=True).start()
     previous: dict[signal.Signals, Any] = {signum: signal.signal(signum, handler) for signum in signums}

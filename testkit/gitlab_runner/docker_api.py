@@ -63,7 +63,7 @@ class Docker:
         """``POST /images/create``: its answer is a stream of JSON progress lines, an error among
         them when the pull failed (the status stays 200)."""
         name, tag = split_tag(image)
-        query = urllib.parse.urlencode({"fromImage": name, "tag": tag})
+        query = urllib.parse.urlencode({"fromImage": name, **({"tag": tag} if tag else {})})
         for line in self._open("POST", f"/images/create?{query}").read().splitlines():
             if line.strip() and "error" in (event := json.loads(line)):
                 raise DockerError(f"pulling {image}: {event['error']}")
@@ -80,7 +80,10 @@ class Docker:
 
 
 def split_tag(image: str) -> tuple[str, str]:
-    """``registry:5000/team/app:1`` -> (``registry:5000/team/app``, ``1``); no tag: ``latest``."""
+    """``registry:5000/team/app:1`` -> (``registry:5000/team/app``, ``1``); no tag: ``latest``;
+    a digest (``app@sha256:…``) is the name whole, its tag empty (fromImage takes it so)."""
+    if "@" in image:
+        return image, ""
     name, _, tag = image.rpartition(":")
     if not name or "/" in tag:
         return image, "latest"

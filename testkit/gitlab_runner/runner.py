@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -181,7 +182,7 @@ def run_in_container(
     container, services = "", []  # what to remove at the end, whatever happens
     try:
         for number, service in enumerate(job.get("services") or []):
-            services.append(start_service(docker, job, number, service, variables, network_mode))
+            start_service(docker, job, number, service, variables, network_mode, services)
         say(f"Pulling docker image {image} ...")
         docker.pull(image)
         made = docker.call(
@@ -207,7 +208,7 @@ def run_in_container(
             sys.stdout.write(piece.decode(errors="replace"))
             sys.stdout.flush()
         code = docker.call("POST", f"/containers/{container}/wait")["StatusCode"]
-    except (DockerError, OSError, KeyError) as exc:
+    except (DockerError, OSError, KeyError, ValueError, http.client.HTTPException) as exc:
         say(f"ERROR: Job failed (system failure): {exc}")
         return "failed"
     finally:
@@ -231,13 +232,15 @@ def start_service(
     service: dict[str, Any],
     variables: dict[str, str],
     network_mode: str,
-) -> str:
+    made: list[str],
+) -> None:
     """One of the job's ``services:``, started before the build container (gitlab-runner's
     ``executors/docker`` ``createService``): its image pulled, its container made with the job's
     variables and its own, its ``command``/``entrypoint``, the runner's network mode (with
     ``host``, the build reaches it on localhost), and started. gitlab-runner then waits for its
     exposed ports with a helper container (up to ``wait_for_services_timeout``, 30 s); this
-    stand-in waits until the engine says it runs, and the job's script retries its first call."""
+    stand-in waits until the engine says it runs, and the job's script retries its first call.
+    Its id goes to ``made`` once it exists (removed at the job's end, started or not)."""
     name = service["name"]
     say(f"Starting service {name} ...")
     docker.pull(name)
@@ -255,15 +258,17 @@ def start_service(
         config["Cmd"] = list(service["command"])
     if service.get("entrypoint"):
         config["Entrypoint"] = list(service["entrypoint"])
-    made = docker.call("POST", f"/containers/create?name=runner-{job['id']}-service-{number}", config)
-    docker.call("POST", f"/containers/{made['Id']}/start")
+    container = str(
+        docker.call("POST", f"/containers/create?name=runner-{job['id']}-service-{number}", config)["Id"]
+    )
+    made.append(container)
+    docker.call("POST", f"/containers/{container}/start")
     say("Waiting for services to be up and running ...")
     deadline = time.monotonic() + 30
-    while not docker.call("GET", f"/containers/{made['Id']}/json")["State"]["Running"]:
+    while not docker.call("GET", f"/containers/{container}/json")["State"]["Running"]:
         if time.monotonic() > deadline:
             raise DockerError(f"service {name} did not start within 30 s")
         time.sleep(0.2)
-    return str(made["Id"])
 
 
 def kill_when(docker: Docker, container: str, canceled: threading.Event) -> None:

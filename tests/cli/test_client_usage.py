@@ -178,3 +178,16 @@ def test_durations_and_labels_as_hosts_commands_take_them() -> None:
     )
     assert (parsed.label, parsed.uses, parsed.ttl) == (["a=1", "b=2"], 3, "24h")
     assert build_parser().parse_args(["hosts", "cordon", "rack-1", "--drain", "10m"]).drain == "10m"
+
+
+def test_the_agent_refuses_an_insecure_registry_that_is_not_host_and_port(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each containers job's registries.conf lists these: a scheme or a path there broke every
+    Podman command of such jobs. The agent says so at its start instead."""
+    code, _, err = _run(capsys, "agent", "--url", "http://x", "--insecure-registry", "http://mirror:5000")
+    assert code == 2 and "expected HOST[:PORT]" in err
+    args = build_parser().parse_args(
+        ["agent", "--url", "http://x", "--insecure-registry", "Mirror.Internal:5000"]
+    )
+    assert args.insecure_registry == ["mirror.internal:5000"]
