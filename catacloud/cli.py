@@ -175,8 +175,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     agent_port = int(os.environ.get("AGENT_PORT", str(port + 1)))
     home = embedded.catacloud_home()
     home.mkdir(parents=True, exist_ok=True)
-    _local_network_note(home)
-    _images_note()
+    _tool_notes(home)
     lock = _dev_lock(home)  # held until this process ends, however it ends
     if lock is None:
         return 1
@@ -504,6 +503,32 @@ def _images_note() -> None:
     why = find_tools()
     if isinstance(why, str):
         print(f"catacloud: jobs with an image will fail here: {why}", flush=True)
+
+
+def _tool_notes(home: Path) -> None:
+    """What this host lacks for local machines' jobs (their network, images, containers): each
+    said with the line that installs it."""
+    _local_network_note(home)
+    _images_note()
+    if (note := containers_note()) is not None:
+        print(note, flush=True)
+
+
+def containers_note() -> str | None:
+    """Jobs of machine types with ``containers: true`` need Podman on this host (local machines
+    use its tools), and the networks they make slirp4netns and iptables: what is missing, in the
+    one line that installs it (None: nothing is)."""
+    from catacloud.agent import containers
+
+    missing = [
+        tool for tool in containers.HOST_TOOLS if shutil.which(tool, path=containers.SYSTEM_PATH) is None
+    ]
+    if not missing:
+        return None
+    return (
+        f"catacloud: jobs of machine types with containers: true will fail here (no {', '.join(missing)}): "
+        f"apt-get install {' '.join(containers.HOST_PACKAGES)}"
+    )
 
 
 def dev_started_at(environ: Mapping[str, str]) -> float:

@@ -117,9 +117,16 @@ exec podman "$@"
 """
 
 
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What a machine needs (Debian's packages): the engine, its runtime, compose, and for the networks
+# a job makes netavark, aardvark-dns, slirp4netns and iptables.
+HOST_TOOLS = ("podman", "crun", "docker-compose", "slirp4netns", "iptables")
+HOST_PACKAGES = ("podman", "crun", "docker-compose", "netavark", "aardvark-dns", "slirp4netns", "iptables")
+
+
 def engine_path() -> str | None:
     """Podman on this machine, or None (the machine cannot give jobs containers)."""
-    return shutil.which("podman", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return shutil.which("podman", path=SYSTEM_PATH)
 
 
 def run_dir(uid: int) -> str:

@@ -427,7 +427,7 @@ class JobRunning:
         if containers.engine_path() is None:
             return (
                 "its machine type allows containers, but this machine has no podman "
-                "(apt-get install podman crun docker-compose slirp4netns iptables)"
+                f"(apt-get install {' '.join(containers.HOST_PACKAGES)})"
             )
         return None
 

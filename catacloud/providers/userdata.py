@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from catacloud.agent.containers import HOST_PACKAGES
+
 VENV = "/opt/catacloud"
 TOKEN_FILE = "/etc/catacloud/bootstrap-token"
 # The agent's enrollment (root-only): a restarted agent resumes instead of enrolling again.
@@ -59,17 +61,8 @@ _Dumper.add_representer(str, _str)
 # (catacloud/agent/netns.py); without them jobs get no network at all. skopeo and umoci pull and
 # unpack jobs' images (catacloud/agent/images.py).
 PACKAGES = ("python3-venv", "passt", "nftables", "skopeo", "umoci")
-# A job's container engine (catacloud/agent/containers.py), on machine types that allow containers.
-# slirp4netns and iptables: the networks a job makes (catacloud/agent/containers.py)
-CONTAINER_PACKAGES = (
-    "podman",
-    "crun",
-    "docker-compose",
-    "netavark",
-    "aardvark-dns",
-    "slirp4netns",
-    "iptables",
-)
+# A job's container engine and its networks, on machine types that allow containers.
+CONTAINER_PACKAGES = HOST_PACKAGES  # catacloud/agent/containers.py
 
 
 def render_user_data(

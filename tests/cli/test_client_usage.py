@@ -191,3 +191,25 @@ def test_the_agent_refuses_an_insecure_registry_that_is_not_host_and_port(
         ["agent", "--url", "http://x", "--insecure-registry", "Mirror.Internal:5000"]
     )
     assert args.insecure_registry == ["mirror.internal:5000"]
+
+
+def test_make_dev_names_the_line_that_installs_what_containers_need(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A host without Podman (or the networks' slirp4netns and iptables): `make dev` says which
+    tools are missing and the one line that installs them, before a containers job fails."""
+    import shutil
+
+    from catacloud.agent import containers
+    from catacloud.cli import containers_note
+
+    everything_here = all(shutil.which(t, path=containers.SYSTEM_PATH) for t in containers.HOST_TOOLS)
+    monkeypatch.setattr(containers, "SYSTEM_PATH", str(tmp_path))  # an empty PATH: none of them
+    note = containers_note()
+    assert note is not None and "no podman, crun, docker-compose, slirp4netns, iptables" in note
+    assert note.endswith(
+        "apt-get install podman crun docker-compose netavark aardvark-dns slirp4netns iptables"
+    )
+    monkeypatch.undo()
+    if everything_here:  # as CI installs them (.ci/run)
+        assert containers_note() is None
