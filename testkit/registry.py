@@ -77,12 +77,20 @@ class Registry:
     """``docker-registry serve`` on ``127.0.0.1:<port>``; ``users`` turns htpasswd on."""
 
     def __init__(
-        self, folder: Path, *, users: Mapping[str, str] | None = None, port: int | None = None
+        self,
+        folder: Path,
+        *,
+        users: Mapping[str, str] | None = None,
+        port: int | None = None,
+        token: bool = False,
     ) -> None:
         self.folder = folder
         self.users = dict(users or {})
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        # token: the registry asks for Bearer tokens from a token service (Docker Hub's, GHCR's
+        # way), this kit's TokenService, instead of Basic auth (htpasswd).
+        self.tokens = TokenService(self.folder, self.users) if token else None
 
     @property
     def host(self) -> str:
@@ -108,7 +116,17 @@ class Registry:
             "http:",
             f"  addr: 127.0.0.1:{self.port}",
         ]
-        if self.users:
+        if self.tokens is not None:
+            self.tokens.start()
+            config += [
+                "auth:",
+                "  token:",
+                f"    realm: {self.tokens.url}/token",
+                f"    service: {TokenService.SERVICE}",
+                f"    issuer: {TokenService.ISSUER}",
+                f"    rootcertbundle: {self.tokens.certificate}",
+            ]
+        elif self.users:
             import bcrypt
 
             lines = [
@@ -141,6 +159,8 @@ class Registry:
         return self
 
     def stop(self) -> None:
+        if self.tokens is not None:
+            self.tokens.stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -248,6 +268,124 @@ def push(image: BuiltImage, destination: str, *, credentials: tuple[str, str] | 
         args += ["--dest-creds", f"{credentials[0]}:{credentials[1]}"]
     _run(*args, f"oci:{image.layout}:{image.tag}", f"docker://{destination}")
     return digest_file.read_text().strip()
+
+
+class TokenService:
+    """A registry's token service, as the distribution project's token authentication spec says
+    (docs/spec/auth/token.md, "Requesting a Token"): ``GET /token?service=…&scope=…`` with the
+    user's Basic credentials answers ``{"token": JWT}``, a JWT (RS256, the signing certificate in
+    its ``x5c`` header, which the registry checks against its ``rootcertbundle``) whose
+    ``access`` claim grants each asked scope's actions (``repository:NAME:pull,push``) to a known
+    user, nothing to anyone else (401). Records every scope asked for (:attr:`scopes`)."""
+
+    SERVICE = "catacloud-test-registry"
+    ISSUER = "catacloud-test-token-service"
+
+    def __init__(self, folder: Path, users: Mapping[str, str]) -> None:
+        self.folder, self.users = folder, dict(users)
+        self.port = free_port()
+        self.scopes: list[str] = []
+        self.server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def certificate(self) -> Path:
+        return self.folder / "token-signer.pem"
+
+    def start(self) -> None:
+        import base64
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.ISSUER)])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        self.certificate.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        chain = [base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()]
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                import time as clock
+                import urllib.parse
+
+                import jwt
+
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                user = _basic_user(self.headers.get("Authorization", ""), service.users)
+                scopes = query.get("scope", [])
+                service.scopes += scopes
+                if user is None or query.get("service") != [TokenService.SERVICE]:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                access = []
+                for scope in scopes:  # repository:NAME:ACTIONS (NAME may hold no ":" here)
+                    kind, repo, actions = scope.split(":", 2)
+                    access.append({"type": kind, "name": repo, "actions": actions.split(",")})
+                issued = int(clock.time())
+                claims = {
+                    "iss": TokenService.ISSUER,
+                    "sub": user,
+                    "aud": TokenService.SERVICE,
+                    "iat": issued,
+                    "nbf": issued - 60,
+                    "exp": issued + 300,
+                    "jti": os.urandom(8).hex(),
+                    "access": access,
+                }
+                token = jwt.encode(claims, key, algorithm="RS256", headers={"x5c": chain})
+                body = json.dumps({"token": token, "expires_in": 300}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def _basic_user(header: str, users: Mapping[str, str]) -> str | None:
+    import base64
+    import hmac
+
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, _, password = base64.b64decode(value).decode().partition(":")
+    except ValueError:
+        return None
+    known = users.get(user)
+    return user if known is not None and hmac.compare_digest(known, password) else None
 
 
 def manifest(image: BuiltImage) -> dict:

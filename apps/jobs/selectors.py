@@ -11,10 +11,10 @@ from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info
 from apps.jobs.choices import JobStatus
 from apps.jobs.models import Job
-from apps.orgs.registries import registry_auth_for
+from apps.orgs.registries import registry_auth_for, registry_logins_for
 from apps.resources.selectors import job_resources
 from catacloud.agent.reference import parse
-from catacloud.protocol import ImagePull, JobPayload, Network, RegistryAuth
+from catacloud.protocol import ImagePull, JobPayload, Network, RegistryAuth, RegistryLogin
 
 
 def job_cost_keys(job_ids: Iterable[str]) -> dict[str, dict[str, str | None]]:
@@ -57,6 +57,10 @@ def job_payload(job: Job) -> dict[str, Any]:
         disk_limit_bytes=mt.disk_gb * 10**9 if mt.disk_gb else None,
         image=job_image_pull(job),
         containers=mt.containers,
+        registries=tuple(
+            RegistryLogin(registry=host, username=user, password=password)
+            for host, user, password in (registry_logins_for(org_id=job.org_id) if mt.containers else ())
+        ),
         traceparent=job.traceparent,
     ).to_json()
 

@@ -67,6 +67,13 @@ def registry_auth_for(*, org_id: OrgId, reference: str) -> tuple[str, str] | Non
     return (row.username, row.password) if row is not None else None
 
 
+def registry_logins_for(*, org_id: OrgId) -> list[tuple[str, str, str]]:
+    """(registry, username, password) of every registry the organization holds credentials for:
+    what a containers job's engine pulls with, through its agent (never handed to the job)."""
+    rows = RegistryCredential.objects.filter(org_id=org_id)
+    return [(row.registry, row.username, row.password) for row in rows]
+
+
 def check_image_reference(value: object, *, field: str = "image") -> str:
     """An image reference as given (``registry/repository:tag`` or ``…@sha256:<digest>``),
     normalised; or a 400 ``invalid_image_reference`` naming ``field``."""

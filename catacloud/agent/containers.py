@@ -37,6 +37,7 @@ import shutil
 from collections.abc import Sequence
 
 from catacloud.agent.netns import resolv_conf
+from catacloud.agent.registry_proxy import Login, registries_conf_entries
 
 # Where the engine's run-time files and socket live inside the sandbox: a private tmpfs of the job's.
 RUN_DIR = "/run/user/{uid}"
@@ -85,7 +86,10 @@ REGISTRIES_CONF = """\
 # Written by the Catacloud agent for this job (catacloud/agent/containers.py).
 unqualified-search-registries = ["docker.io"]
 """
-INSECURE_REGISTRY = "\n[[registry]]\nlocation = {location}\ninsecure = true\n"
+REGISTRY = "\n[[registry]]\nlocation = {location}\ninsecure = {insecure}\n"
+# A registry the organization holds credentials for: pulled through the agent's mirror on the
+# job's loopback, which adds them (catacloud/agent/registry_proxy.py); plain HTTP on loopback.
+MIRROR = "\n[[registry.mirror]]\nlocation = {location}\ninsecure = true\n"
 LOOPBACK_REGISTRIES = ("localhost", "127.0.0.1")
 # Podman's rootless bridge networks bind a folder of theirs over /var/lib/cni, or over its nearest
 # existing parent (libpod networking_linux.go, RootlessNetNS.Do): over /var/lib, which would hide
@@ -138,12 +142,16 @@ def socket_path(uid: int) -> str:
 
 
 def prepare(
-    work_dir: str, uid: int | None, env: dict[str, str], insecure_registries: Sequence[str] = ()
+    work_dir: str,
+    uid: int | None,
+    env: dict[str, str],
+    insecure_registries: Sequence[str] = (),
+    mirrors: Sequence[tuple[Login, str]] = (),
 ) -> dict[str, str]:
     """Make the job's engine ready to start (its files in the job's folder, under
     :func:`own_dir`: the caller gives that folder to the job's uid) and return the job's ``env``
     with what it needs (``uid`` None: the agent's own, in a user namespace)."""
-    write_engine_files(work_dir, insecure_registries)
+    write_engine_files(work_dir, insecure_registries, mirrors)
     with contextlib.suppress(OSError):  # see CNI_DIR
         os.makedirs(CNI_DIR, mode=0o755, exist_ok=True)
     added = engine_env(uid if uid is not None else os.geteuid(), work_dir)
@@ -182,13 +190,19 @@ def bin_dir(work_dir: str) -> str:
     return os.path.join(own_dir(work_dir), "bin")
 
 
-def write_engine_files(work_dir: str, insecure_registries: Sequence[str] = ()) -> None:
+def write_engine_files(
+    work_dir: str, insecure_registries: Sequence[str] = (), mirrors: Sequence[tuple[Login, str]] = ()
+) -> None:
     """The engine's settings and the ``docker`` command, in the job's work folder (the job's own:
-    it may change them for its own engine)."""
+    it may change them for its own engine: the mirrors' grant is all they hold of the agent's)."""
     storage = os.path.join(work_dir, ".local", "share", "containers", "storage")
-    plain_http = dict.fromkeys([*LOOPBACK_REGISTRIES, *insecure_registries])
-    entries = [INSECURE_REGISTRY.format(location=json.dumps(h)) for h in plain_http]  # TOML as JSON
-    registries = REGISTRIES_CONF + "".join(entries)
+    registries = REGISTRIES_CONF
+    for location, insecure, mirror in registries_conf_entries(
+        mirrors, dict.fromkeys([*LOOPBACK_REGISTRIES, *insecure_registries])
+    ):  # TOML strings written as JSON ones
+        registries += REGISTRY.format(location=json.dumps(location), insecure=str(insecure).lower())
+        if mirror is not None:
+            registries += MIRROR.format(location=json.dumps(mirror))
     files = {
         os.path.join(config_dir(work_dir), "containers.conf"): (CONTAINERS_CONF, 0o644),
         os.path.join(config_dir(work_dir), "storage.conf"): (STORAGE_CONF.format(storage=storage), 0o644),

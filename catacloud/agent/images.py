@@ -764,9 +764,7 @@ class ImageStore:
         return path
 
     def _tls(self, ref: ImageRef) -> bool:
-        return not (
-            ref.loopback or ref.registry.lower() in self.insecure or ref.host.lower() in self.insecure
-        )
+        return not ref.plain_http(self.insecure)
 
     def _skopeo(
         self, args: list[str], *, deadline: float, cancel: Cancel, doing: str, attempts: int = 6

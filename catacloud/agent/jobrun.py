@@ -7,6 +7,7 @@ folder. A part of :class:`catacloud.agent.main.Agent`, which holds the machine's
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
 import os
 import re
@@ -46,6 +47,8 @@ from catacloud.agent.outputs import (
     restore_checkpoint,
     upload_outputs,
 )
+from catacloud.agent.reference import parse
+from catacloud.agent.registry_proxy import Login, RegistryProxy
 from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
 from catacloud.agent.sandbox import (
     SANDBOX_SOCKET,
@@ -123,6 +126,7 @@ class JobRunning:
     _next_uid: int | None  # the next job's, chosen when its network is made ahead
     _next_allow: tuple[Allow, ...]  # what the last job's machine type allows
     insecure_registries: tuple[str, ...]  # the operator's registries over plain HTTP (--insecure-registry)
+    registry_proxy: RegistryProxy  # the organization's registry credentials for containers jobs
 
     def fatal(self, message: str) -> None:
         raise NotImplementedError
@@ -368,8 +372,13 @@ class JobRunning:
                 self._current.checkpointer = checkpointer
         checkpointer.start()
         log.info("job %s: running in %s", job.id, work_dir)
+        grant = None
         try:
-            allow = self._next_allow = allow_list(job.network.allow)
+            allow = allow_list(job.network.allow)
+            engine = job.containers and image is None
+            if engine:
+                allow, grant, mirrors = self._engine_registries(job, allow)
+            self._next_allow = allow
             root = None
             if image is not None:
                 root = ImageRoot(
@@ -378,7 +387,6 @@ class JobRunning:
                     cwd=image_cwd(image.image, work_dir),
                     mount_root=self.work_root,
                 )
-            engine = job.containers and root is None
             if engine and (why := self._engine_missing()) is not None:
                 return JobResult(None, Outcome.FAILED, why)
             place = JobPlace(work_dir, self.meta.path, uid, uid, allow=allow, image=root, containers=engine)
@@ -386,7 +394,7 @@ class JobRunning:
             image_env = image.image.config.env_map() if image is not None else None
             env = self._job_env(job, work_dir, run.token, socket_env, image_env)
             if engine:
-                env = containers.prepare(work_dir, uid, env, self.insecure_registries)
+                env = containers.prepare(work_dir, uid, env, self.insecure_registries, mirrors)
                 give(containers.own_dir(work_dir), uid)
             return run_job_process(
                 job.command,
@@ -402,6 +410,8 @@ class JobRunning:
             )
         finally:
             self.meta.revoke()
+            if grant is not None:
+                self.registry_proxy.revoke(grant)
             if cancel.reason == REASON_INTERRUPTED:
                 self._save_before_interruption(job, checkpointer)
             with self._lock:
@@ -419,6 +429,25 @@ class JobRunning:
             raise
         except Exception as exc:  # whatever happens, the interruption must still be reported
             log.warning("job %s: no checkpoint before the interruption: %s", job.id, exc)
+
+    def _engine_registries(
+        self, job: Job, allow: tuple[Allow, ...]
+    ) -> tuple[tuple[Allow, ...], str | None, list[tuple[Login, str]]]:
+        """The organization's registries for the job's engine: a grant of the agent's registry
+        mirror (catacloud/agent/registry_proxy.py), the mirror locations its registries.conf
+        names, and its allow list with the mirror's port (pasta forwards it into the job's
+        namespace). Nothing where the job has no network of its own to reach it through."""
+        egress = getattr(self.launcher, "egress", None)
+        if not job.registries or egress is None or egress.mode != "pasta":
+            return allow, None, []
+        plain = {h.lower() for h in self.insecure_registries}
+        logins = [
+            Login(r.registry, r.username, r.password, plain_http=parse(f"{r.registry}/x").plain_http(plain))
+            for r in job.registries
+        ]
+        grant, mirrors = self.registry_proxy.grant(logins, egress.policy(allow))
+        mirror = Allow(ipaddress.ip_network("127.0.0.1/32"), self.registry_proxy.port)
+        return (*allow, mirror), grant, mirrors
 
     def _engine_missing(self) -> str | None:
         """Why this machine cannot give a job its own container engine, or None."""

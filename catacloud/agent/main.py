@@ -51,6 +51,7 @@ from catacloud.agent.jobrun import (
 )
 from catacloud.agent.meta import MetaServer
 from catacloud.agent.netns import Allow
+from catacloud.agent.registry_proxy import RegistryProxy
 from catacloud.agent.sandbox import (
     Launcher,
     UidAllocator,
@@ -97,6 +98,7 @@ class Agent(JobRunning):
         # The machine's image store (catacloud/agent/images.py): beside the work root unless given.
         self.image_dir = image_dir
         self.insecure_registries = insecure_registries
+        self.registry_proxy = RegistryProxy()  # listens once a containers job has registry logins
         self.images: JobImages | None = None
         # Seconds without reaching the control plane after which this agent ends (None: never).
         self.unreachable_limit = unreachable_limit
@@ -273,6 +275,7 @@ class Agent(JobRunning):
             self._wait_idle(timeout=30.0)
         finally:
             self.launcher.discard_network()
+            self.registry_proxy.close()
             self.meta.close()
         log.info("agent stopped (exit code %d)", self.exit_code)
         return self.exit_code

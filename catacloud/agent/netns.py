@@ -222,6 +222,17 @@ class Policy:
         """The host loopback ports forwarded into the job's namespace."""
         return sorted({a.port for a in self.allow if a.loopback and a.port is not None})
 
+    def reaches(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
+        """Whether a job under this policy reaches ``address:port``, as :meth:`ruleset` decides:
+        for what the agent fetches on a job's behalf (catacloud/agent/registry_proxy.py)."""
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if any(address in a.network and a.port in (None, port) for a in self.allow):
+            return True
+        if any(address == ipaddress.ip_address(h.split("%")[0]) for h in self.host_addresses):
+            return False
+        return not refused_everywhere(str(address))
+
     def ruleset(self) -> str:
         """The job namespace's nftables table (``nft -f`` syntax)."""
         lines = [

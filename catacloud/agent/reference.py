@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 DEFAULT_REGISTRY = "docker.io"
@@ -62,6 +63,11 @@ class ImageRef:
     def host(self) -> str:
         """The registry's host without its port."""
         return self.registry.rsplit(":", 1)[0] if ":" in self.registry else self.registry
+
+    def plain_http(self, insecure: Collection[str] = ()) -> bool:
+        """Pulled over plain HTTP: a registry on loopback, or one the machine's operator named
+        (``--insecure-registry``, lowercase ``host`` or ``host:port`` in ``insecure``)."""
+        return self.loopback or self.registry.lower() in insecure or self.host.lower() in insecure
 
     @property
     def loopback(self) -> bool:

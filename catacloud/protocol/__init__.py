@@ -178,6 +178,16 @@ class RegistryAuth(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class RegistryLogin(Message):
+    """The organization's credentials for one registry host, for a containers job's engine: the
+    agent pulls with them for it (catacloud/agent/registry_proxy.py); the job never gets them."""
+
+    registry: str  # host or host:port, as image references name it
+    username: str
+    password: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ImagePull(Message):
     """An image to have on the machine: a job's (run inside it) or a pool's (pulled before the
     member is ready). ``reference`` is normalised (catacloud/agent/reference.py); a job's retry
@@ -206,6 +216,9 @@ class JobPayload(Message):
     # Its machine type allows containers: the job gets a container engine of its own
     # (catacloud/agent/containers.py). Not for a job inside an image.
     containers: bool = False
+    # With ``containers``: the organization's registry credentials, which the engine pulls with
+    # through the agent (the job never gets them).
+    registries: tuple[RegistryLogin, ...] = ()
     # The job's trace (W3C traceparent; "" when the control plane does not trace): the agent
     # sends it back as the ``traceparent`` header of its reports of this job.
     traceparent: str = ""
@@ -213,10 +226,11 @@ class JobPayload(Message):
     @property
     def secret_values(self) -> list[str]:
         """What the agent masks in the job's output and its own log: the secret env values and
-        the password of the image's registry (the job never gets it; masked all the same)."""
+        the registry passwords (the job never gets them; masked all the same)."""
         values = [self.env[name] for name in self.secret_env_names if self.env.get(name)]
         if self.image is not None and self.image.auth is not None and self.image.auth.password:
             values.append(self.image.auth.password)
+        values += [login.password for login in self.registries if login.password]
         return values
 
 

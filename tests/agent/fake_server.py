@@ -206,6 +206,7 @@ class FakeAgentAPI(_FakeBase):
         network: dict[str, Any] | None = None,
         disk_limit_bytes: int | None = None,
         containers: bool = False,
+        registries: list[dict[str, str]] | None = None,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -226,6 +227,8 @@ class FakeAgentAPI(_FakeBase):
             job["disk_limit_bytes"] = disk_limit_bytes
         if containers:
             job["containers"] = True
+        if registries is not None:
+            job["registries"] = registries
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

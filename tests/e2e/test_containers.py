@@ -4,6 +4,7 @@ pulling from a real registry on loopback that the type's network allows."""
 
 from __future__ import annotations
 
+import secrets
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +72,35 @@ def test_a_job_on_a_type_that_allows_containers_builds_and_runs_them(
     machine_type_update(machine_type=mt, actor="test", containers=False)
     done = ended(stack, submit(stack, job_config(stack, "no-docker", "docker info")), timeout=120)
     assert done["status"] == "failed", (done, logs(stack, done["id"]))
+
+
+def test_a_jobs_docker_pulls_the_organizations_private_image_with_its_registry_credentials(
+    stack: Stack, registry: Registry, tmp_path: Path
+) -> None:
+    """The admin sets the organization's credentials for its private registry (as for a job's
+    image); a member's job on a containers type runs ``docker run`` of a private image there:
+    its engine pulls through the agent, which adds them (the job never gets them)."""
+    import subprocess
+
+    password = "private-registry-" + secrets.token_hex(6)
+    with Registry(tmp_path / "private", users={"robot": password}) as private:
+        subprocess.run(
+            ["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false"]
+            + ["--dest-creds", f"robot:{password}"]
+            + [f"docker://{registry.host}/team/busybox:1", f"docker://{private.host}/team/app:1"],
+            check=True,
+        )
+        mt = stack.world.machine_type
+        allow = {"allow": [registry.host, private.host]}
+        machine_type_update(machine_type=mt, actor="test", containers=True, network=allow)
+        body = {"registry": private.host, "username": "robot", "password": password}
+        created = stack.api("admin").post("/api/v1/registry-credentials/", body, format="json")
+        assert created.status_code == 201, created.content
+        command = f"docker run --rm {private.host}/team/app:1 echo from-the-private-image; env"
+        done = ended(stack, submit(stack, job_config(stack, "private-docker", command)), timeout=120)
+        text = logs(stack, done["id"])
+        assert done["status"] == "succeeded", (done, text)
+        assert "from-the-private-image" in text and password not in text and "***" not in text, text
 
 
 DOCKER_TAGS = ["catacloud", "docker"]

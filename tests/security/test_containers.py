@@ -327,3 +327,80 @@ def test_a_containers_machine_sees_no_cgroup_of_the_host(ct: Lab) -> None:
     assert finished["outcome"] == "succeeded", output
     assert output.splitlines()[0].strip() == "0", output
     assert "catacloud-" not in output
+
+
+# What the job tries with the organization's registry: pull through its mirror (the engine's
+# registries.conf names it), pull without it, push through it, push around it; and where the
+# credentials could be: its environment, its engine's settings, the auth files a client keeps.
+CREDENTIAL_PROBE = """\
+conf=$CONTAINERS_REGISTRIES_CONF
+mirror=$(grep -A1 'registry.mirror' "$conf" | sed -n 's/^location = "\\(.*\\)"$/\\1/p')
+echo "MIRROR $mirror"
+docker pull {image} >/dev/null 2>&1; echo "mirror-pull=$?"
+docker run --rm {image} echo ran-the-organizations-image
+printf '[[registry]]\\nlocation = "127.0.0.1"\\ninsecure = true\\n' > direct.conf
+CONTAINERS_REGISTRIES_CONF=direct.conf docker pull {host}/tool:2 2>&1 | tail -1; echo "direct-pull"
+docker tag {image} "$mirror/tool:evil"
+docker push "$mirror/tool:evil" 2>&1 | tail -1; echo "mirror-push=$?"
+docker tag {image} {host}/tool:evil
+CONTAINERS_REGISTRIES_CONF=direct.conf docker push {host}/tool:evil 2>&1 | tail -1
+env; cat "$conf"
+cat "$XDG_RUNTIME_DIR/containers/auth.json" "$HOME/.docker/config.json" 2>&1
+"""
+
+
+def test_the_engine_pulls_with_the_organizations_credentials_the_job_never_holds(
+    ct: Lab, tmp_path: Path
+) -> None:
+    """The job's `docker pull` of the organization's private registry works (the agent's mirror
+    adds the credentials, catacloud/agent/registry_proxy.py); without the mirror the registry
+    refuses it, a push is refused both ways, nothing of the credentials reaches the job (its
+    output would show the password masked, or the Basic token an auth file holds), and the
+    mirror's grant ends with the job."""
+    import base64
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    password = "org-registry-" + os.urandom(8).hex()
+    with Registry(tmp_path / "private", users={"puller": password}) as private:
+        subprocess.run(
+            ["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false"]
+            + [
+                "--dest-creds",
+                f"puller:{password}",
+                f"docker://{ct.image}",
+                f"docker://{private.host}/tool:1",
+            ],
+            check=True,
+        )
+        image = f"{private.host}/tool:1"
+        login = {"registry": private.host, "username": "puller", "password": password}
+        finished, output = ct.run(
+            CREDENTIAL_PROBE.format(image=image, host=private.host),
+            containers=True,
+            network={"allow": [ct.registry.host, private.host]},
+            registries=[login],
+        )
+        assert "mirror-pull=0" in output and "ran-the-organizations-image" in output, output
+        lines = output.splitlines()
+        direct = lines[lines.index("direct-pull") - 1]
+        assert "authentication required" in direct or "unauthorized" in direct, output
+        assert "this mirror only pulls" in output, output  # the push's manifest was refused
+        assert "***" not in output, output  # the agent masks the password: it never appeared
+        assert base64.b64encode(f"puller:{password}".encode()).decode() not in output, output
+        tags = subprocess.run(
+            ["skopeo", "list-tags", "--tls-verify=false", "--creds", f"puller:{password}"]
+            + [f"docker://{private.host}/tool"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(tags.stdout)["Tags"] == ["1"], tags.stdout  # no push reached it
+        mirror = next(line.split(" ", 1)[1] for line in lines if line.startswith("MIRROR "))
+        assert mirror.startswith("127.0.0.1:"), output
+        with pytest.raises(urllib.error.HTTPError) as ended:  # from the host: the grant is gone
+            urllib.request.urlopen(
+                f"http://{mirror.split('/', 1)[0]}/v2/{mirror.split('/', 1)[1]}/tool/manifests/1"
+            )
+        assert ended.value.code == 404

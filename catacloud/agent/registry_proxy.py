@@ -1,0 +1,374 @@
+"""The organization's registry credentials for a containers job's engine, never in the job's hands.
+
+A job's own engine (catacloud/agent/containers.py) runs as the job's uid: any credential file it
+could read, the job could read. So the engine is given none. For every registry the organization
+holds credentials for, the job's ``registries.conf`` names a **mirror** on the job's own loopback
+(``127.0.0.1:PORT/<grant>/<key>``, forwarded by the job's pasta to this agent's listener, like an
+allowed loopback port): this agent answers there, adds the credentials and fetches from the
+registry. What the job can do with it is what ``docker pull`` does and no more:
+
+- **Pull only.** ``GET`` and ``HEAD`` of the distribution API's read paths (``/v2/`` ping,
+  ``<name>/manifests/<ref>``, ``<name>/blobs/<digest>``, ``<name>/tags/list``: the OCI
+  distribution spec's "pull" and "content discovery" endpoints); anything else is ``405``, and a
+  token asked of a registry's token service names ``repository:<name>:pull`` alone (the Docker
+  token authentication spec's scope), so a job cannot push with the organization's account.
+- **Its own grant.** Each job gets a random 160-bit grant, in the mirror's path, revoked when the
+  job ends; an unknown grant is ``404`` (the distribution spec's ``NAME_UNKNOWN``), like a name
+  that does not exist.
+- **The job's network rules.** The agent connects from the machine's network, so it reaches the
+  registry only at an address the job's own namespace would reach (the internet, or what its
+  machine type's ``network.allow`` names: :meth:`~catacloud.agent.netns.Policy.reaches`), checked
+  for the address it then connects to (no second lookup a name could answer differently). The
+  same holds for a token service a registry names.
+- **Its share.** At most :data:`MAX_PER_GRANT` requests of one job in flight (``429`` beyond),
+  and a client that stops sending or reading is let go after :data:`TIMEOUT_SECONDS`: one job
+  cannot hold the mirror from another.
+- **No redirect followed.** A registry that sends a blob elsewhere (a CDN's signed URL) answers
+  with a redirect, passed on to the engine as it came: the engine follows it from the job's own
+  network, under the job's rules, carrying no credential (the redirect's URL is all it gets).
+
+Where the machine has no job network (pasta missing), the job reaches no loopback port of the
+agent's, so no mirror is written: pulls go to the registries directly, without credentials.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import ipaddress
+import json
+import logging
+import re
+import secrets
+import socket
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from catacloud.agent.netns import Policy
+from catacloud.agent.reference import DEFAULT_REGISTRY
+
+log = logging.getLogger("catacloud.agent")
+
+# Docker Hub's references say docker.io; its registry API answers at this host (containers/image
+# docker/docker_client.go: dockerHostname -> dockerRegistry "registry-1.docker.io").
+DOCKER_HUB_API = "registry-1.docker.io"
+TIMEOUT_SECONDS = 30.0
+CHUNK = 256 * 1024
+# The OCI distribution spec's grammar: a tag, a digest, a repository name's path components.
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+_DIGEST = r"[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[A-Za-z0-9=_-]{1,256}"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*"
+_PULL_PATH = re.compile(
+    rf"^/v2/(?P<grant>[0-9a-f]{{40}})/(?P<key>r[0-9]{{1,3}})/(?P<name>{_COMPONENT}(?:/{_COMPONENT})*)"
+    rf"/(?:(?P<kind>manifests|blobs)/(?P<ref>{_TAG}|{_DIGEST})|(?P<tags>tags/list))$"
+)
+MAX_PER_GRANT = 16  # requests one job's engine may have in flight at once (more: 429)
+# What passes from the registry's answer to the engine (never a cookie or an auth header).
+_RELAYED = (
+    "Content-Type",
+    "Content-Length",
+    "Content-Range",
+    "Accept-Ranges",
+    "Docker-Content-Digest",
+    "Docker-Distribution-API-Version",
+    "ETag",
+    "Link",
+    "Location",
+)
+_FORWARDED = ("Accept", "Range", "If-None-Match")  # what passes from the engine to the registry
+
+
+@dataclass(frozen=True)
+class Login:
+    """One registry's credentials (``registry`` as references name it: ``host`` or ``host:port``)."""
+
+    registry: str
+    username: str
+    password: str
+    plain_http: bool = False  # a loopback or operator-named registry: HTTP, as the agent pulls
+
+    @property
+    def api_host(self) -> str:
+        return DOCKER_HUB_API if self.registry == DEFAULT_REGISTRY else self.registry
+
+    @property
+    def basic(self) -> str:
+        return "Basic " + base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+
+
+@dataclass
+class Grant:
+    """What one job may pull with: its logins (by key), the rules its network holds to."""
+
+    logins: dict[str, Login]
+    policy: Policy
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)  # (key, name) -> Authorization
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_PER_GRANT)
+    )
+
+
+class Refused(Exception):
+    """The registry (or its token service) is where the job's network may not go, or unusable."""
+
+
+class RegistryProxy:
+    """The agent's listener for every containers job's mirrors (one port; a grant per job)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._grants: dict[str, Grant] = {}
+        self._lock = threading.Lock()
+        self._host = host
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def port(self) -> int:
+        return self._start().server_address[1]
+
+    def _start(self) -> ThreadingHTTPServer:
+        with self._lock:
+            if self._server is None:
+                server = ThreadingHTTPServer((self._host, 0), _Handler)
+                server.daemon_threads = True
+                server.proxy = self  # type: ignore[attr-defined]
+                threading.Thread(target=server.serve_forever, name="registry-proxy", daemon=True).start()
+                self._server = server
+            return self._server
+
+    def grant(self, logins: Iterable[Login], policy: Policy) -> tuple[str, list[tuple[Login, str]]]:
+        """A new grant for one job: its id and, per login, the mirror location its
+        ``registries.conf`` names (:meth:`revoke` ends it)."""
+        port = self.port
+        token = secrets.token_hex(20)
+        keyed = {f"r{i}": login for i, login in enumerate(logins)}
+        with self._lock:
+            self._grants[token] = Grant(keyed, policy)
+        return token, [(login, f"127.0.0.1:{port}/{token}/{key}") for key, login in keyed.items()]
+
+    def revoke(self, token: str) -> None:
+        with self._lock:
+            self._grants.pop(token, None)
+
+    def find(self, token: str) -> Grant | None:
+        with self._lock:
+            return self._grants.get(token)
+
+    def close(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            self._grants.clear()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "catacloud-registry-mirror"
+    protocol_version = "HTTP/1.0"  # one answer per connection: the body ends when it closes
+    timeout = TIMEOUT_SECONDS  # a client that sends nothing (or reads nothing) is let go
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("registry mirror: %s", _GRANT_IN_PATH.sub("/v2/…/", format % args))
+
+    def do_GET(self) -> None:
+        self._pull(body=True)
+
+    def do_HEAD(self) -> None:
+        self._pull(body=False)
+
+    def _refuse_write(self) -> None:
+        self._error(405, "UNSUPPORTED", "this mirror only pulls: push to the registry itself")
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = _refuse_write
+
+    def _pull(self, *, body: bool) -> None:
+        path, _, query = self.path.partition("?")
+        if path in ("/v2", "/v2/"):  # the API version check every client makes first
+            self._answer(200, b"{}", body=body)
+            return
+        match = _PULL_PATH.match(path)
+        proxy: RegistryProxy = self.server.proxy  # type: ignore[attr-defined]
+        grant = proxy.find(match["grant"]) if match else None
+        login = grant.logins.get(match["key"]) if grant is not None and match else None
+        if grant is None or login is None or match is None:
+            self._error(404, "NAME_UNKNOWN", "repository name not known to registry")
+            return
+        name = match["name"]
+        upstream = f"/v2/{name}/" + (f"{match['kind']}/{match['ref']}" if match["kind"] else "tags/list")
+        paging = {k: v[0] for k, v in urllib.parse.parse_qs(query).items() if k in ("n", "last")}
+        if match["tags"] and paging:  # the spec's pagination, and nothing else
+            upstream += "?" + urllib.parse.urlencode(paging)
+        headers = {h: v for h in _FORWARDED if (v := self.headers.get(h)) is not None}
+        if not grant.in_flight.acquire(blocking=False):
+            self._error(429, "TOOMANYREQUESTS", f"more than {MAX_PER_GRANT} pulls at once")
+            return
+        try:
+            answer = _fetch(grant, match["key"], login, name, "GET" if body else "HEAD", upstream, headers)
+            with contextlib.closing(answer):
+                self._relay(answer, login, body=body)
+        except Refused as exc:
+            self._error(502, "UNAVAILABLE", f"{login.registry}: {exc}")
+        except (OSError, http.client.HTTPException) as exc:
+            self._error(502, "UNAVAILABLE", f"{login.registry} did not answer: {exc}")
+        finally:
+            grant.in_flight.release()
+
+    def _relay(self, answer: http.client.HTTPResponse, login: Login, *, body: bool) -> None:
+        self.send_response(answer.status)
+        for name in _RELAYED:
+            value = answer.getheader(name)
+            if value is None:
+                continue
+            if name == "Location":  # a relative one is the registry's: the engine must not come back here
+                value = urllib.parse.urljoin(f"{_scheme(login)}://{login.api_host}/", value)
+            self.send_header(name, value)
+        self.end_headers()
+        if not body:
+            return
+        # The engine went away, or the registry's body broke off: the connection's end tells the
+        # engine its body is short (it has the length, and the digest), and it retries.
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            while chunk := answer.read(CHUNK):
+                self.wfile.write(chunk)
+
+    def _answer(self, status: int, data: bytes, *, body: bool = True) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        # The distribution spec's error body: {"errors": [{"code", "message", "detail"}]}.
+        self._answer(status, json.dumps({"errors": [{"code": code, "message": message}]}).encode())
+
+
+_GRANT_IN_PATH = re.compile(r"/v2/[0-9a-f]{40}/")
+
+
+def _scheme(login: Login) -> str:
+    return "http" if login.plain_http else "https"
+
+
+def _fetch(
+    grant: Grant, key: str, login: Login, name: str, method: str, path: str, headers: dict[str, str]
+) -> http.client.HTTPResponse:
+    """The registry's answer to one pull request, with the login's authorization: the one this
+    grant last earned for the repository, or (on a 401) a new one from the challenge."""
+    with grant.lock:
+        known = grant.tokens.get((key, name))
+    answer = _request(grant.policy, login, method, path, headers, known)
+    if answer.status != 401:
+        return answer
+    challenge = answer.getheader("WWW-Authenticate", "")
+    answer.close()
+    authorization = _authorize(grant.policy, login, name, challenge)
+    if authorization is None:
+        return _request(grant.policy, login, method, path, headers, None)  # its 401, as it is
+    with grant.lock:
+        grant.tokens[(key, name)] = authorization
+    return _request(grant.policy, login, method, path, headers, authorization)
+
+
+def _request(
+    policy: Policy,
+    login: Login,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    authorization: str | None,
+    *,
+    url: urllib.parse.SplitResult | None = None,
+) -> http.client.HTTPResponse:
+    where = url or urllib.parse.urlsplit(f"{_scheme(login)}://{login.api_host}")
+    connection = _connect(policy, where)
+    sent = {**headers, "User-Agent": "catacloud-agent"}
+    if authorization:
+        sent["Authorization"] = authorization
+    target = path if url is None else (url.path or "/") + (f"?{url.query}" if url.query else "")
+    connection.request(method, target, headers=sent)
+    return connection.getresponse()
+
+
+def _connect(policy: Policy, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+    """A connection to ``url``'s host at an address the job's network reaches (checked here, for
+    the address used), TLS verified against the host's name unless the URL is plain HTTP."""
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise Refused(f"{url.geturl()!r} is not an http(s) URL")
+    tls = url.scheme == "https"
+    port = url.port or (443 if tls else 80)
+    candidates = socket.getaddrinfo(url.hostname, port, type=socket.SOCK_STREAM)
+    reachable = [c for c in candidates if policy.reaches(_address(c[4][0]), port)]
+    if not reachable:
+        address = candidates[0][4][0] if candidates else url.hostname
+        raise Refused(f"{url.hostname} ({address}) is outside what this job's network may reach")
+    family, kind, proto, _, sockaddr = reachable[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.settimeout(TIMEOUT_SECONDS)
+        sock.connect(sockaddr)
+        if tls:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=url.hostname)
+    except BaseException:
+        sock.close()
+        raise
+    connection = http.client.HTTPConnection(url.hostname, port, timeout=TIMEOUT_SECONDS)
+    connection.sock = sock  # request() uses it as it is: no second name lookup
+    return connection
+
+
+def _address(text: str | int) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(str(text).split("%")[0])  # an IPv6 scope id is not an address's
+
+
+def _authorize(policy: Policy, login: Login, name: str, challenge: str) -> str | None:
+    """The Authorization a 401's challenge asks for: Basic with the login, or a Bearer token the
+    registry's token service issues for ``repository:<name>:pull`` (the Docker token
+    authentication spec: GET realm?service=…&scope=…, Basic auth, JSON ``token`` or
+    ``access_token``). None when neither works (the registry's 401 then reaches the engine)."""
+    scheme, _, rest = challenge.strip().partition(" ")
+    params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    if scheme.lower() == "basic":
+        return login.basic
+    if scheme.lower() != "bearer" or not params.get("realm"):
+        return None
+    realm = urllib.parse.urlsplit(params["realm"])
+    if realm.scheme != "https" and not login.plain_http:
+        return None  # the login is not sent in the clear to a service a TLS registry names
+    query = {"scope": f"repository:{name}:pull"}
+    if params.get("service"):
+        query["service"] = params["service"]
+    separator = "&" if realm.query else ""
+    url = realm._replace(query=realm.query + separator + urllib.parse.urlencode(query))
+    try:
+        answer = _request(policy, login, "GET", "", {"Accept": "application/json"}, login.basic, url=url)
+        with contextlib.closing(answer):
+            if answer.status != 200:
+                return None
+            issued = json.loads(answer.read(1 << 20) or b"{}")
+    except (Refused, OSError, http.client.HTTPException, ValueError) as exc:
+        log.warning("registry mirror: no token from %s: %s", realm.hostname, exc)
+        return None
+    token = issued.get("token") or issued.get("access_token") if isinstance(issued, dict) else None
+    return f"Bearer {token}" if isinstance(token, str) and token else None
+
+
+def registries_conf_entries(
+    mirrors: Sequence[tuple[Login, str]], plain_http: Iterable[str]
+) -> list[tuple[str, bool, str | None]]:
+    """(location, insecure, mirror) for the job's registries.conf: one entry per location (Podman
+    refuses a location named twice), a credentialed registry's with its mirror."""
+    entries: dict[str, tuple[bool, str | None]] = {h: (True, None) for h in plain_http}
+    for login, location in mirrors:
+        already_plain = entries.get(login.registry, (False, None))[0]
+        entries[login.registry] = (login.plain_http or already_plain, location)
+    return [(location, insecure, mirror) for location, (insecure, mirror) in entries.items()]

@@ -1,0 +1,179 @@
+"""The agent's registry mirror for containers jobs (catacloud/agent/registry_proxy.py), driven by
+a real client (skopeo, what the engine's containers/image library is) against real registries
+(Debian's docker-registry behind Basic auth, or behind a token service as Docker Hub and GHCR
+are): pulls work with the organization's credentials, and nothing else does."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from catacloud.agent.netns import Allow, Policy
+from catacloud.agent.registry_proxy import MAX_PER_GRANT, Login, RegistryProxy
+from testkit.registry import BuiltImage, FaultyProxy, Registry, build_image, manifest, missing_tools, push
+
+pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"no registry tools: {missing_tools()}")
+
+PASSWORD = "mirror-test-password-4c1e"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    return build_image(tmp_path_factory.mktemp("mirror") / "image", "1")
+
+
+@pytest.fixture
+def proxy() -> Iterator[RegistryProxy]:
+    running = RegistryProxy()
+    yield running
+    running.close()
+
+
+def reaching(*entries: str) -> Policy:
+    """A job's network that reaches the internet and these allow entries."""
+    return Policy(allow=tuple(Allow.parse(e) for e in entries))
+
+
+def skopeo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["skopeo", *args], capture_output=True, text=True, timeout=60)
+
+
+# What a client accepts for a manifest (the registry answers 404 for an OCI one otherwise).
+ACCEPT = {"Accept": "application/vnd.oci.image.manifest.v1+json"}
+
+
+def get(url: str, method: str = "GET") -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method, headers=ACCEPT)) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _read(url: str) -> None:
+    """Fetch ``url`` to its end, whatever comes (a stalled blob's half, a cut)."""
+    with contextlib.suppress(OSError, http.client.HTTPException), urllib.request.urlopen(url) as answer:
+        answer.read()
+
+
+def _url(mirror: str) -> str:
+    """host:port/v2/<grant>/<key>: where a client asks the mirror location ``mirror`` for a name."""
+    host, path = mirror.split("/", 1)
+    return f"{host}/v2/{path}"
+
+
+def test_a_token_registry_is_pulled_through_the_mirror_with_a_pull_only_token(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    """Docker Hub's and GHCR's way: the registry's 401 names a token service; the mirror asks it
+    for ``repository:NAME:pull`` alone with the organization's login, and the pull completes."""
+    with Registry(tmp_path / "registry", users={"robot": PASSWORD}, token=True) as registry:
+        digest = push(image, f"{registry.host}/team/app:1", credentials=("robot", PASSWORD))
+        assert registry.tokens is not None
+        pushed_scopes = len(registry.tokens.scopes)
+        direct = skopeo("inspect", "--tls-verify=false", f"docker://{registry.host}/team/app:1")
+        assert direct.returncode != 0 and "unauthorized" in direct.stderr.lower(), direct.stderr
+
+        login = Login(registry.host, "robot", PASSWORD, plain_http=True)
+        service = f"127.0.0.1:{registry.tokens.port}"  # on the internet, for a real registry
+        grant, [(_, mirror)] = proxy.grant([login], reaching(registry.host, service))
+        copied = skopeo(
+            "copy",
+            "--quiet",
+            "--src-tls-verify=false",
+            f"docker://{mirror}/team/app:1",
+            f"oci:{tmp_path / 'out'}:1",
+        )
+        assert copied.returncode == 0, copied.stderr
+        index = json.loads((tmp_path / "out" / "index.json").read_text())
+        assert index["manifests"][0]["digest"] == digest  # what was pushed, byte for byte
+        asked = registry.tokens.scopes[pushed_scopes:]
+        assert asked and all(s == "repository:team/app:pull" for s in asked), asked
+
+        proxy.revoke(grant)  # the job ended: its grant names nothing any more
+        gone = skopeo("inspect", "--tls-verify=false", f"docker://{mirror}/team/app:1")
+        assert gone.returncode != 0 and "name unknown" in gone.stderr.lower(), gone.stderr
+
+
+def test_the_mirror_pulls_only_and_only_for_its_grant(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    with Registry(tmp_path / "registry", users={"robot": PASSWORD}) as registry:
+        push(image, f"{registry.host}/team/app:1", credentials=("robot", PASSWORD))
+        login = Login(registry.host, "robot", PASSWORD, plain_http=True)
+        grant, [(_, mirror)] = proxy.grant([login], reaching(registry.host))
+        base = f"http://127.0.0.1:{proxy.port}/v2"
+        assert get(f"{base}/")[0] == 200  # the version check every client makes
+        status, _ = get(f"http://{_url(mirror)}/team/app/manifests/1", "HEAD")
+        assert status == 200  # Basic auth added for it
+        for method in ("POST", "PUT", "PATCH", "DELETE"):  # a push's first step, and the others
+            status, body = get(f"{base}/{grant}/r0/team/app/blobs/uploads/", method)
+            assert status == 405 and body["errors"][0]["code"] == "UNSUPPORTED", (method, body)
+        strangers = [
+            f"{base}/{'0' * 40}/r0/team/app/manifests/1",  # another grant
+            f"{base}/{grant}/r1/team/app/manifests/1",  # a registry it holds no login for
+            f"{base}/{grant}/r0/team/../../v2/team/app/manifests/1",  # out of its registry
+            f"{base}/{grant}/r0/team/app/blobs/uploads/",  # not a pull endpoint
+            f"{base}/team/app/manifests/1",  # the registry's own path, without a grant
+        ]
+        for url in strangers:
+            status, body = get(url)
+            assert status == 404 and body["errors"][0]["code"] == "NAME_UNKNOWN", (url, body)
+
+
+def test_a_registry_the_jobs_network_may_not_reach_is_not_fetched_from(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    """The agent connects from the machine's network, but only where the job's own would: a
+    registry on the host's loopback that the job's machine type does not allow is refused."""
+    with Registry(tmp_path / "registry", users={"robot": PASSWORD}) as registry:
+        push(image, f"{registry.host}/team/app:1", credentials=("robot", PASSWORD))
+        login = Login(registry.host, "robot", PASSWORD, plain_http=True)
+        _, [(_, mirror)] = proxy.grant([login], reaching())  # the internet alone
+        status, body = get(f"http://{_url(mirror)}/team/app/manifests/1")
+        assert status == 502 and "outside what this job's network may reach" in body["errors"][0]["message"]
+        pulled = skopeo("inspect", "--tls-verify=false", f"docker://{mirror}/team/app:1")
+        assert pulled.returncode != 0
+
+
+def test_one_jobs_engine_holds_at_most_its_share_of_the_mirror(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    """A job that opens pull after pull against a registry that never answers (a stalled blob)
+    gets 429 beyond :data:`MAX_PER_GRANT` in flight; another job's grant is not held up by it."""
+    import threading
+
+    with Registry(tmp_path / "registry") as registry:
+        push(image, f"{registry.host}/team/app:1")
+        stalling = FaultyProxy(registry.host).start()
+        try:
+            stalling.stall = 10**6
+            login = Login(stalling.host, "robot", PASSWORD, plain_http=True)
+            _, [(_, mirror)] = proxy.grant([login], reaching(stalling.host))
+            _, [(_, other)] = proxy.grant([login], reaching(stalling.host))
+            blob = f"/team/app/blobs/{manifest(image)['layers'][0]['digest']}"  # held: it stalls
+            held = [
+                threading.Thread(target=_read, args=(f"http://{_url(mirror)}{blob}",), daemon=True)
+                for _ in range(MAX_PER_GRANT)
+            ]
+            for thread in held:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while stalling.blob_gets() < MAX_PER_GRANT and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert stalling.blob_gets() == MAX_PER_GRANT
+            status, body = get(f"http://{_url(mirror)}{blob}")
+            assert status == 429 and body["errors"][0]["code"] == "TOOMANYREQUESTS", body
+            status, _ = get(f"http://{_url(other)}/team/app/manifests/1")
+            assert status == 200  # the other job's pull is served meanwhile
+        finally:
+            stalling.stop()
