@@ -83,6 +83,7 @@ class Registry:
         users: Mapping[str, str] | None = None,
         port: int | None = None,
         token: bool = False,
+        anonymous_pulls: bool = False,
     ) -> None:
         self.folder = folder
         self.users = dict(users or {})
@@ -90,7 +91,7 @@ class Registry:
         self.proc: subprocess.Popen[bytes] | None = None
         # token: the registry asks for Bearer tokens from a token service (Docker Hub's, GHCR's
         # way), this kit's TokenService, instead of Basic auth (htpasswd).
-        self.tokens = TokenService(self.folder, self.users) if token else None
+        self.tokens = TokenService(self.folder, self.users, anonymous_pulls) if token else None
 
     @property
     def host(self) -> str:
@@ -276,13 +277,15 @@ class TokenService:
     user's Basic credentials answers ``{"token": JWT}``, a JWT (RS256, the signing certificate in
     its ``x5c`` header, which the registry checks against its ``rootcertbundle``) whose
     ``access`` claim grants each asked scope's actions (``repository:NAME:pull,push``) to a known
-    user, nothing to anyone else (401). Records every scope asked for (:attr:`scopes`)."""
+    user, nothing to anyone else (401); with ``anonymous_pulls``, a request without credentials
+    gets a token for the ``pull`` it asks and nothing more (Docker Hub's public repositories).
+    Records every scope asked for (:attr:`scopes`)."""
 
     SERVICE = "catacloud-test-registry"
     ISSUER = "catacloud-test-token-service"
 
-    def __init__(self, folder: Path, users: Mapping[str, str]) -> None:
-        self.folder, self.users = folder, dict(users)
+    def __init__(self, folder: Path, users: Mapping[str, str], anonymous_pulls: bool = False) -> None:
+        self.folder, self.users, self.anonymous_pulls = folder, dict(users), anonymous_pulls
         self.port = free_port()
         self.scopes: list[str] = []
         self.server: ThreadingHTTPServer | None = None
@@ -336,18 +339,21 @@ class TokenService:
                 user = _basic_user(self.headers.get("Authorization", ""), service.users)
                 scopes = query.get("scope", [])
                 service.scopes += scopes
-                if user is None or query.get("service") != [TokenService.SERVICE]:
+                header = self.headers.get("Authorization")
+                anonymous = header is None and service.anonymous_pulls
+                if (user is None and not anonymous) or query.get("service") != [TokenService.SERVICE]:
                     self.send_response(401)
                     self.end_headers()
                     return
                 access = []
                 for scope in scopes:  # repository:NAME:ACTIONS (NAME may hold no ":" here)
                     kind, repo, actions = scope.split(":", 2)
-                    access.append({"type": kind, "name": repo, "actions": actions.split(",")})
+                    granted = [a for a in actions.split(",") if user is not None or a == "pull"]
+                    access.append({"type": kind, "name": repo, "actions": granted})
                 issued = int(clock.time())
                 claims = {
                     "iss": TokenService.ISSUER,
-                    "sub": user,
+                    "sub": user or "",
                     "aud": TokenService.SERVICE,
                     "iat": issued,
                     "nbf": issued - 60,

@@ -97,6 +97,11 @@ class JobImages:
                 log.warning("could not open the image store %s: %s", self.root, exc)
 
     @property
+    def opened(self) -> bool:
+        """The machine has a store already (it held an image once): :attr:`store` makes none."""
+        return self.root is not None and os.path.isdir(self.root)
+
+    @property
     def store(self) -> ImageStore | None:
         if self._tools is None or self.root is None:
             return None

@@ -673,6 +673,39 @@ class ImageStore:
     def held(self) -> list[Image]:
         return [img for d in self._index()["images"] if (img := self.image(d)) is not None]
 
+    def registries(self) -> set[str]:
+        """The registries (``host[:port]``) of the images the store holds."""
+        return {
+            ref.split("/", 1)[0]
+            for entry in self._index()["images"].values()
+            for ref in entry.get("references", ())
+        }
+
+    def blob_for(self, repository: str, digest: str) -> str | None:
+        """The path of blob ``digest`` when the store holds an image of ``repository``
+        (``registry/name``, as a reference names it) whose manifest names that blob (its config or
+        a layer): what a job's engine may take from here instead of the registry
+        (catacloud/agent/registry_proxy.py). Its bytes were checked against the digest when
+        skopeo wrote them; a blob of another repository is not given out."""
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            return None
+        for held, entry in self._index()["images"].items():
+            if not any(str(r).rpartition("@")[0] == repository for r in entry.get("references", ())):
+                continue
+            layout = self._manifest_digest(held.split(":", 1)[1])
+            try:
+                manifest = self._blob(layout) if layout else {}
+            except (OSError, ValueError):
+                continue
+            named = [
+                manifest.get("config", {}).get("digest"),
+                *(x.get("digest") for x in manifest.get("layers", [])),
+            ]
+            if digest in named:
+                path = os.path.join(self.oci, "blobs", "sha256", digest.split(":", 1)[1])
+                return path if os.path.isfile(path) else None
+        return None
+
     def size(self) -> int:
         """Bytes the store uses: every blob once, every unpacked root."""
         blobs = _tree_bytes(os.path.join(self.oci, "blobs")) if os.path.isdir(self.oci) else 0

@@ -433,19 +433,26 @@ class JobRunning:
     def _engine_registries(
         self, job: Job, allow: tuple[Allow, ...]
     ) -> tuple[tuple[Allow, ...], str | None, list[tuple[Login, str]]]:
-        """The organization's registries for the job's engine: a grant of the agent's registry
-        mirror (catacloud/agent/registry_proxy.py), the mirror locations its registries.conf
-        names, and its allow list with the mirror's port (pasta forwards it into the job's
-        namespace). Nothing where the job has no network of its own to reach it through."""
+        """The registries the job's engine pulls through this agent's mirror
+        (catacloud/agent/registry_proxy.py): the organization's, with its credentials, and those
+        of the images the machine's store holds (their blobs come from the store). Returns the
+        job's allow list with the mirror's port (pasta forwards it into the job's namespace), the
+        grant, and the mirror locations its registries.conf names. Nothing where the job has no
+        network of its own to reach it through."""
         egress = getattr(self.launcher, "egress", None)
-        if not job.registries or egress is None or egress.mode != "pasta":
+        store = self.images.store if self.images is not None and self.images.opened else None
+        held = store.registries() if store is not None else set()
+        if not (job.registries or held) or egress is None or egress.mode != "pasta":
             return allow, None, []
         plain = {h.lower() for h in self.insecure_registries}
-        logins = [
-            Login(r.registry, r.username, r.password, plain_http=parse(f"{r.registry}/x").plain_http(plain))
+        logins = {
+            r.registry: Login(r.registry, r.username, r.password, parse(f"{r.registry}/x").plain_http(plain))
             for r in job.registries
-        ]
-        grant, mirrors = self.registry_proxy.grant(logins, egress.policy(allow))
+        }
+        for registry in sorted(held - set(logins)):
+            logins[registry] = Login(registry, plain_http=parse(f"{registry}/x").plain_http(plain))
+        seed = store.blob_for if store is not None else None
+        grant, mirrors = self.registry_proxy.grant(logins.values(), egress.policy(allow), seed)
         mirror = Allow(ipaddress.ip_network("127.0.0.1/32"), self.registry_proxy.port)
         return (*allow, mirror), grant, mirrors
 

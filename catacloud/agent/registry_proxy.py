@@ -1,4 +1,5 @@
-"""The organization's registry credentials for a containers job's engine, never in the job's hands.
+"""The organization's registry credentials for a containers job's engine, never in the job's
+hands; and the machine's image store as the engine's first source of layers.
 
 A job's own engine (catacloud/agent/containers.py) runs as the job's uid: any credential file it
 could read, the job could read. So the engine is given none. For every registry the organization
@@ -27,6 +28,13 @@ registry. What the job can do with it is what ``docker pull`` does and no more:
   with a redirect, passed on to the engine as it came: the engine follows it from the job's own
   network, under the job's rules, carrying no credential (the redirect's URL is all it gets).
 
+**Seeded from the machine's image store.** The registries of the images the machine holds are
+mirrored too (anonymously, where the organization has no credentials for them), and a blob the
+store holds for the repository asked (a config or a layer its held image of that repository
+names: :meth:`~catacloud.agent.images.ImageStore.blob_for`) is served from the store: an image
+the machine holds is not downloaded a second time. Manifests are always the registry's (a tag
+may have moved; the engine checks every blob against the manifest's digest).
+
 Where the machine has no job network (pasta missing), the job reaches no loopback port of the
 agent's, so no mirror is written: pulls go to the registries directly, without credentials.
 """
@@ -39,13 +47,15 @@ import http.client
 import ipaddress
 import json
 import logging
+import os
 import re
 import secrets
+import shutil
 import socket
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -89,13 +99,17 @@ class Login:
     """One registry's credentials (``registry`` as references name it: ``host`` or ``host:port``)."""
 
     registry: str
-    username: str
-    password: str
+    username: str = ""  # "": none (the machine's image store seeds it; pulls go anonymously)
+    password: str = ""
     plain_http: bool = False  # a loopback or operator-named registry: HTTP, as the agent pulls
 
     @property
     def api_host(self) -> str:
         return DOCKER_HUB_API if self.registry == DEFAULT_REGISTRY else self.registry
+
+    @property
+    def anonymous(self) -> bool:
+        return not self.username
 
     @property
     def basic(self) -> str:
@@ -108,6 +122,8 @@ class Grant:
 
     logins: dict[str, Login]
     policy: Policy
+    # The machine's image store: the path of a blob it holds for ``registry/name``, or None.
+    seed: Callable[[str, str], str | None] | None = None
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)  # (key, name) -> Authorization
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: threading.BoundedSemaphore = field(
@@ -142,14 +158,16 @@ class RegistryProxy:
                 self._server = server
             return self._server
 
-    def grant(self, logins: Iterable[Login], policy: Policy) -> tuple[str, list[tuple[Login, str]]]:
+    def grant(
+        self, logins: Iterable[Login], policy: Policy, seed: Callable[[str, str], str | None] | None = None
+    ) -> tuple[str, list[tuple[Login, str]]]:
         """A new grant for one job: its id and, per login, the mirror location its
         ``registries.conf`` names (:meth:`revoke` ends it)."""
         port = self.port
         token = secrets.token_hex(20)
         keyed = {f"r{i}": login for i, login in enumerate(logins)}
         with self._lock:
-            self._grants[token] = Grant(keyed, policy)
+            self._grants[token] = Grant(keyed, policy, seed)
         return token, [(login, f"127.0.0.1:{port}/{token}/{key}") for key, login in keyed.items()]
 
     def revoke(self, token: str) -> None:
@@ -210,6 +228,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(429, "TOOMANYREQUESTS", f"more than {MAX_PER_GRANT} pulls at once")
             return
         try:
+            if match["kind"] == "blobs" and grant.seed is not None:
+                held = grant.seed(f"{login.registry}/{name}", match["ref"])
+                if held is not None and self._send_file(held, match["ref"], body=body):
+                    return
             answer = _fetch(grant, match["key"], login, name, "GET" if body else "HEAD", upstream, headers)
             with contextlib.closing(answer):
                 self._relay(answer, login, body=body)
@@ -237,6 +259,24 @@ class _Handler(BaseHTTPRequestHandler):
         with contextlib.suppress(OSError, http.client.HTTPException):
             while chunk := answer.read(CHUNK):
                 self.wfile.write(chunk)
+
+    def _send_file(self, path: str, digest: str, *, body: bool) -> bool:
+        """A blob from the machine's image store (no second download of what the machine holds);
+        False when it went in the meantime (evicted): the registry is asked instead."""
+        try:
+            held = open(path, "rb")  # noqa: SIM115 (closed below; an eviction now leaves it readable)
+        except OSError:
+            return False
+        with held:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(os.fstat(held.fileno()).st_size))
+            self.send_header("Docker-Content-Digest", digest)
+            self.end_headers()
+            if body:
+                with contextlib.suppress(OSError):
+                    shutil.copyfileobj(held, self.wfile, CHUNK)
+        return True
 
     def _answer(self, status: int, data: bytes, *, body: bool = True) -> None:
         self.send_response(status)
@@ -338,11 +378,11 @@ def _authorize(policy: Policy, login: Login, name: str, challenge: str) -> str |
     scheme, _, rest = challenge.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
     if scheme.lower() == "basic":
-        return login.basic
+        return None if login.anonymous else login.basic
     if scheme.lower() != "bearer" or not params.get("realm"):
         return None
     realm = urllib.parse.urlsplit(params["realm"])
-    if realm.scheme != "https" and not login.plain_http:
+    if realm.scheme != "https" and not login.plain_http and not login.anonymous:
         return None  # the login is not sent in the clear to a service a TLS registry names
     query = {"scope": f"repository:{name}:pull"}
     if params.get("service"):
@@ -350,7 +390,8 @@ def _authorize(policy: Policy, login: Login, name: str, challenge: str) -> str |
     separator = "&" if realm.query else ""
     url = realm._replace(query=realm.query + separator + urllib.parse.urlencode(query))
     try:
-        answer = _request(policy, login, "GET", "", {"Accept": "application/json"}, login.basic, url=url)
+        basic = None if login.anonymous else login.basic  # anonymous: Docker Hub's public pulls
+        answer = _request(policy, login, "GET", "", {"Accept": "application/json"}, basic, url=url)
         with contextlib.closing(answer):
             if answer.status != 200:
                 return None

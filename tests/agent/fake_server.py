@@ -207,6 +207,7 @@ class FakeAgentAPI(_FakeBase):
         disk_limit_bytes: int | None = None,
         containers: bool = False,
         registries: list[dict[str, str]] | None = None,
+        image: str | None = None,
     ) -> str:
         """Hand a job to the next ``GET work``; returns its id. ``checkpoint`` is the payload's
         ``{"available", "interval_seconds"}`` (left out when ``None``, as an older server)."""
@@ -229,6 +230,8 @@ class FakeAgentAPI(_FakeBase):
             job["containers"] = True
         if registries is not None:
             job["registries"] = registries
+        if image is not None:
+            job["image"] = {"reference": image}
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()

@@ -6,6 +6,7 @@ credentials that never reach a command line. And image references, parsed as reg
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import threading
@@ -19,7 +20,7 @@ import pytest
 from catacloud.agent.images import ImageError, ImageStore, PullCancelled, find_tools
 from catacloud.agent.reference import parse, registry_host
 from catacloud.protocol import ImageFailure, RegistryAuth
-from testkit.registry import INSTALL, FaultyProxy, Registry, build_image, missing_tools, push
+from testkit.registry import INSTALL, FaultyProxy, Registry, build_image, manifest, missing_tools, push
 
 NEVER = threading.Event()
 
@@ -88,6 +89,31 @@ def test_a_layer_two_images_share_is_fetched_once(registry: Any, tmp_path: Path)
     child = ensure(s, f"{proxy.host}/t/child:1")
     assert child.pulled and proxy.blob_gets() - before == 2  # its own layer and config only
     assert {"base.bin", "child.bin"} <= set(os.listdir(child.image.rootfs))
+
+
+def test_the_store_gives_a_blob_only_for_a_repository_whose_held_image_names_it(
+    registry: Any, tmp_path: Path
+) -> None:
+    """What a containers job's engine may take from the store (catacloud/agent/registry_proxy.py):
+    a config or layer of an image it holds, asked for under that image's repository; not the same
+    blob under another repository, not a blob no held image names, not a made-up digest."""
+    reg, proxy, info = registry
+    s = store(tmp_path)
+    ensure(s, f"{proxy.host}/t/base:1")
+    layer = manifest(info["images"]["base"])["layers"][0]["digest"]
+    config = manifest(info["images"]["base"])["config"]["digest"]
+    for digest in (layer, config):
+        path = s.blob_for(f"{proxy.host}/t/base", digest)
+        assert (
+            path is not None and hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest.split(":")[1]
+        )
+    assert s.blob_for(f"{proxy.host}/t/other", layer) is None  # another repository
+    assert s.blob_for(f"{reg.host}/t/base", layer) is None  # another registry
+    assert (
+        s.blob_for(f"{proxy.host}/t/base", manifest(info["images"]["other"])["layers"][0]["digest"]) is None
+    )
+    assert s.blob_for(f"{proxy.host}/t/base", "sha256:../../index.json") is None
+    assert s.registries() == {proxy.host}
 
 
 def test_least_recently_used_images_go_first_never_one_in_use(registry: Any, tmp_path: Path) -> None:

@@ -104,6 +104,48 @@ def test_a_token_registry_is_pulled_through_the_mirror_with_a_pull_only_token(
         assert gone.returncode != 0 and "name unknown" in gone.stderr.lower(), gone.stderr
 
 
+def test_a_public_repository_is_pulled_with_an_anonymous_token_and_its_blobs_seeded(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    """Docker Hub's public pulls: no credentials, yet the registry wants a token, which its token
+    service gives anyone for ``pull``. And a blob the machine's store holds for that repository
+    (the ``seed``) is served from there: the registry never sees it asked for."""
+    with Registry(
+        tmp_path / "registry", users={"robot": PASSWORD}, token=True, anonymous_pulls=True
+    ) as registry:
+        push(image, f"{registry.host}/library/app:1", credentials=("robot", PASSWORD))
+        assert registry.tokens is not None
+        layer = manifest(image)["layers"][0]["digest"]
+        held = tmp_path / "held-layer"
+        held.write_bytes((image.layout / "blobs" / "sha256" / layer.split(":")[1]).read_bytes())
+        asked: list[tuple[str, str]] = []
+
+        def seed(repository: str, digest: str) -> str | None:
+            asked.append((repository, digest))
+            return str(held) if (repository, digest) == (f"{counting.host}/library/app", layer) else None
+
+        counting = FaultyProxy(registry.host).start()
+        try:
+            service = f"127.0.0.1:{registry.tokens.port}"
+            login = Login(counting.host, plain_http=True)  # no credentials at all
+            _, [(_, mirror)] = proxy.grant([login], reaching(counting.host, service), seed)
+            pushed = len(registry.tokens.scopes)
+            copied = skopeo(
+                "copy",
+                "--quiet",
+                "--src-tls-verify=false",
+                f"docker://{mirror}/library/app:1",
+                f"oci:{tmp_path / 'out'}:1",
+            )
+            assert copied.returncode == 0, copied.stderr
+            assert (f"{counting.host}/library/app", layer) in asked
+            assert not any(layer in r for r in counting.requests), counting.requests  # from the store
+            assert counting.blob_gets() == 1  # the config, which the store did not hold
+            assert set(registry.tokens.scopes[pushed:]) == {"repository:library/app:pull"}
+        finally:
+            counting.stop()
+
+
 def test_the_mirror_pulls_only_and_only_for_its_grant(
     tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
 ) -> None:

@@ -24,7 +24,7 @@ import pytest
 from catacloud.agent.containers import engine_path
 from catacloud.providers.local import LocalProvider
 from catacloud.providers.machine_sandbox import network_problem
-from testkit.registry import Registry, build_image, missing_tools, push
+from testkit.registry import FaultyProxy, Registry, build_image, missing_tools, push
 from tests.security import netlab
 from tests.security.netlab import LINK_LOCAL, PRIVATE, PUBLIC
 from tests.security.test_disk_bounds import Machine, needs_root_and_loop
@@ -41,8 +41,8 @@ pytestmark = [
 
 
 class Lab:
-    def __init__(self, registry: Registry, machine: Machine, plain: Machine) -> None:
-        self.registry, self.machine, self.plain = registry, machine, plain
+    def __init__(self, registry: Registry, machine: Machine, plain: Machine, provider: LocalProvider) -> None:
+        self.registry, self.machine, self.plain, self.provider = registry, machine, plain, provider
 
     @property
     def image(self) -> str:
@@ -74,7 +74,7 @@ def ct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         machine = Machine(provider, disk_gb=1, containers=True)
         plain = Machine(provider, disk_gb=None)
         try:
-            yield Lab(registry, machine, plain)
+            yield Lab(registry, machine, plain, provider)
         finally:
             machine.stop()
             plain.stop()
@@ -404,3 +404,26 @@ def test_the_engine_pulls_with_the_organizations_credentials_the_job_never_holds
                 f"http://{mirror.split('/', 1)[0]}/v2/{mirror.split('/', 1)[1]}/tool/manifests/1"
             )
         assert ended.value.code == 404
+
+
+def test_the_engine_takes_the_layers_the_machines_image_store_holds(ct: Lab) -> None:
+    """A job ran inside an image (the machine's store pulled it); a later containers job's
+    `docker pull` of that image asks the registry for its manifest alone: every blob comes from
+    the store, through the agent's mirror (no second download of what the machine holds)."""
+    counting = FaultyProxy(ct.registry.host).start()  # counts what reaches the registry
+    machine = Machine(ct.provider, disk_gb=1, containers=True)
+    try:
+        image = f"{counting.host}/busybox:1"
+        allow = {"allow": [counting.host]}
+        finished, output, _ = machine.run("cat /etc/os-release", network=allow, image=image)
+        assert finished["outcome"] == "succeeded", output
+        blobs, manifests = counting.blob_gets(), counting.manifest_requests()
+        assert blobs >= 2  # the store's own pull: its config and layer
+        command = f"docker pull -q {image} && docker run --rm {image} echo seeded-from-the-store"
+        finished, output, _ = machine.run(command, network=allow, containers=True)
+        assert finished["outcome"] == "succeeded" and "seeded-from-the-store" in output, output
+        assert counting.blob_gets() == blobs, counting.requests  # no blob fetched again
+        assert counting.manifest_requests() > manifests  # the tag was still asked of the registry
+    finally:
+        machine.stop()
+        counting.stop()
