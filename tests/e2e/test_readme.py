@@ -65,6 +65,7 @@ EXPECTED = [
     "trace",
     "registry",
     "images",
+    "containers",
     "hosts",
     "hosts-drain",
     "selection",
@@ -764,6 +765,10 @@ def test_readme_walkthroughs_run_in_order_as_pasted(stack: dict[str, Any], tmp_p
     assert "job.image_cached" in out and "hi from the image" in out
     assert '"code":"invalid_image_reference"' in out and "not-shown-again" not in out
     assert re.search(r'\{"status":"ready","images":\[[^]]*demo/hello:1', out), out
+    # containers: the job built an image FROM the registry's with its own Docker and ran it, root
+    # in its container and an unprivileged uid outside
+    assert "built by docker in a job" in out and '{"status":"succeeded","exit_code":0}' in out, out
+    assert re.search(r"^uid 0 in the container, [1-9]\d* outside$", out, re.M), out
 
     # enrolled hosts: two hosts on this machine ran the jobs in slots, nothing was bought; the
     # drained host's job was requeued and finished on the host taken back; both were revoked,
