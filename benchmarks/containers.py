@@ -11,10 +11,17 @@ types alike but for ``containers`` (both allowing the registry's port), each a w
 - **docker run**: in each of ``jobs`` jobs on the containers pool, ``docker run --rm busybox
   true`` once into the job's empty engine (the pull from the registry and the run) and then
   ``runs`` times more with the image cached, each timed inside the job.
+- **Where a pull comes from**: ``docker pull`` of a 64 MB image (one layer of random bytes) into
+  the job's empty engine, timed inside each of ``jobs`` jobs, three ways in turn: straight from
+  the registry (the organization holds no credentials for it, the machine's store no image);
+  through the agent's mirror (the organization's credentials set for the registry:
+  catacloud/agent/registry_proxy.py relays every byte); and seeded (a job ran inside the image
+  first, so the machine's store holds its layer, which the mirror serves from there).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -28,6 +35,12 @@ from testkit.processes import wait_for
 from testkit.registry import Registry, build_image, push
 
 FIRST = 'echo "FIRST $(date +%s.%N)"'
+# One `docker pull` into the job's empty engine, timed by its shell in microseconds.
+PULL = (
+    "s=$(date +%s%N); docker pull -q {image} >/dev/null || exit 1; "
+    'e=$(date +%s%N); echo "PULL $(( (e - s) / 1000 ))"'
+)
+BIG_BYTES = 64 * 2**20
 # Each `docker run` timed by the job's own shell, in microseconds (the first pulls the image).
 DOCKER_RUNS = (
     "for i in $(seq 0 {runs}); do s=$(date +%s%N); "
@@ -44,9 +57,9 @@ def _output(job_id: Any, streams: tuple[str, ...] = ("stdout",)) -> str:
     return "".join(chunks.values_list("data", flat=True))
 
 
-def _run(t: Any, cfg: Any, mark: str) -> tuple[dict[str, float], str]:
+def _run(t: Any, cfg: Any, mark: str) -> tuple[dict[str, float], str, Any]:
     """Submit one job of ``cfg``, wait for its end and for its output line ``mark``: its
-    timestamps (seconds from its submit) and its output."""
+    timestamps (seconds from its submit), its output and its id."""
     job_id, (queued, started, finished, status) = job_until(
         t, cfg, "finished_at", ("queued_at", "started_at", "finished_at", "status"), 300
     )
@@ -64,7 +77,13 @@ def _run(t: Any, cfg: Any, mark: str) -> tuple[dict[str, float], str]:
     for line in text.splitlines():
         if line.startswith("FIRST "):
             stamps["first"] = float(line.split()[1]) - base
-    return stamps, text
+    return stamps, text, job_id
+
+
+def _machine_of(job_id: Any) -> str:
+    from apps.jobs.models import Job
+
+    return str(Job.objects.get(pk=job_id).instance_id)
 
 
 def _pool(t: Any, name: str) -> Any:
@@ -85,11 +104,14 @@ def run(*, samples: int = 20, jobs: int = 5, runs: int = 20, progress: Progress 
     }
     first_runs: list[float] = []
     cached_runs: list[float] = []
+    pulls: dict[str, list[float]] = {}
     try:
         with Registry(work / "registry") as registry:
             progress("containers: building and pushing busybox")
             push(build_image(work / "img", "1"), f"{registry.host}/bench/busybox:1")
             image = f"{registry.host}/bench/busybox:1"
+            big = f"{registry.host}/bench/big:1"
+            push(build_image(work / "big", "1", files={"/big.bin": os.urandom(BIG_BYTES)}), big)
             progress("containers: starting gunicorn, agent server, worker, beat")
             with live_stack("containers") as stack:
                 tenants = {}
@@ -113,7 +135,7 @@ def run(*, samples: int = 20, jobs: int = 5, runs: int = 20, progress: Progress 
                 for i in range(samples):
                     for kind, t in tenants.items():
                         wait_quiet(pools[kind].pk, 1, timeout=180)
-                        stamps, _ = _run(t, configs[kind], "FIRST ")
+                        stamps, _, _ = _run(t, configs[kind], "FIRST ")
                         for key, values in starts[kind].items():
                             values.append(stamps[key])
                     progress(f"containers: start sample {i + 1}/{samples}")
@@ -127,7 +149,7 @@ def run(*, samples: int = 20, jobs: int = 5, runs: int = 20, progress: Progress 
                 )
                 for i in range(jobs):
                     wait_quiet(pools["containers"].pk, 1, timeout=180)
-                    _, text = _run(t, docker, f"RUN {runs} ")
+                    _, text, _ = _run(t, docker, f"RUN {runs} ")
                     timed = {
                         int(p[1]): int(p[2]) / 1e6
                         for p in (line.split() for line in text.splitlines())
@@ -136,9 +158,39 @@ def run(*, samples: int = 20, jobs: int = 5, runs: int = 20, progress: Progress 
                     first_runs.append(timed[0])
                     cached_runs += [timed[k] for k in sorted(timed) if k > 0]
                     progress(f"containers: docker run job {i + 1}/{jobs}")
+                pulls = _pull_sources(t, pools["containers"], registry.host, big, jobs, progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _result(result, starts, first_runs, cached_runs, samples=samples, jobs=jobs)
+    return _result(result, starts, first_runs, cached_runs, pulls, samples=samples, jobs=jobs)
+
+
+def _pull_sources(
+    t: Any, pool: Any, registry: str, image: str, jobs: int, progress: Progress
+) -> dict[str, list[float]]:
+    """Seconds of ``docker pull image`` in ``jobs`` jobs each: direct, through the mirror, seeded."""
+    from apps.orgs.registries import registry_credential_set
+
+    pull = job_config(t.org, t.machine_type, "docker-pull", PULL.format(image=image), reuse="reuse")
+    times: dict[str, list[float]] = {"direct": [], "mirror": [], "seeded": []}
+    holder = None
+    for way in times:
+        if way == "mirror":  # the open registry takes any login; the mirror adds it all the same
+            registry_credential_set(org=t.org, registry=registry, username="bench", password="bench-secret")
+        if way == "seeded":  # the machine's store pulls the image for a job that runs inside it
+            inside = job_config(t.org, t.machine_type, "in-big", "echo inside", reuse="reuse", image=image)
+            wait_quiet(pool.pk, 1, timeout=180)
+            _, _, job_id = _run(t, inside, "inside")
+            holder = _machine_of(job_id)
+        for i in range(jobs):
+            wait_quiet(pool.pk, 1, timeout=180)
+            _, text, job_id = _run(t, pull, "PULL ")
+            if way == "seeded" and _machine_of(job_id) != holder:
+                raise RuntimeError("a seeded pull ran on another machine than the one holding the image")
+            times[way] += [
+                int(line.split()[1]) / 1e6 for line in text.splitlines() if line.startswith("PULL ")
+            ]
+            progress(f"containers: docker pull {way} {i + 1}/{jobs}")
+    return times
 
 
 def _result(
@@ -146,6 +198,7 @@ def _result(
     starts: dict[str, dict[str, list[float]]],
     first_runs: list[float],
     cached_runs: list[float],
+    pulls: dict[str, list[float]],
     *,
     samples: int,
     jobs: int,
@@ -155,7 +208,7 @@ def _result(
 
     plain, ctr = starts["plain"], starts["containers"]
     engine_ms = (median(ctr["first"]) - median(plain["first"])) * 1000
-    result.data = {"starts": starts, "first_run_s": first_runs, "cached_run_s": cached_runs}
+    result.data = {"starts": starts, "first_run_s": first_runs, "cached_run_s": cached_runs, "pull_s": pulls}
     result.figures += [
         Figure(
             "job submit -> first instruction p50, containers type",
@@ -188,6 +241,22 @@ def _result(
             "",
             f"max {round(max(first_runs, default=float('nan')) * 1000, 1)} ms",
             note=f"{len(first_runs)} jobs, each engine empty at its start; the registry on loopback",
+        ),
+        *(
+            Figure(
+                f"docker pull of a {BIG_BYTES // 2**20} MiB image, {way}: p50",
+                ms(pulls[way]),
+                "ms",
+                "",
+                f"max {round(max(pulls[way], default=float('nan')) * 1000, 1)} ms",
+                note=f"{len(pulls[way])} jobs, each engine empty at its start; {how}",
+            )
+            for way, how in (
+                ("direct", "from the registry on loopback, no credentials, no image on the machine"),
+                ("mirror", "through the agent's mirror, which adds the organization's credentials"),
+                ("seeded", "the machine's store holds the layer: the mirror serves it from there"),
+            )
+            if pulls.get(way)
         ),
     ]
     return result

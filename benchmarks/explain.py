@@ -460,7 +460,12 @@ two medians is what that start costs every job of such a type (the agent reports
 before it, so submit -> running barely differs). *docker run*: five jobs on the containers type,
 each running `docker run --rm busybox true` once into its empty engine (the pull from the
 registry, then the run) and 20 times more with the image held, each timed by the job's own shell
-(Podman, crun, one uid mapped, the container in the job's network namespace). Measured
+(Podman, crun, one uid mapped, the container in the job's network namespace). *Where a pull
+comes from*: `docker pull` of a 64 MiB image (one layer of random bytes, so nothing compresses)
+into the job's empty engine, timed by the job's shell, in five jobs each way: straight from the
+registry; through the agent's mirror once the organization has credentials for the registry
+(catacloud/agent/registry_proxy.py relays every byte); seeded, once a job has run inside the
+image on that machine, so its store holds the layer and the mirror serves it from there. Measured
 2026-12-03 with no test suite or helper running, but with an idle `make dev` stack left over from
 an interrupted test run beside it (found later; 1-minute load 2.1-2.6 in all): read the figures
 as upper bounds.

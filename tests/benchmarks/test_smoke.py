@@ -217,6 +217,13 @@ def test_containers() -> None:
     # each figure a time the job itself took: its first instruction after its submit
     assert 0 < starts["containers"]["running"][0] < starts["containers"]["first"][0]
     assert len(result.data["first_run_s"]) == 1 and len(result.data["cached_run_s"]) == 2
+    # a pull of each way, timed inside its job (the seeded one on the machine holding the image)
+    assert {way: len(s) for way, s in result.data["pull_s"].items()} == {
+        "direct": 1,
+        "mirror": 1,
+        "seeded": 1,
+    }
+    assert all(s[0] > 0 for s in result.data["pull_s"].values())
 
 
 def test_tail_report_keeps_percentiles_and_counts_every_slow_job(tmp_path: Path) -> None:
