@@ -227,10 +227,14 @@ class Policy:
         for what the agent fetches on a job's behalf (catacloud/agent/registry_proxy.py)."""
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
+        if address.is_loopback or address.is_unspecified:
+            # The job's own namespace answers these: it reaches the host's loopback only at a port
+            # an entry names exactly (pasta's forward), whatever wider network another names.
+            return any(a.loopback and a.port == port and address in a.network for a in self.allow)
+        if any(address == ipaddress.ip_address(h.split("%")[0]) for h in self.host_addresses):
+            return False  # pasta gives the job the host's addresses: there it only meets itself
         if any(address in a.network and a.port in (None, port) for a in self.allow):
             return True
-        if any(address == ipaddress.ip_address(h.split("%")[0]) for h in self.host_addresses):
-            return False
         return not refused_everywhere(str(address))
 
     def ruleset(self) -> str:

@@ -21,9 +21,12 @@ registry. What the job can do with it is what ``docker pull`` does and no more:
   machine type's ``network.allow`` names: :meth:`~catacloud.agent.netns.Policy.reaches`), checked
   for the address it then connects to (no second lookup a name could answer differently). The
   same holds for a token service a registry names.
-- **Its share.** At most :data:`MAX_PER_GRANT` requests of one job in flight (``429`` beyond),
-  and a client that stops sending or reading is let go after :data:`TIMEOUT_SECONDS`: one job
-  cannot hold the mirror from another.
+- **Its share.** At most :data:`MAX_PER_GRANT` requests of one job in flight (more wait
+  :data:`QUEUE_SECONDS`, then ``429``), :data:`MAX_CONNECTIONS` in all (more are closed at
+  once), each cut unless its request head arrives whole within :data:`HEAD_SECONDS`, and
+  :data:`TOKEN_BURST` token requests of one job, then :data:`TOKEN_RATE` a second (``429``): one
+  job cannot hold the mirror from another, nor make it hammer a registry's token service with
+  the organization's login, name after name.
 - **No redirect followed.** A registry that sends a blob elsewhere (a CDN's signed URL) answers
   with a redirect, passed on to the engine as it came: the engine follows it from the job's own
   network, under the job's rules, carrying no credential (the redirect's URL is all it gets).
@@ -54,6 +57,7 @@ import shutil
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -78,7 +82,13 @@ _PULL_PATH = re.compile(
     rf"^/v2/(?P<grant>[0-9a-f]{{40}})/(?P<key>r[0-9]{{1,3}})/(?P<name>{_COMPONENT}(?:/{_COMPONENT})*)"
     rf"/(?:(?P<kind>manifests|blobs)/(?P<ref>{_TAG}|{_DIGEST})|(?P<tags>tags/list))$"
 )
-MAX_PER_GRANT = 16  # requests one job's engine may have in flight at once (more: 429)
+MAX_PER_GRANT = 16  # requests one job's engine may have in flight at once (more wait, then 429)
+QUEUE_SECONDS = 10.0  # how long a request beyond them waits for one to end
+MAX_CONNECTIONS = 128  # connections of every job together (more are closed at once)
+HEAD_SECONDS = 10.0  # to send a request's line and headers, whole (a trickle is cut)
+MAX_TOKENS = 256  # authorizations one grant keeps (one per repository it pulled)
+TOKEN_BURST, TOKEN_RATE = 20, 1.0  # token requests one grant may cause: a burst, then per second
+CONNECT_SECONDS = 5.0  # per address of a registry, before the next is tried
 # What passes from the registry's answer to the engine (never a cookie or an auth header).
 _RELAYED = (
     "Content-Type",
@@ -92,6 +102,7 @@ _RELAYED = (
     "Location",
 )
 _FORWARDED = ("Accept", "Range", "If-None-Match")  # what passes from the engine to the registry
+_RANGE = re.compile(r"bytes=[0-9]{1,19}-[0-9]{0,19}")
 
 
 @dataclass(frozen=True)
@@ -126,13 +137,37 @@ class Grant:
     seed: Callable[[str, str], str | None] | None = None
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)  # (key, name) -> Authorization
     lock: threading.Lock = field(default_factory=threading.Lock)
+    token_budget: list[float] = field(default_factory=lambda: [float(TOKEN_BURST), 0.0])  # left, at
     in_flight: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_PER_GRANT)
     )
 
+    def may_ask_token(self, now: float) -> bool:
+        """One more token request of this grant's, within :data:`TOKEN_BURST` and
+        :data:`TOKEN_RATE` (a job cannot make the agent hammer a registry's token service with
+        the organization's login, name after name)."""
+        with self.lock:
+            left, at = self.token_budget
+            left = min(float(TOKEN_BURST), left + (now - at) * TOKEN_RATE if at else left)
+            if left < 1:
+                self.token_budget[:] = [left, now]
+                return False
+            self.token_budget[:] = [left - 1, now]
+            return True
+
+    def keep_token(self, key: str, name: str, authorization: str) -> None:
+        with self.lock:
+            if len(self.tokens) >= MAX_TOKENS:
+                self.tokens.pop(next(iter(self.tokens)))
+            self.tokens[(key, name)] = authorization
+
 
 class Refused(Exception):
     """The registry (or its token service) is where the job's network may not go, or unusable."""
+
+
+class Busy(Exception):
+    """The grant asked the registry's token service too often: 429."""
 
 
 class RegistryProxy:
@@ -142,18 +177,16 @@ class RegistryProxy:
         self._grants: dict[str, Grant] = {}
         self._lock = threading.Lock()
         self._host = host
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
 
     @property
     def port(self) -> int:
         return self._start().server_address[1]
 
-    def _start(self) -> ThreadingHTTPServer:
+    def _start(self) -> _Server:
         with self._lock:
             if self._server is None:
-                server = ThreadingHTTPServer((self._host, 0), _Handler)
-                server.daemon_threads = True
-                server.proxy = self  # type: ignore[attr-defined]
+                server = _Server((self._host, 0), self)
                 threading.Thread(target=server.serve_forever, name="registry-proxy", daemon=True).start()
                 self._server = server
             return self._server
@@ -185,12 +218,74 @@ class RegistryProxy:
         if server is not None:
             server.shutdown()
             server.server_close()
+            server.closing.set()
+
+
+class _Server(ThreadingHTTPServer):
+    """One thread per connection, :data:`MAX_CONNECTIONS` at most; a connection that has not sent
+    its whole request head within :data:`HEAD_SECONDS` is cut (a per-read timeout alone lets a
+    client that trickles a byte at a time hold its thread for ever)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], proxy: RegistryProxy) -> None:
+        super().__init__(address, _Handler)
+        self.proxy = proxy
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.heads: dict[Any, float] = {}  # connections still sending their head: their deadline
+        self.heads_lock = threading.Lock()
+        self.closing = threading.Event()
+        threading.Thread(target=self._cut_slow_heads, name="registry-proxy-heads", daemon=True).start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        with self.heads_lock:
+            self.heads[request] = time.monotonic() + HEAD_SECONDS
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def head_read(self, request: Any) -> None:
+        with self.heads_lock:
+            self.heads.pop(request, None)
+
+    def _done(self, request: Any) -> None:
+        self.head_read(request)
+        self.slots.release()
+
+    def _cut_slow_heads(self) -> None:
+        while not self.closing.wait(1.0):
+            now = time.monotonic()
+            with self.heads_lock:
+                late = [request for request, deadline in self.heads.items() if deadline < now]
+                for request in late:
+                    del self.heads[request]
+            for request in late:
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "catacloud-registry-mirror"
     protocol_version = "HTTP/1.0"  # one answer per connection: the body ends when it closes
-    timeout = TIMEOUT_SECONDS  # a client that sends nothing (or reads nothing) is let go
+    timeout = TIMEOUT_SECONDS  # a client that reads nothing for this long is let go
+    server: _Server
+    answered = False  # a status line went out: an error can no longer be told
+
+    def parse_request(self) -> bool:
+        done = super().parse_request()  # the request line and every header are read by now
+        self.server.head_read(self.request)
+        return done
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("registry mirror: %s", _GRANT_IN_PATH.sub("/v2/…/", format % args))
@@ -212,8 +307,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(200, b"{}", body=body)
             return
         match = _PULL_PATH.match(path)
-        proxy: RegistryProxy = self.server.proxy  # type: ignore[attr-defined]
-        grant = proxy.find(match["grant"]) if match else None
+        grant = self.server.proxy.find(match["grant"]) if match else None
         login = grant.logins.get(match["key"]) if grant is not None and match else None
         if grant is None or login is None or match is None:
             self._error(404, "NAME_UNKNOWN", "repository name not known to registry")
@@ -223,8 +317,8 @@ class _Handler(BaseHTTPRequestHandler):
         paging = {k: v[0] for k, v in urllib.parse.parse_qs(query).items() if k in ("n", "last")}
         if match["tags"] and paging:  # the spec's pagination, and nothing else
             upstream += "?" + urllib.parse.urlencode(paging)
-        headers = {h: v for h in _FORWARDED if (v := self.headers.get(h)) is not None}
-        if not grant.in_flight.acquire(blocking=False):
+        headers = _forwarded(self.headers)
+        if not grant.in_flight.acquire(timeout=QUEUE_SECONDS):
             self._error(429, "TOOMANYREQUESTS", f"more than {MAX_PER_GRANT} pulls at once")
             return
         try:
@@ -234,22 +328,41 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             answer = _fetch(grant, match["key"], login, name, "GET" if body else "HEAD", upstream, headers)
             with contextlib.closing(answer):
-                self._relay(answer, login, body=body)
+                self._relay(answer, login, upstream, body=body, tags=(match["grant"], match["key"], name))
+        except Busy:
+            self._error(429, "TOOMANYREQUESTS", "too many token requests: slow down")
         except Refused as exc:
             self._error(502, "UNAVAILABLE", f"{login.registry}: {exc}")
-        except (OSError, http.client.HTTPException) as exc:
-            self._error(502, "UNAVAILABLE", f"{login.registry} did not answer: {exc}")
+        except (OSError, http.client.HTTPException, ValueError) as exc:  # ValueError: a bad header
+            self._error(502, "UNAVAILABLE", f"{login.registry} did not answer: {type(exc).__name__}")
         finally:
             grant.in_flight.release()
 
-    def _relay(self, answer: http.client.HTTPResponse, login: Login, *, body: bool) -> None:
-        self.send_response(answer.status)
+    def _relay(
+        self,
+        answer: http.client.HTTPResponse,
+        login: Login,
+        upstream: str,
+        *,
+        body: bool,
+        tags: tuple[str, str, str],
+    ) -> None:
+        relayed = []
         for name in _RELAYED:
             value = answer.getheader(name)
-            if value is None:
+            if value is None or "\r" in value or "\n" in value:
                 continue
             if name == "Location":  # a relative one is the registry's: the engine must not come back here
-                value = urllib.parse.urljoin(f"{_scheme(login)}://{login.api_host}/", value)
+                value = urllib.parse.urljoin(f"{_scheme(login)}://{login.api_host}{upstream}", value)
+            if name == "Link":  # the tag list's next page (the spec's pagination), through this mirror
+                link = _next_page(value, *tags)
+                if link is None:
+                    continue
+                value = link
+            relayed.append((name, value))
+        self.send_response(answer.status)
+        self.answered = True
+        for name, value in relayed:
             self.send_header(name, value)
         self.end_headers()
         if not body:
@@ -269,6 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         with held:
             self.send_response(200)
+            self.answered = True
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(os.fstat(held.fileno()).st_size))
             self.send_header("Docker-Content-Digest", digest)
@@ -288,11 +402,41 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _error(self, status: int, code: str, message: str) -> None:
+        if self.answered:  # its body broke off: the connection's end is all the engine can be told
+            self.close_connection = True
+            return
         # The distribution spec's error body: {"errors": [{"code", "message", "detail"}]}.
         self._answer(status, json.dumps({"errors": [{"code": code, "message": message}]}).encode())
 
 
 _GRANT_IN_PATH = re.compile(r"/v2/[0-9a-f]{40}/")
+
+
+def _forwarded(headers: Any) -> dict[str, str]:
+    """What of the engine's request goes on to the registry: every ``Accept`` it sent (one line per
+    media type, as containers/image sends them: the registry picks the manifest's format by
+    them), a plain byte ``Range``, ``If-None-Match``; no value holding a line break."""
+    accept = ", ".join(v.strip() for v in headers.get_all("Accept") or [])
+    chosen = {"Accept": accept, "Range": headers.get("Range"), "If-None-Match": headers.get("If-None-Match")}
+    out = {}
+    for name, value in chosen.items():
+        if not value or "\r" in value or "\n" in value:
+            continue
+        if name == "Range" and not _RANGE.fullmatch(value):
+            continue
+        out[name] = value
+    return out
+
+
+def _next_page(link: str, grant: str, key: str, name: str) -> str | None:
+    """A tag list's ``Link: </v2/NAME/tags/list?…>; rel="next"``, pointed at this mirror's path for
+    the same repository; None for any other link (not passed on)."""
+    found = re.fullmatch(
+        r"<(/v2/" + re.escape(name) + r'/tags/list\?[^>\s]*)>(\s*;\s*rel="next")', link.strip()
+    )
+    if found is None:
+        return None
+    return f"<{found[1].replace('/v2/', f'/v2/{grant}/{key}/', 1)}>{found[2]}"
 
 
 def _scheme(login: Login) -> str:
@@ -311,11 +455,12 @@ def _fetch(
         return answer
     challenge = answer.getheader("WWW-Authenticate", "")
     answer.close()
+    if not grant.may_ask_token(time.monotonic()):
+        raise Busy()
     authorization = _authorize(grant.policy, login, name, challenge)
     if authorization is None:
         return _request(grant.policy, login, method, path, headers, None)  # its 401, as it is
-    with grant.lock:
-        grant.tokens[(key, name)] = authorization
+    grant.keep_token(key, name, authorization)
     return _request(grant.policy, login, method, path, headers, authorization)
 
 
@@ -331,7 +476,9 @@ def _request(
 ) -> http.client.HTTPResponse:
     where = url or urllib.parse.urlsplit(f"{_scheme(login)}://{login.api_host}")
     connection = _connect(policy, where)
-    sent = {**headers, "User-Agent": "catacloud-agent"}
+    default = 443 if where.scheme == "https" else 80
+    host = where.hostname if (where.port or default) == default else f"{where.hostname}:{where.port}"
+    sent = {**headers, "Host": str(host), "User-Agent": "catacloud-agent"}
     if authorization:
         sent["Authorization"] = authorization
     target = path if url is None else (url.path or "/") + (f"?{url.query}" if url.query else "")
@@ -351,11 +498,9 @@ def _connect(policy: Policy, url: urllib.parse.SplitResult) -> http.client.HTTPC
     if not reachable:
         address = candidates[0][4][0] if candidates else url.hostname
         raise Refused(f"{url.hostname} ({address}) is outside what this job's network may reach")
-    family, kind, proto, _, sockaddr = reachable[0]
-    sock = socket.socket(family, kind, proto)
+    sock = _first_connected(reachable)
     try:
         sock.settimeout(TIMEOUT_SECONDS)
-        sock.connect(sockaddr)
         if tls:
             sock = ssl.create_default_context().wrap_socket(sock, server_hostname=url.hostname)
     except BaseException:
@@ -364,6 +509,23 @@ def _connect(policy: Policy, url: urllib.parse.SplitResult) -> http.client.HTTPC
     connection = http.client.HTTPConnection(url.hostname, port, timeout=TIMEOUT_SECONDS)
     connection.sock = sock  # request() uses it as it is: no second name lookup
     return connection
+
+
+def _first_connected(candidates: list[Any]) -> socket.socket:
+    """A socket connected to the first of ``candidates`` (getaddrinfo's, all checked) that
+    answers within :data:`CONNECT_SECONDS` (an IPv6 address first on a host with no IPv6 route
+    must not be the end of it); the last error if none does."""
+    failure: OSError = OSError("no address")
+    for family, kind, proto, _, sockaddr in candidates:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(CONNECT_SECONDS)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            failure = exc
+    raise failure
 
 
 def _address(text: str | int) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from catacloud.agent.netns import DENIED_NETWORKS, GLOBAL_UNICAST, NAT64_PREFIX, Policy, parse_allow
+from catacloud.agent.netns import DENIED_NETWORKS, GLOBAL_UNICAST, NAT64_PREFIX, Allow, Policy, parse_allow
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -187,3 +187,32 @@ def test_nftables_loads_the_rules_as_written() -> None:
     )
     assert loaded.returncode == 0, loaded.stderr
     assert "2001:4860::5" in loaded.stdout and "64:ff9b::a00:0/104" in loaded.stdout
+
+
+@pytest.mark.parametrize(
+    ("address", "port", "reached"),
+    [
+        ("127.0.0.1", 5000, True),  # the loopback port an entry names: pasta forwards it
+        ("::ffff:127.0.0.1", 5000, True),
+        ("127.0.0.1", 2375, False),  # any other: the job's own loopback answers there
+        ("0.0.0.0", 80, False),
+        ("::1", 80, False),
+        ("10.1.2.3", 80, False),  # the host's own address: pasta gives it to the job, itself
+        ("10.9.9.9", 80, True),  # the rest of the allowed networks
+        ("8.8.8.8", 443, True),
+    ],
+)
+def test_what_the_agent_fetches_for_a_job_reaches_only_what_the_job_would(
+    address: str, port: int, reached: bool
+) -> None:
+    """Policy.reaches, for the registry mirror's connections (catacloud/agent/registry_proxy.py):
+    an allow list as wide as the internet still does not open the host's loopback or addresses,
+    which the job's own namespace answers itself."""
+    import ipaddress
+
+    policy = Policy(
+        allow=(Allow.parse("0.0.0.0/0"), Allow.parse("::/0"), Allow.parse("127.0.0.1:5000")),
+        host_addresses=("10.1.2.3",),
+    )
+    assert policy.reaches(ipaddress.ip_address(address), port) is reached
+    assert not Policy().reaches(ipaddress.ip_address("169.254.169.254"), 80)  # metadata, unallowed

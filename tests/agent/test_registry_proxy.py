@@ -219,3 +219,91 @@ def test_one_jobs_engine_holds_at_most_its_share_of_the_mirror(
             assert status == 200  # the other job's pull is served meanwhile
         finally:
             stalling.stop()
+
+
+def test_every_accept_line_reaches_the_registry_and_the_tag_list_pages_through_the_mirror(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy
+) -> None:
+    """containers/image sends one Accept line per media type: the registry picks the manifest's
+    format by all of them (an OCI image asked with a manifest list's type first is there), and a
+    tag list's next page (its Link header) leads back through the mirror, not around it."""
+    import http.client
+
+    with Registry(tmp_path / "registry", users={"robot": PASSWORD}) as registry:
+        for tag in ("1", "2", "3"):
+            push(image, f"{registry.host}/team/app:{tag}", credentials=("robot", PASSWORD))
+        login = Login(registry.host, "robot", PASSWORD, plain_http=True)
+        grant, [(_, mirror)] = proxy.grant([login], reaching(registry.host))
+        base = f"/v2/{grant}/r0/team/app"
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        connection.putrequest("GET", f"{base}/manifests/1")
+        connection.putheader("Accept", "application/vnd.docker.distribution.manifest.list.v2+json")
+        connection.putheader("Accept", "application/vnd.oci.image.manifest.v1+json")
+        connection.endheaders()
+        answer = connection.getresponse()
+        assert answer.status == 200, answer.read()
+        assert answer.getheader("Content-Type") == "application/vnd.oci.image.manifest.v1+json"
+
+        tags, page = [], f"http://127.0.0.1:{proxy.port}{base}/tags/list?n=1"
+        while page:
+            with urllib.request.urlopen(page) as listed:
+                tags += json.loads(listed.read())["tags"]
+                link = listed.headers.get("Link")
+            page = f"http://127.0.0.1:{proxy.port}{link.split('>')[0][1:]}" if link else ""
+            assert not link or link.startswith(f"<{base}/tags/list?"), link
+        assert sorted(tags) == ["1", "2", "3"]  # one page each, every tag once
+
+
+def test_a_client_that_trickles_its_request_is_cut_and_connections_are_capped(
+    proxy: RegistryProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a job that holds the agent's threads: a request head not whole within
+    HEAD_SECONDS is cut (a per-read timeout alone lets a byte every 29 s hold it for ever), and
+    past MAX_CONNECTIONS a connection is closed at once."""
+    import socket
+
+    from catacloud.agent import registry_proxy
+
+    monkeypatch.setattr(registry_proxy, "HEAD_SECONDS", 1.0)
+    monkeypatch.setattr(registry_proxy, "MAX_CONNECTIONS", 3)
+    port = proxy.port  # the server starts now, with these limits
+    trickler = socket.create_connection(("127.0.0.1", port))
+    trickler.sendall(b"GET /v2/ HTTP/1.0\r\n")
+    started, cut = time.monotonic(), False
+    while time.monotonic() - started < 6:
+        try:
+            trickler.sendall(b"X-A: b\r\n")
+        except OSError:
+            cut = True
+            break
+        time.sleep(0.3)
+    assert cut and time.monotonic() - started < 4, "the trickling client was not cut"
+    trickler.close()
+
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    time.sleep(0.2)
+    extra = socket.create_connection(("127.0.0.1", port))
+    extra.settimeout(2)
+    assert extra.recv(1) == b""  # closed at once: no thread for it
+    for s in [*idle, extra]:
+        s.close()
+    time.sleep(1.5)  # the idle ones were cut (no head): a new client is served again
+    assert get(f"http://127.0.0.1:{port}/v2/")[0] == 200
+
+
+def test_a_job_naming_repository_after_repository_cannot_hammer_the_token_service(
+    tmp_path: Path, image: BuiltImage, proxy: RegistryProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from catacloud.agent import registry_proxy
+
+    monkeypatch.setattr(registry_proxy, "TOKEN_BURST", 2)
+    monkeypatch.setattr(registry_proxy, "TOKEN_RATE", 0.01)
+    with Registry(tmp_path / "registry", users={"robot": PASSWORD}, token=True) as registry:
+        assert registry.tokens is not None
+        login = Login(registry.host, "robot", PASSWORD, plain_http=True)
+        service = f"127.0.0.1:{registry.tokens.port}"
+        _, [(_, mirror)] = proxy.grant([login], reaching(registry.host, service))
+        asked = len(registry.tokens.scopes)
+        answers = [get(f"http://{_url(mirror)}/team/n{i}/manifests/1")[0] for i in range(4)]
+        assert answers[:2] == [404, 404] and answers[2:] == [429, 429], answers  # unknown names, then
+        assert len(registry.tokens.scopes) - asked == 2
