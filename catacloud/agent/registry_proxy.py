@@ -53,7 +53,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import socket
 import ssl
 import threading
@@ -374,22 +373,41 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
 
     def _send_file(self, path: str, digest: str, *, body: bool) -> bool:
-        """A blob from the machine's image store (no second download of what the machine holds);
-        False when it went in the meantime (evicted): the registry is asked instead."""
+        """A blob from the machine's image store (no second download of what the machine holds),
+        whole or the byte range asked (206, as a registry answers a resumed download); False
+        when it went in the meantime (evicted): the registry is asked instead."""
         try:
             held = open(path, "rb")  # noqa: SIM115 (closed below; an eviction now leaves it readable)
         except OSError:
             return False
         with held:
-            self.send_response(200)
+            size = os.fstat(held.fileno()).st_size
+            asked = _byte_range(_forwarded(self.headers).get("Range"), size)
+            first, last = asked or (0, size - 1)
+            if asked is not None and first > last:  # nothing of it can be given: RFC 9110 15.5.17
+                self.send_response(416)
+                self.answered = True
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
+            partial = asked is not None
+            self.send_response(206 if partial else 200)
             self.answered = True
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(os.fstat(held.fileno()).st_size))
+            self.send_header("Content-Length", str(last - first + 1))
+            if partial:
+                self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Accept-Ranges", "bytes")
             self.send_header("Docker-Content-Digest", digest)
             self.end_headers()
             if body:
+                held.seek(first)
+                left = last - first + 1
                 with contextlib.suppress(OSError):
-                    shutil.copyfileobj(held, self.wfile, CHUNK)
+                    while left > 0 and (chunk := held.read(min(CHUNK, left))):
+                        self.wfile.write(chunk)
+                        left -= len(chunk)
         return True
 
     def _answer(self, status: int, data: bytes, *, body: bool = True) -> None:
@@ -426,6 +444,19 @@ def _forwarded(headers: Any) -> dict[str, str]:
             continue
         out[name] = value
     return out
+
+
+def _byte_range(asked: str | None, size: int) -> tuple[int, int] | None:
+    """The first and last byte a ``Range: bytes=N-[M]`` asks of ``size`` bytes: None for the
+    whole (none asked, or one that is not a range: RFC 9110 14.2 says to ignore it), first >
+    last when none of it exists."""
+    if not asked:
+        return None
+    start, _, end = asked.removeprefix("bytes=").partition("-")
+    first, last = int(start), (int(end) if end else size - 1)
+    if last < first and end:
+        return None
+    return first, min(last, size - 1)
 
 
 def _next_page(link: str, grant: str, key: str, name: str) -> str | None:

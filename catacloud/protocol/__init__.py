@@ -226,11 +226,12 @@ class JobPayload(Message):
     @property
     def secret_values(self) -> list[str]:
         """What the agent masks in the job's output and its own log: the secret env values and
-        the registry passwords (the job never gets them; masked all the same)."""
+        the password of the image's registry (the job never gets it; masked all the same). The
+        ``registries`` passwords are not: the job never gets them either, and a mask over its
+        output would tell anyone who reads that output whether a guess of theirs was right."""
         values = [self.env[name] for name in self.secret_env_names if self.env.get(name)]
         if self.image is not None and self.image.auth is not None and self.image.auth.password:
             values.append(self.image.auth.password)
-        values += [login.password for login in self.registries if login.password]
         return values
 
 

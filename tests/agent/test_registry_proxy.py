@@ -142,6 +142,12 @@ def test_a_public_repository_is_pulled_with_an_anonymous_token_and_its_blobs_see
             assert not any(layer in r for r in counting.requests), counting.requests  # from the store
             assert counting.blob_gets() == 1  # the config, which the store did not hold
             assert set(registry.tokens.scopes[pushed:]) == {"repository:library/app:pull"}
+            # a resumed download of the seeded layer: the bytes asked, as a registry gives them
+            ranged = urllib.request.Request(f"http://{_url(mirror)}/library/app/blobs/{layer}")
+            ranged.add_header("Range", "bytes=10-19")
+            with urllib.request.urlopen(ranged) as part:
+                assert part.status == 206 and part.headers["Content-Range"].startswith("bytes 10-19/")
+                assert part.read() == held.read_bytes()[10:20]
         finally:
             counting.stop()
 
