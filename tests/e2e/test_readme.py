@@ -422,8 +422,11 @@ def demo(transactional_db: None, tmp_path: Path) -> Iterator[dict[str, Any]]:
         from catacloud.providers.local import LocalProvider
 
         provider = LocalProvider(config={"state_dir": str(machines)}, credentials={})
-        for machine in provider.list({}):
-            provider.delete(machine.provider_id)
+        # Every machine with a record, not only those list() shows: one whose agent already
+        # exited (told to stop while its termination raced its provisioning) is "gone" to the
+        # control plane but still holds its folder and its jobs' mounted file system here.
+        for record in sorted(machines.glob("*.json")):
+            provider.delete(record.stem)
 
 
 def _local_machines_in(folder: Path) -> None:
