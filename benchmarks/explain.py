@@ -465,10 +465,13 @@ comes from*: `docker pull` of a 64 MiB image (one layer of random bytes, so noth
 into the job's empty engine, timed by the job's shell, in five jobs each way: straight from the
 registry; through the agent's mirror once the organization has credentials for the registry
 (catacloud/agent/registry_proxy.py relays every byte); seeded, once a job has run inside the
-image on that machine, so its store holds the layer and the mirror serves it from there. Measured
-2026-12-03 with no test suite or helper running, but with an idle `make dev` stack left over from
-an interrupted test run beside it (found later; 1-minute load 2.1-2.6 in all): read the figures
-as upper bounds.
+image on that machine, so its store holds the layer and the mirror serves it from there. On
+this loopback registry the mirror costs the pull about 8% (one more copy of every byte, through
+the agent); seeding saves the registry's bytes (tests/security/test_containers.py counts no blob
+request reaching it), not time here: a registry on loopback is as near as the store, and the
+pull's time is Podman's own (unpacking and storing 64 MiB); against a registry across the
+internet it saves the download. Measured 2026-12-04 with nothing else running (1-minute load
+0.0 before the part, 1.2 during it, its own processes).
 """
 
 TAIL = """\
