@@ -78,15 +78,12 @@ def measure(samples: int, throughput_port: int = 0) -> None:
                 proc = subprocess.Popen(launch.argv, cwd="/", **launch.popen_kwargs())
             finally:
                 launch.close()
-            if launch.network is not None:
-                why = launch.network.run()
-                if why is not None:
-                    launch.network.abort(proc)
-                    raise RuntimeError(why)
+            why = launch.begin(proc)
+            if why is not None:
+                raise RuntimeError(why)
             proc.wait()
             times[name].append(time.perf_counter() - began)
-            if launch.network is not None:
-                launch.network.finish()
+            launch.finish()
     result: dict[str, Any] = {"starts": times, "network_made_ahead_s": made}
     networked = launchers.get("bubblewrap sandbox + job network (rules, pasta)")
     if throughput_port and networked is not None:
@@ -108,13 +105,11 @@ def measure(samples: int, throughput_port: int = 0) -> None:
                 )
             finally:
                 launch.close()
-            assert launch.network is not None
-            why = launch.network.run()
+            why = launch.begin(proc)
             if why is not None:
-                launch.network.abort(proc)
                 raise RuntimeError(why)
             out, _ = proc.communicate()
-            launch.network.finish()
+            launch.finish()
             rates += [float(line.split()[1]) for line in out.splitlines() if line.startswith("MBPS")]
         result["loopback_mb_per_s"] = rates
     print(json.dumps(result))

@@ -96,9 +96,10 @@ NETWORK_CAME = {
 
 
 def _launch(job: Job) -> dict[str, Any] | None:
-    """After running: the start's confirmation -> the command launched (its folder, sandbox and
-    network), as its agent reported it with the outcome (``None`` until then, or from an agent
-    that does not report it)."""
+    """After running: the start's confirmation -> the command launched (what of its folder,
+    sandbox and network was not ready by then: the agent makes them while the start is reported),
+    as its agent reported it with the outcome (``None`` until then, or from an agent that does
+    not report it)."""
     if not job.started_at:
         return None
     data = (
@@ -112,7 +113,7 @@ def _launch(job: Job) -> dict[str, Any] | None:
     network = str(data.get("network") or "")
     return {
         "name": "command launch",
-        "what": "started -> command launched: its folder, sandbox and network"
+        "what": "started -> command launched: its folder, sandbox and network (made as its start was told)"
         + (f" ({NETWORK_CAME[network]})" if network in NETWORK_CAME else ""),
         "ms": round(float(data["launch_ms"]), 1),
         "network": network,

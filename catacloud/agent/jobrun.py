@@ -16,6 +16,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ from catacloud.agent.reference import parse
 from catacloud.agent.registry_proxy import Login, RegistryProxy
 from catacloud.agent.runner import Cancellation, JobResult, LogStreamer, run_job_process
 from catacloud.agent.sandbox import (
+    NOT_CONFIRMED,
     SANDBOX_SOCKET,
     ImageRoot,
     JobPlace,
@@ -82,6 +84,35 @@ class CurrentJob:
     interrupted: str = ""  # the spot interruption notice that ends it, when one does
 
 
+class StartClaim:
+    """The job's start told to the control plane in the background, meanwhile its folder and
+    sandbox are made; called, its answer (waited for): ``True`` the job is this machine's. Nothing
+    of the job runs before it answered yes (its sandbox waits at its gate): the report's round
+    trip (across the internet, from a cloud machine) no longer comes before the sandbox's start."""
+
+    def __init__(self, claim: Callable[[], bool]) -> None:
+        self._done = threading.Event()
+        self._ok = False
+        self._error: BaseException | None = None
+        self.at: float | None = None  # when it answered (time.monotonic())
+        threading.Thread(target=self._run, args=(claim,), name="job-start", daemon=True).start()
+
+    def _run(self, claim: Callable[[], bool]) -> None:
+        try:
+            self._ok = claim()
+        except BaseException as exc:  # raised where the answer is asked for
+            self._error = exc
+        finally:
+            self.at = time.monotonic()
+            self._done.set()
+
+    def __call__(self) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._ok
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One run of a job here: its folder and user, its job-socket token, its cancellation, its log
@@ -94,12 +125,16 @@ class Attempt:
     cancel: Cancellation
     streamer: LogStreamer
     started: float
-    # When its command was launched (after ``started``: its folder, sandbox and network) and how
-    # its network came: reported with its outcome, for the job's timing.
+    claimed: StartClaim  # its start, confirmed by the control plane
+    # When its command was launched after its start was confirmed (what of its folder, sandbox and
+    # network, made meanwhile, was not ready by then) and how its network came: reported with its
+    # outcome, for the job's timing.
     launch: dict[str, Any] = field(default_factory=dict)
 
     def launched(self, network: str) -> None:
-        self.launch.update(ms=round((time.monotonic() - self.started) * 1000, 1), network=network)
+        now = time.monotonic()
+        since = max(self.started, self.claimed.at or self.started)
+        self.launch.update(ms=round((now - since) * 1000, 1), network=network)
 
 
 class JobRunning:
@@ -212,8 +247,8 @@ class JobRunning:
     def _run_job(self, job: Job, received: float | None = None) -> None:
         """Claim the job's start, run it in its folder, report it, upload its outputs.
         ``received``: when the poll's answer arrived (``time.monotonic()``)."""
-        if not self._claim_start(job, time.monotonic() if received is None else received):
-            return
+        arrived = time.monotonic() if received is None else received
+        claimed = StartClaim(lambda: self._claim_start(job, arrived))
         started = time.monotonic()  # the job's timeout counts from here, its image's pull included
         cancel = Cancellation()
         token = secrets.token_urlsafe(32)
@@ -242,7 +277,7 @@ class JobRunning:
         except OSError as exc:
             result = JobResult(None, Outcome.FAILED, f"could not create the working directory: {exc}")
         else:
-            run = Attempt(job, work_dir, uid, token, cancel, streamer, started)
+            run = Attempt(job, work_dir, uid, token, cancel, streamer, started, claimed)
             launch = run.launch
             try:
                 result = self._execute(run)
@@ -250,7 +285,18 @@ class JobRunning:
                 forget_secret(token)
                 for value in job.secret_values:
                     forget_secret(value)
+        if not claimed():  # not this machine's: nothing of it ran, nothing to report
+            self._drop(streamer, work_dir)
+            return
         self._report(job, result, streamer, work_dir, launch)
+
+    def _drop(self, streamer: LogStreamer, work_dir: str | None) -> None:
+        """A job whose start the control plane did not confirm: its folder goes, unreported."""
+        streamer.close(timeout=0.0)
+        with self._lock:
+            self._current = None
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
 
     def _job_uid(self) -> int | None:
         """The uid of the job starting now: the one its network was made for (:meth:`prepare_next`),
@@ -296,6 +342,8 @@ class JobRunning:
         run its command (:meth:`_run_command`)."""
         if run.job.image is None:
             return self._run_command(run, None)
+        if not run.claimed():  # a pull is not made for a job that is not this machine's
+            return JobResult(None, Outcome.FAILED, NOT_CONFIRMED)
         got = self._have_image(run.job, run.cancel, run.started)
         if isinstance(got, JobResult):
             return got
@@ -362,10 +410,8 @@ class JobRunning:
             tmp_dir=tmp_dir,
             interval=job.checkpoint.interval_seconds,
         )
-        if job.checkpoint.available and not cancel.is_set():
-            restore_checkpoint(self.client, job, checkpoint_dir, cancel, tmp_dir=tmp_dir)
-            give(checkpoint_dir, uid)
-            checkpointer.mark_saved()
+        if job.checkpoint.available and not cancel.is_set() and not self._restore(run, checkpointer):
+            return JobResult(None, Outcome.FAILED, NOT_CONFIRMED)
         self.meta.grant(job.id, run.token, uid=uid)
         with self._lock:
             if self._current is not None:
@@ -407,6 +453,7 @@ class JobRunning:
                 mask=job.secret_values,
                 watch=watch,
                 on_launch=run.launched,
+                confirm=run.claimed,
             )
         finally:
             self.meta.revoke()
@@ -418,6 +465,16 @@ class JobRunning:
                 if self._current is not None:
                     self._current.checkpointer = None
             checkpointer.close()
+
+    def _restore(self, run: Attempt, checkpointer: Checkpointer) -> bool:
+        """The job's last checkpoint into its folder, once its start is confirmed (False: not)."""
+        if not run.claimed():
+            return False
+        checkpoint_dir = os.path.join(run.work_dir, "checkpoint")
+        restore_checkpoint(self.client, run.job, checkpoint_dir, run.cancel, tmp_dir=checkpointer.tmp_dir)
+        give(checkpoint_dir, run.uid)
+        checkpointer.mark_saved()
+        return True
 
     def _save_before_interruption(self, job: Job, checkpointer: Checkpointer) -> None:
         """The job had its SIGTERM and grace to write its checkpoint directory; upload what it

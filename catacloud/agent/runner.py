@@ -30,7 +30,7 @@ import psutil
 from catacloud.agent.backoff import backoff
 from catacloud.agent.client import redact
 from catacloud.agent.masking import OutputMasker
-from catacloud.agent.sandbox import JobPlace, Launch, Launcher
+from catacloud.agent.sandbox import NOT_CONFIRMED, JobPlace, Launch, Launcher
 from catacloud.protocol import Outcome
 
 log = logging.getLogger("catacloud.agent")
@@ -528,40 +528,22 @@ def run_job_process(
     mask: Iterable[str] = (),
     watch: Watch | None = None,
     on_launch: Callable[[str], None] | None = None,
+    confirm: Callable[[], bool] | None = None,
 ) -> JobResult:
     """Run ``command`` to its end, a timeout or a cancellation; never raises for job failures.
 
     ``env`` is the job's whole environment (nothing of the agent's is added); only the job's own
     process gets it (see :mod:`catacloud.agent.sandbox`). ``place`` says where it runs and as
     whom. Values in ``mask`` become ``***`` in its output (catacloud/agent/masking.py says in
-    which forms)."""
+    which forms). ``confirm`` (the job's start told to the control plane, its answer) is waited
+    for once the sandbox is made and held before the command: nothing of the command runs unless
+    it answers yes (then the result's reason is :data:`NOT_CONFIRMED`)."""
     if cancel.is_set():
         return JobResult(None, CANCELLED, cancel.reason)
-    try:
-        launch = launcher.launch(command, env, place)
-    except OSError as exc:
-        return JobResult(None, FAILED, f"could not prepare the job's sandbox: {exc}")
-    try:
-        proc = subprocess.Popen(
-            launch.argv,
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            bufsize=0,
-            close_fds=True,
-            **launch.popen_kwargs(),
-        )
-    except OSError as exc:
-        if launch.network is not None:
-            launch.network.close()
-        return JobResult(None, FAILED, f"could not start the command: {exc}")
-    finally:
-        launch.close()
-    why = _network_up(launch, proc)
-    if why is not None:
-        return JobResult(None, FAILED, f"could not set up the job's network: {why}")
+    started = _start(command, env, place, launcher, confirm)
+    if isinstance(started, JobResult):
+        return started
+    launch, proc = started
     if on_launch is not None:  # the command runs now (or is about to: bubblewrap's last steps)
         on_launch(launch.network_kind())
     assert proc.stdout is not None and proc.stderr is not None
@@ -579,8 +561,7 @@ def run_job_process(
         tree.kill(proc, grace=0.5)  # never leave a job running behind an agent error
         raise
     finally:
-        if launch.network is not None:
-            launch.network.finish()
+        launch.finish()
     returncode = proc.returncode
     # Whatever the job left running in the background goes with it (and releases our pipes).
     tree.kill(None, grace=min(1.0, kill_grace))
@@ -593,18 +574,46 @@ def run_job_process(
     return _exit_result(returncode)
 
 
-def _network_up(launch: Launch, proc: subprocess.Popen[bytes]) -> str | None:
-    """Set the started sandbox's network up (its command waits for it); why not, else ``None``
-    (a network made ahead is ready already)."""
-    if launch.network is None:
-        return None
-    why: str | None = "agent error"
+def _start(
+    command: str,
+    env: dict[str, str],
+    place: JobPlace,
+    launcher: Launcher,
+    confirm: Callable[[], bool] | None,
+) -> tuple[Launch, subprocess.Popen[bytes]] | JobResult:
+    """The job's sandbox started, its network up and (``confirm``) its start confirmed meanwhile:
+    its command runs now. Else why not, nothing of the command run."""
     try:
-        why = launch.network.run()
+        launch = launcher.launch(command, env, place, held=confirm is not None)
+    except OSError as exc:
+        return JobResult(None, FAILED, f"could not prepare the job's sandbox: {exc}")
+    if confirm is not None and launch.gate is None and not confirm():  # nothing holds it: ask first
+        launch.close()
+        launch.finish()
+        return JobResult(None, FAILED, NOT_CONFIRMED)
+    try:
+        proc = subprocess.Popen(
+            launch.argv,
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            bufsize=0,
+            close_fds=True,
+            **launch.popen_kwargs(),
+        )
+    except OSError as exc:
+        launch.finish()
+        return JobResult(None, FAILED, f"could not start the command: {exc}")
     finally:
-        if why is not None:  # ended before the release end closes: that would let it start
-            launch.network.abort(proc)
-    return why
+        launch.close()
+    why = launch.begin(proc, confirm)
+    if why == NOT_CONFIRMED:
+        return JobResult(None, FAILED, NOT_CONFIRMED)
+    if why is not None:
+        return JobResult(None, FAILED, f"could not set up the job's network: {why}")
+    return launch, proc
 
 
 def _exit_result(returncode: int) -> JobResult:

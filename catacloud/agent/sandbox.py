@@ -257,60 +257,90 @@ def _image_file(rootfs: str, name: str) -> str:
 
 
 @dataclass
+class StartGate:
+    """A sandbox held before its command: bubblewrap's ``--info-fd`` names the sandbox's first
+    process, ``--block-fd`` holds the command until one byte is written (:meth:`open`). Closing
+    the writing end unwritten would let the command start, so a sandbox whose command must not run
+    is killed first (:meth:`kill`): its first process does not die with bubblewrap while held."""
+
+    info: int  # read: bubblewrap's JSON with "child-pid"
+    release: int  # write one byte: the command may start
+    _child: int | None = None
+    _read: bool = False
+
+    @classmethod
+    def make(cls) -> tuple[StartGate, list[int], list[str]]:
+        """A gate, the descriptors the sandbox inherits, and bubblewrap's options for them."""
+        info_read, info_write = os.pipe()
+        release_read, release_write = os.pipe()
+        args = ["--info-fd", str(info_write), "--block-fd", str(release_read)]
+        return cls(info_read, release_write), [info_write, release_read], args
+
+    def child(self) -> int | None:
+        """The sandbox's first process (in this agent's PID namespace); ``None``: it ended first."""
+        if not self._read:
+            self._child, self._read = read_child_pid(self.info), True
+        return self._child
+
+    def open(self) -> None:
+        """The command runs. (``info`` stays open until :meth:`close`: bubblewrap may not have
+        written it yet, and a write to a closed pipe would kill it with SIGPIPE.)"""
+        os.write(self.release, b"1")
+        with contextlib.suppress(OSError):
+            os.close(self.release)
+        self.release = -1
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """End a sandbox still held before its command (then the gate closes)."""
+        for pid in (self.child(), proc.pid):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        self.close()
+
+    def close(self) -> None:
+        for fd in (self.info, self.release):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.info = self.release = -1
+
+
+@dataclass
 class NetworkSetup:
-    """The agent's ends of a sandbox blocked until its network is ready (``--info-fd`` tells the
-    sandbox's first process, ``--block-fd`` holds the command until written to), and the job's
-    pasta once it runs."""
+    """A job network made at its job's start: once the sandbox (held at its gate) has a first
+    process, its namespace gets its rules and its pasta; the job's pasta ends with the job."""
 
     egress: Egress
     policy: Policy
-    info: int  # read: bubblewrap's JSON with "child-pid"
-    release: int  # write one byte: the command may start
     uid: int | None
     gid: int | None
     state_dir: str  # where pasta's pid file goes: the agent's, hidden from the job
     _folder: str = ""
-    _child: int | None = None  # the sandbox's first process (in this agent's PID namespace)
 
-    def run(self) -> str | None:
-        """Set the job's namespace up and release the command; else why not (then the caller
-        must end the sandbox: closing ``release`` unwritten lets the command start)."""
-        pid = self._child = read_child_pid(self.info)
+    def run(self, gate: StartGate | None) -> str | None:
+        """Set the held sandbox's namespace up; else why not (then the caller ends the sandbox)."""
+        pid = gate.child() if gate is not None else None
         if pid is None:
             return "the sandbox ended before its network was set up"
         self._folder = tempfile.mkdtemp(prefix=".net-", dir=self.state_dir)
         if self.uid is not None:
             os.chown(self._folder, self.uid, self.gid if self.gid is not None else self.uid)
-        why = self.egress.attach(self.pid_file(), pid=pid, uid=self.uid, gid=self.gid, policy=self.policy)
-        if why is None:
-            os.write(self.release, b"1")
-        return why
+        return self.egress.attach(self.pid_file(), pid=pid, uid=self.uid, gid=self.gid, policy=self.policy)
 
     def pid_file(self) -> str:
         return os.path.join(self._folder, "pasta.pid")
 
     def close(self) -> None:
-        for fd in (self.info, self.release):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def abort(self, proc: subprocess.Popen[bytes]) -> None:
-        """End a sandbox still blocked before its command, before ``release`` closes (closing it
-        unwritten would let the command start): its first process does not die with bubblewrap
-        until it is released."""
-        for pid in (self._child, proc.pid):
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-        proc.communicate()
-        self.finish()
+        """The sandbox did not start: nothing was made."""
 
     def finish(self) -> None:
         """After the job: its pasta ends (it would hold the namespace for ever), its file goes."""
-        self.close()
         if self._folder:
             stop_pasta(self.pid_file())
             shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = ""
 
 
 @dataclass
@@ -332,18 +362,12 @@ class ReadyNetwork:
     def fits(self, place: JobPlace) -> bool:
         return (self.uid, self.gid, self.allow) == (place.uid, place.gid, tuple(place.allow))
 
-    # What run_job_process asks of a job's network (as of NetworkSetup): it is ready already.
-    def run(self) -> str | None:
+    # What a launch asks of a job's network (as of NetworkSetup): it is ready already.
+    def run(self, gate: StartGate | None) -> str | None:
         return None
 
     def close(self) -> None:
         """The sandbox did not start: nothing will use this network."""
-        self.finish()
-
-    def abort(self, proc: subprocess.Popen[bytes]) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            proc.kill()
-        proc.communicate()
         self.finish()
 
     def finish(self) -> None:
@@ -357,10 +381,15 @@ class ReadyNetwork:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Why a held sandbox's command never ran: the control plane did not confirm the job's start here.
+NOT_CONFIRMED = "the control plane did not confirm the job's start on this machine"
+
+
 @dataclass
 class Launch:
     """How to start one job: ``subprocess.Popen(argv, env=env, pass_fds=fds, user=, group=)``,
-    then ``network.run()`` when there is one (the command waits for it).
+    then :meth:`begin` (the command waits for it where there is a ``gate``), and :meth:`finish`
+    once the job ended.
 
     ``close()`` after the start closes the anonymous files the launcher inherited."""
 
@@ -372,6 +401,41 @@ class Launch:
     socket_env: str = ""  # CATACLOUD_AGENT_SOCKET as the job sees it
     network: NetworkSetup | ReadyNetwork | None = None
     after_start: Callable[[], None] | None = None  # once the launcher's copies are closed
+    gate: StartGate | None = None  # the command waits at it (a network made at the start, held)
+
+    def begin(self, proc: subprocess.Popen[bytes], confirm: Callable[[], bool] | None = None) -> str | None:
+        """Let the started sandbox's command run: its network set up where it is made now, and
+        (``confirm``) the job's start confirmed, meanwhile the sandbox made itself. Else why not
+        (:data:`NOT_CONFIRMED`: ``confirm`` said no); then the sandbox has ended, its command
+        never run."""
+        why: str | None = "agent error"
+        try:
+            why = self.network.run(self.gate) if self.network is not None else None
+            if why is None and confirm is not None and not confirm():
+                why = NOT_CONFIRMED
+        finally:
+            if why is not None:
+                self.abort(proc)
+        if why is None and self.gate is not None:
+            self.gate.open()
+        return why
+
+    def abort(self, proc: subprocess.Popen[bytes]) -> None:
+        """End a sandbox whose command must not run (held at its gate, where it has one)."""
+        if self.gate is not None:
+            self.gate.kill(proc)
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                proc.kill()
+            proc.communicate()
+        self.finish()
+
+    def finish(self) -> None:
+        """After the job (or a start that failed): its network ends."""
+        if self.gate is not None:
+            self.gate.close()
+        if self.network is not None:
+            self.network.finish()
 
     def network_kind(self) -> str:
         """How the job got its network: ``ahead`` (made before it came), ``at start``, ``none``."""
@@ -531,7 +595,9 @@ class BubblewrapLauncher:
         """End the network made for a next job (the agent stops, or the next job's changes)."""
         self._take_network(None)
 
-    def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
+    def launch(self, command: str, env: Mapping[str, str], place: JobPlace, *, held: bool = False) -> Launch:
+        """``held``: the command waits at a gate until :meth:`Launch.begin` (which may wait for
+        the job's start to be confirmed meanwhile the sandbox makes itself)."""
         uid = place.uid if place.uid is not None else os.geteuid()
         gid = place.gid if place.gid is not None else os.getegid()
         image = place.image
@@ -559,19 +625,18 @@ class BubblewrapLauncher:
             ready.user = ready.net = -1  # the launch's now: closed with its other descriptors
             network = ready
         elif self.egress.mode == "pasta":
-            info_read, info_write = os.pipe()
-            release_read, release_write = os.pipe()
-            fds += [info_write, release_read]
-            args += ["--info-fd", str(info_write), "--block-fd", str(release_read)]
             network = NetworkSetup(
                 self.egress,
                 self.egress.policy(place.allow),
-                info_read,
-                release_write,
                 place.uid,
                 place.gid,
                 state_dir=os.path.dirname(os.path.abspath(place.work_dir)),
             )
+        gate = None
+        if held or isinstance(network, NetworkSetup):
+            gate, inherited, gate_args = StartGate.make()
+            fds += inherited
+            args += gate_args
         after_start = None
         door = let_in(image.rootfs, uid) if image is not None and place.uid is not None else None
         if door is not None:  # the image store's 0700 root, passable by this job's uid while it runs
@@ -582,6 +647,8 @@ class BubblewrapLauncher:
             args_fd = memfd(b"".join(arg.encode() + b"\0" for arg in args))
         except BaseException:
             Launch([], {}, tuple(fds), after_start=after_start).close()
+            if gate is not None:
+                gate.close()
             raise
         # The job's env is applied by the shell that becomes the job (never in bubblewrap's
         # arguments, which it caps at 9000, nor in its own environment); inside an image, that
@@ -605,6 +672,7 @@ class BubblewrapLauncher:
             socket_env=SANDBOX_SOCKET,
             network=network,
             after_start=after_start,
+            gate=gate,
         )
 
     def _namespace_options(self, *, root: str, own_net: bool = True, nested: bool = False) -> list[str]:
@@ -725,7 +793,8 @@ class UidLauncher:
 
     kind: str = field(default="uid", init=False)
 
-    def launch(self, command: str, env: Mapping[str, str], place: JobPlace) -> Launch:
+    def launch(self, command: str, env: Mapping[str, str], place: JobPlace, *, held: bool = False) -> Launch:
+        """``held`` is not kept: nothing holds the supervisor (confirm before starting it)."""
         if place.image is not None:
             raise OSError("a job's image needs the bubblewrap sandbox, which this machine cannot run")
         job = {
@@ -790,25 +859,21 @@ def _try(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
             **launch.popen_kwargs(),
         )
     except OSError as exc:
-        if launch.network is not None:
-            launch.network.close()
+        launch.finish()
         return str(exc)
     finally:
         launch.close()
     try:
-        if launch.network is not None:
-            why = launch.network.run()
-            if why is not None:
-                launch.network.abort(proc)
-                return why
+        why = launch.begin(proc)
+        if why is not None:
+            return why
         _, stderr = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         return "the sandbox did not start within 30 s"
     finally:
-        if launch.network is not None:
-            launch.network.finish()
+        launch.finish()
     if proc.returncode != 0:
         return stderr.decode(errors="replace").strip() or f"exit code {proc.returncode}"
     return None

@@ -173,6 +173,8 @@ class FakeAgentAPI(_FakeBase):
         self.cancel_via_logs: set[str] = set()
         self.terminate = False
         self.started_status: dict[str, int] = {}
+        self.started_delay: dict[str, float] = {}  # job id -> seconds the start's answer takes
+        self.started_answered: dict[str, float] = {}  # job id -> when it was answered (time.time())
         self.logs: dict[str, dict[int, tuple[dict[str, Any], float]]] = {}
         self.finished: dict[str, tuple[dict[str, Any], float]] = {}
         self.meta: dict[tuple[str, str], dict[str, Any]] = {}
@@ -371,9 +373,12 @@ class FakeAgentAPI(_FakeBase):
 
     def _job(self, method: str, job_id: str, rest: list[str], body: Any) -> tuple[int, dict[str, Any]]:
         action = rest[0]
+        if action == "started" and method == "POST":
+            time.sleep(self.started_delay.get(job_id, 0.0))
         with self.cond:
             if action == "started" and method == "POST":
                 status = self.started_status.get(job_id, 200)
+                self.started_answered[job_id] = time.time()
                 return status, {} if status == 200 else {"code": "not_assigned"}
             if action == "logs" and method == "POST":
                 now = time.monotonic()

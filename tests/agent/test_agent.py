@@ -257,10 +257,30 @@ def test_a_job_the_server_took_back_is_not_run(
     api.assign("touch ran; echo ran", job_id="taken")
     after = api.assign("echo next")
 
-    assert api.wait_finished(after)["outcome"] == "succeeded"
+    assert api.wait_finished(after)["outcome"] == "succeeded", api.finished
     assert "taken" not in api.finished
     assert "taken" not in api.logs
     assert not list(work_dir.glob("taken*")), "no working directory, nothing ran"
+
+
+def test_nothing_of_a_job_runs_before_its_start_is_confirmed(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    """The agent makes the job's folder and sandbox while its start report is on its way; the
+    command waits at the sandbox's gate for the answer. Taken back late (409 after a second),
+    nothing of it ran; confirmed late, its first instruction comes after the answer."""
+    start_agent()
+    api.started_delay.update(taken=1.0, late=1.0)
+    api.started_status["taken"] = 409
+    api.assign("touch ran; echo ran", job_id="taken")
+    late = api.assign("date +%s.%N", job_id="late")
+    finished = api.wait_finished(late, timeout=30)
+    assert finished["outcome"] == "succeeded", api.output(late)
+    assert "taken" not in api.finished and "taken" not in api.logs
+    assert not list(work_dir.glob("taken*")), "its folder went"
+    assert not list(work_dir.rglob("ran")), "its command never ran"
+    first_instruction = float(api.output(late, "stdout").split()[0])
+    assert first_instruction >= api.started_answered["late"], (first_instruction, api.started_answered)
 
 
 def test_timeout_kills_the_whole_process_tree(
