@@ -71,11 +71,10 @@ Redis; no scheduling task goes to a worker for it. The stages are the rows' own 
 queued -> admitted is the rest of the submit's transaction (the job's and its event's inserts)
 and admission, admitted -> assigned the claim, assigned -> delivered the commit, the wake-up and
 the long poll's answer, delivered -> started the answer's travel, the agent's `started` report
-and its handling (the agent's own share, reported by it, is under a millisecond). The host of
-the run of 2026-12-02 was slower than earlier runs' (a job's start in the sandbox 18-20 ms here,
-13 ms on 2026-12-01; pasta's start 170-180 ms, 122 ms), and its load stayed above 3 on 2 cores
-(the stack, two pools' agents, the bench): the earlier runs' 29-35 ms (2026-11) and 73 ms
-(2026-12-01) were on quieter hosts. What is left is the ORM's Python for about 28 statements and
+and its handling (the agent's own share, reported by it, is a few milliseconds). Runs differ
+with the host's load (the stack, two pools' agents, the bench on 2 cores): submit -> running
+p50 read 29-35 ms (2026-11), 73 ms (2026-12-01), 112 ms (2026-12-02, load 4.6) and 83 ms
+(2026-12-04, load 2.9). What is left is the ORM's Python for about 28 statements and
 four processes waking in turn; each sample now starts on a quiet host (the previous sample's
 replacement booted) and the bench looks at a job's row every 50 ms (its stamps are what is
 measured), so that its own looking does not take the cores the job starts on.
@@ -100,7 +99,10 @@ instruction figure compares the two. Its target (50 ms) is not met yet: submit -
 is above it on this host. What the agent spends is small: timed inside the agent on an idle
 host, from the poll's answer to the command's launch about 9 ms (the `started` report 2.6 ms,
 the job's folder and the socket's grant 1 ms, the launch 5 ms), then about 14 ms until the job's
-first program runs (bubblewrap's own start and the shell). Here the same stretch reads about
+first program runs (bubblewrap's own start and the shell). Since 2026-12-04 the `started` report
+no longer comes first: the folder and the sandbox are made while it travels, and the command
+waits at the sandbox's gate for its answer (a round trip off the start; across a network, from
+a cloud machine, tens of milliseconds). Here the same stretch reads about
 40 ms: each job takes an ephemeral pool member whose replacement starts (a new agent process,
 its sandbox, its first job's network) on the same 2 cores at that very moment, as the two pools'
 refills do for every sample; on a cloud the replacement boots on another host. The "reused
