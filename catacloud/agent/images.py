@@ -460,9 +460,11 @@ def _set_door(root: str, uids: Iterable[int]) -> None:
     if wanted:
         os.setxattr(root, ACL_XATTR, search_acl(wanted), follow_symlinks=False)
         return
+    # 0700 first: with the ACL still there this sets its mask to nothing, so the door is shut
+    # before the ACL goes (and the mask would otherwise stay as the group's bits once removed).
+    os.chmod(root, 0o700)
     with contextlib.suppress(OSError):
         os.removexattr(root, ACL_XATTR, follow_symlinks=False)
-    os.chmod(root, 0o700)  # (the mask of a removed ACL would otherwise stay as the group's bits)
 
 
 def _store_root(rootfs: str) -> str | None:
