@@ -470,9 +470,10 @@ class JobRunning:
         """The job's last checkpoint into its folder, once its start is confirmed (False: not)."""
         if not run.claimed():
             return False
-        checkpoint_dir = os.path.join(run.work_dir, "checkpoint")
-        restore_checkpoint(self.client, run.job, checkpoint_dir, run.cancel, tmp_dir=checkpointer.tmp_dir)
-        give(checkpoint_dir, run.uid)
+        restore_checkpoint(
+            self.client, run.job, checkpointer.directory, run.cancel, tmp_dir=checkpointer.tmp_dir
+        )
+        give(checkpointer.directory, run.uid)
         checkpointer.mark_saved()
         return True
 
