@@ -74,10 +74,7 @@ def measure(samples: int, throughput_port: int = 0) -> None:
                 assert isinstance(launch.network, ReadyNetwork), "no network made ahead"
                 made.append(launch.network.made_ms / 1000)
             began = time.perf_counter()
-            try:
-                proc = subprocess.Popen(launch.argv, cwd="/", **launch.popen_kwargs())
-            finally:
-                launch.close()
+            proc = launch.spawn()
             why = launch.begin(proc)
             if why is not None:
                 raise RuntimeError(why)
@@ -99,12 +96,7 @@ def measure(samples: int, throughput_port: int = 0) -> None:
         rates = []
         for _ in range(3):
             launch = networked.launch(f"python3 -c {shlex.quote(READ)} {throughput_port}", {}, allowed)
-            try:
-                proc = subprocess.Popen(
-                    launch.argv, cwd="/", stdout=subprocess.PIPE, text=True, **launch.popen_kwargs()
-                )
-            finally:
-                launch.close()
+            proc = launch.spawn(stdout=subprocess.PIPE, text=True)
             why = launch.begin(proc)
             if why is not None:
                 raise RuntimeError(why)

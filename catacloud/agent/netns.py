@@ -1,7 +1,8 @@
 """A job's network: a namespace of its own that reaches the internet and nothing else.
 
-Every sandboxed job starts in a new network namespace (bubblewrap's ``--unshare-net``), blocked
-before its command runs (``--block-fd``) until the agent has set the namespace up:
+Every sandboxed job starts in a new network namespace (bubblewrap's ``--unshare-net``),
+held before its command runs (at its gate: ``sandbox.StartGate``) until the agent has set the
+namespace up:
 
 1. **Rules first.** A small helper (this file, run as a script with ``python -I -S``, as the
    job's uid, which owns the job's user namespace) joins the job's user and network namespaces

@@ -592,22 +592,9 @@ def _start(
         launch.finish()
         return JobResult(None, FAILED, NOT_CONFIRMED)
     try:
-        proc = subprocess.Popen(
-            launch.argv,
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            bufsize=0,
-            close_fds=True,
-            **launch.popen_kwargs(),
-        )
+        proc = launch.spawn(stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
     except OSError as exc:
-        launch.finish()
         return JobResult(None, FAILED, f"could not start the command: {exc}")
-    finally:
-        launch.close()
     why = launch.begin(proc, confirm)
     if why == NOT_CONFIRMED:
         return JobResult(None, FAILED, NOT_CONFIRMED)

@@ -67,6 +67,9 @@ SANDBOX_SOCKET = "/run/catacloud/agent.sock"
 # runs: apps/gitlab/services.py, runner_command) relies on that.
 SANDBOX_ENV = "/tmp/.catacloud-job.env"
 _READ_ENV = f". {SANDBOX_ENV} && {{ rm -f {SANDBOX_ENV} 2>/dev/null || : >{SANDBOX_ENV}; }}"
+# What the job's shell does first where its start is held (:class:`StartGate`): only ``go`` lets
+# it on; its input is the gate's pipe until then.
+_PASS_GATE = 'IFS= read -r _cc_go && [ "$_cc_go" = go ] && exec </dev/null'
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Far above any account a distribution creates (useradd stops at 60000, systemd's container
 # ranges at 1879048191), below 2^31 (tools that read uids as signed ints).
@@ -258,13 +261,18 @@ def _image_file(rootfs: str, name: str) -> str:
 
 @dataclass
 class StartGate:
-    """A sandbox held before its command: bubblewrap's ``--info-fd`` names the sandbox's first
-    process, ``--block-fd`` holds the command until one byte is written (:meth:`open`). Closing
-    the writing end unwritten would let the command start, so a sandbox whose command must not run
-    is killed first (:meth:`kill`): its first process does not die with bubblewrap while held."""
+    """A sandbox held before its command. bubblewrap's ``--info-fd`` names the sandbox's first
+    process; the shell that becomes the job first reads a line from its standard input, this
+    gate's pipe, and goes on only when the line is ``go`` (:meth:`open`), with ``/dev/null`` as
+    its input from then on. Anything else ends the sandbox with nothing of its command run: the
+    pipe closed unwritten (:meth:`close`, or the agent died: the kernel closes its end) is an
+    end-of-file. (bubblewrap's own ``--block-fd`` would go on at end-of-file: an agent that died
+    while a sandbox waited there let the command's first instant run before ``--die-with-parent``
+    ended it, so the hold is the shell's.)"""
 
     info: int  # read: bubblewrap's JSON with "child-pid"
-    release: int  # write one byte: the command may start
+    release: int  # write ``go``: the command may start
+    stdin: int  # the sandbox's standard input while it waits (the launcher's copy: :meth:`handed`)
     _child: int | None = None
     _read: bool = False
 
@@ -272,9 +280,8 @@ class StartGate:
     def make(cls) -> tuple[StartGate, list[int], list[str]]:
         """A gate, the descriptors the sandbox inherits, and bubblewrap's options for them."""
         info_read, info_write = os.pipe()
-        release_read, release_write = os.pipe()
-        args = ["--info-fd", str(info_write), "--block-fd", str(release_read)]
-        return cls(info_read, release_write), [info_write, release_read], args
+        held, release = os.pipe()
+        return cls(info_read, release, held), [info_write], ["--info-fd", str(info_write)]
 
     def child(self) -> int | None:
         """The sandbox's first process (in this agent's PID namespace); ``None``: it ended first."""
@@ -282,16 +289,18 @@ class StartGate:
             self._child, self._read = read_child_pid(self.info), True
         return self._child
 
+    def handed(self) -> None:
+        """The sandbox started with its input: the launcher's copy closes."""
+        self._close("stdin")
+
     def open(self) -> None:
         """The command runs. (``info`` stays open until :meth:`close`: bubblewrap may not have
         written it yet, and a write to a closed pipe would kill it with SIGPIPE.)"""
-        os.write(self.release, b"1")
-        with contextlib.suppress(OSError):
-            os.close(self.release)
-        self.release = -1
+        os.write(self.release, b"go\n")
+        self._close("release")
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        """End a sandbox still held before its command (then the gate closes)."""
+        """End a sandbox still held before its command at once (then the gate closes)."""
         for pid in (self.child(), proc.pid):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -300,11 +309,15 @@ class StartGate:
         self.close()
 
     def close(self) -> None:
-        for fd in (self.info, self.release):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.info = self.release = -1
+        for name in ("info", "release", "stdin"):
+            self._close(name)
+
+    def _close(self, name: str) -> None:
+        fd = getattr(self, name)
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        setattr(self, name, -1)
 
 
 @dataclass
@@ -387,11 +400,10 @@ NOT_CONFIRMED = "the control plane did not confirm the job's start on this machi
 
 @dataclass
 class Launch:
-    """How to start one job: ``subprocess.Popen(argv, env=env, pass_fds=fds, user=, group=)``,
-    then :meth:`begin` (the command waits for it where there is a ``gate``), and :meth:`finish`
-    once the job ended.
-
-    ``close()`` after the start closes the anonymous files the launcher inherited."""
+    """How to start one job: :meth:`spawn` (``subprocess.Popen(argv, env=env, pass_fds=fds,
+    user=, group=)``, then the launcher's copies of the anonymous files close), then
+    :meth:`begin` (the command waits for it where there is a ``gate``), and :meth:`finish` once
+    the job ended."""
 
     argv: list[str]
     env: dict[str, str]
@@ -443,6 +455,19 @@ class Launch:
             return "ahead"
         return "at start" if self.network is not None else "none"
 
+    def spawn(self, **popen: Any) -> subprocess.Popen[bytes]:
+        """Start the sandbox (its command held at the gate, where there is one): ``popen`` names
+        its output; a start that failed ends everything of the launch."""
+        stdin = self.gate.stdin if self.gate is not None else subprocess.DEVNULL
+        try:
+            kwargs = {"cwd": "/", "stdin": stdin, "close_fds": True, **popen, **self.popen_kwargs()}
+            return subprocess.Popen(self.argv, **kwargs)
+        except OSError:
+            self.finish()
+            raise
+        finally:
+            self.close()
+
     def popen_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"env": self.env, "pass_fds": self.fds}
         if self.user is not None:
@@ -453,6 +478,8 @@ class Launch:
         for fd in self.fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if self.gate is not None:
+            self.gate.handed()
         if self.after_start is not None:
             after_start, self.after_start = self.after_start, None
             after_start()
@@ -653,16 +680,17 @@ class BubblewrapLauncher:
         # The job's env is applied by the shell that becomes the job (never in bubblewrap's
         # arguments, which it caps at 9000, nor in its own environment); inside an image, that
         # shell then becomes the image's process.
+        first = f"{_READ_ENV} && {_PASS_GATE}" if gate is not None else _READ_ENV
         if image is not None:
-            process = [f'{_READ_ENV} && exec "$@"', "sh", *image.args]
+            process = [f'{first} && exec "$@"', "sh", *image.args]
         elif place.containers:  # the job's engine first: its command may call it at once
             process = [
-                f'{_READ_ENV} && {{ {containers.start_script(uid)}; }} && exec /bin/sh -c "$1"',
+                f'{first} && {{ {containers.start_script(uid)}; }} && exec /bin/sh -c "$1"',
                 "sh",
                 command,
             ]
         else:
-            process = [f'{_READ_ENV} && exec /bin/sh -c "$1"', "sh", command]
+            process = [f'{first} && exec /bin/sh -c "$1"', "sh", command]
         return Launch(
             argv=[*enter, self.bwrap, "--args", str(args_fd), "--", "/bin/sh", "-c", *process],
             env=dict(LAUNCH_ENV),
@@ -850,19 +878,9 @@ def probe_network(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
 def _try(launcher: BubblewrapLauncher, place: JobPlace) -> str | None:
     launch = launcher.launch("true", {}, place)
     try:
-        proc = subprocess.Popen(
-            launch.argv,
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            **launch.popen_kwargs(),
-        )
+        proc = launch.spawn(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except OSError as exc:
-        launch.finish()
         return str(exc)
-    finally:
-        launch.close()
     try:
         why = launch.begin(proc)
         if why is not None:

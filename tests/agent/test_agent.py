@@ -10,6 +10,7 @@ import shlex
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -281,6 +282,78 @@ def test_nothing_of_a_job_runs_before_its_start_is_confirmed(
     assert not list(work_dir.rglob("ran")), "its command never ran"
     first_instruction = float(api.output(late, "stdout").split()[0])
     assert first_instruction >= api.started_answered["late"], (first_instruction, api.started_answered)
+
+
+def test_a_job_held_at_its_gate_never_runs_when_its_agent_dies(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    """The agent crashes (SIGKILL) while a job's sandbox waits for its start's answer: the
+    kernel closes the agent's end of the gate unwritten, and the sandbox ends with nothing of its
+    command run. (bubblewrap's own hold, ``--block-fd``, went on at end-of-file: the command's
+    first instant ran before ``--die-with-parent`` ended it.)"""
+    agent = start_agent()
+    api.started_delay["held"] = 5.0  # the answer never comes in time
+    api.assign("touch ran; echo ran", job_id="held")
+    api.wait_for(lambda: api.calls("POST", "jobs/held/started"), what="the start report")
+
+    def held() -> list[int]:
+        with contextlib.suppress(psutil.Error):
+            return [
+                p.pid
+                for p in psutil.Process(agent.proc.pid).children(recursive=True)
+                if "touch ran" in " ".join(p.cmdline())
+            ]
+        return []
+
+    api.wait_for(held, what="the job's sandbox, held")
+    time.sleep(0.5)  # made whole, waiting at its gate
+    sandbox = held()
+    agent.signal(signal.SIGKILL)
+    assert wait_gone(sandbox, timeout=10) == [], "the held sandbox ended with its agent"
+    assert list(work_dir.glob("held*")), "the job's folder is there (nobody removed it)"
+    assert not list(work_dir.rglob("ran")), "its command never ran"
+    assert "held" not in api.finished and "held" not in api.logs
+
+
+# A launcher that dies (SIGKILL: no goodbye) while its sandbox waits at the gate, the moment the
+# sandbox has its first process; or (argv[3] "open") once the command it let run has ended.
+# argv[1] is the job's folder: the command touches a file there.
+_DIES_HOLDING = """
+import os, signal, sys
+from catacloud.agent.netns import Egress
+from catacloud.agent.sandbox import BubblewrapLauncher, JobPlace, bwrap_path
+uid = int(sys.argv[2])
+launcher = BubblewrapLauncher(bwrap=bwrap_path(), hostname="held", egress=Egress("none", detail="test"))
+launch = launcher.launch("touch ran", {}, JobPlace(sys.argv[1], "", uid, uid), held=True)
+proc = launch.spawn()
+assert launch.gate is not None and launch.gate.child() is not None
+if sys.argv[3] == "open":
+    assert launch.begin(proc) is None
+    proc.wait()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as a job uid")
+def test_a_sandbox_held_at_its_gate_never_runs_when_its_launcher_dies(work_dir: Path) -> None:
+    """Straight at the launcher: with bubblewrap's own ``--block-fd`` as the gate, 19 and 20 of
+    20 such launches ran the command."""
+    uid = DEFAULT_JOB_UIDS.start + 4243
+
+    def dies(name: str, how: str) -> Path:
+        folder = work_dir / name
+        folder.mkdir(parents=True)
+        os.chown(folder, uid, uid)
+        died = subprocess.run(
+            [sys.executable, "-c", _DIES_HOLDING, str(folder), str(uid), how], capture_output=True
+        )
+        assert died.returncode == -signal.SIGKILL, died.stderr.decode()
+        return folder
+
+    assert (dies("opened", "open") / "ran").exists(), "a command let through runs there"
+    held = [dies(f"held-{i}", "held") for i in range(10)]
+    time.sleep(1)  # anything that could still run after its launcher's end has run by now
+    assert [f.name for f in held if (f / "ran").exists()] == []
 
 
 def test_timeout_kills_the_whole_process_tree(
