@@ -164,11 +164,15 @@ def artifacts_expire(*, now: datetime | None = None, limit: int = 500) -> int:
     return count
 
 
-def checkpoint_info(job: Job) -> Checkpoint:
+def stored_checkpoint(job: Any) -> Any:
+    """The job's stored checkpoint (``job``: a job, or ``OuterRef("pk")`` in a query of jobs)."""
+    return Artifact.objects.filter(job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED)
+
+
+def checkpoint_info(job: Job, *, available: bool | None = None) -> Checkpoint:
+    """``available``: known already (the statement that loaded the job asked), else asked now."""
     return Checkpoint(
-        available=Artifact.objects.filter(
-            job=job, kind=Artifact.KIND_CHECKPOINT, status=ArtifactStatus.STORED
-        ).exists(),
+        available=stored_checkpoint(job).exists() if available is None else available,
         interval_seconds=job.config.checkpoint_interval_seconds,
     )
 

@@ -37,7 +37,7 @@ from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
 from apps.jobs.handoff import HANDED_OFF_SQL, handed_off
 from apps.jobs.models import Job
 from apps.jobs.reports import job_image_unrunnable
-from apps.jobs.selectors import job_payload
+from apps.jobs.selectors import job_payload, with_payload_facts
 from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
 from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
 from apps.machines.models import MachineInstance
@@ -209,12 +209,8 @@ _WITH_ASSIGNED = db.Batched(HAS_ASSIGNED, WITH_ASSIGNED, params=lambda keys: [ke
 
 
 def _assigned(instance_id: uuid.UUID, poll_began: float) -> dict[str, Any] | None:
-    job = (
-        Job.objects.filter(handed_off(), instance_id=instance_id, status=JobStatus.ASSIGNED)
-        .select_related("config", "machine_type")
-        .order_by("assigned_at")
-        .first()
-    )
+    assigned = Job.objects.filter(handed_off(), instance_id=instance_id, status=JobStatus.ASSIGNED)
+    job = with_payload_facts(assigned).order_by("assigned_at").first()
     if job is None:
         return None
     if job.image and job_image_unrunnable(job=job):

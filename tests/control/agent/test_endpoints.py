@@ -11,7 +11,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.lifecycle import bootstrap_token_for
 from apps.machines.models import MachineInstance
 from apps.pools.services import pool_create
-from testkit.builders import enroll, job_config, job_row, warming_instance
+from testkit.builders import enroll, enrolled_agent, job_config, job_row, warming_instance
 from tests.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -158,3 +158,43 @@ def test_metrics_show_pool_members_and_the_job_queue(world: World) -> None:
     assert 'catacloud_jobs{machine_type="small",org="acme",status="queued"} 1.0' in body
     assert "catacloud_pool_claim_seconds_bucket" in body
     assert "catacloud_job_wait_seconds_bucket" in body
+
+
+def test_a_job_is_handed_out_in_two_statements_and_still_gets_its_checkpoint_and_resources(
+    world: World,
+) -> None:
+    """The poll's hand-out is on every job's way to its first instruction: one statement loads
+    the job with all its payload reads (its configuration and machine type, whether it has a
+    checkpoint, whether it holds resources), one stamps its delivery. A job that has a
+    checkpoint and holds a resource still gets both."""
+    import time
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from apps.control.agent.views import _assigned
+    from apps.jobs.models import Artifact
+    from testkit.builders import resource_row
+
+    agent, instance = enrolled_agent(world.org, world.machine_type)
+    config = job_config(world.org, world.machine_type)
+    plain = job_row(config, status="assigned", instance=instance, assigned_at=timezone.now())
+    with CaptureQueriesContext(connection) as queries:
+        payload = _assigned(instance.pk, time.time())
+    assert payload is not None and payload["id"] == str(plain.pk)
+    assert (payload["checkpoint"]["available"], payload["resources"]) == (False, [])
+    assert len(queries.captured_queries) == 2, [q["sql"] for q in queries.captured_queries]
+
+    plain.status = "succeeded"
+    plain.save(update_fields=["status"])
+    held = job_row(config, status="assigned", instance=instance, assigned_at=timezone.now(), attempt=2)
+    Artifact.objects.create(
+        job=held, org=world.org, kind=Artifact.KIND_CHECKPOINT, name="checkpoint", key="k"
+    )
+    resource_row(
+        world.org, "lab-db", "postgres", job=held, status="held", metadata={"host": "10.0.0.9", "port": 5432}
+    )
+    payload = agent.get("/api/agent/v1/work?wait=0").json()["job"]
+    assert payload["id"] == str(held.pk) and payload["checkpoint"]["available"] is True
+    assert payload["resources"] == ["lab-db"]
+    assert "10.0.0.9:5432" in payload["network"]["allow"]
