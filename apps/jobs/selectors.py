@@ -11,7 +11,8 @@ from django.db.models import Exists, OuterRef, QuerySet
 from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info, stored_checkpoint
 from apps.jobs.choices import JobStatus
-from apps.jobs.models import Job
+from apps.jobs.models import Job, JobConfiguration
+from apps.machines.models import OrgMachineType
 from apps.orgs.registries import registry_auth_for, registry_logins_for
 from apps.resources.models import ResourceInstance
 from apps.resources.selectors import job_resources
@@ -35,6 +36,26 @@ def jobs_waiting(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int:
     return Job.objects.filter(
         org_id=org_id, machine_type_id=machine_type_id, status=JobStatus.WAITING_FOR_MACHINE
     ).count()
+
+
+def configs_to_submit(org_id: OrgId) -> QuerySet[JobConfiguration]:
+    """An organization's configurations with what a submit checks besides each one's row, in
+    the statement that finds it: its machine type, whether the organization holds a grant of
+    that type, whether it needs resources (most: none, and then nothing more is asked)."""
+    return (
+        JobConfiguration.objects.filter(org_id=org_id)
+        .select_related("machine_type")
+        .annotate(
+            granted=Exists(
+                OrgMachineType.objects.filter(
+                    org_id=OuterRef("org_id"), machine_type_id=OuterRef("machine_type_id")
+                )
+            ),
+            needs_resources=Exists(
+                JobConfiguration.resource_types.through.objects.filter(jobconfiguration_id=OuterRef("pk"))
+            ),
+        )
+    )
 
 
 def with_payload_facts(jobs: QuerySet[Job]) -> QuerySet[Job]:

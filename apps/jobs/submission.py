@@ -101,12 +101,17 @@ def _check_may_submit(org: Organization, config: JobConfiguration) -> MachineTyp
     types = capacity.candidates(org_id=org.pk, config=config) if several else []
     if not types:
         grant_check_privilege(org=org, machine_type=config.machine_type)
-    for rt in config.resource_types.all():
-        if not org.has_privilege(rt.required_privilege):
-            raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
+    # A configuration found by apps.jobs.selectors.configs_to_submit knows both of these already.
+    if getattr(config, "needs_resources", True):
+        for rt in config.resource_types.all():
+            if not org.has_privilege(rt.required_privilege):
+                raise MissingPrivilege(f"resource type {rt.id} requires privilege {rt.required_privilege}")
     if types:
         return capacity.choose(types) or types[0]
-    if not OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists():
+    granted = getattr(config, "granted", None)
+    if granted is None:
+        granted = OrgMachineType.objects.filter(org=org, machine_type=config.machine_type_id).exists()
+    if not granted:
         raise Conflict(
             f"{not_granted_message(org=org, machine_type=config.machine_type)} (any more): "
             "ask an operator for one, or change the configuration's machine type",

@@ -219,6 +219,33 @@ def test_a_job_a_warm_machine_can_take_is_on_it_in_the_submits_own_commit(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_api_submit_finds_its_configuration_and_what_it_checks_in_one_statement(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its transaction a submit reads the caller's token and one row: the configuration,
+    with its machine type, whether the organization holds that type's grant and whether the
+    configuration needs resources (each a statement of its own before, on every job's way)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    mt, _ = setup_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt)
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: None)
+    monkeypatch.setattr("apps.jobs.placement.wake_agent", lambda *a, **k: None)
+    client = tworld.client("member")
+    assert client.get("/api/v1/jobs/").status_code == 200  # the token's last use is written now
+    with CaptureQueriesContext(connection) as queries:
+        answer = client.post("/api/v1/jobs/", {"config": cfg.name}, format="json")
+    assert answer.status_code == 201, answer.content
+    assert Job.objects.get(pk=answer.json()["id"]).instance_id == machine.pk
+    statements = [q["sql"] for q in queries.captured_queries]
+    before = statements[: statements.index("BEGIN")]
+    assert len(before) == 2, before  # the token, the configuration
+    assert not [sql for sql in before if "machines_orgmachinetype" in sql and "EXISTS" not in sql]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_submit_whose_grant_another_transaction_holds_is_queued_and_left_to_a_pass(
     tworld: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,6 +25,7 @@ from apps.jobs.api.serializers import (
 from apps.jobs.artifacts import artifact_download
 from apps.jobs.choices import ArtifactStatus, JobStatus
 from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
+from apps.jobs.selectors import configs_to_submit
 from apps.jobs.services import job_config_delete, job_config_save
 from apps.jobs.submission import IDEMPOTENCY_KEY_MAX, job_cancel, job_submit_once
 from apps.jobs.timing import job_timing
@@ -87,7 +88,7 @@ class JobFilter(OrgScopedFilterSet):
 def _config_by_id_or_name(*, org: Any, ref: str) -> JobConfiguration:
     """The caller's org's configuration with this id or, failing that, this name (names are
     unique in an org; a name that looks like an id is still found by name)."""
-    configs = JobConfiguration.objects.filter(org=org)
+    configs = configs_to_submit(org.pk)
     try:
         config = configs.filter(pk=uuid.UUID(ref)).first()
     except ValueError:
