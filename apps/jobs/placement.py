@@ -223,6 +223,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
                 mt=str(mt.pk),
                 version=mt.version,
                 config=str(job.config_id),
+                last_config=str(job.config_id),
                 image=image,
             )
             if instance is not None:
@@ -237,6 +238,7 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
                     actor=Actor.SCHEDULER,
                     job_id=job.pk,
                     image=image,
+                    config_id=job.config_id,
                 ).instance
             except (PoolEmpty, InvalidTransition):
                 continue
@@ -256,7 +258,6 @@ def _assign(job: Job, instance: MachineInstance) -> None:
         assigned_at=now,
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
     )
-    MachineInstance.objects.filter(pk=instance.pk).update(last_config=job.config_id)
     instance_id, job_id, traceparent = instance.pk, job.pk, job.traceparent
     if job.handoff_by:  # its integration hands it to the agent (apps.jobs.handoff)
         transaction.on_commit(lambda: hooks.job_needs_handoff(job_id=job_id))

@@ -116,7 +116,8 @@ WITH c AS (
     UPDATE {_INSTANCES} m
     SET {move.set_sql},
         claim_id = %(claim)s,
-        claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s
+        claimed_by = %(by)s, claimed_for = %(for)s, lease_expires_at = %(lease)s,
+        last_config_id = COALESCE(%(last_config)s::uuid, m.last_config_id)
     FROM c WHERE m.id = c.id AND {move.where_sql}
     RETURNING m.*
 ), e AS (
@@ -195,6 +196,7 @@ def claim(
         "for": for_[:200],
         "actor": actor[:200],
         "job": str(job_id) if job_id else None,
+        "last_config": None,  # the configuration of the job it is claimed for: placement prefers it
         **params,
     }
     with tracing.span("claim", by=by[:64]) as span:

@@ -18,7 +18,7 @@ from apps.core import hooks
 from apps.core.actors import Actor
 from apps.core.causes import Cause
 from apps.core.errors import ErrorCode, InvalidTransition, NotFound, PoolEmpty, ValidationFailed
-from apps.core.ids import JobId, OrgId, PoolId
+from apps.core.ids import JobConfigId, JobId, OrgId, PoolId
 from apps.core.locks import POOL_REFILL
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
@@ -155,6 +155,7 @@ def pool_claim(
     org_id: OrgId | None = None,
     lease_seconds: float | None = None,
     image: str | None = None,
+    config_id: JobConfigId | None = None,
 ) -> Claim:
     """Atomically claim one ready member of a pool. Never waits on a lock, never hands one
     instance to two callers; answers :class:`PoolEmpty` at once when none is ready.
@@ -162,6 +163,8 @@ def pool_claim(
     The claim is one statement, so outside a transaction it runs (and commits) in a single
     round trip. ``org_id`` scopes the pool to an organization (another org's pool: NotFound).
     Inside a transaction (job placement) a member holding ``image`` is taken first.
+    ``config_id``: the configuration of the job it is taken for, which the machine remembers
+    (placement prefers it for that configuration's next job, its caches warm).
     """
     started = time.perf_counter()
     in_transaction = connection.in_atomic_block
@@ -175,6 +178,7 @@ def pool_claim(
         pool=str(pool_id),
         org=str(org_id) if org_id else None,
         **({"image": image} if in_transaction else {}),
+        last_config=str(config_id) if config_id else None,
     )
     if instance is None:
         pools = InstancePool.objects.filter(pk=pool_id)

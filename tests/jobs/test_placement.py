@@ -239,6 +239,8 @@ def test_an_api_submit_finds_its_configuration_and_what_it_checks_in_one_stateme
         answer = client.post("/api/v1/jobs/", {"config": cfg.name}, format="json")
     assert answer.status_code == 201, answer.content
     assert Job.objects.get(pk=answer.json()["id"]).instance_id == machine.pk
+    machine.refresh_from_db()
+    assert machine.last_config_id == cfg.pk  # remembered by its claim: the next such job prefers it
     statements = [q["sql"] for q in queries.captured_queries]
     before = statements[: statements.index("BEGIN")]
     assert len(before) == 2, before  # the token, the configuration
