@@ -257,6 +257,7 @@ def _assign(job: Job, instance: MachineInstance) -> None:
         pending_reason="",
         assigned_at=now,
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
+        savepoint=False,  # placement holds the job locked and continues nothing after a failure
     )
     instance_id, job_id, traceparent = instance.pk, job.pk, job.traceparent
     if job.handoff_by:  # its integration hands it to the agent (apps.jobs.handoff)
