@@ -10,6 +10,7 @@ import time
 from datetime import datetime
 
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from apps.core import tracing
@@ -132,26 +133,26 @@ def _admit_for(
         budget_reason = ""
         if slots:
             slots, budget_reason = _budget_slots(org_id, mt, slots, now)
+        # Each with whether its configuration needs resources, in the statement that locks it.
+        needs = Exists(
+            JobConfiguration.resource_types.through.objects.filter(jobconfiguration_id=OuterRef("config_id"))
+        )
         jobs = (
             list(
                 queued.order_by("-priority", "queued_at")
                 .select_for_update(skip_locked=True)
-                .values("pk", "config_id", "traceparent")[:slots]
+                .annotate(needs_resources=needs)
+                .values("pk", "traceparent", "needs_resources")[:slots]
             )
             if slots
             else []
         )
         if jobs:
-            with_resources = set(
-                JobConfiguration.resource_types.through.objects.filter(
-                    jobconfiguration_id__in={j["config_id"] for j in jobs}
-                ).values_list("jobconfiguration_id", flat=True)
-            )
             # The state machine's bulk move, one per target state: one UPDATE and one INSERT of
             # job.admitted events each. These rows are locked by us, so the compare-and-set
             # cannot lose (the count is checked all the same: never half a batch).
-            plain = [j["pk"] for j in jobs if j["config_id"] not in with_resources]
-            needing = [j["pk"] for j in jobs if j["config_id"] in with_resources]
+            plain = [j["pk"] for j in jobs if not j["needs_resources"]]
+            needing = [j["pk"] for j in jobs if j["needs_resources"]]
             # When they were admitted: now, not when this pass began (a job submitted while the
             # pass waited for the grant's lock would read as admitted before it was queued).
             moved = timezone.now()

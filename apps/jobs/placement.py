@@ -247,17 +247,16 @@ def _claim_for(job: Job, mt: MachineType, pools: list[Any]) -> MachineInstance |
 
 def _assign(job: Job, instance: MachineInstance) -> None:
     """Assigned now (its ``assigned_at`` the moment of its claim, not the pass's start)."""
-    now = timezone.now()
-    JOB_STATES.move(
+    JOB_STATES.move_locked(  # placement holds the job locked (FOR UPDATE)
         job.pk,
+        refs={"org": job.org_id, "job": job.pk, "instance": instance.pk},
         to=JobStatus.ASSIGNED,
         from_=[JobStatus.WAITING_FOR_MACHINE],
         actor=Actor.SCHEDULER,
         instance=instance,
         pending_reason="",
-        assigned_at=now,
+        assigned_at=timezone.now(),
         event_data={"pool": str(instance.pool_id) if instance.pool_id else None},
-        savepoint=False,  # placement holds the job locked and continues nothing after a failure
     )
     instance_id, job_id, traceparent = instance.pk, job.pk, job.traceparent
     if job.handoff_by:  # its integration hands it to the agent (apps.jobs.handoff)

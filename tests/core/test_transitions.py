@@ -160,6 +160,35 @@ def test_racing_transitions_have_one_winner(tworld: World) -> None:
     assert Event.objects.filter(kind="instance.claimed", instance_id=instance.pk).count() == 1
 
 
+def test_a_move_of_a_locked_row_is_a_move_without_a_savepoint_or_a_read_back(world: World) -> None:
+    """The assignment's move: the same change, stamp and event as :meth:`move`, in two statements
+    (the UPDATE and the event's INSERT); a lost race still raises and ends the caller's
+    savepoint; a state with an on_enter step is refused."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job = make_job(world, JobStatus.QUEUED)
+    refs = {"org": world.org.pk, "job": job.pk}
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        JOB_STATES.move_locked(job.pk, refs=refs, to=JobStatus.ACQUIRING_RESOURCES, from_=[JobStatus.QUEUED])
+    assert len(queries.captured_queries) == 4, queries.captured_queries  # with the savepoint around
+    job.refresh_from_db()
+    assert job.status == JobStatus.ACQUIRING_RESOURCES and job.admitted_at is not None  # the stamp
+    event = Event.objects.get(job_id=job.pk)
+    assert (event.kind, event.org_id, event.data) == (
+        "job.admitted",
+        world.org.pk,
+        {"status": JobStatus.ACQUIRING_RESOURCES},
+    )
+    with pytest.raises(InvalidTransition), transaction.atomic():  # not queued any more
+        JOB_STATES.move_locked(job.pk, refs=refs, to=JobStatus.ACQUIRING_RESOURCES, from_=[JobStatus.QUEUED])
+    assert Event.objects.filter(job_id=job.pk).count() == 1
+    with pytest.raises(ValueError, match="on_enter"):
+        INSTANCE_STATES.move_locked(
+            job.pk, refs=refs, to=InstanceStatus.TERMINATED, from_=[InstanceStatus.READY]
+        )
+
+
 def test_a_bulk_move_moves_every_row_and_records_each_event(world: World) -> None:
     jobs = [make_job(world, JobStatus.QUEUED) for _ in range(3)]
     moved = JOB_STATES.move_many(
