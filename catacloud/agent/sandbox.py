@@ -295,8 +295,10 @@ class StartGate:
 
     def open(self) -> None:
         """The command runs. (``info`` stays open until :meth:`close`: bubblewrap may not have
-        written it yet, and a write to a closed pipe would kill it with SIGPIPE.)"""
-        os.write(self.release, b"go\n")
+        written it yet, and a write to a closed pipe would kill it with SIGPIPE.) A sandbox that
+        ended on its own meanwhile (its set-up failed) has no reader left: its exit says why."""
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.release, b"go\n")
         self._close("release")
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:

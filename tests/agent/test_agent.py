@@ -356,6 +356,25 @@ def test_a_sandbox_held_at_its_gate_never_runs_when_its_launcher_dies(work_dir: 
     assert [f.name for f in held if (f / "ran").exists()] == []
 
 
+def test_a_held_sandbox_whose_set_up_failed_ends_with_its_error_not_the_agents(tmp_path: Path) -> None:
+    """The gate is opened after the sandbox died on its own (its folder is not there): no reader
+    is left, and the launch still answers, the sandbox's exit saying why."""
+    from catacloud.agent.netns import Egress
+    from catacloud.agent.sandbox import BubblewrapLauncher, JobPlace, bwrap_path
+
+    bwrap = bwrap_path()
+    assert bwrap is not None
+    launcher = BubblewrapLauncher(bwrap=bwrap, hostname="held", egress=Egress("none", detail="test"))
+    launch = launcher.launch("true", {}, JobPlace(str(tmp_path / "gone"), "", None, None), held=True)
+    proc = launch.spawn(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=30)
+    try:
+        assert launch.begin(proc) is None  # no BrokenPipeError out of the agent's start
+    finally:
+        launch.finish()
+    assert proc.returncode != 0 and b"gone" in err
+
+
 def test_timeout_kills_the_whole_process_tree(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
