@@ -54,59 +54,21 @@ ORG_PROVIDERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def module_world(
-    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[World]:
-    """Committed data, made once for the module's cases: the world (``make_world``) and one
-    object of each kind (``make_objects``). A case already shared its world with its 20 examples;
-    re-making it for each of the 81 cases (a flush, and the content types and permissions made
-    again, then the world) was 0.45 s a case, a quarter of the module's time. At the module's end
-    the database is flushed as pytest-django's ``transactional_db`` flushes after a test (the
-    same TransactionTestCase steps), so the tests after it find it as before."""
-    from django.test import TransactionTestCase
-
-    from tests.api.endpoints import make_objects
-    from tests.conftest import make_world
-
-    with django_db_blocker.unblock():
-
-        class ModuleTransaction(TransactionTestCase):
-            pass
-
-        ModuleTransaction.setUpClass()  # (a TransactionTestCase's _pre_setup runs here)
-        flusher = ModuleTransaction(methodName="__init__")
-        try:
-            world = make_world(tmp_path_factory)
-            make_objects(world)
-            yield world
-        finally:
-            flusher._post_teardown()
-            ModuleTransaction.tearDownClass()
-            ModuleTransaction.doClassCleanups()
-
-
 @pytest.fixture
-def transactional_db(module_world: World, django_db_blocker: Any) -> Iterator[None]:
-    """This module's own ``transactional_db``: the case may use the database (its committed
-    world is ``module_world``'s), nothing is flushed after it. The name keeps pytest-django's
-    order of the suite (transactional tests after the others that use the database)."""
-    with django_db_blocker.unblock():
-        yield
-
-
-@pytest.fixture
-def api_world(module_world: World, transactional_db: None, settings: Any) -> Iterator[World]:
+def api_world(tworld: World, settings: Any) -> Iterator[World]:
     """Committed data: the real WSGI handler (not the test client) serves each request."""
+    from tests.api.endpoints import make_objects
+
     settings.CATACLOUD_ORG_PROVIDER_SETTINGS = ORG_PROVIDERS
 
+    make_objects(tworld)
     # The WSGI handler closes the connection after each request unless it may live on; here it
     # may (one thread, the test's own): a new PostgreSQL connection per generated request (a
     # backend forked, a password exchange) was a third of this test's time (525 s -> 328 s here).
     kept = connection.settings_dict["CONN_MAX_AGE"]
     connection.settings_dict["CONN_MAX_AGE"] = None
     try:
-        yield module_world
+        yield tworld
     finally:
         connection.settings_dict["CONN_MAX_AGE"] = kept
         connection.close()
@@ -114,5 +76,6 @@ def api_world(module_world: World, transactional_db: None, settings: Any) -> Ite
 
 @schema.parametrize()
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.django_db(transaction=True)
 def test_api_conforms_to_its_schema(case: schemathesis.Case, api_world: World) -> None:
     case.call_and_validate(headers={"Authorization": f"Bearer {api_world.tokens['admin']}"}, checks=CHECKS)
