@@ -171,6 +171,12 @@ class StateMachine(Generic[M, K]):
         """The event kind entering ``state`` records (unless a move names another)."""
         return self._kind_of[state]
 
+    def _stamp(self, to: str, changes: dict[str, Any], now: datetime) -> None:
+        """The timestamp ``to`` stamps (``admitted_at``, …) at ``now``, unless ``changes`` sets it."""
+        stamp = self.stamps.get(to)
+        if stamp and stamp not in changes:
+            changes[stamp] = now
+
     def move(
         self,
         pk: UUID,
@@ -190,9 +196,7 @@ class StateMachine(Generic[M, K]):
         one transaction. Returns the row as it is after the change; raises
         :class:`InvalidTransition` (changing nothing) when another actor won."""
         now = now or timezone.now()
-        stamp = self.stamps.get(to)
-        if stamp and stamp not in changes:
-            changes[stamp] = now
+        self._stamp(to, changes, now)
         with transaction.atomic():
             transition(self.model, pk, graph=self.graph, to=to, from_=from_, where=where, **changes)
             row = self.model._default_manager.get(pk=pk)
@@ -227,9 +231,7 @@ class StateMachine(Generic[M, K]):
         if to in self.on_enter:
             raise ValueError(f"{self.event_prefix}.{to} runs on_enter: use move()")
         now = timezone.now()
-        stamp = self.stamps.get(to)
-        if stamp and stamp not in changes:
-            changes[stamp] = now
+        self._stamp(to, changes, now)
         with transaction.atomic(savepoint=False):
             transition(self.model, pk, graph=self.graph, to=to, from_=from_, **changes)
             self.record(kind=self._kind_of[to], actor=actor, **refs, **{"status": to, **(event_data or {})})
@@ -269,9 +271,7 @@ class StateMachine(Generic[M, K]):
         if not pks:
             return 0
         now = now or timezone.now()
-        stamp = self.stamps.get(to)
-        if stamp and stamp not in changes:
-            changes[stamp] = now
+        self._stamp(to, changes, now)
         kind = event or self._kind_of[to]
         with transaction.atomic(savepoint=False):
             rows = self.model._default_manager.filter(pk__in=pks)
