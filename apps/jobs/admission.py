@@ -10,7 +10,7 @@ import time
 from datetime import datetime
 
 from django.db import transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import OuterRef
 from django.utils import timezone
 
 from apps.core import tracing
@@ -19,7 +19,7 @@ from apps.core.ids import MachineTypeId, OrgId
 from apps.events.kinds import EventKind
 from apps.jobs.choices import JOB_ADMITTED, JobStatus
 from apps.jobs.dispatch import acquire_after_commit
-from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.models import Job, needs_resources
 from apps.jobs.services import JOB_STATES
 from apps.machines.budgets import budget_check
 from apps.machines.choices import InstanceStatus
@@ -133,15 +133,12 @@ def _admit_for(
         budget_reason = ""
         if slots:
             slots, budget_reason = _budget_slots(org_id, mt, slots, now)
-        # Each with whether its configuration needs resources, in the statement that locks it.
-        needs = Exists(
-            JobConfiguration.resource_types.through.objects.filter(jobconfiguration_id=OuterRef("config_id"))
-        )
         jobs = (
             list(
                 queued.order_by("-priority", "queued_at")
                 .select_for_update(skip_locked=True)
-                .annotate(needs_resources=needs)
+                # whether its configuration needs resources, in the statement that locks it
+                .annotate(needs_resources=needs_resources(OuterRef("config_id")))
                 .values("pk", "traceparent", "needs_resources")[:slots]
             )
             if slots

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
-from django.db.models import Q
+from django.db.models import Exists, Q
 from django.utils import timezone
 
 from apps.core.crypto import encrypted
@@ -19,6 +20,12 @@ class SecretEnvMixin:
     secret_env_encrypted: str
 
     secret_env = encrypted("secret_env_encrypted", "the job's secret environment (masked in its output)")
+
+
+def needs_resources(config: Any) -> Exists:
+    """Whether a configuration names resource types (``config``: ``OuterRef`` to its id in a
+    query: a job's ``config_id``, a configuration's ``pk``)."""
+    return Exists(JobConfiguration.resource_types.through.objects.filter(jobconfiguration_id=config))
 
 
 class JobConfiguration(SecretEnvMixin, models.Model):

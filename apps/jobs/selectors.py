@@ -11,7 +11,7 @@ from django.db.models import Exists, OuterRef, QuerySet
 from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.artifacts import checkpoint_info, stored_checkpoint
 from apps.jobs.choices import JobStatus
-from apps.jobs.models import Job, JobConfiguration
+from apps.jobs.models import Job, JobConfiguration, needs_resources
 from apps.machines.models import OrgMachineType
 from apps.orgs.registries import registry_auth_for, registry_logins_for
 from apps.resources.models import ResourceInstance
@@ -51,9 +51,7 @@ def configs_to_submit(org_id: OrgId) -> QuerySet[JobConfiguration]:
                     org_id=OuterRef("org_id"), machine_type_id=OuterRef("machine_type_id")
                 )
             ),
-            needs_resources=Exists(
-                JobConfiguration.resource_types.through.objects.filter(jobconfiguration_id=OuterRef("pk"))
-            ),
+            needs_resources=needs_resources(OuterRef("pk")),
         )
     )
 
