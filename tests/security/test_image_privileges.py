@@ -162,12 +162,7 @@ def test_a_job_runs_its_image_through_the_closed_store_and_the_door_shuts_after(
     )
     place = JobPlace(work_dir=str(work), socket_path="", uid=uid, gid=uid, image=root)
     launch = launcher.launch("", {}, place)
-    try:
-        proc = subprocess.Popen(
-            launch.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **launch.popen_kwargs()
-        )
-    finally:
-        launch.close()
+    proc = launch.spawn(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert ACL_XATTR in os.listxattr(machine / "images")  # its uid passes while its sandbox lives
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()
