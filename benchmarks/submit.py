@@ -85,19 +85,33 @@ FIRST = "date +%s.%N"
 
 def _first_instruction(job_id: Any) -> float | None:
     """When the job ran its first instruction: the epoch time :data:`FIRST` printed."""
+    return first_instructions([job_id]).get(str(job_id))
+
+
+def first_instructions(job_ids: list[Any], timeout: float = 30) -> dict[str, float]:
+    """When each job ran its first instruction (the epoch time :data:`FIRST` printed), once
+    every job's output has come (``timeout``); a job whose output is not a time is left out."""
+    from django.db.models import Count
+
     from apps.jobs.models import JobLogChunk
 
+    chunks = JobLogChunk.objects.filter(job_id__in=job_ids, stream="stdout")
     wait_for(
-        lambda: JobLogChunk.objects.filter(job_id=job_id, stream="stdout").exists(),
-        30,
-        "the job's output",
+        lambda: chunks.aggregate(n=Count("job_id", distinct=True))["n"] == len(set(job_ids)),
+        timeout,
+        "the jobs' output",
         POLL,
     )
-    out = "".join(JobLogChunk.objects.filter(job_id=job_id, stream="stdout").values_list("data", flat=True))
-    try:
-        return float(out.split()[0])
-    except (IndexError, ValueError):
-        return None
+    out: dict[str, str] = {}
+    for job_id, data in chunks.order_by("job_id", "attempt", "seq").values_list("job_id", "data"):
+        out[str(job_id)] = out.get(str(job_id), "") + data
+    times: dict[str, float] = {}
+    for job_id, text in out.items():
+        try:
+            times[job_id] = float(text.split()[0])
+        except (IndexError, ValueError):
+            continue
+    return times
 
 
 def sandbox_starts(samples: int = 60, stream_mb: int = 512) -> dict[str, Any]:
