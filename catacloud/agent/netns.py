@@ -4,7 +4,7 @@ Every sandboxed job starts in a new network namespace (bubblewrap's ``--unshare-
 held before its command runs (at its gate: ``sandbox.StartGate``) until the agent has set the
 namespace up:
 
-1. **Rules first.** A small helper (this file, run as a script with ``python -I -S``, as the
+1. **Rules first.** A small helper (netns_helper.py, run as a script with ``python -I -S``, as the
    job's uid, which owns the job's user namespace) joins the job's user and network namespaces
    and loads an nftables table through ``libnftables``: traffic to the host's loopback, private
    ranges (RFC 1918, CGNAT, ULA), link-local (``169.254.0.0/16``: the cloud metadata address),
@@ -29,7 +29,8 @@ When ``pasta`` or ``libnftables`` is missing (or this host refuses them), jobs g
 with a loopback and nothing else: no network rather than the host's (:func:`probe_egress` says
 why; the machine reports it at enrollment).
 
-This module is also the helper's script: it imports nothing beyond the standard library.
+The helper is :mod:`catacloud.agent.netns_helper`, a script of its own that imports as little as
+it can: it runs on every job's start.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from catacloud.agent import netns_helper
 
 # Where a job's DNS queries go: pasta forwards them to the host's resolver (its replies come back
 # from this address, so the job's resolv.conf names it). Link-local: never a real destination.
@@ -122,8 +125,6 @@ NAT64_PREFIX = "64:ff9b::/96"
 # A job network is set up in well under a second (p99 about 0.1 s); the limit only ends a setup
 # that is stuck, and leaves room for a host under heavy load (10 s was reached at load 80 on 2 cores).
 SETUP_TIMEOUT_SECONDS = 30.0
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -380,17 +381,19 @@ class Egress:
         return [*argv, "--dns-forward", DNS_ADDRESS]
 
     def _helper(self, argv: list[str], policy: Policy, pass_fds: Sequence[int] = ()) -> str | None:
-        """Run this file as the helper; ``None`` when it (and so pasta) is ready, else why not."""
+        """Run the helper (:mod:`catacloud.agent.netns_helper`, a script); ``None`` when it (and
+        so pasta) is ready, else why not."""
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", netns_helper.LIBRARY_ENV: _library() or ""}
         try:
             helper = subprocess.run(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv, *self.pasta_argv(policy)],
+                [sys.executable, "-I", "-S", netns_helper.__file__, *argv, *self.pasta_argv(policy)],
                 input=policy.ruleset().encode(),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 timeout=SETUP_TIMEOUT_SECONDS,
                 close_fds=True,
                 pass_fds=pass_fds,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                env=env,
             )
         except subprocess.TimeoutExpired:
             return "the job's network took too long to set up"
@@ -534,184 +537,12 @@ def libnftables() -> str | None:
     return None
 
 
-# -- the helper (run as a script) ----------------------------------------------------------------
-
-_NS_GET_USERNS = 0xB701
-
-
-def _setns(fd: int, kind: int, what: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, kind) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"cannot join the job's {what} namespace: {os.strerror(errno)}")
-
-
-def load_rules(net: int, user: int, ruleset: str, lib: Any) -> None:
-    """Join the network namespace ``net`` (through ``user``, the user namespace that owns it)
-    and load ``ruleset`` there with ``lib`` (libnftables)."""
-    _setns(user, _CLONE_NEWUSER, "user")
-    _setns(net, _CLONE_NEWNET, "network")
-    _load(ruleset, lib)
-
-
-def _load(ruleset: str, lib: Any) -> None:
-    """Load ``ruleset`` into this process's network namespace with ``lib`` (libnftables)."""
-    lib.nft_ctx_new.restype = ctypes.c_void_p
-    lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
-    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
-    lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
-    lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
-    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    ctx = lib.nft_ctx_new(0)
-    if not ctx:
-        raise OSError("libnftables: cannot create a context")
-    lib.nft_ctx_buffer_error(ctx)
-    if lib.nft_run_cmd_from_buffer(ctx, ruleset.encode()) != 0:
-        message = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace").strip()
-        raise OSError(f"nftables refused the job's rules: {message or 'no message'}")
-
-
-def _as_job(uid: int | None, gid: int | None) -> tuple[str, Any]:
-    """The rules (from stdin) and libnftables, then this helper becomes the job's uid."""
-    ruleset = sys.stdin.read()
-    try:  # before the uid change (the library's folder may be private); by its soname: quick
-        lib = ctypes.CDLL("libnftables.so.1")
-    except OSError:
-        lib = ctypes.CDLL(libnftables() or "libnftables.so")  # find_library runs ldconfig: slow
-    if uid is not None:
-        os.setgroups([])
-        os.setresgid(gid if gid is not None else uid, gid if gid is not None else uid, -1)
-        os.setresuid(uid, uid, uid)
-    return ruleset, lib
-
-
-def _report(exc: OSError) -> None:
-    print(exc.strerror if exc.strerror and len(exc.args) > 1 else str(exc), file=sys.stderr)
-    sys.stderr.flush()
-
-
-def _attach(pid: int, uid: int | None, gid: int | None, pid_file: str, pasta: list[str]) -> int:
-    """Rules, then pasta, for the namespaces of the running sandbox ``pid``."""
-    import fcntl
-
-    ruleset, lib = _as_job(uid, gid)
-    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-    # The sandbox's first process may already sit in a nested user namespace (bubblewrap's
-    # --disable-userns): the one that owns the network namespace is what pasta and the rules need.
-    user = fcntl.ioctl(net, _NS_GET_USERNS)
-    child = os.fork()
-    if child == 0:  # the rules, from a process that joins the job's namespaces for good
-        code = 0
-        try:
-            load_rules(net, user, ruleset, lib)
-        except OSError as exc:
-            _report(exc)
-            code = 1
-        finally:
-            os._exit(code)
-    if os.waitpid(child, 0)[1] != 0:
-        return 1
-    return _become_pasta(net, user, pid_file, pasta)
-
-
-_PR_SET_DUMPABLE = 4
-
-
-def _prepare(uid: int | None, gid: int | None, folder: str, keep: int, pasta: list[str]) -> int:
-    """Namespaces for the next job, made now: a child of this helper (as the job's uid) unshares
-    new user and network namespaces, maps its own uid and gid into them and nothing else, loads
-    the rules there (it holds every capability in them) and waits until ``keep`` closes (the agent
-    has opened its namespaces by then); this helper writes the child's pid in
-    ``folder``/holder.pid and becomes their pasta."""
-    ruleset, lib = _as_job(uid, gid)
-    ready, told = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 0
-        try:
-            os.close(ready)
-            libc = ctypes.CDLL(None, use_errno=True)
-            # The uid change cleared it, which leaves /proc/self/* to root: the maps below are
-            # written there, and the agent (and this helper) open this process's namespaces next.
-            libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-            me, group = os.geteuid(), os.getegid()  # unmapped (65534) in the new namespace
-            if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"cannot make the job's namespaces: {os.strerror(errno)}")
-            for name, line in (
-                ("setgroups", "deny"),
-                ("uid_map", f"{me} {me} 1"),
-                ("gid_map", f"{group} {group} 1"),
-            ):
-                with open(f"/proc/self/{name}", "w") as fh:
-                    fh.write(line + "\n")
-            _load(ruleset, lib)
-            os.write(told, b"1")
-            os.close(told)
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):  # the agent waits for the helper's stderr to close
-                os.dup2(devnull, fd)
-            while os.read(keep, 64):
-                pass
-        except OSError as exc:
-            _report(exc)
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(told)
-    os.close(keep)
-    if os.read(ready, 1) != b"1":
-        os.waitpid(child, 0)
-        return 1
-    os.close(ready)
-    with open(os.path.join(folder, "holder.pid"), "w") as fh:
-        fh.write(f"{child}\n")
-    net = os.open(f"/proc/{child}/ns/net", os.O_RDONLY)
-    user = os.open(f"/proc/{child}/ns/user", os.O_RDONLY)
-    return _become_pasta(net, user, os.path.join(folder, "pasta.pid"), pasta)
-
-
-def _become_pasta(net: int, user: int, pid_file: str, pasta: list[str]) -> int:
-    """Exec pasta for the namespaces ``net`` and ``user``: it connects the namespace, writes its
-    pid in ``pid_file`` and goes to the background (the helper's exit says ready)."""
-    import signal
-
-    os.set_inheritable(net, True)
-    os.set_inheritable(user, True)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; pasta refuses to start so
-    os.execv(
-        pasta[0],
-        [*pasta, "--pid", pid_file, "--userns", f"/proc/self/fd/{user}", "--netns", f"/proc/self/fd/{net}"],
-    )
-    return 1  # not reached
-
-
-def _main(argv: Sequence[str]) -> int:
-    usage = (
-        "usage: netns.py attach PID UID|- GID|- PID_FILE PASTA [ARGS...]\n"
-        "       netns.py prepare UID|- GID|- FOLDER KEEP_FD PASTA [ARGS...]  (rules on stdin)"
-    )
-    try:
-        if len(argv) >= 6 and argv[0] == "attach" and argv[1].isdigit():
-            uid, gid = _ids(argv[2], argv[3])
-            return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]))
-        if len(argv) >= 6 and argv[0] == "prepare" and argv[4].isdigit():
-            uid, gid = _ids(argv[1], argv[2])
-            return _prepare(uid, gid, argv[3], int(argv[4]), list(argv[5:]))
-    except OSError as exc:
-        print(f"cannot set the job's network up: {exc}", file=sys.stderr)
-        return 1
-    print(usage, file=sys.stderr)
-    return 2
+_library = functools.lru_cache(maxsize=1)(libnftables)  # the helper's, found once
 
 
 def _id_args(uid: int | None, gid: int | None) -> list[str]:
-    """The helper's UID GID arguments (``-``: stay the agent's); :func:`_ids` reads them."""
+    """The helper's UID GID arguments (``-``: stay the agent's); the helper's ``_ids`` reads them."""
     return [str(uid), str(gid if gid is not None else uid)] if uid is not None else ["-", "-"]
-
-
-def _ids(uid: str, gid: str) -> tuple[int | None, int | None]:
-    return (int(uid) if uid != "-" else None), (int(gid) if gid != "-" else None)
 
 
 def read_child_pid(fd: int, timeout: float = SETUP_TIMEOUT_SECONDS) -> int | None:
@@ -730,7 +561,3 @@ def read_child_pid(fd: int, timeout: float = SETUP_TIMEOUT_SECONDS) -> int | Non
             return int(json.loads(data)["child-pid"])
         except (ValueError, KeyError, TypeError):
             continue  # not all of it yet
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
