@@ -326,8 +326,8 @@ def _agent_options(agent: argparse.ArgumentParser) -> None:
     agent.add_argument(
         "--no-network-ahead",
         action="store_true",
-        help="make each job's network at its start (about 0.1 s) instead of while the machine "
-        "idles before it (the default: the job waits for nothing)",
+        help="make each job's network at its start (about 0.1 s) instead of ahead, while the job "
+        "before it runs or the machine idles (the default: the job waits for nothing)",
     )
     agent.add_argument(
         "--disk-reserve-gb",

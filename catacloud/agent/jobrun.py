@@ -7,6 +7,7 @@ folder. A part of :class:`catacloud.agent.main.Agent`, which holds the machine's
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import logging
 import os
@@ -159,6 +160,7 @@ class JobRunning:
     _report_on_stop: bool
     network_ahead: bool
     _next_uid: int | None  # the next job's, chosen when its network is made ahead
+    _ahead: bool  # the next job's network is made (or being made) ahead
     _next_allow: tuple[Allow, ...]  # what the last job's machine type allows
     insecure_registries: tuple[str, ...]  # the operator's registries over plain HTTP (--insecure-registry)
     registry_proxy: RegistryProxy  # the organization's registry credentials for containers jobs
@@ -301,19 +303,21 @@ class JobRunning:
     def _job_uid(self) -> int | None:
         """The uid of the job starting now: the one its network was made for (:meth:`prepare_next`),
         else the range's next."""
-        uid, self._next_uid = self._next_uid, None
+        uid, self._next_uid, self._ahead = self._next_uid, None, False
         if uid is None and self.job_uids is not None:
             uid = self.job_uids.take()
         return uid
 
     def prepare_next(self, *, wait: bool = False) -> None:
-        """Choose the next job's uid and make its network now, while this machine idles (before
-        the agent reports ready, ``wait``, and after each job): the job then waits for neither.
-        It is made for the allow list of the last job (this machine's type's); a job with
-        another gets its own."""
-        if self.work_root is None or self.stopping.is_set() or not self.network_ahead:
+        """Choose the next job's uid and make its network now, unless that is done already: as the
+        agent starts (``wait``: before it reports ready), as each job's command starts (the next
+        network is made while the job runs), and after a job that did not get that far. The next
+        job then waits for neither. It is made for the allow list of the last job (this machine's
+        type's); a job with another gets its own."""
+        if self.work_root is None or self.stopping.is_set() or not self.network_ahead or self._ahead:
             return
         self._next_uid = self.job_uids.take() if self.job_uids is not None else None
+        self._ahead = True
         self.launcher.prepare_network(
             self._next_uid, self._next_uid, self._next_allow, self.work_root, wait=wait
         )
@@ -452,7 +456,7 @@ class JobRunning:
                 streamer=run.streamer,
                 mask=job.secret_values,
                 watch=watch,
-                on_launch=run.launched,
+                on_launch=functools.partial(self._launched, run),
                 confirm=run.claimed,
             )
         finally:
@@ -465,6 +469,12 @@ class JobRunning:
                 if self._current is not None:
                     self._current.checkpointer = None
             checkpointer.close()
+
+    def _launched(self, run: Attempt, network: str) -> None:
+        """The job's command runs: its launch is timed, and the next job's network is made
+        meanwhile (ready when this job ends: a job that comes at once does not wait for it)."""
+        run.launched(network)
+        self.prepare_next()
 
     def _restore(self, run: Attempt, checkpointer: Checkpointer) -> bool:
         """The job's last checkpoint into its folder, once its start is confirmed (False: not)."""

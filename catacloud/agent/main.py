@@ -142,6 +142,7 @@ class Agent(JobRunning):
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._heartbeat_failures = 0
         self._next_uid: int | None = None
+        self._ahead = False
         self._next_allow: tuple[Allow, ...] = ()
 
     # -- stopping ---------------------------------------------------------------------------

@@ -235,6 +235,28 @@ def test_the_next_jobs_network_is_made_while_the_machine_idles_and_serves_that_j
     assert len(pastas(agent)) == 1, "a job network outlived its job"
 
 
+def test_the_next_jobs_network_is_made_while_a_job_runs_so_a_job_right_after_it_waits_for_none(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """Back-to-back jobs (a CI burst): the next job's network is not made after a job ends, as
+    the next job arrives, but while the job runs. Both exist then, each a namespace of its own."""
+    agent = start_agent()
+    enrolled = api.wait_for(lambda: api.calls("POST", "enroll"), timeout=20, what="the enrollment")
+    if enrolled[0].body["machine"]["isolation"]["network"] != "pasta":
+        pytest.skip("no job network here")
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="the first job's network")
+    # The first job runs a while: meanwhile its own pasta and the next job's both run.
+    count = f"grep -c ':B813 ' /proc/net/tcp; {PY_IN_JOB} -c {shlex.quote(LINGER)}"
+    first = api.assign(f"{count}; sleep 6")
+    second = api.assign(count)  # handed out as soon as the first ends
+    api.wait_for(lambda: len(pastas(agent)) == 2, timeout=6, what="the next job's network, made meanwhile")
+    assert first not in api.finished, "the first job ended before the next network was seen"
+    reports = [api.wait_finished(job, timeout=30) for job in (first, second)]
+    assert [r["network"] for r in reports] == ["ahead", "ahead"], reports
+    # The second job's namespace is not the first's: the connection the first left is not there.
+    assert [api.output(job, "stdout").split() for job in (first, second)] == [["0", "left", "1"]] * 2
+
+
 def test_a_job_with_thousands_of_env_variables_gets_each_exactly(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
