@@ -8,9 +8,11 @@ Imports nothing of the jobs app (an import-linter contract keeps it so).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import redis
+from django.db import transaction
 
 from apps.core import broker, tracing
 from apps.core.broker import enqueue_on_commit, redis_client
@@ -20,6 +22,12 @@ from apps.core.ids import InstanceId, JobId
 SCHEDULE_TASK = "apps.jobs.tasks.schedule_task"
 ACQUIRE_RESOURCES_TASK = "apps.jobs.tasks.acquire_resources_task"
 
+# A scheduling pass is sent and has not started: commits meanwhile send none of their own. The mark
+# lapses after SCHEDULE_PENDING_SECONDS, should the pass be lost (a worker killed, the broker
+# flushed): a later commit sends one again, and beat's pass runs every CATACLOUD_SCHEDULER_INTERVAL.
+SCHEDULE_PENDING_KEY = "catacloud:schedule:pending"
+SCHEDULE_PENDING_SECONDS = 5
+
 # The pub/sub channel that wakes an instance's long poll (GET work, apps.control.agent.views).
 WAKE_KEY = broker.WAKE_KEY
 # The generation of an instance's current long poll: a newer poll replaces an older one.
@@ -27,8 +35,27 @@ POLL_KEY = "catacloud:poll:{}"
 
 
 def schedule_after_commit() -> None:
-    """A scheduling pass (admission, then placement) right after the current transaction commits."""
-    enqueue_on_commit(SCHEDULE_TASK)
+    """A scheduling pass (admission, then placement) right after the current transaction
+    commits, unless one is sent and not started yet: that one sees this commit (it clears its
+    mark as it starts, :func:`schedule_started`). A burst of job ends then brings a pass or two,
+    not one each (a job's end asked for two: the job's and its machine's)."""
+    transaction.on_commit(_schedule_once)
+
+
+def _schedule_once() -> None:
+    try:
+        mine = bool(redis_client().set(SCHEDULE_PENDING_KEY, "1", nx=True, ex=SCHEDULE_PENDING_SECONDS))
+    except redis.RedisError:
+        mine = True  # the broker is Redis too: enqueue says what it can
+    if mine and not broker.enqueue(SCHEDULE_TASK):
+        with contextlib.suppress(redis.RedisError):
+            redis_client().delete(SCHEDULE_PENDING_KEY)  # not sent: the next commit tries again
+
+
+def schedule_started() -> None:
+    """A scheduling pass starts: what commits from now on sends another (its mark goes)."""
+    with contextlib.suppress(redis.RedisError):
+        redis_client().delete(SCHEDULE_PENDING_KEY)
 
 
 def acquire_after_commit(job_ids: Iterable[JobId]) -> None:

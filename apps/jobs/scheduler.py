@@ -20,7 +20,9 @@ from django.db import OperationalError, transaction
 
 from apps.core.ids import MachineTypeId, OrgId
 from apps.jobs.admission import admit, admit_grant
+from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import schedule_after_commit
+from apps.jobs.models import Job
 from apps.jobs.placement import place
 from apps.machines.services import grant_lock
 
@@ -78,10 +80,20 @@ def schedule_grant_here(*, org_id: OrgId, machine_type_id: MachineTypeId) -> boo
 
 
 def schedule_grant_after_commit(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:
-    """:func:`schedule_grant_now` right after the current transaction commits (when
-    ``CATACLOUD_SCHEDULE_ON_SUBMIT`` is on; the enqueued scheduling pass does it otherwise)."""
+    """:func:`schedule_grant_now` right after the current transaction commits, when a job of the
+    grant waits then (when ``CATACLOUD_SCHEDULE_ON_SUBMIT`` is on; the enqueued scheduling pass
+    does it otherwise). A job whose commit this does not see yet is the enqueued pass's: every
+    caller enqueues one too (:func:`schedule_for_machine`, a job's end)."""
     if settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
-        transaction.on_commit(lambda: schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id))
+        transaction.on_commit(lambda: _schedule_grant_if_waiting(org_id, machine_type_id))
+
+
+def _schedule_grant_if_waiting(org_id: OrgId, machine_type_id: MachineTypeId) -> None:
+    """Only when a job of the grant waits for admission or for a machine: one indexed statement,
+    where the grant's scheduling is a lock, admission and placement."""
+    waiting = (JobStatus.QUEUED, JobStatus.WAITING_FOR_MACHINE)
+    if Job.objects.filter(org_id=org_id, machine_type_id=machine_type_id, status__in=waiting).exists():
+        schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id)
 
 
 def schedule_for_machine(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:

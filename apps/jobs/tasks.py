@@ -7,6 +7,7 @@ from celery import Task, shared_task
 
 from apps.core.broker import task_backoff
 from apps.jobs.acquisition import job_acquire_resources
+from apps.jobs.dispatch import schedule_started
 from apps.jobs.scheduler import schedule
 from apps.resources.wells import WellError
 
@@ -18,6 +19,7 @@ def schedule_task() -> None:
     """Admit and place jobs. Triggered after commit by a submit, a job's end, a machine
     becoming ready or a quota change; beat runs it as a safety net. Any number may run at
     once on any number of workers (SKIP LOCKED on jobs, row locks on grants)."""
+    schedule_started()
     report = schedule()
     if report.admitted or report.assigned or report.provisioned:
         log.info(

@@ -88,3 +88,40 @@ def test_the_reaper_times_out_jobs_whose_agent_never_reported(world: World) -> N
     refresh(job, machine)
     assert job.status == J.TIMED_OUT
     assert machine.status == S.TERMINATING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_of_job_ends_sends_one_scheduling_pass_until_one_starts(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each job's end asks for a scheduling pass (its own and its machine's); a burst of them
+    sends one, which sees them all, until that pass starts: what commits later sends another."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from apps.jobs.dispatch import SCHEDULE_TASK
+    from apps.jobs.tasks import schedule_task
+
+    mt, _ = setup_type(tworld)
+    machines = [idle_machine(tworld.org, mt) for _ in range(4)]
+    cfg = job_config(tworld.org, mt, reuse="reuse")
+    jobs = [job_submit(org=tworld.org, config=cfg) for _ in range(4)]
+    schedule()
+    sent: list[tuple] = []
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: sent.append(a) or True)
+    refresh(*jobs)
+    on = {job.pk: MachineInstance.objects.get(pk=job.instance_id) for job in jobs}
+    for job in jobs:
+        job_started(instance=on[job.pk], job_id=job.pk)
+    for job in jobs[:3]:
+        with CaptureQueriesContext(connection) as seen:
+            job_finished(instance=on[job.pk], job_id=job.pk, outcome="succeeded", exit_code=0)
+        # Nothing of the grant waits: the machine's release locks no grant after its commit.
+        assert not [
+            q for q in seen.captured_queries if "orgmachinetype" in q["sql"] and "FOR UPDATE" in q["sql"]
+        ]
+    assert sent == [(SCHEDULE_TASK,)], "three job ends, one pass"
+    schedule_task()  # the pass starts (a worker runs it)
+    job_finished(instance=on[jobs[3].pk], job_id=jobs[3].pk, outcome="succeeded", exit_code=0)
+    assert sent == [(SCHEDULE_TASK,)] * 2, "a job end after the pass started sends another"
+    assert {m.status for m in MachineInstance.objects.filter(pk__in=[m.pk for m in machines])} == {S.READY}
