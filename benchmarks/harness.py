@@ -283,6 +283,56 @@ def of_runs(
     )
 
 
+# Whose CPU time it is, by the stack's programs: a process's name (PostgreSQL, Redis), else its
+# command line (the Python programs), first match. The rest is the machines' (agents, their
+# sandboxes, jobs and pastas), this process's and the host's own.
+CPU_OWNERS = (
+    ("PostgreSQL", "name", "postgres"),
+    ("Redis", "name", "redis-server"),
+    ("agent server", "cmdline", "uvicorn"),
+    ("API (gunicorn)", "cmdline", "gunicorn"),
+    ("Celery beat", "cmdline", "celery beat"),
+    ("Celery worker", "cmdline", "celery"),
+)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far: ``all`` (every process on this machine, /proc/stat's busy time),
+    each of :data:`CPU_OWNERS` (their live processes' own time; PostgreSQL's with its ended
+    backends', which its postmaster reaped) and ``bench`` (this process). Two snapshots' difference
+    says where a part's CPU went; a process that ended between them is left in ``all`` only."""
+    import psutil
+
+    times = psutil.cpu_times()
+    used = {"all": sum(times) - times.idle - getattr(times, "iowait", 0.0)}
+    for owner, _, _ in CPU_OWNERS:
+        used[owner] = 0.0
+    for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        info = proc.info
+        cpu = info["cpu_times"]
+        if cpu is None:
+            continue
+        text = {"name": info["name"] or "", "cmdline": " ".join(info["cmdline"] or [])}
+        for owner, where, needle in CPU_OWNERS:
+            if needle in text[where]:
+                used[owner] += cpu.user + cpu.system
+                if owner == "PostgreSQL":
+                    used[owner] += cpu.children_user + cpu.children_system
+                break
+    me = psutil.Process().cpu_times()
+    used["bench"] = me.user + me.system
+    return used
+
+
+def cpu_per_job(before: dict[str, float], after: dict[str, float], jobs: int) -> dict[str, float]:
+    """Milliseconds of CPU per job between two :func:`cpu_seconds`: every process's, each
+    owner's, and the rest (``machines and the rest``)."""
+    spent = {k: max(0.0, after[k] - before[k]) * 1000 / max(jobs, 1) for k in after}
+    named = sum(v for k, v in spent.items() if k != "all")
+    spent["machines and the rest"] = max(0.0, spent["all"] - named)
+    return {k: round(v, 1) for k, v in spent.items()}
+
+
 class LoadSampler:
     """The machine's load while a part runs (a shared machine makes numbers move): the 1-minute
     load average and the whole machine's CPU use, sampled every ``interval`` seconds."""

@@ -32,7 +32,16 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.harness import Figure, PartResult, Progress, percentile, say, tenant
+from benchmarks.harness import (
+    Figure,
+    PartResult,
+    Progress,
+    cpu_per_job,
+    cpu_seconds,
+    percentile,
+    say,
+    tenant,
+)
 from benchmarks.stack import live_stack
 from benchmarks.submit import FIRST, first_instructions
 from testkit.builders import job_config
@@ -105,6 +114,7 @@ def run(
         _wait_ended(warm, 180)
         wait_for(lambda: _idle_machines(t) >= machines, 60, f"{machines} idle machines", 0.05)
         phase, n = 0, 0
+        cpu_before = cpu_seconds()
         while n < jobs:
             size = min(machines, jobs - n)
             kind = "burst" if phase % 2 == 0 else "trickle"
@@ -131,6 +141,7 @@ def run(
             phase += 1
             if phase % 20 == 0:
                 progress(f"tail: {n}/{jobs} jobs")
+        cpu = cpu_per_job(cpu_before, cpu_seconds(), len(records))
         ids = [r["id"] for r in records]
         firsts = first_instructions(ids)
         launches = _launches(ids)
@@ -145,7 +156,10 @@ def run(
             rec["first_s"] = at["first_at"] - at["queued_at"] if at["first_at"] else None
             rec["stages"] = {name: at[b] - at[a] if at[a] and at[b] else None for name, a, b in STAGES}
             rec["agent_launch_s"], rec["network"] = launches.get(rec["id"], (None, ""))
-    return _result(result, records, machines, slow)
+    result = _result(result, records, machines, slow)
+    result.data["cpu_ms_per_job"] = cpu
+    result.figures.append(_cpu_figure(cpu, machines))
+    return result
 
 
 def _launches(ids: list[str]) -> dict[str, tuple[float, str]]:
@@ -186,6 +200,23 @@ def _curves(records: list[dict[str, Any]], key: str, phases: list[str]) -> dict[
         return [r[key] for r in records if r.get(key) is not None and phase in (None, r["phase"])]
 
     return {"all": _curve(values(None)), **{ph: _curve(values(ph)) for ph in phases}}
+
+
+def _cpu_figure(cpu: dict[str, float], machines: int) -> Figure:
+    """The CPU a job costs, every process of this machine counted: the budget a burst shares.
+    A burst of ``machines`` jobs needs ``machines`` times it, spread over this machine's cores."""
+    import os
+
+    split = ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if k != "all")
+    cores = os.cpu_count() or 1
+    return Figure(
+        "CPU per job, every process",
+        cpu["all"],
+        "ms",
+        "",
+        f"a burst of {machines}: {cpu['all'] * machines / cores:.0f} ms on {cores} cores",
+        note=f"from submit to its end, measured over the part's jobs (ms): {split}",
+    )
 
 
 def _percentile_figure(took: list[float], starts: list[float], q: float, goal: float | None) -> Figure:
