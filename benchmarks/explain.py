@@ -90,27 +90,33 @@ with a small C program's. Cold here means provisioning a local agent process; on
 boot adds 30-60 s, so the warm/cold ratio on real providers is far larger.
 
 **Submit -> the job's first instruction** (the warm jobs run `date +%s.%N` as their first act;
-same host, same clock). The job network (its namespaces, rules and pasta: about 100 ms) is made
-while the machine idles and given to the next job alone, whose sandbox joins it through
-`nsenter`: a job start with the network costs about what one without it does (the two job-start
-rows "made ahead" and "no network"). The "late" pool's jobs, interleaved in the same run, make
-their network at their start (`network_ahead: false`), the path before: the ratio of the first
-instruction figure compares the two. Its target (50 ms) is not met yet: submit -> running alone
-is above it on this host. What the agent spends is small: timed inside the agent on an idle
-host, from the poll's answer to the command's launch about 9 ms (the `started` report 2.6 ms,
-the job's folder and the socket's grant 1 ms, the launch 5 ms), then about 14 ms until the job's
-first program runs (bubblewrap's own start and the shell). Since 2026-12-04 the `started` report
-no longer comes first: the folder and the sandbox are made while it travels, and the command
-waits at the sandbox's gate for its answer (a round trip off the start; across a network, from
-a cloud machine, tens of milliseconds). The gate is the job's shell, reading a word from the
-agent, so bubblewrap's whole set-up and the shell's own start are done by then. The server's
-side was cut the same day: a submit that a warm machine takes runs 20 SQL statements (30
-before), and the poll hands the job out in 2 (4 before). Here the same stretch reads about
-40 ms: each job takes an ephemeral pool member whose replacement starts (a new agent process,
-its sandbox, its first job's network) on the same 2 cores at that very moment, as the two pools'
-refills do for every sample; on a cloud the replacement boots on another host. The "reused
-machine" row is the same job on a machine kept for reuse between its jobs (its configuration's
-`reuse`), with nothing booting beside it: the closest this host comes to the target."""
+same host, same clock). The job network (its namespaces, rules and pasta: about 60 ms since
+2026-12-04, when its helper became a script that imports only what it uses; about 100 ms before)
+is made ahead, as the job before it starts its command (or while the machine idles), and given
+to the next job alone, whose sandbox joins it through `nsenter`: a job start with the network
+costs about what one without it does (the two job-start rows "made ahead" and "no network"). The
+"late" pool's jobs, interleaved in the same run, make their network at their start
+(`network_ahead: false`), the path before: the ratio of the first instruction figure compares
+the two. Its p50 target (50 ms) is not met on this host (see below). What the agent spends is
+small: timed inside the agent on an idle host, from the poll's answer to the command's launch
+about 9 ms (the `started` report 2.6 ms, the job's folder and the socket's grant 1 ms, the
+launch 5 ms), then about 14 ms until the job's first program runs (bubblewrap's own start and
+the shell). Since 2026-12-04 the `started` report no longer comes first: the folder and the
+sandbox are made while it travels, and the command waits at the sandbox's gate for its answer (a
+round trip off the start; across a network, from a cloud machine, tens of milliseconds). The
+gate is the job's shell, reading a word from the agent, so bubblewrap's whole set-up and the
+shell's own start are done by then. The server's side was cut the same day: a submit that a warm
+machine takes runs 20 SQL statements (30 before), and the poll hands the job out in 2 (4
+before). Here the same stretch reads about 40 ms: each job takes an ephemeral pool member whose
+replacement starts (a new agent process, its sandbox, its first job's network) on the same 2
+cores at that very moment, as the two pools' refills do for every sample; on a cloud the
+replacement boots on another host. The "reused machine" row is the same job on a machine kept
+for reuse between its jobs (its configuration's `reuse`), with nothing booting beside it: the
+closest this host comes to the target. The latest run (2026-12-04 13:44, load 4.3 as it began,
+right after the tail part): warm submit -> first instruction p50 63.0 ms and p99 112.4 ms (80.6
+and 142.7 at 10:31 the same day), the reused machine 51.8 ms, started -> first instruction p50
+24.0 ms (31.8): the next network is now made while the job before runs, with a helper half as
+costly, so less of it competes with the next job's start."""
 
 REPLENISH = """\
 The claim's after-commit refill task reaches the provision task in well under a second: the
@@ -480,36 +486,44 @@ internet it saves the download. Measured 2026-12-04 with nothing else running (1
 """
 
 TAIL = """\
-**Not met in the latest run (2026-12-04, load 6.2).** p50 105 ms, p99 294 ms, p99.9 346 ms: 31
-jobs above 250 ms, 30 of them in bursts and late in the agent's start (p99 192 ms, 100 ms on
-2026-11-29). Since 2026-12-04 an agent makes the job's folder and sandbox while its `started`
-report travels, which brings the job's first instruction sooner (the submit part), but this
-part's clock stops at that report: in a burst, six agents' sandboxes are made on the 2 cores at
-the moment their reports are sent and answered. The figures below are those of 2026-11-29.
-**Goal met in four runs of five** then. 1,000 warm jobs on 6 machines, nothing else running on the 2
-cores (1-minute load 4-5, the stack's own processes). That run: p50 95 ms, p99 213 ms, p99.9
-240 ms, max 247 ms, no job above 250 ms. Nine runs were taken on 2026-11-28/29, the code before
-and after one fix interleaved. After: p99.9 192, 206, 324, 247 and 240 ms (p50 81-101 ms).
-Before: 758, 273, 382 and 280 ms (p50 96-134 ms), the goal met in none. **The fix:** Celery's
-Django fixup closed every database connection before and after every task, whatever
-`DATABASE_CONN_MAX_AGE` said, so every scheduling pass, claim and wake-up task opened a new
-PostgreSQL connection: a backend forked and a SCRAM password exchange, CPU on both sides. A
-profile of the worker (py-spy, 50 Hz, one minute of this part) had a quarter of its samples in
-psycopg's connect. The 2 cores are 93-97 % busy during a slow burst (the host's /proc/stat,
-sampled every 20 ms; 84 % over a run), so a burst is as late as the CPU its jobs and whatever
-else runs then need, in whichever stage it is. Sampling pg_stat_activity every 25 ms found no
-lock wait above 75 ms (admissions queue on their grant's row by design), but in one run a few
-COMMITs waited up to 313 ms on the WAL's fsync: the disk is a second, rarer source of a late
-burst. Workers now keep their connection between tasks as the web
-keeps it between requests (`CELERY_DB_REUSE_MAX` turns the fixup's closing off;
-tests/core/test_worker_connections.py). What is left is the same CPU contention without the
-connection churn: the one slow run after the fix (324 ms) had 8 jobs above 250 ms, all in bursts.
-The host's speed also moved during the night (the same code's p50 96-134 ms), which is why the
-runs were interleaved. The 12.7 s warm start of issue 36 is most likely the reconciler fault
-fixed on 2026-11-27 (the submit bench's two tenants' local accounts shared a `state_dir`, and
-each account's reconciler deleted the other's machines older than its grace as orphans: a job
-placed on one was requeued onto another machine); tests/machines/test_lifecycle.py reproduces
-the deletion with two Hetzner accounts on one project and fails without the fix."""
+**Not met: p99.9 762.5 ms (target 250), max 874 ms (target 1 s, met), 2026-12-04 13:40.** Since
+that day this part measures what the issue names, submit -> the job's first instruction (the
+job's first act prints the time), split in five stages (admission, placement, delivery, the
+agent's start, the launch), with submit -> running beside it. p50 150.5 ms, p99 631.4 ms; 401
+jobs above 250 ms, nearly all in bursts: the trickles' p50 is 80 ms and their p99 208 ms, the
+bursts' p50 358 ms. Nothing else ran: the load was 1.7 as it began and 5.9 (median) during its own stack.
+
+**Why: a burst is as late as the CPU it needs.** The part now counts every process's CPU on the
+machine over its 1,000 jobs (`/proc/stat`, and each program's own time): **258.8 ms of CPU per
+job**, of which the machines (agents, sandboxes, shells, pastas and their helpers) about 112,
+the agent server 66, PostgreSQL 28, the API 26, the Celery worker 19, the bench itself 7. A
+burst of 6 jobs is 6 x 259 = 1.55 s of CPU on 2 cores, about 776 ms of wall time: the burst's
+slowest jobs land there (max 874 ms), and its median near half of it. The cores were 88 %
+busy (median) while it ran. A second agent-server worker (as docker-compose runs it) changed
+nothing (p99 633 ms): no one process is the bottleneck, the 2 cores are. To meet 250 ms at
+p99.9 with bursts of 6 on 2 cores, a job would have to cost about 80 ms of CPU, everything
+counted: a third of today. That is the work left, by size: the agent server's per-request cost
+(a job's `started`, logs, `finished` and `uploads-done` go through Django and DRF: about 12 ms
+of CPU each, a tenth of it the token's lookup), the machines' per-job processes (the network's
+helper is still a Python start, about 32 ms of CPU with pasta's), then the submit's ORM.
+
+**What this session cut** (each run alone, same part): the first run of this measure read p50
+228 ms, p99 901 ms, p99.9 1,049 ms. Three changes, measured one after another: the next job's
+network is made while the job before runs (it was made after that job's end, just when a burst's
+next job came, and every burst job waited for it: the launch stage's p50 fell from 81 to about
+45 ms); its helper imports only what it uses (61 -> 32 ms of CPU per network); and a job's end
+no longer sends two scheduling passes to the worker and runs its grant's scheduling in the
+report's request when nothing of the grant waits (the worker's CPU per job 27 -> 19 ms). p50
+fell to 137-150 ms and p99 to 565-650 ms across four runs; p99.9 stays between 670 and 780 ms.
+
+**Before 2026-12-04** this part stopped its clock at `started` (submit -> running): p99.9 240 ms
+on 2026-11-29, 346 ms on 2026-12-04 (before the launch overlapped the report), when a job's
+command still ran after the report and outside the figure. The fix of 2026-11-29 still holds:
+Celery's Django fixup closed every database connection around every task, so every scheduling
+pass, claim and wake-up task opened a new PostgreSQL connection (a backend forked, a SCRAM
+exchange); workers now keep their connection between tasks (`CELERY_DB_REUSE_MAX`;
+tests/core/test_worker_connections.py). The 12.7 s warm start of issue 36 was most likely the
+reconciler fault fixed on 2026-11-27 (tests/machines/test_lifecycle.py reproduces it)."""
 
 
 CI_LIMITS = """\
