@@ -43,6 +43,8 @@ def schedule_after_commit() -> None:
 
 
 def _schedule_once() -> None:
+    if broker.broker_down():  # failed moments ago: no call to wait on now (the reaper re-drives)
+        return
     try:
         mine = bool(redis_client().set(SCHEDULE_PENDING_KEY, "1", nx=True, ex=SCHEDULE_PENDING_SECONDS))
     except redis.RedisError:

@@ -45,7 +45,9 @@ def schedule(*, limit: int = 500) -> ScheduleReport:
     return report
 
 
-def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int | None:
+def schedule_grant_now(
+    *, org_id: OrgId, machine_type_id: MachineTypeId, if_waiting: bool = False
+) -> int | None:
     """Admit and place the queued jobs of one grant now, in queue order, if nobody else is
     doing it: a grant another transaction holds (a scheduling pass, a refill, another submit)
     is left to the pass already enqueued instead of waited for, and so is any failure (the job
@@ -53,8 +55,12 @@ def schedule_grant_now(*, org_id: OrgId, machine_type_id: MachineTypeId) -> int 
     or None when it did not run (the grant held, or a failure).
     One transaction for both steps (the grant locked once, one commit; a savepoint of the
     caller's when called inside one): a job admitted here is on its machine when anyone else
-    sees it admitted, and a failure leaves it queued."""
+    sees it admitted, and a failure leaves it queued. ``if_waiting``: only when a job of the grant
+    is queued or waits for a machine (one indexed statement, where this is a lock, admission and
+    placement); after a commit, where nothing of a failure may reach the caller."""
     try:
+        if if_waiting and not _grant_waits(org_id, machine_type_id):
+            return 0
         with transaction.atomic():
             locked = grant_lock(org_id=org_id, machine_type_id=machine_type_id, nowait=True, with_type=True)
             if locked is None:  # no longer granted: the pass says so on the jobs
@@ -85,15 +91,14 @@ def schedule_grant_after_commit(*, org_id: OrgId, machine_type_id: MachineTypeId
     does it otherwise). A job whose commit this does not see yet is the enqueued pass's: every
     caller enqueues one too (:func:`schedule_for_machine`, a job's end)."""
     if settings.CATACLOUD_SCHEDULE_ON_SUBMIT:
-        transaction.on_commit(lambda: _schedule_grant_if_waiting(org_id, machine_type_id))
+        transaction.on_commit(
+            lambda: schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id, if_waiting=True)
+        )
 
 
-def _schedule_grant_if_waiting(org_id: OrgId, machine_type_id: MachineTypeId) -> None:
-    """Only when a job of the grant waits for admission or for a machine: one indexed statement,
-    where the grant's scheduling is a lock, admission and placement."""
+def _grant_waits(org_id: OrgId, machine_type_id: MachineTypeId) -> bool:
     waiting = (JobStatus.QUEUED, JobStatus.WAITING_FOR_MACHINE)
-    if Job.objects.filter(org_id=org_id, machine_type_id=machine_type_id, status__in=waiting).exists():
-        schedule_grant_now(org_id=org_id, machine_type_id=machine_type_id)
+    return Job.objects.filter(org_id=org_id, machine_type_id=machine_type_id, status__in=waiting).exists()
 
 
 def schedule_for_machine(*, org_id: OrgId, machine_type_id: MachineTypeId) -> None:

@@ -474,7 +474,10 @@ class JobRunning:
         """The job's command runs: its launch is timed, and the next job's network is made
         meanwhile (ready when this job ends: a job that comes at once does not wait for it)."""
         run.launched(network)
-        self.prepare_next()
+        try:
+            self.prepare_next()
+        except Exception:  # the job runs on; its successor's network is made at its start instead
+            log.exception("could not start making the next job's network")
 
     def _restore(self, run: Attempt, checkpointer: Checkpointer) -> bool:
         """The job's last checkpoint into its folder, once its start is confirmed (False: not)."""

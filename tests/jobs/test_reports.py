@@ -125,3 +125,32 @@ def test_a_burst_of_job_ends_sends_one_scheduling_pass_until_one_starts(
     job_finished(instance=on[jobs[3].pk], job_id=jobs[3].pk, outcome="succeeded", exit_code=0)
     assert sent == [(SCHEDULE_TASK,)] * 2, "a job end after the pass started sends another"
     assert {m.status for m in MachineInstance.objects.filter(pk__in=[m.pk for m in machines])} == {S.READY}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failure_after_a_job_ends_commit_neither_fails_the_report_nor_stops_its_pass(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What runs after a job's end commits (its grant's scheduling, its pass) never fails the
+    agent's report, which is committed already: a database error there is logged, and the
+    scheduling pass is still sent."""
+    from django.db import DatabaseError
+
+    from apps.jobs.dispatch import SCHEDULE_TASK
+
+    mt, _ = setup_type(tworld)
+    machine = idle_machine(tworld.org, mt)
+    job = job_submit(org=tworld.org, config=job_config(tworld.org, mt, reuse="reuse"))
+    schedule()
+    job_started(instance=machine, job_id=job.pk)
+    sent: list[tuple] = []
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: sent.append(a) or True)
+
+    def down(*args: object) -> bool:
+        raise DatabaseError("the connection went away")
+
+    monkeypatch.setattr("apps.jobs.scheduler._grant_waits", down)
+    job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
+    refresh(job, machine)
+    assert (job.status, machine.status) == (J.SUCCEEDED, S.READY)
+    assert sent == [(SCHEDULE_TASK,)]
