@@ -21,6 +21,7 @@ types alike but for ``containers`` (both allowing the registry's port), each a w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -84,6 +85,21 @@ def _machine_of(job_id: Any) -> str:
     from apps.jobs.models import Job
 
     return str(Job.objects.get(pk=job_id).instance_id)
+
+
+def _retire_idle_but(t: Any, keep: str) -> None:
+    """Terminate the type's idle machines kept for reuse, all but ``keep``."""
+    from apps.core.errors import InvalidTransition
+    from apps.machines.choices import InstanceStatus
+    from apps.machines.lifecycle import instance_terminate
+    from apps.machines.models import MachineInstance
+
+    idle = MachineInstance.objects.filter(
+        org=t.org, machine_type=t.machine_type, pool=None, status=InstanceStatus.READY
+    ).exclude(pk=keep)
+    for pk in idle.values_list("pk", flat=True):
+        with contextlib.suppress(InvalidTransition):  # claimed meanwhile
+            instance_terminate(instance_id=pk, actor="bench", reason="not the image's holder", only_idle=True)
 
 
 def _pool(t: Any, name: str) -> Any:
@@ -182,11 +198,14 @@ def _pull_sources(
             _, _, job_id = _run(t, inside, "inside")
             holder = _machine_of(job_id)
         for i in range(jobs):
-            # A seeded pull counts only on the machine holding the image: the job may be placed on
-            # another idle machine of the type (the pool's new member, or one an earlier pull
-            # left for reuse); that run pulled directly and is not counted (at most 5 tries).
+            # A seeded pull counts only on the machine holding the image. Placement prefers an idle
+            # machine that last ran the same configuration (an earlier direct or mirror pull's),
+            # so those are retired first; the pool's member is taken only when no idle machine
+            # is left. A run elsewhere all the same pulled directly and is not counted.
             for _ in range(5):
                 wait_quiet(pool.pk, 1, timeout=180)
+                if holder is not None:
+                    _retire_idle_but(t, holder)
                 _, text, job_id = _run(t, pull, "PULL ")
                 if way != "seeded" or _machine_of(job_id) == holder:
                     break

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.ci.availability import (
@@ -44,6 +45,8 @@ from apps.jobs.submission import job_cancel
 
 log = logging.getLogger(__name__)
 NAME_PREFIX = "catacloud-"
+# How long a runner's deletion claim (``unregister_claimed_at``) keeps others off it.
+UNREGISTER_LEASE = timedelta(minutes=1)
 
 
 def runner_name(instance_id: InstanceId, suffix: str = "") -> str:
@@ -280,11 +283,18 @@ def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
     runner_id = forge.runner_id_of(runner) if runner is not None else None
     if runner is None or not runner_id:
         return Handoff.NOTHING_TO_DO
+    now = timezone.now()
+    claim = forge.runner.objects.filter(pk=runner.pk).filter(
+        Q(unregister_claimed_at__isnull=True) | Q(unregister_claimed_at__lt=now - UNREGISTER_LEASE)
+    )
+    if not claim.update(unregister_claimed_at=now):
+        return Handoff.NOTHING_TO_DO  # another task deletes it, or has
     ops = ops_of(forge)
     try:
         deleted = ops.delete(ops.client(forge.endpoint_of(runner)), runner, runner_id)
     except ForgeError as exc:  # the reconciler deletes it once its job has ended
         log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
+        claim.model.objects.filter(pk=runner.pk, unregister_claimed_at=now).update(unregister_claimed_at=None)
         return forge.unavailable_outcome
     if deleted:
         with transaction.atomic():

@@ -132,6 +132,10 @@ class RunnerFields(models.Model):
     online_at = models.DateTimeField(null=True, blank=True)
     # No longer needed (demand fell): being deleted at the forge, then its job cancelled.
     retire_requested_at = models.DateTimeField(null=True, blank=True)
+    # Its deletion at the forge once it took its job, claimed by one task at a time (the job's
+    # end and a reconcile's listing both ask for it): no second DELETE while one is in flight
+    # or done; a claim older than a minute is a crashed task's, taken over.
+    unregister_claimed_at = models.DateTimeField(null=True, blank=True)
     # Held in the queue by a limit (a registration's pacing, a runner cap) until then: the
     # reaper releases it.
     held_until = models.DateTimeField(null=True, blank=True)

@@ -7,6 +7,7 @@ other runners and jobs our runners take that were not theirs."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -128,7 +129,8 @@ def test_a_job_costs_three_gitlab_calls_and_leaves_no_runner_behind(gl: GitLabWo
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"  # the task the success sent
     assert gl.fake.runners == {} and gl.fake.api_calls() == 3
     assert Event.objects.filter(kind="gitlab.runner_deleted", job_id=job.pk).exists()
-    assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"  # again: already gone
+    assert runner_unregister(forge=GITLAB, job_id=job.pk) == "nothing to do"  # again: no second call
+    assert gl.fake.api_calls() == 3
     assert Event.objects.filter(kind="gitlab.runner_deleted", job_id=job.pk).count() == 1
 
 
@@ -210,6 +212,60 @@ def test_a_runner_is_deleted_once_however_many_reports_name_it(
     assert deletions == [(str(runner.pk),)]
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"
     assert gl.fake.count("DELETE", "/runners/") == 1 and runner.gitlab_runner_id not in gl.fake.runners
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete(gl: GitLabWorld) -> None:
+    """The job's end (its task) and a reconcile that still lists the bound runner both delete it;
+    while one asks GitLab (slow here), the other makes no call of its own (it had cost an extra
+    DELETE, answered 404, in the four-job end-to-end test)."""
+    from django.db import connection
+
+    ready_agent(gl)
+    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    job = queue(gl, first)
+    schedule()
+    assert handoff(job) == "handed off"
+    runner = GitLabRunner.objects.get(job=job)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    gl.fake.latency = 0.3
+    start = threading.Barrier(2)
+    outcomes: list[str] = []
+
+    def unregister() -> None:
+        try:
+            start.wait(10)
+            outcomes.append(runner_unregister(forge=GITLAB, job_id=job.pk))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=unregister) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(outcomes) == ["nothing to do", "unregistered"]
+    assert gl.fake.count("DELETE", "/runners/") == 1 and runner.gitlab_runner_id not in gl.fake.runners
+
+
+def test_a_failed_deletion_is_tried_again_by_the_next_caller(gl: GitLabWorld) -> None:
+    """GitLab down when the job ended: the claim is let go, so the reconciler's call deletes it."""
+    ready_agent(gl)
+    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    job = queue(gl, first)
+    schedule()
+    assert handoff(job) == "handed off"
+    runner = GitLabRunner.objects.get(job=job)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    gl.fake.error_rate = 1.0
+    assert runner_unregister(forge=GITLAB, job_id=job.pk) == "gitlab unavailable"
+    assert runner.gitlab_runner_id in gl.fake.runners
+    gl.fake.error_rate = 0.0  # back, and its pause over: the reconciler's call
+    GitLabConnection.objects.update(unavailable_until=timezone.now() - timedelta(seconds=1))
+    assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"
+    assert runner.gitlab_runner_id not in gl.fake.runners
 
 
 def test_gitlab_down_keeps_jobs_queued_and_buys_no_machine(gl: GitLabWorld) -> None:
