@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 PYTEST_ARGS ?=
+# The test files run on this many pytest processes (pytest-xdist), each with its own database
+# and Redis database; 0 runs them in this one.
+TEST_WORKERS ?= 2
 
 .PHONY: dev test lint format docs bench chaos services-up services-down clean
 
@@ -37,7 +40,7 @@ dev: $(STAMP)
 
 ## Run the test suite against real PostgreSQL and Redis (embedded unless DATABASE_URL/REDIS_URL are set).
 test: $(TEST_STAMP)
-	$(PY) -m catacloud.cli services run -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m catacloud.cli services run -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## ruff lint and format check; import-linter checks the layers and mypy the types (pyproject.toml).
 ## mypy's Django plugin reads the settings: development defaults, no database is opened.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 import pytest
 
@@ -43,14 +44,30 @@ def _stop_own_resource_tracker() -> None:
         tracker._stop()  # closes its pipe, waits for it: what pytest's exit does
 
 
+@pytest.hookimpl(trylast=True)  # under pytest-xdist: once the workers are down
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _stop_own_resource_tracker()
     factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's tmp_path plugin
     folders = [factory.getbasetemp(), *WATCHED_FOLDERS] if factory is not None else [*WATCHED_FOLDERS]
     left = leftovers_after(os.environ[SESSION_ENV], folders, session.config.stash[STARTED])
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its controller reports them
+        workeroutput["leftovers"] = left
+        return
+    left = session.config.stash.get(LEFTOVERS, []) + left
     session.config.stash[LEFTOVERS] = left
     if left and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """A pytest-xdist worker is done: what its tests left (each worker checks its own
+    processes, which carry its own session mark)."""
+    left = getattr(node, "workeroutput", {}).get("leftovers", [])
+    node.config.stash[LEFTOVERS] = node.config.stash.get(LEFTOVERS, []) + [
+        f"[{node.gateway.id}] {x}" for x in left
+    ]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

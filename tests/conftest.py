@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from testkit.leftovers import pytest_configure, pytest_sessionfinish, pytest_terminal_summary  # noqa: F401
+from testkit.leftovers import (  # noqa: F401
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    pytest_testnodedown,
+)
 
 # Django-free test folders (tests/agent, tests/providers) can run with `-p no:django`:
 # nothing Django is imported until a fixture needs it.

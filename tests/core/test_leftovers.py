@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from testkit.processes import ROOT
 
@@ -31,12 +32,16 @@ def test_that_cleans_up():
 """
 
 
-def test_a_run_whose_test_leaves_a_process_running_fails_and_names_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist-workers"])
+def test_a_run_whose_test_leaves_a_process_running_fails_and_names_it(
+    tmp_path: Path, workers: list[str]
+) -> None:
+    """Also under pytest-xdist (as `make test` runs): each worker's leftovers reach the run's end."""
     (tmp_path / "test_leaky.py").write_text(LEAKY)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "testkit.leftovers", "-p", "no:django"]
-        + ["-p", "no:cacheprovider", f"--basetemp={tmp_path / 'run'}", "test_leaky.py"],
+        + ["-p", "no:cacheprovider", f"--basetemp={tmp_path / 'run'}", *workers, "test_leaky.py"],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True,
