@@ -1837,6 +1837,10 @@ def main(argv: list[str] | None = None) -> int:
         "--workload-timeout", type=float, default=None, help="end the workload phase after this"
     )
     parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds to wait for convergence")
+    parser.add_argument("--beat-stopped", type=float, default=60.0, help="seconds beat stays dead")
+    parser.add_argument(
+        "--redis-gone", type=float, default=60.0, help="seconds Redis stays dead (redis_gone_minute)"
+    )
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md and docs/bench/ go")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite BENCHMARKS.md")
     parser.add_argument("--logs", default=None, help="keep the processes' logs (at INFO) in this folder")
@@ -1862,6 +1866,8 @@ def main(argv: list[str] | None = None) -> int:
             fault_interval=args.fault_interval,
             workload_timeout=args.workload_timeout,
             settle_timeout=args.settle_timeout,
+            beat_stopped=args.beat_stopped,
+            redis_gone=args.redis_gone,
             logs=args.logs,
             out=out,
         )
