@@ -214,13 +214,8 @@ def test_a_runner_is_deleted_once_however_many_reports_name_it(
     assert gl.fake.count("DELETE", "/runners/") == 1 and runner.gitlab_runner_id not in gl.fake.runners
 
 
-@pytest.mark.django_db(transaction=True)
-def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete(gl: GitLabWorld) -> None:
-    """The job's end (its task) and a reconcile that still lists the bound runner both delete it;
-    while one asks GitLab (slow here), the other makes no call of its own (it had cost an extra
-    DELETE, answered 404, in the four-job end-to-end test)."""
-    from django.db import connection
-
+def _runner_that_took_its_job(gl: GitLabWorld) -> tuple[Job, GitLabRunner]:
+    """A runner job handed off, its runner reported running its CI job (to be deleted now)."""
     ready_agent(gl)
     first = gl.fake.queue_job("acme/app", TAGS, ["true"])
     job = queue(gl, first)
@@ -229,6 +224,17 @@ def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete
     runner = GitLabRunner.objects.get(job=job)
     ours = {"id": runner.gitlab_runner_id, "description": runner.name}
     assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    return job, runner
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete(gl: GitLabWorld) -> None:
+    """The job's end (its task) and a reconcile that still lists the bound runner both delete it;
+    while one asks GitLab (slow here), the other makes no call of its own (it had cost an extra
+    DELETE, answered 404, in the four-job end-to-end test)."""
+    from django.db import connection
+
+    job, runner = _runner_that_took_its_job(gl)
     gl.fake.latency = 0.3
     start = threading.Barrier(2)
     outcomes: list[str] = []
@@ -251,14 +257,7 @@ def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete
 
 def test_a_failed_deletion_is_tried_again_by_the_next_caller(gl: GitLabWorld) -> None:
     """GitLab down when the job ended: the claim is let go, so the reconciler's call deletes it."""
-    ready_agent(gl)
-    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
-    job = queue(gl, first)
-    schedule()
-    assert handoff(job) == "handed off"
-    runner = GitLabRunner.objects.get(job=job)
-    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
-    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    job, runner = _runner_that_took_its_job(gl)
     gl.fake.error_rate = 1.0
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "gitlab unavailable"
     assert runner.gitlab_runner_id in gl.fake.runners
