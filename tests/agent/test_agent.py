@@ -359,23 +359,41 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as a job uid")
 def test_a_sandbox_held_at_its_gate_never_runs_when_its_launcher_dies(work_dir: Path) -> None:
     """Straight at the launcher: with bubblewrap's own ``--block-fd`` as the gate, 19 and 20 of
-    20 such launches ran the command."""
+    20 such launches ran the command.
+
+    A launcher killed while bubblewrap starts may leave bubblewrap's inner process waiting for
+    the outer one forever, its command never run (bubblewrap's ``--die-with-parent`` race,
+    containers/bubblewrap#633; seen under load). Each launcher runs in a process group of its
+    own, as the agent runs under its supervisor, and the group is ended once nothing could run
+    any more (the wait here was once for its output pipes, which such a survivor held)."""
     uid = DEFAULT_JOB_UIDS.start + 4243
+    groups: list[int] = []
 
     def dies(name: str, how: str) -> Path:
         folder = work_dir / name
         folder.mkdir(parents=True)
         os.chown(folder, uid, uid)
-        died = subprocess.run(
-            [sys.executable, "-c", _DIES_HOLDING, str(folder), str(uid), how], capture_output=True
-        )
-        assert died.returncode == -signal.SIGKILL, died.stderr.decode()
+        errors = folder.parent / f"{name}.err"
+        with errors.open("wb") as err:
+            died = subprocess.Popen(
+                [sys.executable, "-c", _DIES_HOLDING, str(folder), str(uid), how],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
+        groups.append(died.pid)
+        assert died.wait(60) == -signal.SIGKILL, errors.read_text()
         return folder
 
-    assert (dies("opened", "open") / "ran").exists(), "a command let through runs there"
-    held = [dies(f"held-{i}", "held") for i in range(10)]
-    time.sleep(1)  # anything that could still run after its launcher's end has run by now
-    assert [f.name for f in held if (f / "ran").exists()] == []
+    try:
+        assert (dies("opened", "open") / "ran").exists(), "a command let through runs there"
+        held = [dies(f"held-{i}", "held") for i in range(10)]
+        time.sleep(1)  # anything that could still run after its launcher's end has run by now
+        assert [f.name for f in held if (f / "ran").exists()] == []
+    finally:
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 def test_a_held_sandbox_whose_set_up_failed_ends_with_its_error_not_the_agents(tmp_path: Path) -> None:
