@@ -294,7 +294,8 @@ def runner_unregister(*, forge: Forge, job_id: JobId) -> Handoff:
         deleted = ops.delete(ops.client(forge.endpoint_of(runner)), runner, runner_id)
     except ForgeError as exc:  # the reconciler deletes it once its job has ended
         log.info("runner %s not deleted now (%s); the reconciler will", runner_id, exc.detail)
-        claim.model.objects.filter(pk=runner.pk, unregister_claimed_at=now).update(unregister_claimed_at=None)
+        mine = forge.runner.objects.filter(pk=runner.pk, unregister_claimed_at=now)
+        mine.update(unregister_claimed_at=None)
         return forge.unavailable_outcome
     if deleted:
         with transaction.atomic():

@@ -187,6 +187,20 @@ def test_a_runner_that_took_its_job_is_deleted_and_its_token_takes_no_other(gl: 
     assert (record.status, record.runner_name, record.job_id) == ("success", runner.name, job.pk)
 
 
+def _runner_that_took_its_job(gl: GitLabWorld) -> tuple[Job, GitLabRunner, int]:
+    """A runner job handed off, its runner reported running its CI job (to be deleted now); the
+    CI job's id at GitLab."""
+    ready_agent(gl)
+    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
+    job = queue(gl, first)
+    schedule()
+    assert handoff(job) == "handed off"
+    runner = GitLabRunner.objects.get(job=job)
+    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
+    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
+    return job, runner, first
+
+
 def test_a_runner_is_deleted_once_however_many_reports_name_it(
     gl: GitLabWorld, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,33 +212,14 @@ def test_a_runner_is_deleted_once_however_many_reports_name_it(
 
     sent: list[tuple[str, tuple[Any, ...]]] = []
     monkeypatch.setattr(records, "enqueue_on_commit", lambda task, *args: sent.append((str(task), args)))
-    agent, _ = ready_agent(gl)
-    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
-    job = queue(gl, first)
-    schedule()
-    assert handoff(job) == "handed off"
-    runner = GitLabRunner.objects.get(job=job)
+    job, runner, first = _runner_that_took_its_job(gl)
     ours = {"id": runner.gitlab_runner_id, "description": runner.name}
-    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
     assert deliver(job_event(first, "running", runner=ours), key="again").status_code == 200
     assert deliver(job_event(first, "success", runner=ours)).status_code == 200
     deletions = [args for task, args in sent if task == GITLAB.tasks.finished]
     assert deletions == [(str(runner.pk),)]
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "unregistered"
     assert gl.fake.count("DELETE", "/runners/") == 1 and runner.gitlab_runner_id not in gl.fake.runners
-
-
-def _runner_that_took_its_job(gl: GitLabWorld) -> tuple[Job, GitLabRunner]:
-    """A runner job handed off, its runner reported running its CI job (to be deleted now)."""
-    ready_agent(gl)
-    first = gl.fake.queue_job("acme/app", TAGS, ["true"])
-    job = queue(gl, first)
-    schedule()
-    assert handoff(job) == "handed off"
-    runner = GitLabRunner.objects.get(job=job)
-    ours = {"id": runner.gitlab_runner_id, "description": runner.name}
-    assert deliver(job_event(first, "running", runner=ours)).status_code == 200
-    return job, runner
 
 
 @pytest.mark.django_db(transaction=True)
@@ -234,7 +229,7 @@ def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete
     DELETE, answered 404, in the four-job end-to-end test)."""
     from django.db import connection
 
-    job, runner = _runner_that_took_its_job(gl)
+    job, runner, _ = _runner_that_took_its_job(gl)
     gl.fake.latency = 0.3
     start = threading.Barrier(2)
     outcomes: list[str] = []
@@ -257,7 +252,7 @@ def test_the_job_end_and_a_reconcile_deleting_one_runner_at_once_send_one_delete
 
 def test_a_failed_deletion_is_tried_again_by_the_next_caller(gl: GitLabWorld) -> None:
     """GitLab down when the job ended: the claim is let go, so the reconciler's call deletes it."""
-    job, runner = _runner_that_took_its_job(gl)
+    job, runner, _ = _runner_that_took_its_job(gl)
     gl.fake.error_rate = 1.0
     assert runner_unregister(forge=GITLAB, job_id=job.pk) == "gitlab unavailable"
     assert runner.gitlab_runner_id in gl.fake.runners
