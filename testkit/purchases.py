@@ -96,3 +96,18 @@ def needless_purchases(events: Iterable[Any]) -> list[Needless]:
         elif kind == ADOPTED:
             fleet.in_pool[machine] = True
     return found
+
+
+def story(events: Iterable[Any], found: list[Needless], before: int = 40) -> str:
+    """The events written before each needless purchase (kind, machine, job, data), for the
+    failure message: which transaction's view made the purchase look sound."""
+    rows = list(events)
+    lines: list[str] = []
+    for n in found:
+        at = next(i for i, e in enumerate(rows) if e.id == n.event_id)
+        lines.append(f"{n}:")
+        for e in rows[max(0, at - before) : at + 3]:
+            machine, job = str(e.instance_id or "")[:8], str(e.job_id or "")[:8]
+            at_time = e.created_at.strftime("%S.%f")[:-3] if getattr(e, "created_at", None) else ""
+            lines.append(f"  {e.id} {at_time} {e.kind:28} m={machine:8} j={job:8} {e.data or ''}")
+    return "\n".join(lines)

@@ -17,6 +17,21 @@ REFILL_LISTENER = 0x0CA7_0003
 # pg_advisory_xact_lock(POOL_REFILL, hashtext(pool id)): one refill (or drain) of a pool at a time,
 # without holding the pool row (claims update it to signal the next refill).
 POOL_REFILL = 0x0CA7
+# pg_advisory_xact_lock[_shared](MACHINE_RELEASES, hashtext("<org id>:<machine type id>")): a
+# job's end that keeps its machine for the next job takes it shared, a pool's refill alone. The
+# refill then waits for the releases being committed (and counts their machines as idle), and a
+# release that begins during a refill commits after it: a refill never buys a member while a
+# machine it cannot see yet becomes idle (releases take nothing from each other).
+MACHINE_RELEASES = 0x0CA8
+
+
+def machine_releases_lock(*, org_id: object, machine_type_id: object, shared: bool) -> None:
+    """One grant's MACHINE_RELEASES lock until the transaction ends: ``shared`` for a release."""
+    function = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {function}(%s, hashtext(%s))", [MACHINE_RELEASES, f"{org_id}:{machine_type_id}"]
+        )
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from apps.core.actors import Actor
 from apps.core.causes import FREE_REQUEUE_CAUSES, Cause
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound, ValidationFailed
 from apps.core.ids import InstanceId, JobId
+from apps.core.locks import machine_releases_lock
 from apps.events.kinds import EventKind
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
@@ -209,6 +210,11 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
             and _host_takes_work(instance)
         )
         if reuse:
+            # A pool refill of this grant running now finishes first; one that starts now waits
+            # for this commit, and then counts this machine as idle (apps.core.locks).
+            machine_releases_lock(
+                org_id=instance.org_id, machine_type_id=instance.machine_type_id, shared=True
+            )
             if instance.pool_id:
                 request_refill(instance.pool_id)  # a member left its pool: the pool may take it back
             INSTANCE_STATES.move(

@@ -19,7 +19,7 @@ from apps.core.actors import Actor
 from apps.core.causes import Cause
 from apps.core.errors import ErrorCode, InvalidTransition, NotFound, PoolEmpty, ValidationFailed
 from apps.core.ids import JobConfigId, JobId, OrgId, PoolId
-from apps.core.locks import POOL_REFILL
+from apps.core.locks import POOL_REFILL, machine_releases_lock
 from apps.core.transitions import StateMachine
 from apps.events.kinds import EventKind
 from apps.events.services import event_record, events_record
@@ -345,6 +345,9 @@ def pool_refill(*, pool_id: PoolId, actor: Actor = Actor.REFILL) -> int:
         # advisory lock, not the pool row, which claims update to signal refills).
         grant = grant_lock(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"])
         _refill_lock(pool_id)
+        # The grant's releases being committed finish first: a machine a job's end keeps for
+        # the next job is counted idle below (and taken in), never bought again beside it.
+        machine_releases_lock(org_id=keys["org_id"], machine_type_id=keys["machine_type_id"], shared=False)
         # Read after the lock: a drain (which takes it too) has either not started or committed.
         pool = InstancePool.objects.select_related("machine_type").filter(pk=pool_id).first()
         if pool is None or pool.status not in POOL_ACTIVE:

@@ -11,7 +11,7 @@ import pytest
 
 from apps.events.models import Event
 from apps.machines.models import MachineInstance, OrgMachineType
-from testkit.purchases import needless_purchases
+from testkit.purchases import needless_purchases, story
 from tests.e2e.conftest import Stack
 from tests.e2e.test_jobs_and_agent import job, job_config, submit
 
@@ -57,8 +57,9 @@ def scenario(stack: Stack, policy: str) -> tuple[int, int]:
     after_sequence = bought(stack)
     done += run_and_wait(stack, config, BURST)
     assert [j["status"] for j in done] == ["succeeded"] * (SEQUENTIAL + BURST)
-    events = Event.objects.filter(org=stack.world.org).order_by("id")
-    assert needless_purchases(events) == []
+    events = list(Event.objects.filter(org=stack.world.org).order_by("id"))
+    found = needless_purchases(events)
+    assert found == [], story(events, found)
     return after_sequence, bought(stack)
 
 

@@ -251,3 +251,61 @@ def test_the_next_job_on_a_reused_machine_is_charged_its_time_not_idle(tworld: W
     (cost,) = machine_costs([machine], now=timezone.now())
     held = {p.ref: p.seconds for p in cost.attribution.parts if p.kind == "job"}
     assert held.get(str(second.pk), 0) >= 0.5
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)
+def test_a_pool_refilled_while_a_job_releases_its_machine_takes_that_machine_instead_of_buying(
+    tworld: World,
+) -> None:
+    from apps.events.models import Event
+    from apps.pools.models import InstancePool
+    from apps.pools.services import pool_create, pool_refill
+    from testkit.purchases import needless_purchases, story
+
+    # Given a pool one member short (target 2, one ready member) and a machine outside it
+    # running a reusable job
+    mt, _ = hourly_type(tworld)
+    pool = pool_create(org=tworld.org, name="warm", machine_type=mt, target_size=1, max_size=2)
+    pool_refill(pool_id=pool.pk)
+    (member,) = MachineInstance.objects.filter(pool=pool).values_list("pk", flat=True)
+    boot(member)
+    outside = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt, "unit", reuse="reuse")
+    job = job_submit(org=tworld.org, config=cfg)
+    schedule()
+    job.refresh_from_db()
+    assert job.instance_id == outside.pk  # an idle machine outside the pool goes first
+    job_started(instance=outside, job_id=job.pk)
+    InstancePool.objects.filter(pk=pool.pk).update(target_size=2)
+    # And the job's end (its machine kept for reuse) being committed by another transaction
+    reported, commit = threading.Event(), threading.Event()
+
+    def report_the_end() -> None:
+        try:
+            with transaction.atomic():
+                job_finished(
+                    instance=outside, job_id=job.pk, outcome="succeeded", exit_code=0, uploads_pending=0
+                )
+                reported.set()
+                commit.wait(10)
+        finally:
+            connection.close()
+
+    reporter = threading.Thread(target=report_the_end)
+    reporter.start()
+    assert reported.wait(10)
+    # When the pool refills at that instant (the job's end commits half a second later)
+    threading.Timer(0.5, commit.set).start()
+    bought = pool_refill(pool_id=pool.pk)
+    reporter.join(10)
+    # Then the refill takes the released machine in instead of buying one more
+    events = list(Event.objects.filter(org=tworld.org).order_by("id"))
+    found = needless_purchases(events)
+    assert found == [], story(events, found)
+    assert bought == 0
+    assert MachineInstance.objects.count() == 2
+    assert set(MachineInstance.objects.filter(pool=pool, status=S.READY).values_list("pk", flat=True)) == {
+        member,
+        outside.pk,
+    }
