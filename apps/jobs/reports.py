@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from apps.core import hooks, tracing
 from apps.core.actors import Actor
@@ -18,13 +18,14 @@ from apps.core.errors import Conflict, ErrorCode, InvalidTransition, NotFound, V
 from apps.core.ids import InstanceId, JobId
 from apps.core.locks import machine_releases_lock
 from apps.events.kinds import EventKind
+from apps.events.models import Event
 from apps.events.services import event_record
 from apps.jobs.choices import JOB_TERMINAL, JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit
 from apps.jobs.models import Job, JobLogChunk
 from apps.jobs.scheduler import schedule_grant_after_commit
 from apps.jobs.services import JOB_STATES, cancelled_by, job_claim_label
-from apps.machines.agents import IMAGE_DIGEST, instance_images_set
+from apps.machines.agents import IMAGE_DIGEST, instance_images_set, live_token_sql
 from apps.machines.choices import HostStatus, InstanceStatus
 from apps.machines.lifecycle import instance_terminate
 from apps.machines.models import Host, MachineInstance
@@ -34,27 +35,76 @@ from apps.resources.choices import ResourceStatus
 from apps.resources.lifecycle import release_for_job
 from catacloud.protocol import ImagesReport, Outcome
 
+# A job's start in one statement (the agent's ``started`` report, on the path to the job's first
+# instruction): the machine named by its agent token (or its id), the job moved assigned ->
+# running if it is assigned to that machine (JOB_STATES' graph, stamps and event kind), its
+# event inserted, one commit. Answers (machine id or NULL, whether the job moved, traceparent).
+_MOVE = JOB_STATES.statement_move(
+    to=JobStatus.RUNNING, from_=[JobStatus.ASSIGNED], now_sql="clock_timestamp()", alias="j"
+)
+_EVENT_COLUMNS = ", ".join(
+    str(Event._meta.get_field(name).column)  # type: ignore[union-attr]  # concrete fields, read at import
+    for name in ("org", "kind", "created_at", "actor", "reason", "pool_id", "instance_id", "job_id", "data")
+)
 
-def job_started(*, instance: MachineInstance, job_id: JobId, agent_ms: float | None = None) -> Job:
+
+def _start_sql(machine: str) -> str:
+    return f"""
+WITH m AS (SELECT i.id FROM {MachineInstance._meta.db_table} AS i WHERE {machine}),
+moved AS (
+    UPDATE {Job._meta.db_table} AS j SET {_MOVE.set_sql} FROM m
+    WHERE j.id = %(job)s AND j.instance_id = m.id AND {_MOVE.where_sql}
+    RETURNING j.id, j.org_id, j.instance_id, j.traceparent
+),
+event AS (
+    INSERT INTO {Event._meta.db_table} ({_EVENT_COLUMNS})
+    SELECT org_id, %(kind)s, clock_timestamp(), 'agent:' || instance_id::text, '', NULL, instance_id, id,
+        jsonb_strip_nulls(jsonb_build_object('status', %(status)s::text, 'agent_ms', %(agent_ms)s::float8))
+    FROM moved
+)
+SELECT (SELECT id FROM m), EXISTS (SELECT 1 FROM moved), (SELECT traceparent FROM moved)
+"""
+
+
+_START_BY_ID = _start_sql("i.id = %(machine)s")
+# The agent server's hot route: the machine a live agent token names (as its heartbeat finds it).
+_START_BY_TOKEN = _start_sql(f"i.agent_token_hash = %(machine)s AND {live_token_sql('i')}")
+
+
+def _start(sql: str, machine: Any, job_id: Any, agent_ms: float | None) -> tuple[bool, bool]:
+    """(the machine was found, the job moved to running)."""
+    params: dict[str, Any] = {
+        "machine": machine,
+        "job": job_id,
+        "kind": str(_MOVE.kind),
+        "status": str(JobStatus.RUNNING),
+        "agent_ms": agent_ms,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        found, moved, traceparent = cursor.fetchone()
+    if moved and agent_ms is not None:
+        now = time.time()
+        tracing.record("agent start", traceparent=traceparent, start=now - agent_ms / 1000, end=now)
+    return found is not None, moved
+
+
+NOT_ASSIGNED = "this job is not (or no longer) assigned to this machine"
+
+
+def job_started(*, instance: MachineInstance, job_id: JobId, agent_ms: float | None = None) -> None:
     """The agent starts the command. The job must still be assigned to this very machine: a
     job is never run by two machines at once, even when a lost agent comes back. ``agent_ms``:
     what the agent spent between its poll's answer and this report (kept with the event)."""
-    job = JOB_STATES.try_move(
-        job_id,
-        to=JobStatus.RUNNING,
-        from_=[JobStatus.ASSIGNED],
-        actor=Actor.agent(instance.pk),
-        where={"instance": instance},
-        event_data={"agent_ms": agent_ms} if agent_ms is not None else None,
-    )
-    if job is None:
-        raise Conflict(
-            "this job is not (or no longer) assigned to this machine", code=ErrorCode.NOT_ASSIGNED
-        ) from None
-    if agent_ms is not None:
-        now = time.time()
-        tracing.record("agent start", traceparent=job.traceparent, start=now - agent_ms / 1000, end=now)
-    return job
+    if not _start(_START_BY_ID, instance.pk, job_id, agent_ms)[1]:
+        raise Conflict(NOT_ASSIGNED, code=ErrorCode.NOT_ASSIGNED)
+
+
+def job_started_by_token(*, token_hash: str, job_id: JobId, agent_ms: float | None) -> bool | None:
+    """:func:`job_started` for the agent whose token hashes to ``token_hash`` (the agent server's
+    hot route): None when no live machine holds that token, else whether the job started."""
+    found, moved = _start(_START_BY_TOKEN, token_hash, job_id, agent_ms)
+    return moved if found else None
 
 
 def job_logs_append(*, instance: MachineInstance, job_id: JobId, chunks: Iterable[Mapping[str, Any]]) -> bool:

@@ -32,6 +32,15 @@ from catacloud.protocol import HeldImage, ImagesReport, MachineReport
 
 AGENT_TOKEN_PREFIX = "ca"
 IMAGE_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
+
+
+def live_token_sql(alias: str) -> str:
+    """The SQL condition that machine ``alias`` has an agent token and is live (the Agent API's
+    hot statements add ``{alias}.agent_token_hash = <the token's hash>``)."""
+    live = ", ".join(f"'{s}'" for s in sorted(str(x) for x in INSTANCE_LIVE))
+    return f"{alias}.agent_token_hash <> '' AND {alias}.status IN ({live})"
+
+
 # At most this many references of a machine's images are kept for placement.
 MAX_HELD_REFERENCES = 500
 

@@ -1,24 +1,28 @@
-"""The agent server's hot route: ``POST heartbeat`` and ``GET work`` answered straight from the
-ASGI scope (:mod:`apps.control.agent.views`' coroutines), every other request by Django.
+"""The agent server's hot route: ``POST heartbeat``, ``GET work`` and a job's ``POST
+jobs/<id>/started`` answered straight from the ASGI scope (:mod:`apps.control.agent.views`'
+coroutines), every other request by Django.
 
 Django's handler costs more than the heartbeat's statement (a request object, the URL
 resolver, the middleware chain, a response object, a task watching for a disconnect); for the
-two requests every agent makes all day, this route reads the one header and the small body it
-needs and writes the JSON answer itself. The answers are the same as the Django views' (same
-codes, same error bodies); anything else (another method, another path) goes to Django.
+two requests every agent makes all day, and the start a job's first instruction waits for, this
+route reads the one header and the small body it needs and writes the JSON answer itself. The
+answers are the same as the Django views' (same codes, same error bodies); anything else
+(another method, another path) goes to Django.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
-from apps.control.agent.views import Answer, error_answer, heartbeat_answer, work_answer
+from apps.control.agent.views import Answer, error_answer, heartbeat_answer, started_answer, work_answer
 from apps.core.errors import ErrorCode
 from apps.core.middleware import body_limit_detail
 
@@ -121,6 +125,21 @@ async def _work(scope: Scope, receive: Receive, send: Send) -> None:
     await _send(send, answer)
 
 
+async def _started(scope: Scope, receive: Receive, send: Send, job_id: uuid.UUID) -> None:
+    body = await _body(receive)
+    if body is None:
+        await _send(send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY)))
+        return
+    try:
+        answer = await started_answer(_header(scope, b"authorization"), job_id, body)
+    except Exception as exc:
+        answer = _failed(exc)
+    await _send(send, answer)
+
+
+# A job's own hot path: the same UUID shape as the Django route's (apps.control.agent.urls).
+STARTED = re.compile(PREFIX + r"jobs/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/started")
+
 HOT: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
     ("POST", PREFIX + "heartbeat"): _heartbeat,
     ("GET", PREFIX + "work"): _work,
@@ -135,6 +154,10 @@ def hot_route(django: App) -> App:
             handler = HOT.get((scope["method"], scope["path"]))
             if handler is not None:
                 await handler(scope, receive, send)
+                return
+            started = STARTED.fullmatch(scope["path"]) if scope["method"] == "POST" else None
+            if started is not None:
+                await _started(scope, receive, send, uuid.UUID(started.group(1)))
                 return
         await django(scope, receive, send)
 

@@ -1,4 +1,4 @@
-"""The Agent API's DRF endpoints (everything but the hot heartbeat and long poll, which are
+"""The Agent API's DRF endpoints (everything but the hot heartbeat, long poll and job start, which are
 :mod:`apps.control.agent.views`): thin views that read the request, call one service of
 ``machines`` (enrolment) or ``jobs`` (a job's reports, logs, resources, outputs) and answer.
 Every job call is checked against the calling machine by the service: a job that is not (or no
@@ -33,12 +33,11 @@ from apps.jobs.reports import (
     job_interrupted,
     job_logs_append,
     job_resource_metadata,
-    job_started,
 )
 from apps.jobs.selectors import image_pull
 from apps.machines.agents import agent_enroll, agent_settings, instance_images_report
 from apps.pools.services import pool_member_enrolled
-from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Started, Stream
+from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Stream
 from catacloud.protocol import VERSION as PROTOCOL_VERSION
 
 # ---- enroll ------------------------------------------------------------------------------------
@@ -119,17 +118,6 @@ class JobImageView(AgentView):
 
 
 # ---- a job's reports ---------------------------------------------------------------------------
-
-
-class StartedView(AgentView):
-    def post(self, request: Request, job_id: JobId) -> Response:
-        # An agent from before protocol's Started sends no body.
-        try:
-            agent_ms = Started.from_json(request.data).agent_ms if request.data else None
-        except ValueError as exc:
-            raise ValidationFailed(str(exc)) from None
-        job_started(instance=self.instance, job_id=job_id, agent_ms=agent_ms)
-        return Response({"ok": True})
 
 
 class ChunkIn(serializers.Serializer):

@@ -9,20 +9,19 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import URLPattern, path, re_path
 
 from apps.control.agent import db, endpoints, hosts
-from apps.control.agent.views import heartbeat, work
+from apps.control.agent.views import heartbeat, started, work
 from apps.machines.agent_dist import agent_wheel_view, install_host_view
 from apps.machines.install_host import SCRIPT_NAME
 
 
 def agent_urls() -> list[URLPattern]:
-    """The hot endpoints (heartbeat, work) are async views; the rest are DRF views, which the
+    """The hot endpoints (heartbeat, work, a job's start) are async views; the rest are DRF views, which the
     agent server runs on its database threads (see :func:`on_db_threads`)."""
     rest = [
         path("enroll", endpoints.EnrollView.as_view(), name="agent-enroll"),
         path("hosts/enroll", hosts.HostEnrollView.as_view(), name="agent-host-enroll"),
         path(f"dist/{SCRIPT_NAME}", install_host_view, name="agent-install-host"),
         path("dist/<str:filename>", agent_wheel_view, name="agent-wheel"),
-        path("jobs/<uuid:job_id>/started", endpoints.StartedView.as_view(), name="agent-job-started"),
         path("jobs/<uuid:job_id>/logs", endpoints.LogsView.as_view(), name="agent-job-logs"),
         path("jobs/<uuid:job_id>/finished", endpoints.FinishedView.as_view(), name="agent-job-finished"),
         path("jobs/<uuid:job_id>/meta/<slug:name>", endpoints.MetaView.as_view(), name="agent-job-meta"),
@@ -51,6 +50,7 @@ def agent_urls() -> list[URLPattern]:
     return [
         path("heartbeat", heartbeat, name="agent-heartbeat"),
         path("work", work, name="agent-work"),
+        path("jobs/<uuid:job_id>/started", started, name="agent-job-started"),
         path("hosts/exchange", hosts.exchange, name="agent-host-exchange"),
         *rest,
     ]

@@ -1,5 +1,6 @@
-"""The Agent API's two hot endpoints: the heartbeat (one statement) and the long poll for work
-(waits on a Redis wake-up, holding no thread and no database connection).
+"""The Agent API's hot endpoints: the heartbeat (one statement), the long poll for work (waits on a
+Redis wake-up, holding no thread and no database connection) and a job's start (one statement:
+the job's first instruction waits for its answer).
 
 Each is one coroutine that takes what it needs from the request (the ``Authorization`` header,
 the body or the ``wait`` parameter) and returns an :class:`Answer`; two thin adapters serve it:
@@ -31,17 +32,18 @@ from apps.control.agent.auth import AgentRateThrottle
 from apps.core import tracing
 from apps.core.crypto import hash_token
 from apps.core.errors import ErrorCode, error_payload
+from apps.core.ids import JobId
 from apps.core.parsers import loads
 from apps.jobs.choices import JobStatus
 from apps.jobs.dispatch import POLL_KEY, WAKE_KEY
 from apps.jobs.handoff import HANDED_OFF_SQL, handed_off
 from apps.jobs.models import Job
-from apps.jobs.reports import job_image_unrunnable
+from apps.jobs.reports import NOT_ASSIGNED, job_image_unrunnable, job_started_by_token
 from apps.jobs.selectors import job_payload, with_payload_facts
-from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat
-from apps.machines.choices import INSTANCE_LIVE, InstanceStatus
+from apps.machines.agents import AGENT_TOKEN_PREFIX, instance_heartbeat, live_token_sql
+from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
-from catacloud.protocol import HeartbeatAnswer
+from catacloud.protocol import HeartbeatAnswer, Started
 
 
 def _sql_list(values: Iterable[object]) -> str:
@@ -50,7 +52,6 @@ def _sql_list(values: Iterable[object]) -> str:
     return ", ".join(f"'{v}'" for v in sorted(str(x) for x in values))
 
 
-LIVE = _sql_list(INSTANCE_LIVE)
 CANCELLABLE = _sql_list([JobStatus.ASSIGNED, JobStatus.RUNNING])
 
 
@@ -112,7 +113,7 @@ def _gone() -> Answer:
 # What the hot statements share: an agent token that names a live machine; a machine's jobs to
 # kill; a job assigned to a machine and handed to it (apps.jobs.handoff: an integration's job is
 # given only once handed off).
-_LIVE_TOKEN = f"m.agent_token_hash <> '' AND m.status IN ({LIVE})"
+_LIVE_TOKEN = live_token_sql("m")
 _TO_CANCEL = f"""ARRAY(
     SELECT j.id FROM {Job._meta.db_table} AS j
     WHERE j.instance_id = m.id AND j.cancel_requested AND j.status IN ({CANCELLABLE}) ORDER BY j.id
@@ -322,6 +323,36 @@ async def work_answer(authorization: str, wait_param: str | None) -> Answer:
             look = newer is None  # woken by an assignment, a reconnect or the timeout: look again
 
 
+# ---- a job's start -----------------------------------------------------------------------------
+
+
+async def started_answer(authorization: str, job_id: JobId, body: bytes) -> Answer:
+    """``POST jobs/<id>/started`` → ``{ok: true}``: the job, assigned to this machine, runs (one
+    statement on a database thread: :func:`apps.jobs.reports.job_started_by_token`); 409
+    ``not_assigned`` when it is not (or no longer) this machine's. The agent's command waits at
+    its sandbox's gate for this answer, so it is on the path to the job's first instruction."""
+    digest = _token_hash(authorization)
+    if isinstance(digest, Answer):
+        return digest
+    agent_ms = None
+    if body:
+        try:
+            parsed = loads(body)
+        except ValueError:
+            return error_answer(400, ErrorCode.PARSE_ERROR, "the request body is not valid JSON")
+        if parsed:  # an agent from before protocol's Started sends no body
+            try:
+                agent_ms = Started.from_json(parsed).agent_ms
+            except ValueError as exc:
+                return error_answer(400, ErrorCode.INVALID, str(exc))
+    moved = await db.run(job_started_by_token, token_hash=digest, job_id=job_id, agent_ms=agent_ms)
+    if moved is None:
+        return _gone()
+    if not moved:
+        return error_answer(409, ErrorCode.NOT_ASSIGNED, NOT_ASSIGNED)
+    return Answer(200, {"ok": True})
+
+
 # ---- the Django adapters (the WSGI web, the test client) ---------------------------------------
 
 
@@ -348,3 +379,10 @@ async def work(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return _response(method_not_allowed(str(request.method), "GET"))
     return _response(await work_answer(request.headers.get("Authorization", ""), request.GET.get("wait")))
+
+
+@csrf_exempt
+async def started(request: HttpRequest, job_id: JobId) -> HttpResponse:
+    if request.method != "POST":
+        return _response(method_not_allowed(str(request.method), "POST"))
+    return _response(await started_answer(request.headers.get("Authorization", ""), job_id, request.body))

@@ -12,7 +12,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from apps.core.crypto import hash_token, new_token
@@ -173,3 +175,60 @@ def test_a_stop_cuts_waiting_polls_instead_of_timing_out_on_them(tworld: World, 
         for thread in polls:
             thread.join(10)
             assert not thread.is_alive(), "a poll still waits on a stopped server"
+
+
+def started(job_id: object) -> str:
+    return f"/api/agent/v1/jobs/{job_id}/started"
+
+
+def test_a_jobs_start_is_answered_and_recorded_as_the_django_view_does(
+    tworld: World, agent_server: str
+) -> None:
+    from apps.events.models import Event
+    from apps.jobs.models import Job
+
+    machine, token = agent(tworld)
+    other, _ = agent(tworld, provider_id="p-2")
+    config = job_config(tworld.org, tworld.machine_type, "c", "echo hi")
+    auth = {"Authorization": f"Agent {token}"}
+    # Refusals: the same status and body from both servers, and the job left as it was
+    theirs = job_row(config, status="assigned", instance=other, assigned_at=timezone.now())
+    mine = job_row(config, status="assigned", instance=machine, assigned_at=timezone.now())
+    cases: list[tuple[object, bytes, dict[str, str], int]] = [
+        (theirs.pk, b"{}", auth, 409),  # another machine's job
+        ("00000000-0000-4000-8000-000000000000", b"{}", auth, 409),  # no such job
+        (mine.pk, b"{}", {"Authorization": f"Agent {new_token('ca')}"}, 401),  # nobody's token
+        (mine.pk, b"{}", {}, 401),
+        (mine.pk, b"{not json", auth, 400),
+        (mine.pk, b"[1]", auth, 400),
+        (mine.pk, b'{"agent_ms": "soon"}', auth, 400),
+    ]
+    for job_id, body, headers, expected in cases:
+        status, answer, _ = call(agent_server, "POST", started(job_id), body, **headers)
+        assert (status, answer) == django("POST", started(job_id), body, **headers)[:2], (job_id, body)
+        assert status == expected and answer["code"] and answer["detail"], (job_id, body, answer)
+    assert Job.objects.filter(status="running").count() == 0
+    # The start: the job runs, stamped, with the event the state machine records
+    status, answer, _ = call(agent_server, "POST", started(mine.pk), b'{"agent_ms": 2.5}', **auth)
+    assert (status, answer) == (200, {"ok": True})
+    mine.refresh_from_db()
+    assert mine.status == "running" and mine.started_at is not None
+    assert mine.status_changed_at == mine.started_at
+    event = Event.objects.get(job_id=mine.pk, kind="job.started")
+    assert (event.org_id, event.instance_id, event.actor) == (
+        tworld.org.pk,
+        machine.pk,
+        f"agent:{machine.pk}",
+    )
+    assert event.data == {"status": "running", "agent_ms": 2.5}
+    # A repeated report (a retry after a lost answer) is refused and records nothing more
+    assert call(agent_server, "POST", started(mine.pk), b"", **auth)[0] == 409
+    assert Event.objects.filter(job_id=mine.pk, kind="job.started").count() == 1
+    # Through the Django view: an agent from before protocol's Started (no body)
+    later = job_row(config, status="assigned", instance=machine, assigned_at=timezone.now())
+    with CaptureQueriesContext(connection) as statements:
+        assert django("POST", started(later.pk), b"", **auth)[:2] == (200, {"ok": True})
+    assert len(statements) == 1, [q["sql"] for q in statements]  # token, job, event: one round trip
+    assert Event.objects.get(job_id=later.pk, kind="job.started").data == {"status": "running"}
+    # A path that is not a job's start goes to Django (404), never to the hot route
+    assert call(agent_server, "POST", "/api/agent/v1/jobs/not-a-uuid/started", b"{}", **auth)[0] == 404
