@@ -504,26 +504,37 @@ internet it saves the download. Measured 2026-12-04 with nothing else running (1
 """
 
 TAIL = """\
-**Not met: p99.9 762.5 ms (target 250), max 874 ms (target 1 s, met), 2026-12-04 13:40.** Since
-that day this part measures what the issue names, submit -> the job's first instruction (the
-job's first act prints the time), split in five stages (admission, placement, delivery, the
-agent's start, the launch), with submit -> running beside it. p50 150.5 ms, p99 631.4 ms; 401
-jobs above 250 ms, nearly all in bursts: the trickles' p50 is 80 ms and their p99 208 ms, the
-bursts' p50 358 ms. Nothing else ran: the load was 1.7 as it began and 5.9 (median) during its own stack.
+**Not met: p99.9 443-480 ms (target 250), max under 1 s (met), 2026-12-04 20:29-20:42.** This
+part measures what the issue names, submit -> the job's first instruction (the job's first act
+prints the time), split in five stages (admission, placement, delivery, the agent's start, the
+launch), with submit -> running beside it. Five runs that evening, alternating the code before
+and after the one-statement `started` report (nothing else running; load 3.7-6.9 during each,
+its own stack; the table is the last): p99.9 443.4, 479.6 and 453.8 ms after, 537.4 and 442.4
+ms before; p50 80.4 / 92.5 / 85.1 after, 104.1 / 86.8 before; the agent-start stage p50 10.3 /
+11.6 / 10.6 ms after, 16.3 / 14.3 before; CPU per job 156.6 / 168.5 / 163.0 ms after, 191.9 /
+161.8 before (the agent server's share 34 / 38 / 36 ms after, 47 / 39 before). The start is
+shorter; the tail is within the spread between runs. The same part read p99.9 762.5 ms and 258.8
+ms of CPU per job at 13:40 the same day, on the code before: every process's share was about 1.6
+times this evening's (the API's 26 ms against 15-18), so the host itself was slower then; runs
+are compared only with runs beside them.
 
-**Why: a burst is as late as the CPU it needs.** The part now counts every process's CPU on the
-machine over its 1,000 jobs (`/proc/stat`, and each program's own time): **258.8 ms of CPU per
-job**, of which the machines (agents, sandboxes, shells, pastas and their helpers) about 112,
-the agent server 66, PostgreSQL 28, the API 26, the Celery worker 19, the bench itself 7. A
-burst of 6 jobs is 6 x 259 = 1.55 s of CPU on 2 cores, about 776 ms of wall time: the burst's
-slowest jobs land there (max 874 ms), and its median near half of it. The cores were 88 %
-busy (median) while it ran. A second agent-server worker (as docker-compose runs it) changed
-nothing (p99 633 ms): no one process is the bottleneck, the 2 cores are. To meet 250 ms at
-p99.9 with bursts of 6 on 2 cores, a job would have to cost about 80 ms of CPU, everything
-counted: a third of today. That is the work left, by size: the agent server's per-request cost
-(a job's `started`, logs, `finished` and `uploads-done` go through Django and DRF: about 12 ms
-of CPU each, a tenth of it the token's lookup), the machines' per-job processes (the network's
-helper is still a Python start, about 32 ms of CPU with pasta's), then the submit's ORM.
+**Why: a burst is as late as the CPU it needs.** The part counts every process's CPU on the
+machine over its 1,000 jobs (`/proc/stat`, and each program's own time). At 13:40: **258.8 ms
+of CPU per job**, of which the machines (agents, sandboxes, shells, pastas and their helpers)
+about 112, the agent server 66, PostgreSQL 28, the API 26, the Celery worker 19, the bench
+itself 7; that evening 157-192 ms with the same proportions. A burst of 6 jobs is 6 x 160 =
+about 1 s of CPU on 2 cores, about 500 ms of wall time: the burst's slowest jobs land there, and
+its median near half of it. A second agent-server worker (as docker-compose runs it) changed
+nothing (p99 633 ms at 13:40): no one process is the bottleneck, the 2 cores are. To meet 250 ms
+at p99.9 with bursts of 6 on 2 cores, a job would have to cost about 80 ms of CPU, everything
+counted: half of today. The agent server's per-request framework is a small part of it: timed in
+one process on the Django test client, a job's `logs` report costs 3.0 ms of CPU through Django
+and DRF against 2.3 ms for its service alone (the token's look-up and the ORM's statements), and
+its four reports 4.7 (`started`, before it became one statement), 4.2 (`logs`), 7.1
+(`finished`, 11 statements) and 8.0 ms (`uploads-done`, 14): the work left is the ORM's
+statements of `finished` and `uploads-done` (savepoints, a read back after each state move), the
+machines' per-job processes (the network's helper is still a Python start, about 32 ms of CPU
+with pasta's), then the submit's ORM.
 
 **What this session cut** (each run alone, same part): the first run of this measure read p50
 228 ms, p99 901 ms, p99.9 1,049 ms. Three changes, measured one after another: the next job's
