@@ -8,6 +8,7 @@ import threading
 import time
 from datetime import timedelta
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from apps.machines.lifecycle import instance_provision
 from apps.machines.models import MachineInstance, MachineType, OrgMachineType
 from apps.machines.retention import idle_machines_retire
 from testkit.builders import fake_machine_type, idle_machine, job_config, job_row
+from testkit.held import Held
 from tests.conftest import World
 
 J = JobStatus
@@ -68,32 +70,12 @@ def claim_idle_for(job: Job, mt: MachineType) -> None:
     )
 
 
-class RowHolder:
+def heartbeat_of(instance_id: Any) -> Held:
     """Another transaction holding one machine's row (an agent's heartbeat, the provider-state
-    refresh, the transaction that just made it ready), on its own connection, until released."""
-
-    def __init__(self, instance_id: Any) -> None:
-        self.instance_id = instance_id
-        self.held, self.release = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self._hold)
-
-    def _hold(self) -> None:
-        try:
-            with transaction.atomic():
-                MachineInstance.objects.filter(pk=self.instance_id).update(last_heartbeat_at=timezone.now())
-                self.held.set()
-                self.release.wait(30)
-        finally:
-            connection.close()
-
-    def __enter__(self) -> RowHolder:
-        self.thread.start()
-        assert self.held.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release.set()
-        self.thread.join(10)
+    refresh, the transaction that just made it ready) until the block ends."""
+    return Held(
+        lambda: MachineInstance.objects.filter(pk=instance_id).update(last_heartbeat_at=timezone.now())
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -114,7 +96,7 @@ def test_five_ephemeral_jobs_released_at_once_buy_exactly_five_machines(tworld: 
     # (its agent's heartbeat) at the instant the next scheduling pass runs
     for pk in machines[:3]:
         boot(pk)
-    with RowHolder(machines[2]):
+    with heartbeat_of(machines[2]):
         report = schedule()
         # Then the pass places two jobs and buys nothing: the held machine is paid and ready
         assert report.assigned == 2
@@ -279,26 +261,13 @@ def test_a_pool_refilled_while_a_job_releases_its_machine_takes_that_machine_ins
     job_started(instance=outside, job_id=job.pk)
     InstancePool.objects.filter(pk=pool.pk).update(target_size=2)
     # And the job's end (its machine kept for reuse) being committed by another transaction
-    reported, commit = threading.Event(), threading.Event()
-
-    def report_the_end() -> None:
-        try:
-            with transaction.atomic():
-                job_finished(
-                    instance=outside, job_id=job.pk, outcome="succeeded", exit_code=0, uploads_pending=0
-                )
-                reported.set()
-                commit.wait(10)
-        finally:
-            connection.close()
-
-    reporter = threading.Thread(target=report_the_end)
-    reporter.start()
-    assert reported.wait(10)
-    # When the pool refills at that instant (the job's end commits half a second later)
-    threading.Timer(0.5, commit.set).start()
-    bought = pool_refill(pool_id=pool.pk)
-    reporter.join(10)
+    end = partial(
+        job_finished, instance=outside, job_id=job.pk, outcome="succeeded", exit_code=0, uploads_pending=0
+    )
+    with Held(end) as report:
+        # When the pool refills at that instant (the job's end commits half a second later)
+        threading.Timer(0.5, report.release.set).start()
+        bought = pool_refill(pool_id=pool.pk)
     # Then the refill takes the released machine in instead of buying one more
     events = list(Event.objects.filter(org=tworld.org).order_by("id"))
     found = needless_purchases(events)

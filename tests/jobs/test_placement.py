@@ -23,6 +23,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from apps.pools.services import pool_create
 from testkit.builders import idle_machine, job_config, job_row
+from testkit.held import Held
 from tests.conftest import World
 from tests.jobs.common import refresh, setup_type
 
@@ -253,10 +254,6 @@ def test_a_submit_whose_grant_another_transaction_holds_is_queued_and_left_to_a_
 ) -> None:
     """A scheduling pass holding the grant: the submit does not wait for it; its job is
     committed queued and a scheduling pass is sent, which assigns it."""
-    import threading
-
-    from django.db import connection
-
     from apps.machines.services import grant_lock
 
     mt, _ = setup_type(tworld)
@@ -264,27 +261,10 @@ def test_a_submit_whose_grant_another_transaction_holds_is_queued_and_left_to_a_
     cfg = job_config(tworld.org, mt)
     sent: list[tuple] = []
     monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: sent.append(a))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold_the_grant() -> None:
-        try:
-            with transaction.atomic():
-                grant_lock(org_id=tworld.org.pk, machine_type_id=mt.pk)
-                holding.set()
-                release.wait(30)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_the_grant)
-    holder.start()
-    assert holding.wait(10)
-    try:
+    with Held(lambda: grant_lock(org_id=tworld.org.pk, machine_type_id=mt.pk)):
         began = time.monotonic()
         job = job_submit(org=tworld.org, config=cfg)
         waited = time.monotonic() - began
-    finally:
-        release.set()
-        holder.join(30)
     job.refresh_from_db()
     assert job.status == J.QUEUED
     assert waited < 5  # not held up by the grant's holder (it held it for up to 30 s)
