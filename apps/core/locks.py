@@ -18,10 +18,12 @@ REFILL_LISTENER = 0x0CA7_0003
 # without holding the pool row (claims update it to signal the next refill).
 POOL_REFILL = 0x0CA7
 # pg_advisory_xact_lock[_shared](MACHINE_RELEASES, hashtext("<org id>:<machine type id>")): a
-# job's end that keeps its machine for the next job takes it shared, a pool's refill alone. The
-# refill then waits for the releases being committed (and counts their machines as idle), and a
-# release that begins during a refill commits after it: a refill never buys a member while a
-# machine it cannot see yet becomes idle (releases take nothing from each other).
+# job's end that keeps its machine for the next job takes it shared; what buys machines of the
+# grant takes it alone before counting (a pool's refill; placement, once jobs are left without a
+# machine). Each then waits for the releases being committed (and counts their machines as
+# idle), and a release that begins meanwhile commits after it: nothing is bought while a machine
+# it cannot see yet becomes idle (releases take nothing from each other, and a placement that
+# found a machine for every job never takes it).
 MACHINE_RELEASES = 0x0CA8
 
 

@@ -31,6 +31,7 @@ from apps.core import (
 from apps.core.actors import Actor
 from apps.core.errors import InvalidTransition, PoolEmpty
 from apps.core.ids import OrgId
+from apps.core.locks import machine_releases_lock
 from apps.events.kinds import EventKind
 from apps.jobs.choices import JobStatus, Reuse
 from apps.jobs.dispatch import schedule_after_commit, wake_agent
@@ -279,6 +280,9 @@ def _provision_or_wait(
         _set_reason(jobs, "machine type no longer granted")
         return 0
     max_wait = timedelta(seconds=grant.max_wait_seconds)
+    # The grant's releases being committed finish first: a machine a job's end keeps for the
+    # next job is counted below (held: the next pass gives it out), never bought again beside it.
+    machine_releases_lock(org_id=org_id, machine_type_id=mt.pk, shared=False)
     paid = paid_capacity(org_id=org_id, machine_type=mt)
     supply = placement.Supply(
         total=paid.counted,

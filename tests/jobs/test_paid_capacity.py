@@ -278,3 +278,37 @@ def test_a_pool_refilled_while_a_job_releases_its_machine_takes_that_machine_ins
         member,
         outside.pk,
     }
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(CATACLOUD_SCHEDULE_ON_SUBMIT=False)
+def test_a_job_placed_while_another_job_releases_its_machine_gets_that_machine_instead_of_a_new_one(
+    tworld: World,
+) -> None:
+    from apps.events.models import Event
+    from testkit.purchases import needless_purchases, story
+
+    # Given the speed policy (a waiting job is bought a machine at once), one machine running a
+    # reusable job, and a second job of the same configuration
+    mt, _ = hourly_type(tworld, policy="speed")
+    machine = idle_machine(tworld.org, mt)
+    cfg = job_config(tworld.org, mt, "unit", reuse="reuse")
+    first = job_submit(org=tworld.org, config=cfg)
+    schedule()
+    job_started(instance=machine, job_id=first.pk)
+    second = job_submit(org=tworld.org, config=cfg)
+    # When the scheduling pass runs while the first job's end (its machine kept) is being committed
+    end = partial(
+        job_finished, instance=machine, job_id=first.pk, outcome="succeeded", exit_code=0, uploads_pending=0
+    )
+    with Held(end) as report:
+        threading.Timer(0.5, report.release.set).start()
+        assert schedule().provisioned == 0
+    schedule()  # the pass the release asks for after its commit
+    # Then the second job runs on the machine the first left, and nothing was bought
+    second.refresh_from_db()
+    assert (second.status, second.instance_id) == (J.ASSIGNED, machine.pk)
+    assert MachineInstance.objects.count() == 1
+    events = list(Event.objects.filter(org=tworld.org).order_by("id"))
+    found = needless_purchases(events)
+    assert found == [], story(events, found)
