@@ -40,7 +40,7 @@ from catacloud.protocol import ImagesReport, Outcome
 # running if it is assigned to that machine (JOB_STATES' graph, stamps and event kind), its
 # event inserted, one commit. Answers (machine id or NULL, whether the job moved, traceparent).
 _MOVE = JOB_STATES.statement_move(
-    to=JobStatus.RUNNING, from_=[JobStatus.ASSIGNED], now_sql="clock_timestamp()", alias="j"
+    to=JobStatus.RUNNING, from_=[JobStatus.ASSIGNED], now_sql="statement_timestamp()", alias="j"
 )
 _EVENT_COLUMNS = ", ".join(
     str(Event._meta.get_field(name).column)  # type: ignore[union-attr]  # concrete fields, read at import
@@ -58,7 +58,7 @@ moved AS (
 ),
 event AS (
     INSERT INTO {Event._meta.db_table} ({_EVENT_COLUMNS})
-    SELECT org_id, %(kind)s, clock_timestamp(), 'agent:' || instance_id::text, '', NULL, instance_id, id,
+    SELECT org_id, %(kind)s, statement_timestamp(), 'agent:' || instance_id::text, '', NULL, instance_id, id,
         jsonb_strip_nulls(jsonb_build_object('status', %(status)s::text, 'agent_ms', %(agent_ms)s::float8))
     FROM moved
 )

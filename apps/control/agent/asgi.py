@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from apps.control.agent.views import Answer, error_answer, heartbeat_answer, started_answer, work_answer
+from apps.core import tracing
 from apps.core.errors import ErrorCode
 from apps.core.middleware import body_limit_detail
 
@@ -130,14 +131,20 @@ async def _started(scope: Scope, receive: Receive, send: Send, job_id: uuid.UUID
     if body is None:
         await _send(send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY)))
         return
-    try:
-        answer = await started_answer(_header(scope, b"authorization"), job_id, body)
-    except Exception as exc:
-        answer = _failed(exc)
+    # In the job's trace as the agent sent it (its header), named as Django's route was: the
+    # report is a span of the job's trace like the agent's other reports.
+    with tracing.span(STARTED_ROUTE, traceparent=_header(scope, b"traceparent")) as span:
+        try:
+            answer = await started_answer(_header(scope, b"authorization"), job_id, body)
+        except Exception as exc:
+            answer = _failed(exc)
+        if span is not None:
+            span.set_attribute("http.response.status_code", answer.status)
     await _send(send, answer)
 
 
 # A job's own hot path: the same UUID shape as the Django route's (apps.control.agent.urls).
+STARTED_ROUTE = "POST api/agent/v1/jobs/<uuid:job_id>/started"
 STARTED = re.compile(PREFIX + r"jobs/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})/started")
 
 HOT: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
