@@ -326,6 +326,10 @@ async def work_answer(authorization: str, wait_param: str | None) -> Answer:
 # ---- a job's start -----------------------------------------------------------------------------
 
 
+# What the agent may say it spent before its start report (a day, like a finished report's launch_ms).
+MAX_AGENT_MS = 86_400_000
+
+
 async def started_answer(authorization: str, job_id: JobId, body: bytes) -> Answer:
     """``POST jobs/<id>/started`` → ``{ok: true}``: the job, assigned to this machine, runs (one
     statement on a database thread: :func:`apps.jobs.reports.job_started_by_token`); 409
@@ -345,6 +349,9 @@ async def started_answer(authorization: str, job_id: JobId, body: bytes) -> Answ
                 agent_ms = Started.from_json(parsed).agent_ms
             except ValueError as exc:
                 return error_answer(400, ErrorCode.INVALID, str(exc))
+            if not 0 <= agent_ms <= MAX_AGENT_MS:  # NaN too: no number to store or to time a span by
+                detail = f"agent_ms: milliseconds from 0 to {MAX_AGENT_MS}"
+                return error_answer(400, ErrorCode.INVALID, detail)
     moved = await db.run(job_started_by_token, token_hash=digest, job_id=job_id, agent_ms=agent_ms)
     if moved is None:
         return _gone()

@@ -202,6 +202,9 @@ def test_a_jobs_start_is_answered_and_recorded_as_the_django_view_does(
         (mine.pk, b"{not json", auth, 400),
         (mine.pk, b"[1]", auth, 400),
         (mine.pk, b'{"agent_ms": "soon"}', auth, 400),
+        (mine.pk, b'{"agent_ms": NaN}', auth, 400),  # Python's json reads it; no number to store
+        (mine.pk, b'{"agent_ms": "1e400"}', auth, 400),  # infinity
+        (mine.pk, b'{"agent_ms": -5}', auth, 400),
     ]
     for job_id, body, headers, expected in cases:
         status, answer, _ = call(agent_server, "POST", started(job_id), body, **headers)
