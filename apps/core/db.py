@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
 from django.db import connection
+
+
+def sql_literals(values: Iterable[object]) -> str:
+    """Constant values written into a statement as SQL string literals, sorted (``'a', 'b'``):
+    the code's own choices (status values), never input; each must be an identifier."""
+    literals = sorted(str(v) for v in values)
+    assert all(v.isidentifier() for v in literals), literals  # nothing to quote or escape
+    return ", ".join(f"'{v}'" for v in literals)
+
 
 # psycopg's own loader for timestamptz text (its C one when psycopg[binary] is installed).
 _TIMESTAMPTZ_LOADER = psycopg.adapters.get_loader(

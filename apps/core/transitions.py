@@ -18,6 +18,7 @@ from django.db import models, transaction
 from django.utils import timezone
 
 from apps.core.actors import Actor
+from apps.core.db import sql_literals
 from apps.core.errors import InvalidTransition
 from apps.core.ids import RowRef
 
@@ -310,7 +311,7 @@ class StateMachine(Generic[M, K]):
             assert isinstance(field, models.Field) and field.column  # a concrete column
             return field.column
 
-        quoted = ", ".join(f"'{state}'" for state in allowed)
+        quoted = sql_literals(allowed)
         prefix = f"{alias}." if alias else ""
         sets = [f"{column('status')} = '{to}'"]
         if _has_field(self.model, "status_changed_at"):

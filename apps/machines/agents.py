@@ -20,6 +20,7 @@ from apps.core import hooks
 from apps.core.actors import Actor
 from apps.core.broker import enqueue_on_commit
 from apps.core.crypto import hash_token, new_token
+from apps.core.db import sql_literals
 from apps.core.errors import Conflict, ErrorCode, InvalidTransition, Unauthenticated
 from apps.core.ids import InstanceId
 from apps.events.kinds import EventKind
@@ -37,8 +38,7 @@ IMAGE_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
 def live_token_sql(alias: str) -> str:
     """The SQL condition that machine ``alias`` has an agent token and is live (the Agent API's
     hot statements add ``{alias}.agent_token_hash = <the token's hash>``)."""
-    live = ", ".join(f"'{s}'" for s in sorted(str(x) for x in INSTANCE_LIVE))
-    return f"{alias}.agent_token_hash <> '' AND {alias}.status IN ({live})"
+    return f"{alias}.agent_token_hash <> '' AND {alias}.status IN ({sql_literals(INSTANCE_LIVE)})"
 
 
 # At most this many references of a machine's images are kept for placement.

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from apps.core import tracing
 from apps.core.actors import Actor
-from apps.core.db import fetch_one_prepared
+from apps.core.db import fetch_one_prepared, sql_literals
 from apps.core.ids import JobId
 from apps.core.transitions import StatementMove
 from apps.events.kinds import EventKind
@@ -138,8 +138,7 @@ JOIN {_ACCOUNTS} pa ON pa.id = u.provider_account_id
 # and constant, so they are written into the statement rather than sent as an array parameter
 # with every claim.
 def _pool_candidates(active: frozenset[str], order: str) -> str:
-    assert all(status.isidentifier() for status in active)  # enum values: safe as literals
-    statuses = ", ".join(f"'{status}'" for status in sorted(active))
+    statuses = sql_literals(active)  # enum values: safe as literals
     return f"""SELECT m.id FROM {_INSTANCES} m
     JOIN {_POOLS} p ON m.pool_id = p.id AND p.id = %(pool)s AND p.status IN ({statuses})
         AND (%(org)s::uuid IS NULL OR p.org_id = %(org)s::uuid)

@@ -79,16 +79,25 @@ def _failed(exc: BaseException) -> Answer:
     return error_answer(500, ErrorCode.SERVER_ERROR, "internal error")
 
 
-async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
+async def _posted(
+    scope: Scope, receive: Receive, send: Send, answer_for: Callable[[str, bytes], Awaitable[Answer]]
+) -> int:
+    """A POST answered by ``answer_for(authorization, body)``: 413 for a body over MAX_BODY, 500
+    when it fails. Returns the status sent."""
     body = await _body(receive)
     if body is None:
-        await _send(send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY)))
-        return
-    try:
-        answer = await heartbeat_answer(_header(scope, b"authorization"), body)
-    except Exception as exc:
-        answer = _failed(exc)
+        answer = error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY))
+    else:
+        try:
+            answer = await answer_for(_header(scope, b"authorization"), body)
+        except Exception as exc:
+            answer = _failed(exc)
     await _send(send, answer)
+    return answer.status
+
+
+async def _heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
+    await _posted(scope, receive, send, heartbeat_answer)
 
 
 async def _work(scope: Scope, receive: Receive, send: Send) -> None:
@@ -127,20 +136,14 @@ async def _work(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def _started(scope: Scope, receive: Receive, send: Send, job_id: uuid.UUID) -> None:
-    body = await _body(receive)
-    if body is None:
-        await _send(send, error_answer(413, ErrorCode.PAYLOAD_TOO_LARGE, body_limit_detail(MAX_BODY)))
-        return
     # In the job's trace as the agent sent it (its header), named as Django's route was: the
     # report is a span of the job's trace like the agent's other reports.
     with tracing.span(STARTED_ROUTE, traceparent=_header(scope, b"traceparent")) as span:
-        try:
-            answer = await started_answer(_header(scope, b"authorization"), job_id, body)
-        except Exception as exc:
-            answer = _failed(exc)
+        status = await _posted(
+            scope, receive, send, lambda authorization, body: started_answer(authorization, job_id, body)
+        )
         if span is not None:
-            span.set_attribute("http.response.status_code", answer.status)
-    await _send(send, answer)
+            span.set_attribute("http.response.status_code", status)
 
 
 # A job's own hot path: the same UUID shape as the Django route's (apps.control.agent.urls).

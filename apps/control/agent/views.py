@@ -18,7 +18,6 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ from apps.control.agent import db, wakeups
 from apps.control.agent.auth import AgentRateThrottle
 from apps.core import tracing
 from apps.core.crypto import hash_token
+from apps.core.db import sql_literals
 from apps.core.errors import ErrorCode, error_payload
 from apps.core.ids import JobId
 from apps.core.parsers import loads
@@ -45,14 +45,7 @@ from apps.machines.choices import InstanceStatus
 from apps.machines.models import MachineInstance
 from catacloud.protocol import HeartbeatAnswer, Started
 
-
-def _sql_list(values: Iterable[object]) -> str:
-    """Constant status values written into a statement (they are the code's own choices, never
-    input): nothing to convert per call."""
-    return ", ".join(f"'{v}'" for v in sorted(str(x) for x in values))
-
-
-CANCELLABLE = _sql_list([JobStatus.ASSIGNED, JobStatus.RUNNING])
+CANCELLABLE = sql_literals([JobStatus.ASSIGNED, JobStatus.RUNNING])
 
 
 @dataclass
@@ -118,7 +111,7 @@ _TO_CANCEL = f"""ARRAY(
     SELECT j.id FROM {Job._meta.db_table} AS j
     WHERE j.instance_id = m.id AND j.cancel_requested AND j.status IN ({CANCELLABLE}) ORDER BY j.id
 )"""
-_ASSIGNED = f"status IN ({_sql_list([JobStatus.ASSIGNED])}) AND {HANDED_OFF_SQL}"
+_ASSIGNED = f"status IN ({sql_literals([JobStatus.ASSIGNED])}) AND {HANDED_OFF_SQL}"
 _MACHINES = MachineInstance._meta.db_table
 _JOBS = Job._meta.db_table
 
