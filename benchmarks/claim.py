@@ -7,12 +7,21 @@ pools / queues of the same size, on the same database:
 
 - ``service``: :func:`apps.pools.services.pool_claim` as the acquire endpoint runs it (one
   statement in autocommit: CTE, SKIP LOCKED, the event insert and the refill signal);
+- ``id only``: the same statement through the same connection, its answer cut to the claimed
+  id (the service answers the whole machine, its type's and account's names: 45 columns, which
+  the acquire endpoint returns), so what the answer costs shows on its own;
 - ``floor``: a raw psycopg loop, ``UPDATE … WHERE id = (SELECT … FOR UPDATE SKIP LOCKED)
   RETURNING id`` + commit: what one claim costs PostgreSQL and nothing else;
+- ``floor+event``: the floor's statement writing the event row ours writes (the same table and
+  indexes, in the same statement): what the floor would be with the claim's audit trail, so the
+  gap between ours and the floor splits into the event row and the rest;
 - ``procrastinate``: its job manager's ``fetch_job`` (benchmarks/peers.py);
 - ``pgqueuer``: its ``Queries.dequeue`` with a batch size of one.
 
-Every claimed id is collected and checked: nothing may be handed out twice.
+Every claimed id is collected and checked: nothing may be handed out twice. Each run also counts
+the CPU it cost: the claimers' own (``time.process_time`` over the run, our loops only: the peers'
+include their connection's set-up) and PostgreSQL's (its processes', between the run's start and
+end), per claim: on 2 cores at 16 claimers the throughput is the CPU a claim costs, both sides.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import time
+import uuid
 from typing import Any
 
 from benchmarks import peers
@@ -27,6 +37,7 @@ from benchmarks.harness import (
     Figure,
     PartResult,
     Progress,
+    cpu_seconds,
     median,
     of_runs,
     percentile,
@@ -37,13 +48,31 @@ from benchmarks.peers import PEERS
 from testkit.builders import ready_members
 from testkit.processes import database_url
 
-VARIANTS = ("service", "floor", *PEERS)
+VARIANTS = ("service", "id only", "floor", "floor+event", *PEERS)
 
 FLOOR_SQL = """
 UPDATE machines_machineinstance SET status = 'claimed', claimed_at = now()
 WHERE id = (SELECT id FROM machines_machineinstance WHERE pool_id = %s AND status = 'ready'
             ORDER BY ready_at LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING id
+"""
+
+# The floor with the event row a claim of ours writes (apps/machines/claims.py EVENT_VALUES: the
+# same columns, so the same six indexes are updated).
+FLOOR_EVENT_SQL = """
+WITH u AS (
+    UPDATE machines_machineinstance SET status = 'claimed', claimed_at = now()
+    WHERE id = (SELECT id FROM machines_machineinstance WHERE pool_id = %s AND status = 'ready'
+                ORDER BY ready_at LIMIT 1 FOR UPDATE SKIP LOCKED)
+    RETURNING id, org_id, pool_id
+), e AS (
+    INSERT INTO events_event (org_id, kind, created_at, actor, reason, pool_id, instance_id, job_id, data)
+    SELECT u.org_id, 'pool.member_claimed', clock_timestamp(), 'bench', '', u.pool_id, u.id, NULL,
+           jsonb_build_object('claim_id', gen_random_uuid()::text, 'acquired_by', 'bench',
+                              'acquired_for', '')
+    FROM u
+)
+SELECT id FROM u
 """
 
 
@@ -66,8 +95,15 @@ def _child(pipe: Any, url: str, redis_url: str) -> None:
     import psycopg
     from django.db import connection
 
+    from apps.core.db import fetch_one_prepared
     from apps.core.errors import PoolEmpty
-    from apps.pools.services import pool_claim
+    from apps.machines.claims import pool_sql
+    from apps.pools.services import POOL_ACTIVE, pool_claim
+
+    full = pool_sql(POOL_ACTIVE, in_transaction=False)
+    head, cut, _ = full.rpartition("\nSELECT u.id, ")
+    assert cut, "the claim statement's answer moved"
+    id_only = head + "\nSELECT u.id, (SELECT count(*) FROM n) FROM u"
 
     pipe.send("ready")  # set up: the parent starts the clock only when every claimer is
     raw = psycopg.connect(url)
@@ -78,8 +114,10 @@ def _child(pipe: Any, url: str, redis_url: str) -> None:
             break
         variant, pool_id, start_at, duration = msg
         if variant in PEERS:
+            cpu = time.process_time()
             latencies, ids, empty = peers.claim(url, variant, pool_id, start_at, duration)
-            pipe.send({"latencies": latencies, "ids": ids, "ended": time.monotonic(), "empty": empty})
+            ended, cpu = time.monotonic(), time.process_time() - cpu
+            pipe.send({"latencies": latencies, "ids": ids, "ended": ended, "empty": empty, "cpu": cpu})
             continue
         latencies: list[float] = []
         ids: list[str] = []
@@ -87,13 +125,22 @@ def _child(pipe: Any, url: str, redis_url: str) -> None:
             time.sleep(0.0005)
         end = start_at + duration
         empty = False
+        sql = FLOOR_SQL if variant == "floor" else FLOOR_EVENT_SQL
+        cpu = time.process_time()
         while time.monotonic() < end:
             t0 = time.perf_counter()
             try:
                 if variant == "service":
                     ids.append(str(pool_claim(pool_id=pool_id, acquired_by="bench").instance.pk))
+                elif variant == "id only":  # claims.claim's parameters
+                    values = {"lease": None, "claim": uuid.uuid4(), "by": "bench", "for": "", "actor": ""}
+                    values |= {"job": None, "last_config": None, "pool": pool_id, "org": None}
+                    row = fetch_one_prepared(id_only, values)
+                    if row is None:
+                        raise PoolEmpty("empty")
+                    ids.append(str(row[0]))
                 else:
-                    row = raw.execute(FLOOR_SQL, (pool_id,)).fetchone()
+                    row = raw.execute(sql, (pool_id,)).fetchone()
                     raw.commit()
                     if row is None:
                         raise PoolEmpty("empty")
@@ -102,7 +149,8 @@ def _child(pipe: Any, url: str, redis_url: str) -> None:
                 empty = True
                 break
             latencies.append(time.perf_counter() - t0)
-        pipe.send({"latencies": latencies, "ids": ids, "ended": time.monotonic(), "empty": empty})
+        ended, cpu = time.monotonic(), time.process_time() - cpu
+        pipe.send({"latencies": latencies, "ids": ids, "ended": ended, "empty": empty, "cpu": cpu})
     raw.close()
     connection.close()
 
@@ -133,7 +181,9 @@ class Claimers:
         start_at = time.monotonic() + 0.2
         for pipe in self.pipes[:n]:
             pipe.send((variant, pool_id, start_at, duration))
+        postgres = cpu_seconds()["PostgreSQL"]  # its backends wait for the first claim until start_at
         results = [pipe.recv() for pipe in self.pipes[:n]]
+        postgres = cpu_seconds()["PostgreSQL"] - postgres
         latencies = [x for r in results for x in r["latencies"]]
         ids = [x for r in results for x in r["ids"]]
         elapsed = max(r["ended"] for r in results) - start_at
@@ -146,6 +196,9 @@ class Claimers:
             "p99_ms": percentile(latencies, 99) * 1000,
             "latencies": latencies,
             "ran_dry": any(r["empty"] for r in results),
+            # CPU per claim (ms): the claimers' and PostgreSQL's
+            "client_ms": sum(r["cpu"] for r in results) * 1000 / max(len(ids), 1),
+            "postgres_ms": postgres * 1000 / max(len(ids), 1),
         }
 
     def close(self) -> None:
@@ -181,7 +234,7 @@ def _verify(pool: Any, result: dict[str, Any], variant: str) -> int:
     twice = result["claims"] - result["unique"]
     claimed_rows = MachineInstance.objects.filter(pool=pool, status="claimed").count()
     twice += abs(claimed_rows - result["claims"])
-    if variant != "floor":
+    if variant != "floor":  # the others write an event per claim
         events = Event.objects.filter(pool_id=pool.pk, kind="pool.member_claimed").count()
         twice += abs(events - result["claims"])
     return twice
@@ -259,8 +312,12 @@ def run(
                 "p99_ms": median([o["p99_ms"] for o in outs]),
                 "claims": sum(o["claims"] for o in outs),
                 "ran_dry": any(o["ran_dry"] for o in outs),
+                "client_ms": median([o["client_ms"] for o in outs]),
+                "postgres_ms": median([o["postgres_ms"] for o in outs]),
             }
         row["vs_floor"] = ratio(c, "service", "floor")
+        row["event_vs_floor"] = ratio(c, "floor+event", "floor")
+        row["id_only_vs_floor"] = ratio(c, "id only", "floor")
         for peer in PEERS:
             row[f"vs_{peer}"] = ratio(c, "service", peer)
         table[str(c)] = row
@@ -312,7 +369,36 @@ def run(
             )
         )
 
+    def cpu(v: str) -> str:
+        return f"{row[v]['client_ms']:.3f} + {row[v]['postgres_ms']:.3f}"
+
+    # The gap to the floor, split: the floor with the event row ours writes, and our statement
+    # with its answer cut to the id.
     result.figures += [
+        of_runs(
+            f"{what}, at {key} claimers ({v})",
+            throughputs(key, v),
+            "claims/s",
+            "",
+            f"floor {floor['throughput']:.0f}/s",
+            ratios=ratios(key, v, "floor"),
+            digits=0,
+        )
+        for v, what in (
+            ("floor+event", "the floor with an event row per claim"),
+            ("id only", "our statement answering only the id"),
+        )
+    ]
+    result.figures += [
+        Figure(
+            f"CPU per claim at {key} claimers: the claimer's + PostgreSQL's",
+            round(row["service"]["client_ms"] + row["service"]["postgres_ms"], 3),
+            "ms",
+            "",
+            f"ours {cpu('service')}; id only {cpu('id only')}; floor {cpu('floor')};"
+            f" floor+event {cpu('floor+event')}"
+            + "".join(f"; {p} PostgreSQL {row[p]['postgres_ms']:.3f}" for p in PEERS),
+        ),
         of_runs(
             f"p50 latency at {key} claimers",
             [o["p50_ms"] for o in per[key]["service"]],

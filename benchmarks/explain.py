@@ -4,15 +4,31 @@ Update them when a rerun changes the picture."""
 from __future__ import annotations
 
 CLAIM = """\
-**Issue 51's goals (0.8x the floor, 2x the faster peer at 16 claimers): not met.** The targets
-above are the issue's since 2026-12-04 (they were 0.6x and 1.5x). Three runs that afternoon,
-one after another with nothing else running (the part's own 64 claimers keep the 1-minute load
-at 6-36): 0.61x, 0.81x and 0.72x the floor (median of three interleaved runs each), 1.72x, 1.61x
-and 1.83x pgqueuer. The claim's code did not change since 2026-11-27 but for `last_config_id`,
-which the claim statement now writes itself (one UPDATE less per submit on the submit's side).
-What is left between the claim and the floor is as described below: the event row per claim and
-the client's CPU for the ORM's answer; the peers write no event. This session did not profile it
-further.
+**Issue 51's goals (0.8x the floor, 2x the faster peer at 16 claimers): not met by the acquire's
+claim (0.72x, 1.59x in this run); met by the same statement answering only the id (1.0x the floor,
+2.47x pgqueuer).** What stands between the claim and the floor is its answer, not its event row.
+Two variants of the part (2026-12-04) split the gap: `floor+event` is the floor's statement also
+writing the claim's event row (same table, same six indexes): 0.84x the floor (0.78-1.0 over three
+runs); `id only` is our whole statement (the graph check, the event row, the refill signal) through
+the same Django connection in one round trip, its answer cut to the claimed id: 1.0x the floor
+(0.92-1.07). The claim as the acquire endpoint runs it answers the whole machine (45 columns: the
+row, its type's and account's names, all of which the endpoint returns) and builds a
+`MachineInstance` of it: 0.72x (0.65-0.74). The run's CPU per claim, the claimer's + PostgreSQL's
+(ms): ours 0.280 + 0.384, id only 0.156 + 0.311, floor 0.195 + 0.232, floor+event 0.204 + 0.338;
+at 16 claimers on 2 cores the claimers and the database share the CPU, so the throughput is the
+inverse of that sum. The answer costs 0.12 ms on the claimer's side (its 45 values parsed, the
+model built: 0.04 ms of it alone, doubled by 16 processes taking turns on 2 cores) and 0.07 ms on
+the database's (the two joins and the row's output). Five further interleaved runs at 16 claimers
+that evening: ours 2,753/s, id only 4,251/s, floor 4,250/s, floor+event 3,702/s, pgqueuer
+1,892/s; and with the statement run through raw psycopg instead of Django, 2,590/s against ours
+2,535/s (Django adds nothing measurable). Tried and dropped: binary results (slower: 1,650 against
+1,893/s, psycopg's binary loaders are slower for these types), the claim without its refill signal
+(2,371 against 2,310/s, within noise). **What would give**: an answer that names less. The
+acquire endpoint's answer is the whole machine, and its users read it (how to reach the machine,
+its type, its claim); placement needs only the id, but its claim is 0.2 ms of a 5-9 ms stage. So
+the target holds for the statement and not for the acquire's answer on this machine; the floor
+itself (a raw UPDATE and then a COMMIT, two round trips) moves by a third between hours
+(3,300-4,300/s at 16 claimers that evening), so only runs side by side compare.
 
 **The run of 2026-11-27 12:15 UTC, on a quiet machine, after closing most of what was left:**
 at 16 claimers the claim made 0.61x the floor (0.55-0.64 over three interleaved runs; goal 0.6:

@@ -188,7 +188,8 @@ def plots(results: list[PartResult], out: Path) -> list[str]:
         cs = data["concurrencies"]
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
         variants = data.get("variants", ["service", "floor"])
-        styles = {"service": "o-", "floor": "^:", "procrastinate": "s--", "pgqueuer": "d-."}
+        styles = {"service": "o-", "id only": "o:", "floor": "^:", "floor+event": "v:"}
+        styles |= {"procrastinate": "s--", "pgqueuer": "d-."}
         for v in variants:
             a.plot(cs, [data["table"][str(c)][v]["throughput"] for c in cs], styles.get(v, "x-"), label=v)
         a.set_xscale("log", base=2)

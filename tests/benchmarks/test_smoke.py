@@ -31,8 +31,11 @@ def test_claim(tmp_path: Path) -> None:
     sane(result, "claim")
     assert result.data["double_claims"] == 0
     for c in ("1", "4"):
-        for v in result.data["variants"]:  # service, floor, and the peers that are installed
-            assert result.data["table"][c][v]["claims"] > 0
+        for v in result.data["variants"]:  # service, id only, floor(+event), the installed peers
+            row = result.data["table"][c][v]
+            assert row["claims"] > 0
+            # what a claim costs the claimers and PostgreSQL, counted (the gap's split)
+            assert row["client_ms"] > 0 and row["postgres_ms"] > 0
     # every judged figure is the median of its runs with their spread; the load is recorded
     vs_floor = result.figures[0]
     assert vs_floor.runs == 2 and vs_floor.spread is not None and vs_floor.met_runs is not None
