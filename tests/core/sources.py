@@ -17,13 +17,15 @@ def parse(text: str) -> ast.Module:
     middle of a conversion runs a finalizer's Python code, another thread may run (the live
     server's thread formatting a traceback calls ``ast.parse`` for its ``^^^`` marks) and the
     conversion fails with "AST constructor recursion depth mismatch". Without collections the
-    conversion runs no Python code, so no other thread runs before it ends."""
-    gc.collect()
+    conversion runs no Python code, so no other thread runs before it ends. (Paused, not run:
+    a full collection of a test worker's heap takes 50 ms or more, per file.)"""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         return ast.parse(text)
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 @functools.cache
