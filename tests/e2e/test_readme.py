@@ -365,12 +365,13 @@ def test_the_checkpoint_example_resumes_where_its_lost_attempt_stopped(tmp_path:
 def _logs(tmp: Path) -> str:
     """The stack's logs (web, worker, beat, agents) and the output of every failed job's attempt:
     what a failure needs to be understood."""
+    from apps.jobs.choices import JobStatus
     from apps.jobs.models import Job, JobLogChunk
 
     parts = []
     for path in sorted(tmp.glob("*.log")) + sorted((tmp / "machines").glob("*.log")):
         parts.append(f"---- {path.name}\n{path.read_text(errors='replace')[-3000:]}")
-    for job in Job.objects.filter(status="failed").order_by("created_at"):
+    for job in Job.objects.filter(status=JobStatus.FAILED).order_by("created_at"):
         chunks = JobLogChunk.objects.filter(job=job, attempt=job.attempt).order_by("seq")
         output = "".join(f"[{c.stream}] {c.data}" for c in chunks)
         head = f"---- failed job {job.pk} attempt {job.attempt}: {job.failure_reason}"
