@@ -520,7 +520,17 @@ internet it saves the download. Measured 2026-12-04 with nothing else running (1
 """
 
 TAIL = """\
-**Not met: p99.9 399-480 ms (target 250), max under 1 s (met), 2026-12-04 20:29-21:11.** This
+**Not met: p99.9 346-350 ms (target 250), max under 1 s (met), 2026-12-04 23:35-23:50.** Each
+job network is now a child forked from a helper the agent keeps running, not a Python started for
+it (docs/operator/providers.md): four runs alternating the code before and after (nothing else
+running, each its own stack): p99.9 346.1 and 349.7 ms after, 406.5 and 397.6 before; p50 68.6 /
+65.3 after, 71.6 / 68.3 before; CPU per job 130.6 / 126.1 ms after, 145.0 / 141.0 before. One
+network made alone (20 in a row): 24-25 ms of CPU and 27.5 ms of wall time against 37.7 and 39
+with the script. The table is the last "after" run: of its 126 ms of CPU per job the machines
+take 58, the agent server 28, PostgreSQL 14, the API 13, the worker 8. To meet 250 ms at p99.9
+with bursts of 6 on 2 cores a job would cost about 80 ms.
+
+**The runs of 2026-12-04 20:29-21:11 (p99.9 399-480 ms).** This
 part measures what the issue names, submit -> the job's first instruction (the job's first act
 prints the time), split in five stages (admission, placement, delivery, the agent's start, the
 launch), with submit -> running beside it. Five runs that evening, alternating the code before
@@ -551,8 +561,8 @@ and DRF against 2.3 ms for its service alone (the token's look-up and the ORM's 
 its four reports 4.7 (`started`, before it became one statement), 4.2 (`logs`), 7.1
 (`finished`, 11 statements) and 8.0 ms (`uploads-done`, 14): the work left is the ORM's
 statements of `finished` and `uploads-done` (savepoints, a read back after each state move), the
-machines' per-job processes (the network's helper is still a Python start, about 32 ms of CPU
-with pasta's), then the submit's ORM.
+machines' per-job processes (a network, its helper's child and pasta, about 25 ms of CPU since
+the helper is kept running; 37 ms as a Python start each), then the submit's ORM.
 
 **What this session cut** (each run alone, same part): the first run of this measure read p50
 228 ms, p99 901 ms, p99.9 1,049 ms. Three changes, measured one after another: the next job's

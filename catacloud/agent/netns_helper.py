@@ -3,14 +3,17 @@ makes, at a job's start or ahead of it (:class:`catacloud.agent.netns.Egress` ru
 module's docstring says what a job network is).
 
 It loads the job's nftables rules in the job's namespaces as the job's uid, then becomes the
-job's pasta. It runs once per job network, so it imports as little as it can: ``os``, ``sys``,
-``_signal``, ``fcntl`` and ``ctypes`` (no ``ctypes.util``, ``signal``, ``dataclasses`` or
-``typing``). When it was :mod:`catacloud.agent.netns` run as a script, a job network's helper
-and pasta cost about 61 ms of CPU, most of it imports (``python -X importtime``); now about 32
-ms. A burst of job starts on a small machine pays that on every core at once.
+job's pasta. It imports as little as it can: ``os``, ``sys``, ``_signal``, ``_socket``, ``fcntl``
+and ``ctypes`` (no ``ctypes.util``, ``signal``, ``socket``, ``dataclasses`` or ``typing``). When
+it was :mod:`catacloud.agent.netns` run as a script, a job network's helper and pasta cost about
+61 ms of CPU, most of it imports (``python -X importtime``); as this script, about 32 ms, of which
+a Python start (some 12 ms). So the agent keeps one helper running (``serve``): each job network
+is a child forked from it, which does what the script does, without a Python start of its own.
+The script run once per network is what the agent falls back on when that helper cannot start.
 """
 
 import _signal  # signal's C half: the module ``signal`` imports enum (some 9 ms)
+import _socket  # socket's C half, for ``serve`` (the module ``socket`` imports enum too)
 import ctypes
 import fcntl
 import os
@@ -62,9 +65,8 @@ def _load(ruleset: str, lib: ctypes.CDLL) -> None:
         raise OSError(f"nftables refused the job's rules: {message or 'no message'}")
 
 
-def _as_job(uid: "int | None", gid: "int | None") -> "tuple[str, ctypes.CDLL]":
-    """The rules (from stdin) and libnftables, then this helper becomes the job's uid."""
-    ruleset = sys.stdin.read()
+def _as_job(uid: "int | None", gid: "int | None", ruleset: str) -> "tuple[str, ctypes.CDLL]":
+    """The rules and libnftables, then this helper becomes the job's uid."""
     try:  # before the uid change (the library's folder may be private); by its soname: quick
         lib = ctypes.CDLL("libnftables.so.1")
     except OSError:
@@ -81,9 +83,11 @@ def _report(exc: OSError) -> None:
     sys.stderr.flush()
 
 
-def _attach(pid: int, uid: "int | None", gid: "int | None", pid_file: str, pasta: "list[str]") -> int:
+def _attach(
+    pid: int, uid: "int | None", gid: "int | None", pid_file: str, pasta: "list[str]", rules: str
+) -> int:
     """Rules, then pasta, for the namespaces of the running sandbox ``pid``."""
-    ruleset, lib = _as_job(uid, gid)
+    ruleset, lib = _as_job(uid, gid, rules)
     net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     # The sandbox's first process may already sit in a nested user namespace (bubblewrap's
     # --disable-userns): the one that owns the network namespace is what pasta and the rules need.
@@ -103,13 +107,15 @@ def _attach(pid: int, uid: "int | None", gid: "int | None", pid_file: str, pasta
     return _become_pasta(net, user, pid_file, pasta)
 
 
-def _prepare(uid: "int | None", gid: "int | None", folder: str, keep: int, pasta: "list[str]") -> int:
+def _prepare(
+    uid: "int | None", gid: "int | None", folder: str, keep: int, pasta: "list[str]", rules: str
+) -> int:
     """Namespaces for the next job, made now: a child of this helper (as the job's uid) unshares
     new user and network namespaces, maps its own uid and gid into them and nothing else, loads
     the rules there (it holds every capability in them) and waits until ``keep`` closes (the agent
     has opened its namespaces by then); this helper writes the child's pid in
     ``folder``/holder.pid and becomes their pasta."""
-    ruleset, lib = _as_job(uid, gid)
+    ruleset, lib = _as_job(uid, gid, rules)
     ready, told = os.pipe()
     child = os.fork()
     if child == 0:
@@ -175,23 +181,104 @@ def _ids(uid: str, gid: str) -> "tuple[int | None, int | None]":
     return (int(uid) if uid != "-" else None), (int(gid) if gid != "-" else None)
 
 
-def main(argv: "list[str]") -> int:
+def main(argv: "list[str]", rules: "str | None" = None) -> int:
+    """One job network (``rules``: its nftables rules; read from stdin when not given)."""
     usage = (
         "usage: netns_helper.py attach PID UID|- GID|- PID_FILE PASTA [ARGS...]\n"
-        "       netns_helper.py prepare UID|- GID|- FOLDER KEEP_FD PASTA [ARGS...]  (rules on stdin)"
+        "       netns_helper.py prepare UID|- GID|- FOLDER KEEP_FD PASTA [ARGS...]  (rules on stdin)\n"
+        "       netns_helper.py serve SOCKET_FD"
     )
     try:
         if len(argv) >= 6 and argv[0] == "attach" and argv[1].isdigit():
             uid, gid = _ids(argv[2], argv[3])
-            return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]))
+            ruleset = sys.stdin.read() if rules is None else rules
+            return _attach(int(argv[1]), uid, gid, argv[4], list(argv[5:]), ruleset)
         if len(argv) >= 6 and argv[0] == "prepare" and argv[4].isdigit():
             uid, gid = _ids(argv[1], argv[2])
-            return _prepare(uid, gid, argv[3], int(argv[4]), list(argv[5:]))
+            ruleset = sys.stdin.read() if rules is None else rules
+            return _prepare(uid, gid, argv[3], int(argv[4]), list(argv[5:]), ruleset)
+        if len(argv) == 2 and argv[0] == "serve" and argv[1].isdigit() and rules is None:
+            return serve(int(argv[1]))
     except OSError as exc:
         print(f"cannot set the job's network up: {exc}", file=sys.stderr)
         return 1
     print(usage, file=sys.stderr)
     return 2
+
+
+# ---- the helper kept running ---------------------------------------------------------------------
+
+# A request: one message on the agent's socket (SOCK_SEQPACKET: one message, one request) holding
+# the rules, two NULs, then the arguments (``attach ...`` or ``prepare ...``) separated by NULs; its
+# descriptors the request's stderr, then (prepare) KEEP_FD, which its argument names as the agent
+# numbered it. Answers: ``pid N`` (the child doing it), then ``exit N`` (its exit status, as the
+# script's: pasta's once it became pasta).
+_MAX_REQUEST = 1 << 20
+_MAX_FDS = 4
+
+
+def _request(sock: "_socket.socket") -> "tuple[bytes, list[int]]":
+    """The next request and its descriptors; ``b""`` once the agent closed its end."""
+    size = _socket.CMSG_SPACE(_MAX_FDS * 4)
+    data, ancillary, _flags, _address = sock.recvmsg(_MAX_REQUEST, size)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds += [int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)]
+    return data, fds
+
+
+def serve(fd: int) -> int:
+    """Run job networks for the agent at the other end of the socket ``fd``, one at a time, each
+    in a child forked from this (single-threaded) process, until the agent closes its end."""
+    sock = _socket.socket(fileno=fd)
+    while True:
+        try:
+            data, fds = _request(sock)
+        except OSError:
+            return 1
+        if not data:
+            return 0  # the agent closed its end (it stopped, or it died: the kernel closed it)
+        rules, _, args = data.partition(b"\0\0")
+        argv = [a.decode() for a in args.split(b"\0")]
+        child = os.fork()
+        if child == 0:
+            _child(sock, argv, rules.decode(), fds)
+        for received in fds:
+            os.close(received)
+        try:
+            sock.send(b"pid %d" % child)
+            status = os.waitpid(child, 0)[1]
+            sock.send(b"exit %d" % os.waitstatus_to_exitcode(status))
+        except OSError:
+            return 1
+
+
+def _child(sock: "_socket.socket", argv: "list[str]", rules: str, fds: "list[int]") -> None:
+    """A request's child: its stderr the request's, nothing of the agent's socket, then what the
+    script does with these arguments (the rules given)."""
+    code = 1
+    try:
+        sock.close()
+        if not fds:
+            os._exit(2)
+        os.dup2(fds[0], 2)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        for fd in (devnull, fds[0]):
+            os.close(fd)
+        if argv[:1] == ["prepare"] and len(argv) > 4:  # KEEP_FD: as this process received it
+            if len(fds) < 2:
+                os._exit(2)
+            argv[4] = str(fds[1])
+        code = main(argv, rules)
+    except BaseException as exc:  # never back into the serving loop
+        print(f"cannot set the job's network up: {exc}", file=sys.stderr)
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -235,6 +235,48 @@ def test_the_next_jobs_network_is_made_while_the_machine_idles_and_serves_that_j
     assert len(pastas(agent)) == 1, "a job network outlived its job"
 
 
+def serving_helpers(agent: AgentProcess) -> list[int]:
+    """The job network's helper the agent keeps running (``netns_helper.py serve``), not counting
+    the children it forks for a network (which run as a job uid)."""
+    found = []
+    with contextlib.suppress(psutil.Error):
+        mine = psutil.Process(agent_pid(agent))
+        for process in mine.children():
+            with contextlib.suppress(psutil.Error):
+                if "netns_helper.py serve" in " ".join(process.cmdline()) and process.status() != "zombie":
+                    found.append(process.pid)
+    return found
+
+
+def test_job_networks_are_made_by_one_kept_helper_and_one_that_died_is_replaced(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    """No Python starts per job network: one helper the agent keeps forks each network's child
+    (its rules, then pasta). A helper that died is started again for the next network."""
+    agent = start_agent()
+    enrolled = api.wait_for(lambda: api.calls("POST", "enroll"), timeout=20, what="the enrollment")
+    if enrolled[0].body["machine"]["isolation"]["network"] != "pasta":
+        pytest.skip("no job network here")
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="the first job's network")
+    (kept,) = serving_helpers(agent)
+    count = f"grep -c ':B813 ' /proc/net/tcp; {PY_IN_JOB} -c {shlex.quote(LINGER)}"
+    jobs = [api.assign(count) for _ in range(2)]
+    reports = [api.wait_finished(job, timeout=30) for job in jobs]
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="the next job's network")
+    assert serving_helpers(agent) == [kept], "every network came from the same helper"
+
+    os.kill(kept, signal.SIGKILL)  # the next job's network is made already; the one after it is not
+    jobs += [api.assign(count) for _ in range(2)]
+    reports += [api.wait_finished(job, timeout=30) for job in jobs[2:]]
+    api.wait_for(lambda: len(pastas(agent)) == 1, timeout=20, what="the network after the helper died")
+
+    assert [r["network"] for r in reports] == ["ahead"] * 4, reports
+    assert [r["outcome"] for r in reports] == ["succeeded"] * 4, reports
+    # each job still in a namespace of its own, the rules loaded (the same job as above)
+    assert [api.output(job, "stdout").split() for job in jobs] == [["0", "left", "1"]] * 4
+    assert len(again := serving_helpers(agent)) == 1 and again != [kept]
+
+
 def test_the_next_jobs_network_is_made_while_a_job_runs_so_a_job_right_after_it_waits_for_none(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:

@@ -216,3 +216,49 @@ def test_what_the_agent_fetches_for_a_job_reaches_only_what_the_job_would(
     )
     assert policy.reaches(ipaddress.ip_address(address), port) is reached
     assert not Policy().reaches(ipaddress.ip_address("169.254.169.254"), 80)  # metadata, unallowed
+
+
+# -- the helper the agent keeps running (each job network a child it forks) ---------------------
+
+
+def test_the_kept_helper_answers_each_request_with_its_childs_own_error() -> None:
+    from catacloud.agent.netns import KeptHelper
+
+    kept = KeptHelper()
+    try:
+        # Arguments the helper does not know: the child's usage, on the request's own stderr.
+        taken, why = kept.run(["bogus"], b"")
+        assert taken and why == "netns_helper.py serve SOCKET_FD", why
+        first = kept.pid
+        # A network for a sandbox that is not there: the child's error, and the same helper serves on.
+        taken, why = kept.run(["attach", "999999999", "-", "-", "/nonexistent/pasta.pid", "/bin/false"], b"")
+        assert taken and why is not None and "No such file or directory" in why, why
+        assert kept.pid == first is not None
+    finally:
+        kept.close()
+    assert kept.pid is None
+
+
+def test_the_kept_helper_ends_with_its_agent_and_a_dead_one_is_replaced() -> None:
+    import psutil
+
+    from catacloud.agent.netns import KeptHelper
+
+    kept = KeptHelper()
+    try:
+        assert kept.run(["bogus"], b"")[0]
+        helper = psutil.Process(kept.pid)
+        assert kept._sock is not None
+        kept._sock.close()  # what the kernel does to the agent's end when the agent dies
+        assert helper.wait(timeout=10) == 0, "the helper outlived its agent's socket"
+        kept._sock = None
+        # The next request starts a new helper (the old one is gone).
+        taken, why = kept.run(["bogus"], b"")
+        assert taken and why is not None and kept.pid not in (None, helper.pid)
+        second = kept.pid
+        assert second is not None and kept._proc is not None
+        os.kill(second, 9)  # a helper killed between requests: the next one starts again
+        kept._proc.wait(timeout=10)
+        assert kept.run(["bogus"], b"")[0] and kept.pid not in (None, second)
+    finally:
+        kept.close()
