@@ -172,10 +172,10 @@ def job_finished(
     ``launch`` (``launch_ms``, ``network``: when the command was launched after the start, how
     its network came) goes to the event, for the job's timing.
 
-    With ``uploads_pending`` (agents that upload outputs) the machine stays held for the job
-    until the agent's ``uploads-done``: the job's status is final at once, its outputs follow
-    (a reusable machine with nothing to upload is released at once; the ``uploads-done`` that
-    follows finds nothing to release).
+    With ``uploads_pending`` files to upload the machine stays held for the job until the
+    agent's ``uploads-done``: the job's status is final at once, its outputs follow. With none
+    (0, or not said: an agent that uploads nothing) the machine is released at once, and the
+    agent sends no ``uploads-done`` (one from an older agent finds nothing to release).
     A repeated report changes nothing and answers the status already recorded. A job that
     did not succeed on a machine being taken away (terminated, drained) was stopped, not
     failed: it goes back to the queue with the machine's cause.
@@ -226,9 +226,10 @@ def job_finished(
             },
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
-        if uploads_pending is None or (uploads_pending == 0 and job.config.reuse == Reuse.REUSE):
-            # Nothing to upload: a reusable machine is free for the next job at once (a job
-            # submitted the moment this one reads finished finds it idle, not held).
+        if not uploads_pending:
+            # Nothing to upload (the agent sends no uploads-done then): the machine is released
+            # now, a reusable one free for the next job at once (a job submitted the moment this
+            # one reads finished finds it idle, not held), an ephemeral one terminated.
             instance_release(instance_id=instance.pk, job=job)
         schedule_after_commit()
     return job

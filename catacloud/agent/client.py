@@ -34,6 +34,7 @@ from catacloud.protocol import (
     Enroll,
     EnrollAnswer,
     Finished,
+    FinishedAnswer,
     HeartbeatAnswer,
     HostAnswer,
     HostCapacity,
@@ -536,12 +537,14 @@ class AgentClient:
         traceparent: str = "",
         launch_ms: float | None = None,
         network: str = "",
-    ) -> None:
+    ) -> bool:
         """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
 
         ``uploads_pending`` output files follow; the machine stays the job's until
         :meth:`uploads_done`. ``launch_ms``: from the start's confirmation to the command's
         launch; ``network``: how its network came (``ahead``, ``at start``, ``none``).
+        Returns whether the control plane waits for :meth:`uploads_done` (False: it released
+        the machine with this report).
         """
         response = self.request(
             "POST",
@@ -559,6 +562,10 @@ class AgentClient:
             traceparent=traceparent,
         )
         self._expect_ok(response, "finished")
+        try:
+            return FinishedAnswer.from_json(self._json(response, "finished")).awaits_uploads
+        except (AgentAPIError, ValueError):
+            return True  # an answer it cannot read: post uploads-done, as before the field
 
     def report_images(
         self, report: ImagesReport, *, job_id: str | None = None, retry_for: float = 30.0

@@ -181,14 +181,14 @@ class JobRunning:
         if current is None or current.job.id != job.id:
             return  # it never started
         try:
-            self.client.job_finished(
+            if self.client.job_finished(
                 job.id,
                 exit_code=None,
                 outcome=Outcome.FAILED,
                 reason=f"agent error: {type(exc).__name__}",
                 retry_for=STOPPING_RETRY_SECONDS,
-            )
-            self.client.uploads_done(job.id, [], retry_for=STOPPING_RETRY_SECONDS)
+            ):  # an older control plane holds the machine until uploads-done
+                self.client.uploads_done(job.id, [], retry_for=STOPPING_RETRY_SECONDS)
         except AgentAPIError as report_exc:
             log.error("job %s: could not report its outcome: %s", job.id, report_exc)
 
@@ -586,8 +586,9 @@ class JobRunning:
             log.warning("job %s: some output could not be delivered", job.id)
         log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
         outputs = list_outputs(os.path.join(work_dir, "output")) if work_dir is not None else []
+        awaited = True  # the control plane waits for uploads-done (unless its answer says not)
         try:
-            self.client.job_finished(
+            awaited = self.client.job_finished(
                 job.id,
                 exit_code=result.exit_code,
                 outcome=result.outcome,
@@ -609,7 +610,7 @@ class JobRunning:
             notice = self._current.interrupted if self._current is not None else notice
             self._current = None  # reported: heartbeats no longer name it, nothing left to cancel
         try:
-            upload_outputs(self.client, job, outputs, stopping=self.stopping)
+            upload_outputs(self.client, job, outputs, stopping=self.stopping, awaited=awaited)
         finally:
             if work_dir is not None:
                 shutil.rmtree(work_dir, ignore_errors=True)

@@ -78,9 +78,18 @@ def restore_checkpoint(
 
 
 def upload_outputs(
-    client: AgentClient, job: Job, outputs: list[OutputFile], *, stopping: threading.Event
+    client: AgentClient,
+    job: Job,
+    outputs: list[OutputFile],
+    *,
+    stopping: threading.Event,
+    awaited: bool = True,
 ) -> None:
-    """Upload the job's output files one by one, then always post ``uploads-done``."""
+    """Upload the job's output files one by one, then post ``uploads-done``. Without files,
+    nothing is posted when the control plane does not await it (``awaited`` False: ``finished``
+    said ``uploads_pending: 0`` and it released the machine then; a request less per job)."""
+    if not outputs and not awaited:
+        return
     failed: list[dict[str, str]] = []
     stopping_deadline: float | None = None
     try:

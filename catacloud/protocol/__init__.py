@@ -331,6 +331,18 @@ class Finished(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class FinishedAnswer(Message):
+    """The answer to ``finished``: the job's status as recorded, and whether the machine stays
+    held until ``uploads-done`` (``awaits_uploads``: files were announced). When it is false the
+    machine was released with the report and the agent posts no ``uploads-done``; a control
+    plane that does not say (before this field) always waited for one."""
+
+    status: str = ""
+    awaits_uploads: bool = True
+    ok: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ImagePulled(Message):
     """How the machine came to hold an image: pulled now (``bytes`` fetched in ``seconds``) or
     found in its store (``pulled`` false); ``code`` and ``detail`` when it could not."""

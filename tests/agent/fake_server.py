@@ -184,6 +184,7 @@ class FakeAgentAPI(_FakeBase):
         # connection closed, no answer) or None for the normal answer
         self.answers: dict[str, list[Any]] = {}
         self.uploads_done: dict[str, tuple[dict[str, Any], float]] = {}
+        self.finished_without_awaits = False  # answer finished as servers before awaits_uploads
         self.artifacts: dict[str, dict[str, bytes]] = {}  # job id -> name -> content (once each)
         self.artifact_puts: dict[str, list[str]] = {}  # job id -> names, one per accepted PUT
         self.checkpoints: dict[str, list[tuple[bytes, float]]] = {}  # job id -> stored, in order
@@ -258,6 +259,20 @@ class FakeAgentAPI(_FakeBase):
         return self.wait_for(
             lambda: self.uploads_done.get(job_id, (None,))[0], timeout, f"job {job_id}'s uploads-done"
         )
+
+    def wait_done(self, job_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        """The agent is through with the job: its ``finished`` report, then its ``uploads-done``
+        when it announced files, else its next ``GET work`` (it posts no ``uploads-done`` then).
+        Returns the ``finished`` report."""
+        finished = self.wait_finished(job_id, timeout)
+        if finished.get("uploads_pending"):
+            self.wait_uploads_done(job_id, timeout)
+        else:
+            at = self.finished[job_id][1]
+            self.wait_for(
+                lambda: [r for r in self.calls("GET", "work") if r.at > at], timeout, "polling after the job"
+            )
+        return finished
 
     def wait_output(self, job_id: str, text: str, timeout: float = 10.0) -> str:
         return self.wait_for(
@@ -388,7 +403,12 @@ class FakeAgentAPI(_FakeBase):
                 return 200, {"cancel": job_id in self.cancel_via_logs}
             if action == "finished" and method == "POST":
                 self.finished[job_id] = (body, time.monotonic())
-                return 200, {}
+                # As apps/control/agent/endpoints.FinishedView answers: the machine is held for
+                # uploads-done only when files were announced (an older server said neither).
+                answer = {"ok": True, "status": body.get("outcome", "")}
+                if not self.finished_without_awaits:
+                    answer["awaits_uploads"] = bool(body.get("uploads_pending"))
+                return 200, answer
             if action == "uploads-done" and method == "POST":
                 self.uploads_done[job_id] = (body, time.monotonic())
                 return 200, {}

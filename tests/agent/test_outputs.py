@@ -121,6 +121,22 @@ def test_outputs_arrive_byte_for_byte_after_finished_then_uploads_done_releases_
     assert_no_secrets(api, agent)
 
 
+def test_a_job_without_outputs_posts_no_uploads_done_unless_the_server_awaits_it(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+) -> None:
+    start_agent()
+    job = api.assign("echo nothing to keep", job_id="bare")
+    finished = api.wait_done(job)  # its exit report, then the agent polls for the next job
+    assert (finished["outcome"], finished["uploads_pending"]) == ("succeeded", 0)
+    assert not api.calls("POST", f"jobs/{job}/uploads-done"), "finished released the machine"
+
+    # A control plane from before the answer's awaits_uploads holds the machine until it.
+    api.finished_without_awaits = True
+    older = api.assign("echo nothing to keep", job_id="older")
+    assert api.wait_uploads_done(older) == {"failed": []}
+    assert api.finished[older][0]["uploads_pending"] == 0
+
+
 def test_a_503_or_a_checksum_mismatch_is_retried_and_the_file_arrives_once(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
@@ -189,7 +205,9 @@ def test_the_checkpoint_is_restored_safely_before_the_command_runs(
     api.fail_next["jobs/resumed/checkpoint"] = 1  # the first GET fails: retried
     resumed = api.assign(
         'cd "$CATACLOUD_CHECKPOINT_DIR" && find . | sort | sed "s/^/seen=/";'
-        ' echo "step=$(cat state/step.txt)"; echo "attempt=$CATACLOUD_ATTEMPT"',
+        ' echo "step=$(cat state/step.txt)"; echo "attempt=$CATACLOUD_ATTEMPT";'
+        ' echo "weights=$(sha256sum < weights.bin | cut -c1-64)";'
+        " echo evil=$(ls -A .. | grep -c evil)",  # the job's folder goes once it is reported
         job_id="resumed",
         attempt=2,
         checkpoint={"available": True, "interval_seconds": None},
@@ -207,8 +225,9 @@ def test_the_checkpoint_is_restored_safely_before_the_command_runs(
     assert values(output, "attempt") == ["2"]
     seen = [name for name in values(output, "seen") if not name.startswith("./tmp")]
     assert sorted(seen) == [".", "./state", "./state/step.txt", "./weights.bin"]
-    assert (work_dir / "resumed-2" / "checkpoint" / "weights.bin").read_bytes() == weights
-    assert not list(work_dir.rglob("evil.txt")), "../evil.txt was not extracted"
+    assert values(output, "weights") == [hashlib.sha256(weights).hexdigest()]
+    assert values(output, "evil") == ["0"], "../evil.txt was not extracted"
+    assert not list(work_dir.rglob("evil.txt"))
     assert not list(Path("/tmp").glob("catacloud-abs-evil-*")), "the absolute path stayed inside"
     gets = api.calls("GET", "jobs/resumed/checkpoint")
     assert len(gets) == 2
@@ -223,13 +242,14 @@ def test_the_checkpoint_is_restored_safely_before_the_command_runs(
 
 
 def test_catacloud_checkpoint_inside_a_job_uploads_the_directory(
-    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
     start_agent()
     api.answers["jobs/ckpt/checkpoint"] = [None, (409, {"code": "job_not_running"})]
     job = api.assign(
         'C="$CATACLOUD_CHECKPOINT_DIR"; mkdir -p "$C/sub"; echo 7 > "$C/sub/step.txt";'
-        ' head -c 200000 /dev/urandom > "$C/state.bin"; cp "$C/state.bin" state.copy;'
+        ' head -c 200000 /dev/urandom > "$C/state.bin";'
+        ' echo "sha=$(sha256sum < "$C/state.bin" | cut -c1-64)";'
         ' "$PY" -m catacloud.agent checkpoint; echo "ok=$?";'
         ' CATACLOUD_JOB_TOKEN=wrong "$PY" -m catacloud.agent checkpoint; echo "wrong=$?";'
         ' "$PY" -m catacloud.agent checkpoint; echo "refused=$?"',
@@ -250,10 +270,10 @@ def test_catacloud_checkpoint_inside_a_job_uploads_the_directory(
     assert puts[0].headers["Content-Type"] == "application/gzip"
     assert puts[0].headers["X-Checksum-Sha256"] == hashlib.sha256(puts[0].body).hexdigest()
     assert [data for data, _ in api.checkpoints[job]] == [puts[0].body]
-    assert tar_files(puts[0].body) == {
-        "sub/step.txt": b"7\n",
-        "state.bin": (work_dir / "ckpt-1" / "state.copy").read_bytes(),
-    }
+    saved = tar_files(puts[0].body)  # the job's folder is gone once it is reported: its hash
+    assert sorted(saved) == ["state.bin", "sub/step.txt"] and saved["sub/step.txt"] == b"7\n"
+    assert len(saved["state.bin"]) == 200000
+    assert values(output, "sha") == [hashlib.sha256(saved["state.bin"]).hexdigest()]
 
 
 def test_checkpoints_are_saved_periodically_only_when_the_directory_changed(

@@ -16,7 +16,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from apps.jobs.artifacts import artifacts_expire, get_store
-from apps.jobs.models import Artifact, Job
+from apps.jobs.models import Artifact, Job, JobConfiguration
 from apps.machines.models import MachineInstance
 from catacloud.storage import LocalStore, S3Store, Store
 from testkit.builders import enrolled_agent, job_config, job_row
@@ -137,6 +137,7 @@ def test_outputs_after_the_exit_report_then_the_machine_is_released(
         f"{base}/finished", {"outcome": "failed", "exit_code": 2, "uploads_pending": 1}, format="json"
     )
     assert finished.status_code == 200
+    assert finished.json() == {"ok": True, "status": "failed", "awaits_uploads": True}
     job.refresh_from_db()
     assert job.status == "failed"  # final at once: uploads never block the exit report
     instance.refresh_from_db()
@@ -151,6 +152,30 @@ def test_outputs_after_the_exit_report_then_the_machine_is_released(
     states = dict(Artifact.objects.filter(job=job).values_list("name", "status"))
     assert states == {"core.txt": "stored", "huge.bin": "failed"}
     assert put(agent, f"{base}/artifacts/late.txt", b"x").status_code == 409  # no more after that
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("reuse", "after"), [("reuse", "ready"), ("ephemeral", "terminating")])
+def test_a_job_with_no_outputs_releases_its_machine_with_the_exit_report(
+    world: World, tmp_path: Path, reuse: str, after: str
+) -> None:
+    # The exit report of a job without files releases the machine (kept for the next job, or
+    # terminated), whatever the configuration's policy, and says the agent need not post
+    # uploads-done.
+    job, agent, instance = running_job(world, tmp_path)
+    JobConfiguration.objects.filter(pk=job.config_id).update(reuse=reuse)
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    finished = agent.post(
+        f"{base}/finished", {"outcome": "succeeded", "exit_code": 0, "uploads_pending": 0}, format="json"
+    )
+    assert finished.status_code == 200
+    assert finished.json() == {"ok": True, "status": "succeeded", "awaits_uploads": False}
+    instance.refresh_from_db()
+    assert instance.status == after
+    # An older agent's uploads-done after it changes nothing.
+    assert agent.post(f"{base}/uploads-done", {"failed": []}, format="json").status_code == 200
+    instance.refresh_from_db()
+    assert instance.status == after
 
 
 @pytest.mark.django_db

@@ -98,7 +98,7 @@ class Machine:
         job = self.api.assign(command, timeout_seconds=120, **payload)
         finished = self.api.wait_finished(job, timeout=120)
         took = time.monotonic() - started
-        self.api.wait_uploads_done(job, timeout=60)
+        self.api.wait_done(job, timeout=60)
         return finished, self.api.output(job), took
 
     def stop(self) -> None:

@@ -80,8 +80,7 @@ def machines(
 
 def run(api: FakeAgentAPI, command: str, **payload: Any) -> tuple[dict[str, Any], str]:
     job = api.assign(command, timeout_seconds=120, **payload)
-    finished = api.wait_finished(job, timeout=120)
-    api.wait_uploads_done(job, timeout=60)
+    finished = api.wait_done(job, timeout=120)
     return finished, api.output(job, "stdout") + api.output(job, "stderr")
 
 

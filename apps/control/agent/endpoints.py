@@ -37,7 +37,15 @@ from apps.jobs.reports import (
 from apps.jobs.selectors import image_pull
 from apps.machines.agents import agent_enroll, agent_settings, instance_images_report
 from apps.pools.services import pool_member_enrolled
-from catacloud.protocol import OLDEST_AGENT, Enroll, EnrollAnswer, ImagesReport, Outcome, Stream
+from catacloud.protocol import (
+    OLDEST_AGENT,
+    Enroll,
+    EnrollAnswer,
+    FinishedAnswer,
+    ImagesReport,
+    Outcome,
+    Stream,
+)
 from catacloud.protocol import VERSION as PROTOCOL_VERSION
 
 # ---- enroll ------------------------------------------------------------------------------------
@@ -170,7 +178,9 @@ class FinishedView(AgentView):
                 if body.validated_data.get(k) not in (None, "")
             },
         )
-        return Response({"ok": True, "status": job.status})
+        # Held for uploads-done only when files were announced (job_finished released it else).
+        awaits = bool(body.validated_data.get("uploads_pending"))
+        return Response(FinishedAnswer(status=job.status, awaits_uploads=awaits).to_json())
 
 
 class MetaView(AgentView):
