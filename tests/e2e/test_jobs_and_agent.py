@@ -38,11 +38,12 @@ def logs(stack: Stack, job_id: str) -> str:
 
 
 def test_output_streams_while_running_and_the_exit_code_is_recorded(stack: Stack) -> None:
-    cfg = job_config(
-        stack, "stream", "echo started-$CATACLOUD_ATTEMPT; sleep 4; echo done >&2; exit 3", reuse="ephemeral"
-    )
+    # Its first line holds a NUL (binary output), which the server once refused (the agent
+    # retried that output until the report's deadline); its last one comes with its exit report.
+    command = "printf 'started-%s\\0bin\\n' $CATACLOUD_ATTEMPT; sleep 4; echo done >&2; exit 3"
+    cfg = job_config(stack, "stream", command, reuse="ephemeral")
     job_id = submit(stack, cfg)
-    stack.wait(lambda: "started-1" in logs(stack, job_id), 60, "the first line of output")
+    stack.wait(lambda: "started-1\ufffdbin\n" in logs(stack, job_id), 60, "the first line of output")
     assert job(stack, job_id)["status"] == "running"  # output arrived while it still runs
     body = stack.wait(lambda: (j := job(stack, job_id))["status"] == "failed" and j, 30, "the job to end")
     assert body["exit_code"] == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 from uuid import UUID
 
+from django.core.validators import ProhibitNullCharactersValidator
 from django.http import StreamingHttpResponse
 from rest_framework import serializers
 from rest_framework.request import Request
@@ -128,10 +129,20 @@ class JobImageView(AgentView):
 # ---- a job's reports ---------------------------------------------------------------------------
 
 
+class OutputText(serializers.CharField):
+    """A job's output as it came: NUL characters too (binary output has them; DRF's CharField
+    refuses them, which refused the whole chunk and left the agent retrying it until its report's
+    deadline). They are stored as U+FFFD (PostgreSQL's text cannot hold NUL)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validators = [v for v in self.validators if not isinstance(v, ProhibitNullCharactersValidator)]
+
+
 class ChunkIn(serializers.Serializer):
     seq = serializers.IntegerField(min_value=0)
     stream = serializers.ChoiceField(choices=[s.value for s in Stream])
-    data = serializers.CharField(  # type: ignore[assignment]  # the chunk's text, not Serializer.data
+    data = OutputText(  # type: ignore[assignment]  # the chunk's text, not Serializer.data
         allow_blank=True, trim_whitespace=False, max_length=1_000_000
     )
 
