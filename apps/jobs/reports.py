@@ -116,6 +116,12 @@ def job_logs_append(*, instance: MachineInstance, job_id: JobId, chunks: Iterabl
     ).first()
     if job is None:
         raise Conflict("this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED)
+    _store_output(job, chunks)
+    return job.cancel_requested
+
+
+def _store_output(job: Job, chunks: Iterable[Mapping[str, Any]]) -> None:
+    """Output chunks of the job's current attempt; seqs already stored are left as they are."""
     JobLogChunk.objects.bulk_create(
         [
             JobLogChunk(
@@ -129,7 +135,6 @@ def job_logs_append(*, instance: MachineInstance, job_id: JobId, chunks: Iterabl
         ],
         ignore_conflicts=True,  # a retried POST repeats seqs we already have
     )
-    return job.cancel_requested
 
 
 def job_resource_metadata(*, instance: MachineInstance, job_id: JobId, name: str) -> dict[str, Any]:
@@ -166,11 +171,13 @@ def job_finished(
     uploads_pending: int | None = None,
     code: str = "",
     launch: dict[str, Any] | None = None,
+    output: Iterable[Mapping[str, Any]] = (),
 ) -> Job:
     """The agent reports the end of a job; the machine is kept for reuse or destroyed.
     ``code`` (its image could not be had: image_not_found, …) becomes the job's ``failure_code``.
     ``launch`` (``launch_ms``, ``network``: when the command was launched after the start, how
-    its network came) goes to the event, for the job's timing.
+    its network came) goes to the event, for the job's timing. ``output``: the job's last output
+    chunks, stored first as ``logs`` stores them (a short job's output and end in one request).
 
     With ``uploads_pending`` files to upload the machine stays held for the job until the
     agent's ``uploads-done``: the job's status is final at once, its outputs follow. With none
@@ -193,6 +200,8 @@ def job_finished(
             raise Conflict(
                 "this job is not (or no longer) running on this machine", code=ErrorCode.NOT_ASSIGNED
             )
+        if output:
+            _store_output(job, output)
         status = JobStatus.CANCELLED if job.cancel_requested else OUTCOMES[outcome]
         if status == JobStatus.SUCCEEDED and exit_code not in (0, None):
             status = JobStatus.FAILED

@@ -97,6 +97,7 @@ def job_payload(job: Job) -> dict[str, Any]:
             for host, user, password in (registry_logins_for(org_id=job.org_id) if mt.containers else ())
         ),
         traceparent=job.traceparent,
+        final_output=True,  # apps.jobs.reports.job_finished stores it
     ).to_json()
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 from urllib.parse import quote
 
@@ -43,9 +43,11 @@ from catacloud.protocol import (
     HostReport,
     ImagesReport,
     JobPayload,
+    LogChunk,
     MachineReport,
     Outcome,
     Started,
+    Stream,
 )
 
 log = logging.getLogger("catacloud.agent")
@@ -537,8 +539,11 @@ class AgentClient:
         traceparent: str = "",
         launch_ms: float | None = None,
         network: str = "",
+        output: Sequence[Mapping[str, Any]] = (),
     ) -> bool:
         """Report a job's outcome, retrying until acknowledged or ``retry_for`` runs out.
+        ``output``: the job's last output chunks (:meth:`LogStreamer.hand_over`), when its
+        payload said the control plane takes them here.
 
         ``uploads_pending`` output files follow; the machine stays the job's until
         :meth:`uploads_done`. ``launch_ms``: from the start's confirmation to the command's
@@ -557,6 +562,9 @@ class AgentClient:
                 code=code,
                 launch_ms=launch_ms,
                 network=network,
+                output=tuple(
+                    LogChunk(seq=c["seq"], stream=Stream(c["stream"]), data=c["data"]) for c in output
+                ),
             ).to_json(),
             retry_for=retry_for,
             traceparent=traceparent,

@@ -582,7 +582,10 @@ class JobRunning:
         # The job's output first, retried from the streamer's spool for as long as the report
         # itself would be (then the report goes anyway: the outcome matters more).
         retry_for = STOPPING_RETRY_SECONDS if self.stopping.is_set() else FINISHED_RETRY_SECONDS
-        if not streamer.close(timeout=retry_for):
+        # What is left of it goes with the report when the control plane takes it there (a short
+        # job's output and end in one request), else on its own first.
+        left = streamer.hand_over() if job.final_output else None
+        if left is None and not streamer.close(timeout=retry_for):
             log.warning("job %s: some output could not be delivered", job.id)
         log.info("job %s finished: %s (%s)", job.id, result.outcome, result.reason)
         outputs = list_outputs(os.path.join(work_dir, "output")) if work_dir is not None else []
@@ -599,6 +602,7 @@ class JobRunning:
                 traceparent=job.traceparent,
                 launch_ms=(launch or {}).get("ms"),
                 network=(launch or {}).get("network", ""),
+                output=left or (),
             )
         except Unauthorized:
             raise

@@ -296,6 +296,25 @@ class LogStreamer:
         if cancel and self._on_cancel is not None:
             self._on_cancel()
 
+    def hand_over(self) -> list[dict[str, Any]] | None:
+        """Stop shipping and return what is left, numbered, for the job's exit report to carry
+        (``Finished.output``): everything before it was acknowledged and none of it is in flight.
+        ``None`` (nothing stopped) when a post is in flight or being retried, or when more is
+        left than one post carries: :meth:`close` ships it then, as it would have."""
+        with self._cond:
+            if self._discard or any(chunk.get("_sent") for chunk in self._unacked):
+                return None
+            left = self._pending_chars + sum(len(chunk["data"]) for chunk in self._unacked)
+            if left > self.max_post_chars:
+                return None
+            self._take()
+            chunks = [{"seq": c["seq"], "stream": c["stream"], "data": c["data"]} for c in self._unacked]
+            self._unacked = []
+            self._closing = self._discard = True  # the flusher ends; output fed later is dropped
+            self._cond.notify_all()
+        self._thread.join(self.last_try)
+        return chunks
+
     def close(self, timeout: float) -> bool:
         """Ship what is left, retrying up to ``timeout`` s (the last try starts then, and gets
         ``last_try`` s to end); ``True`` if everything was acknowledged. 0: ship nothing more."""

@@ -222,6 +222,10 @@ class JobPayload(Message):
     # The job's trace (W3C traceparent; "" when the control plane does not trace): the agent
     # sends it back as the ``traceparent`` header of its reports of this job.
     traceparent: str = ""
+    # The exit report may carry the job's last output (``Finished.output``), stored before its
+    # end is recorded: a short job's output and end in one request. False (a control plane from
+    # before it): the agent posts all output to ``logs`` first.
+    final_output: bool = False
 
     @property
     def secret_values(self) -> list[str]:
@@ -328,6 +332,9 @@ class Finished(Message):
     code: str = ""  # an ImageFailure value when the job's image could not be had
     launch_ms: float | None = None  # the start's confirmation -> the command launched
     network: str = ""  # how the job's network came: "ahead" (made before it), "at start", "none"
+    # The job's output not delivered yet (when its payload said ``final_output``), in sequence
+    # after what ``logs`` took: stored first, as ``logs`` stores it.
+    output: tuple[LogChunk, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

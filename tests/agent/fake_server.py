@@ -184,7 +184,9 @@ class FakeAgentAPI(_FakeBase):
         # connection closed, no answer) or None for the normal answer
         self.answers: dict[str, list[Any]] = {}
         self.uploads_done: dict[str, tuple[dict[str, Any], float]] = {}
-        self.finished_without_awaits = False  # answer finished as servers before awaits_uploads
+        # Answer as a control plane from before final_output and awaits_uploads: the jobs it
+        # hands out say nothing of final_output, finished answers no awaits_uploads.
+        self.older = False
         self.artifacts: dict[str, dict[str, bytes]] = {}  # job id -> name -> content (once each)
         self.artifact_puts: dict[str, list[str]] = {}  # job id -> names, one per accepted PUT
         self.checkpoints: dict[str, list[tuple[bytes, float]]] = {}  # job id -> stored, in order
@@ -235,6 +237,8 @@ class FakeAgentAPI(_FakeBase):
             job["registries"] = registries
         if image is not None:
             job["image"] = {"reference": image}
+        if not self.older:
+            job["final_output"] = True  # as apps.jobs.selectors.job_payload says
         with self.cond:
             self.queue.append(job)
             self.cond.notify_all()
@@ -259,6 +263,13 @@ class FakeAgentAPI(_FakeBase):
         return self.wait_for(
             lambda: self.uploads_done.get(job_id, (None,))[0], timeout, f"job {job_id}'s uploads-done"
         )
+
+    def _store_output(self, job_id: str, chunks: list[dict[str, Any]]) -> None:
+        """Output chunks, each seq once (a retried post repeats them), as the server keeps them."""
+        now = time.monotonic()
+        stored = self.logs.setdefault(job_id, {})
+        for chunk in chunks:
+            stored.setdefault(int(chunk["seq"]), (chunk, now))
 
     def wait_done(self, job_id: str, timeout: float = 15.0) -> dict[str, Any]:
         """The agent is through with the job: its ``finished`` report, then its ``uploads-done``
@@ -396,17 +407,18 @@ class FakeAgentAPI(_FakeBase):
                 self.started_answered[job_id] = time.time()
                 return status, {} if status == 200 else {"code": "not_assigned"}
             if action == "logs" and method == "POST":
-                now = time.monotonic()
-                stored = self.logs.setdefault(job_id, {})
-                for chunk in body["chunks"]:
-                    stored.setdefault(int(chunk["seq"]), (chunk, now))
+                self._store_output(job_id, body["chunks"])
                 return 200, {"cancel": job_id in self.cancel_via_logs}
             if action == "finished" and method == "POST":
+                # As apps/control/agent/endpoints.FinishedView: the job's last output first (its
+                # payload said final_output; an older server ignored the field), then its end;
+                # the machine is held for uploads-done only when files were announced (an older
+                # server said neither).
+                if not self.older:
+                    self._store_output(job_id, body.get("output") or [])
                 self.finished[job_id] = (body, time.monotonic())
-                # As apps/control/agent/endpoints.FinishedView answers: the machine is held for
-                # uploads-done only when files were announced (an older server said neither).
                 answer = {"ok": True, "status": body.get("outcome", "")}
-                if not self.finished_without_awaits:
+                if not self.older:
                     answer["awaits_uploads"] = bool(body.get("uploads_pending"))
                 return 200, answer
             if action == "uploads-done" and method == "POST":

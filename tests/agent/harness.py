@@ -45,8 +45,9 @@ def wait_gone(pids: list[int], timeout: float = 3.0) -> list[int]:
 
 
 def outcome(finished: dict[str, Any]) -> dict[str, Any]:
-    """A finished report without its launch timing (``launch_ms``, ``network``)."""
-    return {k: v for k, v in finished.items() if k not in ("launch_ms", "network")}
+    """A finished report without its launch timing (``launch_ms``, ``network``) and the output
+    it carried (``output``: the fake keeps it with the rest, read with ``api.output``)."""
+    return {k: v for k, v in finished.items() if k not in ("launch_ms", "network", "output")}
 
 
 def values(output: str, key: str) -> list[str]:

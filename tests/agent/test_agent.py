@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -503,19 +504,25 @@ def test_cancel_from_heartbeat_or_logs_answer_stops_the_job_within_seconds(
 
 
 def test_transient_server_errors_are_retried_without_duplicating_output(
-    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
 ) -> None:
     start_agent()
     api.wait_for(lambda: api.calls("GET", "work"), what="a poll")
     api.fail_next.update({"work": 1, "jobs/flaky/logs": 1, "jobs/flaky/finished": 1})
-    api.assign("echo hello", job_id="flaky")
+    # Its first line is shipped while it runs (the post fails once), its last one with its exit
+    # report (which fails once too).
+    api.assign("echo hello; until [ -e go ]; do sleep 0.05; done; echo bye", job_id="flaky")
+    api.wait_output("flaky", "hello")
+    (work_dir / "flaky-1" / "go").touch()
 
     assert api.wait_finished("flaky")["outcome"] == "succeeded"
-    assert api.output("flaky") == "hello\n"
+    assert api.output("flaky") == "hello\nbye\n"
     posts = api.calls("POST", "jobs/flaky/logs")
-    assert len(posts) >= 2
+    assert len(posts) == 2
     assert posts[0].body == posts[1].body, "the retry repeats the same chunk and seq"
-    assert len(api.calls("POST", "jobs/flaky/finished")) == 2
+    reports = api.calls("POST", "jobs/flaky/finished")
+    assert len(reports) == 2 and reports[0].body == reports[1].body
+    assert [(c["seq"], c["data"]) for c in reports[1].body["output"]] == [(1, "bye\n")]
 
 
 # -- job-meta -----------------------------------------------------------------------------------
@@ -739,6 +746,41 @@ def test_log_streamer_keeps_order_decodes_split_utf8_and_retries_with_the_same_s
         ("stderr", "bad \ufffd byte\n"),
         ("stdout", "z\n"),
     ]
+
+
+def test_log_streamer_hands_over_what_is_left_only_when_nothing_is_in_flight() -> None:
+    """The exit report carries what is left (hand_over) unless a post is in flight or being
+    retried: then close() ships it, in order, as before."""
+    posts: list[list[dict[str, Any]]] = []
+    release = threading.Event()
+
+    def send(chunks: list[dict[str, Any]]) -> bool:
+        posts.append([dict(c) for c in chunks])
+        release.wait(10)  # the first post hangs until the test lets it go
+        return False
+
+    quiet = LogStreamer(send, flush_interval=60)
+    quiet.start()
+    quiet.feed("stdout", b"a\n")
+    quiet.feed("stderr", b"b\n")
+    assert quiet.hand_over() == [
+        {"seq": 0, "stream": "stdout", "data": "a\n"},
+        {"seq": 1, "stream": "stderr", "data": "b\n"},
+    ]
+    quiet.feed("stdout", b"after\n")  # nothing of it is posted: the report carried the rest
+    assert posts == [] and quiet.close(timeout=0.2) and posts == []
+
+    busy = LogStreamer(send, flush_interval=0.01)
+    busy.start()
+    busy.feed("stdout", b"one\n")
+    deadline = time.monotonic() + 10
+    while not posts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    busy.feed("stdout", b"two\n")
+    assert busy.hand_over() is None, "a post in flight: not handed over"
+    release.set()
+    assert busy.close(timeout=5.0)
+    assert [c["data"] for post in posts for c in post] == ["one\n", "two\n"]
 
 
 def test_a_restarted_agent_resumes_its_saved_enrollment(

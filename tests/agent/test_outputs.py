@@ -121,6 +121,32 @@ def test_outputs_arrive_byte_for_byte_after_finished_then_uploads_done_releases_
     assert_no_secrets(api, agent)
 
 
+def test_a_short_jobs_output_comes_with_its_exit_report_unless_the_server_is_older(
+    api: FakeAgentAPI, start_agent: Callable[..., AgentProcess], work_dir: Path
+) -> None:
+    start_agent()
+    job = api.assign("echo one; echo two >&2; printf three", job_id="short")
+    finished = api.wait_finished(job)
+    assert sorted(c["seq"] for c in finished["output"]) == list(range(len(finished["output"])))
+    assert (api.output(job, "stdout"), api.output(job, "stderr")) == ("one\nthree", "two\n")
+    assert not api.calls("POST", f"jobs/{job}/logs"), "one request: the output and the end"
+    # A job that runs a while ships its output as it comes; what is left goes with the report.
+    longer = api.assign("echo early; until [ -e go ]; do sleep 0.05; done; echo late", job_id="longer")
+    api.wait_output(longer, "early")  # shipped while it runs
+    (work_dir / "longer-1" / "go").touch()
+    finished = api.wait_finished(longer)
+    assert api.output(longer) == "early\nlate\n"
+    assert [c["data"] for c in finished["output"]] == ["late\n"]
+    assert len(api.calls("POST", f"jobs/{longer}/logs")) == 1
+
+    # A control plane that does not take output with the report gets it all in logs posts first.
+    api.older = True
+    older = api.assign("echo one; echo two >&2", job_id="older")
+    assert api.wait_finished(older)["output"] == []
+    assert (api.output(older, "stdout"), api.output(older, "stderr")) == ("one\n", "two\n")
+    assert api.calls("POST", f"jobs/{older}/logs")
+
+
 def test_a_job_without_outputs_posts_no_uploads_done_unless_the_server_awaits_it(
     api: FakeAgentAPI, start_agent: Callable[..., AgentProcess]
 ) -> None:
@@ -131,7 +157,7 @@ def test_a_job_without_outputs_posts_no_uploads_done_unless_the_server_awaits_it
     assert not api.calls("POST", f"jobs/{job}/uploads-done"), "finished released the machine"
 
     # A control plane from before the answer's awaits_uploads holds the machine until it.
-    api.finished_without_awaits = True
+    api.older = True
     older = api.assign("echo nothing to keep", job_id="older")
     assert api.wait_uploads_done(older) == {"failed": []}
     assert api.finished[older][0]["uploads_pending"] == 0

@@ -16,7 +16,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from apps.jobs.artifacts import artifacts_expire, get_store
-from apps.jobs.models import Artifact, Job, JobConfiguration
+from apps.jobs.models import Artifact, Job, JobConfiguration, JobLogChunk
 from apps.machines.models import MachineInstance
 from catacloud.storage import LocalStore, S3Store, Store
 from testkit.builders import enrolled_agent, job_config, job_row
@@ -176,6 +176,33 @@ def test_a_job_with_no_outputs_releases_its_machine_with_the_exit_report(
     assert agent.post(f"{base}/uploads-done", {"failed": []}, format="json").status_code == 200
     instance.refresh_from_db()
     assert instance.status == after
+
+
+@pytest.mark.django_db
+def test_the_exit_report_carries_the_jobs_last_output_stored_before_its_end(
+    world: World, tmp_path: Path
+) -> None:
+    job, agent, instance = running_job(world, tmp_path)
+    base = f"/api/agent/v1/jobs/{job.pk}"
+    first = {"chunks": [{"seq": 0, "stream": "stdout", "data": "one\x00\n"}]}  # binary output: NUL
+    assert agent.post(f"{base}/logs", first, format="json").status_code == 200
+    # Bad output refuses the whole report: nothing of it stored, the job still running.
+    bad = {"outcome": "succeeded", "exit_code": 0, "output": [{"seq": -1, "stream": "stdout", "data": "x"}]}
+    refused = agent.post(f"{base}/finished", bad, format="json")
+    assert refused.status_code == 400 and refused.json()["code"] == "invalid"
+    job.refresh_from_db()
+    assert job.status == "running" and JobLogChunk.objects.filter(job=job).count() == 1
+    last = [
+        {"seq": 1, "stream": "stderr", "data": "two\n"},
+        {"seq": 2, "stream": "stdout", "data": "3\x00\n"},
+    ]
+    for _ in range(2):  # a retried report stores nothing twice
+        report = {"outcome": "succeeded", "exit_code": 0, "output": last}
+        assert agent.post(f"{base}/finished", report, format="json").status_code == 200
+    job.refresh_from_db()
+    assert job.status == "succeeded"
+    text = world.client("viewer").get(f"/api/v1/jobs/{job.pk}/logs/").json()["text"]
+    assert text == "one\ufffd\ntwo\n3\ufffd\n"  # NUL kept as U+FFFD (PostgreSQL text holds none)
 
 
 @pytest.mark.django_db

@@ -169,6 +169,7 @@ class FinishedIn(serializers.Serializer):
     network = serializers.ChoiceField(
         choices=["ahead", "at start", "none"], required=False, allow_blank=True, default=""
     )
+    output = ChunkIn(many=True, required=False)  # the job's last output (its payload's final_output)
 
 
 class FinishedView(AgentView):
@@ -183,6 +184,7 @@ class FinishedView(AgentView):
             reason=body.validated_data["reason"],
             uploads_pending=body.validated_data.get("uploads_pending"),
             code=body.validated_data["code"],
+            output=body.validated_data.get("output", ()),
             launch={
                 k: body.validated_data[k]
                 for k in ("launch_ms", "network")
