@@ -520,7 +520,22 @@ internet it saves the download. Measured 2026-12-04 with nothing else running (1
 """
 
 TAIL = """\
-**Not met: p99.9 346-350 ms (target 250), max under 1 s (met), 2026-12-04 23:35-23:50.** Each
+**Not met: p99.9 376-418 ms (target 250), max under 1 s (met), 2026-12-05 02:35-03:43.** A job
+now costs the agent server two requests fewer: its last output goes with its exit report
+(`finished` carries it), and a job without output files posts no `uploads-done` (the exit report
+releases its machine). Measured in pairs alternating the code before and after each change,
+nothing else running, each run its own stack: without `uploads-done`, CPU per job 131.5 / 128.5 ms
+after, 145.7 / 138.3 before, p99.9 352.7 / 367.7 after, 396.5 / 416.0 before; then the output
+with the report, CPU per job 126.1 / 127.2 after, 135.9 / 143.3 before, p99.9 375.8 / 382.4
+after, 401.2 / 420.6 before. The agent server's share fell from 34 to 23 ms per job over both.
+The host slowed between the pairs (the same code read 128-131 ms at 02:37-02:41 and 136-143 at
+03:35-03:39), so only runs side by side compare: the table is a run at 03:41, on the final code,
+135.2 ms per job, p99.9 418.4 ms. Tried and dropped: making the next job's network at the lowest
+priority (nice 19) so that a burst's starts come first; pasta inherits it, and giving pasta its
+priority back needs CAP_SYS_NICE, which a local machine's sandbox does not have (the agent test
+that checks pasta's priority caught it), so each job's network ran at nice 19 for the job's life.
+
+**2026-12-04 23:35-23:50: p99.9 346-350 ms.** Each
 job network is now a child forked from a helper the agent keeps running, not a Python started for
 it (docs/operator/providers.md): four runs alternating the code before and after (nothing else
 running, each its own stack): p99.9 346.1 and 349.7 ms after, 406.5 and 397.6 before; p50 68.6 /
