@@ -179,10 +179,9 @@ def job_finished(
     its network came) goes to the event, for the job's timing. ``output``: the job's last output
     chunks, stored first as ``logs`` stores them (a short job's output and end in one request).
 
-    With ``uploads_pending`` files to upload the machine stays held for the job until the
-    agent's ``uploads-done``: the job's status is final at once, its outputs follow. With none
-    (0, or not said: an agent that uploads nothing) the machine is released at once, and the
-    agent sends no ``uploads-done`` (one from an older agent finds nothing to release).
+    With ``uploads_pending`` files the machine stays the job's until ``uploads-done`` (the
+    job's status is final at once); with none it is released at once, and the agent sends no
+    ``uploads-done`` (one from an older agent finds nothing to release).
     A repeated report changes nothing and answers the status already recorded. A job that
     did not succeed on a machine being taken away (terminated, drained) was stopped, not
     failed: it goes back to the queue with the machine's cause.
