@@ -8,6 +8,7 @@ on its host, as on a user's server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -17,11 +18,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from apps.jobs.models import Job
 from apps.machines.hosts import enrolment_token_create
 from apps.machines.models import Host, MachineInstance, MachineType, ProviderAccount
+from catacloud.providers.local import end_processes, machine_processes
 from testkit.builders import granted_type, provider_account
 from testkit.processes import ROOT, Proc, stop_local_machines
 from tests.e2e.conftest import Stack
@@ -76,8 +79,17 @@ class Hosts:
         return Host.objects.get(pk=json.loads(path.read_text())["host_id"])
 
     def crash(self, name: str) -> None:
-        """The host goes down with everything on it (its power cut)."""
+        """The host goes down with everything on it (its power cut): no process of it answers a
+        signal or sends a report. Its slots are frozen first, then everything is killed (a
+        SIGTERM lets a slot's agent report its job failed before the SIGKILL, which a power cut
+        never does; once a job's output went with its report, that report was quick enough to
+        land now and then)."""
+        slots = [p for procs in machine_processes(self.folders[name] / "slots").values() for p in procs]
+        for proc in slots:
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
         self.procs[name].kill()
+        end_processes(slots)
         stop_local_machines(self.folders[name] / "slots", stop_timeout=0)
 
     def stop(self) -> None:
@@ -202,7 +214,9 @@ def test_a_host_killed_mid_job_has_its_jobs_requeued_elsewhere_and_comes_back_wi
     assert len(crashed) == CAPACITY, on
     hosts.crash("a")
     done = wait_ended(stack, ids, 120)
-    assert [j["status"] for j in done] == ["succeeded"] * 4, done
+    assert [j["status"] for j in done] == ["succeeded"] * 4, [
+        (j["status"], j.get("failure_reason")) for j in done
+    ]
     for row in Job.objects.filter(pk__in=crashed):
         assert row.attempt == 2 and row.requeue_reason == "machine_lost", (row.attempt, row.requeue_reason)
         assert row.instance.host_id == b.pk  # its second attempt ran on the host that lived
