@@ -161,6 +161,12 @@ OUTCOMES = {
 }
 
 
+def held_for_uploads(uploads_pending: int | None) -> bool:
+    """Whether a job's exit report leaves its machine held until ``uploads-done``: only when it
+    announced files (else :func:`job_finished` releases the machine and no ``uploads-done`` comes)."""
+    return bool(uploads_pending)
+
+
 def job_finished(
     *,
     instance: MachineInstance,
@@ -234,7 +240,7 @@ def job_finished(
             },
         )
         release_for_job(job_id=job.pk, reason=f"job {status}")
-        if not uploads_pending:
+        if not held_for_uploads(uploads_pending):
             # Nothing to upload (the agent sends no uploads-done then): the machine is released
             # now, a reusable one free for the next job at once (a job submitted the moment this
             # one reads finished finds it idle, not held), an ephemeral one terminated.

@@ -29,6 +29,7 @@ from apps.jobs.artifacts import (
 )
 from apps.jobs.models import Artifact, Job
 from apps.jobs.reports import (
+    held_for_uploads,
     job_finished,
     job_image_report,
     job_interrupted,
@@ -191,8 +192,7 @@ class FinishedView(AgentView):
                 if body.validated_data.get(k) not in (None, "")
             },
         )
-        # Held for uploads-done only when files were announced (job_finished released it else).
-        awaits = bool(body.validated_data.get("uploads_pending"))
+        awaits = held_for_uploads(body.validated_data.get("uploads_pending"))
         return Response(FinishedAnswer(status=job.status, awaits_uploads=awaits).to_json())
 
 
