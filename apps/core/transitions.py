@@ -73,6 +73,17 @@ def _has_field(model: type[models.Model], name: str) -> bool:
     return any(f.name == name for f in model._meta.concrete_fields)
 
 
+def _assign(row: models.Model, values: Mapping[str, Any]) -> None:
+    """Set on ``row`` in memory what an UPDATE wrote: a foreign key given as its id goes to the
+    id's attribute."""
+    for name, value in values.items():
+        field = row._meta.get_field(name)
+        if field.many_to_one and value is not None and not isinstance(value, models.Model):
+            setattr(row, field.attname, value)  # type: ignore[union-attr]  # a concrete foreign key
+        else:
+            setattr(row, name, value)
+
+
 def _allowed(graph: Graph, to: str, from_: Iterable[str] | None) -> frozenset[str]:
     allowed = sources_for(graph, to)
     return allowed if from_ is None else allowed & frozenset(from_)
@@ -236,6 +247,45 @@ class StateMachine(Generic[M, K]):
         with transaction.atomic(savepoint=False):
             transition(self.model, pk, graph=self.graph, to=to, from_=from_, **changes)
             self.record(kind=self._kind_of[to], actor=actor, **refs, **{"status": to, **(event_data or {})})
+
+    def move_held(
+        self,
+        row: M,
+        *,
+        to: str,
+        from_: Iterable[str] | None = None,
+        actor: Actor = Actor.UNNAMED,
+        reason: str = "",
+        event: K | None = None,
+        event_data: Mapping[str, Any] | None = None,
+        **changes: Any,
+    ) -> M:
+        """:meth:`move` for a ``row`` the caller loaded locked (``select_for_update``) in its
+        transaction: no savepoint of its own and no read back (three round trips less, on every
+        job's end). ``row`` gets in memory what was written (the state, its stamps, ``changes``)
+        and is returned; its event names what the row names after the change, as with
+        :meth:`move`. As with :meth:`move_locked`, a failure ends the caller's transaction, and a
+        state with an ``on_enter`` step needs :meth:`move`."""
+        if to in self.on_enter:
+            raise ValueError(f"{self.event_prefix}.{to} runs on_enter: use move()")
+        if any(hasattr(v, "resolve_expression") for v in changes.values()):  # F(), Now(): no value yet
+            raise ValueError("an expression's value is the database's: use move()")
+        now = timezone.now()
+        self._stamp(to, changes, now)
+        for stamp in ("status_changed_at", "updated_at"):  # the same instant in the row and in memory
+            if _has_field(self.model, stamp):
+                changes.setdefault(stamp, now)
+        with transaction.atomic(savepoint=False):
+            transition(self.model, row.pk, graph=self.graph, to=to, from_=from_, **changes)
+            _assign(row, {"status": to, **changes})
+            self.record(
+                kind=event or self._kind_of[to],
+                actor=actor,
+                reason=reason,
+                **row.event_refs(),  # type: ignore[attr-defined]  # every stateful model has it
+                **{"status": to, **(event_data or {})},
+            )
+        return row
 
     def try_move(self, pk: UUID, **kwargs: Any) -> M | None:
         """:meth:`move`, or None when the row was not in a state that allows it (a lost race:

@@ -223,8 +223,8 @@ def job_finished(
                 detail=reason,
                 actor=Actor.agent(instance.pk),
             )
-        job = JOB_STATES.move(
-            job.pk,
+        job = JOB_STATES.move_held(
+            job,
             to=status,
             actor=Actor.agent(instance.pk),
             reason=reason,
@@ -282,8 +282,8 @@ def instance_release(*, instance_id: InstanceId, job: Job) -> bool:
             )
             if instance.pool_id:
                 request_refill(instance.pool_id)  # a member left its pool: the pool may take it back
-            INSTANCE_STATES.move(
-                instance_id,
+            INSTANCE_STATES.move_held(
+                instance,
                 to=InstanceStatus.READY,
                 from_=[InstanceStatus.CLAIMED],
                 actor=Actor.SCHEDULER,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from django.db import transaction
+from django.db.models import Value
 
 from apps.core.errors import InvalidTransition
 from apps.events.models import Event
@@ -187,6 +188,44 @@ def test_a_move_of_a_locked_row_is_a_move_without_a_savepoint_or_a_read_back(wor
         INSTANCE_STATES.move_locked(
             job.pk, refs=refs, to=InstanceStatus.TERMINATED, from_=[InstanceStatus.READY]
         )
+
+
+def test_a_move_of_a_held_row_leaves_the_row_in_memory_as_the_database_has_it(world: World) -> None:
+    """A job's end and its machine's release: the row the caller holds locked is moved in two
+    statements (no savepoint, no read back), and what it holds in memory afterwards is what a
+    read back would give, foreign keys given as ids included; the event names the row as it is
+    after the move (a released machine has left its pool)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    pool = make_pool(world, PoolStatus.READY)
+    config = job_config(world.org, world.machine_type)
+    instance = instance_row(world.org, world.machine_type, status=InstanceStatus.CLAIMED, pool=pool)
+    with transaction.atomic():
+        held = MachineInstance.objects.select_for_update().get(pk=instance.pk)
+        with CaptureQueriesContext(connection) as queries:
+            moved = INSTANCE_STATES.move_held(
+                held,
+                to=InstanceStatus.READY,
+                from_=[InstanceStatus.CLAIMED],
+                reason="kept",
+                pool=None,
+                claimed_by="",
+                last_config=config.pk,  # an id for a foreign key, as release gives it
+            )
+    assert len(queries.captured_queries) == 2, [q["sql"][:60] for q in queries.captured_queries]
+    fresh = MachineInstance.objects.get(pk=instance.pk)
+    for name in ("status", "pool_id", "claimed_by", "last_config_id", "status_changed_at", "ready_at"):
+        assert getattr(moved, name) == getattr(fresh, name), name
+    assert (fresh.status, fresh.pool_id, fresh.last_config_id) == (InstanceStatus.READY, None, config.pk)
+    event = Event.objects.get(instance_id=instance.pk, kind="instance.ready")
+    assert (event.pool_id, event.reason, event.data) == (None, "kept", {"status": InstanceStatus.READY})
+    job = make_job(world, JobStatus.RUNNING)
+    with pytest.raises(ValueError, match="expression"), transaction.atomic():
+        JOB_STATES.move_held(job, to=JobStatus.SUCCEEDED, exit_code=Value(0))
+    with pytest.raises(ValueError, match="on_enter"), transaction.atomic():
+        INSTANCE_STATES.move_held(fresh, to=InstanceStatus.TERMINATED)
+    assert Job.objects.get(pk=job.pk).status == JobStatus.RUNNING  # refused before any write
 
 
 def test_a_bulk_move_moves_every_row_and_records_each_event(world: World) -> None:

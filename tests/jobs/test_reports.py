@@ -46,6 +46,28 @@ def test_finished_reuse_job_keeps_the_machine_and_ephemeral_destroys_it(world: W
             MachineInstance.objects.filter(pk=machine.pk).update(status=S.TERMINATED)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_warm_jobs_end_moves_the_rows_it_holds_without_reading_them_back(
+    tworld: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every warm job ends with this report: the job and its machine, both held locked, are each
+    moved by an UPDATE and an event, with no savepoint of the move's own and no read back; what
+    the report answers is what the database has."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    monkeypatch.setattr("apps.core.broker.enqueue", lambda *a, **k: True)
+    job, machine = job_on_machine(tworld, started=True, reuse="reuse")
+    with CaptureQueriesContext(connection) as seen:
+        ended = job_finished(instance=machine, job_id=job.pk, outcome="succeeded", exit_code=0)
+    statements = [q["sql"] for q in seen.captured_queries]
+    assert len(statements) <= 14, [s[:60] for s in statements]
+    assert sum(s.startswith("SAVEPOINT") for s in statements) <= 1  # instance_release's own only
+    refresh(job, machine)
+    assert (ended.status, ended.finished_at, ended.exit_code) == (J.SUCCEEDED, job.finished_at, 0)
+    assert machine.status == S.READY and machine.last_config_id == job.config_id
+
+
 @pytest.mark.django_db
 def test_lost_machine_requeues_with_attempt_plus_one_then_fails(world: World) -> None:
     mt, _ = setup_type(world)
