@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from benchmarks.harness import (
+    CPU_OWNERS,
     Figure,
     PartResult,
     Progress,
@@ -159,6 +160,7 @@ def run(
     result = _result(result, records, machines, slow)
     result.data["cpu_ms_per_job"] = cpu
     result.figures.append(_cpu_figure(cpu, machines))
+    result.figures.append(_control_plane_figure(cpu, machines))
     return result
 
 
@@ -216,6 +218,25 @@ def _cpu_figure(cpu: dict[str, float], machines: int) -> Figure:
         "",
         f"a burst of {machines}: {cpu['all'] * machines / cores:.0f} ms on {cores} cores",
         note=f"from submit to its end, measured over the part's jobs (ms): {split}",
+    )
+
+
+def _control_plane_figure(cpu: dict[str, float], machines: int) -> Figure:
+    """The control plane's share of a job's CPU (its programs: :data:`CPU_OWNERS`): what a
+    burst shares when its machines are elsewhere (cloud machines: their agents, sandboxes and
+    networks run on their own CPUs), against everything here, where local machines share it."""
+    import os
+
+    owners = [owner for owner, _, _ in CPU_OWNERS]
+    ms = round(sum(cpu.get(owner, 0.0) for owner in owners), 1)
+    cores = os.cpu_count() or 1
+    return Figure(
+        "CPU per job, the control plane only",
+        ms,
+        "ms",
+        "",
+        f"a burst of {machines}: {ms * machines / cores:.0f} ms on {cores} cores",
+        note=f"{', '.join(owners)}; the rest here (the machines, this bench): {cpu['all'] - ms:.0f} ms",
     )
 
 

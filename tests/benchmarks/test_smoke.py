@@ -274,6 +274,24 @@ def test_tail_report_keeps_percentiles_and_counts_every_slow_job(tmp_path: Path)
     assert "tail.png" in text and (tmp_path / "docs" / "bench" / "tail.png").exists()
 
 
+def test_tail_counts_the_control_planes_cpu_apart_from_the_machines() -> None:
+    """What a burst would share with its machines elsewhere: the control plane's programs only,
+    never the machines (local agents, sandboxes, pastas: "machines and the rest") or the bench."""
+    import os
+
+    from benchmarks.tail import _control_plane_figure
+
+    cpu = {"all": 130.0, "PostgreSQL": 15.0, "Redis": 1.0, "agent server": 22.0, "API (gunicorn)": 15.0}
+    cpu |= {"Celery beat": 0.5, "Celery worker": 10.0, "bench": 4.0, "machines and the rest": 62.5}
+    figure = _control_plane_figure(cpu, machines=6)
+    assert figure.value == 63.5
+    assert (
+        figure.baseline
+        == f"a burst of 6: {63.5 * 6 / (os.cpu_count() or 1):.0f} ms on {os.cpu_count()} cores"
+    )
+    assert "the rest here (the machines, this bench): 66 ms" in figure.note
+
+
 def test_hosts(tmp_path: Path) -> None:
     result = run_part("hosts", samples=1, pool_size=1, hosts=5, window=4.0, rate=4.0, progress=quiet)
     sane(result, "hosts")
