@@ -204,19 +204,24 @@ def _curves(records: list[dict[str, Any]], key: str, phases: list[str]) -> dict[
     return {"all": _curve(values(None)), **{ph: _curve(values(ph)) for ph in phases}}
 
 
+def _burst_needs(ms_per_job: float, machines: int) -> str:
+    """The CPU a burst of ``machines`` jobs needs, spread over this machine's cores."""
+    import os
+
+    cores = os.cpu_count() or 1
+    return f"a burst of {machines}: {ms_per_job * machines / cores:.0f} ms on {cores} cores"
+
+
 def _cpu_figure(cpu: dict[str, float], machines: int) -> Figure:
     """The CPU a job costs, every process of this machine counted: the budget a burst shares.
     A burst of ``machines`` jobs needs ``machines`` times it, spread over this machine's cores."""
-    import os
-
     split = ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if k != "all")
-    cores = os.cpu_count() or 1
     return Figure(
         "CPU per job, every process",
         cpu["all"],
         "ms",
         "",
-        f"a burst of {machines}: {cpu['all'] * machines / cores:.0f} ms on {cores} cores",
+        _burst_needs(cpu["all"], machines),
         note=f"from submit to its end, measured over the part's jobs (ms): {split}",
     )
 
@@ -225,17 +230,14 @@ def _control_plane_figure(cpu: dict[str, float], machines: int) -> Figure:
     """The control plane's share of a job's CPU (its programs: :data:`CPU_OWNERS`): what a
     burst shares when its machines are elsewhere (cloud machines: their agents, sandboxes and
     networks run on their own CPUs), against everything here, where local machines share it."""
-    import os
-
     owners = [owner for owner, _, _ in CPU_OWNERS]
     ms = round(sum(cpu.get(owner, 0.0) for owner in owners), 1)
-    cores = os.cpu_count() or 1
     return Figure(
         "CPU per job, the control plane only",
         ms,
         "ms",
         "",
-        f"a burst of {machines}: {ms * machines / cores:.0f} ms on {cores} cores",
+        _burst_needs(ms, machines),
         note=f"{', '.join(owners)}; the rest here (the machines, this bench): {cpu['all'] - ms:.0f} ms",
     )
 
